@@ -1,0 +1,52 @@
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Role(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    ROLE_UNSPECIFIED: _ClassVar[Role]
+    ROLE_ROUTER: _ClassVar[Role]
+    ROLE_PREFILL: _ClassVar[Role]
+    ROLE_DECODE: _ClassVar[Role]
+
+class InstanceState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    INSTANCE_STATE_UNSPECIFIED: _ClassVar[InstanceState]
+    INSTANCE_STATE_SERVING: _ClassVar[InstanceState]
+    INSTANCE_STATE_DRAINING: _ClassVar[InstanceState]
+ROLE_UNSPECIFIED: Role
+ROLE_ROUTER: Role
+ROLE_PREFILL: Role
+ROLE_DECODE: Role
+INSTANCE_STATE_UNSPECIFIED: InstanceState
+INSTANCE_STATE_SERVING: InstanceState
+INSTANCE_STATE_DRAINING: InstanceState
+
+class Instance(_message.Message):
+    __slots__ = ("instance_id", "role", "address", "model", "block_size", "hash_seed", "kv_capacity_blocks", "transfer_agent_name", "state", "start_time_unix", "version")
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    HASH_SEED_FIELD_NUMBER: _ClassVar[int]
+    KV_CAPACITY_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_AGENT_NAME_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    START_TIME_UNIX_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    instance_id: str
+    role: Role
+    address: str
+    model: str
+    block_size: int
+    hash_seed: int
+    kv_capacity_blocks: int
+    transfer_agent_name: str
+    state: InstanceState
+    start_time_unix: float
+    version: str
+    def __init__(self, instance_id: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., address: _Optional[str] = ..., model: _Optional[str] = ..., block_size: _Optional[int] = ..., hash_seed: _Optional[int] = ..., kv_capacity_blocks: _Optional[int] = ..., transfer_agent_name: _Optional[str] = ..., state: _Optional[_Union[InstanceState, str]] = ..., start_time_unix: _Optional[float] = ..., version: _Optional[str] = ...) -> None: ...
