@@ -1,0 +1,40 @@
+# Tandem: the README's two commands are `make demo` and `make test`; each sets itself up.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test setup proto bench-transfer clean
+
+demo: $(STAMP)
+	$(PY) -m cli.main demo
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+setup: $(STAMP)
+
+# Virtual environment, etcd (Debian's etcd-server when no `etcd` is on PATH), the CPU build
+# of torch on machines without CUDA (installed first so the project's torch>=2.6 is already
+# satisfied and pip does not fetch a CUDA build), then the project with its test extras.
+$(STAMP): pyproject.toml
+	@command -v etcd >/dev/null || { \
+	  echo "installing etcd (Debian package etcd-server)"; \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq etcd-server >/dev/null; }
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	@if command -v nvidia-smi >/dev/null 2>&1; then $(PY) -m pip install -q "torch>=2.6"; \
+	 else $(PY) -m pip install -q torch==2.13.0; fi
+	$(PY) -m pip install -q -e ".[dev,nixl]"
+	@touch $(STAMP)
+
+# Regenerate common/pb from proto/ (tests/test_proto_fresh.py fails when it is stale).
+proto: $(STAMP)
+	$(PY) tools/gen_proto.py
+
+bench-transfer: $(STAMP)
+	$(PY) tools/bench_transfer.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache

@@ -1,0 +1,58 @@
+"""A small streaming client for FrontendService, used by `tandem generate` and the demo."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import grpc
+
+from common.grpc_server import channel
+from common.pb.tandem.v1 import frontend_pb2, frontend_pb2_grpc, sampling_pb2
+
+
+@dataclass
+class Completion:
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str = ""
+    ttft_s: float = 0.0  # seconds from sending to the first token
+    latency_s: float = 0.0  # seconds from sending to the last response
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+
+
+async def generate(stub: frontend_pb2_grpc.FrontendServiceStub, text: str = "", token_ids: list[int] | None = None,
+                   max_tokens: int = 64, temperature: float = 0.0, seed: int | None = None,
+                   stop: list[str] | None = None, timeout_s: float = 300.0,
+                   on_text: Callable[[str], None] | None = None) -> Completion:
+    """Stream one completion; on_text gets each text delta as it arrives.
+
+    Raises:
+        grpc.aio.AioRpcError: the router answered an error status.
+    """
+    sampling = sampling_pb2.SamplingParams(max_tokens=max_tokens, temperature=temperature, stop=stop or [])
+    if seed is not None:
+        sampling.seed = seed
+    req = frontend_pb2.GenerateRequest(text=text, token_ids=token_ids or [], sampling=sampling)
+    out = Completion()
+    start = time.perf_counter()
+    async for msg in stub.Generate(req, timeout=timeout_s):
+        if msg.token_ids and not out.token_ids:
+            out.ttft_s = time.perf_counter() - start
+        out.token_ids.extend(msg.token_ids)
+        out.text += msg.text
+        if on_text and msg.text:
+            on_text(msg.text)
+        if msg.finish_reason:
+            out.finish_reason = sampling_pb2.FinishReason.Name(msg.finish_reason).removeprefix("FINISH_REASON_").lower()
+            out.prompt_tokens = msg.usage.prompt_tokens
+            out.cached_tokens = msg.usage.cached_tokens
+    out.latency_s = time.perf_counter() - start
+    return out
+
+
+def frontend_stub(address: str) -> tuple[grpc.aio.Channel, frontend_pb2_grpc.FrontendServiceStub]:
+    ch = channel(address)
+    return ch, frontend_pb2_grpc.FrontendServiceStub(ch)

@@ -1,0 +1,132 @@
+"""`tandem up`: a whole local cluster on loopback — etcd (a child process, data in a
+temporary folder, unless --etcd is given), the router, prefill and decode workers — each
+worker its own process, all stopped cleanly together."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from common.pb.tandem.v1 import discovery_pb2
+from discovery.etcd_server import EtcdServer
+from discovery.watcher import InstanceWatcher
+
+log = logging.getLogger(__name__)
+
+
+class LocalCluster:
+    """Start with `await cluster.start()`, stop with `await cluster.stop()` (or `async with`).
+
+    Args:
+        worker_args: extra flags for every worker (e.g. ["--num-blocks", "512"]).
+        router_port: 0 picks a free port; the chosen address is `router_address`.
+        log_dir: where each process's log goes (a temporary folder by default).
+    """
+
+    def __init__(self, model: str = "tandem-tiny", num_prefill: int = 1, num_decode: int = 1,
+                 etcd: str = "", router_port: int = 0, namespace: str = "local",
+                 worker_args: list[str] | None = None, log_dir: str | None = None,
+                 ready_timeout_s: float = 120.0) -> None:
+        self.model = model
+        self.num_prefill = num_prefill
+        self.num_decode = num_decode
+        self.namespace = namespace
+        self.router_port = router_port
+        self.worker_args = worker_args or []
+        self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix="tandem-up-"))
+        self.ready_timeout_s = ready_timeout_s
+        self._etcd_endpoint = etcd
+        self._etcd: EtcdServer | None = None
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.router_address = ""
+
+    @property
+    def etcd_endpoint(self) -> str:
+        return self._etcd_endpoint
+
+    def spawn(self, name: str, role: str, *args: str) -> subprocess.Popen:
+        """Start `tandem <role>` as a child process logging to log_dir/<name>.log."""
+        cmd = [sys.executable, "-m", "cli.main", role, "--etcd", self._etcd_endpoint,
+               "--namespace", self.namespace, "--model", self.model, *args]
+        out = open(self.log_dir / f"{name}.log", "ab")
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env,
+                                cwd=Path(__file__).resolve().parent.parent, start_new_session=True)
+        out.close()
+        self.procs[name] = proc
+        return proc
+
+    async def start(self) -> None:
+        if not self._etcd_endpoint:
+            self._etcd = EtcdServer()
+            self._etcd.start()
+            self._etcd_endpoint = self._etcd.endpoint
+        self.spawn("router", "router", "--port", str(self.router_port))
+        for i in range(self.num_prefill):
+            self.spawn(f"prefill-{i}", "prefill", *self.worker_args)
+        for i in range(self.num_decode):
+            self.spawn(f"decode-{i}", "decode", *self.worker_args)
+        try:
+            await self._wait_ready()
+        except BaseException:
+            await self.stop()
+            raise
+
+    async def _wait_ready(self) -> None:
+        want = {discovery_pb2.ROLE_ROUTER: 1, discovery_pb2.ROLE_PREFILL: self.num_prefill,
+                discovery_pb2.ROLE_DECODE: self.num_decode}
+
+        def ready(view: dict[str, discovery_pb2.Instance]) -> bool:
+            return all(sum(1 for i in view.values() if i.role == r) >= n for r, n in want.items())
+
+        async with InstanceWatcher(self._etcd_endpoint, self.namespace) as watcher:
+            deadline = time.monotonic() + self.ready_timeout_s
+            while True:
+                dead = [n for n, p in self.procs.items() if p.poll() is not None]
+                if dead:
+                    raise RuntimeError(f"{', '.join(dead)} exited during start-up; see logs in {self.log_dir}")
+                try:
+                    view = await watcher.wait_for(ready, timeout=1.0)
+                    break
+                except (TimeoutError, asyncio.TimeoutError):
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(f"cluster not ready in {self.ready_timeout_s} s; logs in {self.log_dir}")
+        self.router_address = next(i.address for i in view.values() if i.role == discovery_pb2.ROLE_ROUTER)
+
+    def stop_process(self, name: str, sig: int = signal.SIGTERM, timeout_s: float = 15.0) -> int:
+        """Signal one process and wait for it (kill after timeout_s); returns its exit code."""
+        proc = self.procs[name]
+        if proc.poll() is None:
+            proc.send_signal(sig)
+            try:
+                proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        return proc.returncode
+
+    async def stop(self) -> None:
+        """SIGTERM every process (workers first, then the router), then stop etcd."""
+        names = sorted(self.procs, key=lambda n: n == "router")
+        for name in names:
+            if self.procs[name].poll() is None:
+                self.procs[name].send_signal(signal.SIGTERM)
+        for name in names:
+            await asyncio.to_thread(self.stop_process, name)
+        if self._etcd is not None:
+            self._etcd.stop()
+            self._etcd = None
+
+    async def __aenter__(self) -> LocalCluster:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()

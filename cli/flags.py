@@ -1,0 +1,50 @@
+"""argparse flags built from the options dataclasses, each defaulting to its TANDEM_* variable."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from typing import Any, TypeVar
+
+from common.env import env_default, env_name
+
+T = TypeVar("T")
+
+HELP = {
+    "model": "served model: 'tandem-tiny' (seeded weights) or a Hugging Face checkpoint folder",
+    "seed": "weight seed of tandem-tiny",
+    "block_size": "tokens per KV block (router and workers must agree)",
+    "num_blocks": "KV pool capacity in blocks",
+    "chunk_size": "prefill chunk size in tokens",
+    "max_running": "decode: most requests in one batch",
+    "host": "address to listen on",
+    "port": "port to listen on (0 = any free port)",
+    "etcd": "etcd endpoints host:port[,host:port]",
+    "namespace": "discovery namespace in etcd",
+    "lease_ttl_s": "etcd lease time to live in seconds",
+    "transfer_backend": "KV transfer backend",
+    "transfer_timeout_s": "KV transfer timeout in seconds",
+    "torch_threads": "intra-op threads for the model",
+}
+
+
+def add_flags(parser: argparse.ArgumentParser, cls: type, skip: tuple[str, ...] = ()) -> None:
+    for f in dataclasses.fields(cls):
+        if f.name in skip:
+            continue
+        flag = "--" + f.name.removesuffix("_s").replace("_", "-")
+        default = f.default if f.default is not dataclasses.MISSING else None
+        kind = type(default) if default is not None else str
+        value = env_default(flag, default, kind if default is not None else str)
+        parser.add_argument(flag, dest=f.name, type=kind, default=value,
+                            help=f"{HELP.get(f.name, f.name)} (default {default!r}; env {env_name(flag)})")
+
+
+def build(cls: type[T], args: argparse.Namespace, **overrides: Any) -> T:
+    """Construct cls from parsed args; a bad value exits with the flag named."""
+    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)}
+    values.update(overrides)
+    try:
+        return cls(**values)
+    except ValueError as exc:
+        raise SystemExit(f"tandem: {exc}") from None

@@ -1,0 +1,121 @@
+"""The `tandem` command: one subcommand per process, plus `up`, `generate` and `demo`."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+
+from cli.flags import add_flags, build
+from common.env import env_default
+
+
+def _logging(level: str) -> None:
+    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s",
+                        stream=sys.stderr)
+
+
+def _router(args: argparse.Namespace) -> int:
+    from router.main import RouterOptions, run
+    asyncio.run(run(build(RouterOptions, args)))
+    return 0
+
+
+def _worker(args: argparse.Namespace) -> int:
+    from engine.worker_host import WorkerOptions
+    if args.command == "prefill":
+        from prefill_worker.main import run
+    else:
+        from decode_worker.main import run
+    asyncio.run(run(build(WorkerOptions, args)))
+    return 0
+
+
+def _up(args: argparse.Namespace) -> int:
+    from cli.cluster import LocalCluster
+
+    async def main() -> None:
+        cluster = LocalCluster(model=args.model, num_prefill=args.prefill, num_decode=args.decode, etcd=args.etcd,
+                               router_port=args.port)
+        await cluster.start()
+        print(f"tandem up: router at {cluster.router_address}, etcd at {cluster.etcd_endpoint}, "
+              f"logs in {cluster.log_dir}; Ctrl-C stops everything", flush=True)
+        stop = asyncio.Event()
+        from common.lifecycle import install_stop_signals
+        install_stop_signals(stop)
+        try:
+            await stop.wait()
+        finally:
+            print("stopping ...", flush=True)
+            await cluster.stop()
+
+    asyncio.run(main())
+    return 0
+
+
+def _generate(args: argparse.Namespace) -> int:
+    import grpc
+
+    from cli.client import frontend_stub, generate
+
+    async def main() -> int:
+        ch, stub = frontend_stub(args.router)
+        try:
+            c = await generate(stub, text=args.prompt, max_tokens=args.max_tokens, temperature=args.temperature,
+                               seed=args.seed, stop=args.stop, on_text=lambda t: print(t, end="", flush=True))
+        except grpc.aio.AioRpcError as exc:
+            print(f"tandem generate: {exc.code().name}: {exc.details()}", file=sys.stderr)
+            return 1
+        finally:
+            await ch.close()
+        print(f"\n[{len(c.token_ids)} tokens, finish={c.finish_reason}, ttft={c.ttft_s * 1000:.0f} ms]",
+              file=sys.stderr)
+        return 0
+
+    return asyncio.run(main())
+
+
+def main(argv: list[str] | None = None) -> int:
+    from engine.worker_host import WorkerOptions
+    from router.main import RouterOptions
+
+    parser = argparse.ArgumentParser(prog="tandem", description="Disaggregated LLM serving.")
+    parser.add_argument("--log-level", default=env_default("--log-level", "info"), help="env TANDEM_LOG_LEVEL")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("router", help="the client-facing gRPC router")
+    add_flags(p, RouterOptions)
+    p.set_defaults(func=_router)
+    for role in ("prefill", "decode"):
+        p = sub.add_parser(role, help=f"a {role} worker")
+        add_flags(p, WorkerOptions)
+        p.set_defaults(func=_worker)
+    p = sub.add_parser("up", help="a local cluster: etcd, router, prefill and decode workers")
+    p.add_argument("--model", default=env_default("--model", "tandem-tiny"))
+    p.add_argument("--etcd", default=env_default("--etcd", ""), help="use this etcd instead of starting one")
+    p.add_argument("--port", type=int, default=env_default("--port", 50051), help="router port")
+    p.add_argument("--prefill", type=int, default=1, help="prefill workers")
+    p.add_argument("--decode", type=int, default=1, help="decode workers")
+    p.set_defaults(func=_up)
+    p = sub.add_parser("generate", help="send one prompt to a router and stream the answer")
+    p.add_argument("prompt")
+    p.add_argument("--router", default=env_default("--router", "127.0.0.1:50051"))
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=None)
+    p.set_defaults(func=_generate)
+    p = sub.add_parser("demo", help="the README demo (MT-Bench through a local cluster)", add_help=False)
+    p.set_defaults(func=None)
+    args, rest = parser.parse_known_args(argv)
+    if args.command == "demo":
+        from cli.demo import main as demo_main
+        return demo_main(rest)
+    if rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    _logging(args.log_level)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

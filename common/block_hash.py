@@ -1,0 +1,56 @@
+"""Block hashes: the identity of a KV block, shared by router, workers and mocker.
+
+DESIGN.md section 4: a prompt's token ids are cut into blocks of `block_size` tokens; only
+full blocks are hashed; block i's hash chains the previous one:
+
+    h_i = XXH3_64(le64(h_{i-1}) || le32(tokens of block i), seed)      (h_{-1} absent)
+
+The seed comes from a salt naming the model (plus LoRA adapter and per-tenant cache salt),
+so equal hashes mean equal prefixes of the same model. Must match every place that indexes
+blocks: engine/kv_pool.py (stored events) and router/ (lookups) both import this module.
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import NewType, Sequence
+
+import numpy as np
+import xxhash
+
+BlockHash = NewType("BlockHash", int)
+
+_LE64 = struct.Struct("<Q")
+
+
+def hash_seed(model: str, lora: str = "", cache_salt: str = "") -> int:
+    """Seed for block hashes of `model` (64-bit): XXH3_64 of the salt string, seed 0."""
+    salt = f"tandem/v1\x00{model}\x00{lora}\x00{cache_salt}".encode()
+    return xxhash.xxh3_64_intdigest(salt)
+
+
+def block_hashes(token_ids: Sequence[int], block_size: int, seed: int,
+                 parent: BlockHash | None = None) -> list[BlockHash]:
+    """Chained hashes of the full blocks of `token_ids` (a trailing partial block is skipped).
+
+    Args:
+        token_ids: token ids (each must fit in 32 bits; ids are non-negative).
+        block_size: tokens per block (>= 1).
+        seed: from `hash_seed`.
+        parent: hash of the block before token_ids[0], when hashing a continuation.
+    Raises:
+        ValueError: block_size < 1.
+    """
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    n_full = len(token_ids) // block_size
+    if n_full == 0:
+        return []
+    tokens = np.asarray(token_ids[: n_full * block_size], dtype="<u4").reshape(n_full, block_size)
+    out: list[BlockHash] = []
+    prev = parent
+    for row in tokens:
+        data = row.tobytes() if prev is None else _LE64.pack(prev) + row.tobytes()
+        prev = BlockHash(xxhash.xxh3_64_intdigest(data, seed=seed))
+        out.append(prev)
+    return out

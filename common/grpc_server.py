@@ -1,0 +1,83 @@
+"""Start a grpc.aio server the way every Tandem process does (DESIGN.md section 2).
+
+Every server also serves grpc.health.v1 (overall status "" plus one entry per service) and
+server reflection, following the grpc.aio examples (graceful shutdown with a bounded grace).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+
+
+@dataclass
+class RunningServer:
+    server: grpc.aio.Server
+    port: int
+    health: health.aio.HealthServicer
+    service_names: tuple[str, ...]
+
+    async def set_serving(self, serving: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in ("", *self.service_names):
+            await self.health.set(name, status)
+
+    async def stop(self, grace_s: float = 2.0) -> None:
+        await self.health.enter_graceful_shutdown()
+        await self.server.stop(grace_s)
+
+
+async def start_server(address: str, add_services: Sequence[Callable[[grpc.aio.Server], None]],
+                       service_names: Sequence[str]) -> RunningServer:
+    """Bind `address` (host:port; port 0 picks a free one), add services, start serving.
+
+    Raises:
+        RuntimeError: the address could not be bound.
+    """
+    server = grpc.aio.server(options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                                      ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                                      ("grpc.so_reuseport", 0)])
+    for add in add_services:
+        add(server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection((*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    port = server.add_insecure_port(address)
+    if port == 0:
+        raise RuntimeError(f"could not bind gRPC server to {address}")
+    await server.start()
+    running = RunningServer(server, port, health_servicer, tuple(service_names))
+    await running.set_serving(True)
+    return running
+
+
+def channel(address: str) -> grpc.aio.Channel:
+    """A client channel with Tandem's message size limits."""
+    return grpc.aio.insecure_channel(address, options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                                                       ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)])
+
+
+def add_lenient_service(server: grpc.aio.Server, service: str, servicer: object,
+                        methods: dict[str, tuple[str, type, type]]) -> None:
+    """Register `servicer`'s methods for `service` with lenient request parsing.
+
+    Used instead of the generated add_*Servicer_to_server so that a request with invalid
+    UTF-8 reaches the method as common.lenient_parse.Unparsable (answered INVALID_ARGUMENT
+    with the field named) rather than failing inside grpc as INTERNAL.
+    methods: name -> (kind, request class, response class), kind "unary" or "stream"
+    (server-streaming).
+    """
+    from common.lenient_parse import deserializer
+
+    handlers = {}
+    for name, (kind, req_cls, resp_cls) in methods.items():
+        make = grpc.unary_unary_rpc_method_handler if kind == "unary" else grpc.unary_stream_rpc_method_handler
+        handlers[name] = make(getattr(servicer, name), request_deserializer=deserializer(req_cls),
+                              response_serializer=resp_cls.SerializeToString)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, handlers),))

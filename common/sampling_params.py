@@ -1,0 +1,23 @@
+"""Validated sampling parameters, as every process sees them after common/validation.py."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+DEFAULT_MAX_TOKENS = 64
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Validated sampling parameters (see common/validation.py for the checks)."""
+
+    max_tokens: int = DEFAULT_MAX_TOKENS  # tokens to generate, >= 1
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0  # in (0, 1]
+    seed: int = 0  # used when temperature > 0
+    stop: tuple[str, ...] = field(default=())
+    ignore_eos: bool = False
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0

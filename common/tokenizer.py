@@ -1,0 +1,87 @@
+"""The model's tokenizer, built with the `tokenizers` library.
+
+A checkpoint directory with a `tokenizer.json` uses that file; otherwise the Qwen2
+byte-level BPE shipped in common/assets/tokenizer (vocab.json + merges.txt, Apache-2.0)
+is built here: Qwen2's pre-tokenizer regex, byte-level mapping, and its three special
+tokens appended after the 151,643 base tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+
+ASSETS = Path(__file__).resolve().parent / "assets" / "tokenizer"
+# Qwen2's split pattern (the `pat_str` of Qwen2TokenizerFast).
+_QWEN2_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+QWEN2_SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")  # ids 151643..151645
+
+
+def _build_qwen2(directory: Path) -> Tokenizer:
+    tok = Tokenizer(models.BPE.from_file(str(directory / "vocab.json"), str(directory / "merges.txt")))
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(_QWEN2_PATTERN), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in QWEN2_SPECIAL_TOKENS])
+    return tok
+
+
+@dataclass
+class TextTokenizer:
+    """Encodes prompts and decodes generated ids (Args are token ids, ints)."""
+
+    tokenizer: Tokenizer
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tokenizer.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of `text` (special-token strings such as <|im_end|> map to their ids)."""
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def load_tokenizer(checkpoint_dir: Path | None = None) -> TextTokenizer:
+    """Load `checkpoint_dir/tokenizer.json` if present, else the shipped Qwen2 tokenizer."""
+    if checkpoint_dir is not None and (Path(checkpoint_dir) / "tokenizer.json").exists():
+        return TextTokenizer(Tokenizer.from_file(str(Path(checkpoint_dir) / "tokenizer.json")))
+    return TextTokenizer(_build_qwen2(ASSETS))
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of token ids into text deltas for streaming.
+
+    Decodes the ids seen so far and emits only the new characters; holds back text
+    that ends in U+FFFD because a multi-byte UTF-8 character may be split over tokens.
+    """
+
+    def __init__(self, tokenizer: TextTokenizer) -> None:
+        self._tokenizer = tokenizer
+        self._ids: list[int] = []
+        self._emitted = 0
+
+    @property
+    def text(self) -> str:
+        return self._tokenizer.decode(self._ids)
+
+    def push(self, ids: list[int], final: bool = False) -> str:
+        """Add ids; return the text that became complete (everything left when final)."""
+        self._ids.extend(ids)
+        text = self.text
+        end = len(text)
+        if not final:
+            while end > self._emitted and text[end - 1] == "\ufffd":
+                end -= 1
+        delta = text[self._emitted:end]
+        self._emitted = end
+        return delta

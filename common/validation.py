@@ -1,0 +1,62 @@
+"""Request validation shared by the router and the workers (DESIGN.md section 5, step 1).
+
+Every failure raises InvalidArgument naming the offending field; servers turn it into
+gRPC INVALID_ARGUMENT with that message, and never count it against a worker's health.
+"""
+
+from __future__ import annotations
+
+import math
+
+from common.pb.tandem.v1 import sampling_pb2
+from common.sampling_params import DEFAULT_MAX_TOKENS, SamplingParams
+
+
+class InvalidArgument(ValueError):
+    """A request field is invalid; str(exc) starts with the field name."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+def validate_token_ids(token_ids: list[int], vocab_size: int, field: str = "token_ids") -> None:
+    if not token_ids:
+        raise InvalidArgument(field, "prompt is empty")
+    for i, t in enumerate(token_ids):
+        if not 0 <= t < vocab_size:
+            raise InvalidArgument(f"{field}[{i}]", f"token id {t} outside the vocabulary [0, {vocab_size})")
+
+
+def sampling_from_proto(msg: sampling_pb2.SamplingParams, prompt_tokens: int, context_length: int,
+                        default_seed: int = 0) -> SamplingParams:
+    """Validate sampling fields against the prompt length and the model's context length.
+
+    Raises:
+        InvalidArgument: naming sampling.max_tokens, sampling.temperature, sampling.top_p or
+            sampling.stop.
+    """
+    max_tokens = msg.max_tokens if msg.HasField("max_tokens") else min(
+        DEFAULT_MAX_TOKENS, context_length - prompt_tokens)
+    if max_tokens < 1:
+        raise InvalidArgument("sampling.max_tokens", f"must be >= 1, got {max_tokens}")
+    if prompt_tokens + max_tokens > context_length:
+        raise InvalidArgument("sampling.max_tokens",
+                              f"prompt ({prompt_tokens} tokens) + max_tokens ({max_tokens}) exceeds "
+                              f"the context length {context_length}")
+    temperature = msg.temperature if msg.HasField("temperature") else 0.0
+    if not (math.isfinite(temperature) and temperature >= 0.0):
+        raise InvalidArgument("sampling.temperature", f"must be a finite number >= 0, got {temperature}")
+    top_p = msg.top_p if msg.HasField("top_p") else 1.0
+    if not (0.0 < top_p <= 1.0):
+        raise InvalidArgument("sampling.top_p", f"must be in (0, 1], got {top_p}")
+    if any(s == "" for s in msg.stop):
+        raise InvalidArgument("sampling.stop", "stop strings must be non-empty")
+    return SamplingParams(max_tokens=max_tokens, temperature=float(temperature), top_p=float(top_p),
+                          seed=msg.seed if msg.HasField("seed") else default_seed,
+                          stop=tuple(msg.stop), ignore_eos=msg.ignore_eos)
+
+
+def sampling_to_proto(p: SamplingParams) -> sampling_pb2.SamplingParams:
+    return sampling_pb2.SamplingParams(max_tokens=p.max_tokens, temperature=p.temperature, top_p=p.top_p,
+                                       seed=p.seed, stop=list(p.stop), ignore_eos=p.ignore_eos)

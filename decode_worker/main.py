@@ -1,0 +1,31 @@
+"""`tandem decode`: a decode worker process (continuous batching, local prefill fallback)."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Callable
+
+from common.grpc_server import RunningServer, add_lenient_service
+from common.pb.tandem.v1 import decode_pb2 as pb
+from common.pb.tandem.v1 import discovery_pb2
+from decode_worker.scheduler import DecodeScheduler
+from decode_worker.service import DecodeServicer
+from engine.worker_host import WorkerOptions, WorkerRuntime, serve_worker
+
+SERVICE = "tandem.v1.DecodeService"
+
+
+async def run(opts: WorkerOptions, ready: Callable[[RunningServer, WorkerRuntime], None] | None = None,
+              stop: asyncio.Event | None = None) -> None:
+    """Serve a decode worker until SIGTERM/SIGINT or `stop`; `ready` is called once serving."""
+    runtime = WorkerRuntime(discovery_pb2.ROLE_DECODE, opts)
+    scheduler = DecodeScheduler(runtime)
+    servicer = DecodeServicer(runtime, scheduler)
+    methods = {"Generate": ("stream", pb.DecodeRequest, pb.DecodeResponse)}
+    loop_task = asyncio.create_task(scheduler.run(), name="decode-loop")  # strong reference
+    try:
+        await serve_worker(runtime, [lambda s: add_lenient_service(s, SERVICE, servicer, methods)], [SERVICE],
+                           ready=(lambda srv: ready(srv, runtime)) if ready else None, stop=stop)
+    finally:
+        loop_task.cancel()
+        await servicer.close()

@@ -1,0 +1,115 @@
+"""Continuous-batching decode loop: schedule → run → postprocess, one step at a time.
+
+Requests join after their prompt's KV is in the pool and leave when finished or
+cancelled; each step decodes one token for every running request. Once added, a request's
+blocks belong to the scheduler, which frees them between steps (never while a forward
+that reads them is running).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field
+
+import grpc
+
+from common.pb.tandem.v1 import sampling_pb2
+from common.sampling_params import SamplingParams
+from engine.block_pool import BlockId
+from engine.kv_pool import PoolExhausted
+from engine.runner import DecodeInput
+from engine.sampling import sample
+from engine.worker_host import WorkerRuntime
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class TokenOut:
+    """One generated token, or the end of the stream (finish_reason or error set)."""
+
+    token: int | None = None
+    logprob: float = 0.0
+    finish_reason: int = sampling_pb2.FINISH_REASON_UNSPECIFIED
+    error: tuple[grpc.StatusCode, str] | None = None
+
+
+@dataclass(eq=False)
+class RunningRequest:
+    request_id: str
+    tokens: list[int]  # prompt + generated; the last one's KV is not in the pool yet
+    prompt_len: int
+    block_ids: list[BlockId]
+    params: SamplingParams
+    out: asyncio.Queue[TokenOut] = field(default_factory=asyncio.Queue)
+    cancelled: bool = False
+
+    @property
+    def generated(self) -> int:
+        return len(self.tokens) - self.prompt_len
+
+
+class DecodeScheduler:
+    def __init__(self, runtime: WorkerRuntime) -> None:
+        self.rt = runtime
+        self.running: list[RunningRequest] = []
+        self._wake = asyncio.Event()
+        self.eos = runtime.loaded.config.eos_token_ids
+        self.steps = 0
+
+    def add(self, req: RunningRequest) -> None:
+        """Take ownership of req (its blocks are freed by the scheduler from now on)."""
+        self.running.append(req)
+        self._wake.set()
+
+    def cancel(self, req: RunningRequest) -> None:
+        req.cancelled = True
+        self._wake.set()
+
+    def _finish(self, req: RunningRequest, out: TokenOut | None) -> None:
+        self.running.remove(req)
+        self.rt.pool.free(req.block_ids)
+        if out is not None:
+            req.out.put_nowait(out)
+
+    def _schedule(self) -> list[RunningRequest]:
+        for req in [r for r in self.running if r.cancelled]:
+            self._finish(req, None)
+        batch = []
+        for req in list(self.running[: self.rt.opts.max_running]):
+            try:
+                self.rt.pool.grow(req.block_ids, len(req.tokens))
+            except PoolExhausted as exc:  # retraction comes with the decode runtime issue
+                self._finish(req, TokenOut(error=(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))))
+                continue
+            batch.append(req)
+        return batch
+
+    def _postprocess(self, batch: list[RunningRequest], logits) -> None:
+        for req, row in zip(batch, logits):
+            if req.cancelled:
+                continue
+            token, logprob = sample(row, req.params, step=req.generated)
+            req.tokens.append(token)
+            reason = sampling_pb2.FINISH_REASON_UNSPECIFIED
+            if token in self.eos and not req.params.ignore_eos:
+                reason = sampling_pb2.FINISH_REASON_EOS
+            elif req.generated >= req.params.max_tokens:
+                reason = sampling_pb2.FINISH_REASON_LENGTH
+            req.out.put_nowait(TokenOut(token, logprob))
+            if reason != sampling_pb2.FINISH_REASON_UNSPECIFIED:
+                self._finish(req, TokenOut(finish_reason=reason))
+
+    async def run(self) -> None:
+        while True:
+            batch = self._schedule()
+            self.rt.events.publish()
+            if not batch:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            inputs = [DecodeInput(r.block_ids, len(r.tokens) - 1, r.tokens[-1]) for r in batch]
+            logits = await self.rt.run_model(self.rt.runner.decode, inputs)
+            self.steps += 1
+            self._postprocess(batch, logits)

@@ -1,0 +1,149 @@
+"""DecodeService: take a request from the router, get its prompt KV, decode, stream tokens.
+
+Path of one call (DESIGN.md section 5, steps 2–4): validate → allocate the prompt's blocks
+(reusing this worker's prefix cache; RESOURCE_EXHAUSTED when the pool is full) → ask the
+prefill worker to write the missing blocks here (or prefill locally when no prefill worker
+was given or it failed) → wait for the transfer notification → cache the prompt blocks →
+stream the first token → join the continuous batch until finished or cancelled.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+
+import grpc
+
+from common.grpc_errors import abort_invalid, check_parsed
+from common.grpc_server import channel
+from common.pb.tandem.v1 import decode_pb2 as pb
+from common.pb.tandem.v1 import decode_pb2_grpc as pb_grpc
+from common.pb.tandem.v1 import prefill_pb2, prefill_pb2_grpc, sampling_pb2
+from common.sampling_params import SamplingParams
+from common.validation import InvalidArgument, sampling_from_proto, validate_token_ids
+from decode_worker.scheduler import DecodeScheduler, RunningRequest
+from engine.kv_pool import PoolExhausted, PromptBlocks
+from engine.sampling import sample
+from engine.worker_host import WorkerRuntime
+from kv_transfer.base import TransferError
+
+log = logging.getLogger(__name__)
+DEFAULT_PREFILL_TIMEOUT_S = 60.0
+
+
+class DecodeServicer(pb_grpc.DecodeServiceServicer):
+    def __init__(self, runtime: WorkerRuntime, scheduler: DecodeScheduler) -> None:
+        self.rt = runtime
+        self.scheduler = scheduler
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._metadata_sent: set[str] = set()  # prefill addresses that hold our agent metadata
+        self.remote_prefills = 0
+        self.local_prefills = 0
+
+    def _stub(self, address: str) -> prefill_pb2_grpc.PrefillServiceStub:
+        if address not in self._channels:
+            self._channels[address] = channel(address)
+        return prefill_pb2_grpc.PrefillServiceStub(self._channels[address])
+
+    async def _remote_prefill(self, address: str, request_id: str, tokens: list[int], prompt: PromptBlocks,
+                              sampling: sampling_pb2.SamplingParams, timeout_s: float) -> tuple[int, float]:
+        """Have the prefill worker at `address` write our missing blocks; returns the first token.
+
+        Raises:
+            grpc.aio.AioRpcError: the prefill worker failed or refused.
+            TransferError: the KV did not arrive in time.
+        """
+        desc = self.rt.pool_desc
+        dst = prefill_pb2.KvDestination(
+            backend=self.rt.opts.transfer_backend, agent_name=self.rt.agent.name,
+            base_address=desc.base_address, block_stride_bytes=desc.block_stride_bytes, device_id=desc.device_id,
+            first_block_index=prompt.num_cached_blocks, block_ids=prompt.block_ids[prompt.num_cached_blocks:])
+        req = prefill_pb2.PrefillRequest(request_id=request_id, token_ids=tokens, sampling=sampling, destination=dst)
+        # Agent metadata travels once per prefill worker; resent when it says it lacks it.
+        for attempt in range(2):
+            if address not in self._metadata_sent or attempt:
+                req.destination.agent_metadata = self.rt.agent.metadata()
+            try:
+                resp = await self._stub(address).Prefill(req, timeout=timeout_s)
+                break
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() != grpc.StatusCode.FAILED_PRECONDITION or attempt:
+                    raise
+        self._metadata_sent.add(address)
+        await self.rt.agent.wait_notification(request_id.encode(), self.rt.opts.transfer_timeout_s)
+        return resp.first_token_id, resp.first_token_logprob
+
+    async def _prefill(self, request: pb.DecodeRequest, request_id: str, prompt: PromptBlocks,
+                       params: SamplingParams, timeout_s: float) -> tuple[int, float]:
+        tokens = list(request.token_ids)
+        if request.prefill_address:
+            try:
+                first = await self._remote_prefill(request.prefill_address, request_id, tokens, prompt,
+                                                   request.sampling, timeout_s)
+                self.remote_prefills += 1
+                return first
+            except (grpc.aio.AioRpcError, TransferError) as exc:
+                detail = exc.details() if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
+                log.warning("request %s: prefill on %s failed (%s); prefilling locally",
+                            request_id, request.prefill_address, detail)
+        self.local_prefills += 1
+        start = prompt.num_cached_blocks * self.rt.pool.block_size
+        logits = await self.rt.prefill(prompt.block_ids, tokens, start)
+        return sample(logits, params, step=0)
+
+    async def Generate(self, request: pb.DecodeRequest, context: grpc.aio.ServicerContext):
+        try:
+            check_parsed(request)
+            validate_token_ids(list(request.token_ids), self.rt.vocab_size)
+            params = sampling_from_proto(request.sampling, len(request.token_ids), self.rt.context_length)
+        except InvalidArgument as exc:
+            await abort_invalid(context, exc)
+        request_id = request.request_id or uuid.uuid4().hex
+        tokens = list(request.token_ids)
+        pool = self.rt.pool
+        try:
+            prompt = pool.allocate_prompt(tokens)
+        except PoolExhausted as exc:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+        running: RunningRequest | None = None
+        try:
+            remaining = context.time_remaining()
+            timeout_s = remaining if remaining is not None else DEFAULT_PREFILL_TIMEOUT_S
+            token, logprob = await self._prefill(request, request_id, prompt, params, timeout_s)
+            pool.commit_prompt(prompt)
+            self.rt.events.publish()
+            yield pb.DecodeResponse(token_ids=[token], logprobs=[logprob], prompt_tokens=len(tokens),
+                                    cached_tokens=prompt.num_cached_blocks * pool.block_size)
+            if token in self.scheduler.eos and not params.ignore_eos:
+                yield pb.DecodeResponse(finish_reason=sampling_pb2.FINISH_REASON_EOS)
+                return
+            if params.max_tokens == 1:
+                yield pb.DecodeResponse(finish_reason=sampling_pb2.FINISH_REASON_LENGTH)
+                return
+            running = RunningRequest(request_id, tokens + [token], len(tokens), prompt.block_ids, params)
+            self.scheduler.add(running)
+            while True:
+                outs = [await running.out.get()]
+                while not running.out.empty():
+                    outs.append(running.out.get_nowait())
+                msg = pb.DecodeResponse()
+                for out in outs:
+                    if out.error is not None:
+                        await context.abort(*out.error)
+                    if out.token is not None:
+                        msg.token_ids.append(out.token)
+                        msg.logprobs.append(out.logprob)
+                    msg.finish_reason = out.finish_reason or msg.finish_reason
+                yield msg
+                if msg.finish_reason:
+                    return
+        finally:
+            if running is None:
+                pool.free(prompt.block_ids)
+                self.rt.events.publish()
+            else:
+                self.scheduler.cancel(running)
+
+    async def close(self) -> None:
+        for ch in self._channels.values():
+            await ch.close()

@@ -1,0 +1,29 @@
+"""KvEventService: streams a worker's KV event batches (DESIGN.md section 4)."""
+
+from __future__ import annotations
+
+import grpc
+
+from common.pb.tandem.v1 import kv_events_pb2 as pb
+from common.pb.tandem.v1 import kv_events_pb2_grpc as pb_grpc
+from engine.kv_events import KvEventLog, event_to_proto
+
+
+class KvEventServicer(pb_grpc.KvEventServiceServicer):
+    def __init__(self, log: KvEventLog) -> None:
+        self._log = log
+
+    async def Subscribe(self, request: pb.SubscribeRequest, context: grpc.aio.ServicerContext):
+        last = request.from_event_id
+        while True:
+            waiter = self._log.wait_changed()  # take the event before reading, so no batch is missed
+            batches = self._log.since(last)
+            if batches is None:
+                snap = self._log.snapshot()
+                yield snap
+                last = snap.event_id
+            else:
+                for b in batches:
+                    yield pb.KvEventBatch(event_id=b.event_id, events=[event_to_proto(e) for e in b.events])
+                    last = b.event_id
+            await waiter

@@ -1,0 +1,140 @@
+"""The paged KV pool: one tensor holding every block, plus its block accounting.
+
+Layout `[num_blocks, num_layers, block_size, kv_dim]` (block-major): all of one block's
+bytes, over every layer, are contiguous, so a block is one transfer descriptor and a run of
+consecutive blocks merges into one (DESIGN.md section 6, "few, large descriptors").
+kv_dim = kv_lora_rank + qk_rope_head_dim: MLA caches one compressed latent per token per
+layer, so bytes per token = kv_dim × num_layers × element size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from common.block_hash import BlockHash, block_hashes
+from engine.block_pool import BlockId, BlockPool, PoolExhausted
+
+__all__ = ["KvPoolConfig", "KvPool", "PromptBlocks", "PagedKvCache", "PoolExhausted"]
+
+
+@dataclass(frozen=True)
+class KvPoolConfig:
+    num_blocks: int  # blocks in the pool
+    block_size: int  # tokens per block (the page size; one value per model)
+    num_layers: int  # layers whose latent KV is cached
+    kv_dim: int  # cached values per token per layer
+    dtype: torch.dtype = torch.float32
+
+    def __post_init__(self) -> None:
+        for name in ("num_blocks", "block_size", "num_layers", "kv_dim"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+    @property
+    def bytes_per_token(self) -> int:
+        return self.kv_dim * self.num_layers * torch.empty((), dtype=self.dtype).element_size()
+
+    @property
+    def block_bytes(self) -> int:
+        return self.bytes_per_token * self.block_size
+
+
+@dataclass
+class PromptBlocks:
+    """A prompt's blocks in one pool. block_ids[:num_cached_blocks] came from the prefix cache."""
+
+    block_ids: list[BlockId]
+    hashes: list[BlockHash]  # hashes of the prompt's full blocks
+    num_cached_blocks: int
+
+
+class KvPool:
+    """KV storage plus allocation for requests (single-threaded: call from one thread/loop)."""
+
+    def __init__(self, config: KvPoolConfig, hash_seed: int, device: str | torch.device = "cpu") -> None:
+        self.config = config
+        self.hash_seed = hash_seed
+        self.kv = torch.zeros(config.num_blocks, config.num_layers, config.block_size, config.kv_dim,
+                              dtype=config.dtype, device=device)
+        self.blocks = BlockPool(config.num_blocks)
+
+    @property
+    def block_size(self) -> int:
+        return self.config.block_size
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.config.block_size)
+
+    def allocate_prompt(self, token_ids: list[int]) -> PromptBlocks:
+        """Blocks for a whole prompt, reusing the longest cached prefix.
+
+        At least one prompt token is always left to compute (its logits give the first
+        token), and a cached block is never written: when every full block is cached, the
+        last one is recomputed into a fresh block.
+        Raises:
+            PoolExhausted: not enough free blocks (nothing is held then).
+        """
+        bs = self.config.block_size
+        hashes = block_hashes(token_ids, bs, self.hash_seed)
+        cached = self.blocks.match_prefix(hashes)[: (len(token_ids) - 1) // bs]
+        self.blocks.acquire(cached)
+        try:
+            fresh = self.blocks.allocate(self.blocks_for(len(token_ids)) - len(cached))
+        except PoolExhausted:
+            self.blocks.free(cached)
+            raise
+        return PromptBlocks(list(cached) + fresh, hashes, len(cached))
+
+    def commit_prompt(self, prompt: PromptBlocks) -> None:
+        """Enter the prompt's full blocks into the prefix cache once their KV is written."""
+        n = len(prompt.hashes)
+        start = prompt.num_cached_blocks
+        parent = prompt.hashes[start - 1] if start > 0 else None
+        self.blocks.cache(prompt.block_ids[start:n], prompt.hashes[start:n], parent)
+
+    def grow(self, block_ids: list[BlockId], num_tokens: int) -> None:
+        """Append blocks to a request's list so it can hold num_tokens tokens.
+
+        Raises:
+            PoolExhausted: not enough free blocks.
+        """
+        need = self.blocks_for(num_tokens) - len(block_ids)
+        if need > 0:
+            block_ids.extend(self.blocks.allocate(need))
+
+    def free(self, block_ids: list[BlockId]) -> None:
+        self.blocks.free(block_ids)
+
+
+class PagedKvCache:
+    """The engine's KvCache over a KvPool for one forward pass (see engine/model.py contract).
+
+    seqs[i] = (block_ids, start, q_len): sequence i's block table, the number of its tokens
+    already in the pool (its new tokens take positions start..start+q_len-1), and q_len.
+    """
+
+    def __init__(self, pool: KvPool, seqs: list[tuple[list[BlockId], int, int]]) -> None:
+        bs = pool.config.block_size
+        self.kv = pool.kv
+        device = pool.kv.device
+        w_blk: list[int] = []
+        w_off: list[int] = []
+        self._reads: list[tuple[torch.Tensor, int]] = []
+        for block_ids, start, q_len in seqs:
+            for pos in range(start, start + q_len):
+                w_blk.append(block_ids[pos // bs])
+                w_off.append(pos % bs)
+            ctx = start + q_len
+            table = torch.tensor(block_ids[: -(-ctx // bs)], dtype=torch.long, device=device)
+            self._reads.append((table, ctx))
+        self._w_blk = torch.tensor(w_blk, dtype=torch.long, device=device)
+        self._w_off = torch.tensor(w_off, dtype=torch.long, device=device)
+
+    def update(self, layer: int, latent: torch.Tensor) -> list[torch.Tensor]:
+        # latent: [T, kv_dim] -> written to (block, layer, offset) slots
+        self.kv[self._w_blk, layer, self._w_off] = latent.to(self.kv.dtype)
+        kv_dim = self.kv.shape[-1]
+        return [self.kv[table, layer].reshape(-1, kv_dim)[:ctx].to(latent.dtype)
+                for table, ctx in self._reads]

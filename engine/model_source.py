@@ -1,0 +1,67 @@
+"""Which model a process serves: the seeded tiny model, or a Hugging Face checkpoint folder.
+
+Every process that must agree on the weights (workers, and the demo's in-process
+reference) loads them through `load_model` with the same spec and seed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from common.tokenizer import TextTokenizer, load_tokenizer
+from engine.config import ModelConfig
+
+TINY = "tandem-tiny"  # ModelConfig.tiny() with weights from `seed`
+
+
+@dataclass
+class LoadedModel:
+    name: str  # served model name (enters the block-hash seed)
+    config: ModelConfig
+    model: torch.nn.Module
+    checkpoint_dir: Path | None
+
+    def tokenizer(self) -> TextTokenizer:
+        return load_tokenizer(self.checkpoint_dir)
+
+
+def model_name(spec: str) -> str:
+    """The served name for a spec without loading it: TINY, or the folder's name."""
+    return TINY if spec in ("", TINY) else Path(spec).resolve().name
+
+
+def load_config(spec: str = TINY) -> tuple[str, ModelConfig, Path | None]:
+    """(served name, config, checkpoint folder or None) without building weights (the router's need).
+
+    Raises:
+        FileNotFoundError: the folder has no config.json.
+    """
+    if spec in ("", TINY):
+        return TINY, ModelConfig.tiny(), None
+    path = Path(spec)
+    if not (path / "config.json").exists():
+        raise FileNotFoundError(f"--model {spec}: no config.json there (expected a Hugging Face checkpoint folder)")
+    return model_name(spec), ModelConfig.from_json_file(path / "config.json"), path
+
+
+def load_model(spec: str = TINY, seed: int = 0, dtype: torch.dtype = torch.float32) -> LoadedModel:
+    """Load `spec`: TINY (seeded weights) or a folder with config.json + model.safetensors.
+
+    Raises:
+        FileNotFoundError: the folder or its config.json is missing.
+        ValueError: the checkpoint does not match its config (the loader names the tensor).
+    """
+    from engine.loader import load_checkpoint
+    from engine.model import build_model
+
+    if spec in ("", TINY):
+        config = ModelConfig.tiny()
+        return LoadedModel(TINY, config, build_model(config, seed=seed, dtype=dtype).eval(), None)
+    path = Path(spec)
+    if not (path / "config.json").exists():
+        raise FileNotFoundError(f"--model {spec}: no config.json there (expected a Hugging Face checkpoint folder)")
+    model, config = load_checkpoint(path, dtype=dtype)
+    return LoadedModel(model_name(spec), config, model.eval(), path)

@@ -1,0 +1,75 @@
+"""Runs the model over a KvPool: chunked prefill and batched decode steps.
+
+Calls must come from one thread at a time (the workers use a single-thread executor for
+all model work); the pool's block accounting stays on the event-loop thread.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from engine.block_pool import BlockId
+from engine.kv_pool import KvPool, PagedKvCache
+
+
+@dataclass(frozen=True)
+class DecodeInput:
+    """One running request in a decode step."""
+
+    block_ids: list[BlockId]  # its block table (must have room for num_computed + 1 tokens)
+    num_computed: int  # tokens whose KV is already in the pool
+    input_token: int  # the token at position num_computed
+
+
+class ModelRunner:
+    """Owns nothing but references: the model and the pool it reads and writes."""
+
+    def __init__(self, model: torch.nn.Module, pool: KvPool) -> None:
+        self.model = model
+        self.pool = pool
+
+    @torch.inference_mode()
+    def prefill_chunk(self, block_ids: list[BlockId], token_ids: list[int], start: int, end: int) -> torch.Tensor:
+        """Compute KV for prompt tokens [start, end) (tokens before start are in the pool).
+
+        Returns:
+            hidden state of the chunk's last token, [hidden].
+        """
+        ids = torch.tensor(token_ids[start:end], dtype=torch.long)
+        positions = torch.arange(start, end, dtype=torch.long)
+        kv = PagedKvCache(self.pool, [(block_ids, start, end - start)])
+        hidden = self.model.forward(ids, positions, [end - start], kv)  # [chunk, hidden]
+        return hidden[-1]
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, hidden] or [hidden] -> float32 logits [N, vocab] or [vocab]."""
+        return self.model.logits(hidden)
+
+    def prefill(self, block_ids: list[BlockId], token_ids: list[int], start: int, chunk_size: int,
+                cancelled: Callable[[], bool] = lambda: False) -> torch.Tensor | None:
+        """Chunked prefill of token_ids[start:] in fixed-size chunks (DESIGN.md section 7).
+
+        Returns:
+            float32 logits [vocab] of the last prompt token, or None when cancelled()
+            became true between chunks.
+        """
+        hidden = None
+        for s in range(start, len(token_ids), chunk_size):
+            if cancelled():
+                return None
+            hidden = self.prefill_chunk(block_ids, token_ids, s, min(s + chunk_size, len(token_ids)))
+        assert hidden is not None, "prefill needs at least one token to compute"
+        return self.logits(hidden)
+
+    @torch.inference_mode()
+    def decode(self, batch: list[DecodeInput]) -> torch.Tensor:
+        """One decode step for every request in batch; returns float32 logits [batch, vocab]."""
+        ids = torch.tensor([b.input_token for b in batch], dtype=torch.long)
+        positions = torch.tensor([b.num_computed for b in batch], dtype=torch.long)
+        kv = PagedKvCache(self.pool, [(b.block_ids, b.num_computed, 1) for b in batch])
+        hidden = self.model.forward(ids, positions, [1] * len(batch), kv)  # [batch, hidden]
+        return self.model.logits(hidden)

@@ -1,0 +1,162 @@
+"""What a prefill and a decode worker process share: model, KV pool, transfer agent,
+gRPC server with health and reflection, etcd registration, and the staged lifecycle
+startup → serve → drain → shutdown (STYLE.md, "A staged lifecycle").
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence, TypeVar
+
+import grpc
+import torch
+
+from common.block_hash import hash_seed
+from common.lifecycle import install_stop_signals
+from common.grpc_server import RunningServer, start_server
+from common.pb.tandem.v1 import discovery_pb2, kv_events_pb2_grpc
+from engine.kv_event_service import KvEventServicer
+from engine.kv_events import KvEventLog
+from engine.kv_pool import KvPool, KvPoolConfig
+from engine.model_source import TINY, LoadedModel, load_model
+from engine.runner import ModelRunner
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+VERSION = "0.1.0"
+
+
+@dataclass(frozen=True)
+class WorkerOptions:
+    """Flags shared by `tandem prefill` and `tandem decode` (each has a TANDEM_* variable)."""
+
+    model: str = TINY  # TINY or a Hugging Face checkpoint folder
+    seed: int = 0  # weight seed for TINY
+    block_size: int = 16  # tokens per KV block (must match the router's)
+    num_blocks: int = 4096  # KV pool capacity in blocks
+    chunk_size: int = 256  # prefill chunk in tokens
+    max_running: int = 64  # decode: concurrent requests in the batch
+    host: str = "127.0.0.1"
+    port: int = 0  # 0 = pick a free port
+    etcd: str = ""  # etcd endpoints host:port[,host:port]; empty = no registration
+    namespace: str = "default"
+    lease_ttl_s: float = 10.0
+    transfer_backend: str = "nixl"
+    transfer_timeout_s: float = 30.0
+    torch_threads: int = 1  # intra-op threads for the model (small model: 1 is fastest)
+
+    def __post_init__(self) -> None:
+        for name in ("block_size", "num_blocks", "chunk_size", "max_running", "torch_threads"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.lease_ttl_s < 1:
+            raise ValueError(f"--lease-ttl must be >= 1 second, got {self.lease_ttl_s}")
+
+
+class WorkerRuntime:
+    """Model, pool, runner, KV event log and transfer agent of one worker process."""
+
+    def __init__(self, role: int, opts: WorkerOptions, loaded: LoadedModel | None = None) -> None:
+        torch.set_num_threads(opts.torch_threads)
+        self.role = role
+        self.opts = opts
+        self.instance_id = f"{discovery_pb2.Role.Name(role).removeprefix('ROLE_').lower()}-{uuid.uuid4().hex[:12]}"
+        self.loaded = loaded or load_model(opts.model, seed=opts.seed)
+        cfg = self.loaded.config
+        self.pool = KvPool(KvPoolConfig(num_blocks=opts.num_blocks, block_size=opts.block_size,
+                                        num_layers=cfg.num_hidden_layers, kv_dim=cfg.kv_dim),
+                           hash_seed(self.loaded.name))
+        self.runner = ModelRunner(self.loaded.model, self.pool)
+        self.events = KvEventLog(self.pool.blocks)
+        # One thread for all model work: forwards never run concurrently, the event loop
+        # keeps serving RPCs, and the pool's accounting stays on the loop thread.
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
+        from kv_transfer import create_agent
+        self.agent = create_agent(opts.transfer_backend, self.instance_id)
+        self.pool_desc = self.agent.register_pool(self.pool.kv)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.loaded.config.vocab_size
+
+    @property
+    def context_length(self) -> int:
+        return self.loaded.config.max_position_embeddings
+
+    async def run_model(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run fn on the model thread. If the caller is cancelled, wait for fn to finish
+        before re-raising, so the caller never frees blocks a forward is still writing."""
+        fut = asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+        try:
+            return await asyncio.shield(fut)
+        except asyncio.CancelledError:
+            await asyncio.wait([fut])
+            raise
+
+    async def prefill(self, block_ids: list, token_ids: list[int], start: int) -> torch.Tensor:
+        """Chunked prefill of token_ids[start:] (tokens before start are in the pool), one
+        model-thread call per chunk so a cancelled request stops between chunks.
+
+        Returns:
+            float32 logits [vocab] of the last prompt token.
+        """
+        chunk = self.opts.chunk_size
+        hidden = None
+        for s in range(start, len(token_ids), chunk):
+            hidden = await self.run_model(self.runner.prefill_chunk, block_ids, token_ids, s,
+                                          min(s + chunk, len(token_ids)))
+        assert hidden is not None, "prefill needs at least one token to compute"
+        return await self.run_model(self.runner.logits, hidden)
+
+    def instance(self, address: str) -> discovery_pb2.Instance:
+        return discovery_pb2.Instance(
+            instance_id=self.instance_id, role=self.role, address=address, model=self.loaded.name,
+            block_size=self.opts.block_size, hash_seed=self.pool.hash_seed,
+            kv_capacity_blocks=self.opts.num_blocks, transfer_agent_name=self.agent.name,
+            state=discovery_pb2.INSTANCE_STATE_SERVING, start_time_unix=time.time(), version=VERSION)
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
+        self.agent.close()
+
+
+async def serve_worker(runtime: WorkerRuntime, add_services: Sequence[Callable[[grpc.aio.Server], None]],
+                       service_names: Sequence[str], ready: Callable[[RunningServer], None] | None = None,
+                       stop: asyncio.Event | None = None) -> None:
+    """Serve until SIGTERM/SIGINT (or `stop`), registered in etcd when --etcd is set.
+
+    A second signal exits at once.
+    """
+    from discovery.registration import Registration
+
+    opts = runtime.opts
+    events = KvEventServicer(runtime.events)
+    server = await start_server(
+        f"{opts.host}:{opts.port}",
+        [*add_services, lambda s: kv_events_pb2_grpc.add_KvEventServiceServicer_to_server(events, s)],
+        [*service_names, "tandem.v1.KvEventService"])
+    address = f"{opts.host}:{server.port}"
+    stop = stop or asyncio.Event()
+    restore_signals = install_stop_signals(stop)
+    registration = None
+    if opts.etcd:
+        registration = Registration(opts.etcd, opts.namespace, runtime.instance(address), ttl_seconds=opts.lease_ttl_s)
+        await registration.start()
+    log.info("%s serving on %s (model %s)", runtime.instance_id, address, runtime.loaded.name)
+    if ready:
+        ready(server)
+    try:
+        await stop.wait()
+    finally:
+        restore_signals()
+        log.info("%s stopping", runtime.instance_id)
+        await server.set_serving(False)
+        if registration is not None:
+            await asyncio.shield(registration.stop())
+        await server.stop(2.0)
+        runtime.close()

@@ -1,0 +1,24 @@
+"""`tandem prefill`: a prefill worker process."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Callable
+
+from common.grpc_server import RunningServer, add_lenient_service
+from common.pb.tandem.v1 import discovery_pb2
+from common.pb.tandem.v1 import prefill_pb2 as pb
+from engine.worker_host import WorkerOptions, WorkerRuntime, serve_worker
+from prefill_worker.service import PrefillServicer
+
+SERVICE = "tandem.v1.PrefillService"
+
+
+async def run(opts: WorkerOptions, ready: Callable[[RunningServer, WorkerRuntime], None] | None = None,
+              stop: asyncio.Event | None = None) -> None:
+    """Serve a prefill worker until SIGTERM/SIGINT or `stop`; `ready` is called once serving."""
+    runtime = WorkerRuntime(discovery_pb2.ROLE_PREFILL, opts)
+    servicer = PrefillServicer(runtime)
+    methods = {"Prefill": ("unary", pb.PrefillRequest, pb.PrefillResponse)}
+    await serve_worker(runtime, [lambda s: add_lenient_service(s, SERVICE, servicer, methods)], [SERVICE],
+                       ready=(lambda srv: ready(srv, runtime)) if ready else None, stop=stop)

@@ -1,0 +1,53 @@
+"""The router's view of the workers: discovery's instances, filtered to those it may use,
+with the router's own in-flight counts and one gRPC channel per worker."""
+
+from __future__ import annotations
+
+import logging
+from collections import defaultdict
+
+import grpc
+
+from common.grpc_server import channel
+from common.pb.tandem.v1 import discovery_pb2
+
+log = logging.getLogger(__name__)
+
+
+class WorkerSet:
+    """Which workers can serve this router's model (same name, block size and hash seed)."""
+
+    def __init__(self, watcher, model: str, block_size: int, hash_seed: int) -> None:
+        self._watcher = watcher
+        self.model = model
+        self.block_size = block_size
+        self.hash_seed = hash_seed
+        self.in_flight: defaultdict[str, int] = defaultdict(int)
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._refused: set[str] = set()
+
+    def _compatible(self, inst: discovery_pb2.Instance) -> bool:
+        if inst.model == self.model and inst.block_size == self.block_size and inst.hash_seed == self.hash_seed:
+            return True
+        if inst.instance_id not in self._refused:  # say it once, never score it silently
+            self._refused.add(inst.instance_id)
+            log.warning("refusing worker %s at %s: model=%s block_size=%d hash_seed=%d, router has "
+                        "model=%s block_size=%d hash_seed=%d", inst.instance_id, inst.address, inst.model,
+                        inst.block_size, inst.hash_seed, self.model, self.block_size, self.hash_seed)
+        return False
+
+    def candidates(self, role: int) -> list[discovery_pb2.Instance]:
+        """SERVING, compatible instances of `role` in discovery now."""
+        return [i for i in self._watcher.instances().values()
+                if i.role == role and i.state == discovery_pb2.INSTANCE_STATE_SERVING and self._compatible(i)]
+
+    def channel(self, inst: discovery_pb2.Instance) -> grpc.aio.Channel:
+        ch = self._channels.get(inst.address)
+        if ch is None:
+            ch = self._channels[inst.address] = channel(inst.address)
+        return ch
+
+    async def close(self) -> None:
+        for ch in self._channels.values():
+            await ch.close()
+        self._channels.clear()

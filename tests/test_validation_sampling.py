@@ -1,0 +1,72 @@
+import math
+
+import pytest
+import torch
+
+from common.pb.tandem.v1 import sampling_pb2
+from common.sampling_params import SamplingParams
+from common.validation import InvalidArgument, sampling_from_proto, validate_token_ids
+from engine.sampling import sample
+from router.stop_strings import StopMatcher
+
+
+@pytest.mark.parametrize("fields, field", [
+    (dict(max_tokens=0), "sampling.max_tokens"),
+    (dict(max_tokens=-3), "sampling.max_tokens"),
+    (dict(max_tokens=100), "sampling.max_tokens"),  # 10 prompt + 100 > context 64
+    (dict(temperature=-0.1), "sampling.temperature"),
+    (dict(temperature=math.nan), "sampling.temperature"),
+    (dict(top_p=0.0), "sampling.top_p"),
+    (dict(top_p=1.5), "sampling.top_p"),
+    (dict(stop=[""]), "sampling.stop"),
+])
+def test_bad_sampling_names_field(fields, field):
+    with pytest.raises(InvalidArgument) as e:
+        sampling_from_proto(sampling_pb2.SamplingParams(**fields), prompt_tokens=10, context_length=64)
+    assert e.value.field == field and str(e.value).startswith(field)
+
+
+def test_defaults():
+    p = sampling_from_proto(sampling_pb2.SamplingParams(), prompt_tokens=10, context_length=64, default_seed=5)
+    assert p == SamplingParams(max_tokens=54, temperature=0.0, top_p=1.0, seed=5)
+
+
+def test_token_ids():
+    with pytest.raises(InvalidArgument, match="prompt is empty"):
+        validate_token_ids([], 10)
+    with pytest.raises(InvalidArgument, match=r"token_ids\[1\]: token id 10 outside"):
+        validate_token_ids([1, 10], 10)
+    with pytest.raises(InvalidArgument, match=r"token_ids\[0\]"):
+        validate_token_ids([-1], 10)
+
+
+def test_greedy_and_seeded_sampling():
+    logits = torch.tensor([0.1, 3.0, 2.9, -1.0])
+    assert sample(logits, SamplingParams(), 0)[0] == 1
+    p = SamplingParams(temperature=1.0, seed=42)
+    draws = [sample(logits, p, step)[0] for step in range(50)]
+    assert draws == [sample(logits, p, step)[0] for step in range(50)]  # reproducible per (seed, step)
+    assert len(set(draws)) > 1
+    # top_p keeps the smallest set with mass >= top_p: here only the two top tokens.
+    q = SamplingParams(temperature=1.0, top_p=0.6, seed=1)
+    assert {sample(logits, q, s)[0] for s in range(100)} <= {1, 2}
+    tok, lp = sample(logits, q, 0)
+    assert lp <= 0.0
+
+
+@pytest.mark.parametrize("deltas, stop, sent, stopped", [
+    (["hel", "lo wor", "ld"], ("o w",), "hell", True),
+    (["abc", "def"], ("xyz",), "abcdef", False),
+    (["a", "b", "c"], ("bc", "c"), "a", True),
+])
+def test_stop_matcher(deltas, stop, sent, stopped):
+    m = StopMatcher(stop)
+    out, hit = "", False
+    for d in deltas:
+        text, hit = m.feed(d)
+        out += text
+        if hit:
+            break
+    if not hit:
+        out += m.flush()
+    assert (out, hit) == (sent, stopped)
