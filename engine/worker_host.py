@@ -58,6 +58,17 @@ class WorkerOptions:
             raise ValueError(f"--lease-ttl must be >= 1 second, got {self.lease_ttl_s}")
 
 
+@dataclass
+class WorkerStats:
+    """Counters of one worker (exported as metrics by the observability issue)."""
+
+    remote_prefills: int = 0  # decode: prompts whose KV came from a prefill worker
+    local_prefills: int = 0  # decode: prompts prefilled here
+    transfers: int = 0  # prefill: KV transfers completed
+    transfer_bytes: int = 0
+    transfer_seconds: float = 0.0
+
+
 class WorkerRuntime:
     """Model, pool, runner, KV event log and transfer agent of one worker process."""
 
@@ -73,6 +84,7 @@ class WorkerRuntime:
                            hash_seed(self.loaded.name))
         self.runner = ModelRunner(self.loaded.model, self.pool)
         self.events = KvEventLog(self.pool.blocks)
+        self.stats = WorkerStats()
         # One thread for all model work: forwards never run concurrently, the event loop
         # keeps serving RPCs, and the pool's accounting stays on the loop thread.
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")

@@ -1,0 +1,268 @@
+"""A real etcd child process on loopback, for tests and `tandem up` (DESIGN.md section 3).
+
+`EtcdServer` starts the `etcd` binary found on PATH on free 127.0.0.1 ports with its data in a
+temporary folder, waits until it answers on `/health`, and stops it by killing its process group.
+`restart()` stops the process and starts a new one on the SAME ports and data dir, which is how
+tests simulate a brief etcd outage.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from types import TracebackType
+
+logger = logging.getLogger(__name__)
+
+_INSTALL_HINT = "install the `etcd-server` Debian package (apt-get install etcd-server)"
+
+
+class EtcdNotFoundError(FileNotFoundError):
+    """The `etcd` binary is not on PATH."""
+
+
+class EtcdStartError(RuntimeError):
+    """etcd exited early or did not answer in time; the message carries its log tail."""
+
+
+def find_etcd_binary() -> str:
+    """Return the path of `etcd` on PATH.
+
+    Raises:
+        EtcdNotFoundError: no `etcd` on PATH (the message says to install `etcd-server`).
+    """
+    path = shutil.which("etcd")
+    if path is None:
+        raise EtcdNotFoundError(f"the etcd binary was not found on PATH; {_INSTALL_HINT}")
+    return path
+
+
+def _free_port() -> int:
+    # Another process may take the port between close() and etcd's bind; start() retries then.
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class EtcdServer:
+    """One single-member etcd on loopback.
+
+    Args:
+        binary: path of the etcd binary; default: `etcd` on PATH.
+        startup_timeout: seconds to wait for etcd to answer `/health` after spawning it.
+        stop_timeout: seconds to wait after SIGTERM before SIGKILL.
+
+    Usable as a (sync or async) context manager, or through start()/stop().
+    """
+
+    def __init__(
+        self,
+        *,
+        binary: str | None = None,
+        startup_timeout: float = 20.0,
+        stop_timeout: float = 5.0,
+    ) -> None:
+        self._binary = binary
+        self._startup_timeout = startup_timeout
+        self._stop_timeout = stop_timeout
+        self._root: Path | None = None  # temp folder holding data/ and etcd.log
+        self._client_port: int | None = None
+        self._peer_port: int | None = None
+        self._proc: subprocess.Popen[bytes] | None = None
+
+    # -- properties -------------------------------------------------------------------------
+
+    @property
+    def endpoint(self) -> str:
+        """The client endpoint, "127.0.0.1:port" (valid once started; kept across restart())."""
+        if self._client_port is None:
+            raise RuntimeError("EtcdServer has not been started")
+        return f"127.0.0.1:{self._client_port}"
+
+    @property
+    def data_dir(self) -> Path:
+        """The etcd data folder (kept across restart(), removed by stop())."""
+        if self._root is None:
+            raise RuntimeError("EtcdServer has not been started")
+        return self._root / "data"
+
+    @property
+    def running(self) -> bool:
+        """True while the etcd process is alive."""
+        return self._proc is not None and self._proc.poll() is None
+
+    # -- lifecycle --------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Spawn etcd and block until it answers (at most `startup_timeout` seconds).
+
+        The first start picks free ports and a temp folder; later starts (see restart()) reuse
+        them, so clients reconnect to the same endpoint and find the same data.
+
+        Raises:
+            EtcdNotFoundError: no etcd binary.
+            EtcdStartError: etcd exited or did not answer in time.
+        """
+        if self.running:
+            return
+        binary = self._binary or find_etcd_binary()
+        first_start = self._root is None
+        if first_start:
+            self._root = Path(tempfile.mkdtemp(prefix="tandem-etcd-"))
+        # Fresh ports only on the first start: a port stolen between probe and bind shows up as
+        # an early exit, so retry a couple of times with new ports.
+        attempts = 3 if first_start else 1
+        for attempt in range(attempts):
+            if first_start:
+                self._client_port, self._peer_port = _free_port(), _free_port()
+            try:
+                self._spawn(binary)
+                self._wait_ready()
+                logger.info("etcd ready on %s (data in %s)", self.endpoint, self.data_dir)
+                return
+            except EtcdStartError:
+                self._kill()
+                if attempt + 1 == attempts:
+                    if first_start:
+                        self._remove_root()
+                    raise
+                logger.warning("etcd failed to start (attempt %d), retrying", attempt + 1)
+
+    def stop(self) -> None:
+        """Kill etcd's process group (SIGTERM, then SIGKILL) and remove its data folder."""
+        self._kill()
+        self._remove_root()
+
+    def restart(self, downtime: float = 0.0) -> None:
+        """Stop the process, stay down `downtime` seconds, start again on the same port and data.
+
+        Raises:
+            EtcdStartError: the new process did not come up.
+        """
+        self._kill()
+        if downtime > 0:
+            time.sleep(downtime)
+        self.start()
+
+    def stop_process(self) -> None:
+        """Stop the process only (ports and data kept); start() brings it back."""
+        self._kill()
+
+    def __enter__(self) -> EtcdServer:
+        self.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+    async def __aenter__(self) -> EtcdServer:
+        # start() blocks while polling /health; keep the event loop free.
+        await asyncio.to_thread(self.start)
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await asyncio.to_thread(self.stop)
+
+    # -- internals --------------------------------------------------------------------------
+
+    def _spawn(self, binary: str) -> None:
+        assert self._root is not None
+        client_url = f"http://127.0.0.1:{self._client_port}"
+        peer_url = f"http://127.0.0.1:{self._peer_port}"
+        name = "tandem"
+        args = [
+            binary,
+            f"--name={name}",
+            f"--data-dir={self.data_dir}",
+            f"--listen-client-urls={client_url}",
+            f"--advertise-client-urls={client_url}",
+            f"--listen-peer-urls={peer_url}",
+            f"--initial-advertise-peer-urls={peer_url}",
+            f"--initial-cluster={name}={peer_url}",
+            "--logger=zap",
+            "--log-outputs=stderr",
+        ]
+        with open(self._root / "etcd.log", "ab") as log:
+            # Own session: stop() can kill the whole process group.
+            self._proc = subprocess.Popen(
+                args,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=log,
+                start_new_session=True,
+            )
+        logger.debug("spawned etcd pid %d on %s", self._proc.pid, client_url)
+
+    def _wait_ready(self) -> None:
+        assert self._proc is not None
+        url = f"http://127.0.0.1:{self._client_port}/health"
+        deadline = time.monotonic() + self._startup_timeout
+        while time.monotonic() < deadline:
+            if self._proc.poll() is not None:
+                raise EtcdStartError(
+                    f"etcd exited with status {self._proc.returncode}:\n{self._log_tail()}"
+                )
+            try:
+                with urllib.request.urlopen(url, timeout=1.0) as resp:
+                    if json.loads(resp.read()).get("health") == "true":
+                        return
+            except (OSError, ValueError):
+                pass  # not listening yet, or no leader yet
+            time.sleep(0.05)
+        raise EtcdStartError(
+            f"etcd did not answer on {url} within {self._startup_timeout} s:\n{self._log_tail()}"
+        )
+
+    def _kill(self) -> None:
+        proc, self._proc = self._proc, None
+        if proc is None:
+            return
+        if proc.poll() is None:
+            try:
+                os.killpg(proc.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+            try:
+                proc.wait(timeout=self._stop_timeout)
+            except subprocess.TimeoutExpired:
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        proc.wait()  # reap it, or Popen.__del__ warns (ResourceWarning)
+        logger.info("stopped etcd pid %d", proc.pid)
+
+    def _remove_root(self) -> None:
+        root, self._root = self._root, None
+        self._client_port = self._peer_port = None
+        if root is not None:
+            shutil.rmtree(root, ignore_errors=True)
+
+    def _log_tail(self, lines: int = 20) -> str:
+        assert self._root is not None
+        try:
+            text = (self._root / "etcd.log").read_text(errors="replace")
+        except OSError:
+            return "(no etcd log)"
+        return "\n".join(text.splitlines()[-lines:])

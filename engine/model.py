@@ -1,0 +1,456 @@
+"""A DeepSeek-V3-architecture transformer in plain torch, with Hugging Face weight names.
+
+Sources: Hugging Face `transformers/models/deepseek_v3/modeling_deepseek_v3.py` (RMSNorm, RoPE
+with `rope_interleave`, MLA attention, sigmoid group-limited routing, MoE, decoder layer); the
+DeepSeek-V3 technical report (arXiv:2412.19437) sections 2.1 (MLA), 2.1.2 (DeepSeekMoE,
+auxiliary-loss-free bias) and 2.2 (MTP); the MTP weight layout of the DeepSeek-V3 checkpoint
+(`model.layers.{L+k}.{enorm,hnorm,eh_proj,shared_head.*,embed_tokens}`), as read by vLLM's and
+SGLang's DeepSeek MTP models.
+
+The forward pass takes a flat batch: the new tokens of several sequences concatenated
+(`T = sum(q_lens)` rows). Linear layers run on the whole batch; attention runs per sequence on
+that sequence's cached MLA latents, which the caller's `KvCache` stores and returns. The cached
+value per token and layer is the *latent* `cat(kv_a_layernorm(c_kv), rope(k_pe))`, `kv_dim`
+wide; attention expands it through `kv_b_proj` (no weight absorption yet).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.config import ModelConfig
+
+# HF builds q_a_layernorm and kv_a_layernorm with RMSNorm's default eps, not rms_norm_eps.
+LATENT_NORM_EPS = 1e-6
+
+
+class KvCache(Protocol):
+    """Where the model stores and reads the MLA latents of a batch, one call per layer."""
+
+    def update(self, layer: int, latent: torch.Tensor) -> list[torch.Tensor]:
+        """Store latent [T, kv_dim] for the batch's new tokens of `layer` (T = sum(q_lens),
+        sequences concatenated in order) and return, per sequence i, its whole context latent
+        [S_i, kv_dim] (past tokens then this step's new tokens; row r has position r), in the
+        model's dtype. Layers are numbered 0..num_hidden_layers-1, MTP module k uses
+        num_hidden_layers + k."""
+        ...
+
+
+def _linear(in_features: int, out_features: int) -> nn.Linear:
+    return nn.Linear(in_features, out_features, bias=False)  # no biases in DeepSeek-V3
+
+
+def _embedding(vocab: int, hidden: int) -> nn.Embedding:
+    # an explicit weight skips nn.Embedding's own init (on meta it costs a slow first import)
+    return nn.Embedding(vocab, hidden, _weight=torch.empty(vocab, hidden))
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm as HF: normalise in float32, cast back, then scale by `weight` [dim]."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [..., dim]
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def rope_cos_sin(positions: torch.Tensor, dim: int, theta: float,
+                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [T, dim] for positions [T] (HF default rope; computed in float32)."""
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64, device=positions.device).float() / dim
+    inv_freq = 1.0 / (theta ** exponents)  # [dim/2]
+    freqs = positions.float()[:, None] * inv_freq[None, :]  # [T, dim/2]
+    emb = torch.cat((freqs, freqs), dim=-1)  # [T, dim]
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               interleave: bool) -> torch.Tensor:
+    """Rotate x [T, heads, d] by cos/sin [T, d].
+
+    With `interleave` (DeepSeek checkpoints store rope dims as pairs), HF first permutes the
+    dims to [even..., odd...] and then applies rotate_half; q and k get the same permutation, so
+    q·k is the interleaved-pair rotation of the original DeepSeek code.
+    """
+    if interleave:
+        t, h, d = x.shape
+        x = x.view(t, h, d // 2, 2).transpose(-1, -2).reshape(t, h, d)
+    return x * cos[:, None, :] + _rotate_half(x) * sin[:, None, :]
+
+
+def mla_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, context_latent: torch.Tensor,
+                  positions: torch.Tensor, kv_b_weight: torch.Tensor, kv_lora_rank: int,
+                  v_head_dim: int, softmax_scale: float) -> torch.Tensor:
+    """Causal MLA attention of one sequence's queries over its context latents.
+
+    Args:
+        q_nope: [T, H, qk_nope_head_dim] queries without rope.
+        q_pe: [T, H, qk_rope_head_dim] queries, rope already applied.
+        context_latent: [S, kv_lora_rank + qk_rope_head_dim] cached latents; row r = position r.
+        positions: [T] absolute positions of the queries; query p sees rows 0..p (needs p < S).
+        kv_b_weight: [H * (qk_nope_head_dim + v_head_dim), kv_lora_rank] (kv_b_proj.weight).
+        softmax_scale: multiplier of q·k, qk_head_dim ** -0.5 (HF `scaling`).
+    Returns:
+        [T, H, v_head_dim] attention output in the queries' dtype. Scores and softmax are
+        computed in float32.
+    """
+    s = context_latent.shape[0]
+    _, h, nope = q_nope.shape
+    c_kv, k_pe = context_latent.split([kv_lora_rank, context_latent.shape[1] - kv_lora_rank], -1)
+    kv = F.linear(c_kv, kv_b_weight).view(s, h, nope + v_head_dim)  # [S, H, nope + v]
+    k_nope, v = kv.split([nope, v_head_dim], dim=-1)
+    # the rope key is shared by all heads (MQA-style), so it is one [S, rope] matrix
+    scores = (torch.einsum("thd,shd->hts", q_nope, k_nope)
+              + torch.einsum("thd,sd->hts", q_pe, k_pe)).float() * softmax_scale  # [H, T, S]
+    future = torch.arange(s, device=positions.device)[None, :] > positions[:, None]  # [T, S]
+    probs = scores.masked_fill(future, float("-inf")).softmax(dim=-1).to(v.dtype)
+    return torch.einsum("hts,shd->thd", probs, v)  # [T, H, v]
+
+
+class MLAttention(nn.Module):
+    """Multi-head latent attention (DeepSeek-V3 report section 2.1.1); HF parameter names."""
+
+    def __init__(self, c: ModelConfig) -> None:
+        super().__init__()
+        self.c = c
+        h = c.num_attention_heads
+        if c.q_lora_rank is None:
+            self.q_proj = _linear(c.hidden_size, h * c.qk_head_dim)
+        else:
+            self.q_a_proj = _linear(c.hidden_size, c.q_lora_rank)
+            self.q_a_layernorm = RMSNorm(c.q_lora_rank, LATENT_NORM_EPS)
+            self.q_b_proj = _linear(c.q_lora_rank, h * c.qk_head_dim)
+        self.kv_a_proj_with_mqa = _linear(c.hidden_size, c.kv_dim)
+        self.kv_a_layernorm = RMSNorm(c.kv_lora_rank, LATENT_NORM_EPS)
+        self.kv_b_proj = _linear(c.kv_lora_rank, h * (c.qk_nope_head_dim + c.v_head_dim))
+        self.o_proj = _linear(h * c.v_head_dim, c.hidden_size)
+        self.softmax_scale = c.qk_head_dim ** -0.5
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor,
+                rope: tuple[torch.Tensor, torch.Tensor], q_lens: Sequence[int], kv: KvCache,
+                layer_idx: int) -> torch.Tensor:
+        # x: [T, hidden] (already input_layernorm-ed) -> [T, hidden]
+        c, t = self.c, x.shape[0]
+        if c.q_lora_rank is None:
+            q = self.q_proj(x)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q = q.view(t, c.num_attention_heads, c.qk_head_dim)  # [T, H, qk_head_dim]
+        q_nope, q_pe = q.split([c.qk_nope_head_dim, c.qk_rope_head_dim], dim=-1)
+        c_kv, k_pe = self.kv_a_proj_with_mqa(x).split([c.kv_lora_rank, c.qk_rope_head_dim], -1)
+        cos, sin = rope
+        q_pe = apply_rope(q_pe, cos, sin, c.rope_interleave)
+        k_pe = apply_rope(k_pe[:, None, :], cos, sin, c.rope_interleave)[:, 0]  # [T, rope]
+        latent = torch.cat((self.kv_a_layernorm(c_kv), k_pe), dim=-1)  # [T, kv_dim]
+        contexts = kv.update(layer_idx, latent)
+        outs, start = [], 0
+        for n, context in zip(q_lens, contexts, strict=True):
+            sl = slice(start, start + n)
+            outs.append(mla_attention(q_nope[sl], q_pe[sl], context, positions[sl],
+                                      self.kv_b_proj.weight, c.kv_lora_rank, c.v_head_dim,
+                                      self.softmax_scale))
+            start += n
+        return self.o_proj(torch.cat(outs).reshape(t, -1))  # [T, H * v] -> [T, hidden]
+
+
+class MLP(nn.Module):
+    """SwiGLU MLP: down(silu(gate(x)) * up(x)); x: [T, hidden] -> [T, hidden]."""
+
+    def __init__(self, hidden: int, intermediate: int) -> None:
+        super().__init__()
+        self.gate_proj = _linear(hidden, intermediate)
+        self.up_proj = _linear(hidden, intermediate)
+        self.down_proj = _linear(intermediate, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def route(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor,
+          c: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sigmoid group-limited top-k routing of HF `DeepseekV3TopkRouter`, in float32.
+
+    Args: x [T, hidden]; gate_weight [E, hidden]; bias [E] (e_score_correction_bias).
+    Returns: (expert ids [T, k] int64, weights [T, k] float32). The bias only chooses experts
+    (report eq. 16); the weights are the unbiased sigmoid scores, renormalised when
+    norm_topk_prob, times routed_scaling_factor. Groups are ranked by the sum of their two best
+    biased scores and only topk_group groups are kept. Masked experts get -inf (as DeepSeek's
+    own code; HF fills 0.0, which agrees whenever the kept experts' biased scores are > 0).
+    """
+    t, e, g = x.shape[0], c.n_routed_experts, c.n_group
+    scores = F.linear(x.float(), gate_weight.float()).sigmoid()  # [T, E]
+    choice = scores + bias.float()[None, :]  # [T, E]
+    group_scores = choice.view(t, g, e // g).topk(2, dim=-1).values.sum(-1)  # [T, G]
+    group_idx = group_scores.topk(c.topk_group, dim=-1, sorted=False).indices  # [T, topk_group]
+    group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, group_idx, True)
+    expert_mask = group_mask[:, :, None].expand(t, g, e // g).reshape(t, e)  # [T, E]
+    choice = choice.masked_fill(~expert_mask, float("-inf"))
+    ids = choice.topk(c.num_experts_per_tok, dim=-1, sorted=False).indices  # [T, k]
+    weights = scores.gather(1, ids)  # [T, k]
+    if c.norm_topk_prob:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return ids, weights * c.routed_scaling_factor
+
+
+class TopkRouter(nn.Module):
+    """The MoE gate: `weight` [E, hidden] and buffer `e_score_correction_bias` [E] (float32)."""
+
+    def __init__(self, c: ModelConfig) -> None:
+        super().__init__()
+        self.c = c
+        self.weight = nn.Parameter(torch.empty(c.n_routed_experts, c.hidden_size))
+        self.e_score_correction_bias: torch.Tensor
+        self.register_buffer("e_score_correction_bias", torch.empty(c.n_routed_experts))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return route(x, self.weight, self.e_score_correction_bias, self.c)
+
+
+class MoE(nn.Module):
+    """DeepSeekMoE: routed experts weighted by the gate plus always-on shared experts."""
+
+    def __init__(self, c: ModelConfig) -> None:
+        super().__init__()
+        self.gate = TopkRouter(c)
+        self.experts = nn.ModuleList(
+            MLP(c.hidden_size, c.moe_intermediate_size) for _ in range(c.n_routed_experts))
+        self.shared_experts = (MLP(c.hidden_size, c.moe_intermediate_size * c.n_shared_experts)
+                               if c.n_shared_experts > 0 else None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [T, hidden] -> [T, hidden]
+        ids, weights = self.gate(x)
+        out = self.experts_forward(x, ids, weights)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return out
+
+    def experts_forward(self, x: torch.Tensor, ids: torch.Tensor,
+                        weights: torch.Tensor) -> torch.Tensor:
+        """Weighted sum of routed experts: x [T, hidden], ids/weights [T, k] -> [T, hidden].
+
+        Accumulates in float32 like HF. Expert-parallel runtimes replace this call.
+        """
+        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        for e, expert in enumerate(self.experts):
+            tok, slot = torch.where(ids == e)  # tokens routed to e, and which of their k slots
+            if tok.numel():
+                y = expert(x[tok]).float() * weights[tok, slot, None]
+                out.index_add_(0, tok, y)
+        return out.to(x.dtype)
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm block: x + attn(norm(x)), then + mlp(norm(x)); MoE from first_k_dense_replace."""
+
+    def __init__(self, c: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx  # also the KvCache layer number
+        self.self_attn = MLAttention(c)
+        self.mlp: nn.Module = (MoE(c) if layer_idx >= c.first_k_dense_replace
+                               else MLP(c.hidden_size, c.intermediate_size))
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor,
+                rope: tuple[torch.Tensor, torch.Tensor], q_lens: Sequence[int],
+                kv: KvCache) -> torch.Tensor:
+        # x: [T, hidden] residual stream -> [T, hidden]
+        x = x + self.self_attn(self.input_layernorm(x), positions, rope, q_lens, kv,
+                               self.layer_idx)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class SharedHead(nn.Module):
+    """MTP output head: `norm` then `head` [vocab, hidden] (shared with lm_head by default)."""
+
+    def __init__(self, c: ModelConfig) -> None:
+        super().__init__()
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.head = _linear(c.hidden_size, c.vocab_size)
+
+
+class MTPLayer(DecoderLayer):
+    """MTP module k at layer index num_hidden_layers + k (report section 2.2, eq. 21-23)."""
+
+    def __init__(self, c: ModelConfig, layer_idx: int) -> None:
+        super().__init__(c, layer_idx)
+        self.embed_tokens = _embedding(c.vocab_size, c.hidden_size)
+        self.enorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.hnorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        # input order is [embedding; hidden], as the checkpoint (vLLM/SGLang concat that way)
+        self.eh_proj = _linear(2 * c.hidden_size, c.hidden_size)
+        self.shared_head = SharedHead(c)
+
+
+class DeepseekV3Model(nn.Module):
+    """`model.*`: embed_tokens, layers (main layers then MTP layers), norm."""
+
+    def __init__(self, c: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = _embedding(c.vocab_size, c.hidden_size)
+        self.layers = nn.ModuleList(
+            [DecoderLayer(c, i) for i in range(c.num_hidden_layers)]
+            + [MTPLayer(c, c.num_hidden_layers + k) for k in range(c.num_nextn_predict_layers)])
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+
+
+class DeepseekV3ForCausalLM(nn.Module):
+    """The whole model. Construction leaves weights uninitialised: use `build_model` or
+    `engine.loader.load_checkpoint`. `e_score_correction_bias` stays float32 in any dtype."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu") -> None:
+        super().__init__()
+        self.config = config
+        with torch.device("meta"):  # no default init: it would cost time and global RNG draws
+            self.model = DeepseekV3Model(config)
+            self.lm_head = _linear(config.hidden_size, config.vocab_size)
+        self.to_empty(device=device)
+        self.to(dtype)
+        for m in self.modules():
+            if isinstance(m, TopkRouter):  # DeepSeek-V3 checkpoints keep it float32 as well
+                m.e_score_correction_bias = m.e_score_correction_bias.float()
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.embed_tokens.weight.dtype
+
+    def mtp_layer(self, k: int) -> MTPLayer:
+        """MTP module k (0-based). Raises IndexError when k >= num_nextn_predict_layers."""
+        if not 0 <= k < self.config.num_nextn_predict_layers:
+            raise IndexError(f"MTP module {k} of {self.config.num_nextn_predict_layers}")
+        layer = self.model.layers[self.config.num_hidden_layers + k]
+        assert isinstance(layer, MTPLayer)
+        return layer
+
+    def share_mtp_weights(self) -> None:
+        """Make every MTP module use the main embedding and lm_head (report section 2.2)."""
+        for k in range(self.config.num_nextn_predict_layers):
+            layer = self.mtp_layer(k)
+            layer.embed_tokens.weight = self.model.embed_tokens.weight
+            layer.shared_head.head.weight = self.lm_head.weight
+
+    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [T, qk_rope_head_dim] for positions [T], in the model dtype."""
+        return rope_cos_sin(positions, self.config.qk_rope_head_dim, self.config.rope_theta,
+                            self.dtype)
+
+    def run_layers(self, x: torch.Tensor, positions: torch.Tensor, q_lens: Sequence[int],
+                   kv: KvCache, start: int = 0, stop: int | None = None) -> torch.Tensor:
+        """Main layers [start, stop) on the residual stream x [T, hidden] (a pipeline stage)."""
+        _check_batch(x.shape[0], positions, q_lens)
+        stop = self.config.num_hidden_layers if stop is None else stop
+        rope = self.rope(positions)
+        for i in range(start, stop):
+            x = self.model.layers[i](x, positions, rope, q_lens, kv)
+        return x
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, q_lens: Sequence[int],
+                kv: KvCache) -> torch.Tensor:
+        """input_ids, positions [T] (T = sum(q_lens)) -> final-normed hidden [T, hidden].
+
+        Raises ValueError when the lengths disagree.
+        """
+        x = self.model.embed_tokens(input_ids)  # [T, hidden]
+        return self.model.norm(self.run_layers(x, positions, q_lens, kv))
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, hidden] (final-normed; or [hidden]) -> logits [N, vocab] float32."""
+        return self.lm_head(hidden).float()
+
+    def mtp_forward(self, k: int, prev_hidden: torch.Tensor, next_ids: torch.Tensor,
+                    positions: torch.Tensor, q_lens: Sequence[int], kv: KvCache) -> torch.Tensor:
+        """MTP module k (report eq. 21-23) -> hidden [T, hidden], not normed (feed it to
+        `mtp_logits`, or as prev_hidden to module k+1).
+
+        Row i pairs prev_hidden[i] (main `forward` output, or module k-1's output, for the token
+        at positions[i]) with next_ids[i], the token at positions[i] + 1 + k; positions are the
+        prev_hidden tokens' positions, so MTP KV layer num_hidden_layers + k row p holds that
+        pair for p. Raises IndexError for a bad k, ValueError for inconsistent lengths."""
+        layer = self.mtp_layer(k)
+        _check_batch(prev_hidden.shape[0], positions, q_lens)
+        e = layer.enorm(layer.embed_tokens(next_ids))  # [T, hidden]
+        h = layer.hnorm(prev_hidden)  # [T, hidden]
+        x = layer.eh_proj(torch.cat((e, h), dim=-1))  # [T, 2 * hidden] -> [T, hidden]
+        return layer(x, positions, self.rope(positions), q_lens, kv)
+
+    def mtp_logits(self, k: int, hidden: torch.Tensor) -> torch.Tensor:
+        """MTP module k's hidden [N, hidden] -> logits [N, vocab] float32 via shared_head."""
+        head = self.mtp_layer(k).shared_head
+        return head.head(head.norm(hidden)).float()
+
+
+def tied_aliases(c: ModelConfig) -> dict[str, str]:
+    """Tensor names that may share (and then are saved and seeded as) another tensor:
+    alias -> source. MTP embed/head alias the main ones; lm_head the embedding when tied."""
+    out = {}
+    if c.tie_word_embeddings:
+        out["lm_head.weight"] = "model.embed_tokens.weight"
+    for k in range(c.num_nextn_predict_layers):
+        prefix = f"model.layers.{c.num_hidden_layers + k}"
+        out[f"{prefix}.embed_tokens.weight"] = "model.embed_tokens.weight"
+        out[f"{prefix}.shared_head.head.weight"] = "lm_head.weight"
+    return out
+
+
+def _check_batch(t: int, positions: torch.Tensor, q_lens: Sequence[int]) -> None:
+    if positions.shape != (t,) or sum(q_lens) != t or any(n < 0 for n in q_lens):
+        raise ValueError(f"batch of {t} tokens: positions shape {tuple(positions.shape)}, "
+                         f"q_lens {list(q_lens)} (need positions [T] and sum(q_lens) == T)")
+
+
+def _param_seed(seed: int, name: str) -> int:
+    # One generator per tensor, seeded by (seed, name): the weights do not depend on the
+    # construction order, the process or torch's global RNG, and a rank that builds only its
+    # own experts gets exactly the same tensors.
+    return int.from_bytes(hashlib.sha256(f"{seed}/{name}".encode()).digest()[:8], "little") >> 1
+
+
+@torch.no_grad()
+def init_weights(model: DeepseekV3ForCausalLM, seed: int) -> None:
+    """Fill every tensor: norms 1, matrices and e_score_correction_bias N(0, initializer_range).
+
+    Drawn in float32 on the CPU and then cast/copied, so every dtype and device gets the same
+    weights (rounded). A tied alias (`tied_aliases`) is filled once, under its source's name.
+    """
+    std = model.config.initializer_range
+    tensors = model.state_dict(keep_vars=True)
+    aliases = tied_aliases(model.config)
+    for name, t in tensors.items():
+        if name in aliases and t is tensors[aliases[name]]:
+            continue  # filled under the source's name
+        if name.endswith("norm.weight"):
+            t.fill_(1.0)
+            continue
+        g = torch.Generator().manual_seed(_param_seed(seed, name))
+        t.copy_(torch.empty(t.shape, dtype=torch.float32).normal_(0.0, std, generator=g))
+
+
+def build_model(config: ModelConfig, seed: int = 0, dtype: torch.dtype = torch.float32,
+                device: torch.device | str = "cpu") -> DeepseekV3ForCausalLM:
+    """A model on `device` with deterministic weights from `seed` (the same for the same seed
+    in any process), in eval mode without gradients, MTP embed/head shared with the main ones."""
+    model = DeepseekV3ForCausalLM(config, dtype=dtype, device=device)
+    model.share_mtp_weights()
+    init_weights(model, seed)
+    return model.eval().requires_grad_(False)  # inference only: never record autograd
