@@ -47,9 +47,12 @@ async def send_all(address: str, prompts: list[str], concurrency: int, max_token
 
 
 def reference_tokens(model_spec: str, prompts: list[str], max_tokens: int) -> list[list[int]]:
+    import torch
+
     from engine.model_source import load_model
     from engine.reference import reference_generate
 
+    torch.set_num_threads(1)  # the small model is fastest on one thread (and the workers use theirs)
     loaded = load_model(model_spec)
     tok = loaded.tokenizer()
     eos = loaded.config.eos_token_ids

@@ -10,15 +10,17 @@ from common.pb.tandem.v1 import decode_pb2 as pb
 from common.pb.tandem.v1 import discovery_pb2
 from decode_worker.scheduler import DecodeScheduler
 from decode_worker.service import DecodeServicer
+from engine.model_source import LoadedModel
 from engine.worker_host import WorkerOptions, WorkerRuntime, serve_worker
 
 SERVICE = "tandem.v1.DecodeService"
 
 
 async def run(opts: WorkerOptions, ready: Callable[[RunningServer, WorkerRuntime], None] | None = None,
-              stop: asyncio.Event | None = None) -> None:
-    """Serve a decode worker until SIGTERM/SIGINT or `stop`; `ready` is called once serving."""
-    runtime = WorkerRuntime(discovery_pb2.ROLE_DECODE, opts)
+              stop: asyncio.Event | None = None, loaded: LoadedModel | None = None) -> None:
+    """Serve a decode worker until SIGTERM/SIGINT or `stop`; `ready` is called once serving;
+    `loaded` shares an already loaded model (tests run several workers in one process)."""
+    runtime = WorkerRuntime(discovery_pb2.ROLE_DECODE, opts, loaded)
     scheduler = DecodeScheduler(runtime)
     servicer = DecodeServicer(runtime, scheduler)
     methods = {"Generate": ("stream", pb.DecodeRequest, pb.DecodeResponse)}

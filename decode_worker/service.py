@@ -37,8 +37,6 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
         self.scheduler = scheduler
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._metadata_sent: set[str] = set()  # prefill addresses that hold our agent metadata
-        self.remote_prefills = 0
-        self.local_prefills = 0
 
     def _stub(self, address: str) -> prefill_pb2_grpc.PrefillServiceStub:
         if address not in self._channels:
@@ -80,13 +78,13 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
             try:
                 first = await self._remote_prefill(request.prefill_address, request_id, tokens, prompt,
                                                    request.sampling, timeout_s)
-                self.remote_prefills += 1
+                self.rt.stats.remote_prefills += 1
                 return first
             except (grpc.aio.AioRpcError, TransferError) as exc:
                 detail = exc.details() if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
                 log.warning("request %s: prefill on %s failed (%s); prefilling locally",
                             request_id, request.prefill_address, detail)
-        self.local_prefills += 1
+        self.rt.stats.local_prefills += 1
         start = prompt.num_cached_blocks * self.rt.pool.block_size
         logits = await self.rt.prefill(prompt.block_ids, tokens, start)
         return sample(logits, params, step=0)

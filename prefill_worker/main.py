@@ -8,6 +8,7 @@ from typing import Callable
 from common.grpc_server import RunningServer, add_lenient_service
 from common.pb.tandem.v1 import discovery_pb2
 from common.pb.tandem.v1 import prefill_pb2 as pb
+from engine.model_source import LoadedModel
 from engine.worker_host import WorkerOptions, WorkerRuntime, serve_worker
 from prefill_worker.service import PrefillServicer
 
@@ -15,9 +16,10 @@ SERVICE = "tandem.v1.PrefillService"
 
 
 async def run(opts: WorkerOptions, ready: Callable[[RunningServer, WorkerRuntime], None] | None = None,
-              stop: asyncio.Event | None = None) -> None:
-    """Serve a prefill worker until SIGTERM/SIGINT or `stop`; `ready` is called once serving."""
-    runtime = WorkerRuntime(discovery_pb2.ROLE_PREFILL, opts)
+              stop: asyncio.Event | None = None, loaded: LoadedModel | None = None) -> None:
+    """Serve a prefill worker until SIGTERM/SIGINT or `stop`; `ready` is called once serving;
+    `loaded` shares an already loaded model (tests run several workers in one process)."""
+    runtime = WorkerRuntime(discovery_pb2.ROLE_PREFILL, opts, loaded)
     servicer = PrefillServicer(runtime)
     methods = {"Prefill": ("unary", pb.PrefillRequest, pb.PrefillResponse)}
     await serve_worker(runtime, [lambda s: add_lenient_service(s, SERVICE, servicer, methods)], [SERVICE],

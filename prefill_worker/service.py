@@ -73,6 +73,9 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
             except TransferError as exc:
                 log.warning("request %s: KV transfer to %s failed: %s", request.request_id, dst.agent_name, exc)
                 await context.abort(grpc.StatusCode.UNAVAILABLE, f"KV transfer failed: {exc}")
+            self.rt.stats.transfers += 1
+            self.rt.stats.transfer_bytes += result.bytes
+            self.rt.stats.transfer_seconds += result.seconds
             return pb.PrefillResponse(first_token_id=token, first_token_logprob=logprob,
                                       cached_tokens=start, transfer_bytes=result.bytes,
                                       transfer_seconds=result.seconds)

@@ -45,9 +45,9 @@ class RouterOptions:
             raise ValueError(f"--block-size must be >= 1, got {self.block_size}")
 
 
-async def run(opts: RouterOptions, ready: Callable[[RunningServer], None] | None = None,
+async def run(opts: RouterOptions, ready: Callable[[RunningServer, WorkerSet], None] | None = None,
               stop: asyncio.Event | None = None) -> None:
-    """Serve until SIGTERM/SIGINT or `stop`; `ready` is called once serving."""
+    """Serve until SIGTERM/SIGINT or `stop`; `ready(server, workers)` is called once serving."""
     name, config, ckpt = load_config(opts.model)
     watcher = InstanceWatcher(opts.etcd, opts.namespace)
     await watcher.start()
@@ -68,7 +68,7 @@ async def run(opts: RouterOptions, ready: Callable[[RunningServer], None] | None
     restore_signals = install_stop_signals(stop)
     log.info("router serving %s on %s", name, address)
     if ready:
-        ready(server)
+        ready(server, workers)
     try:
         await stop.wait()
     finally:

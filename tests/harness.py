@@ -1,0 +1,104 @@
+"""An in-process cluster for end-to-end tests: a real etcd process, and the router and
+workers as real gRPC servers on loopback, each on one event loop in a background thread,
+with real NIXL transfers between the workers' pools. Tests can inspect the workers' pools.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from concurrent.futures import Future
+from dataclasses import dataclass, field, replace
+from typing import Any, Coroutine
+
+from common.pb.tandem.v1 import discovery_pb2
+from engine.model_source import LoadedModel
+from engine.worker_host import WorkerOptions, WorkerRuntime
+
+
+@dataclass
+class Handle:
+    """A running server: its address, runtime (workers), stop event and task."""
+
+    role: str
+    address: str = ""
+    runtime: WorkerRuntime | None = None
+    workers: Any = None  # the router's WorkerSet
+    stop: asyncio.Event = field(default_factory=asyncio.Event)
+    task: asyncio.Task | None = None
+
+
+class InProcessCluster:
+    def __init__(self, etcd: str, loaded: LoadedModel, namespace: str, worker_opts: WorkerOptions | None = None) -> None:
+        self.etcd = etcd
+        self.loaded = loaded
+        self.namespace = namespace
+        self.worker_opts = replace(worker_opts or WorkerOptions(num_blocks=512), etcd=etcd, namespace=namespace)
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self._thread.start()
+        self.handles: list[Handle] = []
+
+    def call(self, coro: Coroutine[Any, Any, Any], timeout: float = 60.0) -> Any:
+        fut: Future = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        return fut.result(timeout)
+
+    def on_loop(self, fn, *args: Any) -> Any:
+        """Run a plain function on the cluster's loop thread (pool accounting lives there)."""
+        async def run() -> Any:
+            return fn(*args)
+        return self.call(run())
+
+    async def _start(self, role: str, **overrides: Any) -> Handle:
+        h = Handle(role)
+        ready: asyncio.Future = asyncio.get_running_loop().create_future()
+        if role == "router":
+            from router.main import RouterOptions, run
+            opts = RouterOptions(etcd=self.etcd, namespace=self.namespace, block_size=self.worker_opts.block_size)
+            h.task = asyncio.create_task(run(opts, ready=lambda s, w: ready.set_result((s, w)), stop=h.stop))
+        else:
+            run = __import__(f"{role}_worker.main", fromlist=["run"]).run
+            opts = replace(self.worker_opts, **overrides)
+            h.task = asyncio.create_task(run(opts, ready=lambda s, rt: ready.set_result((s, rt)), stop=h.stop,
+                                             loaded=self.loaded))
+        done, _ = await asyncio.wait([ready, h.task], return_when=asyncio.FIRST_COMPLETED)
+        if h.task in done:
+            h.task.result()  # raises the start-up error
+        server, extra = ready.result()
+        if role == "router":
+            h.workers = extra
+        else:
+            h.runtime = extra
+        h.address = f"127.0.0.1:{server.port}"
+        self.handles.append(h)
+        return h
+
+    def start(self, role: str, **overrides: Any) -> Handle:
+        return self.call(self._start(role, **overrides))
+
+    async def _stop(self, h: Handle) -> None:
+        h.stop.set()
+        await h.task
+
+    def stop(self, h: Handle) -> None:
+        self.call(self._stop(h))
+        self.handles.remove(h)
+
+    async def _wait_roles(self, router: Handle, prefill: int, decode: int, timeout: float) -> None:
+        deadline = self.loop.time() + timeout
+        while (len(router.workers.candidates(discovery_pb2.ROLE_PREFILL)) != prefill
+               or len(router.workers.candidates(discovery_pb2.ROLE_DECODE)) != decode):
+            if self.loop.time() > deadline:
+                raise TimeoutError(f"router does not see {prefill} prefill and {decode} decode workers")
+            await asyncio.sleep(0.05)
+
+    def wait_roles(self, router: Handle, prefill: int, decode: int, timeout: float = 15.0) -> None:
+        """Wait until the router's view holds exactly this many prefill and decode workers."""
+        self.call(self._wait_roles(router, prefill, decode, timeout))
+
+    def close(self) -> None:
+        for h in list(reversed(self.handles)):
+            self.stop(h)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(10)
+        self.loop.close()
