@@ -15,9 +15,11 @@ class KvEventServicer(pb_grpc.KvEventServiceServicer):
 
     async def Subscribe(self, request: pb.SubscribeRequest, context: grpc.aio.ServicerContext):
         last = request.from_event_id
+        new = last == 0  # a new subscriber starts from a snapshot
         while True:
-            waiter = self._log.wait_changed()  # take the event before reading, so no batch is missed
-            batches = self._log.since(last)
+            changed = self._log.changed()  # take the event before reading, so no batch is missed
+            batches = None if new else self._log.since(last)
+            new = False
             if batches is None:
                 snap = self._log.snapshot()
                 yield snap
@@ -26,4 +28,4 @@ class KvEventServicer(pb_grpc.KvEventServiceServicer):
                 for b in batches:
                     yield pb.KvEventBatch(event_id=b.event_id, events=[event_to_proto(e) for e in b.events])
                     last = b.event_id
-            await waiter
+            await changed.wait()

@@ -54,8 +54,8 @@ class KvEventLog:
 
     def since(self, event_id: int) -> list[EventBatch] | None:
         """Batches after event_id, or None when the ring no longer holds them all."""
-        if event_id == 0 or event_id > self.last_event_id:
-            return None  # new subscriber, or one that saw an earlier incarnation of this worker
+        if event_id > self.last_event_id:
+            return None  # it saw an earlier incarnation of this worker
         if event_id == self.last_event_id:
             return []
         if self._ring[0].event_id > event_id + 1:
@@ -66,5 +66,6 @@ class KvEventLog:
         return pb.KvEventBatch(event_id=self.last_event_id, snapshot=True,
                                events=[event_to_proto(e) for e in self._blocks.snapshot()])
 
-    async def wait_changed(self) -> None:
-        await self._changed.wait()
+    def changed(self) -> asyncio.Event:
+        """An event set by the next publish(): take it *before* reading, then await it."""
+        return self._changed

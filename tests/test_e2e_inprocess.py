@@ -186,3 +186,48 @@ def test_cancel_mid_stream_frees_every_block(cluster, stub):
     assert free_counts(cluster)[1] < total
     call.cancel()
     assert wait_all_free(cluster), free_counts(cluster)
+
+
+def test_every_server_serves_health_and_reflection(cluster):
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    expected = {cluster.router.address: "tandem.v1.FrontendService",
+                cluster.prefill.address: "tandem.v1.PrefillService",
+                cluster.decode.address: "tandem.v1.DecodeService"}
+    for address, service in expected.items():
+        with grpc.insecure_channel(address) as ch:
+            health = health_pb2_grpc.HealthStub(ch)
+            for name in ("", service):
+                resp = health.Check(health_pb2.HealthCheckRequest(service=name), timeout=5)
+                assert resp.status == health_pb2.HealthCheckResponse.SERVING
+            refl = reflection_pb2_grpc.ServerReflectionStub(ch)
+            (resp,) = list(refl.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]),
+                                                    timeout=5))
+            names = {s.name for s in resp.list_services_response.service}
+            assert {service, "grpc.health.v1.Health"} <= names
+            if service != "tandem.v1.FrontendService":
+                assert "tandem.v1.KvEventService" in names
+
+
+def test_kv_events_stream_snapshot_then_stored(cluster, stub):
+    from common.pb.tandem.v1 import kv_events_pb2, kv_events_pb2_grpc
+
+    with grpc.insecure_channel(cluster.decode.address) as ch:
+        events = kv_events_pb2_grpc.KvEventServiceStub(ch).Subscribe(kv_events_pb2.SubscribeRequest(from_event_id=0),
+                                                                      timeout=20)
+        first = next(events)
+        assert first.snapshot
+        prompt = tokens_of(48, offset=77)  # 3 full blocks, new to every cache
+        run(stub, token_ids=prompt, sampling=greedy(2))
+        stored = []
+        for batch in events:
+            assert not batch.snapshot and batch.event_id > first.event_id
+            stored += [h for e in batch.events if e.HasField("stored") for h in e.stored.block_hashes]
+            if len(stored) >= 2:
+                break
+        events.cancel()
+    from common.block_hash import block_hashes, hash_seed
+    expected = block_hashes(prompt, 16, hash_seed("tandem-tiny"))
+    # The decode worker caches the prompt's full blocks except the last one it recomputes.
+    assert set(stored) <= set(expected) and stored[:2] == expected[:2]
