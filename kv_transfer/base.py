@@ -1,0 +1,257 @@
+"""KV block transfer interface (DESIGN.md section 5, the NIXL paragraph).
+
+A worker owns one KV pool: one contiguous memory region in which block `b` occupies the bytes
+[base + b * stride, base + (b + 1) * stride). With the engine's pool tensor of shape
+[num_blocks, num_layers, block_size, kv_dim] the stride is `tensor[0].numel() * element_size`.
+
+The prefill worker P writes blocks of its pool into the decode worker D's pool with one-sided
+WRITEs, then a notification carrying the request id reaches D; D starts decoding once it has it.
+Only addresses cross the wire (`PoolDescriptor` / `RemoteBlocks`), so any layout with a fixed
+block stride works, and backends (NIXL, CUDA IPC, ...) share these semantics.
+
+Units: addresses, strides and sizes in bytes; durations and timeouts in seconds.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, NamedTuple, NewType, Sequence
+
+if TYPE_CHECKING:
+    import torch
+
+BlockId = NewType("BlockId", int)
+"""Index of a block in a KV pool (0 <= id < num_blocks)."""
+
+PeerName = NewType("PeerName", str)
+"""Transfer agent name of a worker, as announced in discovery."""
+
+HOST_DEVICE = -1
+"""`device_id` of host (CPU) memory; a CUDA device index is >= 0 (torch's `get_device()`)."""
+
+
+class TransferError(Exception):
+    """A transfer could not be started or did not complete (unknown peer, bad remote memory,
+    peer disconnected, backend error). The in-flight handle has been released."""
+
+
+class TransferTimeout(TransferError, TimeoutError):
+    """A transfer or a notification did not complete within its timeout."""
+
+
+class PoolDescriptor(NamedTuple):
+    """Where a registered pool lives; sent to peers so they can address its blocks.
+
+    base_address: address of block 0 (bytes). block_stride_bytes: bytes per block, and the
+    distance between consecutive blocks. device_id: HOST_DEVICE (-1) or a CUDA device index.
+    num_blocks: blocks in the pool.
+    """
+
+    base_address: int
+    block_stride_bytes: int
+    device_id: int
+    num_blocks: int
+
+    def blocks(self, block_ids: Sequence[int]) -> RemoteBlocks:
+        """The `RemoteBlocks` naming `block_ids` of this pool (ids are checked: ValueError)."""
+        for b in block_ids:
+            if not 0 <= b < self.num_blocks:
+                raise ValueError(f"block id {b} out of range [0, {self.num_blocks})")
+        return RemoteBlocks(self.base_address, self.block_stride_bytes, self.device_id,
+                            tuple(block_ids))
+
+
+class RemoteBlocks(NamedTuple):
+    """Destination blocks in a peer's pool: the peer's `PoolDescriptor` fields plus block ids.
+
+    The peer's backend validates that the addressed bytes lie in memory it registered; the
+    sender cannot check the range itself.
+    """
+
+    base_address: int
+    block_stride_bytes: int
+    device_id: int
+    block_ids: Sequence[int]
+
+
+@dataclass(frozen=True)
+class TransferResult:
+    """Outcome of a successful `write_blocks`.
+
+    bytes: payload bytes written. seconds: wall time from submission to completion.
+    descriptors: number of (merged) contiguous descriptors the transfer used.
+    """
+
+    bytes: int
+    seconds: float
+    descriptors: int
+
+
+def merge_runs(src_ids: Sequence[int], dst_ids: Sequence[int],
+               stride: int) -> list[tuple[int, int, int]]:
+    """Byte ranges for copying block src_ids[i] to block dst_ids[i], for all i, in order.
+
+    Consecutive pairs where both the source and the destination ids advance by exactly one are
+    merged into one range, so a transfer uses few, large descriptors (per-descriptor overhead
+    dominates for small blocks).
+
+    Args:
+        src_ids: source block ids (>= 0; repeats allowed).
+        dst_ids: destination block ids (>= 0, distinct), same length as src_ids.
+        stride: bytes per block (> 0), the same in both pools.
+
+    Returns:
+        [(src_offset, dst_offset, length)] in bytes, relative to each pool's base address;
+        empty for empty input. Lengths sum to len(src_ids) * stride.
+
+    Raises:
+        ValueError: lengths differ, a negative id, a repeated destination id (two sources
+            would race for one block), or stride <= 0.
+    """
+    if len(src_ids) != len(dst_ids):
+        raise ValueError(f"{len(src_ids)} source ids but {len(dst_ids)} destination ids")
+    if stride <= 0:
+        raise ValueError(f"stride must be > 0 bytes, got {stride}")
+    if len(set(dst_ids)) != len(dst_ids):
+        raise ValueError("destination block ids repeat")
+    runs: list[tuple[int, int, int]] = []
+    run_src = run_dst = run_len = 0  # current run, in blocks
+    for s, d in zip(src_ids, dst_ids):
+        if s < 0 or d < 0:
+            raise ValueError(f"negative block id in ({s}, {d})")
+        if run_len and s == run_src + run_len and d == run_dst + run_len:
+            run_len += 1
+            continue
+        if run_len:
+            runs.append((run_src * stride, run_dst * stride, run_len * stride))
+        run_src, run_dst, run_len = s, d, 1
+    if run_len:
+        runs.append((run_src * stride, run_dst * stride, run_len * stride))
+    return runs
+
+
+class KvTransferAgent(abc.ABC):
+    """One worker's endpoint for KV block transfers (DESIGN.md section 5).
+
+    Lifecycle: create -> `register_pool` (once) -> `metadata()` is published (gRPC call or
+    discovery record) -> peers call `add_peer` with it -> `write_blocks` / `wait_notification`
+    -> `close()`. Peer metadata is cached until `remove_peer` (call it when the peer leaves
+    discovery).
+
+    Threading: an agent is driven from one thread (the worker's asyncio event loop); the
+    coroutines may run concurrently on that loop.
+    """
+
+    @property
+    @abc.abstractmethod
+    def name(self) -> PeerName:
+        """This agent's name (unique among the workers that talk to each other)."""
+
+    @abc.abstractmethod
+    def register_pool(self, tensor: torch.Tensor) -> PoolDescriptor:
+        """Register the KV pool: the source of `write_blocks` and the target of peers' writes.
+
+        Args:
+            tensor: contiguous, non-empty, first dimension = blocks. The agent keeps a
+                reference, so the memory stays valid until `close()`.
+
+        Returns:
+            The pool's descriptor (send it to peers with the metadata).
+
+        Raises:
+            ValueError: not contiguous or empty. RuntimeError: a pool is already registered,
+                or the agent is closed. TransferError: the backend refused the memory.
+        """
+
+    @abc.abstractmethod
+    def metadata(self) -> bytes:
+        """Opaque bytes a peer passes to `add_peer` to reach this agent.
+
+        Call after `register_pool`: the metadata describes the registered memory, and a peer
+        holding older metadata cannot write into memory registered later.
+
+        Raises:
+            RuntimeError: no pool registered yet, or closed.
+        """
+
+    @abc.abstractmethod
+    def add_peer(self, name: str, metadata: bytes) -> None:
+        """Load a peer's metadata so `write_blocks` can target it.
+
+        Idempotent: the same (name, metadata) again is a no-op; new metadata for a known name
+        (the peer restarted) replaces the old.
+
+        Raises:
+            ValueError: `name` is empty, is this agent's own name, or differs from the name in
+                `metadata`. TransferError: the backend rejected the metadata.
+        """
+
+    @abc.abstractmethod
+    def has_peer(self, name: str) -> bool:
+        """Whether metadata for `name` is loaded."""
+
+    @abc.abstractmethod
+    def remove_peer(self, name: str) -> None:
+        """Forget a peer (it left discovery). Unknown names are ignored. Transfers already in
+        flight to it end on their own (success, error or timeout); new ones raise TransferError.
+        """
+
+    @abc.abstractmethod
+    async def write_blocks(self, peer_name: str, src_block_ids: Sequence[int],
+                           dst: RemoteBlocks, notification: bytes,
+                           timeout_s: float) -> TransferResult:
+        """Write local blocks src_block_ids[i] into the peer's blocks dst.block_ids[i], then
+        deliver `notification` (the request id) to the peer, after all the data.
+
+        Exactly one terminal outcome: a `TransferResult`, or an exception; in every case
+        (including cancellation of the awaiting task) the in-flight handle is released, which
+        aborts an unfinished transfer. With no blocks, only the notification is sent.
+
+        Args:
+            peer_name: a name added with `add_peer`.
+            src_block_ids: blocks of the local pool.
+            dst: the peer's pool (from its `PoolDescriptor`) and destination ids, one per source.
+            notification: bytes the peer receives via `wait_notification` (non-empty).
+            timeout_s: seconds before giving up (> 0).
+
+        Returns:
+            TransferResult(bytes, seconds, descriptors).
+
+        Raises:
+            ValueError: bad ids (out of the local range, length mismatch, repeated
+                destinations), dst.block_stride_bytes != the local stride, empty notification,
+                timeout_s <= 0. TransferError: unknown peer (before anything is sent), the
+                backend refused the descriptors (e.g. dst outside the peer's registered
+                memory), or the transfer failed (peer gone). TransferTimeout: not done within
+                timeout_s. RuntimeError: no pool registered, or closed.
+        """
+
+    @abc.abstractmethod
+    async def wait_notification(self, message: bytes, timeout_s: float) -> PeerName:
+        """Wait until a notification equal to `message` arrives from any peer; consume it.
+
+        Notifications with other messages are buffered (bounded) for their own waiters, so
+        concurrent requests each get theirs, and a notification that arrives before its waiter
+        is not lost.
+
+        Args:
+            message: the exact bytes the writer passed as `notification`.
+            timeout_s: seconds to wait (> 0).
+
+        Returns:
+            The sender's agent name.
+
+        Raises:
+            TransferTimeout: nothing matching within timeout_s. RuntimeError: closed.
+        """
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Release handles, registrations and peers. Idempotent; the agent is unusable after."""
+
+    def __enter__(self) -> KvTransferAgent:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
