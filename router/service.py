@@ -33,7 +33,9 @@ class FrontendServicer(pb_grpc.FrontendServiceServicer):
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.context_length = context_length
-        self.policy = LeastLoaded()
+        # One policy per role: each rotates its own ties.
+        self.decode_policy = LeastLoaded()
+        self.prefill_policy = LeastLoaded()
 
     def _prompt(self, request: pb.GenerateRequest) -> list[int]:
         check_parsed(request)
@@ -66,10 +68,10 @@ class FrontendServicer(pb_grpc.FrontendServiceServicer):
         except LookupError as exc:
             await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
         request_id = request.request_id or uuid.uuid4().hex
-        decode = self.policy.choose(self.workers.candidates(discovery_pb2.ROLE_DECODE), self.workers.in_flight)
+        decode = self.decode_policy.choose(self.workers.candidates(discovery_pb2.ROLE_DECODE), self.workers.in_flight)
         if decode is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "no healthy decode worker")
-        prefill = self.policy.choose(self.workers.candidates(discovery_pb2.ROLE_PREFILL), self.workers.in_flight)
+        prefill = self.prefill_policy.choose(self.workers.candidates(discovery_pb2.ROLE_PREFILL), self.workers.in_flight)
         log.debug("request %s: decode=%s prefill=%s", request_id, decode.instance_id,
                   prefill.instance_id if prefill else "local")
         chosen = [decode] + ([prefill] if prefill else [])
