@@ -3,14 +3,24 @@
 NIXL is imported lazily (`nixl_cu13`, then `nixl`) so the package imports on machines without
 it. Facts about the `nixl-cu13` 1.5.1 wheel this module relies on (measured, not documented):
 
-* The UCX progress thread is needed: on one host UCX picks `rma_am(tcp/lo)` + `cma`, i.e. RMA
-  emulated with active messages, so a WRITE only completes while the *target* progresses. The
-  thread makes writes one-sided from the caller's point of view.
+* The UCX progress thread is needed: on one host UCX wires a connection up (and sends
+  notifications) with active messages over TCP loopback, and moves the data with CMA
+  (process_vm_writev). Without the thread, a WRITE to a target that is not calling into NIXL
+  at that moment never completes (measured: hangs); with it, writes are one-sided.
 * The Python wrapper hard-codes the progress thread's poll delay to 0, which busy-spins one
   core per agent (100 % CPU while idle). We build the native agent ourselves with
   `progress_delay_us` (default 1000: the thread sleeps on the worker's event fd and wakes at
-  least every 1 ms; ~3 % CPU idle, same bandwidth).
+  least every 1 ms; ~3 % CPU idle, and about twice the bandwidth on 2 cores, where the
+  spinning threads competed with the copy).
+* On one host UCX writes host memory with CMA (process_vm_writev) *inside* the post call,
+  which holds the GIL: `write_blocks` stalls the whole process for about bytes / 5 GB/s
+  (~25 ms for 134 MB on the 2-core machine); running the post in another thread does not help.
+  Keep per-request transfers moderate. Measured there (tools/bench_transfer.py): ~40 % of a
+  2-thread memcpy, ~50 % of a 1-thread one, close to raw process_vm_writev (~7 GB/s).
 * Agent names must be non-empty; metadata is ~330 bytes plus ~120 per registered region.
+  Creating the first agent of a process takes ~0.45 s (UCX init), later ones ~0.03 s; the
+  first WRITE to a peer pays ~20 ms of connection setup. Failures also log through glog/UCX
+  on stderr (e.g. `createXferReq: metadata for remote agent 'x' not found`).
 
 Threading: the native agent runs with NIXL_THREAD_SYNC_NONE (the wrapper's default without a
 listener thread), so all calls must come from one thread: the asyncio loop that drives this
@@ -381,16 +391,19 @@ class NixlAgent(KvTransferAgent):
             for fut in futs:
                 if not fut.done() and not fut.get_loop().is_closed():
                     fut.set_exception(RuntimeError(f"transfer agent {self._name!r} closed"))
+        stuck = sum(self._in_flight.values())  # writes still awaited on the loop
         for h in self._unreleased:
             try:
                 self._agent.release_xfer_handle(h)
             except Exception:
+                stuck += 1
                 logger.error("NIXL WRITE handle still unreleased at close", exc_info=True)
         self._unreleased.clear()
         for name in [*self._peers, *self._removed_busy]:
             self._invalidate(name)
         self._peers.clear()
-        if self._reg_descs is not None:
+        # Deregistering under a live transfer lets UCX touch unmapped memory: leave it then.
+        if self._reg_descs is not None and not stuck:
             try:
                 self._agent.deregister_memory(self._reg_descs)
             except Exception:

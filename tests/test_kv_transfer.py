@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import multiprocessing as mp
+import os
+import signal
 import time
 
 import pytest
@@ -119,6 +121,45 @@ def test_scattered_write_across_processes():
             child.kill()
             child.join()
     assert child.exitcode == 0
+
+
+def _idle_child(conn) -> None:
+    """A destination that publishes its pool, then only lets its progress thread serve."""
+    with create_agent("nixl", "test-D-idle") as d:
+        desc = d.register_pool(torch.zeros(SHAPE))
+        conn.send((d.metadata(), tuple(desc)))
+        conn.recv()  # blocks until the parent stops or kills this process
+
+
+def test_stalled_then_dead_peer_fails_promptly():
+    """DESIGN.md §5: a peer that stalls times out, one that leaves errors, neither hangs."""
+    ctx = mp.get_context("spawn")
+    parent_end, child_end = ctx.Pipe()
+    child = ctx.Process(target=_idle_child, args=(child_end,), daemon=True)
+    child.start()
+    try:
+        assert parent_end.poll(30), "child did not publish its metadata"
+        metadata, desc = parent_end.recv()
+        dst = PoolDescriptor(*desc).blocks([0, 1])
+        with create_agent("nixl", "test-P-stall") as p:
+            p.register_pool(_source_pool(torch.float32))
+            p.add_peer("test-D-idle", metadata)
+            asyncio.run(p.write_blocks("test-D-idle", [0, 1], dst, b"ok", 10.0))
+            os.kill(child.pid, signal.SIGSTOP)
+            t0 = time.monotonic()
+            with pytest.raises(TransferTimeout):
+                asyncio.run(p.write_blocks("test-D-idle", [0, 1], dst, b"stalled", 0.5))
+            assert time.monotonic() - t0 < 1.5
+            os.kill(child.pid, signal.SIGKILL)
+            child.join(10)
+            t0 = time.monotonic()
+            with pytest.raises(TransferError):
+                asyncio.run(p.write_blocks("test-D-idle", [0, 1], dst, b"gone", 10.0))
+            assert time.monotonic() - t0 < 2.0
+    finally:
+        if child.is_alive():
+            child.kill()
+            child.join()
 
 
 @pytest.mark.parametrize("src,dst,runs", [
