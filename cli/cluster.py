@@ -26,13 +26,15 @@ class LocalCluster:
 
     Args:
         worker_args: extra flags for every worker (e.g. ["--num-blocks", "512"]).
+        router_args: extra flags for the router (e.g. ["--router-mode", "round-robin"]).
         router_port: 0 picks a free port; the chosen address is `router_address`.
         log_dir: where each process's log goes (a temporary folder by default).
     """
 
     def __init__(self, model: str = "tandem-tiny", num_prefill: int = 1, num_decode: int = 1,
                  etcd: str = "", router_port: int = 0, namespace: str = "local",
-                 worker_args: list[str] | None = None, log_dir: str | None = None,
+                 worker_args: list[str] | None = None, router_args: list[str] | None = None,
+                 log_dir: str | None = None,
                  ready_timeout_s: float = 120.0) -> None:
         self.model = model
         self.num_prefill = num_prefill
@@ -40,6 +42,7 @@ class LocalCluster:
         self.namespace = namespace
         self.router_port = router_port
         self.worker_args = worker_args or []
+        self.router_args = router_args or []
         self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix="tandem-up-"))
         self.ready_timeout_s = ready_timeout_s
         self._etcd_endpoint = etcd
@@ -68,7 +71,7 @@ class LocalCluster:
             self._etcd = EtcdServer()
             self._etcd.start()
             self._etcd_endpoint = self._etcd.endpoint
-        self.spawn("router", "router", "--port", str(self.router_port))
+        self.spawn("router", "router", "--port", str(self.router_port), *self.router_args)
         for i in range(self.num_prefill):
             self.spawn(f"prefill-{i}", "prefill", *self.worker_args)
         for i in range(self.num_decode):

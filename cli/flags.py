@@ -25,6 +25,11 @@ HELP = {
     "transfer_backend": "KV transfer backend",
     "transfer_timeout_s": "KV transfer timeout in seconds",
     "torch_threads": "intra-op threads for the model",
+    "router_mode": "placement: kv | approx | round-robin | random | least-loaded",
+    "prefill_weight": "kv/approx cost of one uncached block relative to one active decode block",
+    "router_temperature": "kv/approx: 0 picks the lowest cost; > 0 samples by cost",
+    "local_prefill_threshold": "prefill on the decode worker when its uncached part is below this many tokens",
+    "approx_ttl_s": "approx mode: seconds a routed block is assumed cached",
 }
 
 

@@ -37,7 +37,7 @@ def _up(args: argparse.Namespace) -> int:
 
     async def main() -> None:
         cluster = LocalCluster(model=args.model, num_prefill=args.prefill, num_decode=args.decode, etcd=args.etcd,
-                               router_port=args.port)
+                               router_port=args.port, router_args=["--router-mode", args.router_mode])
         await cluster.start()
         print(f"tandem up: router at {cluster.router_address}, etcd at {cluster.etcd_endpoint}, "
               f"logs in {cluster.log_dir}; Ctrl-C stops everything", flush=True)
@@ -76,6 +76,27 @@ def _generate(args: argparse.Namespace) -> int:
     return asyncio.run(main())
 
 
+def _explain(args: argparse.Namespace) -> int:
+    import grpc
+
+    from cli.client import frontend_stub
+    from common.pb.tandem.v1 import frontend_pb2
+
+    async def main() -> int:
+        ch, stub = frontend_stub(args.router)
+        try:
+            resp = await stub.ExplainRoute(frontend_pb2.GenerateRequest(text=args.prompt), timeout=10)
+        except grpc.aio.AioRpcError as exc:
+            print(f"tandem explain: {exc.code().name}: {exc.details()}", file=sys.stderr)
+            return 1
+        finally:
+            await ch.close()
+        print(resp.text)
+        return 0
+
+    return asyncio.run(main())
+
+
 def main(argv: list[str] | None = None) -> int:
     from engine.worker_host import WorkerOptions
     from router.main import RouterOptions
@@ -96,6 +117,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--port", type=int, default=env_default("--port", 50051), help="router port")
     p.add_argument("--prefill", type=int, default=1, help="prefill workers")
     p.add_argument("--decode", type=int, default=1, help="decode workers")
+    p.add_argument("--router-mode", default=env_default("--router-mode", "kv"),
+                   help="kv | approx | round-robin | random | least-loaded")
     p.set_defaults(func=_up)
     p = sub.add_parser("generate", help="send one prompt to a router and stream the answer")
     p.add_argument("prompt")
@@ -105,6 +128,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", default=None)
     p.set_defaults(func=_generate)
+    p = sub.add_parser("explain", help="show where the router would place a prompt, and why")
+    p.add_argument("prompt")
+    p.add_argument("--router", default=env_default("--router", "127.0.0.1:50051"))
+    p.set_defaults(func=_explain)
     p = sub.add_parser("demo", help="the README demo (MT-Bench through a local cluster)", add_help=False)
     p.set_defaults(func=None)
     args, rest = parser.parse_known_args(argv)

@@ -211,7 +211,7 @@ class ModelConfig:
             kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
             n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, n_group=2,
             topk_group=1, routed_scaling_factor=2.5, norm_topk_prob=True,
-            num_nextn_predict_layers=1, max_position_embeddings=2048, rope_theta=10000.0,
+            num_nextn_predict_layers=1, max_position_embeddings=4096, rope_theta=10000.0,
             rms_norm_eps=1e-6, initializer_range=0.02, bos_token_id=151643,
             eos_token_id=[151643, 151645],  # type: ignore[arg-type]  # stored as a tuple
         )

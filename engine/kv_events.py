@@ -41,6 +41,9 @@ class KvEventLog:
         self._ring: deque[EventBatch] = deque(maxlen=capacity)
         self.last_event_id = 0
         self._changed = asyncio.Event()
+        # Why subscribers got snapshots (besides being new): counted for metrics.
+        self.future_subscribers = 0  # asked from an id this worker never issued
+        self.behind_subscribers = 0  # asked from an id that left the ring
 
     def publish(self) -> None:
         """Turn the pool's pending events into one batch (no-op when there are none)."""
@@ -55,10 +58,12 @@ class KvEventLog:
     def since(self, event_id: int) -> list[EventBatch] | None:
         """Batches after event_id, or None when the ring no longer holds them all."""
         if event_id > self.last_event_id:
+            self.future_subscribers += 1
             return None  # it saw an earlier incarnation of this worker
         if event_id == self.last_event_id:
             return []
         if self._ring[0].event_id > event_id + 1:
+            self.behind_subscribers += 1
             return None  # fell behind the ring
         return [b for b in self._ring if b.event_id > event_id]
 

@@ -64,6 +64,7 @@ class WorkerStats:
 
     remote_prefills: int = 0  # decode: prompts whose KV came from a prefill worker
     local_prefills: int = 0  # decode: prompts prefilled here
+    prefill_cached_tokens: int = 0  # prefill: prompt tokens taken from this worker's prefix cache
     transfers: int = 0  # prefill: KV transfers completed
     transfer_bytes: int = 0
     transfer_seconds: float = 0.0

@@ -73,6 +73,7 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
             except TransferError as exc:
                 log.warning("request %s: KV transfer to %s failed: %s", request.request_id, dst.agent_name, exc)
                 await context.abort(grpc.StatusCode.UNAVAILABLE, f"KV transfer failed: {exc}")
+            self.rt.stats.prefill_cached_tokens += start
             self.rt.stats.transfers += 1
             self.rt.stats.transfer_bytes += result.bytes
             self.rt.stats.transfer_seconds += result.seconds

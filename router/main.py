@@ -19,6 +19,12 @@ from discovery.registration import Registration
 from discovery.watcher import InstanceWatcher
 from engine.model_source import TINY, load_config
 from engine.worker_host import VERSION
+from router.approx_index import ApproxIndex
+from router.kv_index import KvIndex
+from router.kv_subscriber import KvEventSubscriber
+from router.load import LoadTracker
+from router.placement import NoOverlap, Placement, PlacementOptions
+from router.policy import MODES
 from router.service import FrontendServicer
 from router.workers import WorkerSet
 
@@ -37,24 +43,72 @@ class RouterOptions:
     port: int = 0
     namespace: str = "default"
     lease_ttl_s: float = 10.0
+    router_mode: str = "kv"  # kv | approx | round-robin | random | least-loaded
+    prefill_weight: float = 1.0  # cost of one uncached block relative to one active decode block
+    router_temperature: float = 0.0  # 0 = lowest cost always wins
+    local_prefill_threshold: int = 0  # tokens: prefill on the decode worker below this (0 = off)
+    approx_ttl_s: float = 120.0  # approx mode: how long a routed block is assumed cached
 
     def __post_init__(self) -> None:
+        if self.router_mode not in MODES:
+            raise ValueError(f"--router-mode must be one of {', '.join(MODES)}; got {self.router_mode!r}")
+        if self.prefill_weight < 0 or self.router_temperature < 0 or self.local_prefill_threshold < 0:
+            raise ValueError("--prefill-weight, --router-temperature and --local-prefill-threshold must be >= 0")
+        if self.approx_ttl_s <= 0:
+            raise ValueError(f"--approx-ttl must be > 0 seconds, got {self.approx_ttl_s}")
         if not self.etcd:
             raise ValueError("--etcd is required for the router (host:port of an etcd server)")
         if self.block_size < 1:
             raise ValueError(f"--block-size must be >= 1, got {self.block_size}")
 
 
-async def run(opts: RouterOptions, ready: Callable[[RunningServer, WorkerSet], None] | None = None,
+def overlap_source(opts: RouterOptions, workers: WorkerSet):
+    """(overlap source, after-routing hook, KV event subscriber) for the router mode."""
+    if opts.router_mode == "kv":
+        index = KvIndex()
+        return index, None, KvEventSubscriber(index, workers)
+    if opts.router_mode == "approx":
+        approx = ApproxIndex(ttl_s=opts.approx_ttl_s)
+
+        class Approx:
+            def overlaps(self, hashes):
+                return approx.overlaps(hashes, time.monotonic())
+
+        def on_routed(decision, hashes) -> None:
+            for c in (decision.decode, decision.prefill):
+                if c is not None and hashes:
+                    approx.record(c.instance_id, hashes, time.monotonic())
+
+        return Approx(), on_routed, None
+    return NoOverlap(), None, None
+
+
+async def _follow_membership(watcher: InstanceWatcher, subscriber: KvEventSubscriber | None) -> None:
+    """Keep one KV event subscription per worker as workers join and leave."""
+    if subscriber is None:
+        return
+    subscriber.sync()
+    async for _ in watcher.events(replay=False):
+        subscriber.sync()
+
+
+async def run(opts: RouterOptions, ready: Callable[[RunningServer, FrontendServicer], None] | None = None,
               stop: asyncio.Event | None = None) -> None:
-    """Serve until SIGTERM/SIGINT or `stop`; `ready(server, workers)` is called once serving."""
+    """Serve until SIGTERM/SIGINT or `stop`; `ready(server, servicer)` is called once serving."""
     name, config, ckpt = load_config(opts.model)
     watcher = InstanceWatcher(opts.etcd, opts.namespace)
     await watcher.start()
     workers = WorkerSet(watcher, name, opts.block_size, hash_seed(name))
-    servicer = FrontendServicer(workers, load_tokenizer(ckpt), config.vocab_size, config.max_position_embeddings)
+    load = LoadTracker(opts.block_size)
+    overlap, on_routed, subscriber = overlap_source(opts, workers)
+    placement = Placement(workers, load, overlap, PlacementOptions(
+        opts.router_mode, opts.prefill_weight, opts.router_temperature, opts.local_prefill_threshold))
+    servicer = FrontendServicer(workers, placement, load, load_tokenizer(ckpt), config.vocab_size,
+                                config.max_position_embeddings, on_routed=on_routed)
+    membership = asyncio.create_task(_follow_membership(watcher, subscriber), name="membership")  # strong ref
     methods = {"Generate": ("stream", pb.GenerateRequest, pb.GenerateResponse),
-               "ListModels": ("unary", pb.ListModelsRequest, pb.ListModelsResponse)}
+               "ListModels": ("unary", pb.ListModelsRequest, pb.ListModelsResponse),
+               "ExplainRoute": ("unary", pb.GenerateRequest, pb.ExplainRouteResponse)}
     server = await start_server(f"{opts.host}:{opts.port}", [lambda s: add_lenient_service(s, SERVICE, servicer, methods)],
                                 [SERVICE])
     address = f"{opts.host}:{server.port}"
@@ -68,7 +122,7 @@ async def run(opts: RouterOptions, ready: Callable[[RunningServer, WorkerSet], N
     restore_signals = install_stop_signals(stop)
     log.info("router serving %s on %s", name, address)
     if ready:
-        ready(server, workers)
+        ready(server, servicer)
     try:
         await stop.wait()
     finally:
@@ -76,5 +130,8 @@ async def run(opts: RouterOptions, ready: Callable[[RunningServer, WorkerSet], N
         await server.set_serving(False)
         await asyncio.shield(registration.stop())
         await server.stop(2.0)
+        membership.cancel()
+        if subscriber is not None:
+            await subscriber.close()
         await workers.close()
         await watcher.stop()

@@ -1,9 +1,9 @@
-"""FrontendService: the client-facing API (DESIGN.md sections 2 and 5).
+"""FrontendService: the client-facing API (DESIGN.md sections 2, 4 and 5).
 
-Generate: validate → tokenize → choose a decode worker and a prefill worker → call the
-decode worker with the prefill worker's address and the remaining deadline → stream tokens
-back as text deltas, cutting at stop strings. Cancelling the client's call cancels the
-decode call, which frees every block on both workers.
+Generate: validate → tokenize → route (router/placement.py: decode worker, and prefill worker
+or local prefill) → call the decode worker with the prefill worker's address and the remaining
+deadline → stream tokens back as text deltas, cutting at stop strings. Cancelling the
+client's call cancels the decode call, which frees every block on both workers.
 """
 
 from __future__ import annotations
@@ -15,27 +15,43 @@ import uuid
 import grpc
 
 from common.grpc_errors import abort_invalid, check_parsed
-from common.pb.tandem.v1 import decode_pb2, decode_pb2_grpc, discovery_pb2, sampling_pb2
+from common.pb.tandem.v1 import decode_pb2, decode_pb2_grpc, sampling_pb2
 from common.pb.tandem.v1 import frontend_pb2 as pb
 from common.pb.tandem.v1 import frontend_pb2_grpc as pb_grpc
 from common.tokenizer import IncrementalDetokenizer, TextTokenizer
 from common.validation import InvalidArgument, sampling_from_proto, sampling_to_proto, validate_token_ids
-from router.policy import LeastLoaded
+from router.decision import RouteDecision
+from router.load import LoadTracker
+from router.placement import NoWorker, Placement
 from router.stop_strings import StopMatcher
 from router.workers import WorkerSet
 
 log = logging.getLogger(__name__)
 
 
+def decision_to_proto(d: RouteDecision) -> pb.ExplainRouteResponse:
+    chosen = {d.decode.instance_id} | ({d.prefill.instance_id} if d.prefill else set())
+    return pb.ExplainRouteResponse(
+        mode=d.mode, prompt_tokens=d.prompt_tokens, prompt_blocks=d.prompt_blocks,
+        candidates=[pb.RouteCandidate(instance_id=c.instance_id, role=c.role, overlap_blocks=c.overlap_blocks,
+                                      load=c.load, cost=c.cost, chosen=c.instance_id in chosen)
+                    for c in d.candidates],
+        decode_instance_id=d.decode.instance_id, prefill_instance_id=d.prefill.instance_id if d.prefill else "",
+        local_prefill_reason=d.local_prefill_reason, decision_seconds=d.seconds, text=d.explain())
+
+
 class FrontendServicer(pb_grpc.FrontendServiceServicer):
-    def __init__(self, workers: WorkerSet, tokenizer: TextTokenizer, vocab_size: int, context_length: int) -> None:
+    def __init__(self, workers: WorkerSet, placement: Placement, load: LoadTracker, tokenizer: TextTokenizer,
+                 vocab_size: int, context_length: int, on_routed=None) -> None:
         self.workers = workers
+        self.placement = placement
+        self.load = load
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.context_length = context_length
-        # One policy per role: each rotates its own ties.
-        self.decode_policy = LeastLoaded()
-        self.prefill_policy = LeastLoaded()
+        self.on_routed = on_routed  # approx mode: remember the routed blocks
+        self.decisions = 0
+        self.decision_seconds = 0.0
 
     def _prompt(self, request: pb.GenerateRequest) -> list[int]:
         check_parsed(request)
@@ -53,12 +69,7 @@ class FrontendServicer(pb_grpc.FrontendServiceServicer):
         validate_token_ids(list(request.token_ids), self.vocab_size)
         return list(request.token_ids)
 
-    async def ListModels(self, request: pb.ListModelsRequest, context: grpc.aio.ServicerContext) -> pb.ListModelsResponse:
-        return pb.ListModelsResponse(models=[pb.ModelInfo(
-            name=self.workers.model, context_length=self.context_length, vocab_size=self.vocab_size,
-            block_size=self.workers.block_size)])
-
-    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
+    async def _validated(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
         try:
             tokens = self._prompt(request)
             params = sampling_from_proto(request.sampling, len(tokens), self.context_length,
@@ -67,17 +78,40 @@ class FrontendServicer(pb_grpc.FrontendServiceServicer):
             await abort_invalid(context, exc)
         except LookupError as exc:
             await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
+        return tokens, params
+
+    async def _route(self, tokens: list[int], context: grpc.aio.ServicerContext) -> tuple[RouteDecision, list[int]]:
+        try:
+            return self.placement.route(tokens)
+        except NoWorker as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+            raise
+
+    async def ListModels(self, request: pb.ListModelsRequest, context: grpc.aio.ServicerContext) -> pb.ListModelsResponse:
+        return pb.ListModelsResponse(models=[pb.ModelInfo(
+            name=self.workers.model, context_length=self.context_length, vocab_size=self.vocab_size,
+            block_size=self.workers.block_size)])
+
+    async def ExplainRoute(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> pb.ExplainRouteResponse:
+        tokens, _ = await self._validated(request, context)
+        decision, _ = await self._route(tokens, context)
+        return decision_to_proto(decision)
+
+    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
+        tokens, params = await self._validated(request, context)
         request_id = request.request_id or uuid.uuid4().hex
-        decode = self.decode_policy.choose(self.workers.candidates(discovery_pb2.ROLE_DECODE), self.workers.in_flight)
-        if decode is None:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "no healthy decode worker")
-        prefill = self.prefill_policy.choose(self.workers.candidates(discovery_pb2.ROLE_PREFILL), self.workers.in_flight)
-        log.debug("request %s: decode=%s prefill=%s", request_id, decode.instance_id,
-                  prefill.instance_id if prefill else "local")
-        chosen = [decode] + ([prefill] if prefill else [])
-        for inst in chosen:
-            self.workers.in_flight[inst.instance_id] += 1
-        call = decode_pb2_grpc.DecodeServiceStub(self.workers.channel(decode)).Generate(
+        decision, hashes = await self._route(tokens, context)
+        self.decisions += 1
+        self.decision_seconds += decision.seconds
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("request %s routed:\n%s", request_id, decision.explain())
+        if self.on_routed is not None:
+            self.on_routed(decision, hashes)
+        prefill = decision.prefill
+        uncached = len(tokens) - (prefill.overlap_blocks * self.workers.block_size if prefill else 0)
+        load = self.load.start(decision.decode.instance_id, prefill.instance_id if prefill else None,
+                               len(tokens), uncached)
+        call = decode_pb2_grpc.DecodeServiceStub(self.workers.channel_for(decision.decode.address)).Generate(
             decode_pb2.DecodeRequest(request_id=request_id, token_ids=tokens, sampling=sampling_to_proto(params),
                                      prefill_address=prefill.address if prefill else ""),
             timeout=context.time_remaining())
@@ -86,9 +120,9 @@ class FrontendServicer(pb_grpc.FrontendServiceServicer):
         completion = cached = 0
         try:
             async for msg in call:
-                if prefill is not None and completion == 0 and msg.token_ids:
-                    self.workers.in_flight[prefill.instance_id] -= 1  # prefill is done
-                    chosen.remove(prefill)
+                if msg.token_ids and completion == 0:
+                    self.load.prefill_finished(load)
+                self.load.grow(load, completion, completion + len(msg.token_ids))
                 cached = cached or msg.cached_tokens
                 completion += len(msg.token_ids)
                 text, stopped = stops.feed(detok.push(list(msg.token_ids), final=bool(msg.finish_reason)))
@@ -104,10 +138,9 @@ class FrontendServicer(pb_grpc.FrontendServiceServicer):
                     return
                 yield out
         except grpc.aio.AioRpcError as exc:
-            log.info("request %s: decode worker %s answered %s: %s", request_id, decode.instance_id,
+            log.info("request %s: decode worker %s answered %s: %s", request_id, decision.decode.instance_id,
                      exc.code().name, exc.details())
             await context.abort(exc.code(), exc.details() or "decode worker failed")
         finally:
             call.cancel()
-            for inst in chosen:
-                self.workers.in_flight[inst.instance_id] -= 1
+            self.load.finish(load)

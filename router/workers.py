@@ -1,10 +1,9 @@
 """The router's view of the workers: discovery's instances, filtered to those it may use,
-with the router's own in-flight counts and one gRPC channel per worker."""
+with one gRPC channel per worker."""
 
 from __future__ import annotations
 
 import logging
-from collections import defaultdict
 
 import grpc
 
@@ -22,7 +21,6 @@ class WorkerSet:
         self.model = model
         self.block_size = block_size
         self.hash_seed = hash_seed
-        self.in_flight: defaultdict[str, int] = defaultdict(int)
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._refused: set[str] = set()
 
@@ -36,15 +34,19 @@ class WorkerSet:
                         inst.block_size, inst.hash_seed, self.model, self.block_size, self.hash_seed)
         return False
 
-    def candidates(self, role: int) -> list[discovery_pb2.Instance]:
-        """SERVING, compatible instances of `role` in discovery now."""
+    def candidates(self, role: int, serving_only: bool = True) -> list[discovery_pb2.Instance]:
+        """Compatible instances of `role` in discovery now (only SERVING ones by default)."""
         return [i for i in self._watcher.instances().values()
-                if i.role == role and i.state == discovery_pb2.INSTANCE_STATE_SERVING and self._compatible(i)]
+                if i.role == role and (i.state == discovery_pb2.INSTANCE_STATE_SERVING or not serving_only)
+                and self._compatible(i)]
 
     def channel(self, inst: discovery_pb2.Instance) -> grpc.aio.Channel:
-        ch = self._channels.get(inst.address)
+        return self.channel_for(inst.address)
+
+    def channel_for(self, address: str) -> grpc.aio.Channel:
+        ch = self._channels.get(address)
         if ch is None:
-            ch = self._channels[inst.address] = channel(inst.address)
+            ch = self._channels[address] = channel(address)
         return ch
 
     async def close(self) -> None:

@@ -24,6 +24,7 @@ class Handle:
     address: str = ""
     runtime: WorkerRuntime | None = None
     workers: Any = None  # the router's WorkerSet
+    servicer: Any = None  # the router's FrontendServicer
     stop: asyncio.Event = field(default_factory=asyncio.Event)
     task: asyncio.Task | None = None
 
@@ -54,7 +55,8 @@ class InProcessCluster:
         ready: asyncio.Future = asyncio.get_running_loop().create_future()
         if role == "router":
             from router.main import RouterOptions, run
-            opts = RouterOptions(etcd=self.etcd, namespace=self.namespace, block_size=self.worker_opts.block_size)
+            opts = RouterOptions(etcd=self.etcd, namespace=self.namespace, block_size=self.worker_opts.block_size,
+                                 **overrides)
             h.task = asyncio.create_task(run(opts, ready=lambda s, w: ready.set_result((s, w)), stop=h.stop))
         else:
             run = __import__(f"{role}_worker.main", fromlist=["run"]).run
@@ -66,7 +68,7 @@ class InProcessCluster:
             h.task.result()  # raises the start-up error
         server, extra = ready.result()
         if role == "router":
-            h.workers = extra
+            h.servicer, h.workers = extra, extra.workers
         else:
             h.runtime = extra
         h.address = f"127.0.0.1:{server.port}"

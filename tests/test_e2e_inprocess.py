@@ -131,7 +131,7 @@ BAD = [
     (dict(token_ids=[-5]), "token_ids[0]"),
     (dict(token_ids=[1], sampling=sampling_pb2.SamplingParams(max_tokens=0)), "sampling.max_tokens"),
     (dict(token_ids=[1], sampling=sampling_pb2.SamplingParams(max_tokens=-1)), "sampling.max_tokens"),
-    (dict(token_ids=[1] * 2000, sampling=sampling_pb2.SamplingParams(max_tokens=100)), "sampling.max_tokens"),
+    (dict(token_ids=[1] * 4000, sampling=sampling_pb2.SamplingParams(max_tokens=100)), "sampling.max_tokens"),
     (dict(token_ids=[1], sampling=sampling_pb2.SamplingParams(temperature=-1)), "sampling.temperature"),
     (dict(token_ids=[1], sampling=sampling_pb2.SamplingParams(top_p=0)), "sampling.top_p"),
     (dict(token_ids=[1], sampling=sampling_pb2.SamplingParams(top_p=1.01)), "sampling.top_p"),

@@ -68,3 +68,41 @@ class ModelInfo(_message.Message):
     vocab_size: int
     block_size: int
     def __init__(self, name: _Optional[str] = ..., context_length: _Optional[int] = ..., vocab_size: _Optional[int] = ..., block_size: _Optional[int] = ...) -> None: ...
+
+class ExplainRouteResponse(_message.Message):
+    __slots__ = ("mode", "prompt_tokens", "prompt_blocks", "candidates", "decode_instance_id", "prefill_instance_id", "local_prefill_reason", "decision_seconds", "text")
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    CANDIDATES_FIELD_NUMBER: _ClassVar[int]
+    DECODE_INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_PREFILL_REASON_FIELD_NUMBER: _ClassVar[int]
+    DECISION_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    mode: str
+    prompt_tokens: int
+    prompt_blocks: int
+    candidates: _containers.RepeatedCompositeFieldContainer[RouteCandidate]
+    decode_instance_id: str
+    prefill_instance_id: str
+    local_prefill_reason: str
+    decision_seconds: float
+    text: str
+    def __init__(self, mode: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., prompt_blocks: _Optional[int] = ..., candidates: _Optional[_Iterable[_Union[RouteCandidate, _Mapping]]] = ..., decode_instance_id: _Optional[str] = ..., prefill_instance_id: _Optional[str] = ..., local_prefill_reason: _Optional[str] = ..., decision_seconds: _Optional[float] = ..., text: _Optional[str] = ...) -> None: ...
+
+class RouteCandidate(_message.Message):
+    __slots__ = ("instance_id", "role", "overlap_blocks", "load", "cost", "chosen")
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    OVERLAP_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    LOAD_FIELD_NUMBER: _ClassVar[int]
+    COST_FIELD_NUMBER: _ClassVar[int]
+    CHOSEN_FIELD_NUMBER: _ClassVar[int]
+    instance_id: str
+    role: str
+    overlap_blocks: int
+    load: float
+    cost: float
+    chosen: bool
+    def __init__(self, instance_id: _Optional[str] = ..., role: _Optional[str] = ..., overlap_blocks: _Optional[int] = ..., load: _Optional[float] = ..., cost: _Optional[float] = ..., chosen: _Optional[bool] = ...) -> None: ...

@@ -45,6 +45,11 @@ class FrontendServiceStub:
                 request_serializer=tandem_dot_v1_dot_frontend__pb2.ListModelsRequest.SerializeToString,
                 response_deserializer=tandem_dot_v1_dot_frontend__pb2.ListModelsResponse.FromString,
                 _registered_method=True)
+        self.ExplainRoute = channel.unary_unary(
+                '/tandem.v1.FrontendService/ExplainRoute',
+                request_serializer=tandem_dot_v1_dot_frontend__pb2.GenerateRequest.SerializeToString,
+                response_deserializer=tandem_dot_v1_dot_frontend__pb2.ExplainRouteResponse.FromString,
+                _registered_method=True)
 
 
 class FrontendServiceServicer:
@@ -65,6 +70,14 @@ class FrontendServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ExplainRoute(self, request, context):
+        """Where Generate would place this request now, with every candidate's overlap,
+        load and cost; changes nothing (DESIGN.md section 4, "explainable decisions").
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_FrontendServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -77,6 +90,11 @@ def add_FrontendServiceServicer_to_server(servicer, server):
                     servicer.ListModels,
                     request_deserializer=tandem_dot_v1_dot_frontend__pb2.ListModelsRequest.FromString,
                     response_serializer=tandem_dot_v1_dot_frontend__pb2.ListModelsResponse.SerializeToString,
+            ),
+            'ExplainRoute': grpc.unary_unary_rpc_method_handler(
+                    servicer.ExplainRoute,
+                    request_deserializer=tandem_dot_v1_dot_frontend__pb2.GenerateRequest.FromString,
+                    response_serializer=tandem_dot_v1_dot_frontend__pb2.ExplainRouteResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -134,6 +152,33 @@ class FrontendService:
             '/tandem.v1.FrontendService/ListModels',
             tandem_dot_v1_dot_frontend__pb2.ListModelsRequest.SerializeToString,
             tandem_dot_v1_dot_frontend__pb2.ListModelsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ExplainRoute(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.v1.FrontendService/ExplainRoute',
+            tandem_dot_v1_dot_frontend__pb2.GenerateRequest.SerializeToString,
+            tandem_dot_v1_dot_frontend__pb2.ExplainRouteResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,85 @@
+"""route(): hash → look up overlaps → score decode → local or remote prefill → score prefill.
+
+The KV-aware placement of DESIGN.md section 4, including conditional disaggregation: the
+decode worker prefills locally when no prefill worker is available or when the part of the
+prompt it does not hold is shorter than `local_prefill_threshold` tokens.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Protocol, Sequence
+
+from common.block_hash import block_hashes
+from common.pb.tandem.v1 import discovery_pb2
+from router.decision import RouteDecision
+from router.load import LoadTracker
+from router.policy import make_policy
+from router.workers import WorkerSet
+
+
+class OverlapSource(Protocol):
+    def overlaps(self, hashes: Sequence[int]) -> dict[str, int]: ...
+
+
+class NoOverlap:
+    def overlaps(self, hashes: Sequence[int]) -> dict[str, int]:
+        return {}
+
+
+class NoWorker(Exception):
+    """No SERVING decode worker is known (answered UNAVAILABLE)."""
+
+
+@dataclass(frozen=True)
+class PlacementOptions:
+    mode: str = "kv"  # kv | approx | round-robin | random | least-loaded
+    prefill_weight: float = 1.0  # cost of one uncached block relative to one active block
+    temperature: float = 0.0  # 0 = always the lowest cost
+    local_prefill_threshold: int = 0  # tokens; prefill on the decode worker below this (0 = never by size)
+
+
+class Placement:
+    def __init__(self, workers: WorkerSet, load: LoadTracker, overlap: OverlapSource,
+                 opts: PlacementOptions = PlacementOptions()) -> None:
+        self.workers = workers
+        self.load = load
+        self.overlap = overlap
+        self.opts = opts
+        self.decode_policy = make_policy(opts.mode, opts.prefill_weight, opts.temperature)
+        self.prefill_policy = make_policy(opts.mode, opts.prefill_weight, opts.temperature)
+
+    def route(self, tokens: list[int]) -> tuple[RouteDecision, list[int]]:
+        """Choose the decode worker and the prefill worker (or local prefill) for a prompt.
+
+        Returns:
+            (the decision, the prompt's block hashes — empty in modes that ignore caches).
+        Raises:
+            NoWorker: no decode worker.
+        """
+        start = time.perf_counter()
+        bs = self.workers.block_size
+        uses_overlap = self.decode_policy.uses_overlap
+        hashes = block_hashes(tokens, bs, self.workers.hash_seed) if uses_overlap else []
+        overlaps = self.overlap.overlaps(hashes) if hashes else {}
+        blocks = len(tokens) // bs
+        decodes = self.workers.candidates(discovery_pb2.ROLE_DECODE)
+        if not decodes:
+            raise NoWorker("no healthy decode worker")
+        scored = self.decode_policy.score(discovery_pb2.ROLE_DECODE, decodes, overlaps, blocks, self.load)
+        decode = self.decode_policy.pick(scored)
+        prefill, reason = None, ""
+        uncached = len(tokens) - decode.overlap_blocks * bs
+        prefills = self.workers.candidates(discovery_pb2.ROLE_PREFILL)
+        if not prefills:
+            reason = "no prefill worker"
+        elif uncached < self.opts.local_prefill_threshold:
+            reason = f"uncached part {uncached} < threshold {self.opts.local_prefill_threshold} tokens"
+        else:
+            p_scored = self.prefill_policy.score(discovery_pb2.ROLE_PREFILL, prefills, overlaps, blocks, self.load)
+            prefill = self.prefill_policy.pick(p_scored)
+            scored += p_scored
+        decision = RouteDecision(self.opts.mode, len(tokens), blocks, decode, prefill, reason, tuple(scored),
+                                 time.perf_counter() - start)
+        return decision, hashes
