@@ -56,6 +56,7 @@ class LocalCluster:
 
     def spawn(self, name: str, role: str, *args: str) -> subprocess.Popen:
         """Start `tandem <role>` as a child process logging to log_dir/<name>.log."""
+        # Explicit flags win over TANDEM_* variables the children inherit (TANDEM_PORT is the router's).
         cmd = [sys.executable, "-m", "cli.main", role, "--etcd", self._etcd_endpoint,
                "--namespace", self.namespace, "--model", self.model, *args]
         out = open(self.log_dir / f"{name}.log", "ab")
@@ -73,9 +74,9 @@ class LocalCluster:
             self._etcd_endpoint = self._etcd.endpoint
         self.spawn("router", "router", "--port", str(self.router_port), *self.router_args)
         for i in range(self.num_prefill):
-            self.spawn(f"prefill-{i}", "prefill", *self.worker_args)
+            self.spawn(f"prefill-{i}", "prefill", "--port", "0", *self.worker_args)
         for i in range(self.num_decode):
-            self.spawn(f"decode-{i}", "decode", *self.worker_args)
+            self.spawn(f"decode-{i}", "decode", "--port", "0", *self.worker_args)
         try:
             await self._wait_ready()
         except BaseException:
@@ -103,11 +104,13 @@ class LocalCluster:
                         raise TimeoutError(f"cluster not ready in {self.ready_timeout_s} s; logs in {self.log_dir}")
         self.router_address = next(i.address for i in view.values() if i.role == discovery_pb2.ROLE_ROUTER)
 
-    def stop_process(self, name: str, sig: int = signal.SIGTERM, timeout_s: float = 15.0) -> int:
-        """Signal one process and wait for it (kill after timeout_s); returns its exit code."""
+    def stop_process(self, name: str, sig: int | None = signal.SIGTERM, timeout_s: float = 15.0) -> int:
+        """Signal one process (once; sig=None only waits) and wait for it, killing it after
+        timeout_s; returns its exit code. A second SIGTERM would make a worker skip its drain."""
         proc = self.procs[name]
         if proc.poll() is None:
-            proc.send_signal(sig)
+            if sig is not None:
+                proc.send_signal(sig)
             try:
                 proc.wait(timeout_s)
             except subprocess.TimeoutExpired:
@@ -122,7 +125,7 @@ class LocalCluster:
             if self.procs[name].poll() is None:
                 self.procs[name].send_signal(signal.SIGTERM)
         for name in names:
-            await asyncio.to_thread(self.stop_process, name)
+            await asyncio.to_thread(self.stop_process, name, None)
         if self._etcd is not None:
             self._etcd.stop()
             self._etcd = None

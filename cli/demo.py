@@ -62,9 +62,11 @@ def reference_tokens(model_spec: str, prompts: list[str], max_tokens: int) -> li
 async def run_demo(model: str = "tandem-tiny", concurrency: int = 8, max_tokens: int = 32,
                    limit: int | None = None) -> int:
     prompts = [q["turns"][0] for q in load_questions()][:limit]
-    print(f"starting local cluster (etcd, router, 1 prefill, 1 decode) for {model} ...", flush=True)
+    cluster = LocalCluster(model=model, namespace="demo")
+    print(f"starting local cluster (etcd, router, 1 prefill, 1 decode) for {model}; logs in {cluster.log_dir} ...",
+          flush=True)
     t0 = time.perf_counter()
-    async with LocalCluster(model=model, namespace="demo") as cluster:
+    async with cluster:
         print(f"cluster ready in {time.perf_counter() - t0:.1f} s; router at {cluster.router_address}; "
               f"sending {len(prompts)} MT-Bench questions, {concurrency} in flight, max_tokens={max_tokens}", flush=True)
         t1 = time.perf_counter()
@@ -88,7 +90,7 @@ async def run_demo(model: str = "tandem-tiny", concurrency: int = 8, max_tokens:
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
-    p = argparse.ArgumentParser(prog="tandem demo", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="tandem demo", description=" ".join(__doc__.split("\n\n")[0].split()))
     p.add_argument("--model", default="tandem-tiny")
     p.add_argument("--concurrency", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=32)

@@ -38,9 +38,9 @@ def add_flags(parser: argparse.ArgumentParser, cls: type, skip: tuple[str, ...] 
         if f.name in skip:
             continue
         flag = "--" + f.name.removesuffix("_s").replace("_", "-")
-        default = f.default if f.default is not dataclasses.MISSING else None
-        kind = type(default) if default is not None else str
-        value = env_default(flag, default, kind if default is not None else str)
+        default = f.default if f.default is not dataclasses.MISSING else ""
+        kind = type(default)
+        value = env_default(flag, default, kind)
         parser.add_argument(flag, dest=f.name, type=kind, default=value,
                             help=f"{HELP.get(f.name, f.name)} (default {default!r}; env {env_name(flag)})")
 

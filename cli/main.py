@@ -8,7 +8,7 @@ import logging
 import sys
 
 from cli.flags import add_flags, build
-from common.env import env_default
+from common.env import env_default, env_name
 
 
 def _logging(level: str) -> None:
@@ -69,7 +69,8 @@ def _generate(args: argparse.Namespace) -> int:
             return 1
         finally:
             await ch.close()
-        print(f"\n[{len(c.token_ids)} tokens, finish={c.finish_reason}, ttft={c.ttft_s * 1000:.0f} ms]",
+        print(flush=True)
+        print(f"[{len(c.token_ids)} tokens, finish={c.finish_reason}, ttft={c.ttft_s * 1000:.0f} ms]",
               file=sys.stderr)
         return 0
 
@@ -97,6 +98,15 @@ def _explain(args: argparse.Namespace) -> int:
     return asyncio.run(main())
 
 
+def _arg(p: argparse.ArgumentParser, flag: str, default, help: str, env: bool = True, kind=None) -> None:
+    kind = kind or (type(default) if default is not None else str)
+    if env:
+        p.add_argument(flag, type=kind, default=env_default(flag, default, kind),
+                       help=f"{help} (default {default!r}; env {env_name(flag)})")
+    else:
+        p.add_argument(flag, type=kind, default=default, help=f"{help} (default {default!r})")
+
+
 def main(argv: list[str] | None = None) -> int:
     from engine.worker_host import WorkerOptions
     from router.main import RouterOptions
@@ -112,27 +122,27 @@ def main(argv: list[str] | None = None) -> int:
         add_flags(p, WorkerOptions)
         p.set_defaults(func=_worker)
     p = sub.add_parser("up", help="a local cluster: etcd, router, prefill and decode workers")
-    p.add_argument("--model", default=env_default("--model", "tandem-tiny"))
-    p.add_argument("--etcd", default=env_default("--etcd", ""), help="use this etcd instead of starting one")
-    p.add_argument("--port", type=int, default=env_default("--port", 50051), help="router port")
-    p.add_argument("--prefill", type=int, default=1, help="prefill workers")
-    p.add_argument("--decode", type=int, default=1, help="decode workers")
-    p.add_argument("--router-mode", default=env_default("--router-mode", "kv"),
-                   help="kv | approx | round-robin | random | least-loaded")
+    _arg(p, "--model", "tandem-tiny", "served model: 'tandem-tiny' or a checkpoint folder")
+    _arg(p, "--etcd", "", "use this etcd (host:port) instead of starting one")
+    _arg(p, "--port", 50051, "router port")
+    _arg(p, "--prefill", 1, "prefill workers", env=False)
+    _arg(p, "--decode", 1, "decode workers", env=False)
+    _arg(p, "--router-mode", "kv", "kv | approx | round-robin | random | least-loaded")
     p.set_defaults(func=_up)
     p = sub.add_parser("generate", help="send one prompt to a router and stream the answer")
-    p.add_argument("prompt")
-    p.add_argument("--router", default=env_default("--router", "127.0.0.1:50051"))
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--stop", action="append", default=None)
+    p.add_argument("prompt", help="prompt text")
+    _arg(p, "--router", "127.0.0.1:50051", "router address host:port")
+    _arg(p, "--max-tokens", 64, "tokens to generate", env=False)
+    _arg(p, "--temperature", 0.0, "0 = greedy", env=False)
+    _arg(p, "--seed", None, "sampling seed (with --temperature > 0)", env=False, kind=int)
+    p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     p.set_defaults(func=_generate)
     p = sub.add_parser("explain", help="show where the router would place a prompt, and why")
-    p.add_argument("prompt")
-    p.add_argument("--router", default=env_default("--router", "127.0.0.1:50051"))
+    p.add_argument("prompt", help="prompt text")
+    _arg(p, "--router", "127.0.0.1:50051", "router address host:port")
     p.set_defaults(func=_explain)
-    p = sub.add_parser("demo", help="the README demo (MT-Bench through a local cluster)", add_help=False)
+    p = sub.add_parser("demo", help="the README demo: MT-Bench through a local cluster, checked against the reference",
+                       add_help=False)
     p.set_defaults(func=None)
     args, rest = parser.parse_known_args(argv)
     if args.command == "demo":
@@ -141,7 +151,14 @@ def main(argv: list[str] | None = None) -> int:
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     _logging(args.log_level)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:
+        return 130
+    except (OSError, RuntimeError, TimeoutError, ValueError) as exc:  # start-up failures: one line, no traceback
+        logging.getLogger("tandem").debug("start-up failed", exc_info=True)
+        print(f"tandem {args.command}: {exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

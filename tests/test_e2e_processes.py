@@ -14,18 +14,21 @@ from engine.reference import reference_generate
 pytestmark = pytest.mark.e2e
 
 
-def test_twenty_concurrent_streams_complete_and_match_reference(tiny_model):
+def test_twenty_concurrent_streams_complete_and_match_reference(tiny_model, tmp_path):
     prompts = [f"Question {i}: explain the number {i * 37} in a few words." for i in range(20)]
 
     async def main():
-        async with LocalCluster(namespace="e2e-procs", worker_args=["--num-blocks", "1024"]) as cluster:
+        cluster = LocalCluster(namespace="e2e-procs", worker_args=["--num-blocks", "1024"], log_dir=str(tmp_path))
+        async with cluster:
             ch, stub = frontend_stub(cluster.router_address)
             try:
-                return await asyncio.gather(*(generate(stub, text=p, max_tokens=8, timeout_s=120) for p in prompts))
+                results = await asyncio.gather(*(generate(stub, text=p, max_tokens=8, timeout_s=120) for p in prompts))
             finally:
                 await ch.close()
+        return results, {name: proc.returncode for name, proc in cluster.procs.items()}
 
-    results = asyncio.run(main())
+    results, codes = asyncio.run(main())
+    assert all(code == 0 for code in codes.values()), codes  # one SIGTERM each: a clean drain, exit 0
     tok = tiny_model.tokenizer()
     assert len(results) == 20
     for p, r in zip(prompts, results):
