@@ -72,13 +72,16 @@ async def run_demo(model: str = "tandem-tiny", concurrency: int = 8, max_tokens:
         t1 = time.perf_counter()
         results = await send_all(cluster.router_address, prompts, concurrency, max_tokens)
         duration = time.perf_counter() - t1
+    overhead = [line.split("router overhead: ", 1)[1] for line in (cluster.log_dir / "router.log").read_text().splitlines()
+                if "router overhead: " in line]
     print("computing reference_generate in-process for every prompt ...", flush=True)
     refs = reference_tokens(model, prompts, max_tokens)
     identical = sum(1 for r, ref in zip(results, refs) if r.token_ids == ref)
     tokens = sum(len(r.token_ids) for r in results)
     ttft_p50 = statistics.median(r.ttft_s for r in results) * 1000
     print(f"\nsummary: {len(results)} requests in {duration:.1f} s ({tokens / duration:.1f} tokens/s), "
-          f"TTFT p50 {ttft_p50:.1f} ms, max {max(r.ttft_s for r in results) * 1000:.1f} ms")
+          f"TTFT p50 {ttft_p50:.1f} ms, max {max(r.ttft_s for r in results) * 1000:.1f} ms; "
+          f"{overhead[-1] if overhead else 'router overhead: n/a'}")
     for i, (r, ref) in enumerate(zip(results, refs)):
         if r.token_ids != ref:
             print(f"  request {i + 1} differs from reference: got {r.token_ids}, reference {ref}")

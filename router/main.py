@@ -127,6 +127,7 @@ async def run(opts: RouterOptions, ready: Callable[[RunningServer, FrontendServi
         await stop.wait()
     finally:
         restore_signals()
+        log.info("%s", servicer.overhead_summary())
         await server.set_serving(False)
         await asyncio.shield(registration.stop())
         await server.stop(2.0)
