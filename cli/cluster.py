@@ -118,6 +118,15 @@ class LocalCluster:
                 proc.wait()
         return proc.returncode
 
+    def kill(self) -> None:
+        """SIGKILL every process and stop etcd now (a second Ctrl-C: no drain, nothing left over)."""
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.kill()
+        if self._etcd is not None:
+            self._etcd.stop()
+            self._etcd = None
+
     async def stop(self) -> None:
         """SIGTERM every process (workers first, then the router), then stop etcd."""
         names = sorted(self.procs, key=lambda n: n == "router")

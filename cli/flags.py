@@ -24,6 +24,8 @@ HELP = {
     "lease_ttl_s": "etcd lease time to live in seconds",
     "transfer_backend": "KV transfer backend",
     "transfer_timeout_s": "KV transfer timeout in seconds",
+    "prefill_timeout_s": "decode: seconds to wait for a prefill worker (at most half the request's deadline) "
+                         "before prefilling locally",
     "torch_threads": "intra-op threads for the model",
     "router_mode": "placement: kv | approx | round-robin | random | least-loaded",
     "prefill_weight": "kv/approx cost of one uncached block relative to one active decode block",

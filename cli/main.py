@@ -43,7 +43,7 @@ def _up(args: argparse.Namespace) -> int:
               f"logs in {cluster.log_dir}; Ctrl-C stops everything", flush=True)
         stop = asyncio.Event()
         from common.lifecycle import install_stop_signals
-        install_stop_signals(stop)
+        install_stop_signals(stop, on_second=cluster.kill)
         try:
             await stop.wait()
         finally:

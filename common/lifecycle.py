@@ -9,8 +9,9 @@ import signal
 from typing import Callable
 
 
-def install_stop_signals(stop: asyncio.Event) -> Callable[[], None]:
-    """Set `stop` on SIGTERM/SIGINT; return a function restoring the previous handlers.
+def install_stop_signals(stop: asyncio.Event, on_second: Callable[[], None] | None = None) -> Callable[[], None]:
+    """Set `stop` on SIGTERM/SIGINT; on a second signal call `on_second` (if given) and exit
+    with status 1 at once. Returns a function restoring the previous handlers.
 
     Outside the main thread (tests running servers in threads) nothing is installed.
     """
@@ -18,6 +19,8 @@ def install_stop_signals(stop: asyncio.Event) -> Callable[[], None]:
 
     def on_signal() -> None:
         if stop.is_set():
+            if on_second is not None:
+                on_second()
             os._exit(1)
         stop.set()
 

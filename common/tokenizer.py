@@ -40,6 +40,15 @@ class TextTokenizer:
     tokenizer: Tokenizer
 
     @property
+    def max_token_bytes(self) -> int:
+        """Longest text (UTF-8 bytes) one token can stand for: bounds tokens from below by bytes."""
+        if not hasattr(self, "_max_token_bytes"):
+            ids = range(self.vocab_size)
+            self._max_token_bytes = max(len(self.tokenizer.decode([i], skip_special_tokens=False).encode())
+                                        for i in ids)
+        return self._max_token_bytes
+
+    @property
     def vocab_size(self) -> int:
         return self.tokenizer.get_vocab_size(with_added_tokens=True)
 

@@ -28,13 +28,24 @@ def validate_token_ids(token_ids: list[int], vocab_size: int, field: str = "toke
             raise InvalidArgument(f"{field}[{i}]", f"token id {t} outside the vocabulary [0, {vocab_size})")
 
 
+MIN_TEMPERATURE = 1e-3  # below this, logits / T overflows float32; use 0 for greedy
+
+
+def validate_prompt_length(prompt_tokens: int, context_length: int, field: str) -> None:
+    """Raises InvalidArgument naming `field` when no token could be generated after the prompt."""
+    if prompt_tokens >= context_length:
+        raise InvalidArgument(field, f"prompt has {prompt_tokens} tokens; the model's context length is "
+                                     f"{context_length}, so at most {context_length - 1} fit")
+
+
 def sampling_from_proto(msg: sampling_pb2.SamplingParams, prompt_tokens: int, context_length: int,
                         default_seed: int = 0) -> SamplingParams:
     """Validate sampling fields against the prompt length and the model's context length.
 
     Raises:
         InvalidArgument: naming sampling.max_tokens, sampling.temperature, sampling.top_p or
-            sampling.stop.
+            sampling.stop (call validate_prompt_length first: an over-long prompt is the
+            prompt's fault, not max_tokens').
     """
     max_tokens = msg.max_tokens if msg.HasField("max_tokens") else min(
         DEFAULT_MAX_TOKENS, context_length - prompt_tokens)
@@ -45,8 +56,9 @@ def sampling_from_proto(msg: sampling_pb2.SamplingParams, prompt_tokens: int, co
                               f"prompt ({prompt_tokens} tokens) + max_tokens ({max_tokens}) exceeds "
                               f"the context length {context_length}")
     temperature = msg.temperature if msg.HasField("temperature") else 0.0
-    if not (math.isfinite(temperature) and temperature >= 0.0):
-        raise InvalidArgument("sampling.temperature", f"must be a finite number >= 0, got {temperature}")
+    if not (math.isfinite(temperature) and (temperature == 0.0 or temperature >= MIN_TEMPERATURE)):
+        raise InvalidArgument("sampling.temperature",
+                              f"must be 0 (greedy) or a finite number >= {MIN_TEMPERATURE}, got {temperature}")
     top_p = msg.top_p if msg.HasField("top_p") else 1.0
     if not (0.0 < top_p <= 1.0):
         raise InvalidArgument("sampling.top_p", f"must be in (0, 1], got {top_p}")

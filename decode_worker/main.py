@@ -25,9 +25,22 @@ async def run(opts: WorkerOptions, ready: Callable[[RunningServer, WorkerRuntime
     servicer = DecodeServicer(runtime, scheduler)
     methods = {"Generate": ("stream", pb.DecodeRequest, pb.DecodeResponse)}
     loop_task = asyncio.create_task(scheduler.run(), name="decode-loop")  # strong reference
+    servers = []
+
+    async def not_serving() -> None:
+        for srv in servers:
+            await srv.set_serving(False)
+
+    scheduler.on_failure = not_serving
+
+    def on_ready(srv: RunningServer) -> None:
+        servers.append(srv)
+        if ready:
+            ready(srv, runtime)
+
     try:
         await serve_worker(runtime, [lambda s: add_lenient_service(s, SERVICE, servicer, methods)], [SERVICE],
-                           ready=(lambda srv: ready(srv, runtime)) if ready else None, stop=stop)
+                           ready=on_ready, stop=stop)
     finally:
         loop_task.cancel()
         await servicer.close()

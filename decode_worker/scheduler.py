@@ -57,6 +57,8 @@ class DecodeScheduler:
         self._wake = asyncio.Event()
         self.eos = runtime.loaded.config.eos_token_ids
         self.steps = 0
+        self.failed: BaseException | None = None
+        self.on_failure = None  # async callable: the worker marks itself NOT_SERVING
 
     def add(self, req: RunningRequest) -> None:
         """Take ownership of req (its blocks are freed by the scheduler from now on)."""
@@ -90,7 +92,12 @@ class DecodeScheduler:
         for req, row in zip(batch, logits):
             if req.cancelled:
                 continue
-            token, logprob = sample(row, req.params, step=req.generated)
+            try:
+                token, logprob = sample(row, req.params, step=req.generated)
+            except (RuntimeError, ValueError) as exc:  # one request's sampling must not stop the batch
+                log.exception("request %s: sampling failed", req.request_id)
+                self._finish(req, TokenOut(error=(grpc.StatusCode.INTERNAL, f"sampling failed: {exc}")))
+                continue
             req.tokens.append(token)
             reason = sampling_pb2.FINISH_REASON_UNSPECIFIED
             if token in self.eos and not req.params.ignore_eos:
@@ -102,6 +109,22 @@ class DecodeScheduler:
                 self._finish(req, TokenOut(finish_reason=reason))
 
     async def run(self) -> None:
+        """The decode loop. If it ever fails, every running request ends with INTERNAL, the
+        failure is logged, and `failed` is set so the worker reports NOT_SERVING."""
+        try:
+            await self._loop()
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:
+            log.exception("decode loop failed; failing %d running requests", len(self.running))
+            self.failed = exc
+            for req in list(self.running):
+                self._finish(req, TokenOut(error=(grpc.StatusCode.INTERNAL, f"decode loop failed: {exc}")))
+            if self.on_failure is not None:
+                await self.on_failure()
+            raise
+
+    async def _loop(self) -> None:
         while True:
             batch = self._schedule()
             self.rt.events.publish()

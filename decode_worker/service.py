@@ -20,7 +20,7 @@ from common.pb.tandem.v1 import decode_pb2 as pb
 from common.pb.tandem.v1 import decode_pb2_grpc as pb_grpc
 from common.pb.tandem.v1 import prefill_pb2, prefill_pb2_grpc, sampling_pb2
 from common.sampling_params import SamplingParams
-from common.validation import InvalidArgument, sampling_from_proto, validate_token_ids
+from common.validation import InvalidArgument, sampling_from_proto, validate_prompt_length, validate_token_ids
 from decode_worker.scheduler import DecodeScheduler, RunningRequest
 from engine.kv_pool import PoolExhausted, PromptBlocks
 from engine.sampling import sample
@@ -28,7 +28,6 @@ from engine.worker_host import WorkerRuntime
 from kv_transfer.base import TransferError
 
 log = logging.getLogger(__name__)
-DEFAULT_PREFILL_TIMEOUT_S = 60.0
 
 
 class DecodeServicer(pb_grpc.DecodeServiceServicer):
@@ -93,6 +92,7 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
         try:
             check_parsed(request)
             validate_token_ids(list(request.token_ids), self.rt.vocab_size)
+            validate_prompt_length(len(request.token_ids), self.rt.context_length, "token_ids")
             params = sampling_from_proto(request.sampling, len(request.token_ids), self.rt.context_length)
         except InvalidArgument as exc:
             await abort_invalid(context, exc)
@@ -105,8 +105,11 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         running: RunningRequest | None = None
         try:
+            # A stalled prefill worker must leave time to prefill here instead.
             remaining = context.time_remaining()
-            timeout_s = remaining if remaining is not None else DEFAULT_PREFILL_TIMEOUT_S
+            timeout_s = self.rt.opts.prefill_timeout_s
+            if remaining is not None:
+                timeout_s = min(timeout_s, remaining / 2)
             token, logprob = await self._prefill(request, request_id, prompt, params, timeout_s)
             pool.commit_prompt(prompt)
             self.rt.events.publish()
@@ -118,6 +121,8 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
             if params.max_tokens == 1:
                 yield pb.DecodeResponse(finish_reason=sampling_pb2.FINISH_REASON_LENGTH)
                 return
+            if self.scheduler.failed is not None:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, "decode loop is down on this worker")
             running = RunningRequest(request_id, tokens + [token], len(tokens), prompt.block_ids, params)
             self.scheduler.add(running)
             while True:

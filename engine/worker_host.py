@@ -48,6 +48,7 @@ class WorkerOptions:
     lease_ttl_s: float = 10.0
     transfer_backend: str = "nixl"
     transfer_timeout_s: float = 30.0
+    prefill_timeout_s: float = 30.0  # decode: wait this long (at most half the deadline) for a prefill worker
     torch_threads: int = 1  # intra-op threads for the model (small model: 1 is fastest)
 
     def __post_init__(self) -> None:

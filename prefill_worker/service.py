@@ -15,7 +15,7 @@ import grpc
 from common.grpc_errors import abort_invalid, check_parsed
 from common.pb.tandem.v1 import prefill_pb2 as pb
 from common.pb.tandem.v1 import prefill_pb2_grpc as pb_grpc
-from common.validation import InvalidArgument, sampling_from_proto, validate_token_ids
+from common.validation import InvalidArgument, sampling_from_proto, validate_prompt_length, validate_token_ids
 from engine.kv_pool import PoolExhausted
 from engine.sampling import sample
 from engine.worker_host import WorkerRuntime
@@ -29,17 +29,38 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
         self.rt = runtime
 
     def _validate(self, request: pb.PrefillRequest) -> None:
+        """Every check that needs no compute runs before the prefill starts."""
         check_parsed(request)
+        if not request.request_id:
+            raise InvalidArgument("request_id", "must be set (the transfer notification carries it)")
         validate_token_ids(list(request.token_ids), self.rt.vocab_size)
+        validate_prompt_length(len(request.token_ids), self.rt.context_length, "token_ids")
         dst = request.destination
         if dst.backend != self.rt.opts.transfer_backend:
             raise InvalidArgument("destination.backend",
                                   f"{dst.backend!r} is not this worker's backend {self.rt.opts.transfer_backend!r}")
-        expected = self.rt.pool.blocks_for(len(request.token_ids)) - dst.first_block_index
-        if dst.first_block_index * self.rt.pool.block_size >= len(request.token_ids) or len(dst.block_ids) != expected:
+        if not dst.agent_name or dst.agent_name == self.rt.agent.name:
+            raise InvalidArgument("destination.agent_name", f"{dst.agent_name!r} is empty or this worker's own agent")
+        n_blocks = self.rt.pool.blocks_for(len(request.token_ids))
+        if dst.first_block_index >= n_blocks:
+            raise InvalidArgument("destination.first_block_index",
+                                  f"{dst.first_block_index} is past the prompt's {n_blocks} blocks")
+        if len(dst.block_ids) != n_blocks - dst.first_block_index:
             raise InvalidArgument("destination.block_ids",
-                                  f"expected {expected} blocks after first_block_index {dst.first_block_index} "
-                                  f"for {len(request.token_ids)} tokens, got {len(dst.block_ids)}")
+                                  f"expected {n_blocks - dst.first_block_index} blocks after first_block_index "
+                                  f"{dst.first_block_index} for {len(request.token_ids)} tokens, got {len(dst.block_ids)}")
+        if len(set(dst.block_ids)) != len(dst.block_ids):
+            raise InvalidArgument("destination.block_ids", "block ids repeat")
+        stride = self.rt.pool_desc.block_stride_bytes
+        if dst.block_stride_bytes != stride:
+            raise InvalidArgument("destination.block_stride_bytes",
+                                  f"{dst.block_stride_bytes} differs from this worker's {stride} (same model and "
+                                  "block size required)")
+        if dst.device_id < -1:
+            raise InvalidArgument("destination.device_id", f"must be -1 (host) or a device index, got {dst.device_id}")
+        end = dst.base_address + (max(dst.block_ids) + 1) * stride
+        if dst.base_address == 0 or end >= 1 << 64:
+            raise InvalidArgument("destination.base_address", "the destination blocks do not fit in 64-bit addresses")
 
     async def Prefill(self, request: pb.PrefillRequest, context: grpc.aio.ServicerContext) -> pb.PrefillResponse:
         try:
@@ -49,7 +70,10 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
             await abort_invalid(context, exc)
         dst = request.destination
         if dst.agent_metadata:
-            self.rt.agent.add_peer(dst.agent_name, dst.agent_metadata)
+            try:
+                self.rt.agent.add_peer(dst.agent_name, dst.agent_metadata)
+            except (TransferError, ValueError) as exc:
+                await abort_invalid(context, InvalidArgument("destination.agent_metadata", str(exc)))
         elif not self.rt.agent.has_peer(dst.agent_name):
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                 f"destination.agent_metadata: unknown agent {dst.agent_name!r}; send its metadata")
@@ -70,8 +94,11 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
                 result = await self.rt.agent.write_blocks(
                     dst.agent_name, prompt.block_ids[dst.first_block_index:], remote,
                     request.request_id.encode(), self.rt.opts.transfer_timeout_s)
-            except TransferError as exc:
+            except (TransferError, ValueError) as exc:
+                # Forget the peer: its connection may be broken for good. The decode worker
+                # then resends its metadata (FAILED_PRECONDITION) and a fresh connection is made.
                 log.warning("request %s: KV transfer to %s failed: %s", request.request_id, dst.agent_name, exc)
+                self.rt.agent.remove_peer(dst.agent_name)
                 await context.abort(grpc.StatusCode.UNAVAILABLE, f"KV transfer failed: {exc}")
             self.rt.stats.prefill_cached_tokens += start
             self.rt.stats.transfers += 1

@@ -255,6 +255,10 @@ class KvIndex:
         later block without its prefix is useless for prefix reuse). Workers with overlap 0 are
         omitted. Cost: one dict probe per block up to the longest overlap + 1, plus one step per
         worker with a non-zero overlap (hot path of every routing decision, DESIGN.md section 4).
+
+        Args:
+            hashes: the request's chained block hashes in prompt order, as Python ints (from
+                `common.block_hash.block_hashes`; numpy integers work but are slower).
         """
         if not hashes:
             return {}

@@ -8,6 +8,7 @@ client's call cancels the decode call, which frees every block on both workers.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import random
 import time
@@ -21,7 +22,8 @@ from common.pb.tandem.v1 import decode_pb2, decode_pb2_grpc, sampling_pb2
 from common.pb.tandem.v1 import frontend_pb2 as pb
 from common.pb.tandem.v1 import frontend_pb2_grpc as pb_grpc
 from common.tokenizer import IncrementalDetokenizer, TextTokenizer
-from common.validation import InvalidArgument, sampling_from_proto, sampling_to_proto, validate_token_ids
+from common.validation import (InvalidArgument, sampling_from_proto, sampling_to_proto, validate_prompt_length,
+                               validate_token_ids)
 from router.decision import RouteDecision
 from router.load import LoadTracker
 from router.placement import NoWorker, Placement
@@ -52,6 +54,8 @@ class FrontendServicer(pb_grpc.FrontendServiceServicer):
         self.vocab_size = vocab_size
         self.context_length = context_length
         self.on_routed = on_routed  # approx mode: remember the routed blocks
+        self.retries = 1  # another decode worker when one refuses before streaming
+        tokenizer.max_token_bytes  # computed once here, not on the first request
         # Per-request router overhead (validation, tokenization, hashing, lookup, scoring, up to
         # issuing the decode call) in seconds, for the last 100,000 requests: wall time, and the
         # router thread's CPU time (robust to other processes competing for the cores).
@@ -72,24 +76,40 @@ class FrontendServicer(pb_grpc.FrontendServiceServicer):
                 f"cpu {stats(self.overhead_cpu_s)}")
 
     def _prompt(self, request: pb.GenerateRequest) -> list[int]:
+        """Checks that need no tokenizing; returns the token ids (empty for a text prompt)."""
         check_parsed(request)
         if request.model and request.model != self.workers.model:
             raise LookupError(f"model: unknown model {request.model!r}; this router serves {self.workers.model!r}")
         if request.text and request.token_ids:
             raise InvalidArgument("text", "set exactly one of text and token_ids, not both")
         if request.text:
-            tokens = self.tokenizer.encode(request.text)
-            if not tokens:
-                raise InvalidArgument("text", "prompt is empty")
-            return tokens
+            return []
         if not request.token_ids:
             raise InvalidArgument("text", "prompt is empty (set text or token_ids)")
         validate_token_ids(list(request.token_ids), self.vocab_size)
+        validate_prompt_length(len(request.token_ids), self.context_length, "token_ids")
         return list(request.token_ids)
+
+    async def _tokenize(self, request: pb.GenerateRequest) -> list[int]:
+        """Text prompts are bounded before tokenizing (a token covers at most
+        max_token_bytes bytes, so longer text cannot fit the context), and long ones are
+        tokenized off the event loop so other streams keep flowing."""
+        text = request.text
+        limit = self.context_length * self.tokenizer.max_token_bytes
+        if len(text) > limit or len(text.encode()) > limit:
+            raise InvalidArgument("text", f"prompt text of {len(text.encode())} bytes cannot fit the context "
+                                          f"length of {self.context_length} tokens")
+        tokens = self.tokenizer.encode(text) if len(text) < 4096 else await asyncio.to_thread(self.tokenizer.encode, text)
+        if not tokens:
+            raise InvalidArgument("text", "prompt is empty")
+        validate_prompt_length(len(tokens), self.context_length, "text")
+        return tokens
 
     async def _validated(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
         try:
             tokens = self._prompt(request)
+            if request.text:
+                tokens = await self._tokenize(request)
             params = sampling_from_proto(request.sampling, len(tokens), self.context_length,
                                          default_seed=random.getrandbits(63))
         except InvalidArgument as exc:
@@ -119,48 +139,56 @@ class FrontendServicer(pb_grpc.FrontendServiceServicer):
         arrived, arrived_cpu = time.perf_counter(), time.thread_time()
         tokens, params = await self._validated(request, context)
         request_id = request.request_id or uuid.uuid4().hex
-        decision, hashes = await self._route(tokens, context)
-        self.decision_s.append(decision.seconds)
-        if log.isEnabledFor(logging.DEBUG):
-            log.debug("request %s routed:\n%s", request_id, decision.explain())
-        if self.on_routed is not None:
-            self.on_routed(decision, hashes)
-        prefill = decision.prefill
-        uncached = len(tokens) - (prefill.overlap_blocks * self.workers.block_size if prefill else 0)
-        load = self.load.start(decision.decode.instance_id, prefill.instance_id if prefill else None,
-                               len(tokens), uncached)
-        call = decode_pb2_grpc.DecodeServiceStub(self.workers.channel_for(decision.decode.address)).Generate(
-            decode_pb2.DecodeRequest(request_id=request_id, token_ids=tokens, sampling=sampling_to_proto(params),
-                                     prefill_address=prefill.address if prefill else ""),
-            timeout=context.time_remaining())
-        self.overhead_s.append(time.perf_counter() - arrived)
-        self.overhead_cpu_s.append(time.thread_time() - arrived_cpu)
         detok = IncrementalDetokenizer(self.tokenizer)
         stops = StopMatcher(params.stop)
         completion = cached = 0
-        try:
-            async for msg in call:
-                if msg.token_ids and completion == 0:
-                    self.load.prefill_finished(load)
-                self.load.grow(load, completion, completion + len(msg.token_ids))
-                cached = cached or msg.cached_tokens
-                completion += len(msg.token_ids)
-                text, stopped = stops.feed(detok.push(list(msg.token_ids), final=bool(msg.finish_reason)))
-                reason = sampling_pb2.FINISH_REASON_STOP if stopped else msg.finish_reason
-                out = pb.GenerateResponse(request_id=request_id, token_ids=msg.token_ids, text=text,
-                                          logprobs=msg.logprobs, finish_reason=reason)
-                if reason:
-                    if not stopped:
-                        out.text += stops.flush()
-                    out.usage.CopyFrom(pb.Usage(prompt_tokens=len(tokens), completion_tokens=completion,
-                                                cached_tokens=cached))
+        # A decode worker that refuses the call before streaming anything (it died, and its lease
+        # has not expired yet) is set aside for a while and the request goes to another one.
+        for attempt in range(1 + self.retries):
+            decision, hashes = await self._route(tokens, context)
+            self.decision_s.append(decision.seconds)
+            if log.isEnabledFor(logging.DEBUG):
+                log.debug("request %s routed:\n%s", request_id, decision.explain())
+            if self.on_routed is not None:
+                self.on_routed(decision, hashes)
+            prefill = decision.prefill
+            uncached = len(tokens) - (prefill.overlap_blocks * self.workers.block_size if prefill else 0)
+            load = self.load.start(decision.decode.instance_id, prefill.instance_id if prefill else None,
+                                   len(tokens), uncached)
+            call = decode_pb2_grpc.DecodeServiceStub(self.workers.channel_for(decision.decode.address)).Generate(
+                decode_pb2.DecodeRequest(request_id=request_id, token_ids=tokens, sampling=sampling_to_proto(params),
+                                         prefill_address=prefill.address if prefill else ""),
+                timeout=context.time_remaining())
+            if attempt == 0:
+                self.overhead_s.append(time.perf_counter() - arrived)
+                self.overhead_cpu_s.append(time.thread_time() - arrived_cpu)
+            try:
+                async for msg in call:
+                    if msg.token_ids and completion == 0:
+                        self.load.prefill_finished(load)
+                    self.load.grow(load, completion, completion + len(msg.token_ids))
+                    cached = cached or msg.cached_tokens
+                    completion += len(msg.token_ids)
+                    text, stopped = stops.feed(detok.push(list(msg.token_ids), final=bool(msg.finish_reason)))
+                    reason = sampling_pb2.FINISH_REASON_STOP if stopped else msg.finish_reason
+                    out = pb.GenerateResponse(request_id=request_id, token_ids=msg.token_ids, text=text,
+                                              logprobs=msg.logprobs, finish_reason=reason)
+                    if reason:
+                        if not stopped:
+                            out.text += stops.flush()
+                        out.usage.CopyFrom(pb.Usage(prompt_tokens=len(tokens), completion_tokens=completion,
+                                                    cached_tokens=cached))
+                        yield out
+                        return
                     yield out
-                    return
-                yield out
-        except grpc.aio.AioRpcError as exc:
-            log.info("request %s: decode worker %s answered %s: %s", request_id, decision.decode.instance_id,
-                     exc.code().name, exc.details())
-            await context.abort(exc.code(), exc.details() or "decode worker failed")
-        finally:
-            call.cancel()
-            self.load.finish(load)
+                return
+            except grpc.aio.AioRpcError as exc:
+                log.info("request %s: decode worker %s answered %s: %s", request_id, decision.decode.instance_id,
+                         exc.code().name, exc.details())
+                if exc.code() == grpc.StatusCode.UNAVAILABLE and completion == 0 and attempt < self.retries:
+                    self.workers.set_aside(decision.decode.instance_id)
+                    continue
+                await context.abort(exc.code(), exc.details() or "decode worker failed")
+            finally:
+                call.cancel()
+                self.load.finish(load)

@@ -4,6 +4,7 @@ with one gRPC channel per worker."""
 from __future__ import annotations
 
 import logging
+import time
 
 import grpc
 
@@ -23,6 +24,8 @@ class WorkerSet:
         self.hash_seed = hash_seed
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._refused: set[str] = set()
+        self._aside: dict[str, float] = {}  # instance id -> monotonic time it may be used again
+        self.set_aside_s = 5.0
 
     def _compatible(self, inst: discovery_pb2.Instance) -> bool:
         if inst.model == self.model and inst.block_size == self.block_size and inst.hash_seed == self.hash_seed:
@@ -35,10 +38,18 @@ class WorkerSet:
         return False
 
     def candidates(self, role: int, serving_only: bool = True) -> list[discovery_pb2.Instance]:
-        """Compatible instances of `role` in discovery now (only SERVING ones by default)."""
+        """Compatible instances of `role` in discovery now: by default only SERVING ones that
+        are not set aside."""
+        now = time.monotonic()
         return [i for i in self._watcher.instances().values()
-                if i.role == role and (i.state == discovery_pb2.INSTANCE_STATE_SERVING or not serving_only)
-                and self._compatible(i)]
+                if i.role == role and self._compatible(i)
+                and (not serving_only or (i.state == discovery_pb2.INSTANCE_STATE_SERVING
+                                          and self._aside.get(i.instance_id, 0.0) <= now))]
+
+    def set_aside(self, instance_id: str, seconds: float | None = None) -> None:
+        """Route nothing new to a worker that refused a connection, for `seconds` (default
+        set_aside_s): long enough for its lease to expire if it died."""
+        self._aside[instance_id] = time.monotonic() + (self.set_aside_s if seconds is None else seconds)
 
     def channel(self, inst: discovery_pb2.Instance) -> grpc.aio.Channel:
         return self.channel_for(inst.address)

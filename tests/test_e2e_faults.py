@@ -1,0 +1,174 @@
+"""Faults found by trying to break the skeleton: each one reproduced, each one must hold."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import socket
+import threading
+import time
+
+import grpc
+import pytest
+
+from cli.client import frontend_stub, generate
+from cli.cluster import LocalCluster
+from common.pb.tandem.v1 import (decode_pb2, decode_pb2_grpc, frontend_pb2, frontend_pb2_grpc, prefill_pb2,
+                                 prefill_pb2_grpc, sampling_pb2)
+from engine.reference import reference_generate
+from harness import InProcessCluster
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture(scope="module")
+def cluster(etcd_server, tiny_model):
+    from dataclasses import replace
+
+    from engine.worker_host import WorkerOptions
+    c = InProcessCluster(etcd_server.endpoint, tiny_model, namespace="e2e-faults",
+                         worker_opts=replace(WorkerOptions(num_blocks=256), prefill_timeout_s=2.0))
+    c.router = c.start("router")
+    c.prefill = c.start("prefill")
+    c.decode = c.start("decode")
+    c.wait_roles(c.router, 1, 1)
+    yield c
+    c.close()
+
+
+def stream(address, timeout=60, **kw):
+    with grpc.insecure_channel(address) as ch:
+        msgs = list(frontend_pb2_grpc.FrontendServiceStub(ch).Generate(frontend_pb2.GenerateRequest(**kw),
+                                                                       timeout=timeout))
+    return [t for m in msgs for t in m.token_ids]
+
+
+def test_tiny_temperature_is_rejected_and_decode_loop_survives(cluster):
+    with pytest.raises(grpc.RpcError) as e:
+        stream(cluster.router.address, token_ids=[1, 2, 3],
+               sampling=sampling_pb2.SamplingParams(max_tokens=8, temperature=3.3e-39, ignore_eos=True))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and e.value.details().startswith("sampling.temperature")
+    assert len(stream(cluster.router.address, token_ids=[1, 2, 3],
+                      sampling=sampling_pb2.SamplingParams(max_tokens=4, ignore_eos=True))) == 4
+
+
+def test_over_long_prompt_names_the_prompt(cluster):
+    with pytest.raises(grpc.RpcError) as e:
+        stream(cluster.router.address, token_ids=[1] * 5000)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and e.value.details().startswith("token_ids:")
+
+
+def test_huge_text_is_rejected_without_tokenizing_or_stalling(cluster):
+    done = []
+
+    def other():
+        done.append(stream(cluster.router.address, token_ids=[5, 6, 7],
+                           sampling=sampling_pb2.SamplingParams(max_tokens=16, ignore_eos=True)))
+
+    t = threading.Thread(target=other)
+    t.start()
+    start = time.perf_counter()
+    with pytest.raises(grpc.RpcError) as e:
+        stream(cluster.router.address, text="a" * (8 * 1024 * 1024))
+    assert time.perf_counter() - start < 5
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and e.value.details().startswith("text:")
+    t.join(60)
+    assert done and len(done[0]) == 16
+
+
+def prefill_request(cluster, **dest):
+    request_id = dest.pop("request_id", "r1")
+    rt = cluster.decode.runtime
+    d = dict(backend="nixl", agent_name=rt.agent.name, base_address=rt.pool_desc.base_address,
+             block_stride_bytes=rt.pool_desc.block_stride_bytes, device_id=-1, first_block_index=0, block_ids=[3])
+    d.update(dest)
+    return prefill_pb2.PrefillRequest(request_id=request_id, token_ids=[1, 2, 3],
+                                      destination=prefill_pb2.KvDestination(**d))
+
+
+@pytest.mark.parametrize("dest, field", [
+    (dict(base_address=(1 << 64) - 1), "destination.base_address"),
+    (dict(block_ids=[3, 3]), "destination.block_ids"),
+    (dict(block_ids=[]), "destination.block_ids"),
+    (dict(first_block_index=5, block_ids=[]), "destination.first_block_index"),
+    (dict(block_stride_bytes=7), "destination.block_stride_bytes"),
+    (dict(device_id=-7), "destination.device_id"),
+    (dict(agent_name=""), "destination.agent_name"),
+    (dict(agent_metadata=b"garbage"), "destination.agent_metadata"),
+    (dict(backend="carrier-pigeon"), "destination.backend"),
+])
+def test_bad_prefill_destination_is_invalid_argument(cluster, dest, field):
+    before = cluster.on_loop(lambda: cluster.prefill.runtime.pool.blocks.num_free)
+    with grpc.insecure_channel(cluster.prefill.address) as ch:
+        with pytest.raises(grpc.RpcError) as e:
+            prefill_pb2_grpc.PrefillServiceStub(ch).Prefill(prefill_request(cluster, **dest), timeout=20)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value.details()
+    assert e.value.details().startswith(field), e.value.details()
+    assert cluster.on_loop(lambda: cluster.prefill.runtime.pool.blocks.num_free) == before
+
+
+def test_prefill_request_id_is_required(cluster):
+    req = prefill_request(cluster)
+    req.request_id = ""
+    with grpc.insecure_channel(cluster.prefill.address) as ch:
+        with pytest.raises(grpc.RpcError) as e:
+            prefill_pb2_grpc.PrefillServiceStub(ch).Prefill(req, timeout=20)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and e.value.details().startswith("request_id")
+
+
+def test_stalled_prefill_worker_falls_back_to_local_prefill_in_time(cluster, tiny_model):
+    # A listener that accepts connections and never answers: a SIGSTOPped prefill worker.
+    hole = socket.socket()
+    hole.bind(("127.0.0.1", 0))
+    hole.listen(16)
+    try:
+        with grpc.insecure_channel(cluster.decode.address) as ch:
+            prompt = [11, 12, 13, 14, 15]
+            start = time.perf_counter()
+            msgs = list(decode_pb2_grpc.DecodeServiceStub(ch).Generate(decode_pb2.DecodeRequest(
+                request_id="stalled", token_ids=prompt, sampling=sampling_pb2.SamplingParams(max_tokens=4),
+                prefill_address=f"127.0.0.1:{hole.getsockname()[1]}"), timeout=30))
+            elapsed = time.perf_counter() - start
+    finally:
+        hole.close()
+    assert elapsed < 10  # prefill_timeout 2 s, then local prefill
+    got = [t for m in msgs for t in m.token_ids]
+    assert got == reference_generate(tiny_model.model, prompt, 4, tiny_model.config.eos_token_ids)
+
+
+def test_killed_decode_worker_is_set_aside_and_requests_go_elsewhere(tmp_path):
+    async def main():
+        cluster = LocalCluster(namespace="e2e-kill", num_decode=2, log_dir=str(tmp_path))
+        async with cluster:
+            cluster.stop_process("decode-0", signal.SIGKILL)  # its lease lives on for ~10 s
+            ch, stub = frontend_stub(cluster.router_address)
+            try:
+                return await asyncio.gather(*(generate(stub, token_ids=[7, 8, i + 1], max_tokens=3, timeout_s=60)
+                                              for i in range(6)))
+            finally:
+                await ch.close()
+
+    results = asyncio.run(main())
+    assert all(len(r.token_ids) >= 1 for r in results)
+
+
+def test_link_recovers_after_a_failed_transfer(cluster):
+    rt = cluster.decode.runtime
+    # Known agent, addresses outside the decode worker's registered pool: the transfer fails.
+    bad = prefill_request(cluster, base_address=rt.pool_desc.base_address + (1 << 40), request_id="bad")
+    with grpc.insecure_channel(cluster.prefill.address) as ch:
+        stub = prefill_pb2_grpc.PrefillServiceStub(ch)
+        stub_ok = True
+        try:
+            stub.Prefill(bad, timeout=20)
+        except grpc.RpcError as exc:
+            stub_ok = False
+            assert exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.FAILED_PRECONDITION,
+                                  grpc.StatusCode.INVALID_ARGUMENT)
+    assert not stub_ok
+    transfers = cluster.prefill.runtime.stats.transfers
+    local = rt.stats.local_prefills
+    for i in range(3):
+        stream(cluster.router.address, token_ids=[40, 41, 42 + i], sampling=sampling_pb2.SamplingParams(max_tokens=2))
+    assert cluster.prefill.runtime.stats.transfers == transfers + 3  # the KV still moves over NIXL
+    assert rt.stats.local_prefills == local
