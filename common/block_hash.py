@@ -13,9 +13,10 @@ blocks: engine/kv_pool.py (stored events) and router/ (lookups) both import this
 from __future__ import annotations
 
 import struct
+import sys
+from array import array
 from typing import NewType, Sequence
 
-import numpy as np
 import xxhash
 
 BlockHash = NewType("BlockHash", int)
@@ -46,11 +47,17 @@ def block_hashes(token_ids: Sequence[int], block_size: int, seed: int,
     n_full = len(token_ids) // block_size
     if n_full == 0:
         return []
-    tokens = np.asarray(token_ids[: n_full * block_size], dtype="<u4").reshape(n_full, block_size)
+    data = array("I", token_ids[: n_full * block_size])  # uint32; raises OverflowError if < 0 or >= 2**32
+    if sys.byteorder != "little":
+        data.byteswap()
+    raw = data.tobytes()
+    step = 4 * block_size
+    hash64 = xxhash.xxh3_64_intdigest
+    pack = _LE64.pack
     out: list[BlockHash] = []
     prev = parent
-    for row in tokens:
-        data = row.tobytes() if prev is None else _LE64.pack(prev) + row.tobytes()
-        prev = BlockHash(xxhash.xxh3_64_intdigest(data, seed=seed))
-        out.append(prev)
+    for start in range(0, len(raw), step):
+        chunk = raw[start:start + step]
+        prev = hash64(chunk if prev is None else pack(prev) + chunk, seed=seed)
+        out.append(BlockHash(prev))
     return out

@@ -63,10 +63,15 @@ class RouterOptions:
 
 
 def overlap_source(opts: RouterOptions, workers: WorkerSet):
-    """(overlap source, after-routing hook, KV event subscriber) for the router mode."""
+    """(overlap source, after-routing hook, membership hook, KV event subscriber) for the mode.
+
+    The membership hook runs on every discovery change: kv mode subscribes to new workers'
+    KV events and drops departed workers' blocks; approx mode forgets departed workers' guesses.
+    """
     if opts.router_mode == "kv":
         index = KvIndex()
-        return index, None, KvEventSubscriber(index, workers)
+        subscriber = KvEventSubscriber(index, workers)
+        return index, None, subscriber.sync, subscriber
     if opts.router_mode == "approx":
         approx = ApproxIndex(ttl_s=opts.approx_ttl_s)
 
@@ -79,17 +84,23 @@ def overlap_source(opts: RouterOptions, workers: WorkerSet):
                 if c is not None and hashes:
                     approx.record(c.instance_id, hashes, time.monotonic())
 
-        return Approx(), on_routed, None
-    return NoOverlap(), None, None
+        def forget_departed() -> None:
+            present = set(workers.instance_ids())
+            for wid in list(approx.workers()):
+                if wid not in present:
+                    approx.remove_worker(wid)
+
+        return Approx(), on_routed, forget_departed, None
+    return NoOverlap(), None, None, None
 
 
-async def _follow_membership(watcher: InstanceWatcher, subscriber: KvEventSubscriber | None) -> None:
-    """Keep one KV event subscription per worker as workers join and leave."""
-    if subscriber is None:
+async def _follow_membership(watcher: InstanceWatcher, on_change) -> None:
+    """Call on_change() now and after every discovery change."""
+    if on_change is None:
         return
-    subscriber.sync()
+    on_change()
     async for _ in watcher.events(replay=False):
-        subscriber.sync()
+        on_change()
 
 
 async def run(opts: RouterOptions, ready: Callable[[RunningServer, FrontendServicer], None] | None = None,
@@ -100,12 +111,12 @@ async def run(opts: RouterOptions, ready: Callable[[RunningServer, FrontendServi
     await watcher.start()
     workers = WorkerSet(watcher, name, opts.block_size, hash_seed(name))
     load = LoadTracker(opts.block_size)
-    overlap, on_routed, subscriber = overlap_source(opts, workers)
+    overlap, on_routed, on_membership, subscriber = overlap_source(opts, workers)
     placement = Placement(workers, load, overlap, PlacementOptions(
         opts.router_mode, opts.prefill_weight, opts.router_temperature, opts.local_prefill_threshold))
     servicer = FrontendServicer(workers, placement, load, load_tokenizer(ckpt), config.vocab_size,
                                 config.max_position_embeddings, on_routed=on_routed)
-    membership = asyncio.create_task(_follow_membership(watcher, subscriber), name="membership")  # strong ref
+    membership = asyncio.create_task(_follow_membership(watcher, on_membership), name="membership")  # strong ref
     methods = {"Generate": ("stream", pb.GenerateRequest, pb.GenerateResponse),
                "ListModels": ("unary", pb.ListModelsRequest, pb.ListModelsResponse),
                "ExplainRoute": ("unary", pb.GenerateRequest, pb.ExplainRouteResponse)}

@@ -46,6 +46,10 @@ class WorkerSet:
                 and (not serving_only or (i.state == discovery_pb2.INSTANCE_STATE_SERVING
                                           and self._aside.get(i.instance_id, 0.0) <= now))]
 
+    def instance_ids(self) -> list[str]:
+        """Every instance in discovery now (any role, state or compatibility)."""
+        return list(self._watcher.instances())
+
     def set_aside(self, instance_id: str, seconds: float | None = None) -> None:
         """Route nothing new to a worker that refused a connection, for `seconds` (default
         set_aside_s): long enough for its lease to expire if it died."""

@@ -121,3 +121,16 @@ def test_worker_leaving_discovery_leaves_the_index(fleet):
     fleet.wait_roles(fleet.router, 2, 2)
     assert wait(lambda: wid not in index.workers())
     assert generate(fleet.router.address, prompt)
+
+
+def test_approx_mode_assumes_routed_blocks(fleet):
+    approx = fleet.start("router", router_mode="approx")
+    fleet.wait_roles(approx, 2, 2)
+    prompt = doc(640, salt=41)  # 40 blocks
+    generate(approx.address, prompt)
+    resp = explain(approx.address, prompt + doc(30, salt=42))
+    assert resp.mode == "approx"
+    held = {c.instance_id: c.overlap_blocks for c in resp.candidates}
+    assert held[resp.decode_instance_id] == 40 and held[resp.prefill_instance_id] == 40
+    assert sorted(held.values()) == [0, 0, 40, 40]  # only the workers it routed to
+    fleet.stop(approx)
