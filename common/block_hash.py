@@ -55,9 +55,10 @@ def block_hashes(token_ids: Sequence[int], block_size: int, seed: int,
     hash64 = xxhash.xxh3_64_intdigest
     pack = _LE64.pack
     out: list[BlockHash] = []
+    append = out.append  # hot loop: no attribute lookups, no NewType call per block
     prev = parent
     for start in range(0, len(raw), step):
         chunk = raw[start:start + step]
-        prev = hash64(chunk if prev is None else pack(prev) + chunk, seed=seed)
-        out.append(BlockHash(prev))
+        prev = hash64(chunk if prev is None else pack(prev) + chunk, seed)
+        append(prev)
     return out
