@@ -18,6 +18,8 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 
 import aetcd
+
+from discovery.client_holder import ClientHolder
 import grpc
 from aetcd import rpc
 
@@ -82,7 +84,7 @@ class Registration:
         self._instance = _copy(instance)
         self._requested_ttl = max(1, math.ceil(ttl_seconds))
         self._rpc_timeout = rpc_timeout
-        self._client: aetcd.Client | None = None
+        self._clients = ClientHolder(self._factory, self._rpc_timeout)
         self._lease_id: int | None = None
         self._granted_ttl = self._requested_ttl
         # Monotonic time of the lease's expiry: send time of the last successful grant/refresh
@@ -301,19 +303,10 @@ class Registration:
     # -- connection -------------------------------------------------------------------------
 
     async def _ensure_client(self) -> aetcd.Client:
-        if self._client is None:
-            client = await self._factory()
-            await client.connect()  # builds the stubs if a factory returned a fresh client
-            self._client = client
-        return self._client
+        return await self._clients.get()
 
     async def _drop_client(self) -> None:
-        client, self._client = self._client, None
-        if client is not None:
-            try:
-                await asyncio.wait_for(client.close(), self._rpc_timeout)
-            except Exception as exc:  # noqa: BLE001 - closing is best effort
-                logger.debug("closing etcd client failed: %s", exc)
+        await self._clients.drop()
 
     async def _cancel_task(self) -> None:
         task, self._task = self._task, None

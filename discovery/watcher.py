@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from typing import Literal
 
 import aetcd
+
+from discovery.client_holder import ClientHolder
 import grpc
 from aetcd import rpc
 from aetcd.utils import prefix_range_end
@@ -106,7 +108,7 @@ class InstanceWatcher:
         self._synced = asyncio.Event()  # set after the first full listing
         self._changed = asyncio.Condition()
         self._subscribers: set[asyncio.Queue[InstanceEvent | None]] = set()
-        self._client: aetcd.Client | None = None
+        self._clients = ClientHolder(self._factory, self._rpc_timeout)
         self._task: asyncio.Task[None] | None = None  # strong reference (asyncio keeps weak ones)
 
     # -- view -------------------------------------------------------------------------------
@@ -337,19 +339,10 @@ class InstanceWatcher:
     # -- connection -------------------------------------------------------------------------
 
     async def _ensure_client(self) -> aetcd.Client:
-        if self._client is None:
-            client = await self._factory()
-            await client.connect()  # builds the stubs if a factory returned a fresh client
-            self._client = client
-        return self._client
+        return await self._clients.get()
 
     async def _drop_client(self) -> None:
-        client, self._client = self._client, None
-        if client is not None:
-            try:
-                await asyncio.wait_for(client.close(), self._rpc_timeout)
-            except Exception as exc:  # noqa: BLE001 - closing is best effort
-                logger.debug("closing etcd client failed: %s", exc)
+        await self._clients.drop()
 
 
 class _EventStream:
