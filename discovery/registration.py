@@ -18,11 +18,10 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 
 import aetcd
-
-from discovery.client_holder import ClientHolder
 import grpc
 from aetcd import rpc
 
+from discovery.client_holder import ClientHolder
 from common.pb.tandem.v1 import discovery_pb2
 from discovery.backoff import Backoff
 from discovery.endpoints import ETCD_ERRORS, connect_first, describe_error, parse_endpoints

@@ -18,13 +18,12 @@ from dataclasses import dataclass
 from typing import Literal
 
 import aetcd
-
-from discovery.client_holder import ClientHolder
 import grpc
 from aetcd import rpc
 from aetcd.utils import prefix_range_end
 from google.protobuf.message import DecodeError
 
+from discovery.client_holder import ClientHolder
 from common.pb.tandem.v1 import discovery_pb2
 from discovery.backoff import Backoff
 from discovery.endpoints import ETCD_ERRORS, connect_first, describe_error, parse_endpoints
