@@ -24,6 +24,7 @@ class WorkerSet:
         self.hash_seed = hash_seed
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._refused: set[str] = set()
+        self.refused_workers = 0  # counter: workers refused for model, block size or hash seed
         self._aside: dict[str, float] = {}  # instance id -> monotonic time it may be used again
         self.set_aside_s = 5.0
 
@@ -32,6 +33,7 @@ class WorkerSet:
             return True
         if inst.instance_id not in self._refused:  # say it once, never score it silently
             self._refused.add(inst.instance_id)
+            self.refused_workers += 1
             log.warning("refusing worker %s at %s: model=%s block_size=%d hash_seed=%d, router has "
                         "model=%s block_size=%d hash_seed=%d", inst.instance_id, inst.address, inst.model,
                         inst.block_size, inst.hash_seed, self.model, self.block_size, self.hash_seed)

@@ -110,6 +110,8 @@ def test_incompatible_workers_are_refused_not_scored(caplog):
         d, _ = p.route(doc(40))
     assert d.prefill is None and {c.instance_id for c in d.candidates} == {"d0", "d1"}
     assert "refusing worker p-bs" in caplog.text and "refusing worker p-salt" in caplog.text
+    p.route(doc(40))
+    assert p.workers.refused_workers == 2  # counted once per worker
 
 
 @pytest.mark.parametrize("mode", ["round-robin", "random", "least-loaded", "approx"])
