@@ -17,6 +17,7 @@ from pathlib import Path
 from common.pb.tandem.v1 import discovery_pb2
 from discovery.etcd_server import EtcdServer
 from discovery.watcher import InstanceWatcher
+from engine.model_source import DEFAULT_MODEL
 
 log = logging.getLogger(__name__)
 
@@ -31,7 +32,7 @@ class LocalCluster:
         log_dir: where each process's log goes (a temporary folder by default).
     """
 
-    def __init__(self, model: str = "tandem-tiny", num_prefill: int = 1, num_decode: int = 1,
+    def __init__(self, model: str = DEFAULT_MODEL, num_prefill: int = 1, num_decode: int = 1,
                  etcd: str = "", router_port: int = 0, namespace: str = "local",
                  worker_args: list[str] | None = None, router_args: list[str] | None = None,
                  log_dir: str | None = None,

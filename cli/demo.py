@@ -59,7 +59,7 @@ def reference_tokens(model_spec: str, prompts: list[str], max_tokens: int) -> li
     return [reference_generate(loaded.model, tok.encode(p), max_tokens, eos) for p in prompts]
 
 
-async def run_demo(model: str = "tandem-tiny", concurrency: int = 8, max_tokens: int = 32,
+async def run_demo(model: str = "tandem-shakespeare", concurrency: int = 8, max_tokens: int = 32,
                    limit: int | None = None) -> int:
     prompts = [q["turns"][0] for q in load_questions()][:limit]
     cluster = LocalCluster(model=model, namespace="demo")
@@ -94,7 +94,8 @@ def main(argv: list[str] | None = None) -> int:
     import argparse
 
     p = argparse.ArgumentParser(prog="tandem demo", description=" ".join(__doc__.split("\n\n")[0].split()))
-    p.add_argument("--model", default="tandem-tiny")
+    p.add_argument("--model", default="tandem-shakespeare",
+                   help="tandem-shakespeare (shipped, trained), tandem-tiny (seeded) or a checkpoint folder")
     p.add_argument("--concurrency", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--limit", type=int, default=None, help="send only the first N questions")

@@ -11,7 +11,7 @@ from common.env import env_default, env_name
 T = TypeVar("T")
 
 HELP = {
-    "model": "served model: 'tandem-tiny' (seeded weights) or a Hugging Face checkpoint folder",
+    "model": "served model: 'tandem-shakespeare' (shipped, trained), 'tandem-tiny' (seeded) or a Hugging Face checkpoint folder",
     "seed": "weight seed of tandem-tiny",
     "block_size": "tokens per KV block (router and workers must agree)",
     "num_blocks": "KV pool capacity in blocks",

@@ -122,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
         add_flags(p, WorkerOptions)
         p.set_defaults(func=_worker)
     p = sub.add_parser("up", help="a local cluster: etcd, router, prefill and decode workers")
-    _arg(p, "--model", "tandem-tiny", "served model: 'tandem-tiny' or a checkpoint folder")
+    _arg(p, "--model", "tandem-shakespeare", "served model: 'tandem-shakespeare' (shipped, trained), 'tandem-tiny' (seeded) or a checkpoint folder")
     _arg(p, "--etcd", "", "use this etcd (host:port) instead of starting one")
     _arg(p, "--port", 50051, "router port")
     _arg(p, "--prefill", 1, "prefill workers", env=False)

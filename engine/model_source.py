@@ -14,7 +14,10 @@ import torch
 from common.tokenizer import TextTokenizer, load_tokenizer
 from engine.config import ModelConfig
 
-TINY = "tandem-tiny"  # ModelConfig.tiny() with weights from `seed`
+TINY = "tandem-tiny"  # ModelConfig.tiny() with weights from `seed` (tests: any vocabulary id is valid)
+SHAKESPEARE = "tandem-shakespeare"  # the shipped trained checkpoint (docs/model-card.md)
+SHIPPED = {SHAKESPEARE: Path(__file__).resolve().parent / "assets" / SHAKESPEARE}
+DEFAULT_MODEL = SHAKESPEARE
 
 
 @dataclass
@@ -28,12 +31,16 @@ class LoadedModel:
         return load_tokenizer(self.checkpoint_dir)
 
 
+def _folder(spec: str) -> Path:
+    return SHIPPED.get(spec, Path(spec))
+
+
 def model_name(spec: str) -> str:
-    """The served name for a spec without loading it: TINY, or the folder's name."""
-    return TINY if spec in ("", TINY) else Path(spec).resolve().name
+    """The served name for a spec without loading it: TINY, a shipped model's name, or the folder's name."""
+    return TINY if spec in ("", TINY) else _folder(spec).resolve().name
 
 
-def load_config(spec: str = TINY) -> tuple[str, ModelConfig, Path | None]:
+def load_config(spec: str = DEFAULT_MODEL) -> tuple[str, ModelConfig, Path | None]:
     """(served name, config, checkpoint folder or None) without building weights (the router's need).
 
     Raises:
@@ -41,14 +48,15 @@ def load_config(spec: str = TINY) -> tuple[str, ModelConfig, Path | None]:
     """
     if spec in ("", TINY):
         return TINY, ModelConfig.tiny(), None
-    path = Path(spec)
+    path = _folder(spec)
     if not (path / "config.json").exists():
         raise FileNotFoundError(f"--model {spec}: no config.json there (expected a Hugging Face checkpoint folder)")
     return model_name(spec), ModelConfig.from_json_file(path / "config.json"), path
 
 
-def load_model(spec: str = TINY, seed: int = 0, dtype: torch.dtype = torch.float32) -> LoadedModel:
-    """Load `spec`: TINY (seeded weights) or a folder with config.json + model.safetensors.
+def load_model(spec: str = DEFAULT_MODEL, seed: int = 0, dtype: torch.dtype = torch.float32) -> LoadedModel:
+    """Load `spec`: TINY (seeded weights), a shipped model's name, or a folder with
+    config.json + model.safetensors (+ tokenizer.json).
 
     Raises:
         FileNotFoundError: the folder or its config.json is missing.
@@ -60,7 +68,7 @@ def load_model(spec: str = TINY, seed: int = 0, dtype: torch.dtype = torch.float
     if spec in ("", TINY):
         config = ModelConfig.tiny()
         return LoadedModel(TINY, config, build_model(config, seed=seed, dtype=dtype).eval(), None)
-    path = Path(spec)
+    path = _folder(spec)
     if not (path / "config.json").exists():
         raise FileNotFoundError(f"--model {spec}: no config.json there (expected a Hugging Face checkpoint folder)")
     model, config = load_checkpoint(path, dtype=dtype)

@@ -23,7 +23,7 @@ from common.pb.tandem.v1 import discovery_pb2, kv_events_pb2_grpc
 from engine.kv_event_service import KvEventServicer
 from engine.kv_events import KvEventLog
 from engine.kv_pool import KvPool, KvPoolConfig
-from engine.model_source import TINY, LoadedModel, load_model
+from engine.model_source import DEFAULT_MODEL, LoadedModel, load_model
 from engine.runner import ModelRunner
 
 log = logging.getLogger(__name__)
@@ -35,7 +35,7 @@ VERSION = "0.1.0"
 class WorkerOptions:
     """Flags shared by `tandem prefill` and `tandem decode` (each has a TANDEM_* variable)."""
 
-    model: str = TINY  # TINY or a Hugging Face checkpoint folder
+    model: str = DEFAULT_MODEL  # tandem-shakespeare, tandem-tiny or a Hugging Face checkpoint folder
     seed: int = 0  # weight seed for TINY
     block_size: int = 16  # tokens per KV block (must match the router's)
     num_blocks: int = 4096  # KV pool capacity in blocks

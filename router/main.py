@@ -17,7 +17,7 @@ from common.pb.tandem.v1 import frontend_pb2 as pb
 from common.tokenizer import load_tokenizer
 from discovery.registration import Registration
 from discovery.watcher import InstanceWatcher
-from engine.model_source import TINY, load_config
+from engine.model_source import DEFAULT_MODEL, load_config
 from engine.worker_host import VERSION
 from router.approx_index import ApproxIndex
 from router.kv_index import KvIndex
@@ -37,7 +37,7 @@ class RouterOptions:
     """Flags of `tandem router` (each has a TANDEM_* variable)."""
 
     etcd: str  # etcd endpoints host:port[,host:port] (required)
-    model: str = TINY  # served model: TINY or a checkpoint folder (its tokenizer is used)
+    model: str = DEFAULT_MODEL  # served model: tandem-shakespeare, tandem-tiny or a checkpoint folder (its tokenizer is used)
     block_size: int = 16  # must match the workers'
     host: str = "127.0.0.1"
     port: int = 0

@@ -17,5 +17,5 @@ def etcd_server():
 def tiny_model():
     import torch
     torch.set_num_threads(1)
-    from engine.model_source import load_model
-    return load_model()
+    from engine.model_source import TINY, load_model
+    return load_model(TINY)

@@ -34,7 +34,8 @@ class InProcessCluster:
         self.etcd = etcd
         self.loaded = loaded
         self.namespace = namespace
-        self.worker_opts = replace(worker_opts or WorkerOptions(num_blocks=512), etcd=etcd, namespace=namespace)
+        self.worker_opts = replace(worker_opts or WorkerOptions(num_blocks=512), etcd=etcd, namespace=namespace,
+                                   model=loaded.name)
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self._thread.start()
@@ -56,6 +57,7 @@ class InProcessCluster:
         if role == "router":
             from router.main import RouterOptions, run
             opts = RouterOptions(etcd=self.etcd, namespace=self.namespace, block_size=self.worker_opts.block_size,
+                                 model=self.loaded.name,
                                  **overrides)
             h.task = asyncio.create_task(run(opts, ready=lambda s, w: ready.set_result((s, w)), stop=h.stop))
         else:

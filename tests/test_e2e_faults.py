@@ -15,6 +15,7 @@ from cli.client import frontend_stub, generate
 from cli.cluster import LocalCluster
 from common.pb.tandem.v1 import (decode_pb2, decode_pb2_grpc, frontend_pb2, frontend_pb2_grpc, prefill_pb2,
                                  prefill_pb2_grpc, sampling_pb2)
+from engine.model_source import TINY
 from engine.reference import reference_generate
 from harness import InProcessCluster
 
@@ -138,7 +139,7 @@ def test_stalled_prefill_worker_falls_back_to_local_prefill_in_time(cluster, tin
 
 def test_killed_decode_worker_is_set_aside_and_requests_go_elsewhere(tmp_path):
     async def main():
-        cluster = LocalCluster(namespace="e2e-kill", num_decode=2, log_dir=str(tmp_path))
+        cluster = LocalCluster(model=TINY, namespace="e2e-kill", num_decode=2, log_dir=str(tmp_path))
         async with cluster:
             cluster.stop_process("decode-0", signal.SIGKILL)  # its lease lives on for ~10 s
             ch, stub = frontend_stub(cluster.router_address)

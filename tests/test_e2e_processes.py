@@ -9,6 +9,7 @@ import pytest
 
 from cli.client import frontend_stub, generate
 from cli.cluster import LocalCluster
+from engine.model_source import TINY
 from engine.reference import reference_generate
 
 pytestmark = pytest.mark.e2e
@@ -18,7 +19,7 @@ def test_twenty_concurrent_streams_complete_and_match_reference(tiny_model, tmp_
     prompts = [f"Question {i}: explain the number {i * 37} in a few words." for i in range(20)]
 
     async def main():
-        cluster = LocalCluster(namespace="e2e-procs", worker_args=["--num-blocks", "1024"], log_dir=str(tmp_path))
+        cluster = LocalCluster(model=TINY, namespace="e2e-procs", worker_args=["--num-blocks", "1024"], log_dir=str(tmp_path))
         async with cluster:
             ch, stub = frontend_stub(cluster.router_address)
             try:
