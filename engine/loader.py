@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import re
 from collections.abc import Callable, Mapping
 from os import PathLike
@@ -130,6 +131,8 @@ def save_checkpoint(model: DeepseekV3ForCausalLM, config: ModelConfig,
     tensors = {name: t.detach().to("cpu").contiguous() for name, t in params.items()
                if not (name in aliases and t is params[aliases[name]])}
     save_file(tensors, str(out / WEIGHTS_FILE), metadata={"format": "pt"})
+    # safetensors writes 0600; a checkpoint is read by serving processes of other users.
+    os.chmod(out / WEIGHTS_FILE, 0o644)
     hf = config.to_hf_dict()
     hf["torch_dtype"] = str(model.dtype).removeprefix("torch.")
     (out / CONFIG_FILE).write_text(json.dumps(hf, indent=2) + "\n", encoding="utf-8")
