@@ -24,6 +24,7 @@ HELP = {
     "lease_ttl_s": "etcd lease time to live in seconds",
     "transfer_backend": "KV transfer backend",
     "transfer_timeout_s": "KV transfer timeout in seconds",
+    "drain_timeout_s": "on SIGTERM, seconds to let in-flight requests finish before exiting",
     "prefill_timeout_s": "decode: seconds to wait for a prefill worker (at most half the request's deadline) "
                          "before prefilling locally",
     "torch_threads": "intra-op threads for the model",

@@ -89,6 +89,13 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
         return sample(logits, params, step=0)
 
     async def Generate(self, request: pb.DecodeRequest, context: grpc.aio.ServicerContext):
+        if self.rt.draining:  # the router retries on another decode worker
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "decode worker is draining")
+        with self.rt.serving():
+            async for msg in self._generate(request, context):
+                yield msg
+
+    async def _generate(self, request: pb.DecodeRequest, context: grpc.aio.ServicerContext):
         try:
             check_parsed(request)
             validate_token_ids(list(request.token_ids), self.rt.vocab_size)

@@ -6,6 +6,7 @@ startup → serve → drain → shutdown (STYLE.md, "A staged lifecycle").
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
@@ -49,6 +50,7 @@ class WorkerOptions:
     transfer_backend: str = "nixl"
     transfer_timeout_s: float = 30.0
     prefill_timeout_s: float = 30.0  # decode: wait this long (at most half the deadline) for a prefill worker
+    drain_timeout_s: float = 30.0  # on SIGTERM: finish in-flight requests for at most this long
     torch_threads: int = 1  # intra-op threads for the model (small model: 1 is fastest)
 
     def __post_init__(self) -> None:
@@ -87,6 +89,11 @@ class WorkerRuntime:
         self.runner = ModelRunner(self.loaded.model, self.pool)
         self.events = KvEventLog(self.pool.blocks)
         self.stats = WorkerStats()
+        self.start_time = time.time()
+        self.draining = False  # set on SIGTERM: new requests are refused with UNAVAILABLE
+        self.in_flight = 0  # requests being served (prefill: including their transfers)
+        self._idle = asyncio.Event()
+        self._idle.set()
         # One thread for all model work: forwards never run concurrently, the event loop
         # keeps serving RPCs, and the pool's accounting stays on the loop thread.
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
@@ -127,12 +134,32 @@ class WorkerRuntime:
         assert hidden is not None, "prefill needs at least one token to compute"
         return await self.run_model(self.runner.logits, hidden)
 
+    @contextlib.contextmanager
+    def serving(self):
+        """Count one request in flight for the drain (use around a whole RPC)."""
+        self.in_flight += 1
+        self._idle.clear()
+        try:
+            yield
+        finally:
+            self.in_flight -= 1
+            if self.in_flight == 0:
+                self._idle.set()
+
+    async def wait_idle(self, timeout_s: float) -> bool:
+        """Wait until no request is in flight; False if timeout_s passed first."""
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout_s)
+            return True
+        except (TimeoutError, asyncio.TimeoutError):
+            return False
+
     def instance(self, address: str) -> discovery_pb2.Instance:
         return discovery_pb2.Instance(
             instance_id=self.instance_id, role=self.role, address=address, model=self.loaded.name,
             block_size=self.opts.block_size, hash_seed=self.pool.hash_seed,
             kv_capacity_blocks=self.opts.num_blocks, transfer_agent_name=self.agent.name,
-            state=discovery_pb2.INSTANCE_STATE_SERVING, start_time_unix=time.time(), version=VERSION)
+            state=discovery_pb2.INSTANCE_STATE_SERVING, start_time_unix=self.start_time, version=VERSION)
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
@@ -166,6 +193,7 @@ async def serve_worker(runtime: WorkerRuntime, add_services: Sequence[Callable[[
         ready(server)
     try:
         await stop.wait()
+        await drain(runtime, server, registration, address)
     finally:
         restore_signals()
         log.info("%s stopping", runtime.instance_id)
@@ -174,3 +202,24 @@ async def serve_worker(runtime: WorkerRuntime, add_services: Sequence[Callable[[
             await asyncio.shield(registration.stop())
         await server.stop(2.0)
         runtime.close()
+
+
+async def drain(runtime: WorkerRuntime, server: RunningServer, registration, address: str) -> None:
+    """The drain stage (DESIGN.md section 3): report NOT_SERVING, mark the etcd record
+    DRAINING so routers send nothing new, refuse new requests, and let in-flight ones finish
+    (a prefill worker's include their KV transfers, so the decode worker gets its blocks) for
+    at most --drain-timeout seconds. Handing unfinished decode requests back for migration
+    comes with request migration."""
+    runtime.draining = True
+    await server.set_serving(False)
+    if registration is not None:
+        inst = runtime.instance(address)
+        inst.state = discovery_pb2.INSTANCE_STATE_DRAINING
+        try:
+            await registration.update(inst)
+        except Exception as exc:  # noqa: BLE001 - etcd down: health probes still stop new work
+            log.warning("could not mark %s DRAINING in etcd: %s", runtime.instance_id, exc)
+    log.info("%s draining: %d requests in flight", runtime.instance_id, runtime.in_flight)
+    if not await runtime.wait_idle(runtime.opts.drain_timeout_s):
+        log.warning("%s: drain timeout (%.0f s) with %d requests still in flight", runtime.instance_id,
+                    runtime.opts.drain_timeout_s, runtime.in_flight)

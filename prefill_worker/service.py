@@ -63,6 +63,12 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
             raise InvalidArgument("destination.base_address", "the destination blocks do not fit in 64-bit addresses")
 
     async def Prefill(self, request: pb.PrefillRequest, context: grpc.aio.ServicerContext) -> pb.PrefillResponse:
+        if self.rt.draining:  # the decode worker prefills locally instead
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "prefill worker is draining")
+        with self.rt.serving():
+            return await self._prefill(request, context)
+
+    async def _prefill(self, request: pb.PrefillRequest, context: grpc.aio.ServicerContext) -> pb.PrefillResponse:
         try:
             self._validate(request)
             params = sampling_from_proto(request.sampling, len(request.token_ids), self.rt.context_length)

@@ -1,0 +1,64 @@
+"""SIGTERM drain (DESIGN.md section 3): a stopping worker is marked DRAINING, gets no new
+requests, finishes what it has, then leaves discovery."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import grpc
+import pytest
+
+from common.pb.tandem.v1 import discovery_pb2, frontend_pb2, frontend_pb2_grpc, sampling_pb2
+from engine.reference import reference_generate
+from harness import InProcessCluster
+
+pytestmark = pytest.mark.e2e
+
+
+def test_decode_worker_finishes_in_flight_streams_while_draining(etcd_server, tiny_model):
+    c = InProcessCluster(etcd_server.endpoint, tiny_model, namespace="e2e-drain")
+    try:
+        router = c.start("router")
+        c.start("prefill")
+        decodes = [c.start("decode"), c.start("decode")]
+        c.wait_roles(router, 1, 2)
+        ch = grpc.insecure_channel(router.address)
+        stub = frontend_pb2_grpc.FrontendServiceStub(ch)
+        prompt = [101, 102, 103, 104]
+        long_req = frontend_pb2.GenerateRequest(token_ids=prompt, sampling=sampling_pb2.SamplingParams(
+            max_tokens=120, ignore_eos=True))
+        call = stub.Generate(long_req, timeout=120)
+        tokens = list(next(call).token_ids)
+        busy = next(d for d in decodes if d.runtime.in_flight > 0)
+        other = next(d for d in decodes if d is not busy)
+        stopper = threading.Thread(target=c.stop, args=(busy,))
+        stopper.start()
+        deadline = time.time() + 10
+        while not busy.runtime.draining and time.time() < deadline:
+            time.sleep(0.01)
+        assert busy.runtime.draining
+        # The router learns DRAINING from etcd and sends new work to the other worker.
+        deadline = time.time() + 10
+        while any(i.instance_id == busy.runtime.instance_id for i in router.workers.candidates(discovery_pb2.ROLE_DECODE)):
+            assert time.time() < deadline
+            time.sleep(0.02)
+        served_before = other.runtime.stats.remote_prefills
+        for i in range(3):
+            short = frontend_pb2.GenerateRequest(token_ids=[7, 8, i + 1], sampling=sampling_pb2.SamplingParams(max_tokens=2))
+            assert list(stub.Generate(short, timeout=30))
+        assert other.runtime.stats.remote_prefills == served_before + 3
+        for msg in call:  # the in-flight stream runs to the end
+            tokens += list(msg.token_ids)
+        stopper.join(60)
+        assert not stopper.is_alive()
+        greedy = reference_generate(tiny_model.model, prompt, 120)
+        assert tokens == greedy
+        assert busy.runtime.in_flight == 0
+        deadline = time.time() + 10  # gone from discovery once its lease is revoked
+        while busy.runtime.instance_id in router.workers.instance_ids():
+            assert time.time() < deadline
+            time.sleep(0.02)
+        ch.close()
+    finally:
+        c.close()
