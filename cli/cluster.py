@@ -104,6 +104,29 @@ class LocalCluster:
                     if time.monotonic() > deadline:
                         raise TimeoutError(f"cluster not ready in {self.ready_timeout_s} s; logs in {self.log_dir}")
         self.router_address = next(i.address for i in view.values() if i.role == discovery_pb2.ROLE_ROUTER)
+        await self._wait_router_sees_workers(deadline)
+
+    async def _wait_router_sees_workers(self, deadline: float) -> None:
+        """Ready means the router itself can place a request on every worker (its own etcd
+        watch may lag the one above)."""
+        import grpc
+
+        from common.grpc_server import channel
+        from common.pb.tandem.v1 import frontend_pb2, frontend_pb2_grpc
+
+        want = self.num_prefill + self.num_decode
+        async with channel(self.router_address) as ch:
+            stub = frontend_pb2_grpc.FrontendServiceStub(ch)
+            while True:
+                try:
+                    resp = await stub.ExplainRoute(frontend_pb2.GenerateRequest(token_ids=[1]), timeout=5)
+                    if len(resp.candidates) >= want:
+                        return
+                except grpc.aio.AioRpcError:
+                    pass  # no decode worker in its view yet
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"router does not see all {want} workers; logs in {self.log_dir}")
+                await asyncio.sleep(0.05)
 
     def stop_process(self, name: str, sig: int | None = signal.SIGTERM, timeout_s: float = 15.0) -> int:
         """Signal one process (once; sig=None only waits) and wait for it, killing it after
