@@ -24,6 +24,9 @@ HELP = {
     "lease_ttl_s": "etcd lease time to live in seconds",
     "transfer_backend": "KV transfer backend",
     "transfer_timeout_s": "KV transfer timeout in seconds",
+    "health_interval_s": "router: seconds between grpc.health.v1 probes of each worker",
+    "health_timeout_s": "router: seconds one health probe may take",
+    "health_failure_threshold": "router: consecutive failed probes that make a worker unhealthy",
     "drain_timeout_s": "on SIGTERM, seconds to let in-flight requests finish before exiting",
     "prefill_timeout_s": "decode: seconds to wait for a prefill worker (at most half the request's deadline) "
                          "before prefilling locally",

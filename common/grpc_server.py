@@ -59,8 +59,12 @@ async def start_server(address: str, add_services: Sequence[Callable[[grpc.aio.S
 
 def channel(address: str) -> grpc.aio.Channel:
     """A client channel with Tandem's message size limits."""
+    # A restarted peer at the same address is reachable again within ~1 s, not after gRPC's
+    # default reconnect back-off of up to 120 s.
     return grpc.aio.insecure_channel(address, options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-                                                       ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)])
+                                                       ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                                                       ("grpc.initial_reconnect_backoff_ms", 200),
+                                                       ("grpc.max_reconnect_backoff_ms", 1000)])
 
 
 def add_lenient_service(server: grpc.aio.Server, service: str, servicer: object,

@@ -20,6 +20,7 @@ from discovery.watcher import InstanceWatcher
 from engine.model_source import DEFAULT_MODEL, load_config
 from engine.worker_host import VERSION
 from router.approx_index import ApproxIndex
+from router.health import HealthTracker
 from router.kv_index import KvIndex
 from router.kv_subscriber import KvEventSubscriber
 from router.load import LoadTracker
@@ -48,6 +49,9 @@ class RouterOptions:
     router_temperature: float = 0.0  # 0 = lowest cost always wins
     local_prefill_threshold: int = 0  # tokens: prefill on the decode worker below this (0 = off)
     approx_ttl_s: float = 120.0  # approx mode: how long a routed block is assumed cached
+    health_interval_s: float = 1.0  # seconds between grpc.health.v1 probes of each worker
+    health_timeout_s: float = 0.5  # seconds one probe may take
+    health_failure_threshold: int = 3  # consecutive failures (probes or transport) that make a worker unhealthy
 
     def __post_init__(self) -> None:
         if self.router_mode not in MODES:
@@ -56,6 +60,11 @@ class RouterOptions:
             raise ValueError("--prefill-weight, --router-temperature and --local-prefill-threshold must be >= 0")
         if self.approx_ttl_s <= 0:
             raise ValueError(f"--approx-ttl must be > 0 seconds, got {self.approx_ttl_s}")
+        if self.health_interval_s <= 0 or self.health_timeout_s <= 0:
+            raise ValueError(f"--health-interval and --health-timeout must be > 0 seconds, got "
+                             f"{self.health_interval_s} and {self.health_timeout_s}")
+        if self.health_failure_threshold < 1:
+            raise ValueError(f"--health-failure-threshold must be >= 1, got {self.health_failure_threshold}")
         if not self.etcd:
             raise ValueError("--etcd is required for the router (host:port of an etcd server)")
         if self.block_size < 1:
@@ -110,6 +119,8 @@ async def run(opts: RouterOptions, ready: Callable[[RunningServer, FrontendServi
     watcher = InstanceWatcher(opts.etcd, opts.namespace)
     await watcher.start()
     workers = WorkerSet(watcher, name, opts.block_size, hash_seed(name))
+    health = workers.health = HealthTracker(workers, opts.health_interval_s, opts.health_timeout_s,
+                                            opts.health_failure_threshold)
     load = LoadTracker(opts.block_size)
     overlap, on_routed, on_membership, subscriber = overlap_source(opts, workers)
     placement = Placement(workers, load, overlap, PlacementOptions(
@@ -131,6 +142,7 @@ async def run(opts: RouterOptions, ready: Callable[[RunningServer, FrontendServi
     await registration.start()
     stop = stop or asyncio.Event()
     restore_signals = install_stop_signals(stop)
+    health.start()  # here, so that the finally below always stops it
     log.info("router serving %s on %s", name, address)
     if ready:
         ready(server, servicer)
@@ -143,6 +155,7 @@ async def run(opts: RouterOptions, ready: Callable[[RunningServer, FrontendServi
         await asyncio.shield(registration.stop())
         await server.stop(2.0)
         membership.cancel()
+        await health.stop()
         if subscriber is not None:
             await subscriber.close()
         await workers.close()

@@ -27,6 +27,7 @@ class WorkerSet:
         self.refused_workers = 0  # counter: workers refused for model, block size or hash seed
         self._aside: dict[str, float] = {}  # instance id -> monotonic time it may be used again
         self.set_aside_s = 5.0
+        self.health = None  # router.health.HealthTracker, when probing: unhealthy workers are not candidates
 
     def _compatible(self, inst: discovery_pb2.Instance) -> bool:
         if inst.model == self.model and inst.block_size == self.block_size and inst.hash_seed == self.hash_seed:
@@ -41,12 +42,13 @@ class WorkerSet:
 
     def candidates(self, role: int, serving_only: bool = True) -> list[discovery_pb2.Instance]:
         """Compatible instances of `role` in discovery now: by default only SERVING ones that
-        are not set aside."""
+        are neither set aside nor unhealthy."""
         now = time.monotonic()
         return [i for i in self._watcher.instances().values()
                 if i.role == role and self._compatible(i)
                 and (not serving_only or (i.state == discovery_pb2.INSTANCE_STATE_SERVING
-                                          and self._aside.get(i.instance_id, 0.0) <= now))]
+                                          and self._aside.get(i.instance_id, 0.0) <= now
+                                          and (self.health is None or self.health.healthy(i.instance_id))))]
 
     def instance_ids(self) -> list[str]:
         """Every instance in discovery now (any role, state or compatibility)."""
@@ -54,8 +56,11 @@ class WorkerSet:
 
     def set_aside(self, instance_id: str, seconds: float | None = None) -> None:
         """Route nothing new to a worker that refused a connection, for `seconds` (default
-        set_aside_s): long enough for its lease to expire if it died."""
+        set_aside_s): long enough for its lease to expire if it died. Counts as a transport
+        failure for health."""
         self._aside[instance_id] = time.monotonic() + (self.set_aside_s if seconds is None else seconds)
+        if self.health is not None:
+            self.health.record_transport_failure(instance_id, "refused a call")
 
     def channel(self, inst: discovery_pb2.Instance) -> grpc.aio.Channel:
         return self.channel_for(inst.address)

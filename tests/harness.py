@@ -18,10 +18,11 @@ from engine.worker_host import WorkerOptions, WorkerRuntime
 
 @dataclass
 class Handle:
-    """A running server: its address, runtime (workers), stop event and task."""
+    """A running server: its address, gRPC server (health), runtime (workers), stop event and task."""
 
     role: str
     address: str = ""
+    server: Any = None  # common.grpc_server.RunningServer
     runtime: WorkerRuntime | None = None
     workers: Any = None  # the router's WorkerSet
     servicer: Any = None  # the router's FrontendServicer
@@ -73,6 +74,7 @@ class InProcessCluster:
             h.servicer, h.workers = extra, extra.workers
         else:
             h.runtime = extra
+        h.server = server
         h.address = f"127.0.0.1:{server.port}"
         self.handles.append(h)
         return h

@@ -1,0 +1,178 @@
+"""The router's health tracking of its workers (DESIGN.md section 3, "Health").
+
+Every `interval_s` the tracker calls `grpc.health.v1.Health/Check` (overall service "") on
+each prefill and decode worker the router's WorkerSet knows (whatever its discovery state),
+over the router's own channel to it, each probe bounded by `timeout_s`. NOT_SERVING, a
+transport error and a timeout are failures; `failure_threshold` consecutive failures make a
+worker unhealthy and one successful probe makes it healthy again. The request path adds
+transport failures with `record_transport_failure` (a decode worker refusing a call).
+Client errors (INVALID_ARGUMENT, over-long prompts...) never count: `counts_against_worker`.
+
+Unknown and new workers are healthy. A worker that leaves discovery is forgotten. Health does
+not depend on etcd: during an etcd outage the router keeps its last view of the workers and
+health is what stops routing to one that died.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from common.pb.tandem.v1 import discovery_pb2
+
+log = logging.getLogger(__name__)
+
+ROLES = (discovery_pb2.ROLE_PREFILL, discovery_pb2.ROLE_DECODE)
+
+# Status codes of a worker's answer that say nothing about the worker's health: the request
+# was bad, or the caller gave up. Everything else (UNAVAILABLE, DEADLINE_EXCEEDED on a probe,
+# INTERNAL, UNKNOWN...) counts.
+CLIENT_CODES = frozenset({
+    grpc.StatusCode.OK, grpc.StatusCode.CANCELLED, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND,
+    grpc.StatusCode.ALREADY_EXISTS, grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED,
+    grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.OUT_OF_RANGE, grpc.StatusCode.RESOURCE_EXHAUSTED,
+    grpc.StatusCode.ABORTED,
+})
+
+
+def counts_against_worker(code: grpc.StatusCode) -> bool:
+    """Whether an error answered by a worker on the request path is a worker failure."""
+    return code not in CLIENT_CODES
+
+
+@dataclass
+class WorkerHealth:
+    """One worker's health state and counters."""
+
+    instance_id: str
+    address: str = ""
+    healthy: bool = True
+    consecutive_failures: int = 0
+    probes: int = 0
+    probe_failures: int = 0
+    transport_failures: int = 0  # reported by the request path
+    state_changes: int = 0
+    last_error: str = ""
+    since: float = 0.0  # monotonic time of the last state change (or of being first seen)
+
+
+class HealthTracker:
+    def __init__(self, workers, interval_s: float = 1.0, timeout_s: float = 0.5, failure_threshold: int = 3) -> None:
+        if interval_s <= 0 or timeout_s <= 0:
+            raise ValueError(f"health interval and timeout must be > 0 seconds, got {interval_s} and {timeout_s}")
+        if failure_threshold < 1:
+            raise ValueError(f"health failure threshold must be >= 1, got {failure_threshold}")
+        self.workers = workers
+        self.interval_s = interval_s
+        self.timeout_s = timeout_s
+        self.failure_threshold = failure_threshold
+        self._state: dict[str, WorkerHealth] = {}
+        self._task: asyncio.Task | None = None  # strong reference
+        self.rounds = 0
+
+    # -- queries ---------------------------------------------------------------------------------
+
+    def healthy(self, instance_id: str) -> bool:
+        st = self._state.get(instance_id)
+        return st is None or st.healthy
+
+    def stats(self, instance_id: str) -> WorkerHealth | None:
+        return self._state.get(instance_id)
+
+    def snapshot(self) -> dict[str, WorkerHealth]:
+        return dict(self._state)
+
+    # -- recording -------------------------------------------------------------------------------
+
+    def _entry(self, instance_id: str) -> WorkerHealth:
+        st = self._state.get(instance_id)
+        if st is None:
+            st = self._state[instance_id] = WorkerHealth(instance_id, since=time.monotonic())
+        return st
+
+    def record_success(self, instance_id: str) -> None:
+        st = self._entry(instance_id)
+        st.consecutive_failures = 0
+        if not st.healthy:
+            st.healthy = True
+            st.state_changes += 1
+            down = time.monotonic() - st.since
+            st.since = time.monotonic()
+            log.info("worker %s at %s is healthy again (unhealthy for %.1f s)", instance_id, st.address, down)
+
+    def record_failure(self, instance_id: str, reason: str) -> None:
+        st = self._entry(instance_id)
+        st.consecutive_failures += 1
+        st.last_error = reason
+        if st.healthy and st.consecutive_failures >= self.failure_threshold:
+            st.healthy = False
+            st.state_changes += 1
+            st.since = time.monotonic()
+            log.warning("worker %s at %s is unhealthy after %d consecutive failures (last: %s): no new requests "
+                        "until it recovers", instance_id, st.address, st.consecutive_failures, reason)
+
+    def record_transport_failure(self, instance_id: str, reason: str = "transport failure") -> None:
+        """A call to the worker failed in transport (refused, reset, unavailable)."""
+        self._entry(instance_id).transport_failures += 1
+        self.record_failure(instance_id, reason)
+
+    # -- probing ---------------------------------------------------------------------------------
+
+    async def probe(self, inst: discovery_pb2.Instance) -> None:
+        """One Health/Check of `inst`, recorded."""
+        st = self._entry(inst.instance_id)
+        st.address = inst.address
+        st.probes += 1
+        stub = health_pb2_grpc.HealthStub(self.workers.channel(inst))
+        try:
+            reply = await stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=self.timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            reason = f"{exc.code().name}: {exc.details()}"
+        except Exception as exc:  # noqa: BLE001 - a probe never kills the tracker
+            reason = f"{type(exc).__name__}: {exc}"
+        else:
+            if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                self.record_success(inst.instance_id)
+                return
+            reason = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+        st.probe_failures += 1
+        self.record_failure(inst.instance_id, reason)
+
+    def _current(self) -> dict[str, discovery_pb2.Instance]:
+        return {i.instance_id: i for role in ROLES for i in self.workers.candidates(role, serving_only=False)}
+
+    async def probe_all(self) -> None:
+        """Forget departed workers, then probe every current one concurrently."""
+        current = self._current()
+        for wid in list(self._state):
+            if wid not in current:
+                del self._state[wid]
+        await asyncio.gather(*(self.probe(i) for i in current.values()))
+        self.rounds += 1
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            started = loop.time()
+            try:
+                await self.probe_all()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # noqa: BLE001 - keep probing whatever one round did
+                log.exception("health probe round failed")
+            await asyncio.sleep(max(0.0, self.interval_s - (loop.time() - started)))
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.create_task(self._run(), name="health-probes")
+
+    async def stop(self) -> None:
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            await asyncio.wait([task])  # not `await task`: a cancellation of stop() itself still propagates
