@@ -42,6 +42,7 @@ class RunningRequest:
     prompt_len: int
     block_ids: list[BlockId]
     params: SamplingParams
+    step_offset: int = 0  # tokens generated before this worker (a migrated request)
     out: asyncio.Queue[TokenOut] = field(default_factory=asyncio.Queue)
     cancelled: bool = False
 
@@ -93,7 +94,7 @@ class DecodeScheduler:
             if req.cancelled:
                 continue
             try:
-                token, logprob = sample(row, req.params, step=req.generated)
+                token, logprob = sample(row, req.params, step=req.step_offset + req.generated)
             except (RuntimeError, ValueError) as exc:  # one request's sampling must not stop the batch
                 log.exception("request %s: sampling failed", req.request_id)
                 self._finish(req, TokenOut(error=(grpc.StatusCode.INTERNAL, f"sampling failed: {exc}")))

@@ -43,7 +43,8 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
         return prefill_pb2_grpc.PrefillServiceStub(self._channels[address])
 
     async def _remote_prefill(self, address: str, request_id: str, tokens: list[int], prompt: PromptBlocks,
-                              sampling: sampling_pb2.SamplingParams, timeout_s: float) -> tuple[int, float]:
+                              sampling: sampling_pb2.SamplingParams, timeout_s: float,
+                              step_offset: int = 0) -> tuple[int, float]:
         """Have the prefill worker at `address` write our missing blocks; returns the first token.
 
         Raises:
@@ -55,7 +56,8 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
             backend=self.rt.opts.transfer_backend, agent_name=self.rt.agent.name,
             base_address=desc.base_address, block_stride_bytes=desc.block_stride_bytes, device_id=desc.device_id,
             first_block_index=prompt.num_cached_blocks, block_ids=prompt.block_ids[prompt.num_cached_blocks:])
-        req = prefill_pb2.PrefillRequest(request_id=request_id, token_ids=tokens, sampling=sampling, destination=dst)
+        req = prefill_pb2.PrefillRequest(request_id=request_id, token_ids=tokens, sampling=sampling, destination=dst,
+                                         sampling_step_offset=step_offset)
         # Agent metadata travels once per prefill worker; resent when it says it lacks it.
         for attempt in range(2):
             if address not in self._metadata_sent or attempt:
@@ -76,7 +78,7 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
         if request.prefill_address:
             try:
                 first = await self._remote_prefill(request.prefill_address, request_id, tokens, prompt,
-                                                   request.sampling, timeout_s)
+                                                   request.sampling, timeout_s, request.sampling_step_offset)
                 self.rt.stats.remote_prefills += 1
                 return first
             except (grpc.aio.AioRpcError, TransferError) as exc:
@@ -86,7 +88,7 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
         self.rt.stats.local_prefills += 1
         start = prompt.num_cached_blocks * self.rt.pool.block_size
         logits = await self.rt.prefill(prompt.block_ids, tokens, start)
-        return sample(logits, params, step=0)
+        return sample(logits, params, step=request.sampling_step_offset)
 
     async def Generate(self, request: pb.DecodeRequest, context: grpc.aio.ServicerContext):
         if self.rt.draining:  # the router retries on another decode worker
@@ -130,7 +132,8 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
                 return
             if self.scheduler.failed is not None:
                 await context.abort(grpc.StatusCode.UNAVAILABLE, "decode loop is down on this worker")
-            running = RunningRequest(request_id, tokens + [token], len(tokens), prompt.block_ids, params)
+            running = RunningRequest(request_id, tokens + [token], len(tokens), prompt.block_ids, params,
+                                     step_offset=request.sampling_step_offset)
             self.scheduler.add(running)
             while True:
                 outs = [await running.out.get()]

@@ -94,7 +94,7 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
             logits = await self.rt.prefill(prompt.block_ids, tokens, start)
             pool.commit_prompt(prompt)
             self.rt.events.publish()
-            token, logprob = sample(logits, params, step=0)
+            token, logprob = sample(logits, params, step=request.sampling_step_offset)
             remote = RemoteBlocks(dst.base_address, dst.block_stride_bytes, dst.device_id, list(dst.block_ids))
             try:
                 result = await self.rt.agent.write_blocks(

@@ -14,6 +14,7 @@ import random
 import time
 import uuid
 from collections import deque
+from dataclasses import replace
 
 import grpc
 
@@ -31,6 +32,9 @@ from router.stop_strings import StopMatcher
 from router.workers import WorkerSet
 
 log = logging.getLogger(__name__)
+# Decode failures that are the worker's, not the request's: retry or migrate. (A deadline
+# or a client error would fail the same way anywhere.)
+MIGRATABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN})
 
 
 def decision_to_proto(d: RouteDecision) -> pb.ExplainRouteResponse:
@@ -54,7 +58,8 @@ class FrontendServicer(pb_grpc.FrontendServiceServicer):
         self.vocab_size = vocab_size
         self.context_length = context_length
         self.on_routed = on_routed  # approx mode: remember the routed blocks
-        self.retries = 1  # another decode worker when one refuses before streaming
+        self.migration_limit = 3  # decode failures one request may survive (retries and migrations)
+        self.migrations = 0  # counter: requests continued on another decode worker mid-stream
         tokenizer.max_token_bytes  # computed once here, not on the first request
         # Per-request router overhead (validation, tokenization, hashing, lookup, scoring, up to
         # issuing the decode call) in seconds, for the last 100,000 requests: wall time, and the
@@ -141,34 +146,42 @@ class FrontendServicer(pb_grpc.FrontendServiceServicer):
         request_id = request.request_id or uuid.uuid4().hex
         detok = IncrementalDetokenizer(self.tokenizer)
         stops = StopMatcher(params.stop)
-        completion = cached = 0
-        # A decode worker that refuses the call before streaming anything (it died, and its lease
-        # has not expired yet) is set aside for a while and the request goes to another one.
-        for attempt in range(1 + self.retries):
-            decision, hashes = await self._route(tokens, context)
+        generated: list[int] = []
+        cached = 0
+        # Retry and migration (DESIGN.md section 5): when the decode worker fails (refuses the
+        # call, dies mid-stream, drains), it is set aside and the request continues on another
+        # one with prompt + tokens generated so far; sampling resumes at the same step, so the
+        # client sees one uninterrupted stream with exactly the tokens a fault-free run gives.
+        for attempt in range(1 + self.migration_limit):
+            decision, hashes = await self._route(tokens + generated, context)
             self.decision_s.append(decision.seconds)
             if log.isEnabledFor(logging.DEBUG):
                 log.debug("request %s routed:\n%s", request_id, decision.explain())
             if self.on_routed is not None:
                 self.on_routed(decision, hashes)
             prefill = decision.prefill
-            uncached = len(tokens) - (prefill.overlap_blocks * self.workers.block_size if prefill else 0)
+            prompt_now = tokens + generated
+            uncached = len(prompt_now) - (prefill.overlap_blocks * self.workers.block_size if prefill else 0)
             load = self.load.start(decision.decode.instance_id, prefill.instance_id if prefill else None,
-                                   len(tokens), uncached)
+                                   len(prompt_now), uncached)
+            sampling = sampling_to_proto(replace(params, max_tokens=params.max_tokens - len(generated)))
             call = decode_pb2_grpc.DecodeServiceStub(self.workers.channel_for(decision.decode.address)).Generate(
-                decode_pb2.DecodeRequest(request_id=request_id, token_ids=tokens, sampling=sampling_to_proto(params),
-                                         prefill_address=prefill.address if prefill else ""),
+                decode_pb2.DecodeRequest(request_id=f"{request_id}.{attempt}" if attempt else request_id,
+                                         token_ids=prompt_now, sampling=sampling,
+                                         prefill_address=prefill.address if prefill else "",
+                                         sampling_step_offset=len(generated)),
                 timeout=context.time_remaining())
             if attempt == 0:
                 self.overhead_s.append(time.perf_counter() - arrived)
                 self.overhead_cpu_s.append(time.thread_time() - arrived_cpu)
+            streamed = len(generated)
             try:
                 async for msg in call:
-                    if msg.token_ids and completion == 0:
+                    if msg.token_ids and len(generated) == streamed:
                         self.load.prefill_finished(load)
-                    self.load.grow(load, completion, completion + len(msg.token_ids))
+                    self.load.grow(load, len(generated) - streamed, len(generated) - streamed + len(msg.token_ids))
                     cached = cached or msg.cached_tokens
-                    completion += len(msg.token_ids)
+                    generated.extend(msg.token_ids)
                     text, stopped = stops.feed(detok.push(list(msg.token_ids), final=bool(msg.finish_reason)))
                     reason = sampling_pb2.FINISH_REASON_STOP if stopped else msg.finish_reason
                     out = pb.GenerateResponse(request_id=request_id, token_ids=msg.token_ids, text=text,
@@ -176,7 +189,7 @@ class FrontendServicer(pb_grpc.FrontendServiceServicer):
                     if reason:
                         if not stopped:
                             out.text += stops.flush()
-                        out.usage.CopyFrom(pb.Usage(prompt_tokens=len(tokens), completion_tokens=completion,
+                        out.usage.CopyFrom(pb.Usage(prompt_tokens=len(tokens), completion_tokens=len(generated),
                                                     cached_tokens=cached))
                         yield out
                         return
@@ -185,8 +198,11 @@ class FrontendServicer(pb_grpc.FrontendServiceServicer):
             except grpc.aio.AioRpcError as exc:
                 log.info("request %s: decode worker %s answered %s: %s", request_id, decision.decode.instance_id,
                          exc.code().name, exc.details())
-                if exc.code() == grpc.StatusCode.UNAVAILABLE and completion == 0 and attempt < self.retries:
+                if exc.code() in MIGRATABLE and attempt < self.migration_limit:
                     self.workers.set_aside(decision.decode.instance_id)
+                    if generated:
+                        self.migrations += 1
+                        log.info("request %s: migrating after %d tokens", request_id, len(generated))
                     continue
                 await context.abort(exc.code(), exc.details() or "decode worker failed")
             finally:
