@@ -1,0 +1,90 @@
+"""Failover timings (not a test): how long a killed decode worker stays in routing, and how
+long a migrated stream pauses.
+
+Starts a local cluster (etcd, router, 1 prefill, 3 decode workers, tandem-tiny), runs one long
+greedy stream, kills (SIGKILL) the decode worker serving it, and measures
+  (a) the stream's pause: the largest gap between two consecutive responses after the kill
+      (the router migrates the stream to another decode worker);
+then kills an idle decode worker (no request touches it, so only health probes can notice) and
+measures
+  (b) removal from routing: from that kill until ExplainRoute stops listing the dead worker
+      (about --health-interval × --health-failure-threshold, plus the probe timeout).
+Repeats --rounds times (a fresh cluster each) and prints each figure.
+
+Usage: python tools/bench_failover.py [--rounds 3] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import signal
+import statistics
+import tempfile
+import time
+
+from cli.client import frontend_stub
+from cli.cluster import LocalCluster
+from common.pb.tandem.v1 import frontend_pb2, sampling_pb2
+from engine.model_source import TINY
+
+
+async def one_round() -> dict:
+    cluster = LocalCluster(model=TINY, namespace="bench-failover", num_decode=3,
+                           log_dir=tempfile.mkdtemp(prefix="tandem-failover-"))
+    async with cluster:
+        ch, stub = frontend_stub(cluster.router_address)
+        try:
+            req = frontend_pb2.GenerateRequest(token_ids=list(range(1, 33)), sampling=sampling_pb2.SamplingParams(
+                max_tokens=300, ignore_eos=True))
+            stamps: list[float] = []
+            killed_at = 0.0
+            victim = ""
+            async for msg in stub.Generate(req, timeout=120):
+                stamps.append(time.perf_counter())
+                if len(stamps) == 20:
+                    # The stream's decode worker is the one with a request in flight.
+                    explain = await stub.ExplainRoute(frontend_pb2.GenerateRequest(token_ids=[1]), timeout=5)
+                    busy = max((c for c in explain.candidates if c.role == "decode"), key=lambda c: c.load)
+                    victim = busy.instance_id
+                    name = next(n for n in cluster.procs if n.startswith("decode")
+                                and victim in (cluster.log_dir / f"{n}.log").read_text())
+                    killed_at = time.perf_counter()
+                    cluster.stop_process(name, signal.SIGKILL)
+            pause = max(b - a for a, b in zip(stamps, stamps[1:]) if b > killed_at)
+            explain = await stub.ExplainRoute(frontend_pb2.GenerateRequest(token_ids=[1]), timeout=5)
+            idle = next(c.instance_id for c in explain.candidates if c.role == "decode" and c.instance_id != victim)
+            name = next(n for n in cluster.procs if n.startswith("decode") and cluster.procs[n].poll() is None
+                        and idle in (cluster.log_dir / f"{n}.log").read_text())
+            killed_at = time.perf_counter()
+            cluster.stop_process(name, signal.SIGKILL)
+            while True:
+                explain = await stub.ExplainRoute(frontend_pb2.GenerateRequest(token_ids=[1]), timeout=5)
+                if idle not in {c.instance_id for c in explain.candidates}:
+                    removed = time.perf_counter() - killed_at
+                    break
+                await asyncio.sleep(0.02)
+            return {"tokens": len(stamps), "pause_s": pause, "removed_from_routing_s": removed}
+        finally:
+            await ch.close()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--json", default=None)
+    a = p.parse_args()
+    rows = [asyncio.run(one_round()) for _ in range(a.rounds)]
+    for r in rows:
+        print(f"stream of {r['tokens']} responses: migration pause {r['pause_s'] * 1000:.0f} ms; "
+              f"dead worker out of routing after {r['removed_from_routing_s']:.2f} s")
+    print(f"median: pause {statistics.median(r['pause_s'] for r in rows) * 1000:.0f} ms, removal "
+          f"{statistics.median(r['removed_from_routing_s'] for r in rows):.2f} s")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
