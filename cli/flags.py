@@ -27,6 +27,7 @@ HELP = {
     "health_interval_s": "router: seconds between grpc.health.v1 probes of each worker",
     "health_timeout_s": "router: seconds one health probe may take",
     "health_failure_threshold": "router: consecutive failed probes that make a worker unhealthy",
+    "stall_timeout_s": "seconds one model call may run before the worker reports NOT_SERVING (wedged engine)",
     "drain_timeout_s": "on SIGTERM, seconds to let in-flight requests finish before exiting",
     "prefill_timeout_s": "decode: seconds to wait for a prefill worker (at most half the request's deadline) "
                          "before prefilling locally",

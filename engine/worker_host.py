@@ -51,6 +51,7 @@ class WorkerOptions:
     transfer_timeout_s: float = 30.0
     prefill_timeout_s: float = 30.0  # decode: wait this long (at most half the deadline) for a prefill worker
     drain_timeout_s: float = 30.0  # on SIGTERM: finish in-flight requests for at most this long
+    stall_timeout_s: float = 60.0  # a model call running longer than this means the engine is wedged
     torch_threads: int = 1  # intra-op threads for the model (small model: 1 is fastest)
 
     def __post_init__(self) -> None:
@@ -90,6 +91,7 @@ class WorkerRuntime:
         self.events = KvEventLog(self.pool.blocks)
         self.stats = WorkerStats()
         self.start_time = time.time()
+        self.busy_since: float | None = None  # monotonic start of the model call now running
         self.draining = False  # set on SIGTERM: new requests are refused with UNAVAILABLE
         self.in_flight = 0  # requests being served (prefill: including their transfers)
         self._idle = asyncio.Event()
@@ -112,7 +114,7 @@ class WorkerRuntime:
     async def run_model(self, fn: Callable[..., T], *args: Any) -> T:
         """Run fn on the model thread. If the caller is cancelled, wait for fn to finish
         before re-raising, so the caller never frees blocks a forward is still writing."""
-        fut = asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+        fut = asyncio.get_running_loop().run_in_executor(self._executor, self._timed, fn, *args)
         try:
             return await asyncio.shield(fut)
         except asyncio.CancelledError:
@@ -133,6 +135,19 @@ class WorkerRuntime:
                                           min(s + chunk, len(token_ids)))
         assert hidden is not None, "prefill needs at least one token to compute"
         return await self.run_model(self.runner.logits, hidden)
+
+    def _timed(self, fn: Callable[..., T], *args: Any) -> T:
+        # On the model thread: the watchdog reads busy_since to spot a wedged engine.
+        self.busy_since = time.monotonic()
+        try:
+            return fn(*args)
+        finally:
+            self.busy_since = None
+
+    def stalled(self) -> bool:
+        """True while one model call has run longer than --stall-timeout."""
+        since = self.busy_since
+        return since is not None and time.monotonic() - since > self.opts.stall_timeout_s
 
     @contextlib.contextmanager
     def serving(self):
@@ -191,10 +206,13 @@ async def serve_worker(runtime: WorkerRuntime, add_services: Sequence[Callable[[
     log.info("%s serving on %s (model %s)", runtime.instance_id, address, runtime.loaded.name)
     if ready:
         ready(server)
+    watchdog = asyncio.create_task(_watch_engine(runtime, server), name="engine-watchdog")  # strong ref
     try:
         await stop.wait()
+        watchdog.cancel()
         await drain(runtime, server, registration, address)
     finally:
+        watchdog.cancel()
         restore_signals()
         log.info("%s stopping", runtime.instance_id)
         await server.set_serving(False)
@@ -202,6 +220,25 @@ async def serve_worker(runtime: WorkerRuntime, add_services: Sequence[Callable[[
             await asyncio.shield(registration.stop())
         await server.stop(2.0)
         runtime.close()
+
+
+async def _watch_engine(runtime: WorkerRuntime, server: RunningServer) -> None:
+    """Report NOT_SERVING while the engine is wedged (one model call over --stall-timeout), so
+    health probes take the worker out of routing even though its gRPC server still answers;
+    SERVING again once it makes progress."""
+    period = min(0.5, runtime.opts.stall_timeout_s / 4)
+    wedged = False
+    while True:
+        await asyncio.sleep(period)
+        now = runtime.stalled()
+        if now != wedged and not runtime.draining:
+            wedged = now
+            if wedged:
+                log.error("%s: engine wedged (a model call has run over %.1f s); reporting NOT_SERVING",
+                          runtime.instance_id, runtime.opts.stall_timeout_s)
+            else:
+                log.info("%s: engine making progress again; reporting SERVING", runtime.instance_id)
+            await server.set_serving(not wedged)
 
 
 async def drain(runtime: WorkerRuntime, server: RunningServer, registration, address: str) -> None:
