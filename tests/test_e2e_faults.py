@@ -173,3 +173,52 @@ def test_link_recovers_after_a_failed_transfer(cluster):
         stream(cluster.router.address, token_ids=[40, 41, 42 + i], sampling=sampling_pb2.SamplingParams(max_tokens=2))
     assert cluster.prefill.runtime.stats.transfers == transfers + 3  # the KV still moves over NIXL
     assert rt.stats.local_prefills == local
+
+
+def test_300_cancellations_at_random_points_leave_no_block_behind(cluster, tiny_model):
+    import random
+    rng = random.Random(7)
+    prompts = [[rng.randrange(1, 150000) for _ in range(rng.randrange(100, 400))] for _ in range(300)]
+
+    async def storm():
+        from common.grpc_server import channel
+        async with channel(cluster.router.address) as ch:
+            stub = frontend_pb2_grpc.FrontendServiceStub(ch)
+            sem = asyncio.Semaphore(16)
+
+            async def one(i):
+                async with sem:
+                    call = stub.Generate(frontend_pb2.GenerateRequest(
+                        token_ids=prompts[i], sampling=sampling_pb2.SamplingParams(max_tokens=50, ignore_eos=True)),
+                        timeout=60)
+                    mode = i % 3
+                    try:
+                        if mode == 0:  # before or during prefill / transfer
+                            await asyncio.sleep(rng.random() * 0.2)
+                        else:  # after 1..mode*3 responses
+                            n = 0
+                            async for _ in call:
+                                n += 1
+                                if n >= rng.randrange(1, 3 * mode + 1):
+                                    break
+                    except grpc.aio.AioRpcError as exc:  # a full pool is a clear, retryable answer
+                        assert exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, exc
+                    finally:
+                        call.cancel()
+
+            await asyncio.gather(*(one(i) for i in range(300)))
+
+    asyncio.run(storm())
+    total = cluster.worker_opts.num_blocks
+
+    def free():
+        return (cluster.on_loop(lambda: cluster.prefill.runtime.pool.blocks.num_free),
+                cluster.on_loop(lambda: cluster.decode.runtime.pool.blocks.num_free))
+
+    deadline = time.time() + 20
+    while free() != (total, total):
+        assert time.time() < deadline, f"blocks still held: {free()}"
+        time.sleep(0.05)
+    prompt = [9, 8, 7, 6]
+    assert stream(cluster.router.address, token_ids=prompt, sampling=sampling_pb2.SamplingParams(max_tokens=5)) == \
+        reference_generate(tiny_model.model, prompt, 5, tiny_model.config.eos_token_ids)
