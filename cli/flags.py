@@ -36,6 +36,7 @@ HELP = {
     "prefill_weight": "kv/approx cost of one uncached block relative to one active decode block",
     "router_temperature": "kv/approx: 0 picks the lowest cost; > 0 samples by cost",
     "local_prefill_threshold": "prefill on the decode worker when its uncached part is below this many tokens",
+    "migration_limit": "router: decode-worker failures one request may survive (retry or migrate elsewhere)",
     "approx_ttl_s": "approx mode: seconds a routed block is assumed cached",
 }
 

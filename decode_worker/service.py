@@ -16,6 +16,7 @@ import grpc
 
 from common.grpc_errors import abort_invalid, check_parsed
 from common.grpc_server import channel
+from common.ratelimit import RateLimitedLog
 from common.pb.tandem.v1 import decode_pb2 as pb
 from common.pb.tandem.v1 import decode_pb2_grpc as pb_grpc
 from common.pb.tandem.v1 import prefill_pb2, prefill_pb2_grpc, sampling_pb2
@@ -36,6 +37,7 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
         self.scheduler = scheduler
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._metadata_sent: set[str] = set()  # prefill addresses that hold our agent metadata
+        self._failures = RateLimitedLog(log)  # one line per prefill worker per 5 s
 
     def _stub(self, address: str) -> prefill_pb2_grpc.PrefillServiceStub:
         if address not in self._channels:
@@ -83,8 +85,8 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
                 return first
             except (grpc.aio.AioRpcError, TransferError) as exc:
                 detail = exc.details() if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
-                log.warning("request %s: prefill on %s failed (%s); prefilling locally",
-                            request_id, request.prefill_address, detail)
+                self._failures.warning(request.prefill_address, "request %s: prefill on %s failed (%s); prefilling "
+                                       "locally", request_id, request.prefill_address, detail)
         self.rt.stats.local_prefills += 1
         start = prompt.num_cached_blocks * self.rt.pool.block_size
         logits = await self.rt.prefill(prompt.block_ids, tokens, start)

@@ -8,6 +8,7 @@ from typing import Callable
 from common.grpc_server import RunningServer, add_lenient_service
 from common.pb.tandem.v1 import discovery_pb2
 from common.pb.tandem.v1 import prefill_pb2 as pb
+from discovery.watcher import InstanceEvent, InstanceWatcher
 from engine.model_source import LoadedModel
 from engine.worker_host import WorkerOptions, WorkerRuntime, serve_worker
 from prefill_worker.service import PrefillServicer
@@ -22,5 +23,17 @@ async def run(opts: WorkerOptions, ready: Callable[[RunningServer, WorkerRuntime
     runtime = WorkerRuntime(discovery_pb2.ROLE_PREFILL, opts, loaded)
     servicer = PrefillServicer(runtime)
     methods = {"Prefill": ("unary", pb.PrefillRequest, pb.PrefillResponse)}
-    await serve_worker(runtime, [lambda s: add_lenient_service(s, SERVICE, servicer, methods)], [SERVICE],
-                       ready=(lambda srv: ready(srv, runtime)) if ready else None, stop=stop)
+    watcher = None
+    if opts.etcd:  # decode workers leaving discovery: drop their cached transfer metadata
+        def on_change(event: InstanceEvent) -> None:
+            if event.kind == "removed":
+                servicer.forget_peer(event.instance.transfer_agent_name)
+
+        watcher = InstanceWatcher(opts.etcd, opts.namespace, on_change, component="decode")
+        await watcher.start(timeout=None)
+    try:
+        await serve_worker(runtime, [lambda s: add_lenient_service(s, SERVICE, servicer, methods)], [SERVICE],
+                           ready=(lambda srv: ready(srv, runtime)) if ready else None, stop=stop)
+    finally:
+        if watcher is not None:
+            await watcher.stop()

@@ -12,6 +12,7 @@ import logging
 
 import grpc
 
+from common.ratelimit import RateLimitedLog
 from common.grpc_errors import abort_invalid, check_parsed
 from common.pb.tandem.v1 import prefill_pb2 as pb
 from common.pb.tandem.v1 import prefill_pb2_grpc as pb_grpc
@@ -27,6 +28,13 @@ log = logging.getLogger(__name__)
 class PrefillServicer(pb_grpc.PrefillServiceServicer):
     def __init__(self, runtime: WorkerRuntime) -> None:
         self.rt = runtime
+        self._failures = RateLimitedLog(log)  # one line per decode agent per 5 s
+
+    def forget_peer(self, agent_name: str) -> None:
+        """Drop cached transfer metadata of a decode worker that left discovery."""
+        if agent_name and self.rt.agent.has_peer(agent_name):
+            self.rt.agent.remove_peer(agent_name)
+            log.info("decode worker's transfer agent %s left discovery: metadata dropped", agent_name)
 
     def _validate(self, request: pb.PrefillRequest) -> None:
         """Every check that needs no compute runs before the prefill starts."""
@@ -103,7 +111,8 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
             except (TransferError, ValueError) as exc:
                 # Forget the peer: its connection may be broken for good. The decode worker
                 # then resends its metadata (FAILED_PRECONDITION) and a fresh connection is made.
-                log.warning("request %s: KV transfer to %s failed: %s", request.request_id, dst.agent_name, exc)
+                self._failures.warning(dst.agent_name, "request %s: KV transfer to %s failed: %s", request.request_id,
+                                       dst.agent_name, exc)
                 self.rt.agent.remove_peer(dst.agent_name)
                 await context.abort(grpc.StatusCode.UNAVAILABLE, f"KV transfer failed: {exc}")
             self.rt.stats.prefill_cached_tokens += start

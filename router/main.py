@@ -49,11 +49,14 @@ class RouterOptions:
     router_temperature: float = 0.0  # 0 = lowest cost always wins
     local_prefill_threshold: int = 0  # tokens: prefill on the decode worker below this (0 = off)
     approx_ttl_s: float = 120.0  # approx mode: how long a routed block is assumed cached
+    migration_limit: int = 3  # decode-worker failures one request may survive (retries and migrations)
     health_interval_s: float = 1.0  # seconds between grpc.health.v1 probes of each worker
     health_timeout_s: float = 0.5  # seconds one probe may take
     health_failure_threshold: int = 3  # consecutive failures (probes or transport) that make a worker unhealthy
 
     def __post_init__(self) -> None:
+        if self.migration_limit < 0:
+            raise ValueError(f"--migration-limit must be >= 0, got {self.migration_limit}")
         if self.router_mode not in MODES:
             raise ValueError(f"--router-mode must be one of {', '.join(MODES)}; got {self.router_mode!r}")
         if self.prefill_weight < 0 or self.router_temperature < 0 or self.local_prefill_threshold < 0:
@@ -127,6 +130,7 @@ async def run(opts: RouterOptions, ready: Callable[[RunningServer, FrontendServi
         opts.router_mode, opts.prefill_weight, opts.router_temperature, opts.local_prefill_threshold))
     servicer = FrontendServicer(workers, placement, load, load_tokenizer(ckpt), config.vocab_size,
                                 config.max_position_embeddings, on_routed=on_routed)
+    servicer.migration_limit = opts.migration_limit
     membership = asyncio.create_task(_follow_membership(watcher, on_membership), name="membership")  # strong ref
     methods = {"Generate": ("stream", pb.GenerateRequest, pb.GenerateResponse),
                "ListModels": ("unary", pb.ListModelsRequest, pb.ListModelsResponse),

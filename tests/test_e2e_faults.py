@@ -222,3 +222,29 @@ def test_300_cancellations_at_random_points_leave_no_block_behind(cluster, tiny_
     prompt = [9, 8, 7, 6]
     assert stream(cluster.router.address, token_ids=prompt, sampling=sampling_pb2.SamplingParams(max_tokens=5)) == \
         reference_generate(tiny_model.model, prompt, 5, tiny_model.config.eos_token_ids)
+
+
+def test_decode_leaving_discovery_drops_its_transfer_metadata(cluster, tiny_model):
+    extra = cluster.start("decode")
+    cluster.wait_roles(cluster.router, 1, 2)
+    name = extra.runtime.agent.name
+    for i in range(6):  # until the new decode worker has used the prefill worker
+        stream(cluster.router.address, token_ids=[60, 61, i + 1], sampling=sampling_pb2.SamplingParams(max_tokens=2))
+    assert cluster.prefill.runtime.agent.has_peer(name)
+    cluster.stop(extra)
+    deadline = time.time() + 10
+    while cluster.prefill.runtime.agent.has_peer(name):
+        assert time.time() < deadline, "metadata of a departed decode worker is still cached"
+        time.sleep(0.05)
+
+
+def test_repeated_failures_are_logged_at_a_bounded_rate(caplog):
+    import logging
+
+    from common.ratelimit import RateLimitedLog
+    limited = RateLimitedLog(logging.getLogger("t"), interval_s=60)
+    with caplog.at_level("WARNING"):
+        for i in range(100):
+            limited.warning("peer-a", "transfer %d failed", i)
+        limited.warning("peer-b", "other peer")
+    assert [r.getMessage() for r in caplog.records] == ["transfer 0 failed", "other peer"]
