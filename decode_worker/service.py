@@ -23,7 +23,7 @@ from common.pb.tandem.v1 import prefill_pb2, prefill_pb2_grpc, sampling_pb2
 from common.sampling_params import SamplingParams
 from common.validation import InvalidArgument, sampling_from_proto, validate_prompt_length, validate_token_ids
 from decode_worker.scheduler import DecodeScheduler, RunningRequest
-from engine.kv_pool import PoolExhausted, PromptBlocks
+from engine.kv_pool import PromptBlocks
 from engine.sampling import sample
 from engine.worker_host import WorkerRuntime
 from kv_transfer.base import TransferError
@@ -110,10 +110,7 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
         request_id = request.request_id or uuid.uuid4().hex
         tokens = list(request.token_ids)
         pool = self.rt.pool
-        try:
-            prompt = pool.allocate_prompt(tokens)
-        except PoolExhausted as exc:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+        prompt = await self.rt.allocate_prompt(tokens, context)
         running: RunningRequest | None = None
         try:
             # A stalled prefill worker must leave time to prefill here instead.

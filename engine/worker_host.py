@@ -23,7 +23,7 @@ from common.grpc_server import RunningServer, start_server
 from common.pb.tandem.v1 import discovery_pb2, kv_events_pb2_grpc
 from engine.kv_event_service import KvEventServicer
 from engine.kv_events import KvEventLog
-from engine.kv_pool import KvPool, KvPoolConfig
+from engine.kv_pool import KvPool, KvPoolConfig, PoolExhausted, PromptBlocks
 from engine.model_source import DEFAULT_MODEL, LoadedModel, load_model
 from engine.runner import ModelRunner
 
@@ -135,6 +135,14 @@ class WorkerRuntime:
                                           min(s + chunk, len(token_ids)))
         assert hidden is not None, "prefill needs at least one token to compute"
         return await self.run_model(self.runner.logits, hidden)
+
+    async def allocate_prompt(self, token_ids: list[int], context: grpc.aio.ServicerContext) -> PromptBlocks:
+        """The prompt's blocks in this worker's pool, or RESOURCE_EXHAUSTED when it is full."""
+        try:
+            return self.pool.allocate_prompt(token_ids)
+        except PoolExhausted as exc:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+            raise
 
     def _timed(self, fn: Callable[..., T], *args: Any) -> T:
         # On the model thread: the watchdog reads busy_since to spot a wedged engine.

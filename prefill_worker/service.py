@@ -17,7 +17,6 @@ from common.grpc_errors import abort_invalid, check_parsed
 from common.pb.tandem.v1 import prefill_pb2 as pb
 from common.pb.tandem.v1 import prefill_pb2_grpc as pb_grpc
 from common.validation import InvalidArgument, sampling_from_proto, validate_prompt_length, validate_token_ids
-from engine.kv_pool import PoolExhausted
 from engine.sampling import sample
 from engine.worker_host import WorkerRuntime
 from kv_transfer.base import RemoteBlocks, TransferError
@@ -93,10 +92,7 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
                                 f"destination.agent_metadata: unknown agent {dst.agent_name!r}; send its metadata")
         tokens = list(request.token_ids)
         pool = self.rt.pool
-        try:
-            prompt = pool.allocate_prompt(tokens)
-        except PoolExhausted as exc:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+        prompt = await self.rt.allocate_prompt(tokens, context)
         try:
             start = prompt.num_cached_blocks * pool.block_size
             logits = await self.rt.prefill(prompt.block_ids, tokens, start)
