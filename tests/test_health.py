@@ -147,7 +147,7 @@ def test_stopped_server_and_timeouts_are_failures():
             start = time.monotonic()
             await tracker.probe_all()
             await tracker.probe_all()
-            assert time.monotonic() - start < 1.5  # probes are bounded by the timeout, and concurrent
+            assert time.monotonic() - start < 1.9  # bounded by the 0.2 s timeout, not the 1 s answers
             assert not tracker.healthy("w0") and not tracker.healthy("w1")
             assert tracker.stats("w0").last_error.startswith("UNAVAILABLE")
             assert tracker.stats("w1").last_error.startswith("DEADLINE_EXCEEDED")
