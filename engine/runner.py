@@ -7,8 +7,6 @@ all model work); the pool's block accounting stays on the event-loop thread.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
-
 import torch
 
 from engine.block_pool import BlockId
@@ -48,22 +46,6 @@ class ModelRunner:
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] or [hidden] -> float32 logits [N, vocab] or [vocab]."""
         return self.model.logits(hidden)
-
-    def prefill(self, block_ids: list[BlockId], token_ids: list[int], start: int, chunk_size: int,
-                cancelled: Callable[[], bool] = lambda: False) -> torch.Tensor | None:
-        """Chunked prefill of token_ids[start:] in fixed-size chunks (DESIGN.md section 7).
-
-        Returns:
-            float32 logits [vocab] of the last prompt token, or None when cancelled()
-            became true between chunks.
-        """
-        hidden = None
-        for s in range(start, len(token_ids), chunk_size):
-            if cancelled():
-                return None
-            hidden = self.prefill_chunk(block_ids, token_ids, s, min(s + chunk_size, len(token_ids)))
-        assert hidden is not None, "prefill needs at least one token to compute"
-        return self.logits(hidden)
 
     @torch.inference_mode()
     def decode(self, batch: list[DecodeInput]) -> torch.Tensor:

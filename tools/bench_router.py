@@ -36,7 +36,6 @@ Usage:
 from __future__ import annotations
 
 import argparse
-import array
 import datetime as dt
 import gc
 import json
@@ -45,7 +44,6 @@ import os
 import platform
 import random
 import statistics
-import struct
 import subprocess
 import sys
 import tempfile
@@ -56,7 +54,6 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run from a checkout
 
 import numpy as np  # noqa: E402
-import xxhash  # noqa: E402
 
 from common.block_hash import block_hashes, hash_seed  # noqa: E402
 from router.approx_index import ApproxIndex  # noqa: E402
@@ -490,15 +487,8 @@ def bench_mooncake(args) -> dict:
             t0 = time.perf_counter_ns()
             block_hashes(toks, n + 1, SEED)
             ns0.append(time.perf_counter_ns() - t0)
-        assert candidate_block_hashes(toks, 64, SEED) == h
-        ns1 = []
-        for _ in range(reps):
-            t0 = time.perf_counter_ns()
-            candidate_block_hashes(toks, 64, SEED)
-            ns1.append(time.perf_counter_ns() - t0)
         hash_res[label] = {"tokens": n, "block_size": 64, "blocks": len(h), **stats_us(ns),
-                           "no_full_block_call": stats_us(ns0),
-                           "candidate_rewrite_not_in_common": stats_us(ns1)}
+                           "no_full_block_call": stats_us(ns0)}
     qlens = [len(qh) for qh in queries]
     return {
         "build": {"workers": n_workers, "requests_inserted": len(ins), "stored_events": len(apply_ns),
@@ -510,35 +500,6 @@ def bench_mooncake(args) -> dict:
                          "overlaps": stats_us(fm_ns)},
         "block_hashes": hash_res,
     }
-
-
-_LE64 = struct.Struct("<Q")
-
-
-def candidate_block_hashes(token_ids, block_size: int, seed: int, parent: int | None = None) -> list[int]:
-    """NOT the project's hash function: a candidate rewrite of common.block_hash.block_hashes
-    (same output, checked in bench_mooncake) measured here for comparison. It converts the token
-    list with array.array instead of numpy (the conversion dominated) and slices one bytes
-    object instead of iterating numpy rows."""
-    n_full = len(token_ids) // block_size
-    if n_full == 0:
-        return []
-    if isinstance(token_ids, np.ndarray):
-        buf = np.ascontiguousarray(token_ids[: n_full * block_size], dtype="<u4").tobytes()
-    else:
-        a = array.array("I", token_ids[: n_full * block_size])
-        if sys.byteorder != "little":
-            a.byteswap()
-        buf = a.tobytes()
-    step = 4 * block_size
-    h64, pack = xxhash.xxh3_64_intdigest, _LE64.pack
-    out: list[int] = []
-    app = out.append
-    prev = parent
-    for off in range(0, len(buf), step):
-        prev = h64(buf[off:off + step] if prev is None else pack(prev) + buf[off:off + step], seed)
-        app(prev)
-    return out
 
 
 def mooncake_main(args, report: dict) -> None:
@@ -600,9 +561,6 @@ def mooncake_main(args, report: dict) -> None:
         row("  same, no full block (ours returns before reading the list)",
             o["block_hashes"][label]["no_full_block_call"],
             (d.get("compute_block_hash_for_seq", {}).get(label) or {}).get("no_full_block_call"))
-        row("  candidate rewrite of block_hashes (bench-local, same output)",
-            o["block_hashes"][label]["candidate_rewrite_not_in_common"],
-            d.get("compute_block_hash_for_seq", {}).get(label))
     print(table(["operation", "ours p50 µs", "ours p99 µs", "ours mean µs", "Dynamo p50 µs",
                  "Dynamo p99 µs", "Dynamo mean µs", "p50 Dyn/ours", "p99 Dyn/ours"], rows,
                 "Ours (tandem KvIndex, in-process Python) vs Dynamo 1.6.1 (Python bindings), same run"))
