@@ -19,3 +19,13 @@ def tiny_model():
     torch.set_num_threads(1)
     from engine.model_source import TINY, load_model
     return load_model(TINY)
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """On a busy 2-core machine torch's intra-op thread pool makes tiny ops up to 30x slower."""
+    import torch
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -23,13 +23,7 @@ VOCAB = 512
 PROMPT = [(7 * i + 3) % VOCAB for i in range(23)]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # On a busy 2-core machine torch's intra-op thread pool makes these tiny ops 30x slower.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

@@ -23,7 +23,8 @@ from engine.model_source import load_model  # noqa: E402
 from engine.reference import reference_generate  # noqa: E402
 
 DATA = train_small.default_data()
-pytestmark = pytest.mark.skipif(not DATA.exists(), reason=f"{DATA} is missing")
+pytestmark = [pytest.mark.skipif(not DATA.exists(), reason=f"{DATA} is missing"),
+              pytest.mark.usefixtures("one_torch_thread")]
 
 TINY_ARGS = ["--data", str(DATA), "--max-chars", "120000", "--vocab-size", "384",
              "--seq-len", "32", "--batch-size", "8", "--layers", "3", "--hidden", "64",
@@ -32,15 +33,6 @@ TINY_ARGS = ["--data", str(DATA), "--max-chars", "120000", "--vocab-size", "384"
              "--moe-intermediate", "32", "--steps", "20", "--warmup", "4", "--lr", "3e-3",
              "--eval-every", "10", "--log-every", "5", "--eval-windows", "32", "--threads", "1",
              "--device", "cpu", "--quiet", "--seed", "7"]
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # On a busy 2-core machine torch's intra-op thread pool makes these tiny ops much slower.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
