@@ -57,6 +57,20 @@ async def start_server(address: str, add_services: Sequence[Callable[[grpc.aio.S
     return running
 
 
+WILDCARDS = ("0.0.0.0", "::", "[::]", "")
+
+
+def check_advertise(host: str, advertise_host: str) -> None:
+    """A process listening on every interface must say which address its peers should use.
+
+    Raises:
+        ValueError: naming --advertise-host.
+    """
+    if host in WILDCARDS and not advertise_host:
+        raise ValueError(f"--host {host!r} listens on every interface; set --advertise-host to the address "
+                         "other processes reach this one at (in Kubernetes the pod IP)")
+
+
 def channel(address: str) -> grpc.aio.Channel:
     """A client channel with Tandem's message size limits."""
     # A restarted peer at the same address is reachable again within ~1 s, not after gRPC's
