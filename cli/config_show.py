@@ -50,7 +50,7 @@ def render(table: str, resolved: dict[str, Resolved]) -> list[str]:
     return lines
 
 
-def show(parser: argparse.ArgumentParser, args: argparse.Namespace, extra: list[str], out=sys.stdout) -> int:
+def show(parser: argparse.ArgumentParser, args: argparse.Namespace, extra: list[str], out=None) -> int:
     """Print the effective configuration of args.target (every subcommand when None).
 
     Raises:
@@ -72,9 +72,9 @@ def show(parser: argparse.ArgumentParser, args: argparse.Namespace, extra: list[
     data = load_file(path, schema) if path else {}
     lines = [f"# tandem config show: precedence flag > env > file > default",
              f"# config file: {path} ({origin})" if path else "# config file: none (--config or TANDEM_CONFIG)"]
-    lines += render("", resolve("", options_of(parser), argparse.Namespace(), path, data))
+    lines += render("", resolve("", options_of(parser), args, path, data))
     for command in [args.target] if args.target else schema.commands:
         sub = subparsers(parser)[command]
         lines += ["", *render(command, resolve(command, options_of(sub), flags, path, data))]
-    print("\n".join(lines), file=out)
+    print("\n".join(lines), file=out or sys.stdout)
     return 0

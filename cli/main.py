@@ -108,7 +108,8 @@ def _arg(p: argparse.ArgumentParser, flag: str, default, help: str, kind=None, *
     add_option(p, flag, default, help, kind=kind, **kw)
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """Every subcommand with its options; their values are filled in by cli/config.py apply()."""
     from engine.worker_host import WorkerOptions
     from router.main import RouterOptions
 
@@ -155,6 +156,11 @@ def main(argv: list[str] | None = None) -> int:
     for name, p in sub.choices.items():
         if name != "demo":  # demo forwards its flags to cli/demo.py
             p.add_argument("--config", default=argparse.SUPPRESS, help="TOML config file (env TANDEM_CONFIG)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args, rest = parser.parse_known_args(argv)
     if args.command == "demo":
         from cli.demo import main as demo_main
