@@ -25,8 +25,8 @@ HELP = {
     "max_running": "decode: most requests in one batch",
     "host": "address to listen on",
     "port": "port to listen on (0 = any free port)",
-    "advertise_host": "host or IP other processes reach this one at, registered in etcd "
-                      "(default: --host; required when --host is 0.0.0.0, e.g. the pod IP)",
+    "advertise_host": "host or IP other processes reach this one at, registered in etcd (default: --host; "
+                      "with --host 0.0.0.0 the hostname's address, e.g. a container's IP)",
     "etcd": "etcd endpoints host:port[,host:port]",
     "namespace": "discovery namespace in etcd",
     "lease_ttl_s": "etcd lease time to live in seconds",

@@ -6,6 +6,8 @@ server reflection, following the grpc.aio examples (graceful shutdown with a bou
 
 from __future__ import annotations
 
+import ipaddress
+import socket
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -60,15 +62,28 @@ async def start_server(address: str, add_services: Sequence[Callable[[grpc.aio.S
 WILDCARDS = ("0.0.0.0", "::", "[::]", "")
 
 
-def check_advertise(host: str, advertise_host: str) -> None:
-    """A process listening on every interface must say which address its peers should use.
+def advertised_host(host: str, advertise_host: str = "") -> str:
+    """The host other processes reach a server listening on `host` at (its etcd record).
+
+    advertise_host when set; else host, unless host listens on every interface: then the
+    address this machine's hostname resolves to (a container's or pod's own IP), which must
+    not be a loopback address (Debian maps the hostname to 127.0.1.1 on bare hosts).
 
     Raises:
-        ValueError: naming --advertise-host.
+        ValueError: naming --advertise-host, when no usable address is known.
     """
-    if host in WILDCARDS and not advertise_host:
-        raise ValueError(f"--host {host!r} listens on every interface; set --advertise-host to the address "
-                         "other processes reach this one at (in Kubernetes the pod IP)")
+    if advertise_host:
+        return advertise_host
+    if host not in WILDCARDS:
+        return host
+    try:
+        ip = socket.gethostbyname(socket.gethostname())
+    except OSError:
+        ip = ""
+    if not ip or ipaddress.ip_address(ip).is_loopback:
+        raise ValueError(f"--host {host!r} listens on every interface and this machine's hostname resolves to "
+                         f"{ip or 'nothing'}; set --advertise-host to the address other processes reach this one at")
+    return ip
 
 
 def channel(address: str) -> grpc.aio.Channel:

@@ -153,8 +153,16 @@ def test_full_config_show_round_trips_through_the_loader(tmp_path, capsys, monke
     assert "has no options" in capsys.readouterr().err
 
 
-def test_advertise_host_is_required_on_a_wildcard_host():
-    with pytest.raises(ValueError, match="--advertise-host"):
+def test_advertised_host_on_a_wildcard_host(monkeypatch):
+    import socket
+
+    from common.grpc_server import advertised_host
+    assert advertised_host("127.0.0.1") == "127.0.0.1"
+    assert advertised_host("0.0.0.0", "10.1.2.3") == "10.1.2.3"
+    monkeypatch.setattr(socket, "gethostbyname", lambda name: "10.9.8.7")  # a container's own IP
+    assert advertised_host("0.0.0.0") == "10.9.8.7"
+    monkeypatch.setattr(socket, "gethostbyname", lambda name: "127.0.1.1")  # Debian's bare-host mapping
+    with pytest.raises(ValueError, match="set --advertise-host"):
         WorkerOptions(host="0.0.0.0")
     assert WorkerOptions(host="0.0.0.0", advertise_host="10.1.2.3").advertise_host == "10.1.2.3"
 
