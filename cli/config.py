@@ -27,7 +27,6 @@ import difflib
 import os
 import tomllib
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from cli.flags import Option, options_of, parser_for
@@ -93,11 +92,12 @@ def config_path(args: argparse.Namespace) -> tuple[str | None, str]:
 
 def _check(value: Any, opt: Option, where: str) -> Any:
     kind = opt.kind
-    ok = (isinstance(value, kind) and not (kind is int and isinstance(value, bool))) or \
-        (kind is float and isinstance(value, int) and not isinstance(value, bool)) or \
-        (kind is list and isinstance(value, str))
-    if kind is list and isinstance(value, list):
-        ok = all(isinstance(v, str) for v in value)
+    if kind is list:  # one string stands for a list of one
+        ok = isinstance(value, str) or (isinstance(value, list) and all(isinstance(v, str) for v in value))
+    elif kind in (int, float):  # TOML true is not a number; an integer is a fine float
+        ok = isinstance(value, int if kind is int else (int, float)) and not isinstance(value, bool)
+    else:
+        ok = isinstance(value, kind)
     if not ok:
         raise ConfigError(f"{where}: expected {TYPE_NAMES.get(kind, kind.__name__)} "
                           f"(as for {opt.flag}), got {type(value).__name__} {value!r}")
@@ -205,4 +205,4 @@ def apply(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     for name, r in {**top, **mine}.items():
         setattr(args, name, r.value)
     if path:
-        args.config = str(Path(path))
+        args.config = path

@@ -70,7 +70,7 @@ def show(parser: argparse.ArgumentParser, args: argparse.Namespace, extra: list[
         raise ConfigError(f"config show: flags {' '.join(extra)} need a subcommand before them")
     path, origin = config_path(args)
     data = load_file(path, schema) if path else {}
-    lines = [f"# tandem config show: precedence flag > env > file > default",
+    lines = ["# tandem config show: precedence flag > env > file > default",
              f"# config file: {path} ({origin})" if path else "# config file: none (--config or TANDEM_CONFIG)"]
     lines += render("", resolve("", options_of(parser), args, path, data))
     for command in [args.target] if args.target else schema.commands:

@@ -103,9 +103,11 @@ def _explain(args: argparse.Namespace) -> int:
     return asyncio.run(main())
 
 
-def _arg(p: argparse.ArgumentParser, flag: str, default, help: str, kind=None, **kw) -> None:
-    """One option with a TANDEM_* variable and a config file key (cli/flags.py add_option)."""
-    add_option(p, flag, default, help, kind=kind, **kw)
+def _arg(p: argparse.ArgumentParser, flag: str, default, help: str, kind=None, env: bool | str = True,
+         **kw) -> None:
+    """One option with a TANDEM_* variable and a config file key (cli/flags.py add_option);
+    env names the variable when it is not TANDEM_<FLAG> (every option has one)."""
+    add_option(p, flag, default, help, kind=kind, env=env if isinstance(env, str) else None, **kw)
 
 
 def build_parser() -> argparse.ArgumentParser:

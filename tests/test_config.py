@@ -68,7 +68,7 @@ def test_subcommand_table_beats_worker_table_beats_top_level(tmp_path):
     assert (decode["etcd"].value, decode["num_blocks"].value) == ("top:2379", 7)
     prefill = effective(["prefill", "--config", path])
     assert (prefill["port"].value, prefill["chunk_size"].value) == (2, 64)
-    router = effective(["router", "--config", path])  # [worker] is not the router's
+    router = effective(["--config", path, "router"])  # [worker] is not the router's
     assert (router["port"].value, router["port"].source) == (1, f"file {path}:port")
     assert router["etcd"].value == "top:2379"
 
