@@ -69,13 +69,15 @@ def advertised_host(host: str, advertise_host: str = "") -> str:
     address this machine's hostname resolves to (a container's or pod's own IP), which must
     not be a loopback address (Debian maps the hostname to 127.0.1.1 on bare hosts).
 
+    An IPv6 literal comes back in brackets, ready for "host:port" (an IPv6 pod IP).
+
     Raises:
         ValueError: naming --advertise-host, when no usable address is known.
     """
     if advertise_host:
-        return advertise_host
+        return _bracketed(advertise_host)
     if host not in WILDCARDS:
-        return host
+        return _bracketed(host)
     try:
         ip = socket.gethostbyname(socket.gethostname())
     except OSError:
@@ -84,6 +86,13 @@ def advertised_host(host: str, advertise_host: str = "") -> str:
         raise ValueError(f"--host {host!r} listens on every interface and this machine's hostname resolves to "
                          f"{ip or 'nothing'}; set --advertise-host to the address other processes reach this one at")
     return ip
+
+
+def _bracketed(host: str) -> str:
+    try:
+        return f"[{host}]" if ipaddress.ip_address(host).version == 6 else host
+    except ValueError:  # a name, or already bracketed
+        return host
 
 
 def channel(address: str) -> grpc.aio.Channel:

@@ -159,6 +159,8 @@ def test_advertised_host_on_a_wildcard_host(monkeypatch):
     from common.grpc_server import advertised_host
     assert advertised_host("127.0.0.1") == "127.0.0.1"
     assert advertised_host("0.0.0.0", "10.1.2.3") == "10.1.2.3"
+    assert advertised_host("::", "fd00::7") == "[fd00::7]"  # an IPv6 pod IP, ready for host:port
+    assert advertised_host("[::1]") == "[::1]"
     monkeypatch.setattr(socket, "gethostbyname", lambda name: "10.9.8.7")  # a container's own IP
     assert advertised_host("0.0.0.0") == "10.9.8.7"
     monkeypatch.setattr(socket, "gethostbyname", lambda name: "127.0.1.1")  # Debian's bare-host mapping
