@@ -68,7 +68,7 @@ def _generate(args: argparse.Namespace) -> int:
         ch, stub = frontend_stub(args.router)
         try:
             c = await generate(stub, text=args.prompt, max_tokens=args.max_tokens, temperature=args.temperature,
-                               seed=args.seed, stop=args.stop, on_text=lambda t: print(t, end="", flush=True))
+                               seed=args.sampling_seed, stop=args.stop, on_text=lambda t: print(t, end="", flush=True))
         except grpc.aio.AioRpcError as exc:
             print(f"tandem generate: {exc.code().name}: {exc.details()}", file=sys.stderr)
             return 1
@@ -140,8 +140,9 @@ def build_parser() -> argparse.ArgumentParser:
     _arg(p, "--router", "127.0.0.1:50051", "router address host:port")
     _arg(p, "--max-tokens", 64, "tokens to generate")
     _arg(p, "--temperature", 0.0, "0 = greedy")
-    # Not TANDEM_SEED: that is the workers' weight seed.
-    _arg(p, "--seed", None, "sampling seed (with --temperature > 0)", kind=int, env="TANDEM_SAMPLING_SEED")
+    # Not `seed` / TANDEM_SEED: that is the workers' weight seed.
+    _arg(p, "--seed", None, "sampling seed (with --temperature > 0)", kind=int, env="TANDEM_SAMPLING_SEED",
+         name="sampling_seed")
     _arg(p, "--stop", None, "stop string", kind=list)
     p.set_defaults(func=_generate)
     p = sub.add_parser("explain", help="show where the router would place a prompt, and why")

@@ -86,7 +86,7 @@ def test_config_from_env_and_top_level_flag_and_kinds(tmp_path, monkeypatch):
     monkeypatch.setenv("TANDEM_SAMPLING_SEED", "5")
     monkeypatch.setenv("TANDEM_SEED", "9")  # the workers' weight seed, not generate's
     gen = effective(["--log-level", "warning", "generate", "hi", "--config", path])
-    assert (gen["stop"].value, gen["seed"].value) == (["a", "b"], 5)
+    assert (gen["stop"].value, gen["sampling_seed"].value) == (["a", "b"], 5)
     assert (gen["log_level"].value, gen["log_level"].source) == ("warning", "flag --log-level")
     assert effective(["decode"])["seed"].value == 9
 
@@ -146,7 +146,7 @@ def test_full_config_show_round_trips_through_the_loader(tmp_path, capsys, monke
     assert tandem(["config", "show"]) == 0
     out = capsys.readouterr().out
     assert {"[router]", "[prefill]", "[decode]", "[up]", "[generate]", "[explain]", "[health]"} <= set(out.split("\n"))
-    assert "# seed = (unset)" in out  # generate's sampling seed has no default
+    assert "# sampling_seed = (unset)" in out  # generate's --seed has no default
     data = config.load_file(write(tmp_path, out), config.Schema.of(build_parser()))
     assert data["generate"]["stop"] == ["END"] and data["router"]["router_mode"] == "kv"
     assert tandem(["config", "show", "demo"]) == 2
@@ -189,3 +189,17 @@ def test_health_probe_follows_the_serving_status(monkeypatch, capsys):
 
     asyncio.run(body())
     assert "NOT_SERVING" in capsys.readouterr().err
+
+
+def test_an_option_name_means_one_kind_and_one_variable_everywhere():
+    """A top-level key applies to every subcommand with that option, so they must agree."""
+    schema = config.Schema.of(build_parser())
+    seen: dict[str, tuple[type, str]] = {}
+    for opts in [schema.top, *schema.commands.values()]:
+        for name, opt in opts.items():
+            assert seen.setdefault(name, (opt.kind, opt.env)) == (opt.kind, opt.env), name
+    # and no two options share a variable under different names (generate's seed has its own)
+    names_by_env: dict[str, set[str]] = {}
+    for name, (_, env) in seen.items():
+        names_by_env.setdefault(env, set()).add(name)
+    assert all(len(names) == 1 for names in names_by_env.values()), names_by_env
