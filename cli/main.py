@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import sys
 
 from cli import config, config_show, health
@@ -33,8 +34,6 @@ def _worker(args: argparse.Namespace) -> int:
 
 
 def _up(args: argparse.Namespace) -> int:
-    import os
-
     from cli.cluster import LocalCluster
 
     if getattr(args, "config", None):
