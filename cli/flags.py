@@ -1,12 +1,18 @@
-"""argparse flags built from the options dataclasses, each defaulting to its TANDEM_* variable."""
+"""Options of every subcommand: argparse flags built from the options dataclasses (or declared
+one by one with `add_option`), each with a TANDEM_* variable and a key in the TOML config file.
+
+Flags are registered with no argparse default (argparse.SUPPRESS), so that after parsing a flag
+is present in the namespace only when it was given; cli/config.py then fills in the others
+(precedence: flag > env > file > default) and records where each value came from.
+"""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-from typing import Any, TypeVar
+from typing import Any, Callable, TypeVar
 
-from common.env import env_default, env_name
+from common.env import env_name, parse_bool
 
 T = TypeVar("T")
 
@@ -19,6 +25,8 @@ HELP = {
     "max_running": "decode: most requests in one batch",
     "host": "address to listen on",
     "port": "port to listen on (0 = any free port)",
+    "advertise_host": "host or IP other processes reach this one at, registered in etcd (default: --host; "
+                      "with --host 0.0.0.0 the hostname's address, e.g. a container's IP)",
     "etcd": "etcd endpoints host:port[,host:port]",
     "namespace": "discovery namespace in etcd",
     "lease_ttl_s": "etcd lease time to live in seconds",
@@ -41,16 +49,86 @@ HELP = {
 }
 
 
+@dataclasses.dataclass(frozen=True)
+class Option:
+    """One option of one subcommand.
+
+    name is the dataclass field, the argparse dest and the TOML key (e.g. "drain_timeout_s");
+    flag the command-line spelling ("--drain-timeout"); env its variable ("TANDEM_DRAIN_TIMEOUT");
+    kind one of int, float, str, bool, list (a list of strings, e.g. --stop).
+    """
+
+    name: str
+    flag: str
+    env: str
+    default: Any
+    kind: type
+    help: str
+
+
+ATTR = "tandem_options"  # where a parser keeps its list of Option
+
+
+def options_of(parser: argparse.ArgumentParser) -> list[Option]:
+    return getattr(parser, ATTR, [])
+
+
+def add_argument(parser: argparse.ArgumentParser, opt: Option) -> None:
+    """The argparse flag of `opt`, with no default (given flags only; see the module docstring)."""
+    shown = f"{opt.help} (default {opt.default!r}; env {opt.env})"
+    if opt.kind is bool:
+        parser.add_argument(opt.flag, dest=opt.name, action=argparse.BooleanOptionalAction,
+                            default=argparse.SUPPRESS, help=shown)
+    elif opt.kind is list:
+        parser.add_argument(opt.flag, dest=opt.name, action="append", default=argparse.SUPPRESS,
+                            help=shown + "; repeatable")
+    else:
+        parser.add_argument(opt.flag, dest=opt.name, type=opt.kind, default=argparse.SUPPRESS, help=shown)
+
+
+def add_option(parser: argparse.ArgumentParser, flag: str, default: Any, help: str, kind: type | None = None,
+               env: str | None = None, name: str | None = None) -> None:
+    """Declare one option not backed by a dataclass (e.g. `tandem up --prefill`).
+
+    kind defaults to the type of `default` (str when the default is None); env to
+    TANDEM_<FLAG>; name (dest and TOML key) to the flag with dashes as underscores.
+    """
+    kind = kind or (type(default) if default is not None else str)
+    opt = Option(name or flag.lstrip("-").replace("-", "_"), flag, env or env_name(flag), default, kind, help)
+    if not hasattr(parser, ATTR):
+        setattr(parser, ATTR, [])
+    options_of(parser).append(opt)
+    add_argument(parser, opt)
+
+
 def add_flags(parser: argparse.ArgumentParser, cls: type, skip: tuple[str, ...] = ()) -> None:
+    """One option per field of the options dataclass `cls` (except `skip`); a field without a
+    default (a required one, such as the router's etcd) shows as an empty string."""
     for f in dataclasses.fields(cls):
         if f.name in skip:
             continue
         flag = "--" + f.name.removesuffix("_s").replace("_", "-")
         default = f.default if f.default is not dataclasses.MISSING else ""
-        kind = type(default)
-        value = env_default(flag, default, kind)
-        parser.add_argument(flag, dest=f.name, type=kind, default=value,
-                            help=f"{HELP.get(f.name, f.name)} (default {default!r}; env {env_name(flag)})")
+        add_option(parser, flag, default, HELP.get(f.name, f.name), kind=type(default), name=f.name)
+
+
+def parser_for(kind: type) -> Callable[[str], Any]:
+    """How a TANDEM_* value of this kind is parsed (a list is a JSON array of strings or one string)."""
+    if kind is bool:
+        return parse_bool
+    if kind is list:
+        return _parse_list
+    return kind
+
+
+def _parse_list(raw: str) -> list[str]:
+    import json
+    if not raw.startswith("["):
+        return [raw]
+    value = json.loads(raw)
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise ValueError("expected a JSON array of strings")
+    return value
 
 
 def build(cls: type[T], args: argparse.Namespace, **overrides: Any) -> T:

@@ -5,10 +5,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import sys
 
-from cli.flags import add_flags, build
-from common.env import env_default, env_name
+from cli import config, config_show, health
+from cli.flags import add_flags, add_option, build
 
 
 def _logging(level: str) -> None:
@@ -34,6 +35,9 @@ def _worker(args: argparse.Namespace) -> int:
 
 def _up(args: argparse.Namespace) -> int:
     from cli.cluster import LocalCluster
+
+    if getattr(args, "config", None):
+        os.environ["TANDEM_CONFIG"] = args.config  # the children read the same file
 
     async def main() -> None:
         cluster = LocalCluster(model=args.model, num_prefill=args.prefill, num_decode=args.decode, etcd=args.etcd,
@@ -63,7 +67,7 @@ def _generate(args: argparse.Namespace) -> int:
         ch, stub = frontend_stub(args.router)
         try:
             c = await generate(stub, text=args.prompt, max_tokens=args.max_tokens, temperature=args.temperature,
-                               seed=args.seed, stop=args.stop, on_text=lambda t: print(t, end="", flush=True))
+                               seed=args.sampling_seed, stop=args.stop, on_text=lambda t: print(t, end="", flush=True))
         except grpc.aio.AioRpcError as exc:
             print(f"tandem generate: {exc.code().name}: {exc.details()}", file=sys.stderr)
             return 1
@@ -98,21 +102,22 @@ def _explain(args: argparse.Namespace) -> int:
     return asyncio.run(main())
 
 
-def _arg(p: argparse.ArgumentParser, flag: str, default, help: str, env: bool = True, kind=None) -> None:
-    kind = kind or (type(default) if default is not None else str)
-    if env:
-        p.add_argument(flag, type=kind, default=env_default(flag, default, kind),
-                       help=f"{help} (default {default!r}; env {env_name(flag)})")
-    else:
-        p.add_argument(flag, type=kind, default=default, help=f"{help} (default {default!r})")
+def _arg(p: argparse.ArgumentParser, flag: str, default, help: str, kind=None, env: bool | str = True,
+         **kw) -> None:
+    """One option with a TANDEM_* variable and a config file key (cli/flags.py add_option);
+    env names the variable when it is not TANDEM_<FLAG> (every option has one)."""
+    add_option(p, flag, default, help, kind=kind, env=env if isinstance(env, str) else None, **kw)
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """Every subcommand with its options; their values are filled in by cli/config.py apply()."""
     from engine.worker_host import WorkerOptions
     from router.main import RouterOptions
 
     parser = argparse.ArgumentParser(prog="tandem", description="Disaggregated LLM serving.")
-    parser.add_argument("--log-level", default=env_default("--log-level", "info"), help="env TANDEM_LOG_LEVEL")
+    _arg(parser, "--log-level", "info", "debug | info | warning | error")
+    parser.add_argument("--config", default=argparse.SUPPRESS,
+                        help="TOML config file (env TANDEM_CONFIG; precedence flag > env > file > default)")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("router", help="the client-facing gRPC router")
     add_flags(p, RouterOptions)
@@ -125,31 +130,52 @@ def main(argv: list[str] | None = None) -> int:
     _arg(p, "--model", "tandem-shakespeare", "served model: 'tandem-shakespeare' (shipped, trained), 'tandem-tiny' (seeded) or a checkpoint folder")
     _arg(p, "--etcd", "", "use this etcd (host:port) instead of starting one")
     _arg(p, "--port", 50051, "router port")
-    _arg(p, "--prefill", 1, "prefill workers", env=False)
-    _arg(p, "--decode", 1, "decode workers", env=False)
+    _arg(p, "--prefill", 1, "prefill workers")
+    _arg(p, "--decode", 1, "decode workers")
     _arg(p, "--router-mode", "kv", "kv | approx | round-robin | random | least-loaded")
     p.set_defaults(func=_up)
     p = sub.add_parser("generate", help="send one prompt to a router and stream the answer")
     p.add_argument("prompt", help="prompt text")
     _arg(p, "--router", "127.0.0.1:50051", "router address host:port")
-    _arg(p, "--max-tokens", 64, "tokens to generate", env=False)
-    _arg(p, "--temperature", 0.0, "0 = greedy", env=False)
-    _arg(p, "--seed", None, "sampling seed (with --temperature > 0)", env=False, kind=int)
-    p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    _arg(p, "--max-tokens", 64, "tokens to generate")
+    _arg(p, "--temperature", 0.0, "0 = greedy")
+    # Not `seed` / TANDEM_SEED: that is the workers' weight seed.
+    _arg(p, "--seed", None, "sampling seed (with --temperature > 0)", kind=int, env="TANDEM_SAMPLING_SEED",
+         name="sampling_seed")
+    _arg(p, "--stop", None, "stop string", kind=list)
     p.set_defaults(func=_generate)
     p = sub.add_parser("explain", help="show where the router would place a prompt, and why")
     p.add_argument("prompt", help="prompt text")
     _arg(p, "--router", "127.0.0.1:50051", "router address host:port")
     p.set_defaults(func=_explain)
+    health.add_parser(sub)
+    p = sub.add_parser("config", help="print the effective configuration and where each value came from")
+    p.add_argument("action", choices=["show"])
+    p.add_argument("target", nargs="?", default=None, help="subcommand (default: every one)")
     p = sub.add_parser("demo", help="the README demo: MT-Bench through a local cluster, checked against the reference",
                        add_help=False)
     p.set_defaults(func=None)
+    for name, p in sub.choices.items():
+        if name != "demo":  # demo forwards its flags to cli/demo.py
+            p.add_argument("--config", default=argparse.SUPPRESS, help="TOML config file (env TANDEM_CONFIG)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args, rest = parser.parse_known_args(argv)
     if args.command == "demo":
         from cli.demo import main as demo_main
         return demo_main(rest)
-    if rest:
-        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    try:
+        if args.command == "config":  # before apply: it reports given flags as flags
+            return config_show.show(parser, args, rest)
+        if rest:
+            parser.error(f"unrecognized arguments: {' '.join(rest)}")
+        config.apply(parser, args)
+    except config.ConfigError as exc:
+        print(f"tandem: {exc}", file=sys.stderr)
+        return 2
     _logging(args.log_level)
     try:
         return args.func(args)

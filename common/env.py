@@ -1,6 +1,7 @@
-"""Environment variables: every CLI flag `--some-flag` has `TANDEM_SOME_FLAG` as its default.
+"""Environment variables: every CLI flag `--some-flag` has `TANDEM_SOME_FLAG`.
 
-A variable that is set but does not parse fails loudly, naming the variable.
+A variable that is set but does not parse fails loudly, naming the variable. The precedence
+of variables among flags, the config file and defaults is cli/config.py's.
 """
 
 from __future__ import annotations
@@ -10,11 +11,43 @@ from typing import Callable, TypeVar
 
 T = TypeVar("T")
 PREFIX = "TANDEM_"
+CONFIG_VAR = "TANDEM_CONFIG"  # path of the TOML config file (`--config`)
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off"}
 
 
 def env_name(flag: str) -> str:
     """'--block-size' -> 'TANDEM_BLOCK_SIZE'."""
     return PREFIX + flag.lstrip("-").replace("-", "_").upper()
+
+
+def parse_bool(raw: str) -> bool:
+    """'1', 'true', 'yes', 'on' / '0', 'false', 'no', 'off' (any case).
+
+    Raises:
+        ValueError: anything else.
+    """
+    if raw.strip().lower() in _TRUE:
+        return True
+    if raw.strip().lower() in _FALSE:
+        return False
+    raise ValueError(f"expected one of {', '.join(sorted(_TRUE | _FALSE))}")
+
+
+def read_env(name: str, parse: Callable[[str], T]) -> T | None:
+    """The parsed value of variable `name`, or None when it is not set.
+
+    Raises:
+        ValueError: the variable is set to a value `parse` rejects (message names it).
+    """
+    raw = os.environ.get(name)
+    if raw is None:
+        return None
+    try:
+        return parse(raw)
+    except ValueError as exc:
+        raise ValueError(f"{name}={raw!r}: {exc}") from None
 
 
 def env_default(flag: str, default: T, parse: Callable[[str], T] | None = None) -> T:
@@ -23,11 +56,5 @@ def env_default(flag: str, default: T, parse: Callable[[str], T] | None = None) 
     Raises:
         ValueError: the variable is set to a value `parse` rejects (message names it).
     """
-    raw = os.environ.get(env_name(flag))
-    if raw is None:
-        return default
-    parse = parse or type(default)  # type: ignore[assignment]
-    try:
-        return parse(raw)  # type: ignore[misc]
-    except ValueError as exc:
-        raise ValueError(f"{env_name(flag)}={raw!r}: {exc}") from None
+    value = read_env(env_name(flag), parse or type(default))  # type: ignore[arg-type]
+    return default if value is None else value

@@ -6,6 +6,8 @@ server reflection, following the grpc.aio examples (graceful shutdown with a bou
 
 from __future__ import annotations
 
+import ipaddress
+import socket
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -55,6 +57,42 @@ async def start_server(address: str, add_services: Sequence[Callable[[grpc.aio.S
     running = RunningServer(server, port, health_servicer, tuple(service_names))
     await running.set_serving(True)
     return running
+
+
+WILDCARDS = ("0.0.0.0", "::", "[::]", "")
+
+
+def advertised_host(host: str, advertise_host: str = "") -> str:
+    """The host other processes reach a server listening on `host` at (its etcd record).
+
+    advertise_host when set; else host, unless host listens on every interface: then the
+    address this machine's hostname resolves to (a container's or pod's own IP), which must
+    not be a loopback address (Debian maps the hostname to 127.0.1.1 on bare hosts).
+
+    An IPv6 literal comes back in brackets, ready for "host:port" (an IPv6 pod IP).
+
+    Raises:
+        ValueError: naming --advertise-host, when no usable address is known.
+    """
+    if advertise_host:
+        return _bracketed(advertise_host)
+    if host not in WILDCARDS:
+        return _bracketed(host)
+    try:
+        ip = socket.gethostbyname(socket.gethostname())
+    except OSError:
+        ip = ""
+    if not ip or ipaddress.ip_address(ip).is_loopback:
+        raise ValueError(f"--host {host!r} listens on every interface and this machine's hostname resolves to "
+                         f"{ip or 'nothing'}; set --advertise-host to the address other processes reach this one at")
+    return ip
+
+
+def _bracketed(host: str) -> str:
+    try:
+        return f"[{host}]" if ipaddress.ip_address(host).version == 6 else host
+    except ValueError:  # a name, or already bracketed
+        return host
 
 
 def channel(address: str) -> grpc.aio.Channel:

@@ -19,7 +19,7 @@ import torch
 
 from common.block_hash import hash_seed
 from common.lifecycle import install_stop_signals
-from common.grpc_server import RunningServer, start_server
+from common.grpc_server import RunningServer, advertised_host, start_server
 from common.pb.tandem.v1 import discovery_pb2, kv_events_pb2_grpc
 from engine.kv_event_service import KvEventServicer
 from engine.kv_events import KvEventLog
@@ -44,6 +44,7 @@ class WorkerOptions:
     max_running: int = 64  # decode: concurrent requests in the batch
     host: str = "127.0.0.1"
     port: int = 0  # 0 = pick a free port
+    advertise_host: str = ""  # host peers reach this worker at (etcd record); "" = host
     etcd: str = ""  # etcd endpoints host:port[,host:port]; empty = no registration
     namespace: str = "default"
     lease_ttl_s: float = 10.0
@@ -60,6 +61,7 @@ class WorkerOptions:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if self.lease_ttl_s < 1:
             raise ValueError(f"--lease-ttl must be >= 1 second, got {self.lease_ttl_s}")
+        advertised_host(self.host, self.advertise_host)  # fails early, naming the flag
 
 
 @dataclass
@@ -204,7 +206,7 @@ async def serve_worker(runtime: WorkerRuntime, add_services: Sequence[Callable[[
         f"{opts.host}:{opts.port}",
         [*add_services, lambda s: kv_events_pb2_grpc.add_KvEventServiceServicer_to_server(events, s)],
         [*service_names, "tandem.v1.KvEventService"])
-    address = f"{opts.host}:{server.port}"
+    address = f"{advertised_host(opts.host, opts.advertise_host)}:{server.port}"
     stop = stop or asyncio.Event()
     restore_signals = install_stop_signals(stop)
     registration = None

@@ -11,7 +11,7 @@ from typing import Callable
 
 from common.block_hash import hash_seed
 from common.lifecycle import install_stop_signals
-from common.grpc_server import RunningServer, add_lenient_service, start_server
+from common.grpc_server import RunningServer, add_lenient_service, advertised_host, start_server
 from common.pb.tandem.v1 import discovery_pb2
 from common.pb.tandem.v1 import frontend_pb2 as pb
 from common.tokenizer import load_tokenizer
@@ -42,6 +42,7 @@ class RouterOptions:
     block_size: int = 16  # must match the workers'
     host: str = "127.0.0.1"
     port: int = 0
+    advertise_host: str = ""  # host workers and clients reach this router at (etcd record); "" = host
     namespace: str = "default"
     lease_ttl_s: float = 10.0
     router_mode: str = "kv"  # kv | approx | round-robin | random | least-loaded
@@ -72,6 +73,7 @@ class RouterOptions:
             raise ValueError("--etcd is required for the router (host:port of an etcd server)")
         if self.block_size < 1:
             raise ValueError(f"--block-size must be >= 1, got {self.block_size}")
+        advertised_host(self.host, self.advertise_host)  # fails early, naming the flag
 
 
 def overlap_source(opts: RouterOptions, workers: WorkerSet):
@@ -137,7 +139,7 @@ async def run(opts: RouterOptions, ready: Callable[[RunningServer, FrontendServi
                "ExplainRoute": ("unary", pb.GenerateRequest, pb.ExplainRouteResponse)}
     server = await start_server(f"{opts.host}:{opts.port}", [lambda s: add_lenient_service(s, SERVICE, servicer, methods)],
                                 [SERVICE])
-    address = f"{opts.host}:{server.port}"
+    address = f"{advertised_host(opts.host, opts.advertise_host)}:{server.port}"
     instance = discovery_pb2.Instance(
         instance_id=f"router-{uuid.uuid4().hex[:12]}", role=discovery_pb2.ROLE_ROUTER, address=address, model=name,
         block_size=opts.block_size, hash_seed=hash_seed(name), state=discovery_pb2.INSTANCE_STATE_SERVING,

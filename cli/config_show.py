@@ -1,0 +1,80 @@
+"""`tandem config show [SUBCOMMAND] [FLAGS...] [--config PATH]`: the effective configuration,
+one line per option with where its value came from, printed as TOML (a valid config file).
+
+    tandem config show decode --config /etc/tandem/tandem.toml --port 50062
+    # config file: /etc/tandem/tandem.toml (flag --config)
+    log_level = "info"                 # default
+
+    [decode]
+    etcd = "10.0.0.5:2379"             # file /etc/tandem/tandem.toml:etcd
+    port = 50062                       # flag --port
+    num_blocks = 8192                  # env TANDEM_NUM_BLOCKS
+    ...
+
+Flags after SUBCOMMAND are that subcommand's own, so the output is what `tandem SUBCOMMAND
+FLAGS...` would run with.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from cli.config import ConfigError, Resolved, Schema, config_path, load_file, resolve, subparsers
+from cli.flags import add_argument, options_of
+
+
+def toml_value(value: Any) -> str | None:
+    """value as a TOML literal; None (an unset option) has none."""
+    if value is None:
+        return None
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, list):
+        return "[" + ", ".join(json.dumps(v) for v in value) + "]"
+    return json.dumps(str(value))  # a JSON string literal is a TOML basic string
+
+
+def render(table: str, resolved: dict[str, Resolved]) -> list[str]:
+    lines = [f"[{table}]"] if table else []
+    rows = []
+    for name, r in resolved.items():
+        literal = toml_value(r.value)
+        rows.append((f"{name} = {literal}" if literal is not None else f"# {name} = (unset)", r.source))
+    width = max((len(left) for left, _ in rows), default=0)
+    lines += [f"{left:<{width}}  # {source}" for left, source in rows]
+    return lines
+
+
+def show(parser: argparse.ArgumentParser, args: argparse.Namespace, extra: list[str], out=None) -> int:
+    """Print the effective configuration of args.target (every subcommand when None).
+
+    Raises:
+        ConfigError: as cli.config.load_file / resolve, or an unknown subcommand.
+    """
+    schema = Schema.of(parser)
+    if args.target is not None and args.target not in schema.commands:
+        raise ConfigError(f"config show: {args.target!r} has no options; choose one of: "
+                          + ", ".join(schema.commands))
+    flags = argparse.Namespace()
+    if args.target is not None:
+        only = argparse.ArgumentParser(prog=f"tandem config show {args.target}")
+        for opt in options_of(subparsers(parser)[args.target]):
+            add_argument(only, opt)
+        flags = only.parse_args(extra)
+    elif extra:
+        raise ConfigError(f"config show: flags {' '.join(extra)} need a subcommand before them")
+    path, origin = config_path(args)
+    data = load_file(path, schema) if path else {}
+    lines = ["# tandem config show: precedence flag > env > file > default",
+             f"# config file: {path} ({origin})" if path else "# config file: none (--config or TANDEM_CONFIG)"]
+    lines += render("", resolve("", options_of(parser), args, path, data))
+    for command in [args.target] if args.target else schema.commands:
+        sub = subparsers(parser)[command]
+        lines += ["", *render(command, resolve(command, options_of(sub), flags, path, data))]
+    print("\n".join(lines), file=out or sys.stdout)
+    return 0

@@ -1,0 +1,62 @@
+"""`tandem health [ADDRESS]`: one grpc.health.v1 Check, for container health checks and scripts.
+
+Exit status 0 when the server answers SERVING, 1 otherwise (NOT_SERVING while draining or with
+a wedged engine, unreachable, timed out, unknown service), with one line saying which. ADDRESS
+defaults to 127.0.0.1:PORT, PORT being this process's --port / TANDEM_PORT, so inside a
+container that sets TANDEM_PORT the bare `tandem health` probes the server next to it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from cli.config import resolve, subparsers
+from cli.flags import add_option, options_of
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("health", help="check a server's grpc.health.v1 status (exit 0 = SERVING)")
+    p.add_argument("address", nargs="?", default="", help="host:port (default 127.0.0.1:--port)")
+    add_option(p, "--port", 50051, "port of the local server to check when no address is given")
+    add_option(p, "--service", "", "service name to check ('' = the whole server)")
+    add_option(p, "--health-timeout", 2.0, "seconds the check may take", name="health_timeout_s")
+    p.set_defaults(func=run)
+
+
+def check(address: str, service: str = "", timeout_s: float = 2.0) -> tuple[bool, str]:
+    """(serving?, status name or error) of one Check call; never raises for RPC failures."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with grpc.insecure_channel(address) as ch:
+        try:
+            resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=service),
+                                                         timeout=timeout_s)
+        except grpc.RpcError as exc:
+            return False, f"{exc.code().name}: {exc.details()}"
+    name = health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
+    return resp.status == health_pb2.HealthCheckResponse.SERVING, name
+
+
+def run(args: argparse.Namespace) -> int:
+    address = args.address or f"127.0.0.1:{args.port}"
+    ok, status = check(address, args.service, args.health_timeout_s)
+    print(f"{address}{' ' + args.service if args.service else ''}: {status}", file=sys.stdout if ok else sys.stderr)
+    return 0 if ok else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m cli.health`: the same check without importing the model code (torch), for a
+    container HEALTHCHECK that runs every few seconds; options come from flags and TANDEM_*
+    variables only (the config file's schema needs every subcommand's options)."""
+    parser = argparse.ArgumentParser(prog="python -m cli.health")
+    add_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["health", *(sys.argv[1:] if argv is None else argv)])
+    for name, r in resolve("health", options_of(subparsers(parser)["health"]), args, None, {}).items():
+        setattr(args, name, r.value)
+    return run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

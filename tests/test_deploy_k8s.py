@@ -1,0 +1,110 @@
+"""deploy/k8s: every manifest is valid against the Kubernetes OpenAPI schema (kubernetes-validate,
+strict: unknown fields fail; offline, the schemas ship in the package), and the pieces agree:
+probes on the gRPC health service, grace periods covering the drain budget, scrape annotations
+on real ports, and a ConfigMap that the config loader accepts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from cli import config
+from cli.main import build_parser
+
+K8S = Path(__file__).resolve().parent.parent / "deploy" / "k8s"
+MANIFESTS = sorted(p for p in K8S.glob("*.yaml") if p.name != "kustomization.yaml")
+# grpc probes are GA since 1.27; check the oldest schema with them and the newest shipped.
+VERSIONS = ["1.27.0", kubernetes_validate.latest_version()]
+AFTER_DRAIN_S = 2 + 2 + 5  # as tests/test_deploy_systemd.py: deregistration, gRPC grace, margin
+
+
+def docs(path: Path) -> list[dict]:
+    return [d for d in yaml.safe_load_all(path.read_text()) if d]
+
+
+def all_docs() -> list[dict]:
+    return [d for p in MANIFESTS for d in docs(p)]
+
+
+def find(kind: str, name: str) -> dict:
+    return next(d for d in all_docs() if d["kind"] == kind and d["metadata"]["name"] == name)
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+@pytest.mark.parametrize("path", MANIFESTS, ids=lambda p: p.name)
+def test_manifest_is_valid_against_the_kubernetes_schema(path, version):
+    for doc in docs(path):
+        kubernetes_validate.validate(doc, version, strict=True)  # raises ValidationError
+
+
+def test_validation_can_fail():
+    bad = find("Deployment", "tandem-decode")
+    bad["spec"]["template"]["spec"]["containers"][0]["readinessProbe"]["grpc"]["port"] = "grpc"  # must be int
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(bad, VERSIONS[-1], strict=True)
+    bad = find("Deployment", "tandem-router")
+    bad["spec"]["template"]["spec"]["terminationGracePeriod"] = 20  # a misspelt field
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(bad, VERSIONS[-1], strict=True)
+
+
+def test_kustomization_lists_every_manifest():
+    kustomization = yaml.safe_load((K8S / "kustomization.yaml").read_text())
+    assert sorted(kustomization["resources"]) == sorted(p.name for p in MANIFESTS)
+
+
+@pytest.fixture(scope="module")
+def tandem_config(tmp_path_factory) -> dict:
+    """The ConfigMap's tandem.toml, through the same loader (unknown keys and wrong types fail)."""
+    path = tmp_path_factory.mktemp("k8s") / "tandem.toml"
+    path.write_text(find("ConfigMap", "tandem-config")["data"]["tandem.toml"])
+    return config.load_file(str(path), config.Schema.of(build_parser()))
+
+
+@pytest.mark.parametrize("name", ["tandem-router", "tandem-prefill", "tandem-decode"])
+def test_tandem_pods_probe_grpc_health_and_mount_the_config(name, tandem_config):
+    pod = find("Deployment", name)["spec"]["template"]
+    spec, (container,) = pod["spec"], pod["spec"]["containers"]
+    data = tandem_config
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert ports["grpc"] == data["port"]
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert container[probe]["grpc"] == {"port": ports["grpc"]}, probe
+    env = {e["name"]: e for e in container["env"]}
+    assert env["TANDEM_CONFIG"]["value"] == "/etc/tandem/tandem.toml"
+    assert env["TANDEM_ADVERTISE_HOST"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+    assert container["args"] == [name.removeprefix("tandem-")]
+    annotations = pod["metadata"]["annotations"]
+    assert annotations["prometheus.io/scrape"] == "true" and annotations["prometheus.io/path"] == "/metrics"
+    assert int(annotations["prometheus.io/port"]) == ports["metrics"] == int(env["TANDEM_METRICS_PORT"]["value"])
+    assert container["resources"]["requests"]["cpu"] and container["resources"]["requests"]["memory"]
+    assert spec["securityContext"]["runAsNonRoot"] and spec["securityContext"]["runAsUser"] == 10001
+    mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    assert volumes[mounts["/etc/tandem"]]["configMap"]["name"] == "tandem-config"
+
+
+@pytest.mark.parametrize("name", ["tandem-prefill", "tandem-decode"])
+def test_worker_grace_period_covers_the_drain(name, tandem_config):
+    spec = find("Deployment", name)["spec"]["template"]["spec"]
+    drain_s = tandem_config["worker"]["drain_timeout_s"]
+    assert spec["terminationGracePeriodSeconds"] >= drain_s + AFTER_DRAIN_S
+    assert "lifecycle" not in spec["containers"][0]  # the drain starts on SIGTERM; see the manifest
+
+
+def test_router_service_and_etcd_endpoint_agree(tandem_config):
+    service = find("Service", "tandem-router")
+    router = find("Deployment", "tandem-router")["spec"]["template"]
+    assert service["spec"]["selector"].items() <= router["metadata"]["labels"].items()
+    spec = router["spec"]
+    sleep_s = int(spec["containers"][0]["lifecycle"]["preStop"]["exec"]["command"][1])
+    assert spec["terminationGracePeriodSeconds"] >= sleep_s + AFTER_DRAIN_S
+    host, port = tandem_config["etcd"].split(":")
+    etcd_service = find("Service", host)
+    assert int(port) in [p["port"] for p in etcd_service["spec"]["ports"]]
+    etcd = find("StatefulSet", host)
+    assert etcd["spec"]["serviceName"] == host
+    assert etcd_service["spec"]["selector"].items() <= etcd["spec"]["template"]["metadata"]["labels"].items()

@@ -1,0 +1,113 @@
+"""The shipped deploy/systemd configuration runs a cluster: router, prefill and decode started the
+way the units start them (`tandem <role>` with no flags, TANDEM_CONFIG plus the instance's env
+file), on 0.0.0.0 with the advertised address, answering health checks and a request whose tokens
+match the reference, and a worker exits 0 after its drain on SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+
+from cli.client import frontend_stub, generate
+from cli.health import check
+from common.pb.tandem.v1 import frontend_pb2
+from discovery.watcher import InstanceWatcher
+from engine.reference import reference_generate
+
+pytestmark = pytest.mark.e2e
+ROOT = Path(__file__).resolve().parent.parent
+SYSTEMD = ROOT / "deploy" / "systemd"
+
+
+def env_file(path: Path) -> dict[str, str]:
+    """KEY=VALUE lines as systemd's EnvironmentFile= reads them (comments and blanks skipped)."""
+    return dict(line.split("=", 1) for line in path.read_text().splitlines() if line.strip() and line[0] != "#")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def local_config(etcd: str) -> str:
+    """The example config with only what a site must edit changed (and the test model)."""
+    text = (SYSTEMD / "tandem.toml").read_text()
+    for old, new in [('etcd = "127.0.0.1:2379"', f'etcd = "{etcd}"'),
+                     ('advertise_host = "192.0.2.10"', 'advertise_host = "127.0.0.1"'),
+                     ('model = "tandem-shakespeare"', 'model = "tandem-tiny"'),
+                     ('namespace = "default"', 'namespace = "e2e-deploy"'),
+                     ("num_blocks = 4096", "num_blocks = 512")]:
+        assert old in text, old
+        text = text.replace(old, new)
+    return text
+
+
+def test_units_configuration_runs_a_cluster(etcd_server, tiny_model, tmp_path):
+    (tmp_path / "tandem.toml").write_text(local_config(etcd_server.endpoint))
+    base = {k: v for k, v in os.environ.items() if not k.startswith("TANDEM_")}
+    ports, procs = {}, {}
+    try:
+        for role in ("router", "prefill", "decode"):
+            env = {**base, **env_file(SYSTEMD / "env" / f"{role}-0.env"), "PYTHONPATH": str(ROOT),
+                   "PYTHONUNBUFFERED": "1", "TANDEM_CONFIG": str(tmp_path / "tandem.toml")}
+            env.pop("TANDEM_METRICS_PORT")  # fixed ports would collide with parallel runs
+            assert env["TANDEM_PORT"].isdigit()  # each instance's port comes from its env file; here a free one
+            env["TANDEM_PORT"] = str(free_port())
+            ports[role] = int(env["TANDEM_PORT"])
+            with open(tmp_path / f"{role}.log", "wb") as log:
+                procs[role] = subprocess.Popen([sys.executable, "-m", "cli.main", role], env=env, cwd=tmp_path,
+                                               stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + 180
+        for role, port in ports.items():
+            while check(f"127.0.0.1:{port}", timeout_s=1.0) != (True, "SERVING"):
+                assert procs[role].poll() is None, (tmp_path / f"{role}.log").read_text()[-3000:]
+                assert time.monotonic() < deadline, f"{role} not SERVING"
+                time.sleep(0.2)
+
+        async def request() -> tuple[list, list[int], set[str]]:
+            async with InstanceWatcher(etcd_server.endpoint, "e2e-deploy") as watcher:
+                view = await watcher.wait_for(lambda v: len(v) >= 3, timeout=60)
+            ch, stub = frontend_stub(f"127.0.0.1:{ports['router']}")
+            try:
+                while True:  # until the router's etcd view has both workers, at their advertised address
+                    try:
+                        resp = await stub.ExplainRoute(frontend_pb2.GenerateRequest(token_ids=[1]), timeout=5)
+                        if len(resp.candidates) >= 2:
+                            break
+                    except grpc.aio.AioRpcError:
+                        pass
+                    assert time.monotonic() < deadline, "router does not see both workers"
+                    await asyncio.sleep(0.1)
+                c = await generate(stub, text="Configured by a file.", max_tokens=8, timeout_s=120)
+                return list(resp.candidates), c.token_ids, {i.address for i in view.values()}
+            finally:
+                await ch.close()
+
+        candidates, tokens, addresses = asyncio.run(request())
+        assert addresses == {f"127.0.0.1:{p}" for p in ports.values()}  # advertise_host, not 0.0.0.0
+        assert {c.role for c in candidates} == {"prefill", "decode"}
+        tok = tiny_model.tokenizer()
+        assert tokens == reference_generate(tiny_model.model, tok.encode("Configured by a file."), 8,
+                                            tiny_model.config.eos_token_ids)
+        procs["decode"].send_signal(signal.SIGTERM)  # what systemctl stop sends
+        assert procs["decode"].wait(45) == 0  # drained within TimeoutStopSec
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in procs.values():
+            try:
+                proc.wait(20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
