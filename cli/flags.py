@@ -32,6 +32,8 @@ HELP = {
     "prefill_timeout_s": "decode: seconds to wait for a prefill worker (at most half the request's deadline) "
                          "before prefilling locally",
     "torch_threads": "intra-op threads for the model",
+    "speculative_num_steps": "decode: MTP draft tokens per verify step (0 = no speculative decoding)",
+    "disable_overlap_schedule": "decode: no overlap scheduler (CPU runs it sequentially anyway)",
     "router_mode": "placement: kv | approx | round-robin | random | least-loaded",
     "prefill_weight": "kv/approx cost of one uncached block relative to one active decode block",
     "router_temperature": "kv/approx: 0 picks the lowest cost; > 0 samples by cost",
@@ -47,10 +49,21 @@ def add_flags(parser: argparse.ArgumentParser, cls: type, skip: tuple[str, ...] 
             continue
         flag = "--" + f.name.removesuffix("_s").replace("_", "-")
         default = f.default if f.default is not dataclasses.MISSING else ""
-        kind = type(default)
+        kind = _parse_bool if isinstance(default, bool) else type(default)
         value = env_default(flag, default, kind)
-        parser.add_argument(flag, dest=f.name, type=kind, default=value,
+        extra: dict[str, Any] = {"nargs": "?", "const": True} if isinstance(default, bool) else {}
+        parser.add_argument(flag, dest=f.name, type=kind, default=value, **extra,
                             help=f"{HELP.get(f.name, f.name)} (default {default!r}; env {env_name(flag)})")
+
+
+def _parse_bool(raw: str) -> bool:
+    """'1/true/yes/on' or '0/false/no/off' (any case); a bare boolean flag means true."""
+    value = raw.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"{raw!r} is not a boolean (use true or false)")
 
 
 def build(cls: type[T], args: argparse.Namespace, **overrides: Any) -> T:

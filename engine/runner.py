@@ -11,6 +11,8 @@ import torch
 
 from engine.block_pool import BlockId
 from engine.kv_pool import KvPool, PagedKvCache
+from engine.mtp import pool_has_mtp, prefill_mtp_rows
+from engine.spec_decode import SpecInput, SpecOutput, spec_forward
 
 
 @dataclass(frozen=True)
@@ -40,6 +42,8 @@ class ModelRunner:
         positions = torch.arange(start, end, dtype=torch.long)
         kv = PagedKvCache(self.pool, [(block_ids, start, end - start)])
         hidden = self.model.forward(ids, positions, [end - start], kv)  # [chunk, hidden]
+        if pool_has_mtp(self.pool, self.model):  # MTP rows of the chunk (engine/mtp.py)
+            prefill_mtp_rows(self.model, self.pool, block_ids, token_ids, start, end, hidden)
         return hidden[-1]
 
     @torch.inference_mode()
@@ -55,3 +59,7 @@ class ModelRunner:
         kv = PagedKvCache(self.pool, [(b.block_ids, b.num_computed, 1) for b in batch])
         hidden = self.model.forward(ids, positions, [1] * len(batch), kv)  # [batch, hidden]
         return self.model.logits(hidden)
+
+    def spec_decode(self, batch: list[SpecInput]) -> list[SpecOutput]:
+        """One MTP speculative step (draft, then verify) for every request; see engine/spec_decode.py."""
+        return spec_forward(self.model, self.pool, batch)
