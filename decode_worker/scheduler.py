@@ -22,6 +22,7 @@ from engine.kv_pool import PoolExhausted
 from engine.runner import DecodeInput
 from engine.sampling import sample
 from engine.worker_host import WorkerRuntime
+from decode_worker.overlap import OverlapLoop, use_overlap
 from decode_worker.spec_step import SpecDecoder
 
 log = logging.getLogger(__name__)
@@ -65,6 +66,8 @@ class DecodeScheduler:
         self.on_failure = None  # async callable: the worker marks itself NOT_SERVING
         k = runtime.opts.speculative_num_steps  # hook: MTP speculative steps (spec_step.py)
         self.spec = SpecDecoder(self, k) if k else None
+        self.release = runtime.pool.free  # how finished requests' blocks are freed (overlap defers it)
+        self.overlap = OverlapLoop(self) if use_overlap(runtime, self.spec is not None) else None  # hook
 
     def add(self, req: RunningRequest) -> None:
         """Take ownership of req (its blocks are freed by the scheduler from now on)."""
@@ -77,7 +80,7 @@ class DecodeScheduler:
 
     def _finish(self, req: RunningRequest, out: TokenOut | None) -> None:
         self.running.remove(req)
-        self.rt.pool.free(req.block_ids)
+        self.release(req.block_ids)
         if out is not None:
             req.out.put_nowait(out)
 
@@ -124,7 +127,7 @@ class DecodeScheduler:
         """The decode loop. If it ever fails, every running request ends with INTERNAL, the
         failure is logged, and `failed` is set so the worker reports NOT_SERVING."""
         try:
-            await self._loop()
+            await (self.overlap.run() if self.overlap is not None else self._loop())
         except asyncio.CancelledError:
             raise
         except BaseException as exc:

@@ -11,16 +11,13 @@ import dataclasses
 import pytest
 import torch
 
-from common.pb.tandem.v1 import discovery_pb2
 from common.sampling_params import SamplingParams
-from decode_worker.scheduler import DecodeScheduler, RunningRequest
 from engine.kv_pool import KvPool, KvPoolConfig
 from engine.model_source import load_model
 from engine.reference import reference_generate
 from engine.runner import ModelRunner
-from engine.sampling import sample
 from engine.spec_decode import SpecOutput, accept
-from engine.worker_host import WorkerOptions, WorkerRuntime
+from decode_helpers import generate as _generate
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 TEXTS = ["ROMEO:\nBut soft, what light through yonder window breaks?\n",
@@ -104,43 +101,6 @@ class _Recording:
 
 
 # ---- the decode loop ----------------------------------------------------------------------------
-
-async def _generate(loaded, k: int, prompts: list[list[int]], params: list[SamplingParams],
-                    num_blocks: int = 256) -> tuple[list[list[int]], WorkerRuntime]:
-    """Prefill each prompt locally, then decode all of them in one continuous batch."""
-    rt = WorkerRuntime(discovery_pb2.ROLE_DECODE,
-                       WorkerOptions(model=loaded.name, num_blocks=num_blocks, speculative_num_steps=k),
-                       loaded)
-    sched = DecodeScheduler(rt)
-    task = asyncio.create_task(sched.run())
-    reqs, outs = [], []
-    try:
-        for i, (prompt, sp) in enumerate(zip(prompts, params)):
-            blocks = rt.pool.allocate_prompt(prompt)
-            hidden = await rt.prefill_hidden(blocks.block_ids, prompt, 0)
-            first, _ = sample(rt.runner.logits(hidden), sp, 0)
-            rt.pool.commit_prompt(blocks)
-            outs.append([first])
-            if sp.max_tokens == 1:
-                rt.pool.free(blocks.block_ids)
-                continue
-            req = RunningRequest(f"r{i}", prompt + [first], len(prompt), blocks.block_ids, sp,
-                                 hidden=hidden[None] if k else None)
-            sched.add(req)
-            reqs.append((req, outs[-1]))
-        for req, out in reqs:
-            while True:
-                msg = await asyncio.wait_for(req.out.get(), 60)
-                assert msg.error is None, msg.error
-                if msg.token is not None:
-                    out.append(msg.token)
-                if msg.finish_reason:
-                    break
-    finally:
-        task.cancel()
-        rt.close()
-    return outs, rt
-
 
 @pytest.mark.parametrize("k", [1, 2, 3])
 def test_greedy_batch_equals_reference(shakespeare, k) -> None:
