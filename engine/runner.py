@@ -38,8 +38,9 @@ class ModelRunner:
         Returns:
             hidden state of the chunk's last token, [hidden].
         """
-        ids = torch.tensor(token_ids[start:end], dtype=torch.long)
-        positions = torch.arange(start, end, dtype=torch.long)
+        device = self.pool.kv.device
+        ids = torch.tensor(token_ids[start:end], dtype=torch.long, device=device)
+        positions = torch.arange(start, end, dtype=torch.long, device=device)
         kv = PagedKvCache(self.pool, [(block_ids, start, end - start)])
         hidden = self.model.forward(ids, positions, [end - start], kv)  # [chunk, hidden]
         if pool_has_mtp(self.pool, self.model):  # MTP rows of the chunk (engine/mtp.py)
@@ -54,8 +55,9 @@ class ModelRunner:
     @torch.inference_mode()
     def decode(self, batch: list[DecodeInput]) -> torch.Tensor:
         """One decode step for every request in batch; returns float32 logits [batch, vocab]."""
-        ids = torch.tensor([b.input_token for b in batch], dtype=torch.long)
-        positions = torch.tensor([b.num_computed for b in batch], dtype=torch.long)
+        device = self.pool.kv.device
+        ids = torch.tensor([b.input_token for b in batch], dtype=torch.long, device=device)
+        positions = torch.tensor([b.num_computed for b in batch], dtype=torch.long, device=device)
         kv = PagedKvCache(self.pool, [(b.block_ids, b.num_computed, 1) for b in batch])
         hidden = self.model.forward(ids, positions, [1] * len(batch), kv)  # [batch, hidden]
         return self.model.logits(hidden)

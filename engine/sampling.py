@@ -56,6 +56,6 @@ def sample(logits: torch.Tensor, params: SamplingParams, step: int) -> tuple[int
     if params.greedy:
         token = int(torch.argmax(logits))
         return token, float(torch.log_softmax(logits, dim=-1)[token])
-    logp = sampling_logprobs(logits, params)
+    logp = sampling_logprobs(logits.cpu(), params)  # the seeded generators are CPU generators
     token = int(torch.multinomial(logp.exp(), 1, generator=_generator(params.seed, step)))
     return token, float(logp[token])
