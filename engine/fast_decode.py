@@ -65,16 +65,16 @@ class BatchedDecodeKv:
         self.kv[self.w_blk, layer, self.w_off] = latent.to(self.kv.dtype)
         b = latent.shape[0]
         ctx = self.kv[self.tables, layer].reshape(b, -1, c.kv_dim).to(q_nope.dtype)  # [B, S, D]
-        c_kv, k_pe = ctx.split([c.kv_lora_rank, c.qk_rope_head_dim], dim=-1)
         h = c.num_attention_heads
         w = attn.kv_b_proj.weight.view(h, c.qk_nope_head_dim + c.v_head_dim, c.kv_lora_rank)
         w_uk, w_uv = w.split([c.qk_nope_head_dim, c.v_head_dim], dim=1)  # [H, nope|v, R]
         q_lat = torch.einsum("bhn,hnr->bhr", q_nope, w_uk)  # absorbed query [B, H, R]
-        scores = (torch.einsum("bhr,bsr->bhs", q_lat, c_kv)
-                  + torch.einsum("bhp,bsp->bhs", q_pe, k_pe)).float() * attn.softmax_scale
+        # one matmul against the whole latent row [c_kv; k_pe]: q_lat·c_kv + q_pe·k_pe
+        q = torch.cat((q_lat, q_pe), dim=-1)  # [B, H, D]
+        scores = torch.bmm(q, ctx.transpose(1, 2)).float() * attn.softmax_scale  # [B, H, S]
         future = self.span[None, :] >= self.lens[:, None]  # [B, S]
-        probs = scores.masked_fill(future[:, None, :], float("-inf")).softmax(-1).to(c_kv.dtype)
-        o_lat = torch.einsum("bhs,bsr->bhr", probs, c_kv)  # [B, H, R]
+        probs = scores.masked_fill(future[:, None, :], float("-inf")).softmax(-1).to(ctx.dtype)
+        o_lat = torch.bmm(probs, ctx[..., :c.kv_lora_rank])  # [B, H, R] (P · c_kv)
         return torch.einsum("bhr,hvr->bhv", o_lat, w_uv)  # [B, H, v]
 
 
