@@ -140,3 +140,22 @@ def test_seeded_sampling_is_reproducible(shakespeare) -> None:
     assert rt.stats.spec_emitted_tokens > rt.stats.spec_verify_steps  # some drafts accepted
     c, _ = asyncio.run(_generate(shakespeare, 2, prompts, [dataclasses.replace(p, seed=9) for p in params]))
     assert c != a
+
+
+def test_model_without_mtp_is_refused_by_name(tiny_model) -> None:
+    from common.pb.tandem.v1 import discovery_pb2
+    from decode_worker.scheduler import DecodeScheduler
+    from engine.model import build_model
+    from engine.model_source import LoadedModel
+    from engine.worker_host import WorkerOptions, WorkerRuntime
+
+    cfg = dataclasses.replace(tiny_model.config, num_nextn_predict_layers=0)
+    loaded = LoadedModel("no-mtp", cfg, build_model(cfg), None)
+    rt = WorkerRuntime(discovery_pb2.ROLE_DECODE, WorkerOptions(num_blocks=8, speculative_num_steps=2), loaded)
+    try:
+        with pytest.raises(ValueError, match="--speculative-num-steps 2: model no-mtp has no MTP module"):
+            DecodeScheduler(rt)
+    finally:
+        rt.close()
+    with pytest.raises(ValueError, match="--speculative-num-steps must be in 0..8"):
+        WorkerOptions(speculative_num_steps=9)
