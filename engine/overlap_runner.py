@@ -61,7 +61,12 @@ class OverlapRunner:
         if self.cuda:
             with torch.cuda.stream(self.side):
                 ids, positions, kv, slot_t = self._inputs(batch, slots)
-            torch.cuda.current_stream(self.device).wait_stream(self.side)
+            main = torch.cuda.current_stream(self.device)
+            main.wait_stream(self.side)
+            # made on the side stream, read on the main one: keep the caching allocator from
+            # handing their memory to the next step's inputs before this step has run
+            for t in (ids, positions, slot_t, kv._w_blk, kv._w_off, *(tab for tab, _ in kv._reads)):
+                t.record_stream(main)
         else:
             ids, positions, kv, slot_t = self._inputs(batch, slots)
         ids = self.fmap.resolve(ids)  # placeholders of the step before -> its tokens, on device
