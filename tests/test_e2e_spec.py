@@ -114,3 +114,13 @@ def test_stop_string_emits_nothing_past_the_stop(cluster, stub, shakespeare) -> 
     tok = shakespeare.tokenizer()
     assert ids == full_ids[:len(ids)] and stop in tok.decode(ids) and stop not in tok.decode(ids[:-1])
     assert wait_all_free(cluster)
+
+
+def test_disaggregated_seeded_sampling_is_reproducible(cluster, stub, shakespeare) -> None:
+    use_decode(cluster, 2)
+    prompt = shakespeare.tokenizer().encode(TEXTS[1])
+    s = sampling_pb2.SamplingParams(max_tokens=16, temperature=0.7, top_p=0.95, seed=11)
+    a, _ = run(stub, token_ids=prompt, sampling=s)
+    b, _ = run(stub, token_ids=prompt, sampling=s)
+    assert a == b and len(a) == 16
+    assert wait_all_free(cluster)

@@ -50,3 +50,33 @@ def test_overlap_sampling_equals_plain_loop(tiny_model) -> None:
     plain, _ = asyncio.run(generate(tiny_model, 0, prompts, params))
     over, _ = asyncio.run(generate(tiny_model, 0, prompts, params, overlap=True))
     assert over == plain
+
+
+@pytest.mark.parametrize("argv,env,want", [
+    ([], None, False),
+    (["--disable-overlap-schedule"], None, True),
+    (["--disable-overlap-schedule", "false"], None, False),
+    ([], "true", True),
+])
+def test_disable_overlap_flag_and_env(monkeypatch, argv, env, want) -> None:
+    import argparse
+
+    from cli.flags import add_flags, build
+    from engine.worker_host import WorkerOptions
+
+    if env is not None:
+        monkeypatch.setenv("TANDEM_DISABLE_OVERLAP_SCHEDULE", env)
+    parser = argparse.ArgumentParser()
+    add_flags(parser, WorkerOptions)
+    assert build(WorkerOptions, parser.parse_args(argv)).disable_overlap_schedule is want
+
+
+def test_bad_boolean_env_names_the_variable(monkeypatch) -> None:
+    import argparse
+
+    from cli.flags import add_flags
+    from engine.worker_host import WorkerOptions
+
+    monkeypatch.setenv("TANDEM_DISABLE_OVERLAP_SCHEDULE", "maybe")
+    with pytest.raises(ValueError, match="TANDEM_DISABLE_OVERLAP_SCHEDULE='maybe'"):
+        add_flags(argparse.ArgumentParser(), WorkerOptions)
