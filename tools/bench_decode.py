@@ -275,6 +275,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--no-cuda-graph", action="store_true")
     p.add_argument("--mtp-tokens", type=int, default=0, help="tokens per MTP prompt (default 128; smoke 8)")
     p.add_argument("--mtp-only", action="store_true", help="only part 4 (MTP), at full size even on a CPU")
+    p.add_argument("--skip-transformers", action="store_true", help="no transformers generate comparison")
+    p.add_argument("--skip-plain", action="store_true", help="no plain engine path comparison")
     args = p.parse_args(argv)
     device = torch.device(args.device)
     smoke = args.smoke
@@ -312,19 +314,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     fast = {(r["batch"], r["context"]): r["tokens_per_s"] for r in res["engine"]}
     small = [b for b in batches if b <= 64]
     plain_model = build_model(cfg, seed=0, dtype=dtype, device=device)  # per-expert loop kept
-    for b in small:
+    for b in [] if args.skip_plain else small:
         r = bench_plain(plain_model, cfg, device, dtype, b, contexts[0], 2 if smoke else 3, block_size)
         r["speedup"] = fast.get((b, contexts[0]), 0.0) / r["tokens_per_s"]
         res["plain"].append(r)
         print(json.dumps(r), flush=True)
     del plain_model
-    if hf is not None:
+    if hf is not None and not args.skip_transformers:
         for b in small:
             r = bench_hf(hf, cfg, device, b, contexts[0], 4 if smoke else 17)
             r["speedup"] = fast.get((b, contexts[0]), 0.0) / r["tokens_per_s"]
             res["transformers"].append(r)
             print(json.dumps(r), flush=True)
-        del hf
+    del hf
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return finish(res, args, device, smoke)
