@@ -33,7 +33,8 @@ HELP = {
                          "before prefilling locally",
     "torch_threads": "intra-op threads for the model",
     "speculative_num_steps": "decode: MTP draft tokens per verify step (0 = no speculative decoding)",
-    "disable_overlap_schedule": "decode: no overlap scheduler (CPU runs it sequentially anyway)",
+    "disable_overlap_schedule": "decode: turn the overlap scheduler off (it runs on CUDA only; on a CPU "
+                                "steps always run in turn)",
     "router_mode": "placement: kv | approx | round-robin | random | least-loaded",
     "prefill_weight": "kv/approx cost of one uncached block relative to one active decode block",
     "router_temperature": "kv/approx: 0 picks the lowest cost; > 0 samples by cost",

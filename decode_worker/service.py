@@ -111,10 +111,11 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
                                        "locally", request_id, request.prefill_address, detail)
         self.rt.stats.local_prefills += 1
         start = prompt.num_cached_blocks * self.rt.pool.block_size
-        hidden = await self.rt.prefill_hidden(prompt.block_ids, tokens, start)
+        spec = self.scheduler.spec is not None
+        hidden = await self.rt.prefill_hidden(prompt.block_ids, tokens, start, mtp=spec)
         logits = await self.rt.run_model(self.rt.runner.logits, hidden)
         token, logprob = sample(logits, params, step=request.sampling_step_offset)
-        return Prefilled(token, logprob, hidden[None] if self.scheduler.spec is not None else None)
+        return Prefilled(token, logprob, hidden[None] if spec else None)
 
     async def Generate(self, request: pb.DecodeRequest, context: grpc.aio.ServicerContext):
         if self.rt.draining:  # the router retries on another decode worker

@@ -10,6 +10,12 @@ A prompt of P tokens gets MTP rows 0..P-2 during prefill (each needs only prompt
 P-1 needs the first generated token, so the decode side writes it in its first speculative
 step from the prompt's last hidden state (which the prefill worker returns for that).
 Only MTP module 0 is used, chained for k drafts, as DeepSeek-V3 and SGLang do.
+
+The MTP rows cost a prefill one more layer, so they are computed only for prompts that a
+speculative decode worker will decode (the prefill worker sees `return_last_hidden`). Blocks
+that entered the prefix cache from a prompt prefilled without them hold stale MTP rows; a
+speculative request reusing such blocks drafts worse at those positions, and its output is
+unchanged (every emitted token is the target's own choice).
 """
 
 from __future__ import annotations

@@ -32,8 +32,10 @@ class ModelRunner:
         self.pool = pool
 
     @torch.inference_mode()
-    def prefill_chunk(self, block_ids: list[BlockId], token_ids: list[int], start: int, end: int) -> torch.Tensor:
-        """Compute KV for prompt tokens [start, end) (tokens before start are in the pool).
+    def prefill_chunk(self, block_ids: list[BlockId], token_ids: list[int], start: int, end: int,
+                      mtp: bool = False) -> torch.Tensor:
+        """Compute KV for prompt tokens [start, end) (tokens before start are in the pool), and
+        with `mtp` the MTP module's KV rows of the chunk too (engine/mtp.py).
 
         Returns:
             hidden state of the chunk's last token, [hidden].
@@ -43,7 +45,7 @@ class ModelRunner:
         positions = torch.arange(start, end, dtype=torch.long, device=device)
         kv = PagedKvCache(self.pool, [(block_ids, start, end - start)])
         hidden = self.model.forward(ids, positions, [end - start], kv)  # [chunk, hidden]
-        if pool_has_mtp(self.pool, self.model):  # MTP rows of the chunk (engine/mtp.py)
+        if mtp and pool_has_mtp(self.pool, self.model):  # MTP rows of the chunk (engine/mtp.py)
             prefill_mtp_rows(self.model, self.pool, block_ids, token_ids, start, end, hidden)
         return hidden[-1]
 

@@ -139,14 +139,16 @@ class WorkerRuntime:
         """
         return await self.run_model(self.runner.logits, await self.prefill_hidden(block_ids, token_ids, start))
 
-    async def prefill_hidden(self, block_ids: list, token_ids: list[int], start: int) -> torch.Tensor:
+    async def prefill_hidden(self, block_ids: list, token_ids: list[int], start: int,
+                             mtp: bool = False) -> torch.Tensor:
         """As `prefill`, but returns the last prompt token's final-normed hidden state [hidden]
-        (what the first MTP draft step needs, engine/mtp.py)."""
+        (what the first MTP draft step needs); with `mtp` it also writes the prompt's MTP KV
+        rows (engine/mtp.py)."""
         chunk = self.opts.chunk_size
         hidden = None
         for s in range(start, len(token_ids), chunk):
             hidden = await self.run_model(self.runner.prefill_chunk, block_ids, token_ids, s,
-                                          min(s + chunk, len(token_ids)))
+                                          min(s + chunk, len(token_ids)), mtp)
         assert hidden is not None, "prefill needs at least one token to compute"
         return hidden
 

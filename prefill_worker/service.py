@@ -96,7 +96,8 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
         prompt = await self.rt.allocate_prompt(tokens, context)
         try:
             start = prompt.num_cached_blocks * pool.block_size
-            hidden = await self.rt.prefill_hidden(prompt.block_ids, tokens, start)
+            # MTP KV rows only for a decode worker that drafts with them (it asks for the hidden state)
+            hidden = await self.rt.prefill_hidden(prompt.block_ids, tokens, start, mtp=request.return_last_hidden)
             logits = await self.rt.run_model(self.rt.runner.logits, hidden)
             pool.commit_prompt(prompt)
             self.rt.events.publish()

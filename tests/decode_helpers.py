@@ -29,7 +29,7 @@ async def generate(loaded, k: int, prompts: list[list[int]], params: list[Sampli
     try:
         for i, (prompt, sp) in enumerate(zip(prompts, params)):
             blocks = rt.pool.allocate_prompt(prompt)
-            hidden = await rt.prefill_hidden(blocks.block_ids, prompt, 0)
+            hidden = await rt.prefill_hidden(blocks.block_ids, prompt, 0, mtp=k > 0)
             first, _ = sample(rt.runner.logits(hidden), sp, 0)
             rt.pool.commit_prompt(blocks)
             outs.append([first])

@@ -76,7 +76,7 @@ def test_chunked_prefill_writes_the_prompts_mtp_rows(tiny_model) -> None:
     blocks = pool.allocate_prompt(prompt).block_ids
     runner = ModelRunner(model, pool)
     for s in range(0, len(prompt), 10):  # chunks that do not align with blocks
-        runner.prefill_chunk(blocks, prompt, s, min(s + 10, len(prompt)))
+        runner.prefill_chunk(blocks, prompt, s, min(s + 10, len(prompt)), mtp=True)
     # one unchunked forward, then MTP rows 0..P-2 over (hidden at p, token p + 1)
     kv = _Recording()
     with torch.inference_mode():

@@ -207,7 +207,7 @@ def bench_mtp(spec: str, device: torch.device, ks: list[int], prompts: list[list
                                        num_layers=cfg.num_kv_layers, kv_dim=cfg.kv_dim), 1, device)
             runner = ModelRunner(model, pool)
             blocks = pool.blocks.allocate(pool.config.num_blocks)
-            hidden = runner.prefill_chunk(blocks, prompt, 0, len(prompt))
+            hidden = runner.prefill_chunk(blocks, prompt, 0, len(prompt), mtp=k > 0)
             tokens = prompt + [int(runner.logits(hidden).argmax())]
             h = hidden[None]
             sync(device)
