@@ -40,6 +40,9 @@ HELP = {
     "prefill_timeout_s": "decode: seconds to wait for a prefill worker (at most half the request's deadline) "
                          "before prefilling locally",
     "torch_threads": "intra-op threads for the model",
+    "speculative_num_steps": "decode: MTP draft tokens per verify step (0 = no speculative decoding)",
+    "disable_overlap_schedule": "decode: turn the overlap scheduler off (it runs on CUDA only; on a CPU "
+                                "steps always run in turn)",
     "router_mode": "placement: kv | approx | round-robin | random | least-loaded",
     "prefill_weight": "kv/approx cost of one uncached block relative to one active decode block",
     "router_temperature": "kv/approx: 0 picks the lowest cost; > 0 samples by cost",
@@ -129,6 +132,7 @@ def _parse_list(raw: str) -> list[str]:
     if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
         raise ValueError("expected a JSON array of strings")
     return value
+
 
 
 def build(cls: type[T], args: argparse.Namespace, **overrides: Any) -> T:

@@ -13,6 +13,7 @@ import logging
 from dataclasses import dataclass, field
 
 import grpc
+import torch
 
 from common.pb.tandem.v1 import sampling_pb2
 from common.sampling_params import SamplingParams
@@ -21,6 +22,8 @@ from engine.kv_pool import PoolExhausted
 from engine.runner import DecodeInput
 from engine.sampling import sample
 from engine.worker_host import WorkerRuntime
+from decode_worker.overlap import OverlapLoop, use_overlap
+from decode_worker.spec_step import SpecDecoder
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +48,7 @@ class RunningRequest:
     step_offset: int = 0  # tokens generated before this worker (a migrated request)
     out: asyncio.Queue[TokenOut] = field(default_factory=asyncio.Queue)
     cancelled: bool = False
+    hidden: torch.Tensor | None = None  # MTP: main hidden of positions not yet in MTP KV (spec_step.py)
 
     @property
     def generated(self) -> int:
@@ -60,6 +64,10 @@ class DecodeScheduler:
         self.steps = 0
         self.failed: BaseException | None = None
         self.on_failure = None  # async callable: the worker marks itself NOT_SERVING
+        k = runtime.opts.speculative_num_steps  # hook: MTP speculative steps (spec_step.py)
+        self.spec = SpecDecoder(self, k) if k else None
+        self.release = runtime.pool.free  # how finished requests' blocks are freed (overlap defers it)
+        self.overlap = OverlapLoop(self) if use_overlap(runtime, self.spec is not None) else None  # hook
 
     def add(self, req: RunningRequest) -> None:
         """Take ownership of req (its blocks are freed by the scheduler from now on)."""
@@ -72,7 +80,7 @@ class DecodeScheduler:
 
     def _finish(self, req: RunningRequest, out: TokenOut | None) -> None:
         self.running.remove(req)
-        self.rt.pool.free(req.block_ids)
+        self.release(req.block_ids)
         if out is not None:
             req.out.put_nowait(out)
 
@@ -99,21 +107,27 @@ class DecodeScheduler:
                 log.exception("request %s: sampling failed", req.request_id)
                 self._finish(req, TokenOut(error=(grpc.StatusCode.INTERNAL, f"sampling failed: {exc}")))
                 continue
-            req.tokens.append(token)
-            reason = sampling_pb2.FINISH_REASON_UNSPECIFIED
-            if token in self.eos and not req.params.ignore_eos:
-                reason = sampling_pb2.FINISH_REASON_EOS
-            elif req.generated >= req.params.max_tokens:
-                reason = sampling_pb2.FINISH_REASON_LENGTH
-            req.out.put_nowait(TokenOut(token, logprob))
-            if reason != sampling_pb2.FINISH_REASON_UNSPECIFIED:
-                self._finish(req, TokenOut(finish_reason=reason))
+            self.emit(req, token, logprob)
+
+    def emit(self, req: RunningRequest, token: int, logprob: float) -> bool:
+        """Append and stream one generated token; finish req at eos or max_tokens (True then)."""
+        req.tokens.append(token)
+        reason = sampling_pb2.FINISH_REASON_UNSPECIFIED
+        if token in self.eos and not req.params.ignore_eos:
+            reason = sampling_pb2.FINISH_REASON_EOS
+        elif req.generated >= req.params.max_tokens:
+            reason = sampling_pb2.FINISH_REASON_LENGTH
+        req.out.put_nowait(TokenOut(token, logprob))
+        if reason != sampling_pb2.FINISH_REASON_UNSPECIFIED:
+            self._finish(req, TokenOut(finish_reason=reason))
+            return True
+        return False
 
     async def run(self) -> None:
         """The decode loop. If it ever fails, every running request ends with INTERNAL, the
         failure is logged, and `failed` is set so the worker reports NOT_SERVING."""
         try:
-            await self._loop()
+            await (self.overlap.run() if self.overlap is not None else self._loop())
         except asyncio.CancelledError:
             raise
         except BaseException as exc:
@@ -132,6 +146,10 @@ class DecodeScheduler:
             if not batch:
                 self._wake.clear()
                 await self._wake.wait()
+                continue
+            if self.spec is not None:  # hook: one MTP draft + verify step instead
+                await self.spec.step(batch)
+                self.steps += 1
                 continue
             inputs = [DecodeInput(r.block_ids, len(r.tokens) - 1, r.tokens[-1]) for r in batch]
             logits = await self.rt.run_model(self.rt.runner.decode, inputs)

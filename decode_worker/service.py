@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import logging
 import uuid
+from typing import NamedTuple
 
 import grpc
+import torch
 
 from common.grpc_errors import abort_invalid, check_parsed
 from common.grpc_server import channel
@@ -24,11 +26,21 @@ from common.sampling_params import SamplingParams
 from common.validation import InvalidArgument, sampling_from_proto, validate_prompt_length, validate_token_ids
 from decode_worker.scheduler import DecodeScheduler, RunningRequest
 from engine.kv_pool import PromptBlocks
+from engine.mtp import hidden_from_bytes
 from engine.sampling import sample
 from engine.worker_host import WorkerRuntime
 from kv_transfer.base import TransferError
 
 log = logging.getLogger(__name__)
+
+
+class Prefilled(NamedTuple):
+    """What a prefill gives the decode loop: the first token, and with MTP the last prompt
+    token's final-normed hidden state [1, hidden] (engine/mtp.py)."""
+
+    token: int
+    logprob: float
+    hidden: torch.Tensor | None
 
 
 class DecodeServicer(pb_grpc.DecodeServiceServicer):
@@ -46,8 +58,9 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
 
     async def _remote_prefill(self, address: str, request_id: str, tokens: list[int], prompt: PromptBlocks,
                               sampling: sampling_pb2.SamplingParams, timeout_s: float,
-                              step_offset: int = 0) -> tuple[int, float]:
-        """Have the prefill worker at `address` write our missing blocks; returns the first token.
+                              step_offset: int = 0) -> Prefilled:
+        """Have the prefill worker at `address` write our missing blocks; returns the first token
+        (and, with MTP speculative decoding, the last prompt token's hidden state).
 
         Raises:
             grpc.aio.AioRpcError: the prefill worker failed or refused.
@@ -59,7 +72,8 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
             base_address=desc.base_address, block_stride_bytes=desc.block_stride_bytes, device_id=desc.device_id,
             first_block_index=prompt.num_cached_blocks, block_ids=prompt.block_ids[prompt.num_cached_blocks:])
         req = prefill_pb2.PrefillRequest(request_id=request_id, token_ids=tokens, sampling=sampling, destination=dst,
-                                         sampling_step_offset=step_offset)
+                                         sampling_step_offset=step_offset,
+                                         return_last_hidden=self.scheduler.spec is not None)
         # Agent metadata travels once per prefill worker; resent when it says it lacks it.
         for attempt in range(2):
             if address not in self._metadata_sent or attempt:
@@ -72,10 +86,18 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
                     raise
         self._metadata_sent.add(address)
         await self.rt.agent.wait_notification(request_id.encode(), self.rt.opts.transfer_timeout_s)
-        return resp.first_token_id, resp.first_token_logprob
+        hidden = None
+        if self.scheduler.spec is not None:
+            cfg = self.rt.loaded.config
+            try:
+                hidden = hidden_from_bytes(resp.last_hidden, cfg.hidden_size, self.rt.loaded.model.dtype,
+                                           self.rt.pool.kv.device)[None]
+            except ValueError as exc:  # e.g. an older prefill worker: the caller prefills here
+                raise TransferError(f"prefill response unusable for MTP: {exc}") from None
+        return Prefilled(resp.first_token_id, resp.first_token_logprob, hidden)
 
     async def _prefill(self, request: pb.DecodeRequest, request_id: str, prompt: PromptBlocks,
-                       params: SamplingParams, timeout_s: float) -> tuple[int, float]:
+                       params: SamplingParams, timeout_s: float) -> Prefilled:
         tokens = list(request.token_ids)
         if request.prefill_address:
             try:
@@ -89,8 +111,11 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
                                        "locally", request_id, request.prefill_address, detail)
         self.rt.stats.local_prefills += 1
         start = prompt.num_cached_blocks * self.rt.pool.block_size
-        logits = await self.rt.prefill(prompt.block_ids, tokens, start)
-        return sample(logits, params, step=request.sampling_step_offset)
+        spec = self.scheduler.spec is not None
+        hidden = await self.rt.prefill_hidden(prompt.block_ids, tokens, start, mtp=spec)
+        logits = await self.rt.run_model(self.rt.runner.logits, hidden)
+        token, logprob = sample(logits, params, step=request.sampling_step_offset)
+        return Prefilled(token, logprob, hidden[None] if spec else None)
 
     async def Generate(self, request: pb.DecodeRequest, context: grpc.aio.ServicerContext):
         if self.rt.draining:  # the router retries on another decode worker
@@ -118,7 +143,7 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
             timeout_s = self.rt.opts.prefill_timeout_s
             if remaining is not None:
                 timeout_s = min(timeout_s, remaining / 2)
-            token, logprob = await self._prefill(request, request_id, prompt, params, timeout_s)
+            token, logprob, hidden = await self._prefill(request, request_id, prompt, params, timeout_s)
             pool.commit_prompt(prompt)
             self.rt.events.publish()
             yield pb.DecodeResponse(token_ids=[token], logprobs=[logprob], prompt_tokens=len(tokens),
@@ -132,7 +157,7 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
             if self.scheduler.failed is not None:
                 await context.abort(grpc.StatusCode.UNAVAILABLE, "decode loop is down on this worker")
             running = RunningRequest(request_id, tokens + [token], len(tokens), prompt.block_ids, params,
-                                     step_offset=request.sampling_step_offset)
+                                     step_offset=request.sampling_step_offset, hidden=hidden)
             self.scheduler.add(running)
             while True:
                 outs = [await running.out.get()]

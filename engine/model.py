@@ -159,6 +159,8 @@ class MLAttention(nn.Module):
         q_pe = apply_rope(q_pe, cos, sin, c.rope_interleave)
         k_pe = apply_rope(k_pe[:, None, :], cos, sin, c.rope_interleave)[:, 0]  # [T, rope]
         latent = torch.cat((self.kv_a_layernorm(c_kv), k_pe), dim=-1)  # [T, kv_dim]
+        if getattr(kv, "attends", False):  # hook: batched decode attention (engine/fast_decode.py)
+            return self.o_proj(kv.attend(layer_idx, latent, q_nope, q_pe, self).reshape(t, -1))
         contexts = kv.update(layer_idx, latent)
         outs, start = [], 0
         for n, context in zip(q_lens, contexts, strict=True):

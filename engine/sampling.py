@@ -12,12 +12,33 @@ import xxhash
 
 from common.sampling_params import SamplingParams
 
-__all__ = ["SamplingParams", "sample"]
+__all__ = ["SamplingParams", "sample", "sampling_logprobs"]
 
-def _generator(seed: int, step: int) -> torch.Generator:
+def _generator(seed: int, step: int, stream: int = 0) -> torch.Generator:
+    # stream 0 draws the token itself; speculative decoding (engine/spec_decode.py) uses other
+    # streams for its draft, accept and resample draws of the same step
+    key = step.to_bytes(8, "little") + (stream.to_bytes(4, "little") if stream else b"")
     g = torch.Generator()
-    g.manual_seed(xxhash.xxh3_64_intdigest(step.to_bytes(8, "little"), seed=seed) & ((1 << 63) - 1))
+    g.manual_seed(xxhash.xxh3_64_intdigest(key, seed=seed) & ((1 << 63) - 1))
     return g
+
+
+def sampling_logprobs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The distribution `sample` draws from, as log-probabilities [vocab] (float32): softmax of
+    logits [vocab] / temperature, restricted to the top-p nucleus and renormalised (for greedy:
+    plain log_softmax of the logits)."""
+    logits = logits.float()
+    if params.greedy:
+        return torch.log_softmax(logits, dim=-1)
+    logp = torch.log_softmax(logits / params.temperature, dim=-1)
+    if params.top_p < 1.0:
+        sorted_logp, order = torch.sort(logp, descending=True)
+        cum = torch.cumsum(sorted_logp.exp(), dim=-1)
+        drop = cum - sorted_logp.exp() >= params.top_p  # keep the smallest set with mass >= top_p
+        sorted_logp = sorted_logp.masked_fill(drop, float("-inf"))
+        logp = torch.full_like(logp, float("-inf")).scatter(0, order, sorted_logp)
+        logp = torch.log_softmax(logp, dim=-1)
+    return logp
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, step: int) -> tuple[int, float]:
@@ -35,13 +56,6 @@ def sample(logits: torch.Tensor, params: SamplingParams, step: int) -> tuple[int
     if params.greedy:
         token = int(torch.argmax(logits))
         return token, float(torch.log_softmax(logits, dim=-1)[token])
-    logp = torch.log_softmax(logits / params.temperature, dim=-1)
-    if params.top_p < 1.0:
-        sorted_logp, order = torch.sort(logp, descending=True)
-        cum = torch.cumsum(sorted_logp.exp(), dim=-1)
-        drop = cum - sorted_logp.exp() >= params.top_p  # keep the smallest set with mass >= top_p
-        sorted_logp = sorted_logp.masked_fill(drop, float("-inf"))
-        logp = torch.full_like(logp, float("-inf")).scatter(0, order, sorted_logp)
-        logp = torch.log_softmax(logp, dim=-1)
+    logp = sampling_logprobs(logits.cpu(), params)  # the seeded generators are CPU generators
     token = int(torch.multinomial(logp.exp(), 1, generator=_generator(params.seed, step)))
     return token, float(logp[token])

@@ -54,11 +54,15 @@ class WorkerOptions:
     drain_timeout_s: float = 30.0  # on SIGTERM: finish in-flight requests for at most this long
     stall_timeout_s: float = 60.0  # a model call running longer than this means the engine is wedged
     torch_threads: int = 1  # intra-op threads for the model (small model: 1 is fastest)
+    speculative_num_steps: int = 0  # decode: MTP draft tokens per verify step (0 = off)
+    disable_overlap_schedule: bool = False  # decode: run schedule/run/postprocess strictly in turn
 
     def __post_init__(self) -> None:
         for name in ("block_size", "num_blocks", "chunk_size", "max_running", "torch_threads"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if not 0 <= self.speculative_num_steps <= 8:
+            raise ValueError(f"--speculative-num-steps must be in 0..8, got {self.speculative_num_steps}")
         if self.lease_ttl_s < 1:
             raise ValueError(f"--lease-ttl must be >= 1 second, got {self.lease_ttl_s}")
         advertised_host(self.host, self.advertise_host)  # fails early, naming the flag
@@ -74,6 +78,9 @@ class WorkerStats:
     transfers: int = 0  # prefill: KV transfers completed
     transfer_bytes: int = 0
     transfer_seconds: float = 0.0
+    spec_verify_steps: int = 0  # decode: MTP verify steps, summed over requests
+    spec_emitted_tokens: int = 0  # decode: tokens those steps emitted (accept length = emitted / steps)
+    spec_draft_tokens: int = 0  # decode: draft tokens proposed
 
 
 class WorkerRuntime:
@@ -86,8 +93,10 @@ class WorkerRuntime:
         self.instance_id = f"{discovery_pb2.Role.Name(role).removeprefix('ROLE_').lower()}-{uuid.uuid4().hex[:12]}"
         self.loaded = loaded or load_model(opts.model, seed=opts.seed)
         cfg = self.loaded.config
+        # num_kv_layers: the MTP module's KV rides in the same blocks (engine/mtp.py), so
+        # prefill and decode workers of one model agree on the block layout whatever their flags
         self.pool = KvPool(KvPoolConfig(num_blocks=opts.num_blocks, block_size=opts.block_size,
-                                        num_layers=cfg.num_hidden_layers, kv_dim=cfg.kv_dim),
+                                        num_layers=cfg.num_kv_layers, kv_dim=cfg.kv_dim),
                            hash_seed(self.loaded.name))
         self.runner = ModelRunner(self.loaded.model, self.pool)
         self.events = KvEventLog(self.pool.blocks)
@@ -130,13 +139,20 @@ class WorkerRuntime:
         Returns:
             float32 logits [vocab] of the last prompt token.
         """
+        return await self.run_model(self.runner.logits, await self.prefill_hidden(block_ids, token_ids, start))
+
+    async def prefill_hidden(self, block_ids: list, token_ids: list[int], start: int,
+                             mtp: bool = False) -> torch.Tensor:
+        """As `prefill`, but returns the last prompt token's final-normed hidden state [hidden]
+        (what the first MTP draft step needs); with `mtp` it also writes the prompt's MTP KV
+        rows (engine/mtp.py)."""
         chunk = self.opts.chunk_size
         hidden = None
         for s in range(start, len(token_ids), chunk):
             hidden = await self.run_model(self.runner.prefill_chunk, block_ids, token_ids, s,
-                                          min(s + chunk, len(token_ids)))
+                                          min(s + chunk, len(token_ids)), mtp)
         assert hidden is not None, "prefill needs at least one token to compute"
-        return await self.run_model(self.runner.logits, hidden)
+        return hidden
 
     async def allocate_prompt(self, token_ids: list[int], context: grpc.aio.ServicerContext) -> PromptBlocks:
         """The prompt's blocks in this worker's pool, or RESOURCE_EXHAUSTED when it is full."""

@@ -17,6 +17,7 @@ from common.grpc_errors import abort_invalid, check_parsed
 from common.pb.tandem.v1 import prefill_pb2 as pb
 from common.pb.tandem.v1 import prefill_pb2_grpc as pb_grpc
 from common.validation import InvalidArgument, sampling_from_proto, validate_prompt_length, validate_token_ids
+from engine.mtp import hidden_to_bytes
 from engine.sampling import sample
 from engine.worker_host import WorkerRuntime
 from kv_transfer.base import RemoteBlocks, TransferError
@@ -95,7 +96,9 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
         prompt = await self.rt.allocate_prompt(tokens, context)
         try:
             start = prompt.num_cached_blocks * pool.block_size
-            logits = await self.rt.prefill(prompt.block_ids, tokens, start)
+            # MTP KV rows only for a decode worker that drafts with them (it asks for the hidden state)
+            hidden = await self.rt.prefill_hidden(prompt.block_ids, tokens, start, mtp=request.return_last_hidden)
+            logits = await self.rt.run_model(self.rt.runner.logits, hidden)
             pool.commit_prompt(prompt)
             self.rt.events.publish()
             token, logprob = sample(logits, params, step=request.sampling_step_offset)
@@ -117,7 +120,8 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
             self.rt.stats.transfer_seconds += result.seconds
             return pb.PrefillResponse(first_token_id=token, first_token_logprob=logprob,
                                       cached_tokens=start, transfer_bytes=result.bytes,
-                                      transfer_seconds=result.seconds)
+                                      transfer_seconds=result.seconds,
+                                      last_hidden=hidden_to_bytes(hidden) if request.return_last_hidden else b"")
         finally:
             pool.free(prompt.block_ids)
             self.rt.events.publish()

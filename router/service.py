@@ -28,7 +28,7 @@ from common.validation import (InvalidArgument, sampling_from_proto, sampling_to
 from router.decision import RouteDecision
 from router.load import LoadTracker
 from router.placement import NoWorker, Placement
-from router.stop_strings import StopMatcher
+from router.stop_strings import StopMatcher, feed_tokens
 from router.workers import WorkerSet
 
 log = logging.getLogger(__name__)
@@ -181,11 +181,11 @@ class FrontendServicer(pb_grpc.FrontendServiceServicer):
                         self.load.prefill_finished(load)
                     self.load.grow(load, len(generated) - streamed, len(generated) - streamed + len(msg.token_ids))
                     cached = cached or msg.cached_tokens
-                    generated.extend(msg.token_ids)
-                    text, stopped = stops.feed(detok.push(list(msg.token_ids), final=bool(msg.finish_reason)))
+                    text, stopped, used = feed_tokens(stops, detok, list(msg.token_ids), bool(msg.finish_reason))
+                    generated.extend(msg.token_ids[:used])  # nothing past a stop string
                     reason = sampling_pb2.FINISH_REASON_STOP if stopped else msg.finish_reason
-                    out = pb.GenerateResponse(request_id=request_id, token_ids=msg.token_ids, text=text,
-                                              logprobs=msg.logprobs, finish_reason=reason)
+                    out = pb.GenerateResponse(request_id=request_id, token_ids=msg.token_ids[:used], text=text,
+                                              logprobs=msg.logprobs[:used], finish_reason=reason)
                     if reason:
                         if not stopped:
                             out.text += stops.flush()

@@ -24,3 +24,17 @@ class StopMatcher:
     def flush(self) -> str:
         out, self._pending = self._pending, ""
         return out
+
+
+def feed_tokens(stops: StopMatcher, detok, ids: list[int], final: bool) -> tuple[str, bool, int]:
+    """Feed one response's ids to detok (an IncrementalDetokenizer) and stops one token at a
+    time, so a response carrying several tokens (MTP emits up to k + 1 per step) is cut right
+    after the token whose text completes a stop string. Returns (text to send, stopped, number
+    of ids to send)."""
+    text = ""
+    for i, token in enumerate(ids):
+        delta, stopped = stops.feed(detok.push([token], final=final and i == len(ids) - 1))
+        text += delta
+        if stopped:
+            return text, True, i + 1
+    return text, False, len(ids)

@@ -8,18 +8,20 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "token_ids", "sampling", "destination", "sampling_step_offset")
+    __slots__ = ("request_id", "token_ids", "sampling", "destination", "sampling_step_offset", "return_last_hidden")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     DESTINATION_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_STEP_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    RETURN_LAST_HIDDEN_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _sampling_pb2.SamplingParams
     destination: KvDestination
     sampling_step_offset: int
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_sampling_pb2.SamplingParams, _Mapping]] = ..., destination: _Optional[_Union[KvDestination, _Mapping]] = ..., sampling_step_offset: _Optional[int] = ...) -> None: ...
+    return_last_hidden: bool
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_sampling_pb2.SamplingParams, _Mapping]] = ..., destination: _Optional[_Union[KvDestination, _Mapping]] = ..., sampling_step_offset: _Optional[int] = ..., return_last_hidden: _Optional[bool] = ...) -> None: ...
 
 class KvDestination(_message.Message):
     __slots__ = ("backend", "agent_name", "agent_metadata", "base_address", "block_stride_bytes", "device_id", "first_block_index", "block_ids")
@@ -42,15 +44,17 @@ class KvDestination(_message.Message):
     def __init__(self, backend: _Optional[str] = ..., agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., base_address: _Optional[int] = ..., block_stride_bytes: _Optional[int] = ..., device_id: _Optional[int] = ..., first_block_index: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("first_token_id", "first_token_logprob", "cached_tokens", "transfer_bytes", "transfer_seconds")
+    __slots__ = ("first_token_id", "first_token_logprob", "cached_tokens", "transfer_bytes", "transfer_seconds", "last_hidden")
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_LOGPROB_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_BYTES_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    LAST_HIDDEN_FIELD_NUMBER: _ClassVar[int]
     first_token_id: int
     first_token_logprob: float
     cached_tokens: int
     transfer_bytes: int
     transfer_seconds: float
-    def __init__(self, first_token_id: _Optional[int] = ..., first_token_logprob: _Optional[float] = ..., cached_tokens: _Optional[int] = ..., transfer_bytes: _Optional[int] = ..., transfer_seconds: _Optional[float] = ...) -> None: ...
+    last_hidden: bytes
+    def __init__(self, first_token_id: _Optional[int] = ..., first_token_logprob: _Optional[float] = ..., cached_tokens: _Optional[int] = ..., transfer_bytes: _Optional[int] = ..., transfer_seconds: _Optional[float] = ..., last_hidden: _Optional[bytes] = ...) -> None: ...

@@ -1,0 +1,117 @@
+"""The overlap scheduler (DESIGN.md section 8): while the device runs step i, the CPU
+post-processes step i − 1 and schedules step i + 1.
+
+Loop: schedule step i + 1 (its input token for a request still waiting on step i is the
+placeholder of step i's future-map slot) → launch it → collect and post-process step i (the
+only wait, on step i's event) → repeat. So the device always has the next step queued
+behind the current one and never waits for a host round trip.
+
+Consequences handled here:
+- A request finishing at step i (eos) may already be in step i + 1: that token is dropped.
+- Blocks released while a step is in flight (finished or cancelled requests) are freed only
+  after that step has completed, so a new prompt's KV (written by a transfer) can never land
+  in a block a running step still writes.
+- A request whose last allowed token is in flight is not scheduled again.
+
+On a CPU the device is the calling thread: each launch computes at once and the steps run
+sequentially; the loop is then off by default (--disable-overlap-schedule has no effect there)
+and the plain loop runs. Speculative (MTP) steps run without overlap.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+from common.pb.tandem.v1 import sampling_pb2
+from engine.overlap_runner import LaunchedStep, OverlapRunner
+from engine.runner import DecodeInput
+
+if TYPE_CHECKING:
+    from decode_worker.scheduler import DecodeScheduler, RunningRequest
+
+log = logging.getLogger(__name__)
+
+
+def use_overlap(runtime, speculative: bool) -> bool:
+    """Whether the decode loop overlaps steps; the reason is logged either way."""
+    if runtime.opts.disable_overlap_schedule:
+        log.info("overlap scheduler: off (--disable-overlap-schedule)")
+        return False
+    if runtime.pool.kv.device.type != "cuda":
+        log.info("overlap scheduler: off on %s (steps run synchronously there; schedule, run and "
+                 "postprocess take turns)", runtime.pool.kv.device.type)
+        return False
+    if speculative:
+        log.info("overlap scheduler: off with MTP speculative decoding (not overlapped yet)")
+        return False
+    log.info("overlap scheduler: on (future-token map, side stream for inputs)")
+    return True
+
+
+class OverlapLoop:
+    def __init__(self, scheduler: DecodeScheduler) -> None:
+        self.sched = scheduler
+        rt = scheduler.rt
+        self.runner = OverlapRunner(rt.loaded.model, rt.pool, capacity=4 * rt.opts.max_running + 16)
+        self.fmap = self.runner.fmap
+        self._inflight: tuple[list[RunningRequest], list[int], LaunchedStep] | None = None
+        self._deferred: list[list] = []  # block lists to free once the step in flight is done
+        scheduler.release = self._release  # hook: the scheduler frees blocks through us
+
+    def _release(self, block_ids: list) -> None:
+        if self._inflight is None:
+            self.sched.rt.pool.free(block_ids)
+        else:
+            self._deferred.append(block_ids)
+
+    def _schedule(self) -> list[RunningRequest]:
+        # a request whose last allowed token is in flight waits for its post-processing
+        return [r for r in self.sched._schedule() if r.generated < r.params.max_tokens]
+
+    async def run(self) -> None:
+        sched, rt = self.sched, self.sched.rt
+        while True:
+            batch = self._schedule()
+            rt.events.publish()
+            if not batch and self._inflight is None:
+                sched._wake.clear()
+                await sched._wake.wait()
+                continue
+            launched = None
+            if batch:
+                slots = self.fmap.reserve(len(batch))
+                inputs = [DecodeInput(r.block_ids, len(r.tokens) - 1, r.tokens[-1]) for r in batch]
+                sampling = [(r.params, r.step_offset + r.generated) for r in batch]
+                step = await rt.run_model(self.runner.launch, inputs, slots, sampling)
+                for r, slot in zip(batch, slots):
+                    r.tokens.append(self.fmap.placeholder(slot))
+                launched = (batch, slots, step)
+                sched.steps += 1
+            previous, deferred = self._inflight, self._deferred
+            self._inflight, self._deferred = launched, []
+            if previous is not None:
+                await self._postprocess(*previous)
+            for block_ids in deferred:  # their last reader (the previous step) has completed
+                rt.pool.free(block_ids)
+
+    async def _postprocess(self, batch: list[RunningRequest], slots: list[int], step: LaunchedStep) -> None:
+        from decode_worker.scheduler import TokenOut  # circular: the scheduler imports us
+
+        tokens, logprobs = await self.sched.rt.run_model(self.runner.collect, step)
+        running = set(self.sched.running)
+        for req, slot, token, logprob in zip(batch, slots, tokens, logprobs):
+            if req not in running or req.cancelled:
+                continue  # finished by an earlier token (its step's token is dropped) or cancelled
+            idx = len(req.tokens) - 1 - req.tokens[::-1].index(self.fmap.placeholder(slot))
+            req.tokens[idx] = token
+            generated = idx + 1 - req.prompt_len
+            reason = sampling_pb2.FINISH_REASON_UNSPECIFIED
+            if token in self.sched.eos and not req.params.ignore_eos:
+                reason = sampling_pb2.FINISH_REASON_EOS
+            elif generated >= req.params.max_tokens:
+                reason = sampling_pb2.FINISH_REASON_LENGTH
+            req.out.put_nowait(TokenOut(token, logprob))
+            if reason != sampling_pb2.FINISH_REASON_UNSPECIFIED:
+                del req.tokens[idx + 1:]  # a placeholder of the step now in flight, if any
+                self.sched._finish(req, TokenOut(finish_reason=reason))

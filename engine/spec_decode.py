@@ -1,0 +1,158 @@
+"""MTP speculative decoding: draft with the MTP module, verify in one target forward, accept.
+
+One speculative step for a batch (DESIGN.md section 8, "MTP"; SGLang's EAGLE/MTP worker):
+
+1. *MTP extend*: for each request, the MTP rows of the tokens accepted since its last step
+   (pairs (main hidden at p, token p + 1) for p = mtp_start..n-1, where n is the position of
+   the pending token x_n) in one MTP forward; its last output drafts d_1 (for position n + 1).
+2. *MTP chain*: draft d_{i+1} from (MTP hidden of draft i, d_i) at position n - 1 + i. These
+   MTP rows are provisional; the next step's extend overwrites them with main hidden states.
+3. *Verify*: one main forward over [x_n, d_1..d_k] at positions n..n+k (causal attention over
+   the new positions in the paged pool) gives the target's logits for positions n+1..n+k+1.
+4. *Accept*: greedy — the longest prefix of drafts equal to the target's argmax, then the
+   target's token at the first mismatch (or after the last draft: the bonus token); with
+   temperature > 0 — rejection sampling (Leviathan et al. 2023, "Fast Inference from
+   Transformers via Speculative Decoding", Algorithm 1; Chen et al. 2023), so emitted tokens
+   follow the target distribution exactly.
+
+Greedy output equals plain decoding (every emitted token is the target's argmax given the
+accepted prefix). Random draws use `engine.sampling`'s (seed, step) streams, with separate
+streams for draft, accept and resample draws, so a seeded request is reproducible.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from common.sampling_params import SamplingParams
+from engine.block_pool import BlockId
+from engine.kv_pool import KvPool, PagedKvCache
+from engine.mtp import MTP_MODULE
+from engine.sampling import _generator, sample, sampling_logprobs
+
+DRAFT_STREAM, ACCEPT_STREAM, RESAMPLE_STREAM = 1, 2, 3  # stream 0 = engine.sampling.sample
+
+
+@dataclass(frozen=True)
+class SpecInput:
+    """One request in a speculative step.
+
+    The request's pending token x_n (n = num_computed) is extend_ids[-1]; its main KV covers
+    positions 0..n-1 and its MTP KV rows 0..mtp_start-1.
+    """
+
+    block_ids: list[BlockId]  # block table with room for n + 1 + num_drafts tokens
+    num_computed: int  # n
+    hidden: torch.Tensor  # [n - mtp_start, hidden] main final-normed hidden at mtp_start..n-1
+    extend_ids: list[int]  # tokens at mtp_start+1..n (len == hidden rows)
+    num_drafts: int  # k for this request (0 = plain decode step plus the MTP extend)
+    params: SamplingParams
+    step: int  # sampling step index of the token at position n + 1
+
+    @property
+    def mtp_start(self) -> int:
+        return self.num_computed - len(self.extend_ids)
+
+
+@dataclass(frozen=True)
+class SpecOutput:
+    drafts: list[int]  # d_1..d_k
+    draft_logp: torch.Tensor | None  # [k, vocab] draft log-probabilities (sampled requests only)
+    target_logits: torch.Tensor  # [k + 1, vocab] float32, for positions n+1..n+k+1
+    hidden: torch.Tensor  # [k + 1, hidden] main final-normed hidden at positions n..n+k
+
+
+def _draft(logits: torch.Tensor, params: SamplingParams, step: int
+           ) -> tuple[int, torch.Tensor | None]:
+    # logits: [vocab] MTP logits -> (draft token, its distribution's log-probs or None if greedy)
+    if params.greedy:
+        return int(torch.argmax(logits)), None
+    logp = sampling_logprobs(logits, params)
+    g = _generator(params.seed, step, DRAFT_STREAM)
+    return int(torch.multinomial(logp.exp().cpu(), 1, generator=g)), logp
+
+
+@torch.inference_mode()
+def spec_forward(model: torch.nn.Module, pool: KvPool, batch: list[SpecInput]) -> list[SpecOutput]:
+    """Steps 1-3 above for every request in batch (steps run batched over the requests).
+
+    Writes MTP rows mtp_start..n-1 (final) and n..n+k-2 (provisional) and main rows n..n+k
+    into the pool; rows past the accepted tokens are overwritten by later steps.
+    """
+    device = pool.kv.device
+    lt = lambda xs: torch.tensor(xs, dtype=torch.long, device=device)  # noqa: E731
+    # 1. MTP extend over every request's not yet MTP-cached pairs
+    q_lens = [len(b.extend_ids) for b in batch]
+    ext_pos = lt([p for b in batch for p in range(b.mtp_start, b.num_computed)])
+    kv = PagedKvCache(pool, [(b.block_ids, b.mtp_start, len(b.extend_ids)) for b in batch])
+    g = model.mtp_forward(MTP_MODULE, torch.cat([b.hidden for b in batch]),
+                          lt([t for b in batch for t in b.extend_ids]), ext_pos, q_lens, kv)
+    last = torch.tensor(q_lens, device=device).cumsum(0) - 1
+    drafts: list[list[int]] = [[] for _ in batch]
+    dlogp: list[list[torch.Tensor]] = [[] for _ in batch]
+    active = [i for i, b in enumerate(batch) if b.num_drafts > 0]
+    prev = g[last[active]]  # [active, hidden] MTP hidden predicting each request's n + 1
+    for j in range(max((b.num_drafts for b in batch), default=0)):
+        # 2. draft j+1 for the active requests; then feed it back for the next draft
+        logits = model.mtp_logits(MTP_MODULE, prev)  # [len(active), vocab]
+        for row, i in enumerate(active):
+            tok, logp = _draft(logits[row], batch[i].params, batch[i].step + j)
+            drafts[i].append(tok)
+            if logp is not None:
+                dlogp[i].append(logp)
+        keep = [row for row, i in enumerate(active) if batch[i].num_drafts > j + 1]
+        if not keep:
+            break
+        active = [active[row] for row in keep]
+        pos = lt([batch[i].num_computed + j for i in active])
+        kv = PagedKvCache(pool, [(batch[i].block_ids, batch[i].num_computed + j, 1) for i in active])
+        prev = model.mtp_forward(MTP_MODULE, prev[keep], lt([drafts[i][-1] for i in active]), pos,
+                                 [1] * len(active), kv)
+    # 3. verify [x_n, d_1..d_k] in one main forward
+    ids = lt([t for i, b in enumerate(batch) for t in [b.extend_ids[-1], *drafts[i]]])
+    v_lens = [1 + len(d) for d in drafts]
+    pos = lt([p for b, n in zip(batch, v_lens) for p in range(b.num_computed, b.num_computed + n)])
+    kv = PagedKvCache(pool, [(b.block_ids, b.num_computed, n) for b, n in zip(batch, v_lens)])
+    hidden = model(ids, pos, v_lens, kv)  # [sum(v_lens), hidden]
+    logits = model.logits(hidden)
+    out, start = [], 0
+    for i, n in enumerate(v_lens):
+        out.append(SpecOutput(drafts[i], torch.stack(dlogp[i]) if dlogp[i] else None,
+                              logits[start:start + n], hidden[start:start + n]))
+        start += n
+    return out
+
+
+def accept(out: SpecOutput, params: SamplingParams, step: int) -> list[tuple[int, float]]:
+    """Step 4: the tokens to emit (1..k+1 of them) with the target's log-probabilities.
+
+    step is the sampling step index of the first emitted token (position n + 1).
+    """
+    k = len(out.drafts)
+    logits = out.target_logits
+    emitted: list[tuple[int, float]] = []
+    for i in range(k):
+        d = out.drafts[i]
+        logp = sampling_logprobs(logits[i], params)  # [vocab]
+        if params.greedy:
+            target = int(torch.argmax(logits[i]))
+            if d != target:
+                return emitted + [(target, float(logp[target]))]
+            emitted.append((d, float(logp[d])))
+            continue
+        assert out.draft_logp is not None
+        p, q = logp.exp(), out.draft_logp[i].exp()
+        u = float(torch.rand(1, generator=_generator(params.seed, step + i, ACCEPT_STREAM)))
+        if u * float(q[d]) < float(p[d]):  # accept with probability min(1, p(d) / q(d))
+            emitted.append((d, float(logp[d])))
+            continue
+        residual = (p - q).clamp(min=0)  # resample from norm(max(0, p - q))
+        if float(residual.sum()) <= 0.0:
+            residual = p
+        g = _generator(params.seed, step + i, RESAMPLE_STREAM)
+        tok = int(torch.multinomial((residual / residual.sum()).cpu(), 1, generator=g))
+        return emitted + [(tok, float(logp[tok]))]
+    # every draft accepted: the bonus token, drawn exactly as plain decoding draws it
+    return emitted + [sample(logits[k], params, step + k)]

@@ -1,0 +1,61 @@
+"""Drive a DecodeScheduler directly (no gRPC): local prefill, then one continuous batch."""
+
+from __future__ import annotations
+
+import asyncio
+
+from common.pb.tandem.v1 import discovery_pb2
+from common.sampling_params import SamplingParams
+from decode_worker.overlap import OverlapLoop
+from decode_worker.scheduler import DecodeScheduler, RunningRequest
+from engine.sampling import sample
+from engine.worker_host import WorkerOptions, WorkerRuntime
+
+
+async def generate(loaded, k: int, prompts: list[list[int]], params: list[SamplingParams],
+                   num_blocks: int = 256, overlap: bool = False, cancel: int | None = None
+                   ) -> tuple[list[list[int]], WorkerRuntime]:
+    """Prefill each prompt locally, then decode all of them in one continuous batch with
+    --speculative-num-steps k (overlap: force the overlap loop, even on a CPU). Request
+    number `cancel` is cancelled after its third token. Returns (tokens per request, runtime)."""
+    rt = WorkerRuntime(discovery_pb2.ROLE_DECODE,
+                       WorkerOptions(model=loaded.name, num_blocks=num_blocks, speculative_num_steps=k),
+                       loaded)
+    sched = DecodeScheduler(rt)
+    if overlap:
+        sched.overlap = OverlapLoop(sched)
+    task = asyncio.create_task(sched.run())
+    reqs, outs = [], []
+    try:
+        for i, (prompt, sp) in enumerate(zip(prompts, params)):
+            blocks = rt.pool.allocate_prompt(prompt)
+            hidden = await rt.prefill_hidden(blocks.block_ids, prompt, 0, mtp=k > 0)
+            first, _ = sample(rt.runner.logits(hidden), sp, 0)
+            rt.pool.commit_prompt(blocks)
+            outs.append([first])
+            if sp.max_tokens == 1:
+                rt.pool.free(blocks.block_ids)
+                continue
+            req = RunningRequest(f"r{i}", prompt + [first], len(prompt), blocks.block_ids, sp,
+                                 hidden=hidden[None] if k else None)
+            sched.add(req)
+            reqs.append((req, outs[-1]))
+        for req, out in reqs:
+            while True:
+                msg = await asyncio.wait_for(req.out.get(), 60)
+                assert msg.error is None, msg.error
+                if msg.token is not None:
+                    out.append(msg.token)
+                if msg.finish_reason:
+                    break
+                if req.request_id == f"r{cancel}" and len(out) == 3:
+                    sched.cancel(req)
+                    break
+        for _ in range(100):  # the loop frees a cancelled request's blocks between steps
+            if not sched.running:
+                break
+            await asyncio.sleep(0.01)
+    finally:
+        task.cancel()
+        rt.close()
+    return outs, rt

@@ -1,0 +1,126 @@
+"""MTP speculative decoding under disaggregation: router → decode (k drafts) ← prefill over
+real gRPC, etcd and NIXL. The prefill worker writes the prompt's MTP KV rows with the main
+ones and returns the last hidden state; greedy output must equal reference_generate."""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+import pytest
+
+from common.pb.tandem.v1 import frontend_pb2, frontend_pb2_grpc, sampling_pb2
+from engine.model_source import load_model
+from engine.reference import reference_generate
+from harness import InProcessCluster
+
+pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("one_torch_thread")]
+TEXTS = ["ROMEO:\nBut soft, what light through yonder window breaks?\n",
+         "First Citizen:\nBefore we proceed any further, hear me speak.\n\nAll:\n"]
+
+
+@pytest.fixture(scope="module")
+def shakespeare():
+    return load_model("tandem-shakespeare")
+
+
+@pytest.fixture(scope="module")
+def cluster(etcd_server, shakespeare):
+    c = InProcessCluster(etcd_server.endpoint, shakespeare, namespace="e2e-spec")
+    c.router = c.start("router")
+    c.prefill = c.start("prefill")
+    c.decode = None
+    yield c
+    c.close()
+
+
+@pytest.fixture(scope="module")
+def stub(cluster):
+    ch = grpc.insecure_channel(cluster.router.address)
+    yield frontend_pb2_grpc.FrontendServiceStub(ch)
+    ch.close()
+
+
+def use_decode(cluster, k: int):
+    """One decode worker with --speculative-num-steps k (replacing the previous one)."""
+    if cluster.decode is not None and cluster.decode.runtime.opts.speculative_num_steps == k:
+        return cluster.decode
+    if cluster.decode is not None:
+        cluster.stop(cluster.decode)
+    cluster.decode = cluster.start("decode", speculative_num_steps=k)
+    cluster.wait_roles(cluster.router, 1, 1)
+    return cluster.decode
+
+
+def run(stub, **kw) -> tuple[list[int], list[frontend_pb2.GenerateResponse]]:
+    msgs = list(stub.Generate(frontend_pb2.GenerateRequest(**kw), timeout=60))
+    return [t for m in msgs for t in m.token_ids], msgs
+
+
+def wait_all_free(cluster, timeout: float = 10.0) -> bool:
+    total = cluster.worker_opts.num_blocks
+    pools = [cluster.prefill.runtime.pool, cluster.decode.runtime.pool]
+    deadline = time.time() + timeout
+    while [cluster.on_loop(lambda p=p: p.blocks.num_free) for p in pools] != [total, total]:
+        if time.time() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_disaggregated_greedy_equals_reference(cluster, stub, shakespeare, k) -> None:
+    decode = use_decode(cluster, k)
+    tok = shakespeare.tokenizer()
+    transfers = cluster.prefill.runtime.stats.transfers
+    for i, text in enumerate(TEXTS):
+        prompt = tok.encode(text)
+        if i == 1:
+            prompt = prompt[:32]  # a whole number of blocks: row P-1 of MTP lies in a full block
+        got, msgs = run(stub, token_ids=prompt, sampling=sampling_pb2.SamplingParams(max_tokens=20))
+        assert got == reference_generate(shakespeare.model, prompt, 20, shakespeare.config.eos_token_ids)
+        assert any(len(m.token_ids) > 1 for m in msgs[1:]) or k == 1  # several tokens per step
+    stats = decode.runtime.stats
+    assert cluster.prefill.runtime.stats.transfers == transfers + len(TEXTS)
+    assert decode.runtime.stats.local_prefills == 0
+    assert stats.spec_emitted_tokens > stats.spec_verify_steps > 0
+    assert wait_all_free(cluster)
+
+
+def test_local_prefill_and_decode_prefix_cache(cluster, stub, shakespeare) -> None:
+    decode = use_decode(cluster, 2)
+    prompt = shakespeare.tokenizer().encode(TEXTS[0] * 3)
+    run(stub, token_ids=prompt[:48], sampling=sampling_pb2.SamplingParams(max_tokens=2))
+    cluster.on_loop(cluster.prefill.runtime.pool.blocks.clear_cache)  # only the decode side keeps it
+    local = decode.runtime.stats.local_prefills
+    got, msgs = run(stub, token_ids=prompt, sampling=sampling_pb2.SamplingParams(max_tokens=16))
+    assert msgs[-1].usage.cached_tokens == 32  # the decode worker's cached blocks
+    assert got == reference_generate(shakespeare.model, prompt, 16, shakespeare.config.eos_token_ids)
+    assert decode.runtime.stats.local_prefills >= local  # whichever side prefilled, output is exact
+    assert wait_all_free(cluster)
+
+
+def test_stop_string_emits_nothing_past_the_stop(cluster, stub, shakespeare) -> None:
+    use_decode(cluster, 3)
+    prompt = shakespeare.tokenizer().encode(TEXTS[0])
+    full_ids, msgs = run(stub, token_ids=prompt, sampling=sampling_pb2.SamplingParams(max_tokens=30))
+    full = "".join(m.text for m in msgs)
+    stop = full[12:15]
+    ids, msgs = run(stub, token_ids=prompt,
+                    sampling=sampling_pb2.SamplingParams(max_tokens=30, stop=[stop]))
+    assert msgs[-1].finish_reason == sampling_pb2.FINISH_REASON_STOP
+    assert "".join(m.text for m in msgs) == full[:full.find(stop)]
+    # the ids end with the token whose text completed the stop string: no token after it
+    tok = shakespeare.tokenizer()
+    assert ids == full_ids[:len(ids)] and stop in tok.decode(ids) and stop not in tok.decode(ids[:-1])
+    assert wait_all_free(cluster)
+
+
+def test_disaggregated_seeded_sampling_is_reproducible(cluster, stub, shakespeare) -> None:
+    use_decode(cluster, 2)
+    prompt = shakespeare.tokenizer().encode(TEXTS[1])
+    s = sampling_pb2.SamplingParams(max_tokens=16, temperature=0.7, top_p=0.95, seed=11)
+    a, _ = run(stub, token_ids=prompt, sampling=s)
+    b, _ = run(stub, token_ids=prompt, sampling=s)
+    assert a == b and len(a) == 16
+    assert wait_all_free(cluster)
