@@ -5,25 +5,25 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import sys
 
 from cli.flags import add_flags, build
 from common.env import env_default, env_name
 
 
-def _logging(level: str) -> None:
-    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s",
-                        stream=sys.stderr)
-
-
 def _router(args: argparse.Namespace) -> int:
+    from common import tracing
     from router.main import RouterOptions, run
+    tracing.setup("router")
     asyncio.run(run(build(RouterOptions, args)))
     return 0
 
 
 def _worker(args: argparse.Namespace) -> int:
+    from common import tracing
     from engine.worker_host import WorkerOptions
+    tracing.setup(args.command)
     if args.command == "prefill":
         from prefill_worker.main import run
     else:
@@ -36,11 +36,16 @@ def _up(args: argparse.Namespace) -> int:
     from cli.cluster import LocalCluster
 
     async def main() -> None:
+        # Children inherit the log settings through their TANDEM_* variables.
+        os.environ.update(TANDEM_LOG_LEVEL=args.log_level, TANDEM_LOG_FORMAT=args.log_format)
         cluster = LocalCluster(model=args.model, num_prefill=args.prefill, num_decode=args.decode, etcd=args.etcd,
-                               router_port=args.port, router_args=["--router-mode", args.router_mode])
+                               router_port=args.port, router_args=["--router-mode", args.router_mode],
+                               metrics=args.metrics)
         await cluster.start()
         print(f"tandem up: router at {cluster.router_address}, etcd at {cluster.etcd_endpoint}, "
               f"logs in {cluster.log_dir}; Ctrl-C stops everything", flush=True)
+        for name, addr in cluster.metrics_addresses().items():
+            print(f"  metrics: {name} at http://{addr}/metrics", flush=True)
         stop = asyncio.Event()
         from common.lifecycle import install_stop_signals
         install_stop_signals(stop, on_second=cluster.kill)
@@ -112,7 +117,10 @@ def main(argv: list[str] | None = None) -> int:
     from router.main import RouterOptions
 
     parser = argparse.ArgumentParser(prog="tandem", description="Disaggregated LLM serving.")
-    parser.add_argument("--log-level", default=env_default("--log-level", "info"), help="env TANDEM_LOG_LEVEL")
+    parser.add_argument("--log-level", default=env_default("--log-level", "info"),
+                        help="level, and per component: 'info,router=debug,discovery=warning' (env TANDEM_LOG_LEVEL)")
+    parser.add_argument("--log-format", default=env_default("--log-format", "text"), choices=("text", "json"),
+                        help="text or json (one JSON object per line) (env TANDEM_LOG_FORMAT)")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("router", help="the client-facing gRPC router")
     add_flags(p, RouterOptions)
@@ -128,6 +136,8 @@ def main(argv: list[str] | None = None) -> int:
     _arg(p, "--prefill", 1, "prefill workers", env=False)
     _arg(p, "--decode", 1, "decode workers", env=False)
     _arg(p, "--router-mode", "kv", "kv | approx | round-robin | random | least-loaded")
+    p.add_argument("--no-metrics", dest="metrics", action="store_false",
+                   help="do not serve /metrics (by default every process serves it on a free port)")
     p.set_defaults(func=_up)
     p = sub.add_parser("generate", help="send one prompt to a router and stream the answer")
     p.add_argument("prompt", help="prompt text")
@@ -150,7 +160,11 @@ def main(argv: list[str] | None = None) -> int:
         return demo_main(rest)
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
-    _logging(args.log_level)
+    try:
+        from common import logs
+        logs.setup(args.log_level, args.log_format)
+    except ValueError as exc:
+        parser.error(str(exc))
     try:
         return args.func(args)
     except KeyboardInterrupt:

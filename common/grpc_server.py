@@ -40,7 +40,9 @@ async def start_server(address: str, add_services: Sequence[Callable[[grpc.aio.S
     Raises:
         RuntimeError: the address could not be bound.
     """
-    server = grpc.aio.server(options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    from common import tracing
+
+    server = grpc.aio.server(interceptors=tracing.server_interceptors(), options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                                       ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                                       ("grpc.so_reuseport", 0)])
     for add in add_services:
@@ -61,7 +63,9 @@ def channel(address: str) -> grpc.aio.Channel:
     """A client channel with Tandem's message size limits."""
     # A restarted peer at the same address is reachable again within ~1 s, not after gRPC's
     # default reconnect back-off of up to 120 s.
-    return grpc.aio.insecure_channel(address, options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    from common import tracing
+
+    return grpc.aio.insecure_channel(address, interceptors=tracing.client_interceptors() or None, options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                                                        ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                                                        ("grpc.initial_reconnect_backoff_ms", 200),
                                                        ("grpc.max_reconnect_backoff_ms", 1000)])

@@ -17,6 +17,8 @@ from typing import Any, Callable, Sequence, TypeVar
 import grpc
 import torch
 
+from common import metrics as metrics_http
+from common import tracing
 from common.block_hash import hash_seed
 from common.lifecycle import install_stop_signals
 from common.grpc_server import RunningServer, start_server
@@ -26,6 +28,7 @@ from engine.kv_events import KvEventLog
 from engine.kv_pool import KvPool, KvPoolConfig, PoolExhausted, PromptBlocks
 from engine.model_source import DEFAULT_MODEL, LoadedModel, load_model
 from engine.runner import ModelRunner
+from engine.worker_metrics import WorkerMetrics
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -53,8 +56,10 @@ class WorkerOptions:
     drain_timeout_s: float = 30.0  # on SIGTERM: finish in-flight requests for at most this long
     stall_timeout_s: float = 60.0  # a model call running longer than this means the engine is wedged
     torch_threads: int = 1  # intra-op threads for the model (small model: 1 is fastest)
+    metrics_port: int = -1  # Prometheus /metrics: -1 = off, 0 = any free port
 
     def __post_init__(self) -> None:
+        metrics_http.validate_port(self.metrics_port)
         for name in ("block_size", "num_blocks", "chunk_size", "max_running", "torch_threads"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
@@ -64,7 +69,8 @@ class WorkerOptions:
 
 @dataclass
 class WorkerStats:
-    """Counters of one worker (exported as metrics by the observability issue)."""
+    """Counters of one worker, exported at scrape time (engine/worker_metrics.py WORKER_COUNTERS:
+    a new field needs one line there)."""
 
     remote_prefills: int = 0  # decode: prompts whose KV came from a prefill worker
     local_prefills: int = 0  # decode: prompts prefilled here
@@ -72,6 +78,9 @@ class WorkerStats:
     transfers: int = 0  # prefill: KV transfers completed
     transfer_bytes: int = 0
     transfer_seconds: float = 0.0
+    prefix_query_tokens: int = 0  # prompt tokens looked up in this worker's prefix cache
+    prefix_hit_tokens: int = 0  # of those, tokens found there
+    generated_tokens: int = 0  # decode: tokens streamed (first tokens included)
 
 
 class WorkerRuntime:
@@ -91,9 +100,14 @@ class WorkerRuntime:
         self.events = KvEventLog(self.pool.blocks)
         self.stats = WorkerStats()
         self.start_time = time.time()
+        self.metrics_address = ""  # host:port of /metrics once served
         self.busy_since: float | None = None  # monotonic start of the model call now running
         self.draining = False  # set on SIGTERM: new requests are refused with UNAVAILABLE
         self.in_flight = 0  # requests being served (prefill: including their transfers)
+        # Model calls submitted (written on the loop thread only) and started (model thread only).
+        self.model_calls_submitted = 0
+        self.model_calls_started = 0
+        self.metrics = WorkerMetrics(self)
         self._idle = asyncio.Event()
         self._idle.set()
         # One thread for all model work: forwards never run concurrently, the event loop
@@ -102,6 +116,11 @@ class WorkerRuntime:
         from kv_transfer import create_agent
         self.agent = create_agent(opts.transfer_backend, self.instance_id)
         self.pool_desc = self.agent.register_pool(self.pool.kv)
+
+    @property
+    def model_waiting(self) -> int:
+        """Model calls waiting for the model thread."""
+        return self.model_calls_submitted - self.model_calls_started
 
     @property
     def vocab_size(self) -> int:
@@ -114,6 +133,7 @@ class WorkerRuntime:
     async def run_model(self, fn: Callable[..., T], *args: Any) -> T:
         """Run fn on the model thread. If the caller is cancelled, wait for fn to finish
         before re-raising, so the caller never frees blocks a forward is still writing."""
+        self.model_calls_submitted += 1
         fut = asyncio.get_running_loop().run_in_executor(self._executor, self._timed, fn, *args)
         try:
             return await asyncio.shield(fut)
@@ -125,27 +145,43 @@ class WorkerRuntime:
         """Chunked prefill of token_ids[start:] (tokens before start are in the pool), one
         model-thread call per chunk so a cancelled request stops between chunks.
 
+        Traced as a `tandem.prefill` span with one `tandem.prefill.chunk` child per chunk.
+
         Returns:
             float32 logits [vocab] of the last prompt token.
         """
         chunk = self.opts.chunk_size
         hidden = None
-        for s in range(start, len(token_ids), chunk):
-            hidden = await self.run_model(self.runner.prefill_chunk, block_ids, token_ids, s,
-                                          min(s + chunk, len(token_ids)))
-        assert hidden is not None, "prefill needs at least one token to compute"
-        return await self.run_model(self.runner.logits, hidden)
+        where = "remote" if self.role == discovery_pb2.ROLE_PREFILL else "local"
+        began = time.perf_counter()
+        with tracing.span("tandem.prefill", {"tandem.prefill.where": where, "tandem.prompt_tokens": len(token_ids),
+                                             "tandem.prefill.cached_tokens": start,
+                                             "tandem.prefill.chunk_size": chunk}) as span:
+            for i, s in enumerate(range(start, len(token_ids), chunk)):
+                e = min(s + chunk, len(token_ids))
+                with tracing.span("tandem.prefill.chunk", {"tandem.chunk.index": i, "tandem.chunk.start": s,
+                                                           "tandem.chunk.tokens": e - s}):
+                    hidden = await self.run_model(self.runner.prefill_chunk, block_ids, token_ids, s, e)
+            assert hidden is not None, "prefill needs at least one token to compute"
+            logits = await self.run_model(self.runner.logits, hidden)
+            span.set_attribute("tandem.prefill.chunks", -(-(len(token_ids) - start) // chunk))
+        self.metrics.prefill_duration.labels(where).observe(time.perf_counter() - began)
+        return logits
 
     async def allocate_prompt(self, token_ids: list[int], context: grpc.aio.ServicerContext) -> PromptBlocks:
         """The prompt's blocks in this worker's pool, or RESOURCE_EXHAUSTED when it is full."""
         try:
-            return self.pool.allocate_prompt(token_ids)
+            prompt = self.pool.allocate_prompt(token_ids)
         except PoolExhausted as exc:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
             raise
+        self.stats.prefix_query_tokens += len(token_ids)
+        self.stats.prefix_hit_tokens += prompt.num_cached_blocks * self.pool.block_size
+        return prompt
 
     def _timed(self, fn: Callable[..., T], *args: Any) -> T:
         # On the model thread: the watchdog reads busy_since to spot a wedged engine.
+        self.model_calls_started += 1
         self.busy_since = time.monotonic()
         try:
             return fn(*args)
@@ -182,7 +218,8 @@ class WorkerRuntime:
             instance_id=self.instance_id, role=self.role, address=address, model=self.loaded.name,
             block_size=self.opts.block_size, hash_seed=self.pool.hash_seed,
             kv_capacity_blocks=self.opts.num_blocks, transfer_agent_name=self.agent.name,
-            state=discovery_pb2.INSTANCE_STATE_SERVING, start_time_unix=self.start_time, version=VERSION)
+            state=discovery_pb2.INSTANCE_STATE_SERVING, start_time_unix=self.start_time, version=VERSION,
+            metrics_address=self.metrics_address)
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
@@ -205,6 +242,9 @@ async def serve_worker(runtime: WorkerRuntime, add_services: Sequence[Callable[[
         [*add_services, lambda s: kv_events_pb2_grpc.add_KvEventServiceServicer_to_server(events, s)],
         [*service_names, "tandem.v1.KvEventService"])
     address = f"{opts.host}:{server.port}"
+    runtime.metrics.bind_loop(asyncio.get_running_loop())
+    metrics_server = metrics_http.serve(runtime.metrics.registry, opts.host, opts.metrics_port, runtime.instance_id)
+    runtime.metrics_address = metrics_server.address if metrics_server else ""
     stop = stop or asyncio.Event()
     restore_signals = install_stop_signals(stop)
     registration = None
@@ -227,6 +267,8 @@ async def serve_worker(runtime: WorkerRuntime, add_services: Sequence[Callable[[
         if registration is not None:
             await asyncio.shield(registration.stop())
         await server.stop(2.0)
+        if metrics_server is not None:
+            await asyncio.to_thread(metrics_server.close)
         runtime.close()
 
 
