@@ -9,6 +9,7 @@ import os
 import sys
 
 from cli.flags import add_flags, build
+from cli.top import add_parser as add_top_parser
 from common.env import env_default, env_name
 
 
@@ -151,6 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("prompt", help="prompt text")
     _arg(p, "--router", "127.0.0.1:50051", "router address host:port")
     p.set_defaults(func=_explain)
+    add_top_parser(sub)
     p = sub.add_parser("demo", help="the README demo: MT-Bench through a local cluster, checked against the reference",
                        add_help=False)
     p.set_defaults(func=None)

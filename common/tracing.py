@@ -166,7 +166,7 @@ def server_interceptors() -> list[grpc.aio.ServerInterceptor]:
                                    filter_=lambda details: _traced(details.method))]
 
 
-class _ClientTracing(grpc.aio.UnaryUnaryClientInterceptor, grpc.aio.UnaryStreamClientInterceptor):
+class _ClientTracing:
     """A CLIENT span per outgoing call, ended when the call is done (however it ends), and
     the span's context injected into the call's metadata as W3C traceparent/tracestate."""
 
@@ -193,9 +193,15 @@ class _ClientTracing(grpc.aio.UnaryUnaryClientInterceptor, grpc.aio.UnaryStreamC
         call.add_done_callback(lambda c: _keep(asyncio.ensure_future(_end_span_when_done(span, c))))
         return call
 
+
+
+# grpc.aio files an interceptor under the first kind it is an instance of: one class per kind.
+class _UnaryUnaryTracing(_ClientTracing, grpc.aio.UnaryUnaryClientInterceptor):
     async def intercept_unary_unary(self, continuation, client_call_details, request):
         return await self._intercept(continuation, client_call_details, request)
 
+
+class _UnaryStreamTracing(_ClientTracing, grpc.aio.UnaryStreamClientInterceptor):
     async def intercept_unary_stream(self, continuation, client_call_details, request):
         return await self._intercept(continuation, client_call_details, request)
 
@@ -227,7 +233,7 @@ def _end_span(span: Any, code: grpc.StatusCode, details: str) -> None:
 
 def client_interceptors() -> list[Any]:
     """Interceptors for a grpc.aio channel ([] when tracing is off)."""
-    return [_ClientTracing()] if _tracer is not None else []
+    return [_UnaryUnaryTracing(), _UnaryStreamTracing()] if _tracer is not None else []
 
 
 @contextlib.contextmanager
