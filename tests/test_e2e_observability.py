@@ -6,6 +6,7 @@ incoming context staying unsampled, the incoming tracestate kept; /metrics on ev
 
 from __future__ import annotations
 
+import json
 import os
 import queue
 import random
@@ -56,6 +57,8 @@ class Up:
             self.output.append(line)
             if m := re.search(r"router at (\S+?),", line):
                 self.router = m.group(1)
+            if m := re.search(r"logs in (\S+?);", line):
+                self.log_dir = Path(m.group(1))
             if m := re.search(r"metrics: (\S+) at http://(\S+)/metrics", line):
                 self.metrics[m.group(1)] = m.group(2)
 
@@ -77,7 +80,8 @@ def cluster():
     with OtlpReceiver() as receiver:
         env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "TANDEM_"))}
         env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", OTEL_EXPORTER_OTLP_ENDPOINT=receiver.endpoint,
-                   OTEL_BSP_SCHEDULE_DELAY="100", TANDEM_CHUNK_SIZE="16", TANDEM_NUM_BLOCKS="256")
+                   OTEL_BSP_SCHEDULE_DELAY="100", TANDEM_CHUNK_SIZE="16", TANDEM_NUM_BLOCKS="256",
+                   TANDEM_LOG_FORMAT="json", TANDEM_LOG_LEVEL="info,router=debug")
         up = Up(env)
         try:
             yield up, receiver
@@ -149,6 +153,11 @@ def test_one_trace_per_request_across_processes(cluster):
     assert transfer["tandem.transfer.bytes"] > 0 and transfer["tandem.transfer.backend"] == "nixl"
     assert transfer["tandem.transfer.seconds"] >= 0
     assert one[("tandem-decode", "tandem.decode")].attributes["tandem.decode.tokens"] == MAX_TOKENS
+    # JSON logs: the router's debug line for this request carries its request id and trace id.
+    lines = [json.loads(x) for x in (up.log_dir / "router.log").read_text().splitlines() if x.startswith("{")]
+    mine = [x for x in lines if x["trace_id"] == trace_id]
+    assert mine and all(x["request_id"] == api.attributes["tandem.request_id"] for x in mine), lines[-5:]
+    assert any(x["level"] == "debug" and x["logger"] == "router.service" for x in mine)
 
 
 def test_unsampled_context_stays_unsampled(cluster):
