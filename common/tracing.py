@@ -91,6 +91,17 @@ def setup(role: str) -> bool:
     return True
 
 
+def use_provider(provider: Any) -> Any:
+    """Trace with this SDK TracerProvider (or turn tracing off with None) without touching the
+    global provider; returns the previous one. For tests and for embedding Tandem in a process
+    that manages its own provider. Servers and channels created afterwards get interceptors."""
+    global _tracer, _provider
+    previous = _provider
+    _provider = provider
+    _tracer = provider.get_tracer(TRACER_NAME) if provider is not None else None
+    return previous
+
+
 def shutdown() -> None:
     """Flush and stop the exporter (also runs at interpreter exit)."""
     global _tracer, _provider

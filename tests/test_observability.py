@@ -86,7 +86,24 @@ def test_metrics_port_is_validated():
 
 
 @pytest.fixture(scope="module")
-def cluster(etcd_server, tiny_model):
+def spans():
+    """Tracing on in this process for the module's cluster: an SDK provider exporting every span
+    to memory, as it ends."""
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider(shutdown_on_exit=False)
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    previous = tracing.use_provider(provider)
+    yield exporter
+    tracing.use_provider(previous)
+    provider.shutdown()
+
+
+@pytest.fixture(scope="module")
+def cluster(etcd_server, tiny_model, spans):
     c = InProcessCluster(etcd_server.endpoint, tiny_model, namespace="obs-inproc")
     c.router = c.start("router", metrics_port=0)
     c.prefill = c.start("prefill", metrics_port=0)
@@ -143,3 +160,46 @@ def test_cluster_status_metrics_and_top(cluster, capsys):
     assert value(decode, "tandem_worker_kv_blocks") == 512
     prefill = scrape(by_role["prefill"].metrics_address)
     assert value(prefill, "tandem_worker_kv_transfers_total", backend="nixl") == 1
+
+
+def test_refused_decode_calls_are_retried_in_migration_spans(cluster, spans):
+    """Both decode workers refuse (draining while discovery still says SERVING): the router
+    retries each inside a `tandem.migration` span, then answers UNAVAILABLE."""
+    second = cluster.start("decode")
+    cluster.wait_roles(cluster.router, 1, 2)
+    decodes = [cluster.decode, second]
+    spans.clear()
+    for h in decodes:
+        h.runtime.draining = True
+    try:
+        with grpc.insecure_channel(cluster.router.address) as ch:
+            with pytest.raises(grpc.RpcError) as err:
+                list(frontend_pb2_grpc.FrontendServiceStub(ch).Generate(
+                    frontend_pb2.GenerateRequest(token_ids=list(range(70, 90))), timeout=60))
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    finally:
+        for h in decodes:
+            h.runtime.draining = False
+        cluster.stop(second)
+    got = spans.get_finished_spans()
+    api = next(s for s in got if s.name == "/tandem.v1.FrontendService/Generate")
+    trace_id = api.context.trace_id
+    mine = [s for s in got if s.context.trace_id == trace_id]
+    migrations = sorted((s for s in mine if s.name == "tandem.migration"), key=lambda s: s.attributes["tandem.migration.attempt"])
+    assert [s.attributes["tandem.migration.attempt"] for s in migrations] == [1, 2]
+    ids = {h.runtime.instance_id for h in decodes}
+    assert {migrations[0].attributes["tandem.migration.from_instance"]} < ids
+    for m in migrations:
+        assert m.parent.span_id == api.context.span_id
+        assert m.attributes["tandem.migration.kind"] == "retry"
+        assert m.attributes["tandem.migration.reason"] == "UNAVAILABLE"
+    # Attempt 1 routed to the other decode worker inside its migration span; attempt 2 found none.
+    routes = [s for s in mine if s.name == "tandem.route"]
+    assert len(routes) == 3
+    in_first = [s for s in routes if s.parent.span_id == migrations[0].context.span_id]
+    assert len(in_first) == 1
+    assert {migrations[0].attributes["tandem.migration.from_instance"],
+            in_first[0].attributes["tandem.route.decode_instance"]} == ids
+    router = scrape(cluster.router.servicer.cluster_status.metrics_address)
+    assert value(router, "tandem_router_requests_total", outcome="error", code="UNAVAILABLE") == 1
+    assert value(router, "tandem_router_retries_total") == 2
