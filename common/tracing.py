@@ -37,8 +37,10 @@ TRACER_NAME = "tandem"
 # Decode span attribute: MTP draft tokens accepted by the target's verify steps for the request
 # (filled by the decode runtime's MTP code; decode_worker/service.py reads it off the request).
 MTP_ACCEPTED_TOKENS = "tandem.mtp.accepted_tokens"
-# RPCs that are not part of a request: health probes, reflection, the KV event streams.
-_UNTRACED_PREFIXES = ("/grpc.health.v1.", "/grpc.reflection.", "/tandem.v1.KvEventService/")
+# RPCs that are not part of a request: health probes, reflection, the KV event streams, and
+# `tandem top`'s polling.
+_UNTRACED_PREFIXES = ("/grpc.health.v1.", "/grpc.reflection.", "/tandem.v1.KvEventService/",
+                      "/tandem.v1.FrontendService/ClusterStatus")
 
 _tracer: Any = None  # an SDK tracer once setup() turned tracing on; None = off
 _provider: Any = None
