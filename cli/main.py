@@ -64,20 +64,25 @@ def _generate(args: argparse.Namespace) -> int:
     import grpc
 
     from cli.client import frontend_stub, generate
+    from common import tracing
+
+    tracing.setup("client")  # with OTEL_EXPORTER_OTLP_ENDPOINT set, the request's trace starts here
 
     async def main() -> int:
         ch, stub = frontend_stub(args.router)
         try:
-            c = await generate(stub, text=args.prompt, max_tokens=args.max_tokens, temperature=args.temperature,
-                               seed=args.seed, stop=args.stop, on_text=lambda t: print(t, end="", flush=True))
+            with tracing.span("tandem.client.generate"):
+                trace_id = tracing.trace_id_hex()
+                c = await generate(stub, text=args.prompt, max_tokens=args.max_tokens, temperature=args.temperature,
+                                   seed=args.seed, stop=args.stop, on_text=lambda t: print(t, end="", flush=True))
         except grpc.aio.AioRpcError as exc:
             print(f"tandem generate: {exc.code().name}: {exc.details()}", file=sys.stderr)
             return 1
         finally:
             await ch.close()
         print(flush=True)
-        print(f"[{len(c.token_ids)} tokens, finish={c.finish_reason}, ttft={c.ttft_s * 1000:.0f} ms]",
-              file=sys.stderr)
+        print(f"[{len(c.token_ids)} tokens, finish={c.finish_reason}, ttft={c.ttft_s * 1000:.0f} ms"
+              + (f", trace {trace_id}]" if trace_id else "]"), file=sys.stderr)
         return 0
 
     return asyncio.run(main())
