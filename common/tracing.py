@@ -27,7 +27,7 @@ import asyncio
 import contextlib
 import logging
 import os
-from typing import Any, Iterator
+from typing import Any
 
 import grpc
 
@@ -247,19 +247,3 @@ def _end_span(span: Any, code: grpc.StatusCode, details: str) -> None:
 def client_interceptors() -> list[Any]:
     """Interceptors for a grpc.aio channel ([] when tracing is off)."""
     return [_UnaryUnaryTracing(), _UnaryStreamTracing()] if _tracer is not None else []
-
-
-@contextlib.contextmanager
-def attached(carrier: dict[str, str]) -> Iterator[None]:
-    """Make the context in a W3C carrier (e.g. {"traceparent": ...}) current; for tests and tools."""
-    if _tracer is None:
-        yield
-        return
-    from opentelemetry import context
-    from opentelemetry.propagate import extract
-
-    token = context.attach(extract(carrier))
-    try:
-        yield
-    finally:
-        context.detach(token)
