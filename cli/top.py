@@ -67,10 +67,12 @@ async def _run(args: argparse.Namespace) -> int:
 
     ch, stub = frontend_stub(args.router)
     try:
+        # A terminal's own width; otherwise (a pipe, a file, a test) wide enough for every column.
+        console = Console() if sys.stdout.isatty() else Console(width=200)
         if args.once:
-            Console(width=200).print(render(await fetch(stub)))
+            console.print(render(await fetch(stub)))
             return 0
-        with Live(render(await fetch(stub)), refresh_per_second=4, screen=False) as live:
+        with Live(render(await fetch(stub)), console=console, refresh_per_second=4, screen=False) as live:
             while True:
                 await asyncio.sleep(args.interval)
                 live.update(render(await fetch(stub)))
