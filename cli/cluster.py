@@ -30,13 +30,14 @@ class LocalCluster:
         router_args: extra flags for the router (e.g. ["--router-mode", "round-robin"]).
         router_port: 0 picks a free port; the chosen address is `router_address`.
         log_dir: where each process's log goes (a temporary folder by default).
+        metrics: every process serves Prometheus /metrics on a free port (`metrics_addresses()`).
     """
 
     def __init__(self, model: str = DEFAULT_MODEL, num_prefill: int = 1, num_decode: int = 1,
                  etcd: str = "", router_port: int = 0, namespace: str = "local",
                  worker_args: list[str] | None = None, router_args: list[str] | None = None,
                  log_dir: str | None = None,
-                 ready_timeout_s: float = 120.0) -> None:
+                 ready_timeout_s: float = 120.0, metrics: bool = False) -> None:
         self.model = model
         self.num_prefill = num_prefill
         self.num_decode = num_decode
@@ -46,6 +47,8 @@ class LocalCluster:
         self.router_args = router_args or []
         self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix="tandem-up-"))
         self.ready_timeout_s = ready_timeout_s
+        self.metrics = metrics
+        self.instances: dict[str, discovery_pb2.Instance] = {}  # discovery's view once ready
         self._etcd_endpoint = etcd
         self._etcd: EtcdServer | None = None
         self.procs: dict[str, subprocess.Popen] = {}
@@ -59,7 +62,8 @@ class LocalCluster:
         """Start `tandem <role>` as a child process logging to log_dir/<name>.log."""
         # Explicit flags win over TANDEM_* variables the children inherit (TANDEM_PORT is the router's).
         cmd = [sys.executable, "-m", "cli.main", role, "--etcd", self._etcd_endpoint,
-               "--namespace", self.namespace, "--model", self.model, *args]
+               "--namespace", self.namespace, "--model", self.model,
+               *(["--metrics-port", "0"] if self.metrics else []), *args]
         out = open(self.log_dir / f"{name}.log", "ab")
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env,
@@ -103,6 +107,7 @@ class LocalCluster:
                 except (TimeoutError, asyncio.TimeoutError):
                     if time.monotonic() > deadline:
                         raise TimeoutError(f"cluster not ready in {self.ready_timeout_s} s; logs in {self.log_dir}")
+        self.instances = dict(view)
         self.router_address = next(i.address for i in view.values() if i.role == discovery_pb2.ROLE_ROUTER)
         await self._wait_router_sees_workers(deadline)
 
@@ -127,6 +132,12 @@ class LocalCluster:
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"router does not see all {want} workers; logs in {self.log_dir}")
                 await asyncio.sleep(0.05)
+
+    def metrics_addresses(self) -> dict[str, str]:
+        """instance id -> host:port of its /metrics (the processes that serve one), router first."""
+        insts = sorted(self.instances.values(), key=lambda i: (i.role != discovery_pb2.ROLE_ROUTER, i.role,
+                                                                i.instance_id))
+        return {i.instance_id: i.metrics_address for i in insts if i.metrics_address}
 
     def stop_process(self, name: str, sig: int | None = signal.SIGTERM, timeout_s: float = 15.0) -> int:
         """Signal one process (once; sig=None only waits) and wait for it, killing it after

@@ -49,6 +49,7 @@ HELP = {
     "local_prefill_threshold": "prefill on the decode worker when its uncached part is below this many tokens",
     "migration_limit": "router: decode-worker failures one request may survive (retry or migrate elsewhere)",
     "approx_ttl_s": "approx mode: seconds a routed block is assumed cached",
+    "metrics_port": "Prometheus /metrics port (-1 = off, 0 = any free port, announced in discovery)",
 }
 
 

@@ -10,21 +10,21 @@ import sys
 
 from cli import config, config_show, health
 from cli.flags import add_flags, add_option, build
-
-
-def _logging(level: str) -> None:
-    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s",
-                        stream=sys.stderr)
+from cli.top import add_parser as add_top_parser
 
 
 def _router(args: argparse.Namespace) -> int:
+    from common import tracing
     from router.main import RouterOptions, run
+    tracing.setup("router")
     asyncio.run(run(build(RouterOptions, args)))
     return 0
 
 
 def _worker(args: argparse.Namespace) -> int:
+    from common import tracing
     from engine.worker_host import WorkerOptions
+    tracing.setup(args.command)
     if args.command == "prefill":
         from prefill_worker.main import run
     else:
@@ -40,11 +40,16 @@ def _up(args: argparse.Namespace) -> int:
         os.environ["TANDEM_CONFIG"] = args.config  # the children read the same file
 
     async def main() -> None:
+        # Children inherit the log settings through their TANDEM_* variables.
+        os.environ.update(TANDEM_LOG_LEVEL=args.log_level, TANDEM_LOG_FORMAT=args.log_format)
         cluster = LocalCluster(model=args.model, num_prefill=args.prefill, num_decode=args.decode, etcd=args.etcd,
-                               router_port=args.port, router_args=["--router-mode", args.router_mode])
+                               router_port=args.port, router_args=["--router-mode", args.router_mode],
+                               metrics=args.metrics)
         await cluster.start()
         print(f"tandem up: router at {cluster.router_address}, etcd at {cluster.etcd_endpoint}, "
               f"logs in {cluster.log_dir}; Ctrl-C stops everything", flush=True)
+        for name, addr in cluster.metrics_addresses().items():
+            print(f"  metrics: {name} at http://{addr}/metrics", flush=True)
         stop = asyncio.Event()
         from common.lifecycle import install_stop_signals
         install_stop_signals(stop, on_second=cluster.kill)
@@ -62,20 +67,26 @@ def _generate(args: argparse.Namespace) -> int:
     import grpc
 
     from cli.client import frontend_stub, generate
+    from common import tracing
+
+    tracing.setup("client")  # with OTEL_EXPORTER_OTLP_ENDPOINT set, the request's trace starts here
 
     async def main() -> int:
         ch, stub = frontend_stub(args.router)
         try:
-            c = await generate(stub, text=args.prompt, max_tokens=args.max_tokens, temperature=args.temperature,
-                               seed=args.sampling_seed, stop=args.stop, on_text=lambda t: print(t, end="", flush=True))
+            with tracing.span("tandem.client.generate"):
+                trace_id = tracing.trace_id_hex()
+                c = await generate(stub, text=args.prompt, max_tokens=args.max_tokens, temperature=args.temperature,
+                                   seed=args.sampling_seed, stop=args.stop,
+                                   on_text=lambda t: print(t, end="", flush=True))
         except grpc.aio.AioRpcError as exc:
             print(f"tandem generate: {exc.code().name}: {exc.details()}", file=sys.stderr)
             return 1
         finally:
             await ch.close()
         print(flush=True)
-        print(f"[{len(c.token_ids)} tokens, finish={c.finish_reason}, ttft={c.ttft_s * 1000:.0f} ms]",
-              file=sys.stderr)
+        print(f"[{len(c.token_ids)} tokens, finish={c.finish_reason}, ttft={c.ttft_s * 1000:.0f} ms"
+              + (f", trace {trace_id}]" if trace_id else "]"), file=sys.stderr)
         return 0
 
     return asyncio.run(main())
@@ -115,7 +126,8 @@ def build_parser() -> argparse.ArgumentParser:
     from router.main import RouterOptions
 
     parser = argparse.ArgumentParser(prog="tandem", description="Disaggregated LLM serving.")
-    _arg(parser, "--log-level", "info", "debug | info | warning | error")
+    _arg(parser, "--log-level", "info", "level, and per component: 'info,router=debug,discovery=warning'")
+    _arg(parser, "--log-format", "text", "text or json (one JSON object per line)")
     parser.add_argument("--config", default=argparse.SUPPRESS,
                         help="TOML config file (env TANDEM_CONFIG; precedence flag > env > file > default)")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -133,6 +145,7 @@ def build_parser() -> argparse.ArgumentParser:
     _arg(p, "--prefill", 1, "prefill workers")
     _arg(p, "--decode", 1, "decode workers")
     _arg(p, "--router-mode", "kv", "kv | approx | round-robin | random | least-loaded")
+    _arg(p, "--metrics", True, "serve /metrics from every process on a free port (--no-metrics: none)", kind=bool)
     p.set_defaults(func=_up)
     p = sub.add_parser("generate", help="send one prompt to a router and stream the answer")
     p.add_argument("prompt", help="prompt text")
@@ -149,6 +162,7 @@ def build_parser() -> argparse.ArgumentParser:
     _arg(p, "--router", "127.0.0.1:50051", "router address host:port")
     p.set_defaults(func=_explain)
     health.add_parser(sub)
+    add_top_parser(sub)
     p = sub.add_parser("config", help="print the effective configuration and where each value came from")
     p.add_argument("action", choices=["show"])
     p.add_argument("target", nargs="?", default=None, help="subcommand (default: every one)")
@@ -176,7 +190,11 @@ def main(argv: list[str] | None = None) -> int:
     except config.ConfigError as exc:
         print(f"tandem: {exc}", file=sys.stderr)
         return 2
-    _logging(args.log_level)
+    try:
+        from common import logs
+        logs.setup(args.log_level, args.log_format)
+    except ValueError as exc:
+        parser.error(str(exc))
     try:
         return args.func(args)
     except KeyboardInterrupt:

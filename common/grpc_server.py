@@ -15,6 +15,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from common import tracing
+
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
 
@@ -42,7 +44,9 @@ async def start_server(address: str, add_services: Sequence[Callable[[grpc.aio.S
     Raises:
         RuntimeError: the address could not be bound.
     """
-    server = grpc.aio.server(options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    # Tracing interceptors exist only when tracing is on (common/tracing.py): off costs nothing.
+    server = grpc.aio.server(interceptors=tracing.server_interceptors() or None,
+                             options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                                       ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                                       ("grpc.so_reuseport", 0)])
     for add in add_services:
@@ -99,10 +103,11 @@ def channel(address: str) -> grpc.aio.Channel:
     """A client channel with Tandem's message size limits."""
     # A restarted peer at the same address is reachable again within ~1 s, not after gRPC's
     # default reconnect back-off of up to 120 s.
-    return grpc.aio.insecure_channel(address, options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-                                                       ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-                                                       ("grpc.initial_reconnect_backoff_ms", 200),
-                                                       ("grpc.max_reconnect_backoff_ms", 1000)])
+    return grpc.aio.insecure_channel(address, interceptors=tracing.client_interceptors() or None,
+                                     options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                                              ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                                              ("grpc.initial_reconnect_backoff_ms", 200),
+                                              ("grpc.max_reconnect_backoff_ms", 1000)])
 
 
 def add_lenient_service(server: grpc.aio.Server, service: str, servicer: object,

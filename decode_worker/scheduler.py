@@ -49,6 +49,8 @@ class RunningRequest:
     out: asyncio.Queue[TokenOut] = field(default_factory=asyncio.Queue)
     cancelled: bool = False
     hidden: torch.Tensor | None = None  # MTP: main hidden of positions not yet in MTP KV (spec_step.py)
+    mtp_verify_steps: int = 0  # MTP: verify steps of this request (the decode span's attributes)
+    mtp_accepted_tokens: int = 0  # MTP: draft tokens accepted (emitted minus the bonus token)
 
     @property
     def generated(self) -> int:

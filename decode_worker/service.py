@@ -16,6 +16,7 @@ from typing import NamedTuple
 import grpc
 import torch
 
+from common import logs, tracing
 from common.grpc_errors import abort_invalid, check_parsed
 from common.grpc_server import channel
 from common.ratelimit import RateLimitedLog
@@ -41,6 +42,15 @@ class Prefilled(NamedTuple):
     token: int
     logprob: float
     hidden: torch.Tensor | None
+
+
+def _decode_span_attributes(span, running: RunningRequest) -> None:
+    """Tokens this call generated (the first one, from prefill, included) and, with MTP, the
+    accepted draft tokens and verify steps (decode_worker/spec_step.py counts them)."""
+    span.set_attribute("tandem.decode.tokens", running.generated)
+    if running.mtp_verify_steps:
+        span.set_attribute(tracing.MTP_ACCEPTED_TOKENS, running.mtp_accepted_tokens)
+        span.set_attribute("tandem.mtp.verify_steps", running.mtp_verify_steps)
 
 
 class DecodeServicer(pb_grpc.DecodeServiceServicer):
@@ -85,7 +95,11 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
                 if exc.code() != grpc.StatusCode.FAILED_PRECONDITION or attempt:
                     raise
         self._metadata_sent.add(address)
-        await self.rt.agent.wait_notification(request_id.encode(), self.rt.opts.transfer_timeout_s)
+        with tracing.span("tandem.kv_receive", {"tandem.transfer.backend": self.rt.opts.transfer_backend,
+                                                "tandem.transfer.blocks": len(dst.block_ids),
+                                                "tandem.transfer.bytes": resp.transfer_bytes,
+                                                "tandem.transfer.seconds": resp.transfer_seconds}):
+            await self.rt.agent.wait_notification(request_id.encode(), self.rt.opts.transfer_timeout_s)
         hidden = None
         if self.scheduler.spec is not None:
             cfg = self.rt.loaded.config
@@ -120,8 +134,10 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
     async def Generate(self, request: pb.DecodeRequest, context: grpc.aio.ServicerContext):
         if self.rt.draining:  # the router retries on another decode worker
             await context.abort(grpc.StatusCode.UNAVAILABLE, "decode worker is draining")
+        logs.request_id.set(getattr(request, "request_id", ""))  # this RPC's task only; may be unparsable
         with self.rt.serving():
             async for msg in self._generate(request, context):
+                self.rt.stats.generated_tokens += len(msg.token_ids)
                 yield msg
 
     async def _generate(self, request: pb.DecodeRequest, context: grpc.aio.ServicerContext):
@@ -136,6 +152,12 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
         tokens = list(request.token_ids)
         pool = self.rt.pool
         prompt = await self.rt.allocate_prompt(tokens, context)
+        rpc_span = tracing.current_span()
+        if rpc_span.is_recording():
+            rpc_span.set_attributes({"tandem.request_id": request_id, "tandem.prompt_tokens": len(tokens),
+                                     "tandem.cached_tokens": prompt.num_cached_blocks * pool.block_size,
+                                     "tandem.prefill_address": request.prefill_address,
+                                     "tandem.sampling_step_offset": request.sampling_step_offset})
         running: RunningRequest | None = None
         try:
             # A stalled prefill worker must leave time to prefill here instead.
@@ -159,21 +181,28 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
             running = RunningRequest(request_id, tokens + [token], len(tokens), prompt.block_ids, params,
                                      step_offset=request.sampling_step_offset, hidden=hidden)
             self.scheduler.add(running)
-            while True:
-                outs = [await running.out.get()]
-                while not running.out.empty():
-                    outs.append(running.out.get_nowait())
-                msg = pb.DecodeResponse()
-                for out in outs:
-                    if out.error is not None:
-                        await context.abort(*out.error)
-                    if out.token is not None:
-                        msg.token_ids.append(out.token)
-                        msg.logprobs.append(out.logprob)
-                    msg.finish_reason = out.finish_reason or msg.finish_reason
-                yield msg
-                if msg.finish_reason:
-                    return
+            with tracing.span("tandem.decode") as span:
+                try:
+                    while True:
+                        outs = [await running.out.get()]
+                        while not running.out.empty():
+                            outs.append(running.out.get_nowait())
+                        msg = pb.DecodeResponse()
+                        for out in outs:
+                            if out.error is not None:
+                                await context.abort(*out.error)
+                            if out.token is not None:
+                                msg.token_ids.append(out.token)
+                                msg.logprobs.append(out.logprob)
+                            msg.finish_reason = out.finish_reason or msg.finish_reason
+                        yield msg
+                        if msg.finish_reason:
+                            span.set_attribute("tandem.finish_reason", sampling_pb2.FinishReason.Name(
+                                msg.finish_reason).removeprefix("FINISH_REASON_").lower())
+                            return
+                finally:
+                    if span.is_recording():
+                        _decode_span_attributes(span, running)
         finally:
             if running is None:
                 pool.free(prompt.block_ids)

@@ -71,6 +71,8 @@ class SpecDecoder:
                 rt.stats.spec_verify_steps += 1
                 rt.stats.spec_emitted_tokens += len(emitted)
                 rt.stats.spec_draft_tokens += inp.num_drafts
+                req.mtp_verify_steps += 1
+                req.mtp_accepted_tokens += len(emitted) - 1  # the last one is the target's own token
             # main hidden at n..n+m: the next step's MTP extend pairs them with the new tokens
             req.hidden = out.hidden[:len(emitted)]
             finished = False

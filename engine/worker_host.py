@@ -17,6 +17,8 @@ from typing import Any, Callable, Sequence, TypeVar
 import grpc
 import torch
 
+from common import metrics as metrics_http
+from common import tracing
 from common.block_hash import hash_seed
 from common.lifecycle import install_stop_signals
 from common.grpc_server import RunningServer, advertised_host, start_server
@@ -26,6 +28,7 @@ from engine.kv_events import KvEventLog
 from engine.kv_pool import KvPool, KvPoolConfig, PoolExhausted, PromptBlocks
 from engine.model_source import DEFAULT_MODEL, LoadedModel, load_model
 from engine.runner import ModelRunner
+from engine.worker_metrics import WorkerMetrics
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -56,8 +59,10 @@ class WorkerOptions:
     torch_threads: int = 1  # intra-op threads for the model (small model: 1 is fastest)
     speculative_num_steps: int = 0  # decode: MTP draft tokens per verify step (0 = off)
     disable_overlap_schedule: bool = False  # decode: run schedule/run/postprocess strictly in turn
+    metrics_port: int = -1  # Prometheus /metrics: -1 = off, 0 = any free port
 
     def __post_init__(self) -> None:
+        metrics_http.validate_port(self.metrics_port)
         for name in ("block_size", "num_blocks", "chunk_size", "max_running", "torch_threads"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
@@ -70,7 +75,8 @@ class WorkerOptions:
 
 @dataclass
 class WorkerStats:
-    """Counters of one worker (exported as metrics by the observability issue)."""
+    """Counters of one worker, exported at scrape time (engine/worker_metrics.py WORKER_COUNTERS:
+    a new field needs one line there)."""
 
     remote_prefills: int = 0  # decode: prompts whose KV came from a prefill worker
     local_prefills: int = 0  # decode: prompts prefilled here
@@ -81,6 +87,9 @@ class WorkerStats:
     spec_verify_steps: int = 0  # decode: MTP verify steps, summed over requests
     spec_emitted_tokens: int = 0  # decode: tokens those steps emitted (accept length = emitted / steps)
     spec_draft_tokens: int = 0  # decode: draft tokens proposed
+    prefix_query_tokens: int = 0  # prompt tokens looked up in this worker's prefix cache
+    prefix_hit_tokens: int = 0  # of those, tokens found there
+    generated_tokens: int = 0  # decode: tokens streamed (first tokens included)
 
 
 class WorkerRuntime:
@@ -102,9 +111,14 @@ class WorkerRuntime:
         self.events = KvEventLog(self.pool.blocks)
         self.stats = WorkerStats()
         self.start_time = time.time()
+        self.metrics_address = ""  # host:port of /metrics once served
         self.busy_since: float | None = None  # monotonic start of the model call now running
         self.draining = False  # set on SIGTERM: new requests are refused with UNAVAILABLE
         self.in_flight = 0  # requests being served (prefill: including their transfers)
+        # Model calls submitted (written on the loop thread only) and started (model thread only).
+        self.model_calls_submitted = 0
+        self.model_calls_started = 0
+        self.metrics = WorkerMetrics(self)
         self._idle = asyncio.Event()
         self._idle.set()
         # One thread for all model work: forwards never run concurrently, the event loop
@@ -113,6 +127,11 @@ class WorkerRuntime:
         from kv_transfer import create_agent
         self.agent = create_agent(opts.transfer_backend, self.instance_id)
         self.pool_desc = self.agent.register_pool(self.pool.kv)
+
+    @property
+    def model_waiting(self) -> int:
+        """Model calls waiting for the model thread."""
+        return self.model_calls_submitted - self.model_calls_started
 
     @property
     def vocab_size(self) -> int:
@@ -125,6 +144,7 @@ class WorkerRuntime:
     async def run_model(self, fn: Callable[..., T], *args: Any) -> T:
         """Run fn on the model thread. If the caller is cancelled, wait for fn to finish
         before re-raising, so the caller never frees blocks a forward is still writing."""
+        self.model_calls_submitted += 1
         fut = asyncio.get_running_loop().run_in_executor(self._executor, self._timed, fn, *args)
         try:
             return await asyncio.shield(fut)
@@ -135,6 +155,8 @@ class WorkerRuntime:
     async def prefill(self, block_ids: list, token_ids: list[int], start: int) -> torch.Tensor:
         """Chunked prefill of token_ids[start:] (tokens before start are in the pool), one
         model-thread call per chunk so a cancelled request stops between chunks.
+
+        Traced as a `tandem.prefill` span with one `tandem.prefill.chunk` child per chunk.
 
         Returns:
             float32 logits [vocab] of the last prompt token.
@@ -148,22 +170,35 @@ class WorkerRuntime:
         rows (engine/mtp.py)."""
         chunk = self.opts.chunk_size
         hidden = None
-        for s in range(start, len(token_ids), chunk):
-            hidden = await self.run_model(self.runner.prefill_chunk, block_ids, token_ids, s,
-                                          min(s + chunk, len(token_ids)), mtp)
-        assert hidden is not None, "prefill needs at least one token to compute"
+        where = "remote" if self.role == discovery_pb2.ROLE_PREFILL else "local"
+        began = time.perf_counter()
+        with tracing.span("tandem.prefill", {"tandem.prefill.where": where, "tandem.prompt_tokens": len(token_ids),
+                                             "tandem.prefill.cached_tokens": start,
+                                             "tandem.prefill.chunk_size": chunk}) as span:
+            for i, s in enumerate(range(start, len(token_ids), chunk)):
+                e = min(s + chunk, len(token_ids))
+                with tracing.span("tandem.prefill.chunk", {"tandem.chunk.index": i, "tandem.chunk.start": s,
+                                                           "tandem.chunk.tokens": e - s}):
+                    hidden = await self.run_model(self.runner.prefill_chunk, block_ids, token_ids, s, e, mtp)
+            assert hidden is not None, "prefill needs at least one token to compute"
+            span.set_attribute("tandem.prefill.chunks", -(-(len(token_ids) - start) // chunk))
+        self.metrics.prefill_duration.labels(where).observe(time.perf_counter() - began)
         return hidden
 
     async def allocate_prompt(self, token_ids: list[int], context: grpc.aio.ServicerContext) -> PromptBlocks:
         """The prompt's blocks in this worker's pool, or RESOURCE_EXHAUSTED when it is full."""
         try:
-            return self.pool.allocate_prompt(token_ids)
+            prompt = self.pool.allocate_prompt(token_ids)
         except PoolExhausted as exc:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
             raise
+        self.stats.prefix_query_tokens += len(token_ids)
+        self.stats.prefix_hit_tokens += prompt.num_cached_blocks * self.pool.block_size
+        return prompt
 
     def _timed(self, fn: Callable[..., T], *args: Any) -> T:
         # On the model thread: the watchdog reads busy_since to spot a wedged engine.
+        self.model_calls_started += 1
         self.busy_since = time.monotonic()
         try:
             return fn(*args)
@@ -200,7 +235,8 @@ class WorkerRuntime:
             instance_id=self.instance_id, role=self.role, address=address, model=self.loaded.name,
             block_size=self.opts.block_size, hash_seed=self.pool.hash_seed,
             kv_capacity_blocks=self.opts.num_blocks, transfer_agent_name=self.agent.name,
-            state=discovery_pb2.INSTANCE_STATE_SERVING, start_time_unix=self.start_time, version=VERSION)
+            state=discovery_pb2.INSTANCE_STATE_SERVING, start_time_unix=self.start_time, version=VERSION,
+            metrics_address=self.metrics_address)
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
@@ -223,6 +259,9 @@ async def serve_worker(runtime: WorkerRuntime, add_services: Sequence[Callable[[
         [*add_services, lambda s: kv_events_pb2_grpc.add_KvEventServiceServicer_to_server(events, s)],
         [*service_names, "tandem.v1.KvEventService"])
     address = f"{advertised_host(opts.host, opts.advertise_host)}:{server.port}"
+    runtime.metrics.bind_loop(asyncio.get_running_loop())
+    metrics_server = metrics_http.serve(runtime.metrics.registry, opts.host, opts.metrics_port, runtime.instance_id)
+    runtime.metrics_address = metrics_server.address if metrics_server else ""
     stop = stop or asyncio.Event()
     restore_signals = install_stop_signals(stop)
     registration = None
@@ -245,6 +284,8 @@ async def serve_worker(runtime: WorkerRuntime, add_services: Sequence[Callable[[
         if registration is not None:
             await asyncio.shield(registration.stop())
         await server.stop(2.0)
+        if metrics_server is not None:
+            await asyncio.to_thread(metrics_server.close)
         runtime.close()
 
 

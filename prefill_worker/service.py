@@ -12,6 +12,7 @@ import logging
 
 import grpc
 
+from common import logs, tracing
 from common.ratelimit import RateLimitedLog
 from common.grpc_errors import abort_invalid, check_parsed
 from common.pb.tandem.v1 import prefill_pb2 as pb
@@ -73,6 +74,8 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
     async def Prefill(self, request: pb.PrefillRequest, context: grpc.aio.ServicerContext) -> pb.PrefillResponse:
         if self.rt.draining:  # the decode worker prefills locally instead
             await context.abort(grpc.StatusCode.UNAVAILABLE, "prefill worker is draining")
+        logs.request_id.set(getattr(request, "request_id", ""))  # this RPC's task only; may be unparsable
+        tracing.current_span().set_attribute("tandem.request_id", getattr(request, "request_id", ""))
         with self.rt.serving():
             return await self._prefill(request, context)
 
@@ -103,10 +106,17 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
             self.rt.events.publish()
             token, logprob = sample(logits, params, step=request.sampling_step_offset)
             remote = RemoteBlocks(dst.base_address, dst.block_stride_bytes, dst.device_id, list(dst.block_ids))
+            backend = self.rt.opts.transfer_backend
             try:
-                result = await self.rt.agent.write_blocks(
-                    dst.agent_name, prompt.block_ids[dst.first_block_index:], remote,
-                    request.request_id.encode(), self.rt.opts.transfer_timeout_s)
+                with tracing.span("tandem.kv_transfer", {"tandem.transfer.backend": backend,
+                                                         "tandem.transfer.blocks": len(dst.block_ids),
+                                                         "tandem.transfer.peer": dst.agent_name}) as span:
+                    result = await self.rt.agent.write_blocks(
+                        dst.agent_name, prompt.block_ids[dst.first_block_index:], remote,
+                        request.request_id.encode(), self.rt.opts.transfer_timeout_s)
+                    span.set_attributes({"tandem.transfer.bytes": result.bytes,
+                                         "tandem.transfer.seconds": result.seconds,
+                                         "tandem.transfer.descriptors": result.descriptors})
             except (TransferError, ValueError) as exc:
                 # Forget the peer: its connection may be broken for good. The decode worker
                 # then resends its metadata (FAILED_PRECONDITION) and a fresh connection is made.
@@ -118,6 +128,7 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
             self.rt.stats.transfers += 1
             self.rt.stats.transfer_bytes += result.bytes
             self.rt.stats.transfer_seconds += result.seconds
+            self.rt.metrics.transfer_duration.labels(backend).observe(result.seconds)
             return pb.PrefillResponse(first_token_id=token, first_token_logprob=logprob,
                                       cached_tokens=start, transfer_bytes=result.bytes,
                                       transfer_seconds=result.seconds,

@@ -26,6 +26,7 @@ log = logging.getLogger(__name__)
 @dataclass
 class SubscriberCounters:
     batches: int = 0
+    events: int = 0  # events applied (stored, removed, cleared), snapshots' stored events included
     snapshots: int = 0
     duplicates: int = 0  # batches at or before the last applied id (dropped)
     gaps: int = 0  # batches after a missing id (resync)
@@ -80,6 +81,7 @@ class KvEventSubscriber:
             self.counters.snapshots += 1
             self.index.replace_worker(wid, [h for e in batch.events if e.HasField("stored")
                                             for h in e.stored.block_hashes])
+            self.counters.events += len(batch.events)
             self.last_event_id[wid] = batch.event_id
             return True
         last = self.last_event_id.get(wid, 0)
@@ -91,6 +93,7 @@ class KvEventSubscriber:
             log.info("KV events from %s: gap after %d (got %d); resyncing from a snapshot", wid, last, batch.event_id)
             self.last_event_id[wid] = 0
             return False
+        self.counters.events += len(batch.events)
         for ev in batch.events:
             kind = ev.WhichOneof("event")
             if kind == "stored":

@@ -9,6 +9,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Callable
 
+from common import metrics as metrics_http
 from common.block_hash import hash_seed
 from common.lifecycle import install_stop_signals
 from common.grpc_server import RunningServer, add_lenient_service, advertised_host, start_server
@@ -24,9 +25,11 @@ from router.health import HealthTracker
 from router.kv_index import KvIndex
 from router.kv_subscriber import KvEventSubscriber
 from router.load import LoadTracker
+from router.metrics import RouterMetrics
 from router.placement import NoOverlap, Placement, PlacementOptions
 from router.policy import MODES
 from router.service import FrontendServicer
+from router.status import ClusterView
 from router.workers import WorkerSet
 
 log = logging.getLogger(__name__)
@@ -54,8 +57,10 @@ class RouterOptions:
     health_interval_s: float = 1.0  # seconds between grpc.health.v1 probes of each worker
     health_timeout_s: float = 0.5  # seconds one probe may take
     health_failure_threshold: int = 3  # consecutive failures (probes or transport) that make a worker unhealthy
+    metrics_port: int = -1  # Prometheus /metrics: -1 = off, 0 = any free port
 
     def __post_init__(self) -> None:
+        metrics_http.validate_port(self.metrics_port)
         if self.migration_limit < 0:
             raise ValueError(f"--migration-limit must be >= 0, got {self.migration_limit}")
         if self.router_mode not in MODES:
@@ -130,20 +135,30 @@ async def run(opts: RouterOptions, ready: Callable[[RunningServer, FrontendServi
     overlap, on_routed, on_membership, subscriber = overlap_source(opts, workers)
     placement = Placement(workers, load, overlap, PlacementOptions(
         opts.router_mode, opts.prefill_weight, opts.router_temperature, opts.local_prefill_threshold))
+    metrics = RouterMetrics()
     servicer = FrontendServicer(workers, placement, load, load_tokenizer(ckpt), config.vocab_size,
-                                config.max_position_embeddings, on_routed=on_routed)
+                                config.max_position_embeddings, on_routed=on_routed, metrics=metrics)
     servicer.migration_limit = opts.migration_limit
     membership = asyncio.create_task(_follow_membership(watcher, on_membership), name="membership")  # strong ref
     methods = {"Generate": ("stream", pb.GenerateRequest, pb.GenerateResponse),
                "ListModels": ("unary", pb.ListModelsRequest, pb.ListModelsResponse),
-               "ExplainRoute": ("unary", pb.GenerateRequest, pb.ExplainRouteResponse)}
+               "ExplainRoute": ("unary", pb.GenerateRequest, pb.ExplainRouteResponse),
+               "ClusterStatus": ("unary", pb.ClusterStatusRequest, pb.ClusterStatusResponse)}
     server = await start_server(f"{opts.host}:{opts.port}", [lambda s: add_lenient_service(s, SERVICE, servicer, methods)],
                                 [SERVICE])
     address = f"{advertised_host(opts.host, opts.advertise_host)}:{server.port}"
+    instance_id = f"router-{uuid.uuid4().hex[:12]}"
+    index = overlap if isinstance(overlap, KvIndex) else None
+    metrics.bind(servicer, workers, load, health, subscriber, index)
+    metrics.collector.loop = asyncio.get_running_loop()
+    metrics_server = metrics_http.serve(metrics.registry, opts.host, opts.metrics_port, instance_id)
+    metrics_address = metrics_server.address if metrics_server else ""
+    servicer.cluster_status = ClusterView(instance_id, opts.router_mode, servicer, workers, load, health, index,
+                                          metrics_address)
     instance = discovery_pb2.Instance(
-        instance_id=f"router-{uuid.uuid4().hex[:12]}", role=discovery_pb2.ROLE_ROUTER, address=address, model=name,
+        instance_id=instance_id, role=discovery_pb2.ROLE_ROUTER, address=address, model=name,
         block_size=opts.block_size, hash_seed=hash_seed(name), state=discovery_pb2.INSTANCE_STATE_SERVING,
-        start_time_unix=time.time(), version=VERSION)
+        start_time_unix=time.time(), version=VERSION, metrics_address=metrics_address)
     registration = Registration(opts.etcd, opts.namespace, instance, ttl_seconds=opts.lease_ttl_s)
     await registration.start()
     stop = stop or asyncio.Event()
@@ -160,6 +175,8 @@ async def run(opts: RouterOptions, ready: Callable[[RunningServer, FrontendServi
         await server.set_serving(False)
         await asyncio.shield(registration.stop())
         await server.stop(2.0)
+        if metrics_server is not None:
+            await asyncio.to_thread(metrics_server.close)
         membership.cancel()
         await health.stop()
         if subscriber is not None:

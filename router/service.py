@@ -18,6 +18,7 @@ from dataclasses import replace
 
 import grpc
 
+from common import logs, tracing
 from common.grpc_errors import abort_invalid, check_parsed
 from common.pb.tandem.v1 import decode_pb2, decode_pb2_grpc, sampling_pb2
 from common.pb.tandem.v1 import frontend_pb2 as pb
@@ -27,6 +28,7 @@ from common.validation import (InvalidArgument, sampling_from_proto, sampling_to
                                validate_token_ids)
 from router.decision import RouteDecision
 from router.load import LoadTracker
+from router.metrics import RouterMetrics
 from router.placement import NoWorker, Placement
 from router.stop_strings import StopMatcher, feed_tokens
 from router.workers import WorkerSet
@@ -35,6 +37,25 @@ log = logging.getLogger(__name__)
 # Decode failures that are the worker's, not the request's: retry or migrate. (A deadline
 # or a client error would fail the same way anywhere.)
 MIGRATABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN})
+
+
+def route_span_attributes(d: RouteDecision, attempt: int) -> dict:
+    """The `tandem.route` span's attributes: the decision's inputs (every candidate's overlap,
+    load and cost, as parallel arrays) and its choice."""
+    c = d.candidates
+    return {
+        "tandem.route.mode": d.mode, "tandem.route.attempt": attempt, "tandem.prompt_tokens": d.prompt_tokens,
+        "tandem.route.prompt_blocks": d.prompt_blocks, "tandem.route.decision_seconds": d.seconds,
+        "tandem.route.candidates.instance_id": [x.instance_id for x in c],
+        "tandem.route.candidates.role": [x.role for x in c],
+        "tandem.route.candidates.overlap_blocks": [x.overlap_blocks for x in c],
+        "tandem.route.candidates.load": [float(x.load) for x in c],
+        "tandem.route.candidates.cost": [float(x.cost) for x in c],
+        "tandem.route.decode_instance": d.decode.instance_id,
+        "tandem.route.prefill_instance": d.prefill.instance_id if d.prefill else "",
+        "tandem.route.local_prefill": d.prefill is None,
+        "tandem.route.local_prefill_reason": d.local_prefill_reason,
+    }
 
 
 def decision_to_proto(d: RouteDecision) -> pb.ExplainRouteResponse:
@@ -50,7 +71,7 @@ def decision_to_proto(d: RouteDecision) -> pb.ExplainRouteResponse:
 
 class FrontendServicer(pb_grpc.FrontendServiceServicer):
     def __init__(self, workers: WorkerSet, placement: Placement, load: LoadTracker, tokenizer: TextTokenizer,
-                 vocab_size: int, context_length: int, on_routed=None) -> None:
+                 vocab_size: int, context_length: int, on_routed=None, metrics: RouterMetrics | None = None) -> None:
         self.workers = workers
         self.placement = placement
         self.load = load
@@ -60,6 +81,10 @@ class FrontendServicer(pb_grpc.FrontendServiceServicer):
         self.on_routed = on_routed  # approx mode: remember the routed blocks
         self.migration_limit = 3  # decode failures one request may survive (retries and migrations)
         self.migrations = 0  # counter: requests continued on another decode worker mid-stream
+        self.retries = 0  # counter: decode calls retried on another worker before any token
+        self.running = 0  # Generate calls in progress
+        self.metrics = metrics or RouterMetrics()
+        self.cluster_status = None  # async (request, context) -> ClusterStatusResponse, set by router/main.py
         tokenizer.max_token_bytes  # computed once here, not on the first request
         # Per-request router overhead (validation, tokenization, hashing, lookup, scoring, up to
         # issuing the decode call) in seconds, for the last 100,000 requests: wall time, and the
@@ -130,6 +155,27 @@ class FrontendServicer(pb_grpc.FrontendServiceServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
             raise
 
+    @staticmethod
+    def _attempt_span(attempt: int, failed: tuple[str, str] | None, generated: int):
+        """Attempts after the first run inside a `tandem.migration` span (a retry when no token
+        was generated yet); the first one needs none."""
+        if attempt == 0:
+            return tracing.NO_SPAN_CM
+        return tracing.span("tandem.migration", {
+            "tandem.migration.attempt": attempt, "tandem.migration.kind": "migration" if generated else "retry",
+            "tandem.migration.from_instance": failed[0] if failed else "",
+            "tandem.migration.reason": failed[1] if failed else "", "tandem.migration.tokens_generated": generated})
+
+    async def _traced_route(self, tokens: list[int], context: grpc.aio.ServicerContext,
+                            attempt: int) -> tuple[RouteDecision, list[int]]:
+        """_route inside a `tandem.route` span carrying the decision's inputs and choice."""
+        with tracing.span("tandem.route") as span:
+            decision, hashes = await self._route(tokens, context)
+            if span.is_recording():
+                span.set_attributes(route_span_attributes(decision, attempt))
+        self.metrics.observe_decision(decision)
+        return decision, hashes
+
     async def ListModels(self, request: pb.ListModelsRequest, context: grpc.aio.ServicerContext) -> pb.ListModelsResponse:
         return pb.ListModelsResponse(models=[pb.ModelInfo(
             name=self.workers.model, context_length=self.context_length, vocab_size=self.vocab_size,
@@ -140,10 +186,48 @@ class FrontendServicer(pb_grpc.FrontendServiceServicer):
         decision, _ = await self._route(tokens, context)
         return decision_to_proto(decision)
 
+    async def ClusterStatus(self, request: pb.ClusterStatusRequest,
+                            context: grpc.aio.ServicerContext) -> pb.ClusterStatusResponse:
+        return await self.cluster_status(request, context)
+
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
+        """Generate with its metrics: TTFT, inter-token latency, duration, outcome and status
+        code; the request id is on every log line and on the RPC's span."""
+        # getattr: an unparsable request (common/lenient_parse.py) is answered by _validated.
+        request_id = getattr(request, "request_id", "") or uuid.uuid4().hex
+        logs.request_id.set(request_id)  # this RPC's task only
+        timer = self.metrics.request_timer()
+        outcome, code = "error", grpc.StatusCode.UNKNOWN
+        self.running += 1
+        try:
+            async for out in self._generate(request, context, request_id):
+                timer.tokens(len(out.token_ids))
+                if out.finish_reason:
+                    outcome = sampling_pb2.FinishReason.Name(out.finish_reason).removeprefix("FINISH_REASON_").lower()
+                    span = tracing.current_span()
+                    if span.is_recording():
+                        span.set_attributes({"tandem.request_id": request_id, "tandem.finish_reason": outcome,
+                                             "tandem.prompt_tokens": out.usage.prompt_tokens,
+                                             "tandem.completion_tokens": out.usage.completion_tokens,
+                                             "tandem.cached_tokens": out.usage.cached_tokens})
+                yield out
+            code = grpc.StatusCode.OK
+        except (asyncio.CancelledError, GeneratorExit):
+            remaining = context.time_remaining()
+            outcome = "cancelled"
+            code = grpc.StatusCode.DEADLINE_EXCEEDED if remaining is not None and remaining <= 0 else \
+                grpc.StatusCode.CANCELLED
+            raise
+        except BaseException:
+            code = context.code() or grpc.StatusCode.UNKNOWN  # set by context.abort
+            raise
+        finally:
+            self.running -= 1
+            timer.done(outcome, code.name)
+
+    async def _generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext, request_id: str):
         arrived, arrived_cpu = time.perf_counter(), time.thread_time()
         tokens, params = await self._validated(request, context)
-        request_id = request.request_id or uuid.uuid4().hex
         detok = IncrementalDetokenizer(self.tokenizer)
         stops = StopMatcher(params.stop)
         generated: list[int] = []
@@ -152,59 +236,65 @@ class FrontendServicer(pb_grpc.FrontendServiceServicer):
         # call, dies mid-stream, drains), it is set aside and the request continues on another
         # one with prompt + tokens generated so far; sampling resumes at the same step, so the
         # client sees one uninterrupted stream with exactly the tokens a fault-free run gives.
+        failed: tuple[str, str] | None = None  # (decode instance id, status code) of the last failure
         for attempt in range(1 + self.migration_limit):
-            decision, hashes = await self._route(tokens + generated, context)
-            self.decision_s.append(decision.seconds)
-            if log.isEnabledFor(logging.DEBUG):
-                log.debug("request %s routed:\n%s", request_id, decision.explain())
-            if self.on_routed is not None:
-                self.on_routed(decision, hashes)
-            prefill = decision.prefill
-            prompt_now = tokens + generated
-            uncached = len(prompt_now) - (prefill.overlap_blocks * self.workers.block_size if prefill else 0)
-            load = self.load.start(decision.decode.instance_id, prefill.instance_id if prefill else None,
-                                   len(prompt_now), uncached)
-            sampling = sampling_to_proto(replace(params, max_tokens=params.max_tokens - len(generated)))
-            call = decode_pb2_grpc.DecodeServiceStub(self.workers.channel_for(decision.decode.address)).Generate(
-                decode_pb2.DecodeRequest(request_id=f"{request_id}.{attempt}" if attempt else request_id,
-                                         token_ids=prompt_now, sampling=sampling,
-                                         prefill_address=prefill.address if prefill else "",
-                                         sampling_step_offset=len(generated)),
-                timeout=context.time_remaining())
-            if attempt == 0:
-                self.overhead_s.append(time.perf_counter() - arrived)
-                self.overhead_cpu_s.append(time.thread_time() - arrived_cpu)
-            streamed = len(generated)
-            try:
-                async for msg in call:
-                    if msg.token_ids and len(generated) == streamed:
-                        self.load.prefill_finished(load)
-                    self.load.grow(load, len(generated) - streamed, len(generated) - streamed + len(msg.token_ids))
-                    cached = cached or msg.cached_tokens
-                    text, stopped, used = feed_tokens(stops, detok, list(msg.token_ids), bool(msg.finish_reason))
-                    generated.extend(msg.token_ids[:used])  # nothing past a stop string
-                    reason = sampling_pb2.FINISH_REASON_STOP if stopped else msg.finish_reason
-                    out = pb.GenerateResponse(request_id=request_id, token_ids=msg.token_ids[:used], text=text,
-                                              logprobs=msg.logprobs[:used], finish_reason=reason)
-                    if reason:
-                        if not stopped:
-                            out.text += stops.flush()
-                        out.usage.CopyFrom(pb.Usage(prompt_tokens=len(tokens), completion_tokens=len(generated),
-                                                    cached_tokens=cached))
+            with self._attempt_span(attempt, failed, len(generated)):
+                decision, hashes = await self._traced_route(tokens + generated, context, attempt)
+                self.decision_s.append(decision.seconds)
+                if log.isEnabledFor(logging.DEBUG):
+                    log.debug("request %s routed:\n%s", request_id, decision.explain())
+                if self.on_routed is not None:
+                    self.on_routed(decision, hashes)
+                prefill = decision.prefill
+                prompt_now = tokens + generated
+                uncached = len(prompt_now) - (prefill.overlap_blocks * self.workers.block_size if prefill else 0)
+                load = self.load.start(decision.decode.instance_id, prefill.instance_id if prefill else None,
+                                       len(prompt_now), uncached)
+                sampling = sampling_to_proto(replace(params, max_tokens=params.max_tokens - len(generated)))
+                call = decode_pb2_grpc.DecodeServiceStub(self.workers.channel_for(decision.decode.address)).Generate(
+                    decode_pb2.DecodeRequest(request_id=f"{request_id}.{attempt}" if attempt else request_id,
+                                             token_ids=prompt_now, sampling=sampling,
+                                             prefill_address=prefill.address if prefill else "",
+                                             sampling_step_offset=len(generated)),
+                    timeout=context.time_remaining())
+                if attempt == 0:
+                    self.overhead_s.append(time.perf_counter() - arrived)
+                    self.overhead_cpu_s.append(time.thread_time() - arrived_cpu)
+                streamed = len(generated)
+                try:
+                    async for msg in call:
+                        if msg.token_ids and len(generated) == streamed:
+                            self.load.prefill_finished(load)
+                        self.load.grow(load, len(generated) - streamed, len(generated) - streamed + len(msg.token_ids))
+                        cached = cached or msg.cached_tokens
+                        text, stopped, used = feed_tokens(stops, detok, list(msg.token_ids),
+                                                          bool(msg.finish_reason))
+                        generated.extend(msg.token_ids[:used])  # nothing past a stop string
+                        reason = sampling_pb2.FINISH_REASON_STOP if stopped else msg.finish_reason
+                        out = pb.GenerateResponse(request_id=request_id, token_ids=msg.token_ids[:used], text=text,
+                                                  logprobs=msg.logprobs[:used], finish_reason=reason)
+                        if reason:
+                            if not stopped:
+                                out.text += stops.flush()
+                            out.usage.CopyFrom(pb.Usage(prompt_tokens=len(tokens), completion_tokens=len(generated),
+                                                        cached_tokens=cached))
+                            yield out
+                            return
                         yield out
-                        return
-                    yield out
-                return
-            except grpc.aio.AioRpcError as exc:
-                log.info("request %s: decode worker %s answered %s: %s", request_id, decision.decode.instance_id,
-                         exc.code().name, exc.details())
-                if exc.code() in MIGRATABLE and attempt < self.migration_limit:
-                    self.workers.set_aside(decision.decode.instance_id)
-                    if generated:
-                        self.migrations += 1
-                        log.info("request %s: migrating after %d tokens", request_id, len(generated))
-                    continue
-                await context.abort(exc.code(), exc.details() or "decode worker failed")
-            finally:
-                call.cancel()
-                self.load.finish(load)
+                    return
+                except grpc.aio.AioRpcError as exc:
+                    log.info("request %s: decode worker %s answered %s: %s", request_id, decision.decode.instance_id,
+                             exc.code().name, exc.details())
+                    if exc.code() in MIGRATABLE and attempt < self.migration_limit:
+                        self.workers.set_aside(decision.decode.instance_id)
+                        failed = (decision.decode.instance_id, exc.code().name)
+                        if generated:
+                            self.migrations += 1
+                            log.info("request %s: migrating after %d tokens", request_id, len(generated))
+                        else:
+                            self.retries += 1
+                        continue
+                    await context.abort(exc.code(), exc.details() or "decode worker failed")
+                finally:
+                    call.cancel()
+                    self.load.finish(load)

@@ -106,3 +106,57 @@ class RouteCandidate(_message.Message):
     cost: float
     chosen: bool
     def __init__(self, instance_id: _Optional[str] = ..., role: _Optional[str] = ..., overlap_blocks: _Optional[int] = ..., load: _Optional[float] = ..., cost: _Optional[float] = ..., chosen: _Optional[bool] = ...) -> None: ...
+
+class ClusterStatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ClusterStatusResponse(_message.Message):
+    __slots__ = ("router_instance_id", "model", "mode", "running_requests", "migrations", "metrics_address", "workers")
+    ROUTER_INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    MIGRATIONS_FIELD_NUMBER: _ClassVar[int]
+    METRICS_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    router_instance_id: str
+    model: str
+    mode: str
+    running_requests: int
+    migrations: int
+    metrics_address: str
+    workers: _containers.RepeatedCompositeFieldContainer[WorkerStatus]
+    def __init__(self, router_instance_id: _Optional[str] = ..., model: _Optional[str] = ..., mode: _Optional[str] = ..., running_requests: _Optional[int] = ..., migrations: _Optional[int] = ..., metrics_address: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ...) -> None: ...
+
+class WorkerStatus(_message.Message):
+    __slots__ = ("instance_id", "role", "address", "state", "healthy", "consecutive_failures", "in_flight_requests", "active_blocks", "queued_prefill_tokens", "kv_capacity_blocks", "indexed_blocks", "routed_requests", "hit_rate", "metrics_address")
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    HEALTHY_FIELD_NUMBER: _ClassVar[int]
+    CONSECUTIVE_FAILURES_FIELD_NUMBER: _ClassVar[int]
+    IN_FLIGHT_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    ACTIVE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    KV_CAPACITY_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    INDEXED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    ROUTED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    HIT_RATE_FIELD_NUMBER: _ClassVar[int]
+    METRICS_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    instance_id: str
+    role: str
+    address: str
+    state: str
+    healthy: bool
+    consecutive_failures: int
+    in_flight_requests: int
+    active_blocks: int
+    queued_prefill_tokens: int
+    kv_capacity_blocks: int
+    indexed_blocks: int
+    routed_requests: int
+    hit_rate: float
+    metrics_address: str
+    def __init__(self, instance_id: _Optional[str] = ..., role: _Optional[str] = ..., address: _Optional[str] = ..., state: _Optional[str] = ..., healthy: _Optional[bool] = ..., consecutive_failures: _Optional[int] = ..., in_flight_requests: _Optional[int] = ..., active_blocks: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., kv_capacity_blocks: _Optional[int] = ..., indexed_blocks: _Optional[int] = ..., routed_requests: _Optional[int] = ..., hit_rate: _Optional[float] = ..., metrics_address: _Optional[str] = ...) -> None: ...

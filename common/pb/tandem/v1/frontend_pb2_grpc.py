@@ -50,6 +50,11 @@ class FrontendServiceStub:
                 request_serializer=tandem_dot_v1_dot_frontend__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=tandem_dot_v1_dot_frontend__pb2.ExplainRouteResponse.FromString,
                 _registered_method=True)
+        self.ClusterStatus = channel.unary_unary(
+                '/tandem.v1.FrontendService/ClusterStatus',
+                request_serializer=tandem_dot_v1_dot_frontend__pb2.ClusterStatusRequest.SerializeToString,
+                response_deserializer=tandem_dot_v1_dot_frontend__pb2.ClusterStatusResponse.FromString,
+                _registered_method=True)
 
 
 class FrontendServiceServicer:
@@ -78,6 +83,14 @@ class FrontendServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ClusterStatus(self, request, context):
+        """The router's view of its workers now: discovery, health, its own load accounting and KV
+        index (what `tandem top` shows); changes nothing.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_FrontendServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -95,6 +108,11 @@ def add_FrontendServiceServicer_to_server(servicer, server):
                     servicer.ExplainRoute,
                     request_deserializer=tandem_dot_v1_dot_frontend__pb2.GenerateRequest.FromString,
                     response_serializer=tandem_dot_v1_dot_frontend__pb2.ExplainRouteResponse.SerializeToString,
+            ),
+            'ClusterStatus': grpc.unary_unary_rpc_method_handler(
+                    servicer.ClusterStatus,
+                    request_deserializer=tandem_dot_v1_dot_frontend__pb2.ClusterStatusRequest.FromString,
+                    response_serializer=tandem_dot_v1_dot_frontend__pb2.ClusterStatusResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -179,6 +197,33 @@ class FrontendService:
             '/tandem.v1.FrontendService/ExplainRoute',
             tandem_dot_v1_dot_frontend__pb2.GenerateRequest.SerializeToString,
             tandem_dot_v1_dot_frontend__pb2.ExplainRouteResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ClusterStatus(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.v1.FrontendService/ClusterStatus',
+            tandem_dot_v1_dot_frontend__pb2.ClusterStatusRequest.SerializeToString,
+            tandem_dot_v1_dot_frontend__pb2.ClusterStatusResponse.FromString,
             options,
             channel_credentials,
             insecure,

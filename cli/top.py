@@ -1,0 +1,90 @@
+"""`tandem top`: a live terminal view of the cluster as the router sees it.
+
+One `FrontendService.ClusterStatus` call per refresh (router/status.py): every worker with its
+role, discovery state, health, the router's load on it (in-flight requests; active decode
+blocks or queued prefill tokens), KV capacity and how much of it the router's KV index holds,
+requests routed to it and their predicted prefix hit rate. `--once` prints one table and exits
+(for scripts and tests); otherwise a rich Live table refreshes every `--interval` seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+
+from common.env import env_default, env_name
+from common.pb.tandem.v1 import frontend_pb2 as pb
+
+
+def add_parser(sub) -> None:
+    """Register `tandem top` on the CLI's subparsers."""
+    p = sub.add_parser("top", help="live view of the cluster from the router: workers, health, load, KV, hit rate")
+    p.add_argument("--router", default=env_default("--router", "127.0.0.1:50051"),
+                   help=f"router address host:port (default '127.0.0.1:50051'; env {env_name('--router')})")
+    p.add_argument("--once", action="store_true", help="print one table and exit")
+    p.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes (default 1.0)")
+    p.set_defaults(func=main)
+
+
+async def fetch(stub, timeout_s: float = 5.0) -> pb.ClusterStatusResponse:
+    return await stub.ClusterStatus(pb.ClusterStatusRequest(), timeout=timeout_s)
+
+
+def _pct(part: float, whole: float) -> str:
+    return f"{100.0 * part / whole:.0f}%" if whole else "-"
+
+
+def render(status: pb.ClusterStatusResponse):
+    """A rich Table of one ClusterStatusResponse."""
+    from rich.table import Table
+
+    title = (f"router {status.router_instance_id}  model {status.model}  mode {status.mode}  "
+             f"running {status.running_requests}  migrations {status.migrations}")
+    table = Table(title=title, title_justify="left")
+    for col, justify in (("worker", "left"), ("role", "left"), ("state", "left"), ("health", "left"),
+                         ("in flight", "right"), ("load", "right"), ("kv used", "right"), ("kv cached", "right"),
+                         ("routed", "right"), ("hit rate", "right"), ("metrics", "left")):
+        table.add_column(col, justify=justify, no_wrap=True)
+    for w in status.workers:
+        load = f"{w.active_blocks} blk" if w.role == "decode" else f"{w.queued_prefill_tokens} tok"
+        used = _pct(w.active_blocks, w.kv_capacity_blocks) if w.role == "decode" else "-"
+        health = "[green]healthy[/]" if w.healthy else f"[red]unhealthy ({w.consecutive_failures})[/]"
+        table.add_row(w.instance_id, w.role, w.state, health, str(w.in_flight_requests), load, used,
+                      f"{w.indexed_blocks}/{w.kv_capacity_blocks}", str(w.routed_requests),
+                      f"{100 * w.hit_rate:.0f}%" if w.routed_requests else "-", w.metrics_address or "-")
+    if not status.workers:
+        table.caption = "no workers in discovery"
+    return table
+
+
+async def _run(args: argparse.Namespace) -> int:
+    import grpc
+    from rich.console import Console
+    from rich.live import Live
+
+    from cli.client import frontend_stub
+
+    ch, stub = frontend_stub(args.router)
+    try:
+        # A terminal's own width; otherwise (a pipe, a file, a test) wide enough for every column.
+        console = Console() if sys.stdout.isatty() else Console(width=200)
+        if args.once:
+            console.print(render(await fetch(stub)))
+            return 0
+        with Live(render(await fetch(stub)), console=console, refresh_per_second=4, screen=False) as live:
+            while True:
+                await asyncio.sleep(args.interval)
+                live.update(render(await fetch(stub)))
+    except grpc.aio.AioRpcError as exc:
+        print(f"tandem top: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        return 1
+    finally:
+        await ch.close()
+
+
+def main(args: argparse.Namespace) -> int:
+    try:
+        return asyncio.run(_run(args))
+    except KeyboardInterrupt:
+        return 0

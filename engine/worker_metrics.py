@@ -1,0 +1,98 @@
+"""A worker's Prometheus metrics (docs/observability.md, "Worker metrics").
+
+WorkerStats counters, the KV pool, the KV event log and the request counts are read at scrape
+time, on the worker's event loop, by one collector; the request path only observes two
+histograms (prefill duration, KV transfer duration).
+
+To export a new WorkerStats field, add one line to WORKER_COUNTERS. A field whose value is a
+dict {backend: number} is exported with a `backend` label per key; a plain number of a
+transfer field gets the worker's `--transfer-backend` as its label.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client.core import CounterMetricFamily
+
+from common.metrics import LATENCY_BUCKETS, FunctionCollector, counter, gauge
+
+# WorkerStats field -> (metric name without _total, help, labelled by transfer backend).
+# Fields another branch adds (retractions, spec_*) are exported as soon as WorkerStats has them.
+WORKER_COUNTERS: dict[str, tuple[str, str, bool]] = {
+    "remote_prefills": ("tandem_worker_remote_prefills", "decode: prompts whose KV came from a prefill worker", False),
+    "local_prefills": ("tandem_worker_local_prefills", "decode: prompts prefilled on this worker", False),
+    "prefill_cached_tokens": ("tandem_worker_prefill_cached_tokens", "prefill: prompt tokens taken from this "
+                              "worker's prefix cache instead of computed", False),
+    "prefix_query_tokens": ("tandem_worker_prefix_cache_query_tokens", "prompt tokens looked up in the prefix "
+                            "cache", False),
+    "prefix_hit_tokens": ("tandem_worker_prefix_cache_hit_tokens", "prompt tokens found in the prefix cache", False),
+    "generated_tokens": ("tandem_worker_generated_tokens", "decode: tokens generated (first tokens included)", False),
+    "transfers": ("tandem_worker_kv_transfers", "prefill: KV transfers completed", True),
+    "transfer_bytes": ("tandem_worker_kv_transfer_bytes", "prefill: KV bytes written to decode workers", True),
+    "transfer_seconds": ("tandem_worker_kv_transfer_seconds", "prefill: seconds spent in KV transfers", True),
+    "retractions": ("tandem_worker_retractions", "decode: running requests retracted to free KV blocks", False),
+    "spec_verify_steps": ("tandem_worker_spec_verify_steps", "decode: MTP verify steps", False),
+    "spec_emitted_tokens": ("tandem_worker_spec_emitted_tokens", "decode: tokens emitted by MTP verify steps "
+                            "(accept length = emitted / verify steps)", False),
+}
+
+
+class WorkerMetrics:
+    """Owns one worker's registry; `running_fn` (decode: requests in the batch) is set by the role."""
+
+    def __init__(self, runtime: Any) -> None:
+        self.rt = runtime
+        self.registry = CollectorRegistry()
+        self.prefill_duration = Histogram(
+            "tandem_worker_prefill_duration_seconds", "chunked prefill of one prompt (compute only), by where: "
+            "remote (a prefill worker) or local (a decode worker)", ["where"], buckets=LATENCY_BUCKETS,
+            registry=self.registry)
+        self.transfer_duration = Histogram(
+            "tandem_worker_kv_transfer_duration_seconds", "prefill: one KV transfer, submission to completion",
+            ["backend"], buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.running_fn: Callable[[], int] | None = None
+        self.collector = FunctionCollector(self._collect)
+        self.registry.register(self.collector)
+
+    def bind_loop(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Collect on `loop` (the one that owns the pool and the counters)."""
+        self.collector.loop = loop
+
+    def _collect(self) -> Iterator[Any]:
+        rt = self.rt
+        backend = rt.opts.transfer_backend
+        for field, (name, doc, by_backend) in WORKER_COUNTERS.items():
+            value = getattr(rt.stats, field, None)
+            if isinstance(value, dict):
+                fam = CounterMetricFamily(name, doc, labels=["backend"])
+                for key, v in value.items():
+                    fam.add_metric([str(key)], v)
+                yield fam
+            elif value is not None:
+                yield counter(name, doc, value, {"backend": backend} if by_backend else None)
+        blocks = rt.pool.blocks
+        total = blocks.num_blocks
+        used = total - blocks.num_free
+        yield gauge("tandem_worker_kv_blocks", "KV pool capacity in blocks", total)
+        yield gauge("tandem_worker_kv_used_blocks", "KV blocks referenced by requests", used)
+        yield gauge("tandem_worker_kv_cached_blocks", "KV blocks in the prefix cache (referenced or not)",
+                    blocks.num_cached)
+        yield gauge("tandem_worker_kv_usage_ratio", "used / capacity", used / total)
+        query = getattr(rt.stats, "prefix_query_tokens", 0)
+        yield gauge("tandem_worker_prefix_cache_hit_ratio", "prefix cache hit tokens / query tokens since start "
+                    "(rate() of the two counters gives it over a window)",
+                    getattr(rt.stats, "prefix_hit_tokens", 0) / query if query else 0.0)
+        running = self.running_fn() if self.running_fn is not None else rt.in_flight - rt.model_waiting
+        yield gauge("tandem_worker_requests_in_flight", "requests being served (RPCs in progress)", rt.in_flight)
+        yield gauge("tandem_worker_running_requests", "decode: requests in the decode batch; prefill: requests not "
+                    "waiting for the model thread", running)
+        yield gauge("tandem_worker_queue_depth", "requests in flight and not running (waiting for KV, a batch "
+                    "slot or the model thread)", max(0, rt.in_flight - running))
+        yield gauge("tandem_worker_model_queue_depth", "model calls waiting for the model thread", rt.model_waiting)
+        yield counter("tandem_worker_kv_event_batches", "KV event batches published", rt.events.last_event_id)
+        yield gauge("tandem_worker_draining", "1 while draining after SIGTERM", 1.0 if rt.draining else 0.0)
+        yield gauge("tandem_worker_engine_stalled", "1 while one model call has run over --stall-timeout",
+                    1.0 if rt.stalled() else 0.0)
