@@ -40,7 +40,7 @@ import numpy as np
 
 from kv_transfer.base import (HOST_DEVICE, KvTransferAgent, PeerName, PoolDescriptor,
                               RemoteBlocks, TransferError, TransferResult, TransferTimeout,
-                              merge_runs)
+                              plan_write)
 
 if TYPE_CHECKING:
     import torch
@@ -141,6 +141,10 @@ class NixlAgent(KvTransferAgent):
     def name(self) -> PeerName:
         return self._name
 
+    @property
+    def backend(self) -> str:
+        return "nixl"
+
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError(f"transfer agent {self._name!r} is closed")
@@ -222,32 +226,23 @@ class NixlAgent(KvTransferAgent):
         return self._agent.get_xfer_descs(rows, _mem_type(device_id))
 
     async def write_blocks(self, peer_name: str, src_block_ids: Sequence[int],
-                           dst: RemoteBlocks, notification: bytes,
+                           dst: RemoteBlocks, notification: bytes | None,
                            timeout_s: float) -> TransferResult:
         self._check_open()
         pool = self._pool
-        if pool is None:
-            raise RuntimeError("register_pool before writing blocks")
-        if not notification:
-            raise ValueError("notification must be non-empty bytes")
-        if timeout_s <= 0:
-            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
-        if dst.block_stride_bytes != pool.block_stride_bytes:
-            raise ValueError(f"destination block stride {dst.block_stride_bytes} B != local "
-                             f"{pool.block_stride_bytes} B (different KV layouts)")
-        for b in src_block_ids:
-            if not 0 <= b < pool.num_blocks:
-                raise ValueError(f"source block id {b} out of range [0, {pool.num_blocks})")
-        runs = merge_runs(src_block_ids, dst.block_ids, pool.block_stride_bytes)
+        runs = plan_write(pool, src_block_ids, dst, notification, timeout_s)
+        assert pool is not None
         if peer_name not in self._peers:
             raise TransferError(f"unknown transfer peer {peer_name!r} (no metadata loaded)")
         t0 = time.monotonic()
         if not runs:  # D already holds every block: it still needs the go-ahead
+            if notification is None:
+                return TransferResult(0, 0.0, 0, "nixl")
             try:
                 self._agent.send_notif(peer_name, notification)
             except Exception as exc:
                 raise TransferError(f"notification to {peer_name!r} failed: {exc}") from exc
-            return TransferResult(0, time.monotonic() - t0, 0)
+            return TransferResult(0, time.monotonic() - t0, 0, "nixl")
 
         arr = np.asarray(runs, dtype=np.uint64)
         try:
@@ -255,7 +250,7 @@ class NixlAgent(KvTransferAgent):
                 "WRITE",
                 self._descs(pool.base_address, arr[:, 0], arr[:, 2], pool.device_id),
                 self._descs(dst.base_address, arr[:, 1], arr[:, 2], dst.device_id),
-                peer_name, notification)
+                peer_name, notification or b"")  # empty: no notification
         except Exception as exc:  # e.g. NOT_FOUND: dst outside the peer's registered memory
             raise TransferError(f"cannot create WRITE to {peer_name!r}: {exc}") from exc
         self._in_flight[peer_name] = self._in_flight.get(peer_name, 0) + 1
@@ -267,7 +262,7 @@ class NixlAgent(KvTransferAgent):
         seconds = time.monotonic() - t0
         logger.debug("wrote %d B in %d descriptors to %r in %.6f s", total, len(runs),
                      peer_name, seconds)
-        return TransferResult(total, seconds, len(runs))
+        return TransferResult(total, seconds, len(runs), "nixl")
 
     async def _drive(self, handle: Any, peer_name: str, deadline: float,
                      timeout_s: float) -> None:
