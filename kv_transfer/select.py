@@ -20,6 +20,7 @@ import asyncio
 import base64
 import json
 import logging
+import os
 from typing import TYPE_CHECKING, Sequence
 
 from kv_transfer.base import (KvTransferAgent, PeerName, PoolDescriptor, RemoteBlocks,
@@ -54,6 +55,16 @@ def prepare_pool(tensor: torch.Tensor, backend: str) -> None:
     pools or backends without `shm`; a failure (e.g. a small /dev/shm) only logs, and the
     selector then uses NIXL."""
     if tensor.device.type != "cpu" or backend not in ("auto", "shm") or tensor.is_shared():
+        return
+    nbytes = tensor.numel() * tensor.element_size()
+    try:  # tmpfs allocates lazily: a pool larger than /dev/shm would die of SIGBUS, not raise
+        st = os.statvfs("/dev/shm")
+        free = st.f_bavail * st.f_frsize
+    except OSError:
+        free = 0
+    if free < nbytes * 1.05:
+        logger.warning("KV pool (%d B) does not fit in /dev/shm (%d B free): the shm transfer backend is off",
+                       nbytes, free)
         return
     try:
         tensor.share_memory_()
