@@ -33,7 +33,14 @@ from kv_transfer.same_host import Peer, SameHostAgent
 
 _SLICE_BYTES = 8 << 20
 _INLINE_BYTES = 1 << 20  # smaller writes copy on the loop thread: a thread hop costs more
-_COPY_THREADS = 4  # concurrent writes of different requests each get a thread
+_COPY_THREADS = 8  # threads for all writes; concurrent writes of different requests share them
+
+
+def default_parallel() -> int:
+    """Copy threads per large write: memory bandwidth needs more than one core's copy, and
+    each thread copies with one core (torch's intra-op threads are not used off the main
+    thread). At most 4, and half the cores so the model keeps some."""
+    return max(1, min(4, (os.cpu_count() or 2) // 2))
 
 
 def flat_bytes(tensor: torch.Tensor) -> torch.Tensor:
@@ -46,10 +53,12 @@ class ShmAgent(SameHostAgent):
 
     BACKEND = "shm"
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, parallel: int | None = None) -> None:
         super().__init__(name)
         self._src: torch.Tensor | None = None
-        self._executor = ThreadPoolExecutor(_COPY_THREADS, thread_name_prefix=f"kv-shm-{name}")
+        self._parallel = parallel or default_parallel()
+        self._executor = ThreadPoolExecutor(max(_COPY_THREADS, 2 * self._parallel),
+                                            thread_name_prefix=f"kv-shm-{name}")
 
     def _export_pool(self, tensor: torch.Tensor) -> dict[str, Any]:
         if tensor.device.type != "cpu":
@@ -88,17 +97,23 @@ class ShmAgent(SameHostAgent):
         if sum(n for _, _, n in runs) <= _INLINE_BYTES:
             _copy_runs(src, dst, runs, deadline, stop, peer)
             return
-        fut = asyncio.get_running_loop().run_in_executor(
-            self._executor, _copy_runs, src, dst, runs, deadline, stop, peer)
+        # Large writes: `parallel` threads, each taking every parallel-th slice.
+        slices = _slices(runs)
+        k = max(1, min(self._parallel, len(slices) // 2))
+        loop = asyncio.get_running_loop()
+        futs = [loop.run_in_executor(self._executor, _copy_runs, src, dst, slices[i::k], deadline, stop, peer)
+                for i in range(k)]
+        fut = asyncio.gather(*futs)
         try:
             await asyncio.wait_for(asyncio.shield(fut), max(deadline - time.monotonic(), 0))
-        except (TimeoutError, asyncio.CancelledError) as exc:
-            # Stop the copy thread and wait for it (at most one slice), so no byte moves
-            # after the outcome.
+        except (TimeoutError, asyncio.CancelledError, TransferError) as exc:
+            # Stop the copy threads and wait for them (at most one slice each), so no byte
+            # moves after the outcome; every thread's own error is retrieved and dropped.
             stop.set()
-            await asyncio.wait([fut])
-            if not fut.cancelled():
-                fut.exception()  # retrieved: the outcome is the timeout or the cancellation
+            await asyncio.wait(futs)
+            for f in [*futs, fut]:
+                if f.done() and not f.cancelled():
+                    f.exception()
             if isinstance(exc, TimeoutError):
                 raise TransferTimeout(f"write to {peer.name!r} passed its deadline") from None
             raise
@@ -109,16 +124,20 @@ class ShmAgent(SameHostAgent):
         self._src = None
 
 
+def _slices(runs: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
+    """Runs cut into pieces of at most _SLICE_BYTES."""
+    return [(s + off, d + off, min(_SLICE_BYTES, n - off)) for s, d, n in runs for off in range(0, n, _SLICE_BYTES)]
+
+
 def _copy_runs(src: torch.Tensor, dst: torch.Tensor, runs: list[tuple[int, int, int]],
                deadline: float, stop: threading.Event, peer: Peer) -> None:
-    """On a copy thread: src[s:s+n] -> dst[d:d+n] for every run, slice by slice."""
-    for s, d, n in runs:
-        for off in range(0, n, _SLICE_BYTES):
-            if stop.is_set():
-                raise TransferError(f"write to {peer.name!r} stopped")
-            if time.monotonic() >= deadline:
-                raise TransferTimeout(f"write to {peer.name!r} passed its deadline")
-            if off and not peer.alive():
-                raise TransferError(f"transfer peer {peer.name!r} disconnected during the write")
-            k = min(_SLICE_BYTES, n - off)
-            dst[d + off:d + off + k].copy_(src[s + off:s + off + k])
+    """On a copy thread: src[s:s+n] -> dst[d:d+n] for every run, slice by slice; between
+    slices it stops on `stop`, the deadline, or the peer leaving."""
+    for i, (s, d, n) in enumerate(_slices(runs)):
+        if stop.is_set():
+            raise TransferError(f"write to {peer.name!r} stopped")
+        if time.monotonic() >= deadline:
+            raise TransferTimeout(f"write to {peer.name!r} passed its deadline")
+        if i and not peer.alive():
+            raise TransferError(f"transfer peer {peer.name!r} disconnected during the write")
+        dst[d:d + n].copy_(src[s:s + n])

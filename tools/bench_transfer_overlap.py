@@ -41,7 +41,7 @@ from engine.worker_host import WorkerOptions, WorkerRuntime  # noqa: E402
 from kv_transfer import PoolDescriptor, create_agent, prepare_pool  # noqa: E402
 from prefill_worker.chunk_sender import ChunkSender  # noqa: E402
 
-TIMEOUT_S = 300.0
+TIMEOUT_S = 3600.0
 
 
 def _config(layers: int, max_len: int) -> ModelConfig:
@@ -120,8 +120,11 @@ def run(args: argparse.Namespace) -> dict:
         backend = rt.agent.backend_for("overlap-D")
 
         async def all_runs() -> list[dict[str, float]]:
-            return [await one(rt, "overlap-D", PoolDescriptor(*desc), n, 100 + i, o, m)
-                    for i, ((n, o, _), m) in enumerate(zip(plan, messages))]
+            out = []
+            for i, ((n, o, _), m) in enumerate(zip(plan, messages)):
+                out.append(await one(rt, "overlap-D", PoolDescriptor(*desc), n, 100 + i, o, m))
+                print(f"  {m}: prefill {out[-1]['prefill_s']:.2f} s", flush=True)
+            return out
         marks = asyncio.run(all_runs())
         if not here.poll(TIMEOUT_S):
             raise RuntimeError("child did not report")

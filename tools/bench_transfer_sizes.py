@@ -126,7 +126,8 @@ def run(args: argparse.Namespace) -> dict:
     scratch = torch.zeros(max_bytes, dtype=torch.uint8, device=args.device)
     flat = {name: t.view(-1) for name, t in srcs.items()}
     writers = {(b, name): Writer(b, name, srcs[name], *info[name]) for b in args.backends for name, _, _ in layouts}
-    limits = ["d2d copy"] if args.device == "cuda" else ["memcpy 1-thread", f"memcpy {torch.get_num_threads()}-thread"]
+    limits = ["d2d copy"] if args.device == "cuda" else list(dict.fromkeys(
+        ["memcpy 1-thread", f"memcpy {torch.get_num_threads()}-thread"]))
     rows = []
 
     async def rounds() -> None:
@@ -138,7 +139,7 @@ def run(args: argparse.Namespace) -> dict:
                 for r in range(args.repeats + 1):
                     s = {}
                     for lim in limits:
-                        threads = 1 if lim == "memcpy 1-thread" else None
+                        threads = 1 if lim == "memcpy 1-thread" else None  # else torch's setting
                         s[lim] = _copy_s(flat[name][:nbytes], scratch[:nbytes], threads)
                     for b in args.backends:
                         s[b] = await writers[(b, name)].write(nb)
@@ -183,8 +184,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--bytes-per-token", type=int, default=35_136)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--small-count", type=int, default=200, help="small transfers per measurement")
+    ap.add_argument("--torch-threads", type=int, default=1,
+                    help="torch intra-op threads: the memcpy baseline's and the shm copy's")
     ap.add_argument("--out", type=Path, help="write the results here as JSON")
     args = ap.parse_args(argv)
+    torch.set_num_threads(args.torch_threads)
     args.backends = [b for b in args.backends.split(",") if b] or (
         ["cuda-ipc"] if args.device == "cuda" else ["nixl", "shm"])
     args.sizes_mb = [float(s) for s in args.sizes_mb.split(",")]
