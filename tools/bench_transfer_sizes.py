@@ -132,8 +132,12 @@ def run(args: argparse.Namespace) -> dict:
 
     async def rounds() -> None:
         for name, _, bb in layouts[:-1]:
+            seen = set()
             for size in sizes:
                 nb = max(1, size // bb)
+                if nb in seen:  # a size below one block: measured once, as one block
+                    continue
+                seen.add(nb)
                 nbytes = nb * bb
                 samples: dict[str, list[float]] = {k: [] for k in [*limits, *args.backends]}
                 for r in range(args.repeats + 1):
