@@ -273,6 +273,10 @@ class SameHostAgent(KvTransferAgent):
             pass
         finally:
             conn.close()
+            try:
+                self._conns.remove(conn)
+            except ValueError:
+                pass
 
     def _deliver(self, sender: str, message: bytes) -> None:
         """From the reader thread (or the loop, re-delivering): to a waiter, or buffered."""
