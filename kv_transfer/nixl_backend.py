@@ -106,6 +106,16 @@ def _make_native_agent(api: ModuleType, bind: ModuleType, name: str,
     return wrapper
 
 
+async def _kernels_done(device_id: int) -> None:
+    """NIXL reads GPU memory outside CUDA streams: wait (without blocking the loop) until the
+    kernels queued so far on the device's default stream — those that wrote the blocks — ran."""
+    import torch
+    done = torch.cuda.Event()
+    done.record(torch.cuda.default_stream(device_id))
+    while not done.query():
+        await asyncio.sleep(_POLL_SLEEP_S)
+
+
 def _split(runs: list[tuple[int, int, int]], limit: int) -> list[list[tuple[int, int, int]]]:
     """Runs cut into groups of at most `limit` bytes (a longer run is cut in pieces)."""
     groups: list[list[tuple[int, int, int]]] = [[]]
@@ -265,6 +275,8 @@ class NixlAgent(KvTransferAgent):
                 raise TransferError(f"notification to {peer_name!r} failed: {exc}") from exc
             return TransferResult(0, time.monotonic() - t0, 0, "nixl")
 
+        if pool.device_id != HOST_DEVICE:
+            await _kernels_done(pool.device_id)
         groups = _split(runs, _MAX_POST_BYTES)
         handles: list[Any] = []
         self._in_flight[peer_name] = self._in_flight.get(peer_name, 0) + 1

@@ -85,7 +85,9 @@ class ChunkSender:
         self._raise_failed()
         if self._overlap and num_tokens // self._block_size > self._next:
             self._post(num_tokens // self._block_size, None)
-            await asyncio.sleep(0)  # let the write start before the next chunk is queued
+            # Let the write's first step run now, before the next chunk is queued: GPU backends
+            # order their copies after the kernels queued so far (this chunk's), not the next.
+            await asyncio.sleep(0)
 
     async def finish(self, notification: bytes) -> SendResult:
         """After the whole prompt is in the pool: wait for the chunk writes, then write the

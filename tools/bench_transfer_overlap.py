@@ -63,6 +63,7 @@ def _child(conn, shape: tuple[int, ...], backend: str, messages: list[str]) -> N
             arrivals[m] = time.monotonic()
         return arrivals
     conn.send(asyncio.run(receive()))
+    conn.recv()  # the writer's last measurement still targets this pool
     agent.close()
 
 
@@ -129,6 +130,7 @@ def run(args: argparse.Namespace) -> dict:
         if not here.poll(TIMEOUT_S):
             raise RuntimeError("child did not report")
         arrivals = here.recv()
+        here.send("bye")
     finally:
         child.join(30)
         if child.is_alive():
