@@ -37,6 +37,20 @@ BACKENDS = [
 ]
 
 
+def _shm_free() -> int:
+    try:
+        st = os.statvfs("/dev/shm")
+        return st.f_bavail * st.f_frsize
+    except OSError:
+        return 0
+
+
+def needs_shm(nbytes: int):
+    """tmpfs allocates lazily: a test needing more than /dev/shm holds would die of SIGBUS."""
+    return pytest.mark.skipif(_shm_free() < nbytes * 1.1,
+                              reason=f"/dev/shm has less than {nbytes >> 20} MiB free (container default 64 MiB)")
+
+
 def _device(backend: str) -> str:
     return "cuda" if backend == "cuda-ipc" else "cpu"
 
@@ -227,6 +241,7 @@ def test_peer_stopped_then_gone_mid_request(backend):
         child.close()
 
 
+@needs_shm(128 << 20)
 def test_deadline_stops_the_copy_and_nothing_moves_after():
     """A write that misses its deadline raises TransferTimeout, and its copy has stopped by
     then: the destination does not change afterwards (one outcome, no late bytes)."""
@@ -254,6 +269,7 @@ def test_deadline_stops_the_copy_and_nothing_moves_after():
     assert result.bytes == src.numel() and torch.equal(src, dst)
 
 
+@needs_shm(3 * 96 << 20)
 @pytest.mark.parametrize("backend", BACKENDS[:2])
 def test_slow_transfer_does_not_block_others(backend):
     """A large write to one peer and small writes to another, concurrently: the small ones
