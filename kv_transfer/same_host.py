@@ -100,7 +100,8 @@ class SameHostAgent(KvTransferAgent):
         self._notifs: dict[bytes, list[str]] = {}
         self._notif_count = 0
         self._waiters: dict[bytes, list[tuple[asyncio.AbstractEventLoop, asyncio.Future[str]]]] = {}
-        self._address = f"\0tandem-kv/{name}/{os.getpid()}/{uuid.uuid4().hex[:8]}"
+        # Abstract socket names hold at most 107 bytes: the uuid makes it unique, not the name.
+        self._address = f"\0tandem-kv/{name[:48]}/{os.getpid()}/{uuid.uuid4().hex[:12]}"
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             self._listener.bind(self._address)
