@@ -9,7 +9,8 @@ Export: torch's own CUDA IPC (`torch.multiprocessing.reductions.reduce_tensor`, 
 cudaIpcGetMemHandle of the pool's allocation plus torch's reference counter), sent as JSON
 fields in the agent metadata (never pickled: metadata comes from the network). The peer
 rebuilds the tensor with `rebuild_cuda_tensor` (cudaIpcOpenMemHandle). A process cannot open
-its own handle, so both ends must be different processes.
+its own handle, so both ends must be different processes; device indices are taken as equal in
+both (same CUDA_VISIBLE_DEVICES) — where opening fails, the selector falls back to NIXL.
 
 Copies are issued on a dedicated stream of the source device that first waits for the
 device's default stream (where the model wrote the blocks), so they overlap the next chunk's
