@@ -30,7 +30,8 @@ HELP = {
     "etcd": "etcd endpoints host:port[,host:port]",
     "namespace": "discovery namespace in etcd",
     "lease_ttl_s": "etcd lease time to live in seconds",
-    "transfer_backend": "KV transfer backend",
+    "transfer_backend": "KV transfer backend: auto (per peer: cuda-ipc for GPU pools on one host, shm for host "
+                        "pools on one host, else nixl) | nixl | shm | cuda-ipc",
     "transfer_timeout_s": "KV transfer timeout in seconds",
     "health_interval_s": "router: seconds between grpc.health.v1 probes of each worker",
     "health_timeout_s": "router: seconds one health probe may take",

@@ -11,8 +11,8 @@ import logging
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import Any, Callable, Sequence, TypeVar
+from dataclasses import dataclass, field
+from typing import Any, Awaitable, Callable, Sequence, TypeVar
 
 import grpc
 import torch
@@ -51,7 +51,7 @@ class WorkerOptions:
     etcd: str = ""  # etcd endpoints host:port[,host:port]; empty = no registration
     namespace: str = "default"
     lease_ttl_s: float = 10.0
-    transfer_backend: str = "nixl"
+    transfer_backend: str = "auto"  # auto | nixl | shm | cuda-ipc (kv_transfer/select.py)
     transfer_timeout_s: float = 30.0
     prefill_timeout_s: float = 30.0  # decode: wait this long (at most half the deadline) for a prefill worker
     drain_timeout_s: float = 30.0  # on SIGTERM: finish in-flight requests for at most this long
@@ -68,9 +68,24 @@ class WorkerOptions:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if not 0 <= self.speculative_num_steps <= 8:
             raise ValueError(f"--speculative-num-steps must be in 0..8, got {self.speculative_num_steps}")
+        from kv_transfer.select import CHOICES
+        if self.transfer_backend not in CHOICES:
+            raise ValueError(f"--transfer-backend must be one of {', '.join(CHOICES)}, got {self.transfer_backend!r}")
         if self.lease_ttl_s < 1:
             raise ValueError(f"--lease-ttl must be >= 1 second, got {self.lease_ttl_s}")
         advertised_host(self.host, self.advertise_host)  # fails early, naming the flag
+
+
+@dataclass
+class BackendTransferStats:
+    """Prefill side: KV transfers through one backend (a metric label: backend)."""
+
+    transfers: int = 0  # requests whose KV arrived completely (notification sent)
+    writes: int = 0  # write_blocks calls (one per finished chunk with overlap, plus the last)
+    failures: int = 0  # requests whose transfer failed (the decode worker prefills locally)
+    bytes: int = 0
+    seconds: float = 0.0  # sum over writes of submission to completion (writes may overlap)
+    exposed_seconds: float = 0.0  # sum over requests of last chunk's end to notification sent
 
 
 @dataclass
@@ -81,7 +96,7 @@ class WorkerStats:
     remote_prefills: int = 0  # decode: prompts whose KV came from a prefill worker
     local_prefills: int = 0  # decode: prompts prefilled here
     prefill_cached_tokens: int = 0  # prefill: prompt tokens taken from this worker's prefix cache
-    transfers: int = 0  # prefill: KV transfers completed
+    transfers: int = 0  # prefill: KV transfers completed (all backends)
     transfer_bytes: int = 0
     transfer_seconds: float = 0.0
     spec_verify_steps: int = 0  # decode: MTP verify steps, summed over requests
@@ -90,6 +105,11 @@ class WorkerStats:
     prefix_query_tokens: int = 0  # prompt tokens looked up in this worker's prefix cache
     prefix_hit_tokens: int = 0  # of those, tokens found there
     generated_tokens: int = 0  # decode: tokens streamed (first tokens included)
+    transfer_by_backend: dict[str, BackendTransferStats] = field(default_factory=dict)
+
+    def backend(self, name: str) -> BackendTransferStats:
+        """The counters of one backend ("nixl", "shm", "cuda-ipc"), created on first use."""
+        return self.transfer_by_backend.setdefault(name, BackendTransferStats())
 
 
 class WorkerRuntime:
@@ -124,7 +144,8 @@ class WorkerRuntime:
         # One thread for all model work: forwards never run concurrently, the event loop
         # keeps serving RPCs, and the pool's accounting stays on the loop thread.
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
-        from kv_transfer import create_agent
+        from kv_transfer import create_agent, prepare_pool
+        prepare_pool(self.pool.kv, opts.transfer_backend)  # host pool into shared memory for shm
         self.agent = create_agent(opts.transfer_backend, self.instance_id)
         self.pool_desc = self.agent.register_pool(self.pool.kv)
 
@@ -152,19 +173,27 @@ class WorkerRuntime:
             await asyncio.wait([fut])
             raise
 
-    async def prefill(self, block_ids: list, token_ids: list[int], start: int) -> torch.Tensor:
+    async def prefill(self, block_ids: list, token_ids: list[int], start: int,
+                      on_chunk_done: Callable[[int], Awaitable[None]] | None = None) -> torch.Tensor:
         """Chunked prefill of token_ids[start:] (tokens before start are in the pool), one
         model-thread call per chunk so a cancelled request stops between chunks.
 
         Traced as a `tandem.prefill` span with one `tandem.prefill.chunk` child per chunk.
 
+        Args:
+            on_chunk_done: awaited after each chunk with the number of prompt tokens whose KV
+                is now complete in the pool (the chunk's end, counting the cached prefix); the
+                prefill worker starts sending those blocks while the next chunk computes. An
+                exception it raises ends the prefill.
+
         Returns:
             float32 logits [vocab] of the last prompt token.
         """
-        return await self.run_model(self.runner.logits, await self.prefill_hidden(block_ids, token_ids, start))
+        hidden = await self.prefill_hidden(block_ids, token_ids, start, on_chunk_done=on_chunk_done)
+        return await self.run_model(self.runner.logits, hidden)
 
-    async def prefill_hidden(self, block_ids: list, token_ids: list[int], start: int,
-                             mtp: bool = False) -> torch.Tensor:
+    async def prefill_hidden(self, block_ids: list, token_ids: list[int], start: int, mtp: bool = False,
+                             on_chunk_done: Callable[[int], Awaitable[None]] | None = None) -> torch.Tensor:
         """As `prefill`, but returns the last prompt token's final-normed hidden state [hidden]
         (what the first MTP draft step needs); with `mtp` it also writes the prompt's MTP KV
         rows (engine/mtp.py)."""
@@ -180,6 +209,8 @@ class WorkerRuntime:
                 with tracing.span("tandem.prefill.chunk", {"tandem.chunk.index": i, "tandem.chunk.start": s,
                                                            "tandem.chunk.tokens": e - s}):
                     hidden = await self.run_model(self.runner.prefill_chunk, block_ids, token_ids, s, e, mtp)
+                if on_chunk_done is not None:
+                    await on_chunk_done(e)
             assert hidden is not None, "prefill needs at least one token to compute"
             span.set_attribute("tandem.prefill.chunks", -(-(len(token_ids) - start) // chunk))
         self.metrics.prefill_duration.labels(where).observe(time.perf_counter() - began)

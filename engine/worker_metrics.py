@@ -5,8 +5,8 @@ time, on the worker's event loop, by one collector; the request path only observ
 histograms (prefill duration, KV transfer duration).
 
 To export a new WorkerStats field, add one line to WORKER_COUNTERS. A field whose value is a
-dict {backend: number} is exported with a `backend` label per key; a plain number of a
-transfer field gets the worker's `--transfer-backend` as its label.
+dict {backend: number} is exported with a `backend` label per key. Transfer counters come
+per backend from `WorkerStats.transfer_by_backend` (TRANSFER_COUNTERS).
 """
 
 from __future__ import annotations
@@ -30,13 +30,24 @@ WORKER_COUNTERS: dict[str, tuple[str, str, bool]] = {
                             "cache", False),
     "prefix_hit_tokens": ("tandem_worker_prefix_cache_hit_tokens", "prompt tokens found in the prefix cache", False),
     "generated_tokens": ("tandem_worker_generated_tokens", "decode: tokens generated (first tokens included)", False),
-    "transfers": ("tandem_worker_kv_transfers", "prefill: KV transfers completed", True),
-    "transfer_bytes": ("tandem_worker_kv_transfer_bytes", "prefill: KV bytes written to decode workers", True),
-    "transfer_seconds": ("tandem_worker_kv_transfer_seconds", "prefill: seconds spent in KV transfers", True),
     "retractions": ("tandem_worker_retractions", "decode: running requests retracted to free KV blocks", False),
     "spec_verify_steps": ("tandem_worker_spec_verify_steps", "decode: MTP verify steps", False),
     "spec_emitted_tokens": ("tandem_worker_spec_emitted_tokens", "decode: tokens emitted by MTP verify steps "
                             "(accept length = emitted / verify steps)", False),
+}
+
+# BackendTransferStats field (WorkerStats.transfer_by_backend) -> (metric name without _total, help);
+# one series per backend actually used (kv_transfer/select.py picks it per peer pair).
+TRANSFER_COUNTERS: dict[str, tuple[str, str]] = {
+    "transfers": ("tandem_worker_kv_transfers", "prefill: requests whose KV reached the decode worker"),
+    "writes": ("tandem_worker_kv_transfer_writes", "prefill: write_blocks calls (one per finished chunk, plus "
+               "the last with the notification)"),
+    "failures": ("tandem_worker_kv_transfer_failures", "prefill: requests whose KV transfer failed"),
+    "bytes": ("tandem_worker_kv_transfer_bytes", "prefill: KV bytes written to decode workers"),
+    "seconds": ("tandem_worker_kv_transfer_seconds", "prefill: seconds from a request's first write to its "
+                "notification"),
+    "exposed_seconds": ("tandem_worker_kv_transfer_exposed_seconds", "prefill: seconds from the end of the "
+                        "prefill to the notification (the transfer time left after overlap)"),
 }
 
 
@@ -63,8 +74,7 @@ class WorkerMetrics:
 
     def _collect(self) -> Iterator[Any]:
         rt = self.rt
-        backend = rt.opts.transfer_backend
-        for field, (name, doc, by_backend) in WORKER_COUNTERS.items():
+        for field, (name, doc, _) in WORKER_COUNTERS.items():
             value = getattr(rt.stats, field, None)
             if isinstance(value, dict):
                 fam = CounterMetricFamily(name, doc, labels=["backend"])
@@ -72,7 +82,13 @@ class WorkerMetrics:
                     fam.add_metric([str(key)], v)
                 yield fam
             elif value is not None:
-                yield counter(name, doc, value, {"backend": backend} if by_backend else None)
+                yield counter(name, doc, value)
+        per_backend = getattr(rt.stats, "transfer_by_backend", {})
+        for field, (name, doc) in TRANSFER_COUNTERS.items():
+            fam = CounterMetricFamily(name, doc, labels=["backend"])
+            for key, st in per_backend.items():
+                fam.add_metric([key], getattr(st, field))
+            yield fam
         blocks = rt.pool.blocks
         total = blocks.num_blocks
         used = total - blocks.num_free

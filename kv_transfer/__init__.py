@@ -1,7 +1,9 @@
 """KV block transfer between workers' KV pools (DESIGN.md section 5).
 
-`create_agent(backend, name)` returns a `KvTransferAgent`; backends are imported lazily so this
-package imports on machines without NIXL.
+`create_agent(backend, name)` returns a `KvTransferAgent` that chooses a backend per peer pair
+(`select.py`): `cuda-ipc` (CUDA pools on one host), `shm` (host pools on one host) or `nixl`
+(anything else). Backends are imported lazily, so this package imports on machines without
+NIXL and without CUDA.
 """
 
 from __future__ import annotations
@@ -9,24 +11,20 @@ from __future__ import annotations
 from kv_transfer.base import (HOST_DEVICE, BlockId, KvTransferAgent, PeerName, PoolDescriptor,
                               RemoteBlocks, TransferError, TransferResult, TransferTimeout,
                               merge_runs)
+from kv_transfer.select import BACKENDS, CHOICES, SelectingAgent, prepare_pool
 
-BACKENDS = ("nixl",)
-
-__all__ = ["BACKENDS", "HOST_DEVICE", "BlockId", "KvTransferAgent", "PeerName", "PoolDescriptor",
-           "RemoteBlocks", "TransferError", "TransferResult", "TransferTimeout", "create_agent",
-           "merge_runs"]
+__all__ = ["BACKENDS", "CHOICES", "HOST_DEVICE", "BlockId", "KvTransferAgent", "PeerName",
+           "PoolDescriptor", "RemoteBlocks", "SelectingAgent", "TransferError", "TransferResult",
+           "TransferTimeout", "create_agent", "merge_runs", "prepare_pool"]
 
 
-def create_agent(backend: str, name: str) -> KvTransferAgent:
-    """A transfer agent of `backend` named `name` (unique among communicating workers).
+def create_agent(backend: str, name: str) -> SelectingAgent:
+    """A transfer agent named `name` (unique among communicating workers) using `backend`:
+    "auto" (choose per peer from every backend available here) or one of `BACKENDS`.
 
     Raises:
         ValueError: unknown backend (the `--transfer-backend` flag) or empty name.
-        ImportError: the backend's library is not installed.
-        TransferError: the backend failed to start.
+        ImportError: the named backend's library is not installed.
+        TransferError: the named backend (or, for "auto", every backend) failed to start.
     """
-    if backend == "nixl":
-        from kv_transfer.nixl_backend import NixlAgent
-        return NixlAgent(name)
-    raise ValueError(f"unknown --transfer-backend {backend!r}; choose one of: "
-                     + ", ".join(BACKENDS))
+    return SelectingAgent(backend, name)

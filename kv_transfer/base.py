@@ -5,9 +5,13 @@ A worker owns one KV pool: one contiguous memory region in which block `b` occup
 [num_blocks, num_layers, block_size, kv_dim] the stride is `tensor[0].numel() * element_size`.
 
 The prefill worker P writes blocks of its pool into the decode worker D's pool with one-sided
-WRITEs, then a notification carrying the request id reaches D; D starts decoding once it has it.
-Only addresses cross the wire (`PoolDescriptor` / `RemoteBlocks`), so any layout with a fixed
-block stride works, and backends (NIXL, CUDA IPC, ...) share these semantics.
+WRITEs (one per finished prefill chunk, see prefill_worker/chunk_sender.py), the last of them
+with a notification carrying the request id; D starts decoding once it has it. Only addresses
+cross the wire (`PoolDescriptor` / `RemoteBlocks`), so any layout with a fixed block stride
+works, and the pool is treated as bytes (float32, bfloat16 and float8_e4m3fn pools alike).
+Backends share these semantics: `nixl` (NIXL/UCX, any hosts), `shm` (host pools in shared
+memory on one host), `cuda-ipc` (CUDA pools of processes on one host); `kv_transfer/select.py`
+picks one per peer pair.
 
 Units: addresses, strides and sizes in bytes; durations and timeouts in seconds.
 """
@@ -81,11 +85,13 @@ class TransferResult:
 
     bytes: payload bytes written. seconds: wall time from submission to completion.
     descriptors: number of (merged) contiguous descriptors the transfer used.
+    backend: the backend that moved the bytes ("nixl", "shm", "cuda-ipc").
     """
 
     bytes: int
     seconds: float
     descriptors: int
+    backend: str = ""
 
 
 def merge_runs(src_ids: Sequence[int], dst_ids: Sequence[int],
@@ -131,6 +137,31 @@ def merge_runs(src_ids: Sequence[int], dst_ids: Sequence[int],
     return runs
 
 
+def plan_write(pool: PoolDescriptor | None, src_block_ids: Sequence[int], dst: RemoteBlocks,
+               notification: bytes | None, timeout_s: float) -> list[tuple[int, int, int]]:
+    """Check `write_blocks` arguments against the local pool; the merged byte runs to copy.
+
+    Returns:
+        `merge_runs(src_block_ids, dst.block_ids, stride)`.
+
+    Raises:
+        RuntimeError: no pool registered. ValueError: as `KvTransferAgent.write_blocks` says.
+    """
+    if pool is None:
+        raise RuntimeError("register_pool before writing blocks")
+    if notification is not None and not notification:
+        raise ValueError("notification must be non-empty bytes (or None for a data-only write)")
+    if timeout_s <= 0:
+        raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+    if dst.block_stride_bytes != pool.block_stride_bytes:
+        raise ValueError(f"destination block stride {dst.block_stride_bytes} B != local "
+                         f"{pool.block_stride_bytes} B (different KV layouts)")
+    for b in src_block_ids:
+        if not 0 <= b < pool.num_blocks:
+            raise ValueError(f"source block id {b} out of range [0, {pool.num_blocks})")
+    return merge_runs(src_block_ids, dst.block_ids, pool.block_stride_bytes)
+
+
 class KvTransferAgent(abc.ABC):
     """One worker's endpoint for KV block transfers (DESIGN.md section 5).
 
@@ -147,6 +178,11 @@ class KvTransferAgent(abc.ABC):
     @abc.abstractmethod
     def name(self) -> PeerName:
         """This agent's name (unique among the workers that talk to each other)."""
+
+    @property
+    def backend(self) -> str:
+        """Backend name ("nixl", "shm", "cuda-ipc"; "auto" for the selecting agent)."""
+        return type(self).__name__
 
     @abc.abstractmethod
     def register_pool(self, tensor: torch.Tensor) -> PoolDescriptor:
@@ -199,10 +235,15 @@ class KvTransferAgent(abc.ABC):
 
     @abc.abstractmethod
     async def write_blocks(self, peer_name: str, src_block_ids: Sequence[int],
-                           dst: RemoteBlocks, notification: bytes,
+                           dst: RemoteBlocks, notification: bytes | None,
                            timeout_s: float) -> TransferResult:
         """Write local blocks src_block_ids[i] into the peer's blocks dst.block_ids[i], then
         deliver `notification` (the request id) to the peer, after all the data.
+
+        Ordering: the notification reaches the peer after this write's data and after the data
+        of every earlier write to the same peer that returned before this one was called, so a
+        request sent as several data-only writes (notification None) and one last write with
+        the notification is complete at the peer when the notification arrives.
 
         Exactly one terminal outcome: a `TransferResult`, or an exception; in every case
         (including cancellation of the awaiting task) the in-flight handle is released, which
@@ -212,11 +253,12 @@ class KvTransferAgent(abc.ABC):
             peer_name: a name added with `add_peer`.
             src_block_ids: blocks of the local pool.
             dst: the peer's pool (from its `PoolDescriptor`) and destination ids, one per source.
-            notification: bytes the peer receives via `wait_notification` (non-empty).
+            notification: bytes the peer receives via `wait_notification` (non-empty), or None
+                for a data-only write (an intermediate chunk of a request).
             timeout_s: seconds before giving up (> 0).
 
         Returns:
-            TransferResult(bytes, seconds, descriptors).
+            TransferResult(bytes, seconds, descriptors, backend).
 
         Raises:
             ValueError: bad ids (out of the local range, length mismatch, repeated

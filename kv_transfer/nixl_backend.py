@@ -13,9 +13,11 @@ it. Facts about the `nixl-cu13` 1.5.1 wheel this module relies on (measured, not
   least every 1 ms; ~3 % CPU idle, and about twice the bandwidth on 2 cores, where the
   spinning threads competed with the copy).
 * On one host UCX writes host memory with CMA (process_vm_writev) *inside* the post call,
-  which holds the GIL: `write_blocks` stalls the whole process for about bytes / 5 GB/s
-  (~25 ms for 134 MB on the 2-core machine); running the post in another thread does not help.
-  Keep per-request transfers moderate. Measured there (tools/bench_transfer.py): ~40 % of a
+  which holds the GIL: a post stalls the whole process for about bytes / 5 GB/s
+  (~25 ms for 134 MB on the 2-core machine); running the post in another thread, several
+  UCX workers (`num_workers`), READ instead of WRITE, or other UCX_TLS choices do not help
+  (docs/bench/transfer.md). So `write_blocks` posts at most 64 MB at a time and yields
+  between posts; on one host the `shm` backend is the fast path. Measured there (tools/bench_transfer.py): ~40 % of a
   2-thread memcpy, ~50 % of a 1-thread one, close to raw process_vm_writev (~7 GB/s).
 * Agent names must be non-empty; metadata is ~330 bytes plus ~120 per registered region.
   Creating the first agent of a process takes ~0.45 s (UCX init), later ones ~0.03 s; the
@@ -40,7 +42,7 @@ import numpy as np
 
 from kv_transfer.base import (HOST_DEVICE, KvTransferAgent, PeerName, PoolDescriptor,
                               RemoteBlocks, TransferError, TransferResult, TransferTimeout,
-                              merge_runs)
+                              plan_write)
 
 if TYPE_CHECKING:
     import torch
@@ -52,6 +54,8 @@ _NIXL_MODULES = ("nixl_cu13", "nixl")
 # sleep; asyncio rounds any positive sleep up to the selector's 1 ms resolution anyway.
 _SPIN_YIELDS = 8
 _POLL_SLEEP_S = 0.001
+# A write is posted in groups of at most this many bytes (see write_blocks).
+_MAX_POST_BYTES = 64 << 20
 # Notifications nobody waits for (e.g. the waiter timed out) are kept at most this many.
 _MAX_BUFFERED_NOTIFS = 4096
 
@@ -102,6 +106,33 @@ def _make_native_agent(api: ModuleType, bind: ModuleType, name: str,
     return wrapper
 
 
+async def _kernels_done(device_id: int) -> None:
+    """NIXL reads GPU memory outside CUDA streams: wait (without blocking the loop) until the
+    kernels queued so far on the device's default stream — those that wrote the blocks — ran."""
+    import torch
+    done = torch.cuda.Event()
+    done.record(torch.cuda.default_stream(device_id))
+    while not done.query():
+        await asyncio.sleep(_POLL_SLEEP_S)
+
+
+def _split(runs: list[tuple[int, int, int]], limit: int) -> list[list[tuple[int, int, int]]]:
+    """Runs cut into groups of at most `limit` bytes (a longer run is cut in pieces)."""
+    groups: list[list[tuple[int, int, int]]] = [[]]
+    size = 0
+    for s, d, n in runs:
+        off = 0
+        while off < n:
+            if size >= limit:
+                groups.append([])
+                size = 0
+            k = min(n - off, limit - size)
+            groups[-1].append((s + off, d + off, k))
+            size += k
+            off += k
+    return groups
+
+
 class NixlAgent(KvTransferAgent):
     """`KvTransferAgent` over NIXL/UCX (see the module docstring for quirks and threading).
 
@@ -140,6 +171,10 @@ class NixlAgent(KvTransferAgent):
     @property
     def name(self) -> PeerName:
         return self._name
+
+    @property
+    def backend(self) -> str:
+        return "nixl"
 
     def _check_open(self) -> None:
         if self._closed:
@@ -222,52 +257,58 @@ class NixlAgent(KvTransferAgent):
         return self._agent.get_xfer_descs(rows, _mem_type(device_id))
 
     async def write_blocks(self, peer_name: str, src_block_ids: Sequence[int],
-                           dst: RemoteBlocks, notification: bytes,
+                           dst: RemoteBlocks, notification: bytes | None,
                            timeout_s: float) -> TransferResult:
         self._check_open()
         pool = self._pool
-        if pool is None:
-            raise RuntimeError("register_pool before writing blocks")
-        if not notification:
-            raise ValueError("notification must be non-empty bytes")
-        if timeout_s <= 0:
-            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
-        if dst.block_stride_bytes != pool.block_stride_bytes:
-            raise ValueError(f"destination block stride {dst.block_stride_bytes} B != local "
-                             f"{pool.block_stride_bytes} B (different KV layouts)")
-        for b in src_block_ids:
-            if not 0 <= b < pool.num_blocks:
-                raise ValueError(f"source block id {b} out of range [0, {pool.num_blocks})")
-        runs = merge_runs(src_block_ids, dst.block_ids, pool.block_stride_bytes)
+        runs = plan_write(pool, src_block_ids, dst, notification, timeout_s)
+        assert pool is not None
         if peer_name not in self._peers:
             raise TransferError(f"unknown transfer peer {peer_name!r} (no metadata loaded)")
         t0 = time.monotonic()
         if not runs:  # D already holds every block: it still needs the go-ahead
+            if notification is None:
+                return TransferResult(0, 0.0, 0, "nixl")
             try:
                 self._agent.send_notif(peer_name, notification)
             except Exception as exc:
                 raise TransferError(f"notification to {peer_name!r} failed: {exc}") from exc
-            return TransferResult(0, time.monotonic() - t0, 0)
+            return TransferResult(0, time.monotonic() - t0, 0, "nixl")
 
-        arr = np.asarray(runs, dtype=np.uint64)
-        try:
-            handle = self._agent.initialize_xfer(
-                "WRITE",
-                self._descs(pool.base_address, arr[:, 0], arr[:, 2], pool.device_id),
-                self._descs(dst.base_address, arr[:, 1], arr[:, 2], dst.device_id),
-                peer_name, notification)
-        except Exception as exc:  # e.g. NOT_FOUND: dst outside the peer's registered memory
-            raise TransferError(f"cannot create WRITE to {peer_name!r}: {exc}") from exc
+        if pool.device_id != HOST_DEVICE:
+            await _kernels_done(pool.device_id)
+        groups = _split(runs, _MAX_POST_BYTES)
+        handles: list[Any] = []
         self._in_flight[peer_name] = self._in_flight.get(peer_name, 0) + 1
         try:
-            await self._drive(handle, peer_name, t0 + timeout_s, timeout_s)
-        finally:  # success, error, timeout or cancellation: never leak the handle
-            self._release(handle, peer_name)
-        total = int(arr[:, 2].sum())
+            for i, group in enumerate(groups):
+                arr = np.asarray(group, dtype=np.uint64)
+                last = i == len(groups) - 1
+                try:
+                    handles.append(self._agent.initialize_xfer(
+                        "WRITE",
+                        self._descs(pool.base_address, arr[:, 0], arr[:, 2], pool.device_id),
+                        self._descs(dst.base_address, arr[:, 1], arr[:, 2], dst.device_id),
+                        peer_name, (notification or b"") if last else b""))  # empty: no notification
+                except Exception as exc:  # e.g. NOT_FOUND: dst outside the peer's registered memory
+                    raise TransferError(f"cannot create WRITE to {peer_name!r}: {exc}") from exc
+            deadline = t0 + timeout_s
+            # Every group but the last is posted as its own task: on one host UCX copies inside
+            # the post (holding the GIL), so other requests' writes and RPCs run between groups;
+            # across hosts the posts pipeline. The last group, with the notification, goes once
+            # all others are done, so the notification follows every byte.
+            if len(handles) > 1:
+                await asyncio.gather(*(self._drive(h, peer_name, deadline, timeout_s) for h in handles[:-1]))
+            await self._drive(handles[-1], peer_name, deadline, timeout_s)
+        finally:  # success, error, timeout or cancellation: never leak a handle
+            for h in handles:
+                self._release_one(h, peer_name)
+            self._done_with(peer_name)
+        total = sum(length for _, _, length in runs)
         seconds = time.monotonic() - t0
-        logger.debug("wrote %d B in %d descriptors to %r in %.6f s", total, len(runs),
-                     peer_name, seconds)
-        return TransferResult(total, seconds, len(runs))
+        logger.debug("wrote %d B in %d descriptors (%d posts) to %r in %.6f s", total, len(runs),
+                     len(groups), peer_name, seconds)
+        return TransferResult(total, seconds, len(runs), "nixl")
 
     async def _drive(self, handle: Any, peer_name: str, deadline: float,
                      timeout_s: float) -> None:
@@ -288,7 +329,7 @@ class NixlAgent(KvTransferAgent):
         if state != "DONE":
             raise TransferError(f"WRITE to {peer_name!r} failed (state {state})")
 
-    def _release(self, handle: Any, peer_name: str) -> None:
+    def _release_one(self, handle: Any, peer_name: str) -> None:
         # Release aborts an unfinished transfer; NIXL may refuse while UCX still owns it, then
         # we keep the handle (its memory must stay registered) and retry on later calls.
         for h in [handle, *self._unreleased]:
@@ -302,6 +343,8 @@ class NixlAgent(KvTransferAgent):
             else:
                 if h is not handle:
                     self._unreleased.remove(h)
+
+    def _done_with(self, peer_name: str) -> None:
         left = self._in_flight[peer_name] - 1
         if left:
             self._in_flight[peer_name] = left

@@ -1,9 +1,10 @@
 """PrefillService: compute a prompt's KV in chunks and write it into the decode worker's pool.
 
 Path of one call (DESIGN.md section 5, step 3): validate → allocate blocks in this worker's
-pool (reusing its prefix cache) → chunked prefill → cache the prompt's full blocks →
-sample the first token → one-sided WRITE of the blocks the decode worker lacks, with a
-notification carrying the request id → free this worker's references → respond.
+pool (reusing its prefix cache) → chunked prefill, each chunk's finished blocks written into
+the decode worker's pool while the next chunk computes (`chunk_sender.py`) → cache the
+prompt's full blocks → sample the first token → write the rest with the notification carrying
+the request id → free this worker's references → respond.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from engine.mtp import hidden_to_bytes
 from engine.sampling import sample
 from engine.worker_host import WorkerRuntime
 from kv_transfer.base import RemoteBlocks, TransferError
+from kv_transfer.select import CHOICES
+from prefill_worker.chunk_sender import ChunkSender
 
 log = logging.getLogger(__name__)
 
@@ -45,9 +48,8 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
         validate_token_ids(list(request.token_ids), self.rt.vocab_size)
         validate_prompt_length(len(request.token_ids), self.rt.context_length, "token_ids")
         dst = request.destination
-        if dst.backend != self.rt.opts.transfer_backend:
-            raise InvalidArgument("destination.backend",
-                                  f"{dst.backend!r} is not this worker's backend {self.rt.opts.transfer_backend!r}")
+        if dst.backend not in CHOICES:  # the backend itself is chosen from both agents' metadata
+            raise InvalidArgument("destination.backend", f"{dst.backend!r} is not one of {', '.join(CHOICES)}")
         if not dst.agent_name or dst.agent_name == self.rt.agent.name:
             raise InvalidArgument("destination.agent_name", f"{dst.agent_name!r} is empty or this worker's own agent")
         n_blocks = self.rt.pool.blocks_for(len(request.token_ids))
@@ -97,29 +99,36 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
         tokens = list(request.token_ids)
         pool = self.rt.pool
         prompt = await self.rt.allocate_prompt(tokens, context)
+        remote = RemoteBlocks(dst.base_address, dst.block_stride_bytes, dst.device_id, list(dst.block_ids))
+        sender = ChunkSender(self.rt.agent, dst.agent_name, prompt.block_ids, dst.first_block_index, remote,
+                             pool.block_size, self.rt.opts.transfer_timeout_s)
+        backend = self.rt.agent.backend_for(dst.agent_name) or self.rt.agent.backend
         try:
             start = prompt.num_cached_blocks * pool.block_size
-            # MTP KV rows only for a decode worker that drafts with them (it asks for the hidden state)
-            hidden = await self.rt.prefill_hidden(prompt.block_ids, tokens, start, mtp=request.return_last_hidden)
-            logits = await self.rt.run_model(self.rt.runner.logits, hidden)
-            pool.commit_prompt(prompt)
-            self.rt.events.publish()
-            token, logprob = sample(logits, params, step=request.sampling_step_offset)
-            remote = RemoteBlocks(dst.base_address, dst.block_stride_bytes, dst.device_id, list(dst.block_ids))
-            backend = self.rt.opts.transfer_backend
             try:
+                await sender.on_chunk_done(start)  # blocks from this worker's prefix cache go at once
+                # MTP KV rows only for a decode worker that drafts with them (it asks for the hidden state)
+                hidden = await self.rt.prefill_hidden(prompt.block_ids, tokens, start, mtp=request.return_last_hidden,
+                                                      on_chunk_done=sender.on_chunk_done)
+                logits = await self.rt.run_model(self.rt.runner.logits, hidden)
+                pool.commit_prompt(prompt)
+                self.rt.events.publish()
+                token, logprob = sample(logits, params, step=request.sampling_step_offset)
+                # The span covers the exposed part: earlier chunks' writes overlapped the prefill.
                 with tracing.span("tandem.kv_transfer", {"tandem.transfer.backend": backend,
                                                          "tandem.transfer.blocks": len(dst.block_ids),
                                                          "tandem.transfer.peer": dst.agent_name}) as span:
-                    result = await self.rt.agent.write_blocks(
-                        dst.agent_name, prompt.block_ids[dst.first_block_index:], remote,
-                        request.request_id.encode(), self.rt.opts.transfer_timeout_s)
-                    span.set_attributes({"tandem.transfer.bytes": result.bytes,
+                    result = await sender.finish(request.request_id.encode())
+                    span.set_attributes({"tandem.transfer.backend": result.backend,
+                                         "tandem.transfer.bytes": result.bytes,
                                          "tandem.transfer.seconds": result.seconds,
-                                         "tandem.transfer.descriptors": result.descriptors})
-            except (TransferError, ValueError) as exc:
+                                         "tandem.transfer.writes": result.writes,
+                                         "tandem.transfer.exposed_seconds": result.exposed_seconds})
+            except TransferError as exc:
                 # Forget the peer: its connection may be broken for good. The decode worker
                 # then resends its metadata (FAILED_PRECONDITION) and a fresh connection is made.
+                self.rt.stats.backend(backend).failures += 1
+                self.rt.stats.backend(backend).writes += sender.writes
                 self._failures.warning(dst.agent_name, "request %s: KV transfer to %s failed: %s", request.request_id,
                                        dst.agent_name, exc)
                 self.rt.agent.remove_peer(dst.agent_name)
@@ -128,11 +137,18 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
             self.rt.stats.transfers += 1
             self.rt.stats.transfer_bytes += result.bytes
             self.rt.stats.transfer_seconds += result.seconds
-            self.rt.metrics.transfer_duration.labels(backend).observe(result.seconds)
+            self.rt.metrics.transfer_duration.labels(result.backend).observe(result.seconds)
+            per = self.rt.stats.backend(result.backend)
+            per.transfers += 1
+            per.writes += result.writes
+            per.bytes += result.bytes
+            per.seconds += result.seconds
+            per.exposed_seconds += result.exposed_seconds
             return pb.PrefillResponse(first_token_id=token, first_token_logprob=logprob,
                                       cached_tokens=start, transfer_bytes=result.bytes,
                                       transfer_seconds=result.seconds,
                                       last_hidden=hidden_to_bytes(hidden) if request.return_last_hidden else b"")
         finally:
+            await sender.aclose()  # writes still running are cancelled before the blocks go
             pool.free(prompt.block_ids)
             self.rt.events.publish()

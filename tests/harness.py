@@ -1,6 +1,7 @@
 """An in-process cluster for end-to-end tests: a real etcd process, and the router and
 workers as real gRPC servers on loopback, each on one event loop in a background thread,
-with real NIXL transfers between the workers' pools. Tests can inspect the workers' pools.
+with real KV transfers between the workers' pools (`--transfer-backend auto` picks `shm` in
+one process; pass transfer_backend="nixl" for NIXL). Tests can inspect the workers' pools.
 """
 
 from __future__ import annotations

@@ -151,7 +151,8 @@ def test_one_trace_per_request_across_processes(cluster):
     chunks = sorted(s.attributes["tandem.chunk.tokens"] for s in spans if s.name == "tandem.prefill.chunk")
     assert chunks == [8, 16, 16]
     transfer = one[("tandem-prefill", "tandem.kv_transfer")].attributes
-    assert transfer["tandem.transfer.bytes"] > 0 and transfer["tandem.transfer.backend"] == "nixl"
+    assert transfer["tandem.transfer.bytes"] > 0 and transfer["tandem.transfer.backend"] in ("shm", "nixl")
+    assert transfer["tandem.transfer.writes"] >= 1
     assert transfer["tandem.transfer.seconds"] >= 0
     assert one[("tandem-decode", "tandem.decode")].attributes["tandem.decode.tokens"] == MAX_TOKENS
     # JSON logs: the router's debug line for this request carries its request id and trace id.
@@ -198,9 +199,9 @@ def test_every_process_serves_metrics(cluster):
             assert _value(m, "tandem_router_worker_healthy") == 2  # both workers, 1 each
             assert _value(m, "tandem_router_worker_routed_requests_total") >= 2
         elif iid.startswith("prefill"):
-            assert _value(m, "tandem_worker_kv_transfers_total", backend="nixl") >= 1
-            assert _value(m, "tandem_worker_kv_transfer_bytes_total", backend="nixl") > 0
-            assert _value(m, "tandem_worker_kv_transfer_duration_seconds_count", backend="nixl") >= 1
+            assert _value(m, "tandem_worker_kv_transfers_total") >= 1
+            assert _value(m, "tandem_worker_kv_transfer_bytes_total") > 0
+            assert _value(m, "tandem_worker_kv_transfer_duration_seconds_count") >= 1
             assert _value(m, "tandem_worker_prefill_duration_seconds_count", where="remote") >= 1
             assert _value(m, "tandem_worker_kv_blocks") == 256
             assert _value(m, "tandem_worker_kv_cached_blocks") > 0
