@@ -141,6 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("prompt", help="prompt text")
     _arg(p, "--router", "127.0.0.1:50051", "router address host:port")
     p.set_defaults(func=_explain)
+    __import__("cli.plan").plan.register(sub)  # `tandem plan` (cli/plan.py)
     p = sub.add_parser("demo", help="the README demo: MT-Bench through a local cluster, checked against the reference",
                        add_help=False)
     p.set_defaults(func=None)
