@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 import uuid
@@ -22,6 +23,7 @@ from common.lifecycle import install_stop_signals
 from common.grpc_server import RunningServer, start_server
 from common.pb.tandem.v1 import discovery_pb2, kv_events_pb2_grpc
 from engine.kv_event_service import KvEventServicer
+from engine.capacity import GIB, device_memory_bytes, module_bytes, pool_blocks_from_memory
 from engine.kv_events import KvEventLog
 from engine.kv_pool import KvPool, KvPoolConfig, PoolExhausted, PromptBlocks
 from engine.model_source import DEFAULT_MODEL, LoadedModel, load_model
@@ -30,6 +32,7 @@ from engine.runner import ModelRunner
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 VERSION = "0.1.0"
+DEFAULT_NUM_BLOCKS = 4096  # the pool without --num-blocks or --mem-fraction-static
 
 
 @dataclass(frozen=True)
@@ -39,7 +42,11 @@ class WorkerOptions:
     model: str = DEFAULT_MODEL  # tandem-shakespeare, tandem-tiny or a Hugging Face checkpoint folder
     seed: int = 0  # weight seed for TINY
     block_size: int = 16  # tokens per KV block (must match the router's)
-    num_blocks: int = 4096  # KV pool capacity in blocks
+    num_blocks: int = 0  # KV pool capacity in blocks; 0 = from --mem-fraction-static, else DEFAULT_NUM_BLOCKS
+    mem_fraction_static: float = 0.0  # weights + KV pool as a share of device memory; 0 = use --num-blocks
+    device_memory_bytes: int = 0  # memory --mem-fraction-static applies to; 0 = the GPU's total (CPU: physical RAM)
+    practical_fraction: float = 0.9  # decode admission: admitted requests' projected KV <= this share of the pool
+    max_queued: int = 256  # decode: requests waiting for admission; one more gets RESOURCE_EXHAUSTED
     chunk_size: int = 256  # prefill chunk in tokens
     max_running: int = 64  # decode: concurrent requests in the batch
     host: str = "127.0.0.1"
@@ -55,9 +62,17 @@ class WorkerOptions:
     torch_threads: int = 1  # intra-op threads for the model (small model: 1 is fastest)
 
     def __post_init__(self) -> None:
-        for name in ("block_size", "num_blocks", "chunk_size", "max_running", "torch_threads"):
+        for name in ("block_size", "chunk_size", "max_running", "torch_threads"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        for name in ("num_blocks", "device_memory_bytes", "max_queued"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
+        if not 0 <= self.mem_fraction_static <= 1:
+            raise ValueError(f"--mem-fraction-static must be in [0, 1] (0 = off), got {self.mem_fraction_static}")
+        # > 1 overcommits: a bet that requests stop (EOS) before max_tokens; retraction covers a lost bet.
+        if not 0 < self.practical_fraction <= 4:
+            raise ValueError(f"--practical-fraction must be in (0, 4], got {self.practical_fraction}")
         if self.lease_ttl_s < 1:
             raise ValueError(f"--lease-ttl must be >= 1 second, got {self.lease_ttl_s}")
 
@@ -72,6 +87,32 @@ class WorkerStats:
     transfers: int = 0  # prefill: KV transfers completed
     transfer_bytes: int = 0
     transfer_seconds: float = 0.0
+    retractions: int = 0  # decode: running requests retracted for lack of KV blocks (re-prefilled later)
+
+
+def pool_blocks(opts: WorkerOptions, loaded: LoadedModel, pool_config: KvPoolConfig) -> int:
+    """KV pool size in blocks: --num-blocks when given; else from --mem-fraction-static
+    (DESIGN.md section 6: (device memory × fraction − weight bytes) / block bytes); else
+    DEFAULT_NUM_BLOCKS. Logs the resulting capacity.
+
+    Raises:
+        ValueError: --mem-fraction-static leaves no room for one block (the message says why).
+    """
+    if opts.num_blocks:
+        blocks, why = opts.num_blocks, "--num-blocks"
+    elif opts.mem_fraction_static:
+        device = next(loaded.model.parameters()).device
+        memory = device_memory_bytes(device, opts.device_memory_bytes)
+        weights = module_bytes(loaded.model)
+        blocks = pool_blocks_from_memory(memory, opts.mem_fraction_static, weights, pool_config.block_bytes)
+        why = (f"--mem-fraction-static {opts.mem_fraction_static} of {memory / GIB:.2f} GiB ({device.type}) "
+               f"minus {weights / GIB:.3f} GiB of weights")
+    else:
+        blocks, why = DEFAULT_NUM_BLOCKS, "default"
+    log.info("KV pool: %d blocks × %d B = %.3f GiB, %d tokens at %d B per token (%s)", blocks,
+             pool_config.block_bytes, blocks * pool_config.block_bytes / GIB, blocks * pool_config.block_size,
+             pool_config.bytes_per_token, why)
+    return blocks
 
 
 class WorkerRuntime:
@@ -84,9 +125,10 @@ class WorkerRuntime:
         self.instance_id = f"{discovery_pb2.Role.Name(role).removeprefix('ROLE_').lower()}-{uuid.uuid4().hex[:12]}"
         self.loaded = loaded or load_model(opts.model, seed=opts.seed)
         cfg = self.loaded.config
-        self.pool = KvPool(KvPoolConfig(num_blocks=opts.num_blocks, block_size=opts.block_size,
-                                        num_layers=cfg.num_hidden_layers, kv_dim=cfg.kv_dim),
-                           hash_seed(self.loaded.name))
+        pool_config = KvPoolConfig(num_blocks=1, block_size=opts.block_size, num_layers=cfg.num_hidden_layers,
+                                   kv_dim=cfg.kv_dim)
+        pool_config = dataclasses.replace(pool_config, num_blocks=pool_blocks(opts, self.loaded, pool_config))
+        self.pool = KvPool(pool_config, hash_seed(self.loaded.name))
         self.runner = ModelRunner(self.loaded.model, self.pool)
         self.events = KvEventLog(self.pool.blocks)
         self.stats = WorkerStats()
@@ -181,7 +223,7 @@ class WorkerRuntime:
         return discovery_pb2.Instance(
             instance_id=self.instance_id, role=self.role, address=address, model=self.loaded.name,
             block_size=self.opts.block_size, hash_seed=self.pool.hash_seed,
-            kv_capacity_blocks=self.opts.num_blocks, transfer_agent_name=self.agent.name,
+            kv_capacity_blocks=self.pool.config.num_blocks, transfer_agent_name=self.agent.name,
             state=discovery_pb2.INSTANCE_STATE_SERVING, start_time_unix=self.start_time, version=VERSION)
 
     def close(self) -> None:

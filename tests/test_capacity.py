@@ -1,0 +1,151 @@
+"""Capacity planning (DESIGN.md section 6): the seed's table, pool sizing from
+--mem-fraction-static, admission control, and the retraction order (unit tests, no servers)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+from dataclasses import dataclass
+
+import pytest
+
+from cli.plan import build_plans, register, render, table
+from decode_worker.admission import Admission, Refused
+from decode_worker.retraction import retraction_order
+from engine.capacity import (DEEPSEEK_R1, GIB, PlanInputs, module_bytes, parse_bytes, parse_tokens, plan,
+                             pool_blocks_from_memory)
+from engine.kv_pool import KvPool, KvPoolConfig
+from engine.worker_host import DEFAULT_NUM_BLOCKS, WorkerOptions, pool_blocks
+
+
+def plan_args(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers(dest="command"))
+    return parser.parse_args(["plan", *argv])
+
+
+def test_seed_table_comes_out_exactly():
+    """288 vs 192 GB HBM at 0.75, 40 GB weights, 136K tokens of 35,136 B (DESIGN.md section 6)."""
+    assert DEEPSEEK_R1.bytes_per_token == 35_136
+    label, fp, (b300, b200) = build_plans(plan_args())  # the defaults are the seed's inputs
+    assert label == "deepseek-r1" and fp.bytes_per_token == 35_136
+    assert b300.pool_bytes == 176 * GIB and b200.pool_bytes == 104 * GIB
+    assert b300.inputs.cached_tokens == 136_000
+    assert b300.per_request_bytes == 136_000 * 35_136 and round(b300.per_request_bytes / GIB, 2) == 4.45
+    # theoretical caps: the seed's "≈ 40" and "≈ 24"
+    assert b300.theoretical_per_gpu == pytest.approx(39.55, abs=0.01) and round(b300.theoretical_per_gpu) == 40
+    assert b200.theoretical_per_gpu == pytest.approx(23.37, abs=0.01) and abs(b200.theoretical_per_gpu - 24) < 1
+    # practical: 36 and 20 per GPU at 90 % and 85 %, 576 and 320 over EP16
+    assert (b300.inputs.practical_fraction, b200.inputs.practical_fraction) == (0.90, 0.85)
+    assert (b300.practical_per_gpu, b200.practical_per_gpu) == (36, 20)
+    assert (b300.practical_total, b200.practical_total) == (576, 320)
+    text = render(table(label, fp, [b300, b200]), "seed", "text")
+    for cell in ("176 GiB", "104 GiB", "35,136 B", "4.45 GiB", "39.55", "23.37", "576", "320"):
+        assert cell in text
+
+
+def test_plan_flags_and_units():
+    assert parse_bytes("288GiB") == 288 * GIB and parse_bytes("141GB") == 141 * 10**9 and parse_bytes("2") == 2 * GIB
+    assert parse_tokens("136K") == 136_000 and parse_tokens("128Ki") == 131_072 and parse_tokens("4096") == 4096
+    with pytest.raises(ValueError):
+        parse_bytes("lots")
+    _, fp, plans = build_plans(plan_args("--hbm", "141GB", "--kv-dtype", "bf16", "--practical-fraction", "0.9",
+                                         "--ep-size", "8", "--input-len", "32K", "--output-len", "1K"))
+    assert fp.bytes_per_token == 2 * 35_136 and len(plans) == 1 and plans[0].practical_total == 8 * plans[0].practical_per_gpu
+    with pytest.raises(ValueError, match="--practical-fraction"):
+        build_plans(plan_args("--hbm", "80GiB,141GB,192GiB"))  # two fractions for three columns
+    with pytest.raises(ValueError, match="mem_fraction_static"):
+        PlanInputs(GIB, 1.5, 0, 1, 1)
+
+
+def test_plan_from_a_model_config_estimates_weights_per_gpu():
+    _, fp, (p1,) = build_plans(plan_args("--model", "tandem-tiny", "--hbm", "1GiB", "--practical-fraction", "0.9",
+                                         "--kv-dtype", "fp32", "--ep-size", "1"))
+    _, _, (p2,) = build_plans(plan_args("--model", "tandem-tiny", "--hbm", "1GiB", "--practical-fraction", "0.9",
+                                        "--kv-dtype", "fp32", "--ep-size", "2"))
+    assert fp.bytes_per_token == (32 + 8) * 4 * 4  # tiny: (kv_lora_rank + rope) × 4 layers × fp32
+    assert 0 < p2.inputs.weight_bytes < p1.inputs.weight_bytes  # routed experts split over EP
+
+
+def test_theoretical_cap_is_pool_over_per_request():
+    p = plan(PlanInputs(hbm_bytes=100, mem_fraction_static=0.5, weight_bytes=10, cached_tokens=4, bytes_per_token=2,
+                        ep_size=3, practical_fraction=0.5))
+    assert (p.pool_bytes, p.per_request_bytes, p.theoretical_per_gpu, p.practical_per_gpu, p.practical_total) == \
+        (40, 8, 5.0, 3, 9)  # round(2.5) = 3 (half up), capped at floor(5.0)
+
+
+def test_pool_blocks_from_mem_fraction(tiny_model):
+    cfg = KvPoolConfig(num_blocks=1, block_size=16, num_layers=4, kv_dim=40)
+    weights = module_bytes(tiny_model.model)
+    memory = int((weights + 37.5 * cfg.block_bytes) / 0.5)
+    opts = WorkerOptions(mem_fraction_static=0.5, device_memory_bytes=memory)
+    assert pool_blocks(opts, tiny_model, cfg) == 37 == pool_blocks_from_memory(memory, 0.5, weights, cfg.block_bytes)
+    assert pool_blocks(WorkerOptions(mem_fraction_static=0.5, device_memory_bytes=memory, num_blocks=9),
+                       tiny_model, cfg) == 9  # --num-blocks wins
+    assert pool_blocks(WorkerOptions(), tiny_model, cfg) == DEFAULT_NUM_BLOCKS
+    with pytest.raises(ValueError, match="--mem-fraction-static"):
+        pool_blocks(WorkerOptions(mem_fraction_static=0.5, device_memory_bytes=weights), tiny_model, cfg)
+    with pytest.raises(ValueError, match="--mem-fraction-static"):
+        WorkerOptions(mem_fraction_static=1.5)
+
+
+def pool(n: int = 10, bs: int = 4) -> KvPool:
+    return KvPool(KvPoolConfig(num_blocks=n, block_size=bs, num_layers=1, kv_dim=2), 1)
+
+
+def test_admission_queues_fifo_and_releases():
+    async def main():
+        adm = Admission(pool(10), practical_fraction=0.8, max_queued=2)  # budget 8 blocks
+        a = await adm.admit(prompt_tokens=10, max_tokens=10)  # 5 blocks
+        b_task = asyncio.create_task(adm.admit(10, 10))
+        c_task = asyncio.create_task(adm.admit(2, 2))  # 1 block: fits, but waits behind b (FIFO)
+        await asyncio.sleep(0)
+        assert adm.queued == 2 and adm.reserved == 5 and adm.waited == 2
+        with pytest.raises(Refused, match="queue full"):
+            await adm.admit(1, 1)
+        adm.release(a)
+        adm.release(a)  # idempotent
+        b, c = await b_task, await c_task
+        assert adm.reserved == 6 and adm.admitted == 2 and adm.queued == 0
+        adm.release(b)
+        adm.release(c)
+        assert adm.reserved == 0 and adm.admitted == 0
+
+    asyncio.run(main())
+
+
+def test_admission_lone_request_and_refusals():
+    async def main():
+        adm = Admission(pool(10), practical_fraction=0.5, max_queued=4)
+        big = await adm.admit(prompt_tokens=8, max_tokens=1000)  # over the budget, but alone: admitted
+        assert big.blocks == 10  # projection capped at the pool
+        with pytest.raises(Refused, match="the pool has 10"):
+            await adm.admit(prompt_tokens=40, max_tokens=1)  # the prompt can never fit
+        waiter = asyncio.create_task(adm.admit(1, 1))
+        await asyncio.sleep(0)
+        waiter.cancel()  # the caller went away while queued: nothing held
+        with pytest.raises(asyncio.CancelledError):
+            await waiter
+        assert adm.queued == 0 and adm.admitted == 1
+        adm.hold()  # a retracted request waits: new ones queue behind it even with room
+        adm.release(big)
+        held = asyncio.create_task(adm.admit(1, 1))
+        await asyncio.sleep(0)
+        assert adm.queued == 1
+        adm.unhold()
+        adm.release(await held)
+        assert adm.reserved == 0 and adm.admitted == 0
+
+    asyncio.run(main())
+
+
+@dataclass
+class R:
+    name: str
+    generated: int
+    prompt_len: int
+
+
+def test_retraction_order_fewest_generated_then_longest_prompt():
+    reqs = [R("a", 5, 10), R("b", 2, 10), R("c", 2, 30), R("d", 9, 99)]
+    assert [r.name for r in retraction_order(reqs)] == ["c", "b", "a", "d"]
