@@ -14,6 +14,7 @@ from dataclasses import asdict
 
 from common.env import env_default, env_name
 from engine.capacity import DEEPSEEK_R1, GIB, KvFootprint, Plan, PlanInputs, parse_bytes, parse_tokens, plan
+from engine.capacity import format_bytes as size
 
 KV_DTYPE_BYTES = {"fp8": 1, "bf16": 2, "fp16": 2, "fp32": 4}
 # preset: (KV footprint, weight bytes per GPU the seed assumed)
@@ -89,15 +90,6 @@ def _weights_per_gpu(cfg, ep_size: int, weight_dtype: str) -> int:
         else:
             dense += p.numel()
     return int((dense + experts / ep_size) * KV_DTYPE_BYTES[weight_dtype])
-
-
-def size(n: float) -> str:
-    """Bytes in GiB (MiB, KiB below one), three significant digits: 176 GiB, 58.5 GiB, 4.45 GiB."""
-    for unit, scale in (("GiB", GIB), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(n) >= scale or unit == "KiB":
-            v = n / scale
-            return f"{v:.0f} {unit}" if abs(v) >= 100 else f"{v:.1f} {unit}" if abs(v) >= 10 else f"{v:.2f} {unit}"
-    raise AssertionError
 
 
 def table(label: str, fp: KvFootprint, plans: list[Plan]) -> list[tuple[str, list[str]]]:

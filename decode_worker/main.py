@@ -22,6 +22,7 @@ async def run(opts: WorkerOptions, ready: Callable[[RunningServer, WorkerRuntime
     `loaded` shares an already loaded model (tests run several workers in one process)."""
     runtime = WorkerRuntime(discovery_pb2.ROLE_DECODE, opts, loaded)
     scheduler = DecodeScheduler(runtime)
+    runtime.scheduler = scheduler  # capacity: admission and retraction state, for tests and metrics
     servicer = DecodeServicer(runtime, scheduler)
     methods = {"Generate": ("stream", pb.DecodeRequest, pb.DecodeResponse)}
     loop_task = asyncio.create_task(scheduler.run(), name="decode-loop")  # strong reference

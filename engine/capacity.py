@@ -63,6 +63,15 @@ def parse_bytes(text: str, default_unit: int = GIB) -> int:
     return int(round(value * scale))
 
 
+def format_bytes(n: float) -> str:
+    """Bytes in GiB (MiB, KiB below one), about three significant digits: 176 GiB, 58.5 GiB, 4.45 GiB."""
+    for unit, scale in (("GiB", GIB), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= scale or unit == "KiB":
+            v = n / scale
+            return f"{v:.0f} {unit}" if abs(v) >= 100 else f"{v:.1f} {unit}" if abs(v) >= 10 else f"{v:.2f} {unit}"
+    raise AssertionError("unreachable")
+
+
 def parse_tokens(text: str) -> int:
     """'136K' → 136,000 tokens (K = 1,000, the seed's convention); '128Ki' → 131,072; '4096' → 4096.
 

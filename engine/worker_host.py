@@ -23,7 +23,7 @@ from common.lifecycle import install_stop_signals
 from common.grpc_server import RunningServer, start_server
 from common.pb.tandem.v1 import discovery_pb2, kv_events_pb2_grpc
 from engine.kv_event_service import KvEventServicer
-from engine.capacity import GIB, device_memory_bytes, module_bytes, pool_blocks_from_memory
+from engine.capacity import device_memory_bytes, format_bytes, module_bytes, pool_blocks_from_memory
 from engine.kv_events import KvEventLog
 from engine.kv_pool import KvPool, KvPoolConfig, PoolExhausted, PromptBlocks
 from engine.model_source import DEFAULT_MODEL, LoadedModel, load_model
@@ -105,12 +105,12 @@ def pool_blocks(opts: WorkerOptions, loaded: LoadedModel, pool_config: KvPoolCon
         memory = device_memory_bytes(device, opts.device_memory_bytes)
         weights = module_bytes(loaded.model)
         blocks = pool_blocks_from_memory(memory, opts.mem_fraction_static, weights, pool_config.block_bytes)
-        why = (f"--mem-fraction-static {opts.mem_fraction_static} of {memory / GIB:.2f} GiB ({device.type}) "
-               f"minus {weights / GIB:.3f} GiB of weights")
+        why = (f"--mem-fraction-static {opts.mem_fraction_static} of {format_bytes(memory)} ({device.type}) "
+               f"minus {format_bytes(weights)} of weights")
     else:
         blocks, why = DEFAULT_NUM_BLOCKS, "default"
-    log.info("KV pool: %d blocks × %d B = %.3f GiB, %d tokens at %d B per token (%s)", blocks,
-             pool_config.block_bytes, blocks * pool_config.block_bytes / GIB, blocks * pool_config.block_size,
+    log.info("KV pool: %d blocks × %d B = %s, %d tokens at %d B per token (%s)", blocks,
+             pool_config.block_bytes, format_bytes(blocks * pool_config.block_bytes), blocks * pool_config.block_size,
              pool_config.bytes_per_token, why)
     return blocks
 
@@ -132,6 +132,7 @@ class WorkerRuntime:
         self.runner = ModelRunner(self.loaded.model, self.pool)
         self.events = KvEventLog(self.pool.blocks)
         self.stats = WorkerStats()
+        self.scheduler: Any = None  # decode: its DecodeScheduler (admission and retraction state)
         self.start_time = time.time()
         self.busy_since: float | None = None  # monotonic start of the model call now running
         self.draining = False  # set on SIGTERM: new requests are refused with UNAVAILABLE
