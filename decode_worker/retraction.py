@@ -49,11 +49,15 @@ class Retractor:
         self.waiting: deque[RunningRequest] = deque()  # retracted, to resume in this order
         self._tasks: set[asyncio.Task] = set()  # re-prefills (strong references)
 
+    def _tokens_after(self, req: RunningRequest, steps: int) -> int:
+        """Tokens req's KV holds after `steps` more steps (no further than its max_tokens)."""
+        left = max(1, req.params.max_tokens - req.generated)  # one step per token still to generate
+        return len(req.tokens) - 1 + min(steps * self.tokens_per_step, left)
+
     def _need(self, reqs: Iterable[RunningRequest], steps: int) -> int:
         """New blocks reqs need so that `steps` more steps fit."""
         pool = self.rt.pool
-        return sum(max(0, pool.blocks_for(len(r.tokens) - 1 + steps * self.tokens_per_step) - len(r.block_ids))
-                   for r in reqs)
+        return sum(max(0, pool.blocks_for(self._tokens_after(r, steps)) - len(r.block_ids)) for r in reqs)
 
     def make_room(self, batch: list[RunningRequest]) -> list[RunningRequest]:
         """Retract until the batch's next step fits; returns the requests still in the batch.
@@ -97,13 +101,12 @@ class Retractor:
         """Start re-prefilling the retracted requests (in order) that fit now with headroom,
         or the first one when nothing runs."""
         pool = self.rt.pool
+        for req in [r for r in self.waiting if r.cancelled]:
+            self.waiting.remove(req)
+            self._drop(req)
         while self.waiting:
             req = self.waiting[0]
-            if req.cancelled:
-                self.waiting.popleft()
-                self._drop(req)
-                continue
-            own = pool.blocks_for(len(req.tokens) - 1 + HEADROOM_STEPS * self.tokens_per_step)
+            own = pool.blocks_for(self._tokens_after(req, HEADROOM_STEPS))
             idle = not self.sched.running and not self._tasks
             if not idle and own + self._need(self.sched.running, HEADROOM_STEPS) > pool.blocks.num_free:
                 return

@@ -21,8 +21,8 @@ from engine.sampling import sample
 from harness import InProcessCluster
 
 pytestmark = pytest.mark.e2e
-POOL_BLOCKS, BLOCK = 24, 16
-N, MAX_TOKENS = 5, 60
+POOL_BLOCKS, BLOCK = 20, 16
+N, MAX_TOKENS = 6, 60
 
 
 @pytest.fixture(scope="module")
