@@ -111,8 +111,9 @@ def table(label: str, fp: KvFootprint, plans: list[Plan]) -> list[tuple[str, lis
 
 
 def render(rows: list[tuple[str, list[str]]], title: str, fmt: str) -> str:
+    """The table as aligned text or markdown; columns are headed by their HBM (the first row)."""
     ncol = len(rows[0][1])
-    head = ["", *[f"GPU {i + 1}" for i in range(ncol)]]
+    head = ["", *[f"{cell} GPU" for cell in rows[0][1]]]
     if fmt == "markdown":
         lines = [f"**{title}**", "", "| " + " | ".join(head) + " |", "|---" + "|--:" * ncol + "|"]
         lines += ["| " + " | ".join([name, *cells]) + " |" for name, cells in rows]
