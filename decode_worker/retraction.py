@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Iterable
 
 import grpc
 
-from engine.kv_pool import PoolExhausted
+from engine.kv_pool import PoolExhausted, PromptBlocks
 
 if TYPE_CHECKING:
     from decode_worker.scheduler import DecodeScheduler, RunningRequest
@@ -119,7 +119,7 @@ class Retractor:
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
 
-    async def _reprefill(self, req: RunningRequest, prompt) -> None:
+    async def _reprefill(self, req: RunningRequest, prompt: PromptBlocks) -> None:
         tokens = req.tokens[:-1]
         start = prompt.num_cached_blocks * self.rt.pool.block_size
         resumed = False

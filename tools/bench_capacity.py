@@ -5,9 +5,10 @@ fraction (requests queue, nothing is retracted), (c) the same tight pool overcom
 
 One decode worker runs in this process (tandem-tiny, float32, CPU; no etcd, no prefill worker:
 the worker prefills locally); the requests go straight to its DecodeService over loopback gRPC.
-Reports wall time, output tokens/s, retractions, requests that queued, and whether every
-configuration produced the same tokens (greedy). Each configuration runs --rounds times; the
-median wall time is reported.
+Reports wall time, output tokens/s, the process's CPU seconds (steadier than wall time on a
+busy machine), retractions, requests that queued, and whether every
+configuration produced the same tokens (greedy). Each configuration runs --rounds times,
+interleaved; the median wall time is reported.
 
 Usage: python tools/bench_capacity.py [--requests 16] [--max-tokens 64] [--tight-blocks 40]
                                       [--rounds 3] [--out docs/bench/capacity.json]
@@ -51,10 +52,10 @@ async def burst(opts: WorkerOptions, loaded, reqs: list[list[int]], max_tokens: 
                     out += msg.token_ids
                 return out
 
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), time.process_time()
             outs = await asyncio.gather(*(one(t) for t in reqs))
-            wall = time.perf_counter() - start
-        return {"wall_s": wall, "tokens": sum(map(len, outs)), "retractions": rt.stats.retractions,
+            wall, cpu = time.perf_counter() - start, time.process_time() - cpu
+        return {"wall_s": wall, "cpu_s": cpu, "tokens": sum(map(len, outs)), "retractions": rt.stats.retractions,
                 "queued": rt.scheduler.admission.waited, "pool_blocks": rt.pool.config.num_blocks, "outputs": outs}
     finally:
         stop.set()
@@ -79,22 +80,28 @@ def main() -> None:
     }
     reqs = prompts(args.requests)
     results = {}
-    for name, opts in configs.items():
-        runs = [asyncio.run(burst(opts, loaded, reqs, args.max_tokens)) for _ in range(args.rounds)]
+    # Rounds interleave the configurations, so a busy machine's load drifts over all of them alike.
+    all_runs: dict[str, list[dict]] = {name: [] for name in configs}
+    for _ in range(args.rounds):
+        for name, opts in configs.items():
+            all_runs[name].append(asyncio.run(burst(opts, loaded, reqs, args.max_tokens)))
+    for name, runs in all_runs.items():
         wall = statistics.median(r["wall_s"] for r in runs)
-        results[name] = {"wall_s": wall, "tokens_per_s": runs[0]["tokens"] / wall,
+        cpu = statistics.median(r["cpu_s"] for r in runs)
+        results[name] = {"wall_s": wall, "cpu_s": cpu, "tokens_per_s": runs[0]["tokens"] / wall,
                          "retractions": [r["retractions"] for r in runs], "queued": [r["queued"] for r in runs],
                          "pool_blocks": runs[0]["pool_blocks"], "outputs": runs[0]["outputs"],
                          "same_in_every_round": all(r["outputs"] == runs[0]["outputs"] for r in runs)}
     ref = results["ample pool"]["outputs"]
     print(f"{args.requests} requests × {args.max_tokens} tokens, prompts 64..120 tokens, tandem-tiny fp32, "
           f"median of {args.rounds} rounds")
-    print(f"{'configuration':36} {'blocks':>6} {'wall s':>7} {'tok/s':>7} {'vs ample':>8} {'retractions':>12} "
-          f"{'queued':>10} same")
+    print(f"{'configuration':36} {'blocks':>6} {'wall s':>7} {'tok/s':>7} {'vs ample':>8} {'CPU s':>6} "
+          f"{'CPU vs ample':>12} {'retractions':>12} {'queued':>10} same")
     for name, r in results.items():
         r["identical_to_ample"] = r["outputs"] == ref and r["same_in_every_round"]
         print(f"{name:36} {r['pool_blocks']:>6} {r['wall_s']:>7.2f} {r['tokens_per_s']:>7.1f} "
-              f"{results['ample pool']['wall_s'] / r['wall_s']:>8.2f} {str(r['retractions']):>12} "
+              f"{results['ample pool']['wall_s'] / r['wall_s']:>8.2f} {r['cpu_s']:>6.1f} "
+              f"{r['cpu_s'] / results['ample pool']['cpu_s']:>12.2f} {str(r['retractions']):>12} "
               f"{str(r['queued']):>10} {r['identical_to_ample']}")
     if args.out:
         with open(args.out, "w") as f:
