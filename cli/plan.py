@@ -10,9 +10,9 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 
-from common.env import env_default, env_name
+from cli.flags import HELP, add_flags, build
 from engine.capacity import DEEPSEEK_R1, GIB, KvFootprint, Plan, PlanInputs, parse_bytes, parse_tokens, plan
 from engine.capacity import format_bytes as size
 
@@ -21,58 +21,94 @@ KV_DTYPE_BYTES = {"fp8": 1, "bf16": 2, "fp16": 2, "fp32": 4}
 PRESETS = {"deepseek-r1": (DEEPSEEK_R1, 40 * GIB)}
 
 
+@dataclass(frozen=True)
+class PlanOptions:
+    """Flags of `tandem plan` (each has a TANDEM_* variable). Sizes and lengths are strings with
+    units, parsed by engine/capacity.py; the defaults are the seed's inputs."""
+
+    preset: str = "deepseek-r1"  # KV footprint when --model is empty
+    model: str = ""  # take the KV footprint (and a weight estimate) from this model instead
+    hbm: str = "288GiB,192GiB"  # device memory per GPU, one table column each
+    mem_fraction_static: float = 0.75  # weights + KV pool as a share of device memory
+    weights: str = ""  # weight bytes per GPU; "" = the preset's, or estimated from --model
+    weight_dtype: str = "bf16"  # bytes per weight element for the --model estimate
+    input_len: str = "128K"  # prompt tokens per request
+    output_len: str = "8K"  # generated tokens per request
+    kv_dtype: str = "fp8"  # KV cache element type
+    ep_size: int = 16  # GPUs (expert-parallel ranks) per decode instance
+    practical_fractions: str = "0.90,0.85"  # share of the cap to run at: one, or one per --hbm column
+    format: str = "text"  # text | markdown | json
+
+    def __post_init__(self) -> None:
+        for name, allowed in (("kv_dtype", KV_DTYPE_BYTES), ("weight_dtype", KV_DTYPE_BYTES),
+                              ("format", ("text", "markdown", "json"))):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"--{name.replace('_', '-')} {getattr(self, name)!r}: choose one of "
+                                 f"{', '.join(allowed)}")
+        if not self.model and self.preset not in PRESETS:
+            raise ValueError(f"--preset {self.preset!r}: choose one of {', '.join(PRESETS)}")
+        if self.ep_size < 1:
+            raise ValueError(f"--ep-size must be >= 1, got {self.ep_size}")
+        for name, parse in (("hbm", parse_bytes), ("weights", parse_bytes), ("input_len", parse_tokens),
+                            ("output_len", parse_tokens), ("practical_fractions", float)):
+            try:
+                _list(parse)(getattr(self, name))
+            except ValueError as exc:
+                raise ValueError(f"--{name.replace('_', '-')}: {exc}") from None
+
+    @property
+    def hbm_bytes(self) -> list[int]:
+        return _list(parse_bytes)(self.hbm)
+
+    @property
+    def fractions(self) -> list[float]:
+        return _list(float)(self.practical_fractions)
+
+
+_HELP = {
+    "preset": "KV footprint when --model is empty: deepseek-r1 (kv_lora_rank 512, qk_rope_head_dim 64, 61 layers)",
+    "hbm": "plan: device memory per GPU, comma-separated, one table column each (GiB binary, GB decimal; a bare "
+           "number is GiB)",
+    "weights": "plan: weight bytes resident per GPU (e.g. 40GiB); empty: the preset's (deepseek-r1: the seed's "
+               "40GiB), or with --model estimated from its config (routed experts split over --ep-size)",
+    "weight_dtype": "plan: bytes per weight element for the --model estimate: fp8, bf16, fp16, fp32",
+    "input_len": "plan: prompt tokens per request (K = 1,000, the seed's convention; Ki = 1,024)",
+    "output_len": "plan: generated tokens per request (K = 1,000; Ki = 1,024)",
+    "kv_dtype": "plan: KV cache element type: fp8, bf16, fp16, fp32",
+    "ep_size": "GPUs (expert-parallel ranks) per decode instance",
+    "practical_fractions": "plan: share of the theoretical cap to run at, comma-separated: one value, or one per "
+                           "--hbm column",
+    "mem_fraction_static": "weights + KV pool as a share of device memory",
+    "format": "plan: output format: text | markdown | json",
+}
+
+
 def _list(parse):
     def f(text: str) -> list:
         return [parse(x) for x in text.split(",") if x.strip()]
     return f
 
 
-def _arg(p: argparse.ArgumentParser, flag: str, default: str, help: str, parse) -> None:
-    # Defaults are strings parsed like the command line, so a TANDEM_* variable reads the same way.
-    raw = env_default(flag, default, str)
-    p.add_argument(flag, type=parse, default=parse(raw) if raw else None,
-                   help=f"{help} (default {default!r}; env {env_name(flag)})")
-
-
 def register(sub: argparse._SubParsersAction) -> None:
-    """Add the `plan` subcommand to the `tandem` parser."""
+    """Add the `plan` subcommand to the `tandem` parser (flags from PlanOptions)."""
+    for key, text in _HELP.items():  # workers' help for shared names (--model, --mem-fraction-static) stays
+        HELP.setdefault(key, text)
     p = sub.add_parser("plan", help="KV capacity table: pool, per-request KV, requests per GPU (DESIGN.md section 6)")
-    _arg(p, "--preset", "deepseek-r1", "KV footprint preset when --model is not given: deepseek-r1 "
-         "(kv_lora_rank 512, qk_rope_head_dim 64, 61 layers)", str)
-    _arg(p, "--model", "", "take kv_lora_rank, qk_rope_head_dim and layers from this model "
-         "(tandem-shakespeare, tandem-tiny, or a checkpoint folder with config.json)", str)
-    _arg(p, "--hbm", "288GiB,192GiB", "device memory per GPU, one table column each (GiB binary, GB decimal; "
-         "a bare number is GiB)", _list(parse_bytes))
-    _arg(p, "--mem-fraction-static", "0.75", "share of device memory for weights + KV pool", float)
-    _arg(p, "--weights", "", "weight bytes resident per GPU; empty: the preset's (deepseek-r1: 40GiB, the "
-         "seed's), or with --model estimated from its config (routed experts split over --ep-size)",
-         lambda s: parse_bytes(s) if s else None)
-    _arg(p, "--weight-dtype", "bf16", "bytes per weight element for the --model estimate: fp8, bf16, fp32", str)
-    _arg(p, "--input-len", "128K", "prompt tokens per request (K = 1,000; Ki = 1,024)", parse_tokens)
-    _arg(p, "--output-len", "8K", "generated tokens per request", parse_tokens)
-    _arg(p, "--kv-dtype", "fp8", "KV cache element type: fp8, bf16, fp16, fp32", str)
-    _arg(p, "--ep-size", "16", "GPUs (expert-parallel ranks) per decode instance", int)
-    _arg(p, "--practical-fraction", "0.90,0.85", "share of the theoretical cap to run at: one value, or one "
-         "per --hbm column", _list(float))
-    _arg(p, "--format", "text", "text | markdown | json", str)
-    p.set_defaults(func=main)
+    add_flags(p, PlanOptions)
+    p.set_defaults(func=lambda args: main(build(PlanOptions, args)))
 
 
-def _footprint(args: argparse.Namespace) -> tuple[str, KvFootprint, int]:
+def _footprint(opts: PlanOptions) -> tuple[str, KvFootprint, int]:
     """(model label, KV footprint, default weight bytes per GPU)."""
-    if args.kv_dtype not in KV_DTYPE_BYTES:
-        raise ValueError(f"--kv-dtype {args.kv_dtype!r}: choose one of {', '.join(KV_DTYPE_BYTES)}")
-    elem = KV_DTYPE_BYTES[args.kv_dtype]
-    if not args.model:
-        if args.preset not in PRESETS:
-            raise ValueError(f"--preset {args.preset!r}: choose one of {', '.join(PRESETS)}")
-        fp, weights = PRESETS[args.preset]
-        return args.preset, KvFootprint(fp.kv_lora_rank, fp.qk_rope_head_dim, fp.num_layers, elem), weights
+    elem = KV_DTYPE_BYTES[opts.kv_dtype]
+    if not opts.model:
+        fp, weights = PRESETS[opts.preset]
+        return opts.preset, KvFootprint(fp.kv_lora_rank, fp.qk_rope_head_dim, fp.num_layers, elem), weights
     from engine.model_source import load_config
-    name, cfg, _ = load_config(args.model)
+    name, cfg, _ = load_config(opts.model)
     # The pool caches the main layers' latent (engine/worker_host.py sizes it with num_hidden_layers).
     fp = KvFootprint(cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.num_hidden_layers, elem)
-    return name, fp, _weights_per_gpu(cfg, args.ep_size, args.weight_dtype)
+    return name, fp, _weights_per_gpu(cfg, opts.ep_size, opts.weight_dtype)
 
 
 def _weights_per_gpu(cfg, ep_size: int, weight_dtype: str) -> int:
@@ -80,8 +116,6 @@ def _weights_per_gpu(cfg, ep_size: int, weight_dtype: str) -> int:
     import torch
 
     from engine.model import DeepseekV3ForCausalLM
-    if weight_dtype not in KV_DTYPE_BYTES:
-        raise ValueError(f"--weight-dtype {weight_dtype!r}: choose one of {', '.join(KV_DTYPE_BYTES)}")
     model = DeepseekV3ForCausalLM(cfg, dtype=torch.float32, device="meta")  # shapes only, no memory
     experts = dense = 0
     for name, p in model.named_parameters():
@@ -125,33 +159,38 @@ def render(rows: list[tuple[str, list[str]]], title: str, fmt: str) -> str:
     return "\n".join(lines)
 
 
-def build_plans(args: argparse.Namespace) -> tuple[str, KvFootprint, list[Plan]]:
-    label, fp, default_weights = _footprint(args)
-    weights = args.weights if args.weights is not None else default_weights
-    fractions = args.practical_fraction
+def build_plans(opts: PlanOptions) -> tuple[str, KvFootprint, list[Plan]]:
+    """(model label, KV footprint, one Plan per --hbm column).
+
+    Raises:
+        ValueError: naming the flag (a column count mismatch, a bad size or fraction).
+    """
+    label, fp, default_weights = _footprint(opts)
+    weights = parse_bytes(opts.weights) if opts.weights else default_weights
+    hbm, fractions = opts.hbm_bytes, opts.fractions
     if len(fractions) == 1:
-        fractions = fractions * len(args.hbm)
-    if len(fractions) != len(args.hbm):
-        raise ValueError(f"--practical-fraction: give one value or one per --hbm column ({len(args.hbm)})")
-    cached = args.input_len + args.output_len
-    plans = [plan(PlanInputs(hbm, args.mem_fraction_static, weights, cached, fp.bytes_per_token, args.ep_size, f))
-             for hbm, f in zip(args.hbm, fractions)]
+        fractions = fractions * len(hbm)
+    if len(fractions) != len(hbm):
+        raise ValueError(f"--practical-fractions: give one value or one per --hbm column ({len(hbm)})")
+    cached = parse_tokens(opts.input_len) + parse_tokens(opts.output_len)
+    plans = [plan(PlanInputs(h, opts.mem_fraction_static, weights, cached, fp.bytes_per_token, opts.ep_size, f))
+             for h, f in zip(hbm, fractions)]
     return label, fp, plans
 
 
-def main(args: argparse.Namespace) -> int:
-    if args.format not in ("text", "markdown", "json"):
-        raise ValueError(f"--format {args.format!r}: choose text, markdown or json")
-    label, fp, plans = build_plans(args)
-    if args.format == "json":
+def main(opts: PlanOptions) -> int:
+    """Print the table (`opts.format`); 0 on success."""
+    label, fp, plans = build_plans(opts)
+    if opts.format == "json":
         print(json.dumps({"model": label, "footprint": asdict(fp),
                           "columns": [{**asdict(p.inputs), **{k: v for k, v in asdict(p).items() if k != "inputs"}}
                                       for p in plans]}, indent=2))
         return 0
+    cached_in, cached_out = parse_tokens(opts.input_len), parse_tokens(opts.output_len)
     title = (f"{label}: ({fp.kv_lora_rank} + {fp.qk_rope_head_dim}) × {fp.num_layers} layers × "
-             f"{fp.bytes_per_element:g} B ({args.kv_dtype}) = {fp.bytes_per_token:,} B per token; "
-             f"{args.input_len:,} + {args.output_len:,} tokens per request; EP{args.ep_size}")
-    print(render(table(label, fp, plans), title, args.format))
+             f"{fp.bytes_per_element:g} B ({opts.kv_dtype}) = {fp.bytes_per_token:,} B per token; "
+             f"{cached_in:,} + {cached_out:,} tokens per request; EP{opts.ep_size}")
+    print(render(table(label, fp, plans), title, opts.format))
     return 0
 
 

@@ -3,13 +3,12 @@
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pytest
 
-from cli.plan import build_plans, register, render, table
+from cli.plan import PlanOptions, build_plans, register, render, table
 from decode_worker.admission import Admission, Refused
 from decode_worker.retraction import retraction_order
 from engine.capacity import (DEEPSEEK_R1, GIB, PlanInputs, module_bytes, parse_bytes, parse_tokens, plan,
@@ -18,16 +17,18 @@ from engine.kv_pool import KvPool, KvPoolConfig
 from engine.worker_host import DEFAULT_NUM_BLOCKS, WorkerOptions, pool_blocks
 
 
-def plan_args(*argv: str) -> argparse.Namespace:
+def plan_main(*argv: str) -> int:
+    import argparse
     parser = argparse.ArgumentParser()
     register(parser.add_subparsers(dest="command"))
-    return parser.parse_args(["plan", *argv])
+    args = parser.parse_args(["plan", *argv])
+    return args.func(args)
 
 
 def test_seed_table_comes_out_exactly():
     """288 vs 192 GB HBM at 0.75, 40 GB weights, 136K tokens of 35,136 B (DESIGN.md section 6)."""
     assert DEEPSEEK_R1.bytes_per_token == 35_136
-    label, fp, (b300, b200) = build_plans(plan_args())  # the defaults are the seed's inputs
+    label, fp, (b300, b200) = build_plans(PlanOptions())  # the defaults are the seed's inputs
     assert label == "deepseek-r1" and fp.bytes_per_token == 35_136
     assert b300.pool_bytes == 176 * GIB and b200.pool_bytes == 104 * GIB
     assert b300.inputs.cached_tokens == 136_000
@@ -44,25 +45,37 @@ def test_seed_table_comes_out_exactly():
         assert cell in text
 
 
+def test_tandem_plan_prints_the_seed_table(capsys, monkeypatch):
+    for var in ("TANDEM_MODEL", "TANDEM_HBM", "TANDEM_EP_SIZE", "TANDEM_MEM_FRACTION_STATIC"):
+        monkeypatch.delenv(var, raising=False)
+    assert plan_main("--format", "markdown") == 0
+    out = capsys.readouterr().out
+    assert "| KV pool per GPU | 176 GiB | 104 GiB |" in out
+    assert "| practical over EP16 | 576 | 320 |" in out
+
+
 def test_plan_flags_and_units():
     assert parse_bytes("288GiB") == 288 * GIB and parse_bytes("141GB") == 141 * 10**9 and parse_bytes("2") == 2 * GIB
     assert parse_tokens("136K") == 136_000 and parse_tokens("128Ki") == 131_072 and parse_tokens("4096") == 4096
     with pytest.raises(ValueError):
         parse_bytes("lots")
-    _, fp, plans = build_plans(plan_args("--hbm", "141GB", "--kv-dtype", "bf16", "--practical-fraction", "0.9",
-                                         "--ep-size", "8", "--input-len", "32K", "--output-len", "1K"))
+    _, fp, plans = build_plans(PlanOptions(hbm="141GB", kv_dtype="bf16", practical_fractions="0.9", ep_size=8,
+                                           input_len="32K", output_len="1K"))
     assert fp.bytes_per_token == 2 * 35_136 and len(plans) == 1 and plans[0].practical_total == 8 * plans[0].practical_per_gpu
-    with pytest.raises(ValueError, match="--practical-fraction"):
-        build_plans(plan_args("--hbm", "80GiB,141GB,192GiB"))  # two fractions for three columns
+    with pytest.raises(ValueError, match="--practical-fractions"):
+        build_plans(PlanOptions(hbm="80GiB,141GB,192GiB"))  # two fractions for three columns
+    with pytest.raises(ValueError, match="--kv-dtype"):
+        PlanOptions(kv_dtype="int3")
+    with pytest.raises(ValueError, match="--hbm"):
+        PlanOptions(hbm="lots")
     with pytest.raises(ValueError, match="mem_fraction_static"):
         PlanInputs(GIB, 1.5, 0, 1, 1)
 
 
 def test_plan_from_a_model_config_estimates_weights_per_gpu():
-    _, fp, (p1,) = build_plans(plan_args("--model", "tandem-tiny", "--hbm", "1GiB", "--practical-fraction", "0.9",
-                                         "--kv-dtype", "fp32", "--ep-size", "1"))
-    _, _, (p2,) = build_plans(plan_args("--model", "tandem-tiny", "--hbm", "1GiB", "--practical-fraction", "0.9",
-                                        "--kv-dtype", "fp32", "--ep-size", "2"))
+    opts = PlanOptions(model="tandem-tiny", hbm="1GiB", practical_fractions="0.9", kv_dtype="fp32", ep_size=1)
+    _, fp, (p1,) = build_plans(opts)
+    _, _, (p2,) = build_plans(replace(opts, ep_size=2))
     assert fp.bytes_per_token == (32 + 8) * 4 * 4  # tiny: (kv_lora_rank + rope) × 4 layers × fp32
     assert 0 < p2.inputs.weight_bytes < p1.inputs.weight_bytes  # routed experts split over EP
 
