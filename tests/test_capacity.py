@@ -162,3 +162,70 @@ class R:
 def test_retraction_order_fewest_generated_then_longest_prompt():
     reqs = [R("a", 5, 10), R("b", 2, 10), R("c", 2, 30), R("d", 9, 99)]
     assert [r.name for r in retraction_order(reqs)] == ["c", "b", "a", "d"]
+
+
+class FakeScheduler:
+    """Just what Retractor touches: running list, runtime (pool, stats), admission, _finish."""
+
+    def __init__(self, kv: KvPool) -> None:
+        from types import SimpleNamespace
+
+        from engine.worker_host import WorkerStats
+        self.rt = SimpleNamespace(pool=kv, stats=WorkerStats())
+        self.running: list = []
+        self.admission = Admission(kv, practical_fraction=4.0, max_queued=4)
+        self.finished: list = []
+
+    def _finish(self, req, out) -> None:
+        self.running.remove(req)
+        self.rt.pool.free(req.block_ids)
+        self.finished.append((req, out))
+
+
+def running_request(kv: KvPool, name: str, prompt_len: int, generated: int, max_tokens: int = 100):
+    from common.sampling_params import SamplingParams
+    from decode_worker.scheduler import RunningRequest
+    tokens = list(range(1, prompt_len + generated + 1))
+    blocks = kv.blocks.allocate(kv.blocks_for(len(tokens) - 1))  # KV of all but the last token
+    return RunningRequest(name, tokens, prompt_len, blocks, SamplingParams(max_tokens=max_tokens))
+
+
+def test_make_room_retracts_in_order_until_headroom_and_keeps_the_last_one():
+    from decode_worker.retraction import HEADROOM_STEPS, Retractor
+    kv = pool(n=12, bs=4)
+    sched = FakeScheduler(kv)
+    a = running_request(kv, "a", prompt_len=8, generated=5)  # 12 tokens of KV in 3 blocks: needs a 4th
+    b = running_request(kv, "b", prompt_len=4, generated=9)  # the same
+    c = running_request(kv, "c", prompt_len=12, generated=3)  # 14 tokens in 4 blocks: room for its next
+    d = running_request(kv, "d", prompt_len=4, generated=3)  # 6 tokens in 2 blocks: room for its next
+    sched.running = [a, b, c, d]
+    r = Retractor(sched)
+    assert r._need(sched.running, 1) == 2 and kv.blocks.num_free == 0
+    batch = r.make_room(list(sched.running))
+    # c and d have generated fewest (3); c's longer prompt makes it first. After both, a and b have
+    # the 4 new blocks their next HEADROOM_STEPS steps need in the 6 freed.
+    assert [req.request_id for req in r.waiting] == ["c", "d"]
+    assert batch == sched.running == [a, b] and kv.blocks.num_free == 6
+    assert r._need(batch, HEADROOM_STEPS) <= kv.blocks.num_free
+    assert sched.rt.stats.retractions == 2 and sched.admission.held == 2
+    assert all(req.block_ids == [] for req in r.waiting)
+    # The last running request is not retracted while its own step fits, headroom or not.
+    kv2 = pool(n=4, bs=4)
+    sched2 = FakeScheduler(kv2)
+    x = running_request(kv2, "x", prompt_len=4, generated=9)  # 12 tokens of KV in 3 blocks: needs a 4th
+    y = running_request(kv2, "y", prompt_len=4, generated=1)  # 4 tokens in 1 block: needs a 2nd
+    sched2.running = [x, y]
+    r2 = Retractor(sched2)
+    assert r2.make_room([x, y]) == [x] and [q.request_id for q in r2.waiting] == ["y"]
+    assert r2._need([x], HEADROOM_STEPS) > kv2.blocks.num_free >= r2._need([x], 1)
+
+
+def test_make_room_ends_a_request_larger_than_the_pool():
+    from decode_worker.retraction import Retractor
+    kv = pool(n=2, bs=4)
+    sched = FakeScheduler(kv)
+    big = running_request(kv, "big", prompt_len=4, generated=5)  # 9 tokens need 3 blocks > 2
+    sched.running = [big]
+    assert Retractor(sched).make_room([big]) == []
+    (req, out), = sched.finished
+    assert req is big and out.error[0].name == "RESOURCE_EXHAUSTED" and kv.blocks.num_free == 2
