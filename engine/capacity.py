@@ -162,8 +162,8 @@ def pool_blocks_from_memory(device_bytes: int, mem_fraction_static: float, weigh
     blocks = budget // block_bytes
     if blocks < 1:
         raise ValueError(
-            f"--mem-fraction-static {mem_fraction_static}: {device_bytes / GIB:.2f} GiB × {mem_fraction_static} − "
-            f"{weight_bytes / GIB:.2f} GiB of weights leaves {budget / GIB:.3f} GiB, less than one KV block "
+            f"--mem-fraction-static {mem_fraction_static}: {format_bytes(device_bytes)} × {mem_fraction_static} − "
+            f"{format_bytes(weight_bytes)} of weights leaves {format_bytes(budget)}, less than one KV block "
             f"of {block_bytes} B")
     return blocks
 
