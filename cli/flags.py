@@ -20,7 +20,15 @@ HELP = {
     "model": "served model: 'tandem-shakespeare' (shipped, trained), 'tandem-tiny' (seeded) or a Hugging Face checkpoint folder",
     "seed": "weight seed of tandem-tiny",
     "block_size": "tokens per KV block (router and workers must agree)",
-    "num_blocks": "KV pool capacity in blocks",
+    "num_blocks": "KV pool capacity in blocks (0 = from --mem-fraction-static, else 4096); wins over "
+                  "--mem-fraction-static",
+    "mem_fraction_static": "weights + KV pool as a share of device memory; sizes the pool when --num-blocks is 0 "
+                           "(0 = off)",
+    "device_memory_bytes": "device memory for --mem-fraction-static in bytes (0 = the GPU's total; on CPU the "
+                           "machine's physical memory)",
+    "practical_fraction": "decode admission: admit while the admitted requests' KV at prompt + max_tokens fits "
+                          "this share of the pool (> 1 overcommits; retraction recovers)",
+    "max_queued": "decode: requests that may wait for admission; beyond it RESOURCE_EXHAUSTED",
     "chunk_size": "prefill chunk size in tokens",
     "max_running": "decode: most requests in one batch",
     "host": "address to listen on",

@@ -166,6 +166,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("config", help="print the effective configuration and where each value came from")
     p.add_argument("action", choices=["show"])
     p.add_argument("target", nargs="?", default=None, help="subcommand (default: every one)")
+    __import__("cli.plan").plan.register(sub)  # `tandem plan` (cli/plan.py)
     p = sub.add_parser("demo", help="the README demo: MT-Bench through a local cluster, checked against the reference",
                        add_help=False)
     p.set_defaults(func=None)

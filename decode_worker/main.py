@@ -23,6 +23,7 @@ async def run(opts: WorkerOptions, ready: Callable[[RunningServer, WorkerRuntime
     runtime = WorkerRuntime(discovery_pb2.ROLE_DECODE, opts, loaded)
     scheduler = DecodeScheduler(runtime)
     runtime.metrics.running_fn = lambda: min(len(scheduler.running), opts.max_running)
+    runtime.scheduler = scheduler  # capacity: admission and retraction state, for tests and metrics
     servicer = DecodeServicer(runtime, scheduler)
     methods = {"Generate": ("stream", pb.DecodeRequest, pb.DecodeResponse)}
     loop_task = asyncio.create_task(scheduler.run(), name="decode-loop")  # strong reference

@@ -17,8 +17,9 @@ import torch
 
 from common.pb.tandem.v1 import sampling_pb2
 from common.sampling_params import SamplingParams
+from decode_worker.admission import Admission, Ticket
+from decode_worker.retraction import Retractor
 from engine.block_pool import BlockId
-from engine.kv_pool import PoolExhausted
 from engine.runner import DecodeInput
 from engine.sampling import sample
 from engine.worker_host import WorkerRuntime
@@ -51,6 +52,7 @@ class RunningRequest:
     hidden: torch.Tensor | None = None  # MTP: main hidden of positions not yet in MTP KV (spec_step.py)
     mtp_verify_steps: int = 0  # MTP: verify steps of this request (the decode span's attributes)
     mtp_accepted_tokens: int = 0  # MTP: draft tokens accepted (emitted minus the bonus token)
+    ticket: Ticket | None = None  # capacity: its admission reservation, released when it finishes
 
     @property
     def generated(self) -> int:
@@ -70,6 +72,10 @@ class DecodeScheduler:
         self.spec = SpecDecoder(self, k) if k else None
         self.release = runtime.pool.free  # how finished requests' blocks are freed (overlap defers it)
         self.overlap = OverlapLoop(self) if use_overlap(runtime, self.spec is not None) else None  # hook
+        # capacity: admission (used by the servicer) and retraction (decode_worker/admission.py, retraction.py)
+        self.admission = Admission(runtime.pool, runtime.opts.practical_fraction, runtime.opts.max_queued)
+        self.admission.on_release = self._wake.set
+        self.retraction = Retractor(self, tokens_per_step=k + 1)  # an MTP step writes its drafts too
 
     def add(self, req: RunningRequest) -> None:
         """Take ownership of req (its blocks are freed by the scheduler from now on)."""
@@ -83,20 +89,17 @@ class DecodeScheduler:
     def _finish(self, req: RunningRequest, out: TokenOut | None) -> None:
         self.running.remove(req)
         self.release(req.block_ids)
+        self.admission.release(req.ticket)  # capacity
         if out is not None:
             req.out.put_nowait(out)
 
     def _schedule(self) -> list[RunningRequest]:
         for req in [r for r in self.running if r.cancelled]:
             self._finish(req, None)
-        batch = []
-        for req in list(self.running[: self.rt.opts.max_running]):
-            try:
-                self.rt.pool.grow(req.block_ids, len(req.tokens))
-            except PoolExhausted as exc:  # retraction comes with the decode runtime issue
-                self._finish(req, TokenOut(error=(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))))
-                continue
-            batch.append(req)
+        self.retraction.resume_ready()  # capacity: retracted requests re-prefill when they fit
+        batch = self.retraction.make_room(self.running[: self.rt.opts.max_running])  # capacity: retract if short
+        for req in batch:
+            self.rt.pool.grow(req.block_ids, len(req.tokens))  # make_room left enough free blocks
         return batch
 
     def _postprocess(self, batch: list[RunningRequest], logits) -> None:
@@ -137,6 +140,7 @@ class DecodeScheduler:
             self.failed = exc
             for req in list(self.running):
                 self._finish(req, TokenOut(error=(grpc.StatusCode.INTERNAL, f"decode loop failed: {exc}")))
+            self.retraction.fail_all(f"decode loop failed: {exc}")  # capacity
             if self.on_failure is not None:
                 await self.on_failure()
             raise

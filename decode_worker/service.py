@@ -1,7 +1,9 @@
 """DecodeService: take a request from the router, get its prompt KV, decode, stream tokens.
 
-Path of one call (DESIGN.md section 5, steps 2–4): validate → allocate the prompt's blocks
-(reusing this worker's prefix cache; RESOURCE_EXHAUSTED when the pool is full) → ask the
+Path of one call (DESIGN.md section 5, steps 2–4): validate → admission (wait in the worker's
+queue while the admitted requests' projected KV fills the practical share of the pool;
+RESOURCE_EXHAUSTED when the queue is full) → allocate the prompt's blocks (reusing this
+worker's prefix cache) → ask the
 prefill worker to write the missing blocks here (or prefill locally when no prefill worker
 was given or it failed) → wait for the transfer notification → cache the prompt blocks →
 stream the first token → join the continuous batch until finished or cancelled.
@@ -25,8 +27,9 @@ from common.pb.tandem.v1 import decode_pb2_grpc as pb_grpc
 from common.pb.tandem.v1 import prefill_pb2, prefill_pb2_grpc, sampling_pb2
 from common.sampling_params import SamplingParams
 from common.validation import InvalidArgument, sampling_from_proto, validate_prompt_length, validate_token_ids
+from decode_worker.admission import admit_or_abort
 from decode_worker.scheduler import DecodeScheduler, RunningRequest
-from engine.kv_pool import PromptBlocks
+from engine.kv_pool import PoolExhausted, PromptBlocks
 from engine.mtp import hidden_from_bytes
 from engine.sampling import sample
 from engine.worker_host import WorkerRuntime
@@ -151,7 +154,17 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
         request_id = request.request_id or uuid.uuid4().hex
         tokens = list(request.token_ids)
         pool = self.rt.pool
-        prompt = await self.rt.allocate_prompt(tokens, context)
+        # capacity: wait for admission (RESOURCE_EXHAUSTED when the queue is full), then the blocks
+        admission = self.scheduler.admission
+        ticket = await admit_or_abort(admission, len(tokens), params.max_tokens, context)
+        try:
+            prompt = await admission.allocate_prompt(tokens, lambda: admission.admitted > 1)
+        except PoolExhausted as exc:
+            admission.release(ticket)
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+        except BaseException:
+            admission.release(ticket)
+            raise
         rpc_span = tracing.current_span()
         if rpc_span.is_recording():
             rpc_span.set_attributes({"tandem.request_id": request_id, "tandem.prompt_tokens": len(tokens),
@@ -179,7 +192,7 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
             if self.scheduler.failed is not None:
                 await context.abort(grpc.StatusCode.UNAVAILABLE, "decode loop is down on this worker")
             running = RunningRequest(request_id, tokens + [token], len(tokens), prompt.block_ids, params,
-                                     step_offset=request.sampling_step_offset, hidden=hidden)
+                                     step_offset=request.sampling_step_offset, hidden=hidden, ticket=ticket)
             self.scheduler.add(running)
             with tracing.span("tandem.decode") as span:
                 try:
@@ -206,6 +219,7 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
         finally:
             if running is None:
                 pool.free(prompt.block_ids)
+                admission.release(ticket)  # capacity
                 self.rt.events.publish()
             else:
                 self.scheduler.cancel(running)

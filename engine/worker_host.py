@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 import uuid
@@ -24,6 +25,7 @@ from common.lifecycle import install_stop_signals
 from common.grpc_server import RunningServer, advertised_host, start_server
 from common.pb.tandem.v1 import discovery_pb2, kv_events_pb2_grpc
 from engine.kv_event_service import KvEventServicer
+from engine.capacity import device_memory_bytes, format_bytes, module_bytes, pool_blocks_from_memory
 from engine.kv_events import KvEventLog
 from engine.kv_pool import KvPool, KvPoolConfig, PoolExhausted, PromptBlocks
 from engine.model_source import DEFAULT_MODEL, LoadedModel, load_model
@@ -33,6 +35,7 @@ from engine.worker_metrics import WorkerMetrics
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 VERSION = "0.1.0"
+DEFAULT_NUM_BLOCKS = 4096  # the pool without --num-blocks or --mem-fraction-static
 
 
 @dataclass(frozen=True)
@@ -42,7 +45,11 @@ class WorkerOptions:
     model: str = DEFAULT_MODEL  # tandem-shakespeare, tandem-tiny or a Hugging Face checkpoint folder
     seed: int = 0  # weight seed for TINY
     block_size: int = 16  # tokens per KV block (must match the router's)
-    num_blocks: int = 4096  # KV pool capacity in blocks
+    num_blocks: int = 0  # KV pool capacity in blocks; 0 = from --mem-fraction-static, else DEFAULT_NUM_BLOCKS
+    mem_fraction_static: float = 0.0  # weights + KV pool as a share of device memory; 0 = use --num-blocks
+    device_memory_bytes: int = 0  # memory --mem-fraction-static applies to; 0 = the GPU's total (CPU: physical RAM)
+    practical_fraction: float = 0.9  # decode admission: admitted requests' projected KV <= this share of the pool
+    max_queued: int = 256  # decode: requests waiting for admission; one more gets RESOURCE_EXHAUSTED
     chunk_size: int = 256  # prefill chunk in tokens
     max_running: int = 64  # decode: concurrent requests in the batch
     host: str = "127.0.0.1"
@@ -63,9 +70,17 @@ class WorkerOptions:
 
     def __post_init__(self) -> None:
         metrics_http.validate_port(self.metrics_port)
-        for name in ("block_size", "num_blocks", "chunk_size", "max_running", "torch_threads"):
+        for name in ("block_size", "chunk_size", "max_running", "torch_threads"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        for name in ("num_blocks", "device_memory_bytes", "max_queued"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
+        if not 0 <= self.mem_fraction_static <= 1:
+            raise ValueError(f"--mem-fraction-static must be in [0, 1] (0 = off), got {self.mem_fraction_static}")
+        # > 1 overcommits: a bet that requests stop (EOS) before max_tokens; retraction covers a lost bet.
+        if not 0 < self.practical_fraction <= 4:
+            raise ValueError(f"--practical-fraction must be in (0, 4], got {self.practical_fraction}")
         if not 0 <= self.speculative_num_steps <= 8:
             raise ValueError(f"--speculative-num-steps must be in 0..8, got {self.speculative_num_steps}")
         from kv_transfer.select import CHOICES
@@ -105,11 +120,37 @@ class WorkerStats:
     prefix_query_tokens: int = 0  # prompt tokens looked up in this worker's prefix cache
     prefix_hit_tokens: int = 0  # of those, tokens found there
     generated_tokens: int = 0  # decode: tokens streamed (first tokens included)
+    retractions: int = 0  # decode: running requests retracted for lack of KV blocks (re-prefilled later)
     transfer_by_backend: dict[str, BackendTransferStats] = field(default_factory=dict)
 
     def backend(self, name: str) -> BackendTransferStats:
         """The counters of one backend ("nixl", "shm", "cuda-ipc"), created on first use."""
         return self.transfer_by_backend.setdefault(name, BackendTransferStats())
+
+
+def pool_blocks(opts: WorkerOptions, loaded: LoadedModel, pool_config: KvPoolConfig) -> int:
+    """KV pool size in blocks: --num-blocks when given; else from --mem-fraction-static
+    (DESIGN.md section 6: (device memory × fraction − weight bytes) / block bytes); else
+    DEFAULT_NUM_BLOCKS. Logs the resulting capacity.
+
+    Raises:
+        ValueError: --mem-fraction-static leaves no room for one block (the message says why).
+    """
+    if opts.num_blocks:
+        blocks, why = opts.num_blocks, "--num-blocks"
+    elif opts.mem_fraction_static:
+        device = next(loaded.model.parameters()).device
+        memory = device_memory_bytes(device, opts.device_memory_bytes)
+        weights = module_bytes(loaded.model)
+        blocks = pool_blocks_from_memory(memory, opts.mem_fraction_static, weights, pool_config.block_bytes)
+        why = (f"--mem-fraction-static {opts.mem_fraction_static} of {format_bytes(memory)} ({device.type}) "
+               f"minus {format_bytes(weights)} of weights")
+    else:
+        blocks, why = DEFAULT_NUM_BLOCKS, "default"
+    log.info("KV pool: %d blocks × %d B = %s, %d tokens at %d B per token (%s)", blocks,
+             pool_config.block_bytes, format_bytes(blocks * pool_config.block_bytes), blocks * pool_config.block_size,
+             pool_config.bytes_per_token, why)
+    return blocks
 
 
 class WorkerRuntime:
@@ -124,12 +165,14 @@ class WorkerRuntime:
         cfg = self.loaded.config
         # num_kv_layers: the MTP module's KV rides in the same blocks (engine/mtp.py), so
         # prefill and decode workers of one model agree on the block layout whatever their flags
-        self.pool = KvPool(KvPoolConfig(num_blocks=opts.num_blocks, block_size=opts.block_size,
-                                        num_layers=cfg.num_kv_layers, kv_dim=cfg.kv_dim),
-                           hash_seed(self.loaded.name))
+        pool_config = KvPoolConfig(num_blocks=1, block_size=opts.block_size, num_layers=cfg.num_kv_layers,
+                                   kv_dim=cfg.kv_dim)
+        pool_config = dataclasses.replace(pool_config, num_blocks=pool_blocks(opts, self.loaded, pool_config))
+        self.pool = KvPool(pool_config, hash_seed(self.loaded.name))
         self.runner = ModelRunner(self.loaded.model, self.pool)
         self.events = KvEventLog(self.pool.blocks)
         self.stats = WorkerStats()
+        self.scheduler: Any = None  # decode: its DecodeScheduler (admission and retraction state)
         self.start_time = time.time()
         self.metrics_address = ""  # host:port of /metrics once served
         self.busy_since: float | None = None  # monotonic start of the model call now running
@@ -265,7 +308,7 @@ class WorkerRuntime:
         return discovery_pb2.Instance(
             instance_id=self.instance_id, role=self.role, address=address, model=self.loaded.name,
             block_size=self.opts.block_size, hash_seed=self.pool.hash_seed,
-            kv_capacity_blocks=self.opts.num_blocks, transfer_agent_name=self.agent.name,
+            kv_capacity_blocks=self.pool.config.num_blocks, transfer_agent_name=self.agent.name,
             state=discovery_pb2.INSTANCE_STATE_SERVING, start_time_unix=self.start_time, version=VERSION,
             metrics_address=self.metrics_address)
 

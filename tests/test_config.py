@@ -44,7 +44,7 @@ def write(tmp_path: Path, text: str) -> str:
 
 
 @pytest.mark.parametrize("flag, env, file, want, source", [
-    (None, None, None, 4096, "default"),
+    (None, None, None, 0, "default"),  # 0 = automatic: 4096 blocks unless --mem-fraction-static is set
     (None, None, 100, 100, "file {path}:decode.num_blocks"),
     (None, 200, 100, 200, "env TANDEM_NUM_BLOCKS"),
     (300, 200, 100, 300, "flag --num-blocks"),

@@ -1,0 +1,167 @@
+"""Retraction (DESIGN.md section 8): when a decode step needs KV blocks that are not there —
+even after evicting cached prefixes, which `BlockPool.allocate` does by itself, so "free"
+below counts unreferenced cached blocks — retract running requests, fewest generated tokens
+first and the longest prompt breaking ties (SGLang's order: the least work is lost), until the
+rest have blocks for `HEADROOM_STEPS` steps. A retracted request's blocks are freed (its
+prompt's full blocks stay in the prefix cache until evicted) and it waits, ahead of new
+admissions, to resume: it re-prefills locally from prompt + tokens generated so far (all but
+the last token, whose KV the next decode step writes), rejoins the batch, and streams on from
+where it stopped — same queue, same sampling steps, so no token is repeated or lost.
+
+Single-threaded: runs on the worker's event loop, between decode steps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import deque
+from typing import TYPE_CHECKING, Iterable
+
+import grpc
+
+from engine.kv_pool import PoolExhausted, PromptBlocks
+
+if TYPE_CHECKING:
+    from decode_worker.scheduler import DecodeScheduler, RunningRequest
+
+log = logging.getLogger(__name__)
+
+HEADROOM_STEPS = 8  # retract until the remaining batch has blocks for this many steps
+
+
+def retraction_order(reqs: Iterable[RunningRequest]) -> list[RunningRequest]:
+    """Victims first: fewest generated tokens, then the longest prompt (DESIGN.md section 8)."""
+    return sorted(reqs, key=lambda r: (r.generated, -r.prompt_len))
+
+
+class Retractor:
+    """Frees KV for a step by retracting running requests, and resumes them later.
+
+    `tokens_per_step` is how many tokens one step writes per request (1 for plain decode; a
+    speculative step writes its drafts too).
+    """
+
+    def __init__(self, scheduler: DecodeScheduler, tokens_per_step: int = 1) -> None:
+        self.sched = scheduler
+        self.rt = scheduler.rt
+        self.tokens_per_step = tokens_per_step
+        self.waiting: deque[RunningRequest] = deque()  # retracted, to resume in this order
+        self._tasks: set[asyncio.Task] = set()  # re-prefills (strong references)
+
+    def _tokens_after(self, req: RunningRequest, steps: int) -> int:
+        """Tokens req's KV holds after `steps` more steps (no further than its max_tokens)."""
+        left = max(1, req.params.max_tokens - req.generated)  # one step per token still to generate
+        return len(req.tokens) - 1 + min(steps * self.tokens_per_step, left)
+
+    def _need(self, reqs: Iterable[RunningRequest], steps: int) -> int:
+        """New blocks reqs need so that `steps` more steps fit."""
+        pool = self.rt.pool
+        return sum(max(0, pool.blocks_for(self._tokens_after(r, steps)) - len(r.block_ids)) for r in reqs)
+
+    def make_room(self, batch: list[RunningRequest]) -> list[RunningRequest]:
+        """Retract until the batch's next step fits; returns the requests still in the batch.
+
+        A request that alone needs more blocks than the whole pool ends with RESOURCE_EXHAUSTED.
+        """
+        pool = self.rt.pool
+        for req in [r for r in batch if self._need([r], 1) + len(r.block_ids) > pool.config.num_blocks]:
+            batch.remove(req)
+            self.sched._finish(req, _exhausted(f"request needs {self._need([req], 1) + len(req.block_ids)} KV "
+                                               f"blocks; the pool has {pool.config.num_blocks}"))
+        if self._need(batch, 1) <= pool.blocks.num_free:
+            return batch
+        while batch and self._need(batch, HEADROOM_STEPS) > pool.blocks.num_free:
+            if len(self.sched.running) == 1 and self._need(batch, 1) <= pool.blocks.num_free:
+                break  # the last running request keeps going while its own step fits
+            victim = retraction_order(self.sched.running)[0]
+            self.retract(victim)
+            if victim in batch:
+                batch.remove(victim)
+        return batch
+
+    def retract(self, req: RunningRequest) -> None:
+        """Take req out of the batch, free its blocks, and queue it to resume."""
+        self.sched.running.remove(req)
+        self.rt.pool.free(req.block_ids)
+        held = len(req.block_ids)
+        req.block_ids = []
+        self.rt.stats.retractions += 1
+        self.waiting.append(req)
+        self.sched.admission.hold()
+        log.info("retracted request %s (%d generated, prompt %d tokens, %d blocks freed): KV pool full, "
+                 "%d running, %d retracted", req.request_id, req.generated, req.prompt_len, held,
+                 len(self.sched.running), len(self.waiting))
+
+    def _drop(self, req: RunningRequest) -> None:
+        self.sched.admission.unhold()
+        self.sched.admission.release(req.ticket)
+
+    def resume_ready(self) -> None:
+        """Start re-prefilling the retracted requests (in order) that fit now with headroom,
+        or the first one when nothing runs."""
+        pool = self.rt.pool
+        for req in [r for r in self.waiting if r.cancelled]:
+            self.waiting.remove(req)
+            self._drop(req)
+        while self.waiting:
+            req = self.waiting[0]
+            own = pool.blocks_for(self._tokens_after(req, HEADROOM_STEPS))
+            idle = not self.sched.running and not self._tasks
+            if not idle and own + self._need(self.sched.running, HEADROOM_STEPS) > pool.blocks.num_free:
+                return
+            try:
+                prompt = pool.allocate_prompt(req.tokens[:-1])
+            except PoolExhausted:
+                return  # blocks held by prompts being prefilled; a release wakes the scheduler
+            self.waiting.popleft()
+            task = asyncio.create_task(self._reprefill(req, prompt), name=f"reprefill-{req.request_id}")
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _reprefill(self, req: RunningRequest, prompt: PromptBlocks) -> None:
+        tokens = req.tokens[:-1]
+        start = prompt.num_cached_blocks * self.rt.pool.block_size
+        resumed = False
+        try:
+            if self.sched.spec is not None:  # MTP: the MTP KV rows and the hidden state the first draft needs
+                req.hidden = (await self.rt.prefill_hidden(prompt.block_ids, tokens, start, mtp=True))[None]
+            else:
+                await self.rt.prefill(prompt.block_ids, tokens, start)  # logits unused: tokens[-1] is known
+            if not req.cancelled:
+                self.rt.pool.commit_prompt(prompt)
+                self.rt.events.publish()
+                req.block_ids = prompt.block_ids
+                log.info("resumed request %s: re-prefilled %d tokens (%d from the prefix cache)", req.request_id,
+                         len(tokens), start)
+                self.sched.admission.unhold()
+                self.sched.add(req)
+                resumed = True
+        except asyncio.CancelledError:  # fail_all: the decode loop is down
+            req.out.put_nowait(_error(grpc.StatusCode.INTERNAL, "decode loop stopped during re-prefill"))
+            raise
+        except Exception as exc:  # noqa: BLE001 - the stream ends with the cause; the loop goes on
+            log.exception("request %s: re-prefill after retraction failed", req.request_id)
+            req.out.put_nowait(_error(grpc.StatusCode.INTERNAL, f"re-prefill after retraction failed: {exc}"))
+        finally:
+            if not resumed:
+                self.rt.pool.free(prompt.block_ids)
+                self._drop(req)
+
+    def fail_all(self, error: str) -> None:
+        """The decode loop failed: end every retracted request with INTERNAL."""
+        for task in list(self._tasks):
+            task.cancel()
+        while self.waiting:
+            req = self.waiting.popleft()
+            req.out.put_nowait(_error(grpc.StatusCode.INTERNAL, error))
+            self._drop(req)
+
+
+def _error(code: grpc.StatusCode, message: str):
+    from decode_worker.scheduler import TokenOut
+    return TokenOut(error=(code, message))
+
+
+def _exhausted(message: str):
+    return _error(grpc.StatusCode.RESOURCE_EXHAUSTED, message)

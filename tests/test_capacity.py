@@ -1,0 +1,231 @@
+"""Capacity planning (DESIGN.md section 6): the seed's table, pool sizing from
+--mem-fraction-static, admission control, and the retraction order (unit tests, no servers)."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, replace
+
+import pytest
+
+from cli.plan import PlanOptions, build_plans, register, render, table
+from decode_worker.admission import Admission, Refused
+from decode_worker.retraction import retraction_order
+from engine.capacity import (DEEPSEEK_R1, GIB, PlanInputs, module_bytes, parse_bytes, parse_tokens, plan,
+                             pool_blocks_from_memory)
+from engine.kv_pool import KvPool, KvPoolConfig
+from engine.worker_host import DEFAULT_NUM_BLOCKS, WorkerOptions, pool_blocks
+
+
+def plan_main(*argv: str) -> int:
+    import argparse
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["plan", *argv])
+    return args.func(args)
+
+
+def test_seed_table_comes_out_exactly():
+    """288 vs 192 GB HBM at 0.75, 40 GB weights, 136K tokens of 35,136 B (DESIGN.md section 6)."""
+    assert DEEPSEEK_R1.bytes_per_token == 35_136
+    label, fp, (b300, b200) = build_plans(PlanOptions())  # the defaults are the seed's inputs
+    assert label == "deepseek-r1" and fp.bytes_per_token == 35_136
+    assert b300.pool_bytes == 176 * GIB and b200.pool_bytes == 104 * GIB
+    assert b300.inputs.cached_tokens == 136_000
+    assert b300.per_request_bytes == 136_000 * 35_136 and round(b300.per_request_bytes / GIB, 2) == 4.45
+    # theoretical caps: the seed's "≈ 40" and "≈ 24"
+    assert b300.theoretical_per_gpu == pytest.approx(39.55, abs=0.01) and round(b300.theoretical_per_gpu) == 40
+    assert b200.theoretical_per_gpu == pytest.approx(23.37, abs=0.01) and abs(b200.theoretical_per_gpu - 24) < 1
+    # practical: 36 and 20 per GPU at 90 % and 85 %, 576 and 320 over EP16
+    assert (b300.inputs.practical_fraction, b200.inputs.practical_fraction) == (0.90, 0.85)
+    assert (b300.practical_per_gpu, b200.practical_per_gpu) == (36, 20)
+    assert (b300.practical_total, b200.practical_total) == (576, 320)
+    text = render(table(label, fp, [b300, b200]), "seed", "text")
+    for cell in ("176 GiB", "104 GiB", "35,136 B", "4.45 GiB", "39.55", "23.37", "576", "320"):
+        assert cell in text
+
+
+def test_tandem_plan_prints_the_seed_table(capsys, monkeypatch):
+    for var in ("TANDEM_MODEL", "TANDEM_HBM", "TANDEM_EP_SIZE", "TANDEM_MEM_FRACTION_STATIC"):
+        monkeypatch.delenv(var, raising=False)
+    assert plan_main("--format", "markdown") == 0
+    out = capsys.readouterr().out
+    assert "| KV pool per GPU | 176 GiB | 104 GiB |" in out
+    assert "| practical over EP16 | 576 | 320 |" in out
+
+
+def test_plan_flags_and_units():
+    assert parse_bytes("288GiB") == 288 * GIB and parse_bytes("141GB") == 141 * 10**9 and parse_bytes("2") == 2 * GIB
+    assert parse_tokens("136K") == 136_000 and parse_tokens("128Ki") == 131_072 and parse_tokens("4096") == 4096
+    with pytest.raises(ValueError):
+        parse_bytes("lots")
+    _, fp, plans = build_plans(PlanOptions(hbm="141GB", kv_dtype="bf16", practical_fractions="0.9", ep_size=8,
+                                           input_len="32K", output_len="1K"))
+    assert fp.bytes_per_token == 2 * 35_136 and len(plans) == 1 and plans[0].practical_total == 8 * plans[0].practical_per_gpu
+    with pytest.raises(ValueError, match="--practical-fractions"):
+        build_plans(PlanOptions(hbm="80GiB,141GB,192GiB"))  # two fractions for three columns
+    with pytest.raises(ValueError, match="--kv-dtype"):
+        PlanOptions(kv_dtype="int3")
+    with pytest.raises(ValueError, match="--hbm"):
+        PlanOptions(hbm="lots")
+    with pytest.raises(ValueError, match="mem_fraction_static"):
+        PlanInputs(GIB, 1.5, 0, 1, 1)
+
+
+def test_plan_from_a_model_config_estimates_weights_per_gpu():
+    opts = PlanOptions(model="tandem-tiny", hbm="1GiB", practical_fractions="0.9", kv_dtype="fp32", ep_size=1)
+    _, fp, (p1,) = build_plans(opts)
+    _, _, (p2,) = build_plans(replace(opts, ep_size=2))
+    assert fp.bytes_per_token == (32 + 8) * 5 * 4  # tiny: (kv_lora_rank + rope) × (4 layers + MTP) × fp32
+    assert 0 < p2.inputs.weight_bytes < p1.inputs.weight_bytes  # routed experts split over EP
+
+
+def test_theoretical_cap_is_pool_over_per_request():
+    p = plan(PlanInputs(hbm_bytes=100, mem_fraction_static=0.5, weight_bytes=10, cached_tokens=4, bytes_per_token=2,
+                        ep_size=3, practical_fraction=0.5))
+    assert (p.pool_bytes, p.per_request_bytes, p.theoretical_per_gpu, p.practical_per_gpu, p.practical_total) == \
+        (40, 8, 5.0, 3, 9)  # round(2.5) = 3 (half up), capped at floor(5.0)
+
+
+def test_pool_blocks_from_mem_fraction(tiny_model):
+    cfg = KvPoolConfig(num_blocks=1, block_size=16, num_layers=4, kv_dim=40)
+    weights = module_bytes(tiny_model.model)
+    memory = int((weights + 37.5 * cfg.block_bytes) / 0.5)
+    opts = WorkerOptions(mem_fraction_static=0.5, device_memory_bytes=memory)
+    assert pool_blocks(opts, tiny_model, cfg) == 37 == pool_blocks_from_memory(memory, 0.5, weights, cfg.block_bytes)
+    assert pool_blocks(WorkerOptions(mem_fraction_static=0.5, device_memory_bytes=memory, num_blocks=9),
+                       tiny_model, cfg) == 9  # --num-blocks wins
+    assert pool_blocks(WorkerOptions(), tiny_model, cfg) == DEFAULT_NUM_BLOCKS
+    with pytest.raises(ValueError, match="--mem-fraction-static"):
+        pool_blocks(WorkerOptions(mem_fraction_static=0.5, device_memory_bytes=weights), tiny_model, cfg)
+    with pytest.raises(ValueError, match="--mem-fraction-static"):
+        WorkerOptions(mem_fraction_static=1.5)
+
+
+def pool(n: int = 10, bs: int = 4) -> KvPool:
+    return KvPool(KvPoolConfig(num_blocks=n, block_size=bs, num_layers=1, kv_dim=2), 1)
+
+
+def test_admission_queues_fifo_and_releases():
+    async def main():
+        adm = Admission(pool(10), practical_fraction=0.8, max_queued=2)  # budget 8 blocks
+        a = await adm.admit(prompt_tokens=10, max_tokens=10)  # 5 blocks
+        b_task = asyncio.create_task(adm.admit(10, 10))
+        c_task = asyncio.create_task(adm.admit(2, 2))  # 1 block: fits, but waits behind b (FIFO)
+        await asyncio.sleep(0)
+        assert adm.queued == 2 and adm.reserved == 5 and adm.waited == 2
+        with pytest.raises(Refused, match="queue full"):
+            await adm.admit(1, 1)
+        adm.release(a)
+        adm.release(a)  # idempotent
+        b, c = await b_task, await c_task
+        assert adm.reserved == 6 and adm.admitted == 2 and adm.queued == 0
+        adm.release(b)
+        adm.release(c)
+        assert adm.reserved == 0 and adm.admitted == 0
+
+    asyncio.run(main())
+
+
+def test_admission_lone_request_and_refusals():
+    async def main():
+        adm = Admission(pool(10), practical_fraction=0.5, max_queued=4)
+        big = await adm.admit(prompt_tokens=8, max_tokens=1000)  # over the budget, but alone: admitted
+        assert big.blocks == 10  # projection capped at the pool
+        with pytest.raises(Refused, match="the pool has 10"):
+            await adm.admit(prompt_tokens=40, max_tokens=1)  # the prompt can never fit
+        waiter = asyncio.create_task(adm.admit(1, 1))
+        await asyncio.sleep(0)
+        waiter.cancel()  # the caller went away while queued: nothing held
+        with pytest.raises(asyncio.CancelledError):
+            await waiter
+        assert adm.queued == 0 and adm.admitted == 1
+        adm.hold()  # a retracted request waits: new ones queue behind it even with room
+        adm.release(big)
+        held = asyncio.create_task(adm.admit(1, 1))
+        await asyncio.sleep(0)
+        assert adm.queued == 1
+        adm.unhold()
+        adm.release(await held)
+        assert adm.reserved == 0 and adm.admitted == 0
+
+    asyncio.run(main())
+
+
+@dataclass
+class R:
+    name: str
+    generated: int
+    prompt_len: int
+
+
+def test_retraction_order_fewest_generated_then_longest_prompt():
+    reqs = [R("a", 5, 10), R("b", 2, 10), R("c", 2, 30), R("d", 9, 99)]
+    assert [r.name for r in retraction_order(reqs)] == ["c", "b", "a", "d"]
+
+
+class FakeScheduler:
+    """Just what Retractor touches: running list, runtime (pool, stats), admission, _finish."""
+
+    def __init__(self, kv: KvPool) -> None:
+        from types import SimpleNamespace
+
+        from engine.worker_host import WorkerStats
+        self.rt = SimpleNamespace(pool=kv, stats=WorkerStats())
+        self.running: list = []
+        self.admission = Admission(kv, practical_fraction=4.0, max_queued=4)
+        self.finished: list = []
+
+    def _finish(self, req, out) -> None:
+        self.running.remove(req)
+        self.rt.pool.free(req.block_ids)
+        self.finished.append((req, out))
+
+
+def running_request(kv: KvPool, name: str, prompt_len: int, generated: int, max_tokens: int = 100):
+    from common.sampling_params import SamplingParams
+    from decode_worker.scheduler import RunningRequest
+    tokens = list(range(1, prompt_len + generated + 1))
+    blocks = kv.blocks.allocate(kv.blocks_for(len(tokens) - 1))  # KV of all but the last token
+    return RunningRequest(name, tokens, prompt_len, blocks, SamplingParams(max_tokens=max_tokens))
+
+
+def test_make_room_retracts_in_order_until_headroom_and_keeps_the_last_one():
+    from decode_worker.retraction import HEADROOM_STEPS, Retractor
+    kv = pool(n=12, bs=4)
+    sched = FakeScheduler(kv)
+    a = running_request(kv, "a", prompt_len=8, generated=5)  # 12 tokens of KV in 3 blocks: needs a 4th
+    b = running_request(kv, "b", prompt_len=4, generated=9)  # the same
+    c = running_request(kv, "c", prompt_len=12, generated=3)  # 14 tokens in 4 blocks: room for its next
+    d = running_request(kv, "d", prompt_len=4, generated=3)  # 6 tokens in 2 blocks: room for its next
+    sched.running = [a, b, c, d]
+    r = Retractor(sched)
+    assert r._need(sched.running, 1) == 2 and kv.blocks.num_free == 0
+    batch = r.make_room(list(sched.running))
+    # c and d have generated fewest (3); c's longer prompt makes it first. After both, a and b have
+    # the 4 new blocks their next HEADROOM_STEPS steps need in the 6 freed.
+    assert [req.request_id for req in r.waiting] == ["c", "d"]
+    assert batch == sched.running == [a, b] and kv.blocks.num_free == 6
+    assert r._need(batch, HEADROOM_STEPS) <= kv.blocks.num_free
+    assert sched.rt.stats.retractions == 2 and sched.admission.held == 2
+    assert all(req.block_ids == [] for req in r.waiting)
+    # The last running request is not retracted while its own step fits, headroom or not.
+    kv2 = pool(n=4, bs=4)
+    sched2 = FakeScheduler(kv2)
+    x = running_request(kv2, "x", prompt_len=4, generated=9)  # 12 tokens of KV in 3 blocks: needs a 4th
+    y = running_request(kv2, "y", prompt_len=4, generated=1)  # 4 tokens in 1 block: needs a 2nd
+    sched2.running = [x, y]
+    r2 = Retractor(sched2)
+    assert r2.make_room([x, y]) == [x] and [q.request_id for q in r2.waiting] == ["y"]
+    assert r2._need([x], HEADROOM_STEPS) > kv2.blocks.num_free >= r2._need([x], 1)
+
+
+def test_make_room_ends_a_request_larger_than_the_pool():
+    from decode_worker.retraction import Retractor
+    kv = pool(n=2, bs=4)
+    sched = FakeScheduler(kv)
+    big = running_request(kv, "big", prompt_len=4, generated=5)  # 9 tokens need 3 blocks > 2
+    sched.running = [big]
+    assert Retractor(sched).make_room([big]) == []
+    (req, out), = sched.finished
+    assert req is big and out.error[0].name == "RESOURCE_EXHAUSTED" and kv.blocks.num_free == 2
