@@ -32,6 +32,9 @@ HELP = {
     "prefill_timeout_s": "decode: seconds to wait for a prefill worker (at most half the request's deadline) "
                          "before prefilling locally",
     "torch_threads": "intra-op threads for the model",
+    "ep_size": "decode: expert-parallel ranks (processes) forming this worker; 1 = no expert parallelism",
+    "ep_backend": "decode: EP all-to-all backend: auto (DeepEP when it imports and ranks are on GPUs, else "
+                  "torch.distributed), torch, or deepep (fails unless it can run)",
     "router_mode": "placement: kv | approx | round-robin | random | least-loaded",
     "prefill_weight": "kv/approx cost of one uncached block relative to one active decode block",
     "router_temperature": "kv/approx: 0 picks the lowest cost; > 0 samples by cost",

@@ -53,9 +53,11 @@ class WorkerOptions:
     drain_timeout_s: float = 30.0  # on SIGTERM: finish in-flight requests for at most this long
     stall_timeout_s: float = 60.0  # a model call running longer than this means the engine is wedged
     torch_threads: int = 1  # intra-op threads for the model (small model: 1 is fastest)
+    ep_size: int = 1  # decode: expert-parallel ranks (processes) forming this worker; 1 = no EP
+    ep_backend: str = "auto"  # decode: all-to-all backend of the EP ranks: auto | torch | deepep
 
     def __post_init__(self) -> None:
-        for name in ("block_size", "num_blocks", "chunk_size", "max_running", "torch_threads"):
+        for name in ("block_size", "num_blocks", "chunk_size", "max_running", "torch_threads", "ep_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if self.lease_ttl_s < 1:
@@ -77,17 +79,26 @@ class WorkerStats:
 class WorkerRuntime:
     """Model, pool, runner, KV event log and transfer agent of one worker process."""
 
-    def __init__(self, role: int, opts: WorkerOptions, loaded: LoadedModel | None = None) -> None:
+    def __init__(self, role: int, opts: WorkerOptions, loaded: LoadedModel | None = None,
+                 engine: Callable[[WorkerOptions, LoadedModel, KvPoolConfig, int], Any] | None = None) -> None:
+        """`engine`, when given, builds the pool and runner instead of a local KvPool and
+        ModelRunner: it returns an object with `pool`, the runner calls and `close()` (the EP
+        ranks of decode_worker/ep_ranks.py)."""
         torch.set_num_threads(opts.torch_threads)
         self.role = role
         self.opts = opts
         self.instance_id = f"{discovery_pb2.Role.Name(role).removeprefix('ROLE_').lower()}-{uuid.uuid4().hex[:12]}"
         self.loaded = loaded or load_model(opts.model, seed=opts.seed)
         cfg = self.loaded.config
-        self.pool = KvPool(KvPoolConfig(num_blocks=opts.num_blocks, block_size=opts.block_size,
-                                        num_layers=cfg.num_hidden_layers, kv_dim=cfg.kv_dim),
-                           hash_seed(self.loaded.name))
-        self.runner = ModelRunner(self.loaded.model, self.pool)
+        pool_config = KvPoolConfig(num_blocks=opts.num_blocks, block_size=opts.block_size,
+                                   num_layers=cfg.num_hidden_layers, kv_dim=cfg.kv_dim)
+        self.engine = None
+        if engine is None:
+            self.pool = KvPool(pool_config, hash_seed(self.loaded.name))
+            self.runner = ModelRunner(self.loaded.model, self.pool)
+        else:  # --- EP hook: the ranks' pools and lock-step runner (decode_worker/ep_ranks.py)
+            self.engine = engine(opts, self.loaded, pool_config, hash_seed(self.loaded.name))
+            self.pool, self.runner = self.engine.pool, self.engine
         self.events = KvEventLog(self.pool.blocks)
         self.stats = WorkerStats()
         self.start_time = time.time()
@@ -181,10 +192,15 @@ class WorkerRuntime:
         return discovery_pb2.Instance(
             instance_id=self.instance_id, role=self.role, address=address, model=self.loaded.name,
             block_size=self.opts.block_size, hash_seed=self.pool.hash_seed,
-            kv_capacity_blocks=self.opts.num_blocks, transfer_agent_name=self.agent.name,
+            kv_capacity_blocks=self.pool.config.num_blocks, transfer_agent_name=self.agent.name,
             state=discovery_pb2.INSTANCE_STATE_SERVING, start_time_unix=self.start_time, version=VERSION)
 
     def close(self) -> None:
+        if self.engine is not None:  # stop the EP ranks from the model thread, between steps
+            try:
+                self._executor.submit(self.engine.close).result(timeout=30)
+            except Exception:  # noqa: BLE001 - a wedged or failed engine must not block shutdown
+                log.exception("%s: closing the EP ranks failed", self.instance_id)
         self._executor.shutdown(wait=False, cancel_futures=True)
         self.agent.close()
 
