@@ -57,6 +57,7 @@ class StepStats:
 
     steps: int = 0
     step_s: float = 0.0  # rank 0's wall time per step, summed (seconds)
+    own_s: float = 0.0  # of which rank 0 ran its own share (collectives included)
     comm_s: list[float] = field(default_factory=list)  # per rank: seconds inside all-to-alls
     idle_rank_steps: int = 0  # (rank, step) pairs where a rank had no work
     all_busy_steps: int = 0  # steps where every rank had work
@@ -189,6 +190,7 @@ class EpEngine:
         for conn, work in zip(self._conns, works[1:]):
             conn.send(work)
         outs = [run_work(self.model, self.pool.ranks[0], works[0])]
+        self.stats.own_s += time.perf_counter() - t0
         self.stats.comm_s[0] = self._stats0.comm_s
         for rank, conn in enumerate(self._conns, start=1):
             hidden, comm_s = self._recv(rank, conn)
