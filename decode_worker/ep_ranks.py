@@ -34,7 +34,8 @@ from decode_worker.ep_pool import EpKvPool
 from engine.block_pool import BlockId
 from engine.kv_pool import KvPool, KvPoolConfig, PagedKvCache
 from engine.model import DeepseekV3ForCausalLM
-from engine.moe_ep import EpStats, ExpertPlacement, idle_forward, install_expert_parallel, select_backend
+from engine.ep_placement import ExpertPlacement
+from engine.moe_ep import EpStats, idle_forward, install_expert_parallel, select_backend
 from engine.runner import DecodeInput
 
 log = logging.getLogger(__name__)
@@ -59,6 +60,7 @@ class StepStats:
     step_s: float = 0.0  # rank 0's wall time per step, summed (seconds)
     own_s: float = 0.0  # of which rank 0 ran its own share (collectives included)
     comm_s: list[float] = field(default_factory=list)  # per rank: seconds inside all-to-alls
+    pairs_received: list[int] = field(default_factory=list)  # per rank: (token, expert) pairs its experts ran
     idle_rank_steps: int = 0  # (rank, step) pairs where a rank had no work
     all_busy_steps: int = 0  # steps where every rank had work
 
@@ -93,7 +95,7 @@ def _ep_model(spec: str, seed: int, placement: ExpertPlacement, rank: int) -> tu
 
 
 def _rank_main(rank: int, world: int, port: int, spec: str, seed: int, threads: int, timeout_s: float,
-               rank_config: KvPoolConfig, hash_seed: int, kv: torch.Tensor,
+               placement: ExpertPlacement, rank_config: KvPoolConfig, hash_seed: int, kv: torch.Tensor,
                conn: multiprocessing.connection.Connection) -> None:
     """A child rank: join the group, build the model with this rank's experts, then serve steps
     until rank 0 sends None or the pipe closes."""
@@ -101,7 +103,7 @@ def _rank_main(rank: int, world: int, port: int, spec: str, seed: int, threads: 
     store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=timedelta(seconds=timeout_s))
     _init_group(rank, world, store, timeout_s)
     try:
-        model, stats = _ep_model(spec, seed, ExpertPlacement.contiguous(model_experts(spec), world), rank)
+        model, stats = _ep_model(spec, seed, placement, rank)
         pool = KvPool(rank_config, hash_seed, kv=kv[rank])
         conn.send(("ready", None))
         while True:
@@ -116,7 +118,7 @@ def _rank_main(rank: int, world: int, port: int, spec: str, seed: int, threads: 
             except Exception as exc:  # rank 0 raises it as the step's error
                 conn.send(("error", f"{type(exc).__name__}: {exc}"))
                 raise
-            conn.send(("ok", (hidden, stats.comm_s)))
+            conn.send(("ok", (hidden, stats)))
     finally:
         dist.destroy_process_group()
 
@@ -136,17 +138,23 @@ class EpEngine:
     """
 
     def __init__(self, spec: str, seed: int, ep_size: int, backend: str, threads: int, timeout_s: float,
-                 rank_config: KvPoolConfig, hash_seed: int) -> None:
+                 rank_config: KvPoolConfig, hash_seed: int, placement: ExpertPlacement | None = None) -> None:
         self.world = ep_size
         n_experts = model_experts(spec)
-        self.placement = ExpertPlacement.contiguous(n_experts, ep_size)
+        self.placement = placement or ExpertPlacement.contiguous(n_experts, ep_size)
+        if self.placement.n_experts != n_experts or self.placement.world_size != ep_size:
+            raise ValueError(f"expert placement for {self.placement.n_experts} experts over "
+                             f"{self.placement.world_size} ranks; need {n_experts} over --ep-size {ep_size}")
         self.backend = select_backend(backend, "cpu")
-        log.info("expert parallelism: %d ranks, %d routed experts (%d per rank), all-to-all backend %s "
-                 "(torch.distributed gloo on CPU)", ep_size, n_experts, n_experts // ep_size, self.backend)
+        log.info("expert parallelism: %d ranks, %d routed experts (%s per rank, %d redundant copies), all-to-all "
+                 "backend %s (torch.distributed gloo on CPU)", ep_size, n_experts,
+                 "/".join(str(len(self.placement.local_experts(r))) for r in range(ep_size)),
+                 len(self.placement.replicas), self.backend)
         kv = torch.zeros(ep_size, rank_config.num_blocks, rank_config.num_layers, rank_config.block_size,
                          rank_config.kv_dim, dtype=rank_config.dtype).share_memory_()
         self.pool = EpKvPool(rank_config, hash_seed, kv)
-        self.stats = StepStats(comm_s=[0.0] * ep_size)
+        self.stats = StepStats(comm_s=[0.0] * ep_size, pairs_received=[0] * ep_size)
+        self._loads: list[torch.Tensor | None] = [None] * ep_size
         store = dist.TCPStore("127.0.0.1", 0, ep_size, is_master=True, wait_for_workers=False,
                               timeout=timedelta(seconds=timeout_s))
         ctx = mp.get_context("spawn")
@@ -156,8 +164,8 @@ class EpEngine:
         for rank in range(1, ep_size):
             ours, theirs = ctx.Pipe()
             p = ctx.Process(target=_rank_main, name=f"ep-rank-{rank}", daemon=True,
-                            args=(rank, ep_size, store.port, spec, seed, threads, timeout_s, rank_config, hash_seed,
-                                  kv, theirs))
+                            args=(rank, ep_size, store.port, spec, seed, threads, timeout_s, self.placement,
+                                  rank_config, hash_seed, kv, theirs))
             p.start()
             theirs.close()
             self._conns.append(ours)
@@ -191,17 +199,27 @@ class EpEngine:
             conn.send(work)
         outs = [run_work(self.model, self.pool.ranks[0], works[0])]
         self.stats.own_s += time.perf_counter() - t0
-        self.stats.comm_s[0] = self._stats0.comm_s
+        rank_stats = [self._stats0]
         for rank, conn in enumerate(self._conns, start=1):
-            hidden, comm_s = self._recv(rank, conn)
+            hidden, stats = self._recv(rank, conn)
             outs.append(hidden)
-            self.stats.comm_s[rank] = comm_s
+            rank_stats.append(stats)
+        for rank, st in enumerate(rank_stats):  # each rank's running totals
+            self.stats.comm_s[rank] = st.comm_s
+            self.stats.pairs_received[rank] = st.pairs_received
+            self._loads[rank] = st.expert_load
         self.stats.steps += 1
         self.stats.step_s += time.perf_counter() - t0
         idle = sum(1 for w in works if not w.seqs)
         self.stats.idle_rank_steps += idle
         self.stats.all_busy_steps += idle == 0
         return outs
+
+    def expert_load(self) -> list[int]:
+        """Observed (token, expert) pairs per routed expert since start, summed over ranks and
+        MoE layers: the input of `engine.ep_placement.plan_redundant`."""
+        loads = [x for x in self._loads if x is not None]
+        return (sum(loads[1:], loads[0]).tolist() if loads else [0] * self.placement.n_experts)
 
     @torch.inference_mode()
     def prefill_chunk(self, block_ids: list[BlockId], token_ids: list[int], start: int, end: int) -> torch.Tensor:
@@ -254,7 +272,8 @@ class EpEngine:
 def start_ep_engine(opts: Any, loaded: Any, rank_config: KvPoolConfig, hash_seed: int) -> EpEngine:
     """The `engine` factory WorkerRuntime takes for `--ep-size` > 1 (opts: WorkerOptions). Every
     rank loads `--model`/`--seed` itself; `loaded` (rank 0's full model) only serves the config."""
-    if loaded.config.n_routed_experts % opts.ep_size:
-        raise ValueError(f"--ep-size {opts.ep_size} must divide n_routed_experts ({loaded.config.n_routed_experts})")
+    n = loaded.config.n_routed_experts
+    placement = (ExpertPlacement.from_file(opts.ep_placement, n, opts.ep_size) if opts.ep_placement
+                 else ExpertPlacement.contiguous(n, opts.ep_size))
     return EpEngine(opts.model, opts.seed, opts.ep_size, opts.ep_backend, opts.torch_threads,
-                    max(60.0, opts.stall_timeout_s), rank_config, hash_seed)
+                    max(60.0, opts.stall_timeout_s), rank_config, hash_seed, placement)

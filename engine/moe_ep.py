@@ -29,47 +29,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from engine.ep_placement import ExpertPlacement
 from engine.model import MoE, DeepseekV3ForCausalLM
 
 log = logging.getLogger(__name__)
 
 BACKENDS = ("auto", "torch", "deepep")
-
-
-@dataclass(frozen=True)
-class ExpertPlacement:
-    """Which EP rank holds each routed expert: owner[e] = rank (the same for every MoE layer).
-
-    Raises ValueError when a rank would hold no expert or an owner is out of range.
-    """
-
-    owner: tuple[int, ...]
-    world_size: int
-
-    def __post_init__(self) -> None:
-        if any(not 0 <= r < self.world_size for r in self.owner):
-            raise ValueError(f"expert placement {self.owner}: owners must be in [0, {self.world_size})")
-        empty = [r for r in range(self.world_size) if r not in self.owner]
-        if empty:
-            raise ValueError(f"expert placement {self.owner}: ranks {empty} hold no expert")
-
-    @classmethod
-    def contiguous(cls, n_experts: int, world_size: int) -> ExpertPlacement:
-        """Expert e on rank e // (n_experts / world_size). Raises ValueError (naming --ep-size)
-        unless world_size divides n_experts."""
-        if world_size < 1 or n_experts % world_size:
-            raise ValueError(f"--ep-size {world_size} must divide n_routed_experts ({n_experts})")
-        per = n_experts // world_size
-        return cls(tuple(e // per for e in range(n_experts)), world_size)
-
-    def local_experts(self, rank: int) -> list[int]:
-        """Expert ids held by `rank`, ascending."""
-        return [e for e, r in enumerate(self.owner) if r == rank]
-
-    def order(self) -> list[int]:
-        """All experts, grouped by owner rank (rank 0's first), ascending within a rank: the
-        order in which pairs are laid out in the dispatch buffers."""
-        return [e for r in range(self.world_size) for e in self.local_experts(r)]
 
 
 @dataclass
@@ -82,6 +47,7 @@ class EpStats:
     pairs_sent: int = 0
     pairs_received: int = 0
     layer_calls: int = 0
+    expert_load: torch.Tensor | None = None  # [n_experts] pairs this rank's tokens routed to each expert
 
 
 @dataclass(eq=False)
@@ -103,11 +69,18 @@ class ExpertParallelDispatch:
         self._local = p.local_experts(self.rank)
         if sorted(self.experts) != self._local:
             raise ValueError(f"rank {self.rank} must hold experts {self._local}, got {sorted(self.experts)}")
-        # slot[e]: position of expert e in placement.order(); sorting pairs by slot sorts them by
-        # owner rank, then expert id
-        order = p.order()
-        self._slot = torch.empty(len(order), dtype=torch.long)
-        self._slot[torch.tensor(order)] = torch.arange(len(order))
+        # slot_table[r, e]: position of (rank r, expert e) in placement.slots(); sorting pairs by
+        # slot sorts them by destination rank, then expert id
+        slots = p.slots()
+        self._n_slots = len(slots)
+        self._slot_table = torch.full((p.world_size, p.n_experts), -1, dtype=torch.long)
+        for i, (r, e) in enumerate(slots):
+            self._slot_table[r, e] = i
+        holders = [p.holders(e) for e in range(p.n_experts)]
+        width = max(map(len, holders))
+        self._holders = torch.tensor([h + [h[0]] * (width - len(h)) for h in holders])  # [E, width]
+        self._n_holders = torch.tensor([len(h) for h in holders])  # [E]
+        self._here = torch.tensor([self.rank in h for h in holders])  # [E] a copy on this rank
         self._send_count_splits = [len(p.local_experts(r)) for r in range(p.world_size)]
 
     def _all_to_all(self, out: torch.Tensor, inp: torch.Tensor, out_splits: list[int] | None,
@@ -127,11 +100,21 @@ class ExpertParallelDispatch:
         self.stats.layer_calls += 1
         # Pairs in token-major order; a stable sort by slot keeps token order per expert, so with
         # one rank the experts see exactly the rows the dense path gives them.
-        key = self._slot[ids.reshape(-1).cpu()].to(x.device)  # [T*k]
-        order = torch.argsort(key, stable=True)  # [P]
-        tok = torch.arange(t, device=x.device).repeat_interleave(k)[order]  # [P] source token of each pair
+        flat_e = ids.reshape(-1).cpu()  # [T*k] expert of each pair
+        tok_all = torch.arange(t).repeat_interleave(k)  # [T*k] its token
+        load = torch.bincount(flat_e, minlength=self.placement.n_experts)
+        self.stats.expert_load = load if self.stats.expert_load is None else self.stats.expert_load + load
+        # the copy on this rank when there is one, else the copies in turn by token index
+        spread = self._holders[flat_e, tok_all % self._n_holders[flat_e]]
+        dest = torch.where(self._here[flat_e], torch.full_like(spread, self.rank), spread)
+        key_cpu = self._slot_table[dest, flat_e]  # [T*k]
+        order_cpu = torch.argsort(key_cpu, stable=True)
+        # for the final sum: the pairs in expert order, token order within (as the dense loop)
+        by_expert = torch.argsort(flat_e[order_cpu], stable=True).to(x.device)
+        key, order = key_cpu.to(x.device), order_cpu.to(x.device)  # [P]
+        tok = tok_all.to(x.device)[order]  # [P] source token of each pair, in dispatch order
         send_x = x[tok]  # [P, hidden]
-        send_counts = torch.bincount(key, minlength=len(self._slot))  # [E] in slot order
+        send_counts = torch.bincount(key, minlength=self._n_slots)  # [slots] in slot order
         # 1: counts. recv_counts[s, j]: pairs rank s sends to my j-th local expert.
         recv_counts = torch.empty(world * n_local, dtype=torch.long, device=x.device)
         self._all_to_all(recv_counts, send_counts, [n_local] * world, self._send_count_splits)
@@ -155,9 +138,9 @@ class ExpertParallelDispatch:
         self.stats.pairs_sent += int(send_x.shape[0])
         self.stats.pairs_received += int(recv_x.shape[0])
         # gate weights and the per-token sum in float32, pairs in expert order (like MoE.experts_forward)
-        y = back.float() * weights.reshape(-1)[order, None].float()
+        y = back[by_expert].float() * weights.reshape(-1)[order][by_expert, None].float()
         out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-        out.index_add_(0, tok, y)
+        out.index_add_(0, tok[by_expert], y)
         return out.to(x.dtype)
 
 
@@ -237,11 +220,5 @@ def select_backend(requested: str, device: torch.device | str) -> str:
 DEEPEP_IMPLEMENTED = False
 
 
-def per_rank_counts(ids: torch.Tensor, placement: ExpertPlacement) -> list[int]:
-    """(token, expert) pairs of ids [T, k] that go to each rank (for tests and load reports)."""
-    owner = torch.tensor(placement.owner)
-    return torch.bincount(owner[ids.reshape(-1).cpu()], minlength=placement.world_size).tolist()
-
-
 __all__: Sequence[str] = ("ExpertPlacement", "ExpertParallelDispatch", "EpStats", "install_expert_parallel",
-                          "idle_forward", "moe_layers", "select_backend", "per_rank_counts")
+                          "idle_forward", "moe_layers", "select_backend")

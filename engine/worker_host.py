@@ -55,6 +55,7 @@ class WorkerOptions:
     torch_threads: int = 1  # intra-op threads for the model (small model: 1 is fastest)
     ep_size: int = 1  # decode: expert-parallel ranks (processes) forming this worker; 1 = no EP
     ep_backend: str = "auto"  # decode: all-to-all backend of the EP ranks: auto | torch | deepep
+    ep_placement: str = ""  # decode: JSON expert placement (engine/ep_placement.py); empty = contiguous
 
     def __post_init__(self) -> None:
         for name in ("block_size", "num_blocks", "chunk_size", "max_running", "torch_threads", "ep_size"):

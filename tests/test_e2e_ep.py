@@ -9,6 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from common.pb.tandem.v1 import decode_pb2, decode_pb2_grpc, frontend_pb2, frontend_pb2_grpc, sampling_pb2
 from engine.reference import reference_generate
@@ -110,3 +111,30 @@ def test_local_prefill_on_owning_rank(cluster, tiny_model):
     assert got == [reference(tiny_model, p, 8) for p in prompts]
     assert cluster.decode.runtime.stats.local_prefills == local + 2
     wait_all_free(cluster)
+
+
+def test_dead_rank_fails_the_loop_not_hangs(cluster):
+    """Last in this module (it kills the worker): an EP rank that dies mid-stream fails the
+    decode loop (INTERNAL to running requests, NOT_SERVING to health probes), no hang."""
+    if cluster.ep == 1:
+        pytest.skip("needs a second rank")
+    decode = cluster.decode
+    ch = grpc.insecure_channel(decode.address)
+    stub = decode_pb2_grpc.DecodeServiceStub(ch)
+    req = decode_pb2.DecodeRequest(token_ids=list(range(100, 130)),
+                                   sampling=sampling_pb2.SamplingParams(max_tokens=3000, ignore_eos=True))
+    stream = stub.Generate(req, timeout=120)
+    next(stream)  # the request runs
+    decode.runtime.engine._procs[0].kill()  # rank 1 dies
+    t0 = time.time()
+    with pytest.raises(grpc.RpcError) as err:
+        for _ in stream:
+            pass
+    assert err.value.code() == grpc.StatusCode.INTERNAL
+    assert time.time() - t0 < 60  # seen as a broken pipe/connection, not a gloo timeout
+    health = health_pb2_grpc.HealthStub(ch)
+    deadline = time.time() + 10
+    while health.Check(health_pb2.HealthCheckRequest(service="")).status != health_pb2.HealthCheckResponse.NOT_SERVING:
+        assert time.time() < deadline
+        time.sleep(0.05)
+    ch.close()

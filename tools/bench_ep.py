@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from common.block_hash import hash_seed
+from engine.ep_placement import ExpertPlacement, plan_redundant, rank_loads
 from engine.kv_pool import KvPool, KvPoolConfig
 from engine.model_source import load_model
 from engine.runner import DecodeInput, ModelRunner
@@ -38,7 +39,8 @@ def _prompt(i: int, n: int, vocab: int) -> list[int]:
 class Setup:
     """One EP size's runner with `batch` prefilled requests."""
 
-    def __init__(self, spec: str, ep: int, batch: int, context: int, max_len: int, threads: int) -> None:
+    def __init__(self, spec: str, ep: int, batch: int, context: int, max_len: int, threads: int,
+                 placement_file: str = "") -> None:
         torch.set_num_threads(threads)
         loaded = load_model(spec)
         c = loaded.config
@@ -52,7 +54,9 @@ class Setup:
             self.runner = ModelRunner(loaded.model, self.pool)
         else:
             from decode_worker.ep_ranks import EpEngine
-            self.engine = EpEngine(spec, 0, ep, "torch", threads, 300.0, cfg, hash_seed(loaded.name))
+            placement = (ExpertPlacement.from_file(placement_file, c.n_routed_experts, ep) if placement_file
+                         else None)
+            self.engine = EpEngine(spec, 0, ep, "torch", threads, 300.0, cfg, hash_seed(loaded.name), placement)
             self.pool, self.runner = self.engine.pool, self.engine  # type: ignore[assignment]
         self.reqs = []
         t0 = time.perf_counter()
@@ -80,7 +84,7 @@ class Setup:
         self.step_times = []
         if self.engine is not None:
             st = self.engine.stats
-            self._mark = (st.step_s, st.own_s, list(st.comm_s))
+            self._mark = (st.step_s, st.own_s, list(st.comm_s), list(st.pairs_received))
 
     def result(self) -> dict:
         steps = len(self.step_times)
@@ -90,18 +94,28 @@ class Setup:
                "ms_per_step_median": 1000 * statistics.median(self.step_times), "prefill_s": self.prefill_s}
         if self.engine is not None:
             st = self.engine.stats
-            step_s, own_s, comm0 = self._mark
+            step_s, own_s, comm0, pairs0 = self._mark
             step_s = st.step_s - step_s
             comm = [a - b for a, b in zip(st.comm_s, comm0)]
             out["all_to_all_share_per_rank"] = [x / step_s for x in comm]
             out["all_to_all_ms_per_step_per_rank"] = [1000 * x / steps for x in comm]
             out["rank0_own_share"] = (st.own_s - own_s) / step_s
             out["placed_per_rank"] = list(self.engine.pool.assigned)
+            out["expert_load"] = self.engine.expert_load()
+            out["redundant_copies"] = [list(x) for x in self.engine.placement.replicas]
+            pairs = [a - b for a, b in zip(st.pairs_received, pairs0)]  # expert work each rank did
+            out["expert_pairs_per_rank"] = pairs
+            out["rank_load_max_over_mean"] = max(pairs) / (sum(pairs) / len(pairs))
         return out
 
     def close(self) -> None:
         if self.engine is not None:
             self.engine.close()
+
+
+def _imbalance(load: list[int], placement: ExpertPlacement) -> float:
+    per_rank = rank_loads(load, placement)
+    return max(per_rank) / (sum(per_rank) / len(per_rank))
 
 
 def main() -> None:
@@ -114,12 +128,16 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads per rank")
     ap.add_argument("--out", default="", help="write the results as JSON here")
+    ap.add_argument("--ep-placement", default="", help="expert placement JSON for the EP > 1 runs")
+    ap.add_argument("--plan-out", default="", help="write a placement with --redundant copies of hot experts, "
+                    "planned from the largest EP run's observed expert loads (use it as --ep-placement)")
+    ap.add_argument("--redundant", type=int, default=2, help="redundant expert copies for --plan-out")
     a = ap.parse_args()
     max_len = a.context + a.warmup + a.steps + 1
     setups: list[Setup] = []
     try:
         for ep in a.ep_sizes.split(","):
-            setups.append(Setup(a.model, int(ep), a.batch, a.context, max_len, a.threads))
+            setups.append(Setup(a.model, int(ep), a.batch, a.context, max_len, a.threads, a.ep_placement))
         # Interleave the EP sizes step by step, so a shared machine's changing load hits all alike.
         for i in range(a.warmup + a.steps):
             if i == a.warmup:
@@ -129,6 +147,12 @@ def main() -> None:
                 s.step()
         generated = [[t for _, t in s.reqs] for s in setups]
         results = [s.result() for s in setups]
+        if a.plan_out and setups[-1].engine is not None:
+            eng = setups[-1].engine
+            plan = plan_redundant(eng.expert_load(), eng.placement, a.redundant)
+            Path(a.plan_out).write_text(plan.to_json() + "\n")
+            print(f"placement with copies {list(plan.replicas)} written to {a.plan_out}: expected rank load "
+                  f"max/mean {_imbalance(eng.expert_load(), plan):.2f} (now {_imbalance(eng.expert_load(), eng.placement):.2f})")
     finally:
         for s in setups:
             s.close()
@@ -140,7 +164,8 @@ def main() -> None:
         print(f"EP {r['ep_size']}: {r['tokens_per_s']:.1f} tok/s, {r['ms_per_step']:.1f} ms/step"
               f" ({r['tokens_per_s'] / base['tokens_per_s']:.2f}x EP {base['ep_size']})"
               + (f", all-to-all share per rank {', '.join(f'{x:.0%}' for x in share)}"
-                 f", rank 0's own share {r['rank0_own_share']:.0%}" if share else ""))
+                 f", rank 0's own share {r['rank0_own_share']:.0%}, rank load max/mean "
+                 f"{r['rank_load_max_over_mean']:.2f}" if share else ""))
     if a.out:
         meta = {"model": a.model, "machine": f"{platform.machine()} {torch.get_num_threads()} thread(s)/rank, "
                 f"{__import__('os').cpu_count()} CPUs", "torch": torch.__version__, "command_args": vars(a)}
