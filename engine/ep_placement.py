@@ -4,8 +4,9 @@ A placement gives each expert one owner rank, plus optional redundant copies (ex
 of hot experts, the same for every MoE layer. Planning copies from observed expert loads
 follows DeepSeek's EPLB (github.com/deepseek-ai/EPLB, "redundant experts"): replicate the
 expert with the highest load per copy onto the least-loaded rank that lacks it, and repeat.
-The dispatcher (engine/moe_ep.py) sends a token to a copy on its own rank when there is one,
-else spreads tokens over the copies round-robin by token index.
+The dispatcher (engine/moe_ep.py) spreads an expert's tokens over its copies in turn, so each
+copy gets an even share (what `rank_loads` and the planner assume); preferring a copy on the
+token's own rank would save traffic but skew the split.
 """
 
 from __future__ import annotations

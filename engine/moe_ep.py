@@ -80,7 +80,6 @@ class ExpertParallelDispatch:
         width = max(map(len, holders))
         self._holders = torch.tensor([h + [h[0]] * (width - len(h)) for h in holders])  # [E, width]
         self._n_holders = torch.tensor([len(h) for h in holders])  # [E]
-        self._here = torch.tensor([self.rank in h for h in holders])  # [E] a copy on this rank
         self._send_count_splits = [len(p.local_experts(r)) for r in range(p.world_size)]
 
     def _all_to_all(self, out: torch.Tensor, inp: torch.Tensor, out_splits: list[int] | None,
@@ -104,9 +103,9 @@ class ExpertParallelDispatch:
         tok_all = torch.arange(t).repeat_interleave(k)  # [T*k] its token
         load = torch.bincount(flat_e, minlength=self.placement.n_experts)
         self.stats.expert_load = load if self.stats.expert_load is None else self.stats.expert_load + load
-        # the copy on this rank when there is one, else the copies in turn by token index
-        spread = self._holders[flat_e, tok_all % self._n_holders[flat_e]]
-        dest = torch.where(self._here[flat_e], torch.full_like(spread, self.rank), spread)
+        # an expert's copies take its pairs in turn (by token index, offset by rank), so each
+        # copy gets an even share, as engine/ep_placement.py plans
+        dest = self._holders[flat_e, (tok_all + self.rank) % self._n_holders[flat_e]]
         key_cpu = self._slot_table[dest, flat_e]  # [T*k]
         order_cpu = torch.argsort(key_cpu, stable=True)
         # for the final sum: the pairs in expert order, token order within (as the dense loop)

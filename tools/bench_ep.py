@@ -85,6 +85,12 @@ class Setup:
         if self.engine is not None:
             st = self.engine.stats
             self._mark = (st.step_s, st.own_s, list(st.comm_s), list(st.pairs_received))
+            self._load0 = self.engine.expert_load()
+
+    def decode_load(self) -> list[int]:
+        """Expert loads of the timed decode steps (the prompts' prefill routes differently)."""
+        assert self.engine is not None
+        return [a - b for a, b in zip(self.engine.expert_load(), self._load0)]
 
     def result(self) -> dict:
         steps = len(self.step_times)
@@ -101,7 +107,7 @@ class Setup:
             out["all_to_all_ms_per_step_per_rank"] = [1000 * x / steps for x in comm]
             out["rank0_own_share"] = (st.own_s - own_s) / step_s
             out["placed_per_rank"] = list(self.engine.pool.assigned)
-            out["expert_load"] = self.engine.expert_load()
+            out["decode_expert_load"] = self.decode_load()
             out["redundant_copies"] = [list(x) for x in self.engine.placement.replicas]
             pairs = [a - b for a, b in zip(st.pairs_received, pairs0)]  # expert work each rank did
             out["expert_pairs_per_rank"] = pairs
@@ -148,11 +154,11 @@ def main() -> None:
         generated = [[t for _, t in s.reqs] for s in setups]
         results = [s.result() for s in setups]
         if a.plan_out and setups[-1].engine is not None:
-            eng = setups[-1].engine
-            plan = plan_redundant(eng.expert_load(), eng.placement, a.redundant)
+            eng, load = setups[-1].engine, setups[-1].decode_load()
+            plan = plan_redundant(load, eng.placement, a.redundant)
             Path(a.plan_out).write_text(plan.to_json() + "\n")
             print(f"placement with copies {list(plan.replicas)} written to {a.plan_out}: expected rank load "
-                  f"max/mean {_imbalance(eng.expert_load(), plan):.2f} (now {_imbalance(eng.expert_load(), eng.placement):.2f})")
+                  f"max/mean {_imbalance(load, plan):.2f} (now {_imbalance(load, eng.placement):.2f})")
     finally:
         for s in setups:
             s.close()
