@@ -248,19 +248,22 @@ class EpEngine:
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.model.logits(hidden)
 
-    def close(self, timeout_s: float = 10.0) -> None:
-        """Stop the child ranks (call on the model thread, between steps) and leave the group."""
+    def close(self, timeout_s: float = 30.0) -> None:
+        """Stop the child ranks (call on the model thread, between steps) and leave the group.
+        A rank that has not exited within timeout_s (a busy machine) is terminated: ranks hold
+        no state of their own (the KV is in shared memory, the accounting on rank 0)."""
         for conn in self._conns:
             try:
                 conn.send(None)
             except (BrokenPipeError, OSError):
                 pass
+        deadline = time.monotonic() + timeout_s
         for p in self._procs:
-            p.join(timeout_s)
+            p.join(max(0.0, deadline - time.monotonic()))
             if p.is_alive():
-                log.warning("EP rank %s did not stop; terminating it", p.name)
+                log.warning("EP rank %s did not stop within %.0f s; terminating it", p.name, timeout_s)
                 p.terminate()
-                p.join(timeout_s)
+                p.join(5.0)
         for conn in self._conns:
             conn.close()
         self._conns, self._procs = [], []

@@ -199,7 +199,7 @@ class WorkerRuntime:
     def close(self) -> None:
         if self.engine is not None:  # stop the EP ranks from the model thread, between steps
             try:
-                self._executor.submit(self.engine.close).result(timeout=30)
+                self._executor.submit(self.engine.close).result(timeout=45)
             except Exception:  # noqa: BLE001 - a wedged or failed engine must not block shutdown
                 log.exception("%s: closing the EP ranks failed", self.instance_id)
         self._executor.shutdown(wait=False, cancel_futures=True)
