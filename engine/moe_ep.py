@@ -178,14 +178,15 @@ def install_expert_parallel(model: DeepseekV3ForCausalLM, placement: ExpertPlace
 
 
 @torch.inference_mode()
-def idle_forward(model: DeepseekV3ForCausalLM) -> None:
-    """Join one step's collectives with no tokens: every main MoE layer with T = 0, so the
-    other ranks' tokens still reach this rank's experts (DESIGN.md section 8)."""
+def idle_forward(model: DeepseekV3ForCausalLM, main_only: bool = True) -> None:
+    """Join one step's collectives with no tokens: every main MoE layer (and the MTP modules'
+    unless main_only) with T = 0, so the other ranks' tokens still reach this rank's experts
+    (DESIGN.md section 8). Every rank must run the same layers in the same order."""
     c = model.config
     x = torch.empty(0, c.hidden_size, dtype=model.dtype, device=model.model.embed_tokens.weight.device)
     ids = torch.empty(0, c.num_experts_per_tok, dtype=torch.long, device=x.device)
     weights = torch.empty(0, c.num_experts_per_tok, dtype=torch.float32, device=x.device)
-    for moe in moe_layers(model):
+    for moe in moe_layers(model, main_only):
         moe.experts_forward(x, ids, weights)
 
 

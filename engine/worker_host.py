@@ -112,7 +112,12 @@ class WorkerRuntime:
         # keeps serving RPCs, and the pool's accounting stays on the loop thread.
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
         from kv_transfer import create_agent
-        self.agent = create_agent(opts.transfer_backend, self.instance_id)
+        try:
+            self.agent = create_agent(opts.transfer_backend, self.instance_id)
+        except BaseException:
+            if self.engine is not None:  # do not leave EP rank processes behind
+                self.engine.close()
+            raise
         self.pool_desc = self.agent.register_pool(self.pool.kv)
 
     @property
