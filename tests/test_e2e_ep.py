@@ -81,11 +81,13 @@ def test_single_request_with_an_idle_rank(cluster, stub, tiny_model):
 def test_concurrent_requests_land_on_both_ranks(cluster, stub, tiny_model):
     prompts = [tokens_of(17 + 9 * i, 10 + i) for i in range(5)]
     lengths = [12, 7, 15, 9, 11]
-    before = assigned(cluster)
+    before, transfers = assigned(cluster), cluster.prefill.runtime.stats.transfers
     with ThreadPoolExecutor(len(prompts)) as pool:
         got = list(pool.map(lambda p, n: generate(stub, p, n), prompts, lengths))
     for prompt, n, tokens in zip(prompts, lengths, got):
         assert tokens == reference(tiny_model, prompt, n)
+    # every prompt's KV was written by the prefill worker into the owning rank's share of the pool
+    assert cluster.prefill.runtime.stats.transfers == transfers + len(prompts)
     wait_all_free(cluster)
     if cluster.ep == 2:
         placed = [a - b for a, b in zip(assigned(cluster), before)]
