@@ -24,7 +24,7 @@ import multiprocessing.connection
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -138,7 +138,10 @@ class EpEngine:
     """
 
     def __init__(self, spec: str, seed: int, ep_size: int, backend: str, threads: int, timeout_s: float,
-                 rank_config: KvPoolConfig, hash_seed: int, placement: ExpertPlacement | None = None) -> None:
+                 rank_config: KvPoolConfig, hash_seed: int, placement: ExpertPlacement | None = None,
+                 model: DeepseekV3ForCausalLM | None = None) -> None:
+        """`model`: rank 0's model to turn into an EP rank in place (its other experts are freed);
+        None = load `spec` again (when the loaded model is shared, as in tests)."""
         self.world = ep_size
         n_experts = model_experts(spec)
         self.placement = placement or ExpertPlacement.contiguous(n_experts, ep_size)
@@ -173,7 +176,10 @@ class EpEngine:
         try:
             _init_group(0, ep_size, store, timeout_s)
             self._joined = True
-            self.model, self._stats0 = _ep_model(spec, seed, self.placement, 0)
+            if model is None:
+                self.model, self._stats0 = _ep_model(spec, seed, self.placement, 0)
+            else:
+                self.model, self._stats0 = model, install_expert_parallel(model, self.placement, 0)
             for rank, conn in enumerate(self._conns, start=1):
                 if not conn.poll(STARTUP_TIMEOUT_S):
                     raise RuntimeError(f"EP rank {rank} did not start within {STARTUP_TIMEOUT_S:.0f} s")
@@ -272,11 +278,16 @@ class EpEngine:
             dist.destroy_process_group()
 
 
-def start_ep_engine(opts: Any, loaded: Any, rank_config: KvPoolConfig, hash_seed: int) -> EpEngine:
-    """The `engine` factory WorkerRuntime takes for `--ep-size` > 1 (opts: WorkerOptions). Every
-    rank loads `--model`/`--seed` itself; `loaded` (rank 0's full model) only serves the config."""
-    n = loaded.config.n_routed_experts
-    placement = (ExpertPlacement.from_file(opts.ep_placement, n, opts.ep_size) if opts.ep_placement
-                 else ExpertPlacement.contiguous(n, opts.ep_size))
-    return EpEngine(opts.model, opts.seed, opts.ep_size, opts.ep_backend, opts.torch_threads,
-                    max(60.0, opts.stall_timeout_s), rank_config, hash_seed, placement)
+def ep_engine_factory(own_model: bool) -> Callable[[Any, Any, KvPoolConfig, int], EpEngine]:
+    """The `engine` factory WorkerRuntime takes for `--ep-size` > 1. Ranks 1..N-1 load
+    `--model`/`--seed` themselves. With own_model (the worker loaded the model itself), rank 0
+    turns that model into its EP rank in place, so it too keeps only its experts; otherwise the
+    model is shared (tests) and rank 0 loads its own copy."""
+    def start(opts: Any, loaded: Any, rank_config: KvPoolConfig, hash_seed: int) -> EpEngine:
+        n = loaded.config.n_routed_experts
+        placement = (ExpertPlacement.from_file(opts.ep_placement, n, opts.ep_size) if opts.ep_placement
+                     else ExpertPlacement.contiguous(n, opts.ep_size))
+        return EpEngine(opts.model, opts.seed, opts.ep_size, opts.ep_backend, opts.torch_threads,
+                        max(60.0, opts.stall_timeout_s), rank_config, hash_seed, placement,
+                        model=loaded.model if own_model else None)
+    return start

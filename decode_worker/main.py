@@ -22,8 +22,8 @@ async def run(opts: WorkerOptions, ready: Callable[[RunningServer, WorkerRuntime
     `loaded` shares an already loaded model (tests run several workers in one process)."""
     engine = None
     if opts.ep_size > 1:  # --- EP hook: N rank processes form this worker (decode_worker/ep_ranks.py)
-        from decode_worker.ep_ranks import start_ep_engine
-        engine = start_ep_engine
+        from decode_worker.ep_ranks import ep_engine_factory
+        engine = ep_engine_factory(own_model=loaded is None)
     runtime = WorkerRuntime(discovery_pb2.ROLE_DECODE, opts, loaded, engine=engine)
     scheduler = DecodeScheduler(runtime)
     servicer = DecodeServicer(runtime, scheduler)
