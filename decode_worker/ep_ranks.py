@@ -201,8 +201,11 @@ class EpEngine:
     def step(self, works: list[RankWork]) -> list[torch.Tensor]:
         """One lock-step step: works[r] to rank r; returns each rank's hidden [n_r, hidden]."""
         t0 = time.perf_counter()
-        for conn, work in zip(self._conns, works[1:]):
-            conn.send(work)
+        for rank, (conn, work) in enumerate(zip(self._conns, works[1:]), start=1):
+            try:
+                conn.send(work)
+            except OSError:  # a broken pipe: the rank is gone
+                raise RuntimeError(f"EP rank {rank} exited") from None
         outs = [run_work(self.model, self.pool.ranks[0], works[0])]
         self.stats.own_s += time.perf_counter() - t0
         rank_stats = [self._stats0]
