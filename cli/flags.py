@@ -52,6 +52,11 @@ HELP = {
     "speculative_num_steps": "decode: MTP draft tokens per verify step (0 = no speculative decoding)",
     "disable_overlap_schedule": "decode: turn the overlap scheduler off (it runs on CUDA only; on a CPU "
                                 "steps always run in turn)",
+    "ep_size": "decode: expert-parallel ranks (processes) forming this worker; 1 = no expert parallelism",
+    "ep_backend": "decode: EP all-to-all backend: auto (DeepEP when it imports and ranks are on GPUs, else "
+                  "torch.distributed), torch, or deepep (fails unless it can run)",
+    "ep_placement": "decode: JSON file placing experts (and redundant copies of hot ones) on EP ranks, as "
+                    "written by tools/bench_ep.py --plan-out; empty = expert e on rank e // (experts / ep-size)",
     "router_mode": "placement: kv | approx | round-robin | random | least-loaded",
     "prefill_weight": "kv/approx cost of one uncached block relative to one active decode block",
     "router_temperature": "kv/approx: 0 picks the lowest cost; > 0 samples by cost",

@@ -20,7 +20,11 @@ async def run(opts: WorkerOptions, ready: Callable[[RunningServer, WorkerRuntime
               stop: asyncio.Event | None = None, loaded: LoadedModel | None = None) -> None:
     """Serve a decode worker until SIGTERM/SIGINT or `stop`; `ready` is called once serving;
     `loaded` shares an already loaded model (tests run several workers in one process)."""
-    runtime = WorkerRuntime(discovery_pb2.ROLE_DECODE, opts, loaded)
+    engine = None
+    if opts.ep_size > 1:  # --- EP hook: N rank processes form this worker (decode_worker/ep_ranks.py)
+        from decode_worker.ep_ranks import ep_engine_factory
+        engine = ep_engine_factory(own_model=loaded is None)
+    runtime = WorkerRuntime(discovery_pb2.ROLE_DECODE, opts, loaded, engine=engine)
     scheduler = DecodeScheduler(runtime)
     runtime.metrics.running_fn = lambda: min(len(scheduler.running), opts.max_running)
     runtime.scheduler = scheduler  # capacity: admission and retraction state, for tests and metrics

@@ -53,11 +53,16 @@ class PromptBlocks:
 class KvPool:
     """KV storage plus allocation for requests (single-threaded: call from one thread/loop)."""
 
-    def __init__(self, config: KvPoolConfig, hash_seed: int, device: str | torch.device = "cpu") -> None:
+    def __init__(self, config: KvPoolConfig, hash_seed: int, device: str | torch.device = "cpu",
+                 kv: torch.Tensor | None = None) -> None:
+        """`kv`, when given, is the storage to use (an EP rank's share of a shared-memory pool,
+        shape [num_blocks, num_layers, block_size, kv_dim]); otherwise a zeroed tensor is made."""
         self.config = config
         self.hash_seed = hash_seed
-        self.kv = torch.zeros(config.num_blocks, config.num_layers, config.block_size, config.kv_dim,
-                              dtype=config.dtype, device=device)
+        shape = (config.num_blocks, config.num_layers, config.block_size, config.kv_dim)
+        if kv is not None and tuple(kv.shape) != shape:
+            raise ValueError(f"kv storage of shape {tuple(kv.shape)} for a pool of shape {shape}")
+        self.kv = kv if kv is not None else torch.zeros(shape, dtype=config.dtype, device=device)
         self.blocks = BlockPool(config.num_blocks)
 
     @property

@@ -67,10 +67,13 @@ class WorkerOptions:
     speculative_num_steps: int = 0  # decode: MTP draft tokens per verify step (0 = off)
     disable_overlap_schedule: bool = False  # decode: run schedule/run/postprocess strictly in turn
     metrics_port: int = -1  # Prometheus /metrics: -1 = off, 0 = any free port
+    ep_size: int = 1  # decode: expert-parallel ranks (processes) forming this worker; 1 = no EP
+    ep_backend: str = "auto"  # decode: all-to-all backend of the EP ranks: auto | torch | deepep
+    ep_placement: str = ""  # decode: JSON expert placement (engine/ep_placement.py); empty = contiguous
 
     def __post_init__(self) -> None:
         metrics_http.validate_port(self.metrics_port)
-        for name in ("block_size", "chunk_size", "max_running", "torch_threads"):
+        for name in ("block_size", "chunk_size", "max_running", "torch_threads", "ep_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         for name in ("num_blocks", "device_memory_bytes", "max_queued"):
@@ -83,6 +86,9 @@ class WorkerOptions:
             raise ValueError(f"--practical-fraction must be in (0, 4], got {self.practical_fraction}")
         if not 0 <= self.speculative_num_steps <= 8:
             raise ValueError(f"--speculative-num-steps must be in 0..8, got {self.speculative_num_steps}")
+        if self.ep_size > 1 and self.speculative_num_steps:
+            # EpEngine runs prefill, decode and logits steps only; MTP draft/verify steps are not there yet
+            raise ValueError("--speculative-num-steps with --ep-size > 1 is not supported yet")
         from kv_transfer.select import CHOICES
         if self.transfer_backend not in CHOICES:
             raise ValueError(f"--transfer-backend must be one of {', '.join(CHOICES)}, got {self.transfer_backend!r}")
@@ -156,7 +162,11 @@ def pool_blocks(opts: WorkerOptions, loaded: LoadedModel, pool_config: KvPoolCon
 class WorkerRuntime:
     """Model, pool, runner, KV event log and transfer agent of one worker process."""
 
-    def __init__(self, role: int, opts: WorkerOptions, loaded: LoadedModel | None = None) -> None:
+    def __init__(self, role: int, opts: WorkerOptions, loaded: LoadedModel | None = None,
+                 engine: Callable[[WorkerOptions, LoadedModel, KvPoolConfig, int], Any] | None = None) -> None:
+        """`engine`, when given, builds the pool and runner instead of a local KvPool and
+        ModelRunner: it returns an object with `pool`, the runner calls and `close()` (the EP
+        ranks of decode_worker/ep_ranks.py)."""
         torch.set_num_threads(opts.torch_threads)
         self.role = role
         self.opts = opts
@@ -168,8 +178,13 @@ class WorkerRuntime:
         pool_config = KvPoolConfig(num_blocks=1, block_size=opts.block_size, num_layers=cfg.num_kv_layers,
                                    kv_dim=cfg.kv_dim)
         pool_config = dataclasses.replace(pool_config, num_blocks=pool_blocks(opts, self.loaded, pool_config))
-        self.pool = KvPool(pool_config, hash_seed(self.loaded.name))
-        self.runner = ModelRunner(self.loaded.model, self.pool)
+        self.engine = None
+        if engine is None:
+            self.pool = KvPool(pool_config, hash_seed(self.loaded.name))
+            self.runner = ModelRunner(self.loaded.model, self.pool)
+        else:  # --- EP hook: the ranks' pools (num_blocks each) and lock-step runner (decode_worker/ep_ranks.py)
+            self.engine = engine(opts, self.loaded, pool_config, hash_seed(self.loaded.name))
+            self.pool, self.runner = self.engine.pool, self.engine
         self.events = KvEventLog(self.pool.blocks)
         self.stats = WorkerStats()
         self.scheduler: Any = None  # decode: its DecodeScheduler (admission and retraction state)
@@ -188,8 +203,13 @@ class WorkerRuntime:
         # keeps serving RPCs, and the pool's accounting stays on the loop thread.
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
         from kv_transfer import create_agent, prepare_pool
-        prepare_pool(self.pool.kv, opts.transfer_backend)  # host pool into shared memory for shm
-        self.agent = create_agent(opts.transfer_backend, self.instance_id)
+        try:
+            prepare_pool(self.pool.kv, opts.transfer_backend)  # host pool into shared memory for shm
+            self.agent = create_agent(opts.transfer_backend, self.instance_id)
+        except BaseException:
+            if self.engine is not None:  # do not leave EP rank processes behind
+                self.engine.close()
+            raise
         self.pool_desc = self.agent.register_pool(self.pool.kv)
 
     @property
@@ -313,6 +333,11 @@ class WorkerRuntime:
             metrics_address=self.metrics_address)
 
     def close(self) -> None:
+        if self.engine is not None:  # stop the EP ranks from the model thread, between steps
+            try:
+                self._executor.submit(self.engine.close).result(timeout=45)
+            except Exception:  # noqa: BLE001 - a wedged or failed engine must not block shutdown
+                log.exception("%s: closing the EP ranks failed", self.instance_id)
         self._executor.shutdown(wait=False, cancel_futures=True)
         self.agent.close()
 

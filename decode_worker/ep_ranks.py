@@ -1,0 +1,299 @@
+"""The EP ranks of one expert-parallel decode worker (`--ep-size N`, DESIGN.md section 8).
+
+Process shape: the decode worker process is rank 0; it hosts the gRPC service, the scheduler
+and every rank's block accounting (`decode_worker/ep_pool.py`), and spawns ranks 1..N-1 as
+child processes. All ranks join one torch.distributed group (gloo on CPU; rendezvous through a
+TCPStore on loopback) used only for the MoE all-to-alls (`engine/moe_ep.py`). Every model call
+of the worker is one *step* in lock-step over all ranks: rank 0 sends each child its share
+(`RankWork`: block tables, positions and tokens of the requests it owns, or nothing) over a
+pipe, runs its own share, and collects each rank's final hidden states; lm_head and sampling
+run on rank 0. A rank with no work still runs the step's MoE collectives (`idle_forward`).
+
+Each rank builds the same model from `--model`/`--seed` and keeps only its experts
+(`install_expert_parallel`); the KV storage of all ranks is one shared-memory tensor that
+rank 0's NIXL agent registers, so a prefill worker's KV lands in the owning rank's share.
+On GPUs each rank would own a device (NCCL group), its pool in its own HBM, registered with
+its own NIXL agent, and the KvDestination would name the owning rank's agent; this worker
+runs its ranks on CPU.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing.connection
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from decode_worker.ep_pool import EpKvPool
+from engine.block_pool import BlockId
+from engine.kv_pool import KvPool, KvPoolConfig, PagedKvCache
+from engine.model import DeepseekV3ForCausalLM
+from engine.ep_placement import ExpertPlacement
+from engine.moe_ep import EpStats, idle_forward, install_expert_parallel, select_backend
+from engine.runner import DecodeInput
+
+log = logging.getLogger(__name__)
+
+STARTUP_TIMEOUT_S = 300.0  # a child rank must load its model and join the group within this
+
+
+@dataclass(frozen=True)
+class RankWork:
+    """One rank's share of a step: per sequence (local block table, tokens already in its pool,
+    new tokens this step), and the new tokens of all sequences concatenated. Empty = idle."""
+
+    seqs: tuple[tuple[tuple[int, ...], int, int], ...] = ()
+    token_ids: tuple[int, ...] = ()
+
+
+@dataclass
+class StepStats:
+    """Rank 0's view of the steps: wall time of whole steps and of every rank's collectives."""
+
+    steps: int = 0
+    step_s: float = 0.0  # rank 0's wall time per step, summed (seconds)
+    own_s: float = 0.0  # of which rank 0 ran its own share (collectives included)
+    comm_s: list[float] = field(default_factory=list)  # per rank: seconds inside all-to-alls
+    pairs_received: list[int] = field(default_factory=list)  # per rank: (token, expert) pairs its experts ran
+    idle_rank_steps: int = 0  # (rank, step) pairs where a rank had no work
+    all_busy_steps: int = 0  # steps where every rank had work
+
+
+def run_work(model: DeepseekV3ForCausalLM, pool: KvPool, work: RankWork) -> torch.Tensor:
+    """Run one rank's share of a step -> final-normed hidden [len(work.seqs), hidden] of each
+    sequence's last new token ([0, hidden] when idle; the collectives still run)."""
+    with torch.inference_mode():
+        if not work.seqs:
+            idle_forward(model)
+            return torch.empty(0, model.config.hidden_size, dtype=model.dtype)
+        q_lens = [q for _, _, q in work.seqs]
+        ids = torch.tensor(work.token_ids, dtype=torch.long)
+        positions = torch.cat([torch.arange(s, s + q) for _, s, q in work.seqs])
+        kv = PagedKvCache(pool, [(list(b), s, q) for b, s, q in work.seqs])
+        hidden = model.forward(ids, positions, q_lens, kv)  # [T, hidden]
+        last = torch.tensor(q_lens).cumsum(0) - 1
+        return hidden[last]
+
+
+def _init_group(rank: int, world: int, store: dist.Store, timeout_s: float) -> None:
+    if dist.is_initialized():
+        raise RuntimeError("torch.distributed is already initialized in this process: one EP decode worker "
+                           "per process")
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s))
+
+
+def _ep_model(spec: str, seed: int, placement: ExpertPlacement, rank: int) -> tuple[DeepseekV3ForCausalLM, EpStats]:
+    from engine.model_source import load_model
+    model = load_model(spec, seed=seed).model
+    return model, install_expert_parallel(model, placement, rank)
+
+
+def _rank_main(rank: int, world: int, port: int, spec: str, seed: int, threads: int, timeout_s: float,
+               placement: ExpertPlacement, rank_config: KvPoolConfig, hash_seed: int, kv: torch.Tensor,
+               conn: multiprocessing.connection.Connection) -> None:
+    """A child rank: join the group, build the model with this rank's experts, then serve steps
+    until rank 0 sends None or the pipe closes."""
+    torch.set_num_threads(threads)
+    store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=timedelta(seconds=timeout_s))
+    _init_group(rank, world, store, timeout_s)
+    try:
+        model, stats = _ep_model(spec, seed, placement, rank)
+        pool = KvPool(rank_config, hash_seed, kv=kv[rank])
+        conn.send(("ready", None))
+        while True:
+            try:
+                work = conn.recv()
+            except EOFError:  # rank 0 went away
+                return
+            if work is None:
+                return
+            try:
+                hidden = run_work(model, pool, work)
+            except Exception as exc:  # rank 0 raises it as the step's error
+                conn.send(("error", f"{type(exc).__name__}: {exc}"))
+                raise
+            conn.send(("ok", (hidden, stats)))
+    finally:
+        dist.destroy_process_group()
+
+
+def model_experts(spec: str) -> int:
+    from engine.model_source import load_config
+    return load_config(spec)[1].n_routed_experts
+
+
+class EpEngine:
+    """Rank 0 of an EP decode worker: starts ranks 1..N-1, owns the `EpKvPool`, and is the
+    worker's model runner (same calls as `engine.runner.ModelRunner`: prefill_chunk, decode,
+    logits), each call one lock-step step over all ranks. Calls come from the model thread.
+
+    Raises ValueError (naming the flag) for an --ep-size that does not divide the experts or an
+    --ep-backend that cannot run, RuntimeError when a rank fails to start.
+    """
+
+    def __init__(self, spec: str, seed: int, ep_size: int, backend: str, threads: int, timeout_s: float,
+                 rank_config: KvPoolConfig, hash_seed: int, placement: ExpertPlacement | None = None,
+                 model: DeepseekV3ForCausalLM | None = None) -> None:
+        """`model`: rank 0's model to turn into an EP rank in place (its other experts are freed);
+        None = load `spec` again (when the loaded model is shared, as in tests)."""
+        self.world = ep_size
+        n_experts = model_experts(spec)
+        self.placement = placement or ExpertPlacement.contiguous(n_experts, ep_size)
+        if self.placement.n_experts != n_experts or self.placement.world_size != ep_size:
+            raise ValueError(f"expert placement for {self.placement.n_experts} experts over "
+                             f"{self.placement.world_size} ranks; need {n_experts} over --ep-size {ep_size}")
+        self.backend = select_backend(backend, "cpu")
+        log.info("expert parallelism: %d ranks, %d routed experts (%s per rank, %d redundant copies), all-to-all "
+                 "backend %s (torch.distributed gloo on CPU)", ep_size, n_experts,
+                 "/".join(str(len(self.placement.local_experts(r))) for r in range(ep_size)),
+                 len(self.placement.replicas), self.backend)
+        kv = torch.zeros(ep_size, rank_config.num_blocks, rank_config.num_layers, rank_config.block_size,
+                         rank_config.kv_dim, dtype=rank_config.dtype).share_memory_()
+        self.pool = EpKvPool(rank_config, hash_seed, kv)
+        self.stats = StepStats(comm_s=[0.0] * ep_size, pairs_received=[0] * ep_size)
+        self._loads: list[torch.Tensor | None] = [None] * ep_size
+        store = dist.TCPStore("127.0.0.1", 0, ep_size, is_master=True, wait_for_workers=False,
+                              timeout=timedelta(seconds=timeout_s))
+        ctx = mp.get_context("spawn")
+        self._conns: list[multiprocessing.connection.Connection] = []
+        self._procs: list[Any] = []
+        self._joined = False  # this engine initialized the process group (so close destroys it)
+        for rank in range(1, ep_size):
+            ours, theirs = ctx.Pipe()
+            p = ctx.Process(target=_rank_main, name=f"ep-rank-{rank}", daemon=True,
+                            args=(rank, ep_size, store.port, spec, seed, threads, timeout_s, self.placement,
+                                  rank_config, hash_seed, kv, theirs))
+            p.start()
+            theirs.close()
+            self._conns.append(ours)
+            self._procs.append(p)
+        try:
+            _init_group(0, ep_size, store, timeout_s)
+            self._joined = True
+            if model is None:
+                self.model, self._stats0 = _ep_model(spec, seed, self.placement, 0)
+            else:
+                self.model, self._stats0 = model, install_expert_parallel(model, self.placement, 0)
+            for rank, conn in enumerate(self._conns, start=1):
+                if not conn.poll(STARTUP_TIMEOUT_S):
+                    raise RuntimeError(f"EP rank {rank} did not start within {STARTUP_TIMEOUT_S:.0f} s")
+                self._recv(rank, conn)
+        except BaseException:
+            self.close()
+            raise
+        self._store = store  # the children's rendezvous point; kept alive with the group
+
+    def _recv(self, rank: int, conn: multiprocessing.connection.Connection) -> Any:
+        try:
+            status, payload = conn.recv()
+        except EOFError:
+            raise RuntimeError(f"EP rank {rank} exited") from None
+        if status == "error":
+            raise RuntimeError(f"EP rank {rank} failed: {payload}")
+        return payload
+
+    def step(self, works: list[RankWork]) -> list[torch.Tensor]:
+        """One lock-step step: works[r] to rank r; returns each rank's hidden [n_r, hidden]."""
+        t0 = time.perf_counter()
+        for rank, (conn, work) in enumerate(zip(self._conns, works[1:]), start=1):
+            try:
+                conn.send(work)
+            except OSError:  # a broken pipe: the rank is gone
+                raise RuntimeError(f"EP rank {rank} exited") from None
+        outs = [run_work(self.model, self.pool.ranks[0], works[0])]
+        self.stats.own_s += time.perf_counter() - t0
+        rank_stats = [self._stats0]
+        for rank, conn in enumerate(self._conns, start=1):
+            hidden, stats = self._recv(rank, conn)
+            outs.append(hidden)
+            rank_stats.append(stats)
+        for rank, st in enumerate(rank_stats):  # each rank's running totals
+            self.stats.comm_s[rank] = st.comm_s
+            self.stats.pairs_received[rank] = st.pairs_received
+            self._loads[rank] = st.expert_load
+        self.stats.steps += 1
+        self.stats.step_s += time.perf_counter() - t0
+        idle = sum(1 for w in works if not w.seqs)
+        self.stats.idle_rank_steps += idle
+        self.stats.all_busy_steps += idle == 0
+        return outs
+
+    def expert_load(self) -> list[int]:
+        """Observed (token, expert) pairs per routed expert since start, summed over ranks and
+        MoE layers: the input of `engine.ep_placement.plan_redundant`."""
+        loads = [x for x in self._loads if x is not None]
+        return (sum(loads[1:], loads[0]).tolist() if loads else [0] * self.placement.n_experts)
+
+    @torch.inference_mode()
+    def prefill_chunk(self, block_ids: list[BlockId], token_ids: list[int], start: int, end: int,
+                      mtp: bool = False) -> torch.Tensor:
+        """Prompt tokens [start, end) on the rank owning block_ids (others idle) -> hidden [hidden].
+        `mtp` (the MTP module's KV rows) is not supported with EP: WorkerOptions refuses the pair."""
+        assert not mtp, "MTP with --ep-size > 1 is refused by WorkerOptions"
+        rank, local = self.pool.split(block_ids)
+        works = [RankWork() for _ in range(self.world)]
+        works[rank] = RankWork(((tuple(local), start, end - start),), tuple(token_ids[start:end]))
+        return self.step(works)[rank][0]
+
+    @torch.inference_mode()
+    def decode(self, batch: list[DecodeInput]) -> torch.Tensor:
+        """One decode step for every request, each on its own rank -> float32 logits [batch, vocab]."""
+        seqs: list[list[tuple[tuple[int, ...], int, int]]] = [[] for _ in range(self.world)]
+        tokens: list[list[int]] = [[] for _ in range(self.world)]
+        where = []
+        for b in batch:
+            rank, local = self.pool.split(b.block_ids)
+            where.append((rank, len(seqs[rank])))
+            seqs[rank].append((tuple(local), b.num_computed, 1))
+            tokens[rank].append(b.input_token)
+        outs = self.step([RankWork(tuple(s), tuple(t)) for s, t in zip(seqs, tokens)])
+        hidden = torch.stack([outs[r][i] for r, i in where])  # [batch, hidden]
+        return self.model.logits(hidden)
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.model.logits(hidden)
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        """Stop the child ranks (call on the model thread, between steps) and leave the group.
+        A rank that has not exited within timeout_s (a busy machine) is terminated: ranks hold
+        no state of their own (the KV is in shared memory, the accounting on rank 0)."""
+        for conn in self._conns:
+            try:
+                conn.send(None)
+            except (BrokenPipeError, OSError):
+                pass
+        deadline = time.monotonic() + timeout_s
+        for p in self._procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+            if p.is_alive():
+                log.warning("EP rank %s did not stop within %.0f s; terminating it", p.name, timeout_s)
+                p.terminate()
+                p.join(5.0)
+        for conn in self._conns:
+            conn.close()
+        self._conns, self._procs = [], []
+        if self._joined:
+            self._joined = False
+            dist.destroy_process_group()
+
+
+def ep_engine_factory(own_model: bool) -> Callable[[Any, Any, KvPoolConfig, int], EpEngine]:
+    """The `engine` factory WorkerRuntime takes for `--ep-size` > 1. Ranks 1..N-1 load
+    `--model`/`--seed` themselves. With own_model (the worker loaded the model itself), rank 0
+    turns that model into its EP rank in place, so it too keeps only its experts; otherwise the
+    model is shared (tests) and rank 0 loads its own copy."""
+    def start(opts: Any, loaded: Any, rank_config: KvPoolConfig, hash_seed: int) -> EpEngine:
+        n = loaded.config.n_routed_experts
+        placement = (ExpertPlacement.from_file(opts.ep_placement, n, opts.ep_size) if opts.ep_placement
+                     else ExpertPlacement.contiguous(n, opts.ep_size))
+        return EpEngine(opts.model, opts.seed, opts.ep_size, opts.ep_backend, opts.torch_threads,
+                        max(60.0, opts.stall_timeout_s), rank_config, hash_seed, placement,
+                        model=loaded.model if own_model else None)
+    return start

@@ -1,0 +1,142 @@
+"""Wide-EP decode worker (`--ep-size`, decode_worker/ep_ranks.py) end to end: real etcd, real
+gRPC on loopback, real NIXL writes into the ranks' shared pools, and a second EP rank as a real
+child process joined over gloo. Greedy tokens must equal `reference_generate`."""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from common.pb.tandem.v1 import decode_pb2, decode_pb2_grpc, frontend_pb2, frontend_pb2_grpc, sampling_pb2
+from engine.reference import reference_generate
+from harness import InProcessCluster
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture(scope="module", params=[1, 2], ids=["ep1", "ep2"])
+def cluster(request, etcd_server, tiny_model):
+    ep = request.param
+    c = InProcessCluster(etcd_server.endpoint, tiny_model, namespace=f"e2e-ep{ep}")
+    c.ep = ep
+    c.router = c.start("router")
+    c.prefill = c.start("prefill")
+    c.decode = c.start("decode", ep_size=ep)
+    c.wait_roles(c.router, 1, 1)
+    yield c
+    c.close()
+
+
+@pytest.fixture(scope="module")
+def stub(cluster):
+    ch = grpc.insecure_channel(cluster.router.address)
+    yield frontend_pb2_grpc.FrontendServiceStub(ch)
+    ch.close()
+
+
+def tokens_of(n, offset):
+    return [(2000 + 13 * i + 31 * offset) % 150000 for i in range(n)]
+
+
+def generate(stub, prompt, n):
+    req = frontend_pb2.GenerateRequest(token_ids=prompt, sampling=sampling_pb2.SamplingParams(max_tokens=n))
+    return [t for m in stub.Generate(req, timeout=120) for t in m.token_ids]
+
+
+def reference(tiny_model, prompt, n):
+    return reference_generate(tiny_model.model, prompt, n, tiny_model.config.eos_token_ids)
+
+
+def assigned(cluster):
+    pool = cluster.decode.runtime.pool
+    return list(getattr(pool, "assigned", [0]))
+
+
+def wait_all_free(cluster, timeout=10.0):
+    pool = cluster.decode.runtime.pool
+    deadline = time.time() + timeout
+    while cluster.on_loop(lambda: pool.blocks.num_free) != pool.config.num_blocks:
+        assert time.time() < deadline, "decode worker blocks still referenced"
+        time.sleep(0.02)
+
+
+def test_single_request_with_an_idle_rank(cluster, stub, tiny_model):
+    before, transfers = assigned(cluster), cluster.prefill.runtime.stats.transfers
+    prompt = tokens_of(40, 1)
+    assert generate(stub, prompt, 10) == reference(tiny_model, prompt, 10)
+    assert cluster.prefill.runtime.stats.transfers == transfers + 1  # disaggregated: KV came over NIXL
+    wait_all_free(cluster)
+    if cluster.ep == 2:
+        after = assigned(cluster)
+        assert sum(after) - sum(before) == 1
+        engine = cluster.decode.runtime.engine
+        assert engine.stats.idle_rank_steps >= 9  # the other rank joined every step with no tokens
+        assert cluster.decode.runtime.pool.kv.shape[0] == 2 * cluster.worker_opts.num_blocks
+
+
+def test_concurrent_requests_land_on_both_ranks(cluster, stub, tiny_model):
+    prompts = [tokens_of(17 + 9 * i, 10 + i) for i in range(5)]
+    lengths = [12, 7, 15, 9, 11]
+    before, transfers = assigned(cluster), cluster.prefill.runtime.stats.transfers
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        got = list(pool.map(lambda p, n: generate(stub, p, n), prompts, lengths))
+    for prompt, n, tokens in zip(prompts, lengths, got):
+        assert tokens == reference(tiny_model, prompt, n)
+    # every prompt's KV was written by the prefill worker into the owning rank's share of the pool
+    assert cluster.prefill.runtime.stats.transfers == transfers + len(prompts)
+    wait_all_free(cluster)
+    if cluster.ep == 2:
+        placed = [a - b for a, b in zip(assigned(cluster), before)]
+        assert sum(placed) == len(prompts) and min(placed) >= 1, placed
+        assert cluster.decode.runtime.engine.stats.all_busy_steps >= 1  # both ranks decoded in one step
+
+
+def test_local_prefill_on_owning_rank(cluster, tiny_model):
+    """No prefill worker named: the decode worker prefills on the rank that owns the request."""
+    ch = grpc.insecure_channel(cluster.decode.address)
+    stub = decode_pb2_grpc.DecodeServiceStub(ch)
+    local = cluster.decode.runtime.stats.local_prefills
+    prompts = [tokens_of(21, 40), tokens_of(33, 41)]
+    try:
+        def one(p):
+            req = decode_pb2.DecodeRequest(request_id=f"local-{len(p)}", token_ids=p,
+                                           sampling=sampling_pb2.SamplingParams(max_tokens=8))
+            return [t for m in stub.Generate(req, timeout=120) for t in m.token_ids]
+        with ThreadPoolExecutor(2) as pool:
+            got = list(pool.map(one, prompts))
+    finally:
+        ch.close()
+    assert got == [reference(tiny_model, p, 8) for p in prompts]
+    assert cluster.decode.runtime.stats.local_prefills == local + 2
+    wait_all_free(cluster)
+
+
+def test_dead_rank_fails_the_loop_not_hangs(cluster):
+    """Last in this module (it kills the worker): an EP rank that dies mid-stream fails the
+    decode loop (INTERNAL to running requests, NOT_SERVING to health probes), no hang."""
+    if cluster.ep == 1:
+        pytest.skip("needs a second rank")
+    decode = cluster.decode
+    ch = grpc.insecure_channel(decode.address)
+    stub = decode_pb2_grpc.DecodeServiceStub(ch)
+    req = decode_pb2.DecodeRequest(token_ids=list(range(100, 130)),
+                                   sampling=sampling_pb2.SamplingParams(max_tokens=3000, ignore_eos=True))
+    stream = stub.Generate(req, timeout=120)
+    next(stream)  # the request runs
+    decode.runtime.engine._procs[0].kill()  # rank 1 dies
+    t0 = time.time()
+    with pytest.raises(grpc.RpcError) as err:
+        for _ in stream:
+            pass
+    assert err.value.code() == grpc.StatusCode.INTERNAL
+    assert time.time() - t0 < 60  # seen as a broken pipe/connection, not a gloo timeout
+    health = health_pb2_grpc.HealthStub(ch)
+    deadline = time.time() + 10
+    while health.Check(health_pb2.HealthCheckRequest(service="")).status != health_pb2.HealthCheckResponse.NOT_SERVING:
+        assert time.time() < deadline
+        time.sleep(0.05)
+    ch.close()

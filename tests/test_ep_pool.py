@@ -1,0 +1,68 @@
+"""EpKvPool (decode_worker/ep_pool.py): global block ids over per-rank pools, rank choice, and
+KV events merged so the router sees one worker."""
+
+from __future__ import annotations
+
+import torch
+
+from common.block_hash import block_hashes
+from decode_worker.ep_pool import EpKvPool
+from engine.block_pool import Removed, Stored
+from engine.kv_pool import KvPoolConfig
+
+BS = 4
+
+
+def make_pool(ranks=2, blocks=8) -> EpKvPool:
+    cfg = KvPoolConfig(num_blocks=blocks, block_size=BS, num_layers=2, kv_dim=3)
+    return EpKvPool(cfg, hash_seed=7, kv=torch.zeros(ranks, blocks, 2, BS, 3))
+
+
+def test_requests_spread_and_block_ids_are_global_offsets():
+    pool = make_pool()
+    a = pool.allocate_prompt(list(range(10)))  # 3 blocks on rank 0 (tie -> lower rank)
+    b = pool.allocate_prompt(list(range(100, 106)))  # rank 1 is now cheaper
+    assert all(0 <= x < 8 for x in a.block_ids) and all(8 <= x < 16 for x in b.block_ids)
+    assert pool.assigned == [1, 1]
+    # the global id indexes the registered tensor: writing there lands in rank 1's own storage
+    pool.kv[b.block_ids[0]] = 1.0
+    assert float(pool.ranks[1].kv[b.block_ids[0] - 8].sum()) == 2 * BS * 3
+    pool.grow(b.block_ids, 13)
+    assert len(b.block_ids) == 4 and all(8 <= x < 16 for x in b.block_ids)
+    pool.free(a.block_ids)
+    pool.free(b.block_ids)
+    assert pool.blocks.num_free == 16
+
+
+def test_cached_prefix_attracts_the_request_to_its_rank():
+    pool = make_pool()
+    filler = pool.allocate_prompt(list(range(200, 203)))  # rank 0 busy with one block
+    prefix = list(range(12))
+    p = pool.allocate_prompt(prefix + [99])  # goes to rank 1 (cheaper)
+    assert p.block_ids[0] >= 8
+    pool.commit_prompt(p)
+    pool.free(p.block_ids)
+    q = pool.allocate_prompt(prefix + [98, 97])  # 3 cached blocks on rank 1 beat an idle rank
+    assert q.block_ids[0] >= 8 and q.num_cached_blocks == 3
+    pool.free(q.block_ids)
+    pool.free(filler.block_ids)
+
+
+def test_events_report_first_copy_stored_and_last_copy_removed():
+    pool = make_pool(blocks=4)
+    prompt = list(range(9))  # 2 full blocks
+    hashes = block_hashes(prompt, BS, 7)
+    a = pool.allocate_prompt(prompt)
+    b_blocks = pool.ranks[1].allocate_prompt(prompt)  # the same prefix computed on rank 1 too
+    pool.commit_prompt(a)
+    pool.ranks[1].commit_prompt(b_blocks)
+    assert pool.blocks.drain_events() == [Stored(None, tuple(hashes))]  # once, not per rank
+    assert pool.blocks.num_cached == 2
+    pool.free(a.block_ids)
+    pool.ranks[1].free(b_blocks.block_ids)
+    pool.ranks[0].blocks.allocate(4)  # evicts rank 0's copies: rank 1 still holds them
+    assert pool.blocks.drain_events() == []
+    pool.ranks[1].blocks.allocate(4)
+    (removed,) = pool.blocks.drain_events()
+    assert isinstance(removed, Removed) and sorted(removed.hashes) == sorted(hashes)
+    assert pool.blocks.snapshot() == []
