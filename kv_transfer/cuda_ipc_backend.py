@@ -37,7 +37,6 @@ from kv_transfer.shm_backend import flat_bytes
 
 logger = logging.getLogger(__name__)
 
-_SPIN_YIELDS = 8
 _POLL_SLEEP_S = 0.0002
 _ABORT_GRACE_S = 10.0  # a queued copy of a few GB finishes well within this
 
@@ -109,13 +108,15 @@ class CudaIpcAgent(SameHostAgent):
                 dst[d:d + n].copy_(src[s:s + n], non_blocking=True)
             done = torch.cuda.Event()
             done.record(stream)
-        polls = 0
+        # Wait on a thread (Event.synchronize releases the GIL): polling from the loop with
+        # asyncio.sleep costs ~1 ms per wake-up (epoll's timeout granularity), which measured as a
+        # fixed ~1 ms on every transfer on the H200 (0.12-0.38 of a device-to-device copy).
+        waiter = asyncio.get_running_loop().run_in_executor(None, done.synchronize)
         try:
-            while not done.query():
-                if time.monotonic() >= deadline:
-                    raise TransferTimeout(f"write to {peer.name!r} passed its deadline")
-                await asyncio.sleep(0 if polls < _SPIN_YIELDS else _POLL_SLEEP_S)
-                polls += 1
+            try:
+                await asyncio.wait_for(asyncio.shield(waiter), timeout=max(0.0, deadline - time.monotonic()))
+            except asyncio.TimeoutError:
+                raise TransferTimeout(f"write to {peer.name!r} passed its deadline") from None
         except BaseException:
             await self._quiesce(done, peer.name)
             raise
