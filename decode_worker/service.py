@@ -159,6 +159,7 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
         ticket = await admit_or_abort(admission, len(tokens), params.max_tokens, context)
         try:
             prompt = await admission.allocate_prompt(tokens, lambda: admission.admitted > 1)
+            self.rt.count_prefix_lookup(len(tokens), prompt)
         except PoolExhausted as exc:
             admission.release(ticket)
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))

@@ -286,9 +286,14 @@ class WorkerRuntime:
         except PoolExhausted as exc:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
             raise
-        self.stats.prefix_query_tokens += len(token_ids)
-        self.stats.prefix_hit_tokens += prompt.num_cached_blocks * self.pool.block_size
+        self.count_prefix_lookup(len(token_ids), prompt)
         return prompt
+
+    def count_prefix_lookup(self, num_tokens: int, prompt: PromptBlocks) -> None:
+        """Prefix cache hit-rate counters for one allocated prompt of num_tokens tokens (every
+        allocation path calls this)."""
+        self.stats.prefix_query_tokens += num_tokens
+        self.stats.prefix_hit_tokens += prompt.num_cached_blocks * self.pool.block_size
 
     def _timed(self, fn: Callable[..., T], *args: Any) -> T:
         # On the model thread: the watchdog reads busy_since to spot a wedged engine.
