@@ -37,7 +37,8 @@ def _up(args: argparse.Namespace) -> int:
 
     async def main() -> None:
         cluster = LocalCluster(model=args.model, num_prefill=args.prefill, num_decode=args.decode, etcd=args.etcd,
-                               router_port=args.port, router_args=["--router-mode", args.router_mode])
+                               router_port=args.port, router_args=["--router-mode", args.router_mode],
+                               num_mocker=args.mocker)
         await cluster.start()
         print(f"tandem up: router at {cluster.router_address}, etcd at {cluster.etcd_endpoint}, "
               f"logs in {cluster.log_dir}; Ctrl-C stops everything", flush=True)
@@ -108,7 +109,9 @@ def _arg(p: argparse.ArgumentParser, flag: str, default, help: str, env: bool = 
 
 
 def main(argv: list[str] | None = None) -> int:
+    from bench.main import add_parser as add_bench
     from engine.worker_host import WorkerOptions
+    from mocker.main import add_parser as add_mocker
     from router.main import RouterOptions
 
     parser = argparse.ArgumentParser(prog="tandem", description="Disaggregated LLM serving.")
@@ -121,6 +124,8 @@ def main(argv: list[str] | None = None) -> int:
         p = sub.add_parser(role, help=f"a {role} worker")
         add_flags(p, WorkerOptions)
         p.set_defaults(func=_worker)
+    add_mocker(sub)
+    add_bench(sub)
     p = sub.add_parser("up", help="a local cluster: etcd, router, prefill and decode workers")
     _arg(p, "--model", "tandem-shakespeare", "served model: 'tandem-shakespeare' (shipped, trained), 'tandem-tiny' (seeded) or a checkpoint folder")
     _arg(p, "--etcd", "", "use this etcd (host:port) instead of starting one")
@@ -128,6 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     _arg(p, "--prefill", 1, "prefill workers", env=False)
     _arg(p, "--decode", 1, "decode workers", env=False)
     _arg(p, "--router-mode", "kv", "kv | approx | round-robin | random | least-loaded")
+    _arg(p, "--mocker", 0, "simulated workers instead of real ones (tandem mocker; model tandem-mock)", env=False)
     p.set_defaults(func=_up)
     p = sub.add_parser("generate", help="send one prompt to a router and stream the answer")
     p.add_argument("prompt", help="prompt text")
