@@ -159,29 +159,35 @@ class MockEngine:
         self._admit()
         return bool(self.running or self.prefilling)
 
-    def step(self) -> float:
-        """One iteration: admit, grow, decode step + one prefill chunk; returns simulated seconds."""
+    def step(self, horizon: float | None = None) -> float:
+        """One iteration: admit, grow, decode step + one prefill chunk; returns simulated seconds.
+
+        With `horizon` (the offline replay's next arrival, engine-clock seconds), an iteration
+        with no prefill chunk and nobody waiting fuses k identical-batch decode steps, as many
+        as end by the horizon and before any request finishes (k >= 1): the same tokens, blocks
+        and durations as k single steps, without k Python round trips.
+        """
         self._admit()
         pool = self.pool
         batch = self.running[: self.max_running]
-        kv_tokens = 0
-        for req in batch:  # as decode_worker/scheduler.py: room for the token this step writes
-            pool.grow(req.block_ids, len(req.token_ids) + req.generated)
-            kv_tokens += len(req.token_ids) + req.generated
+        kv_tokens = sum(len(r.token_ids) + r.generated for r in batch)
         chunk_req = self.prefilling[0] if self.prefilling else None
+        steps = 1
+        duration = self.timing.decode_s(len(batch), kv_tokens)
+        if horizon is not None and batch and chunk_req is None and not self.waiting:
+            steps, duration = self._fusable(batch, kv_tokens, horizon)
+        for req in batch:  # as decode_worker/scheduler.py: room for the token each step writes
+            pool.grow(req.block_ids, len(req.token_ids) + req.generated + steps - 1)
         chunk = 0
         if chunk_req is not None:
             chunk = min(self.chunk_size, len(chunk_req.token_ids) - chunk_req.computed)
-        duration = self.timing.decode_s(len(batch), kv_tokens)
-        if chunk_req is not None:
             duration += self.timing.prefill_s(chunk_req.computed, chunk)
         self.events.publish()
         self.now += duration
         self.stats.busy_s += duration
-        if batch:
-            self.stats.decode_steps += 1
+        self.stats.decode_steps += steps if batch else 0
         for req in batch:
-            req.generated += 1
+            req.generated += steps
             if req.generated >= req.max_tokens:
                 self._finish(req)
             else:
@@ -194,6 +200,19 @@ class MockEngine:
                 self._prompt_done(chunk_req)
         self.events.publish()
         return duration
+
+    def _fusable(self, batch: list[SimRequest], kv_tokens: int, horizon: float) -> tuple[int, float]:
+        """(k, seconds of k decode steps): k >= 1, no request finishes before step k, ends by horizon."""
+        b = len(batch)
+        k_max = min(r.max_tokens - r.generated for r in batch)
+        k, total = 1, self.timing.decode_s(b, kv_tokens)
+        while k < k_max:
+            nxt = self.timing.decode_s(b, kv_tokens + k * b)
+            if self.now + total + nxt > horizon:
+                break
+            total += nxt
+            k += 1
+        return k, total
 
     def take_changed(self) -> list[SimRequest]:
         out, self.changed = self.changed, []
