@@ -40,7 +40,7 @@ async def _one(stub: frontend_pb2_grpc.FrontendServiceStub, req: BenchRequest, t
                ) -> RequestResult:
     res = RequestResult(req.index, start_s=time.perf_counter() - t0)
     msg = frontend_pb2.GenerateRequest(
-        request_id=f"bench-{req.index}", text=req.text, token_ids=list(req.token_ids),
+        request_id=f"bench-{req.index}", text=req.text, token_ids=req.prompt_tokens(),
         sampling=sampling_pb2.SamplingParams(max_tokens=req.output_len, temperature=0.0, ignore_eos=True))
     begin = time.perf_counter()
     try:

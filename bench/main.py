@@ -15,7 +15,7 @@ import json
 import platform
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from bench import traces
@@ -83,8 +83,8 @@ def load_requests(opts: BenchOptions, vocab: int) -> list[BenchRequest]:
     if opts.arrival == "poisson" or (opts.arrival == "trace" and all(r.arrival_s == 0 for r in reqs)):
         reqs = traces.poisson_arrivals(reqs, opts.rate, opts.bench_seed)
     cap = opts.max_output_len
-    return [BenchRequest(r.index, r.arrival_s / opts.load, min(r.output_len, cap) if cap else r.output_len,
-                         r.token_ids, r.text, r.hash_ids) for r in reqs]
+    return [replace(r, arrival_s=r.arrival_s / opts.load, output_len=min(r.output_len, cap) if cap else r.output_len)
+            for r in reqs]
 
 
 def _need(path: str, name: str) -> str:
@@ -118,7 +118,7 @@ def run(opts: BenchOptions) -> dict:
     model = asyncio.run(_model_info(opts.router))
     reqs = load_requests(opts, model.vocab_size)
     if opts.arrival == "concurrency":
-        reqs = [BenchRequest(r.index, 0.0, r.output_len, r.token_ids, r.text, r.hash_ids) for r in reqs]
+        reqs = [replace(r, arrival_s=0.0) for r in reqs]
     print(f"tandem bench: {len(reqs)} requests ({opts.dataset}) to {opts.router} (model {model.name}, block size "
           f"{model.block_size}), arrival {opts.arrival}, load {opts.load}, speedup {opts.speedup}", file=sys.stderr)
     results, wall = asyncio.run(run_load(opts.router, reqs, opts.speedup,
@@ -126,7 +126,8 @@ def run(opts: BenchOptions) -> dict:
     summary = summarize(reqs, results, wall, opts.speedup)
     if any(r.hash_ids for r in reqs):
         summary["oracle_block_hit_rate"] = traces.oracle_hit_rate(reqs)["block"]
-    summary["oracle_token_hit_rate"] = traces.oracle_hit_rate(reqs)["token"] if any(r.token_ids for r in reqs) else 0.0
+    if any(r.prompt_len for r in reqs):
+        summary["oracle_token_hit_rate"] = traces.oracle_hit_rate(reqs)["token"]
     print(table(summary))
     if opts.out:
         from bench.plots import plot_runs

@@ -151,6 +151,7 @@ def replay(reqs: list[BenchRequest], cfg: SimConfig) -> SimResult:
                 res.completion_tokens = sim.generated
                 res.cached_tokens = sim.cached_tokens
                 load.finish(tr.load)
+                sim.token_ids, sim.prompt = [], None  # a full trace's prompts would not fit in memory
 
     def advance(wid: str, t: float) -> None:
         eng = engines[wid]
@@ -173,7 +174,7 @@ def replay(reqs: list[BenchRequest], cfg: SimConfig) -> SimResult:
             advance(wid, t)
         if approx is not None:
             approx.now = t
-        tokens = list(r.token_ids)
+        tokens = r.prompt_tokens()
         decision, hashes = placement.route(tokens)
         wid = decision.decode.instance_id
         decisions.append(wid)

@@ -23,7 +23,7 @@ import csv
 import datetime as dt
 import json
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -45,10 +45,18 @@ class BenchRequest:
     token_ids: tuple[int, ...] = ()
     text: str = ""
     hash_ids: tuple[int, ...] = ()  # Mooncake: 512-token block ids (for block hit rates and the oracle)
+    input_len: int = 0  # Mooncake: prompt tokens (made from hash_ids when sent: a full trace's
+    vocab: int = 0  # token ids would take gigabytes)
 
     @property
     def prompt_len(self) -> int:
-        return len(self.token_ids)
+        return self.input_len if self.hash_ids else len(self.token_ids)
+
+    def prompt_tokens(self) -> list[int]:
+        """The prompt's token ids (empty for a text prompt)."""
+        if self.hash_ids:
+            return mooncake_tokens(list(self.hash_ids), self.input_len, self.vocab)
+        return list(self.token_ids)
 
 
 def _splitmix64(x: np.ndarray) -> np.ndarray:
@@ -66,13 +74,9 @@ def block_tokens(hash_id: int, vocab: int, n: int = MOONCAKE_BLOCK) -> np.ndarra
         return (_splitmix64(pos) % np.uint64(vocab)).astype(np.int64)
 
 
-def mooncake_tokens(hash_ids: list[int], input_length: int, vocab: int, cache: dict[int, np.ndarray]) -> list[int]:
+def mooncake_tokens(hash_ids: list[int], input_length: int, vocab: int) -> list[int]:
     """Prompt token ids of a Mooncake row: its blocks' tokens, cut to input_length."""
-    parts = []
-    for h in hash_ids:
-        if h not in cache:
-            cache[h] = block_tokens(h, vocab)
-        parts.append(cache[h])
+    parts = [block_tokens(h, vocab) for h in hash_ids]
     toks = np.concatenate(parts)[:input_length] if parts else np.zeros(0, dtype=np.int64)
     return toks.tolist()
 
@@ -110,10 +114,8 @@ def load_mooncake(path: Path, vocab: int, limit: int | None = None, skip: int = 
     quantised = len(set(times)) < len(times) / 2  # conversation trace: most rows share a step
     if spread and quantised:
         times = spread_steps(times)
-    cache: dict[int, np.ndarray] = {}
-    return [BenchRequest(i, t / 1000.0, max(1, int(r["output_length"])),
-                         tuple(mooncake_tokens(r["hash_ids"], int(r["input_length"]), vocab, cache)),
-                         hash_ids=tuple(r["hash_ids"]))
+    return [BenchRequest(i, t / 1000.0, max(1, int(r["output_length"])), hash_ids=tuple(r["hash_ids"]),
+                         input_len=int(r["input_length"]), vocab=vocab)
             for i, (r, t) in enumerate(zip(rows, times))]
 
 
@@ -168,29 +170,43 @@ def poisson_arrivals(reqs: list[BenchRequest], rate: float, seed: int = 0) -> li
     rng = random.Random(seed)
     t, out = 0.0, []
     for r in reqs:
-        out.append(BenchRequest(r.index, t, r.output_len, r.token_ids, r.text, r.hash_ids))
+        out.append(replace(r, arrival_s=t))
         t += rng.expovariate(rate)
     return out
 
 
 def oracle_hit_rate(reqs: list[BenchRequest], block: int = MOONCAKE_BLOCK) -> dict[str, float]:
-    """Hit rates of an infinite cache shared by every worker: a request reuses the longest
-    prefix of its blocks any earlier request produced (by hash id, or by token blocks).
-    Returns {"block": reused / total blocks, "token": reused / total prompt tokens}."""
+    """Hit rates of an infinite prefix cache shared by every worker (the bound no router beats).
+
+    "block" / "token": a request reuses the longest prefix of its blocks that any earlier
+    request produced (by hash id, or by token blocks) — the Mooncake README's definition, over
+    `block`-token blocks, counting a trailing partial block. "engine_block": the same for an
+    engine with `block`-token pages, which caches only full blocks and always computes at least
+    one prompt token (engine/kv_pool.py), so a trailing partial block is never a hit.
+    """
     seen: set = set()
-    hit = total = hit_tok = tot_tok = 0
+    full_seen: set = set()
+    hit = total = hit_tok = tot_tok = hit_full = 0
     for r in reqs:
+        n = r.prompt_len
         if r.hash_ids:
             keys = list(r.hash_ids)
         else:
             t = r.token_ids
-            keys = [hash(t[: (i + 1) * block]) for i in range(len(t) // block)]
+            keys = [hash(t[: (i + 1) * block]) for i in range(-(-len(t) // block))]
         k = 0
         while k < len(keys) and keys[k] in seen:
             k += 1
         seen.update(keys)
+        n_full = n // block
+        kf = 0
+        while kf < min(n_full, (n - 1) // block) and keys[kf] in full_seen:
+            kf += 1
+        full_seen.update(keys[:n_full])
         hit += k
+        hit_full += kf
         total += len(keys)
-        hit_tok += min(k * block, r.prompt_len)
-        tot_tok += r.prompt_len
-    return {"block": hit / total if total else 0.0, "token": hit_tok / tot_tok if tot_tok else 0.0}
+        hit_tok += min(k * block, n)
+        tot_tok += n
+    return {"block": hit / total if total else 0.0, "token": hit_tok / tot_tok if tot_tok else 0.0,
+            "engine_block": hit_full / total if total else 0.0}
