@@ -93,13 +93,34 @@ def _need(path: str, name: str) -> str:
     return path
 
 
-async def _model_info(router: str):
+async def _model_info(router: str, wait_s: float = 180.0):
+    """The router's model, once it answers and its set of decode workers has stopped growing
+    (so `tandem up --mocker N & tandem bench` works as one command)."""
+    import grpc
+
     from common.grpc_server import channel
     from common.pb.tandem.v1 import frontend_pb2, frontend_pb2_grpc
 
+    deadline = time.monotonic() + wait_s
+    seen, stable, said = -1, 0, False
     async with channel(router) as ch:
-        resp = await frontend_pb2_grpc.FrontendServiceStub(ch).ListModels(frontend_pb2.ListModelsRequest(), timeout=10)
-    return resp.models[0]
+        stub = frontend_pb2_grpc.FrontendServiceStub(ch)
+        while True:
+            try:
+                model = (await stub.ListModels(frontend_pb2.ListModelsRequest(), timeout=5)).models[0]
+                resp = await stub.ExplainRoute(frontend_pb2.GenerateRequest(token_ids=[1]), timeout=5)
+                n = sum(1 for c in resp.candidates if c.role == "decode")
+                stable = stable + 1 if n == seen else 0
+                seen = n
+                if stable >= 4:
+                    return model
+            except grpc.aio.AioRpcError as exc:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"router {router} not ready after {wait_s:.0f} s: {exc.code().name}") from None
+            if not said:
+                print(f"tandem bench: waiting for the router at {router} and its workers", file=sys.stderr)
+                said = True
+            await asyncio.sleep(0.5)
 
 
 def write_results(path: Path, opts: dict, summary: dict, reqs: list[BenchRequest], results: list[RequestResult],
