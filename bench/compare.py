@@ -62,7 +62,7 @@ def _live(reqs, mode: str, args) -> tuple[list, dict, float]:
         cluster = LocalCluster(num_mocker=args.workers, router_args=[
             "--router-mode", mode, "--prefill-weight", str(args.prefill_weight), "--health-interval", "5"],
             mocker_args=["--num-blocks", str(args.num_blocks), "--chunk-size", str(args.chunk_size),
-                         "--speedup", str(args.speedup)], ready_timeout_s=300)
+                         "--speedup", str(args.speedup), "--tick", str(args.tick)], ready_timeout_s=300)
         await cluster.start()
         try:
             return await run_load(cluster.router_address, reqs, args.speedup)
@@ -90,6 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--live", action="store_true", help="through gRPC against tandem up --mocker N (real time)")
     ap.add_argument("--speedup", type=float, default=10.0, help="--live: the mocker's speedup")
+    ap.add_argument("--tick", type=float, default=0.2, help="--live: the mocker's --tick (token streaming granularity)")
     ap.add_argument("--out", default="", help="JSON results; a markdown table and plots are written beside it")
     ap.add_argument("--plots", default="", help="plot path prefix (default: --out without .json)")
     args = ap.parse_args(argv)
