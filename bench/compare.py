@@ -60,7 +60,8 @@ def _live(reqs, mode: str, args) -> tuple[list, dict, float]:
 
     async def go():
         cluster = LocalCluster(num_mocker=args.workers, router_args=[
-            "--router-mode", mode, "--prefill-weight", str(args.prefill_weight), "--health-interval", "5"],
+            "--router-mode", mode, "--prefill-weight", str(args.prefill_weight), "--health-interval", "5",
+            "--health-timeout", "5"],  # a CPU-starved box must not read as dead workers
             mocker_args=["--num-blocks", str(args.num_blocks), "--chunk-size", str(args.chunk_size),
                          "--speedup", str(args.speedup), "--tick", str(args.tick)], ready_timeout_s=300)
         await cluster.start()
