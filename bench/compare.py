@@ -46,7 +46,8 @@ def _offline(reqs, mode: str, args) -> tuple[list, dict, float]:
 
     res = replay(reqs, SimConfig(mode=mode, num_workers=args.workers, num_blocks=args.num_blocks,
                                  block_size=args.block_size, chunk_size=args.chunk_size,
-                                 prefill_weight=args.prefill_weight, seed=args.seed, timing=TimingModel()))
+                                 prefill_weight=args.prefill_weight, kv_recent_s=args.kv_recent, seed=args.seed,
+                                 timing=TimingModel()))
     summary = summarize(reqs, res.results, res.duration_s)
     summary["max_requests_per_worker"] = max(res.per_worker_requests.values())
     return res.results, summary, res.wall_s
@@ -61,7 +62,7 @@ def _live(reqs, mode: str, args) -> tuple[list, dict, float]:
     async def go():
         cluster = LocalCluster(num_mocker=args.workers, router_args=[
             "--router-mode", mode, "--prefill-weight", str(args.prefill_weight), "--health-interval", "5",
-            "--health-timeout", "5"],  # a CPU-starved box must not read as dead workers
+            "--health-timeout", "5", "--kv-recent", str(args.kv_recent)],  # a CPU-starved box must not read as dead workers
             mocker_args=["--num-blocks", str(args.num_blocks), "--chunk-size", str(args.chunk_size),
                          "--speedup", str(args.speedup), "--tick", str(args.tick)], ready_timeout_s=300)
         await cluster.start()
@@ -87,6 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--block-size", type=int, default=512)
     ap.add_argument("--chunk-size", type=int, default=8192)
     ap.add_argument("--prefill-weight", type=float, default=1.0)
+    ap.add_argument("--kv-recent", type=float, default=0.0, help="kv mode: the router's --kv-recent (seconds)")
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--live", action="store_true", help="through gRPC against tandem up --mocker N (real time)")
@@ -110,8 +112,11 @@ def main(argv: list[str] | None = None) -> int:
     for mode in args.modes.split(","):
         load_before = os.getloadavg()
         results, summary, wall = (_live if args.live else _offline)(reqs, mode, args)
-        rows.append({"mode": mode, **summary, "wall_s": wall, "loadavg_before": load_before})
-        runs.append((mode, reqs, results, args.speedup if args.live else 1.0))
+        label = f"{mode} --kv-recent {args.kv_recent:g}" if mode == "kv" and args.kv_recent > 0 else mode
+        if args.prefill_weight != 1.0 and mode in ("kv", "approx"):
+            label += f" --prefill-weight {args.prefill_weight:g}"
+        rows.append({"mode": label, **summary, "wall_s": wall, "loadavg_before": load_before})
+        runs.append((label, reqs, results, args.speedup if args.live else 1.0))
         print(markdown(rows[-1:]).splitlines()[-1], file=sys.stderr, flush=True)
     table = markdown(rows)
     print(table)

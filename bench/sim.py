@@ -28,7 +28,7 @@ from engine.block_pool import Cleared, Removed, Stored
 from engine.model_source import MOCK
 from mocker.engine import Kind, MockEngine, RequestTooLarge, SimRequest, State
 from mocker.timing import TimingModel
-from router.approx_index import ApproxIndex
+from router.approx_index import ApproxIndex, KvWithRecent
 from router.kv_index import KvIndex
 from router.load import LoadTracker, RequestLoad
 from router.placement import NoOverlap, Placement, PlacementOptions
@@ -44,6 +44,7 @@ class SimConfig:
     max_running: int = 256
     prefill_weight: float = 1.0
     approx_ttl_s: float = 120.0
+    kv_recent_s: float = 0.0  # kv mode: also count prefixes routed in the last this many seconds
     seed: int = 0
     timing: TimingModel = TimingModel()
 
@@ -113,10 +114,14 @@ def replay(reqs: list[BenchRequest], cfg: SimConfig) -> SimResult:
     load = LoadTracker(cfg.block_size)
     index = KvIndex() if cfg.mode == "kv" else None
     approx = _Approx(cfg.approx_ttl_s) if cfg.mode == "approx" else None
+    recent, clock = None, 0.0
+    if index is not None and cfg.kv_recent_s > 0:
+        recent = KvWithRecent(index, cfg.kv_recent_s, clock=lambda: clock)
     if index is not None:
         for wid in engines:
             index.add_worker(wid)
-    placement = Placement(_Workers(instances, cfg.block_size, seed), load, index or approx or NoOverlap(),
+    overlap = next((o for o in (recent, index, approx) if o is not None), NoOverlap())
+    placement = Placement(_Workers(instances, cfg.block_size, seed), load, overlap,
                           PlacementOptions(cfg.mode, cfg.prefill_weight, seed=cfg.seed))
     tracks: dict[str, _Track] = {}
     decisions: list[str] = []
@@ -172,6 +177,7 @@ def replay(reqs: list[BenchRequest], cfg: SimConfig) -> SimResult:
         t = r.arrival_s
         for wid in engines:
             advance(wid, t)
+        clock = t
         if approx is not None:
             approx.now = t
         tokens = r.prompt_tokens()
@@ -180,6 +186,8 @@ def replay(reqs: list[BenchRequest], cfg: SimConfig) -> SimResult:
         decisions.append(wid)
         if approx is not None and hashes:
             approx.index.record(wid, hashes, t)
+        if recent is not None and hashes:
+            recent.record(wid, hashes)
         res = RequestResult(r.index, start_s=t)
         sim = SimRequest(str(r.index), tokens, r.output_len, Kind.LOCAL)
         eng = engines[wid]

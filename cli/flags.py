@@ -38,6 +38,8 @@ HELP = {
     "local_prefill_threshold": "prefill on the decode worker when its uncached part is below this many tokens",
     "migration_limit": "router: decode-worker failures one request may survive (retry or migrate elsewhere)",
     "approx_ttl_s": "approx mode: seconds a routed block is assumed cached",
+    "kv_recent_s": "kv mode: also count a prefix routed to a worker in the last this many seconds, before its KV "
+                   "events arrive (0 = off)",
     # tandem mocker / tandem bench (mocker/fleet.py, bench/main.py)
     "num_workers": "mocker: simulated decode workers (each its own gRPC server and etcd record)",
     "num_prefill": "mocker: simulated prefill workers",

@@ -143,3 +143,19 @@ def test_offline_replay_is_deterministic():
         assert len(set(a.decisions)) == 8
     other = replay(reqs, SimConfig(mode="random", num_workers=8, num_blocks=512, seed=8))
     assert other.decisions != a.decisions  # the seed is what fixes them
+
+
+def test_kv_recent_counts_a_routed_prefix_until_its_events_arrive():
+    from router.approx_index import KvWithRecent
+    from router.kv_index import KvIndex
+
+    now = [0.0]
+    index = KvIndex()
+    for w in ("a", "b"):
+        index.add_worker(w)
+    index.apply_stored("b", None, [1, 2])
+    kv = KvWithRecent(index, recent_s=10.0, clock=lambda: now[0])
+    kv.record("a", [1, 2, 3])  # routed to a; its prefill has not stored anything yet
+    assert kv.overlaps([1, 2, 3, 4]) == {"a": 3, "b": 2}
+    now[0] = 11.0
+    assert kv.overlaps([1, 2, 3, 4]) == {"b": 2}  # only what the events say, after recent_s

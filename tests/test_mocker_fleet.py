@@ -64,7 +64,7 @@ def test_disaggregated_mocked_workers_in_process(etcd_server):
             MockerOptions(num_workers=2, num_prefill=2, block_size=16, num_blocks=256, speedup=50,
                           etcd=etcd_server.endpoint, namespace=ns), ready=got_workers.set_result, stop=stop))
         router = asyncio.create_task(run_router(
-            RouterOptions(etcd=etcd_server.endpoint, namespace=ns, model="tandem-mock", block_size=16),
+            RouterOptions(etcd=etcd_server.endpoint, namespace=ns, model="tandem-mock", block_size=16, kv_recent_s=5.0),
             ready=lambda s, sv: got_router.set_result((s, sv)), stop=stop))
         workers = await asyncio.wait_for(got_workers, 60)
         server, servicer = await asyncio.wait_for(got_router, 60)
