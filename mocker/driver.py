@@ -39,8 +39,9 @@ class RealTimeDriver:
         engine = self.engine
         try:
             while True:
-                self.notify()  # admissions (REMOTE_KV) and cancellations
-                if not engine.has_work():
+                busy = engine.has_work()  # admits: a REMOTE_KV admission is in `changed` now
+                self.notify()  # before sleeping, or its stream would wait for the next wake-up
+                if not busy:
                     self._wake.clear()
                     await self._wake.wait()
                     continue
