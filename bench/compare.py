@@ -41,13 +41,17 @@ def markdown(rows: list[dict]) -> str:
     return "\n".join([head, sep, *body])
 
 
+def _timing(args) -> TimingModel:
+    return TimingModel.load(args.timing) if args.timing else TimingModel()
+
+
 def _offline(reqs, mode: str, args) -> tuple[list, dict, float]:
     from bench.sim import SimConfig, replay
 
     res = replay(reqs, SimConfig(mode=mode, num_workers=args.workers, num_blocks=args.num_blocks,
                                  block_size=args.block_size, chunk_size=args.chunk_size,
                                  prefill_weight=args.prefill_weight, kv_recent_s=args.kv_recent, seed=args.seed,
-                                 timing=TimingModel()))
+                                 timing=_timing(args)))
     summary = summarize(reqs, res.results, res.duration_s)
     summary["max_requests_per_worker"] = max(res.per_worker_requests.values())
     return res.results, summary, res.wall_s
@@ -63,7 +67,7 @@ def _live(reqs, mode: str, args) -> tuple[list, dict, float]:
         cluster = LocalCluster(num_mocker=args.workers, router_args=[
             "--router-mode", mode, "--prefill-weight", str(args.prefill_weight), "--health-interval", "5",
             "--health-timeout", "5", "--kv-recent", str(args.kv_recent)],  # a CPU-starved box must not read as dead workers
-            mocker_args=["--num-blocks", str(args.num_blocks), "--chunk-size", str(args.chunk_size),
+            mocker_args=[*(["--timing", args.timing] if args.timing else []), "--num-blocks", str(args.num_blocks), "--chunk-size", str(args.chunk_size),
                          "--speedup", str(args.speedup), "--tick", str(args.tick)], ready_timeout_s=300)
         await cluster.start()
         try:
@@ -88,6 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--block-size", type=int, default=512)
     ap.add_argument("--chunk-size", type=int, default=8192)
     ap.add_argument("--prefill-weight", type=float, default=1.0)
+    ap.add_argument("--timing", default="", help="timing model JSON (mocker/timing.py fields); default: the defaults")
     ap.add_argument("--kv-recent", type=float, default=0.0, help="kv mode: the router's --kv-recent (seconds)")
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--seed", type=int, default=0)
@@ -123,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         out = Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps({"args": vars(args), "oracle": oracle, "timing": asdict(TimingModel()),
+        out.write_text(json.dumps({"args": vars(args), "oracle": oracle, "timing": asdict(_timing(args)),
                                    "rows": rows, "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                                    "cpus": os.cpu_count()}, indent=1) + "\n")
         out.with_suffix(".md").write_text(table + "\n")
