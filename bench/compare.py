@@ -64,10 +64,12 @@ def _live(reqs, mode: str, args) -> tuple[list, dict, float]:
     os.environ["TANDEM_BLOCK_SIZE"] = str(args.block_size)  # router and mocker must agree
 
     async def go():
+        # Health probes get 5 s: a CPU-starved machine must not read as dead workers.
         cluster = LocalCluster(num_mocker=args.workers, router_args=[
             "--router-mode", mode, "--prefill-weight", str(args.prefill_weight), "--health-interval", "5",
-            "--health-timeout", "5", "--kv-recent", str(args.kv_recent)],  # a CPU-starved box must not read as dead workers
-            mocker_args=[*(["--timing", args.timing] if args.timing else []), "--num-blocks", str(args.num_blocks), "--chunk-size", str(args.chunk_size),
+            "--health-timeout", "5", "--kv-recent", str(args.kv_recent)],
+            mocker_args=[*(["--timing", args.timing] if args.timing else []), "--num-blocks", str(args.num_blocks),
+                         "--chunk-size", str(args.chunk_size),
                          "--speedup", str(args.speedup), "--tick", str(args.tick)], ready_timeout_s=300)
         await cluster.start()
         try:
