@@ -105,6 +105,7 @@ ROWS = [("Successful requests", "completed", "{:d}"), ("Failed requests", "faile
         ("Prefix hit rate (tokens)", "prefix_hit_rate", "{:.4f}"),
         ("Block hit rate (512-token trace blocks)", "block_hit_rate", "{:.4f}"),
         ("Oracle block hit rate (infinite shared cache)", "oracle_block_hit_rate", "{:.4f}"),
+        ("Oracle token hit rate (infinite shared cache)", "oracle_token_hit_rate", "{:.4f}"),
         ("Mean TTFT (ms)", "mean_ttft_ms", "{:.1f}"), ("Median TTFT (ms)", "median_ttft_ms", "{:.1f}"),
         ("P99 TTFT (ms)", "p99_ttft_ms", "{:.1f}"), ("Mean TPOT (ms)", "mean_tpot_ms", "{:.2f}"),
         ("Median TPOT (ms)", "median_tpot_ms", "{:.2f}"), ("P99 TPOT (ms)", "p99_tpot_ms", "{:.2f}"),

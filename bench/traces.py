@@ -143,14 +143,11 @@ def load_sharegpt(path: Path, output_len: int, limit: int | None = None) -> list
 
 
 def load_mt_bench(path: Path, output_len: int, limit: int | None = None) -> list[BenchRequest]:
-    out: list[BenchRequest] = []
     with open(path) as f:
-        for line in f:
-            q = json.loads(line)
-            t1, t2 = q["turns"][0], q["turns"][1]
-            out.append(BenchRequest(len(out), 0.0, output_len, text=t1))
-            out.append(BenchRequest(len(out), 0.0, output_len, text=f"{t1}\n\n(answer)\n\n{t2}"))
-    return out[:limit]
+        qs = [json.loads(line) for line in f if line.strip()]
+    # Every first turn, then every second turn: a second turn finds its first turn's blocks.
+    texts = [q["turns"][0] for q in qs] + [f"{q['turns'][0]}\n\n(answer)\n\n{q['turns'][1]}" for q in qs]
+    return [BenchRequest(i, 0.0, output_len, text=t) for i, t in enumerate(texts)][:limit]
 
 
 def synthetic_prefix(num_requests: int, groups: int, prefix_len: int, suffix_len: int, output_len: int,
