@@ -31,13 +31,23 @@ class LocalCluster:
         router_port: 0 picks a free port; the chosen address is `router_address`.
         log_dir: where each process's log goes (a temporary folder by default).
         metrics: every process serves Prometheus /metrics on a free port (`metrics_addresses()`).
+        num_mocker: simulated decode workers (one `tandem mocker` process) instead of real
+            workers; the model becomes tandem-mock unless another was given, and
+            `mocker_args` go to that process (e.g. ["--num-blocks", "256", "--speedup", "10"]).
     """
 
     def __init__(self, model: str = DEFAULT_MODEL, num_prefill: int = 1, num_decode: int = 1,
                  etcd: str = "", router_port: int = 0, namespace: str = "local",
                  worker_args: list[str] | None = None, router_args: list[str] | None = None,
                  log_dir: str | None = None,
-                 ready_timeout_s: float = 120.0, metrics: bool = False) -> None:
+                 ready_timeout_s: float = 120.0, metrics: bool = False, num_mocker: int = 0,
+                 mocker_args: list[str] | None = None) -> None:
+        if num_mocker:
+            from engine.model_source import MOCK
+            model = MOCK if model in (DEFAULT_MODEL, "") else model
+            num_prefill = num_decode = 0
+        self.num_mocker = num_mocker
+        self.mocker_args = mocker_args or []
         self.model = model
         self.num_prefill = num_prefill
         self.num_decode = num_decode
@@ -82,6 +92,8 @@ class LocalCluster:
             self.spawn(f"prefill-{i}", "prefill", "--port", "0", *self.worker_args)
         for i in range(self.num_decode):
             self.spawn(f"decode-{i}", "decode", "--port", "0", *self.worker_args)
+        if self.num_mocker:
+            self.spawn("mocker", "mocker", "--port", "0", "--num-workers", str(self.num_mocker), *self.mocker_args)
         try:
             await self._wait_ready()
         except BaseException:
@@ -90,7 +102,7 @@ class LocalCluster:
 
     async def _wait_ready(self) -> None:
         want = {discovery_pb2.ROLE_ROUTER: 1, discovery_pb2.ROLE_PREFILL: self.num_prefill,
-                discovery_pb2.ROLE_DECODE: self.num_decode}
+                discovery_pb2.ROLE_DECODE: self.num_decode + self.num_mocker}
 
         def ready(view: dict[str, discovery_pb2.Instance]) -> bool:
             return all(sum(1 for i in view.values() if i.role == r) >= n for r, n in want.items())
@@ -119,7 +131,7 @@ class LocalCluster:
         from common.grpc_server import channel
         from common.pb.tandem.v1 import frontend_pb2, frontend_pb2_grpc
 
-        want = self.num_prefill + self.num_decode
+        want = self.num_prefill + self.num_decode + self.num_mocker
         async with channel(self.router_address) as ch:
             stub = frontend_pb2_grpc.FrontendServiceStub(ch)
             while True:

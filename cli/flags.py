@@ -64,6 +64,31 @@ HELP = {
     "migration_limit": "router: decode-worker failures one request may survive (retry or migrate elsewhere)",
     "approx_ttl_s": "approx mode: seconds a routed block is assumed cached",
     "metrics_port": "Prometheus /metrics port (-1 = off, 0 = any free port, announced in discovery)",
+    "kv_recent_s": "kv mode: also count a prefix routed to a worker in the last this many seconds, before its KV "
+                   "events arrive (0 = off)",
+    # tandem mocker / tandem bench (mocker/fleet.py, bench/main.py)
+    "num_workers": "mocker: simulated decode workers (each its own gRPC server and etcd record)",
+    "num_prefill": "mocker: simulated prefill workers",
+    "speedup": "simulated seconds per real second (mocker: engine time; bench: trace time, latencies scaled back)",
+    "timing": "mocker: JSON timing model (mocker/timing.py fields, e.g. from python -m mocker.calibrate)",
+    "tick_s": "mocker: real seconds of engine iterations per wake-up (token streaming granularity)",
+    "router": "router address host:port",
+    "dataset": "mooncake[:PATH] | azure:PATH | sharegpt:PATH | mt-bench[:PATH] | synthetic-prefix",
+    "num_requests": "requests to send (0 = all)",
+    "skip": "start at this row of the trace",
+    "arrival": "trace (timestamps) | poisson (--rate) | concurrency (--concurrency in flight)",
+    "rate": "poisson arrivals: requests per second of trace time",
+    "concurrency": "arrival concurrency: requests in flight",
+    "load": "trace arrivals: rate multiplier (2 = timestamps halved)",
+    "output_tokens": "bench: generated tokens where the dataset has no lengths",
+    "max_output_len": "cap on generated tokens (0 = the trace's)",
+    "groups": "synthetic-prefix: number of shared prefixes",
+    "prefix_len": "synthetic-prefix: tokens per shared prefix",
+    "suffix_len": "synthetic-prefix: fresh tokens per request",
+    "bench_seed": "random seed of Poisson arrivals, synthetic prompts and Azure token ids",
+    "timeout_s": "deadline of each request in seconds",
+    "out": "JSON result file; plots are written beside it",
+    "label": "name of the run in plots and JSON",
 }
 
 

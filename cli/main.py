@@ -44,7 +44,7 @@ def _up(args: argparse.Namespace) -> int:
         os.environ.update(TANDEM_LOG_LEVEL=args.log_level, TANDEM_LOG_FORMAT=args.log_format)
         cluster = LocalCluster(model=args.model, num_prefill=args.prefill, num_decode=args.decode, etcd=args.etcd,
                                router_port=args.port, router_args=["--router-mode", args.router_mode],
-                               metrics=args.metrics)
+                               metrics=args.metrics, num_mocker=args.mocker)
         await cluster.start()
         print(f"tandem up: router at {cluster.router_address}, etcd at {cluster.etcd_endpoint}, "
               f"logs in {cluster.log_dir}; Ctrl-C stops everything", flush=True)
@@ -122,7 +122,9 @@ def _arg(p: argparse.ArgumentParser, flag: str, default, help: str, kind=None, e
 
 def build_parser() -> argparse.ArgumentParser:
     """Every subcommand with its options; their values are filled in by cli/config.py apply()."""
+    from bench.main import add_parser as add_bench
     from engine.worker_host import WorkerOptions
+    from mocker.main import add_parser as add_mocker
     from router.main import RouterOptions
 
     parser = argparse.ArgumentParser(prog="tandem", description="Disaggregated LLM serving.")
@@ -138,6 +140,8 @@ def build_parser() -> argparse.ArgumentParser:
         p = sub.add_parser(role, help=f"a {role} worker")
         add_flags(p, WorkerOptions)
         p.set_defaults(func=_worker)
+    add_mocker(sub)
+    add_bench(sub)
     p = sub.add_parser("up", help="a local cluster: etcd, router, prefill and decode workers")
     _arg(p, "--model", "tandem-shakespeare", "served model: 'tandem-shakespeare' (shipped, trained), 'tandem-tiny' (seeded) or a checkpoint folder")
     _arg(p, "--etcd", "", "use this etcd (host:port) instead of starting one")
@@ -146,6 +150,7 @@ def build_parser() -> argparse.ArgumentParser:
     _arg(p, "--decode", 1, "decode workers")
     _arg(p, "--router-mode", "kv", "kv | approx | round-robin | random | least-loaded")
     _arg(p, "--metrics", True, "serve /metrics from every process on a free port (--no-metrics: none)", kind=bool)
+    _arg(p, "--mocker", 0, "simulated workers instead of real ones (tandem mocker; model tandem-mock)")
     p.set_defaults(func=_up)
     p = sub.add_parser("generate", help="send one prompt to a router and stream the answer")
     p.add_argument("prompt", help="prompt text")

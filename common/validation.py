@@ -23,6 +23,8 @@ class InvalidArgument(ValueError):
 def validate_token_ids(token_ids: list[int], vocab_size: int, field: str = "token_ids") -> None:
     if not token_ids:
         raise InvalidArgument(field, "prompt is empty")
+    if min(token_ids) >= 0 and max(token_ids) < vocab_size:
+        return  # two C-level passes; the loop below only runs to name the bad index
     for i, t in enumerate(token_ids):
         if not 0 <= t < vocab_size:
             raise InvalidArgument(f"{field}[{i}]", f"token id {t} outside the vocabulary [0, {vocab_size})")

@@ -16,7 +16,8 @@ from engine.config import ModelConfig
 
 TINY = "tandem-tiny"  # ModelConfig.tiny() with weights from `seed` (tests: any vocabulary id is valid)
 SHAKESPEARE = "tandem-shakespeare"  # the shipped trained checkpoint (docs/model-card.md)
-SHIPPED = {SHAKESPEARE: Path(__file__).resolve().parent / "assets" / SHAKESPEARE}
+MOCK = "tandem-mock"  # config only, no weights: served by the simulated workers of `tandem mocker`
+SHIPPED = {name: Path(__file__).resolve().parent / "assets" / name for name in (SHAKESPEARE, MOCK)}
 DEFAULT_MODEL = SHAKESPEARE
 
 

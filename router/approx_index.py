@@ -20,6 +20,7 @@ just live longer).
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from itertools import repeat
@@ -146,3 +147,29 @@ class ApproxIndex:
 
     def workers(self) -> list[WorkerId]:
         return self.index.workers()
+
+
+class KvWithRecent:
+    """kv mode with `--kv-recent`: a worker's overlap is the longer of what its KV events say
+    (`KvIndex`) and the prefix of a request routed to it in the last `recent_s` seconds. A
+    prompt's blocks reach the index only when its prefill finishes; until then, a follow-up
+    sharing the prefix (the next turn of a conversation, under a high arrival rate) would
+    otherwise see no overlap anywhere."""
+
+    def __init__(self, index: KvIndex, recent_s: float, clock=None) -> None:
+        self.index = index
+        self.recent = ApproxIndex(ttl_s=recent_s)
+        self.clock = clock or time.monotonic
+
+    def record(self, worker: WorkerId, hashes: Sequence[int]) -> None:
+        self.recent.record(worker, hashes, self.clock())
+
+    def overlaps(self, hashes: Sequence[int]) -> dict[WorkerId, int]:
+        out = self.index.overlaps(hashes)
+        for w, n in self.recent.overlaps(hashes, self.clock()).items():
+            if n > out.get(w, 0):
+                out[w] = n
+        return out
+
+    def remove_worker(self, worker: WorkerId) -> None:
+        self.recent.remove_worker(worker)

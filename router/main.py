@@ -20,7 +20,7 @@ from discovery.registration import Registration
 from discovery.watcher import InstanceWatcher
 from engine.model_source import DEFAULT_MODEL, load_config
 from engine.worker_host import VERSION
-from router.approx_index import ApproxIndex
+from router.approx_index import ApproxIndex, KvWithRecent
 from router.health import HealthTracker
 from router.kv_index import KvIndex
 from router.kv_subscriber import KvEventSubscriber
@@ -53,6 +53,7 @@ class RouterOptions:
     router_temperature: float = 0.0  # 0 = lowest cost always wins
     local_prefill_threshold: int = 0  # tokens: prefill on the decode worker below this (0 = off)
     approx_ttl_s: float = 120.0  # approx mode: how long a routed block is assumed cached
+    kv_recent_s: float = 0.0  # kv mode: also count prefixes routed in the last this many seconds (0 = off)
     migration_limit: int = 3  # decode-worker failures one request may survive (retries and migrations)
     health_interval_s: float = 1.0  # seconds between grpc.health.v1 probes of each worker
     health_timeout_s: float = 0.5  # seconds one probe may take
@@ -67,6 +68,8 @@ class RouterOptions:
             raise ValueError(f"--router-mode must be one of {', '.join(MODES)}; got {self.router_mode!r}")
         if self.prefill_weight < 0 or self.router_temperature < 0 or self.local_prefill_threshold < 0:
             raise ValueError("--prefill-weight, --router-temperature and --local-prefill-threshold must be >= 0")
+        if self.kv_recent_s < 0:
+            raise ValueError(f"--kv-recent must be >= 0 seconds, got {self.kv_recent_s}")
         if self.approx_ttl_s <= 0:
             raise ValueError(f"--approx-ttl must be > 0 seconds, got {self.approx_ttl_s}")
         if self.health_interval_s <= 0 or self.health_timeout_s <= 0:
@@ -90,7 +93,23 @@ def overlap_source(opts: RouterOptions, workers: WorkerSet):
     if opts.router_mode == "kv":
         index = KvIndex()
         subscriber = KvEventSubscriber(index, workers)
-        return index, None, subscriber.sync, subscriber
+        if opts.kv_recent_s <= 0:
+            return index, None, subscriber.sync, subscriber
+        merged = KvWithRecent(index, opts.kv_recent_s)
+
+        def record_routed(decision, hashes) -> None:
+            for c in (decision.decode, decision.prefill):
+                if c is not None and hashes:
+                    merged.record(c.instance_id, hashes)
+
+        def sync_and_forget() -> None:
+            subscriber.sync()
+            present = set(workers.instance_ids())
+            for wid in list(merged.recent.workers()):
+                if wid not in present:
+                    merged.remove_worker(wid)
+
+        return merged, record_routed, sync_and_forget, subscriber
     if opts.router_mode == "approx":
         approx = ApproxIndex(ttl_s=opts.approx_ttl_s)
 

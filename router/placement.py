@@ -7,6 +7,7 @@ prompt it does not hold is shorter than `local_prefill_threshold` tokens.
 
 from __future__ import annotations
 
+import random
 import time
 from dataclasses import dataclass
 from typing import Protocol, Sequence
@@ -38,6 +39,7 @@ class PlacementOptions:
     prefill_weight: float = 1.0  # cost of one uncached block relative to one active block
     temperature: float = 0.0  # 0 = always the lowest cost
     local_prefill_threshold: int = 0  # tokens; prefill on the decode worker below this (0 = never by size)
+    seed: int | None = None  # seeds random choices (random mode, temperature > 0); None = unseeded
 
 
 class Placement:
@@ -47,8 +49,9 @@ class Placement:
         self.load = load
         self.overlap = overlap
         self.opts = opts
-        self.decode_policy = make_policy(opts.mode, opts.prefill_weight, opts.temperature)
-        self.prefill_policy = make_policy(opts.mode, opts.prefill_weight, opts.temperature)
+        rng = (lambda k: random.Random(opts.seed + k)) if opts.seed is not None else (lambda k: None)
+        self.decode_policy = make_policy(opts.mode, opts.prefill_weight, opts.temperature, rng(0))
+        self.prefill_policy = make_policy(opts.mode, opts.prefill_weight, opts.temperature, rng(1))
 
     def route(self, tokens: list[int]) -> tuple[RouteDecision, list[int]]:
         """Choose the decode worker and the prefill worker (or local prefill) for a prompt.

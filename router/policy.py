@@ -97,14 +97,16 @@ class LeastLoaded(Policy):
     """Fewest in-flight requests placed by this router (the skeleton's policy)."""
 
 
-def make_policy(mode: str, prefill_weight: float = 1.0, temperature: float = 0.0) -> Policy:
-    """Raises ValueError naming --router-mode for an unknown mode."""
+def make_policy(mode: str, prefill_weight: float = 1.0, temperature: float = 0.0,
+                rng: random.Random | None = None) -> Policy:
+    """`rng` drives random choices (None: a fresh unseeded one). Raises ValueError naming
+    --router-mode for an unknown mode."""
     if mode in ("kv", "approx"):
-        return KvPolicy(prefill_weight, temperature)
+        return KvPolicy(prefill_weight, temperature, rng)
     if mode == "round-robin":
-        return RoundRobin()
+        return RoundRobin(rng)
     if mode == "random":
-        return RandomChoice()
+        return RandomChoice(rng)
     if mode == "least-loaded":
-        return LeastLoaded()
+        return LeastLoaded(rng)
     raise ValueError(f"--router-mode must be one of {', '.join(MODES)}; got {mode!r}")

@@ -1,0 +1,92 @@
+"""The load generator: sends BenchRequests to a router's FrontendService.Generate and times them.
+
+Each request starts at its arrival time divided by `speedup` (trace timestamps, or a Poisson
+process), or — with `concurrency` > 0 — as soon as one of `concurrency` slots is free. Every
+streamed message is timed; results are in real seconds (bench/metrics.py scales them back to
+trace time by `speedup`). Token-id prompts are sent as token ids, text prompts as text.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+import grpc
+
+from bench.traces import BenchRequest
+from common.grpc_server import channel
+from common.pb.tandem.v1 import frontend_pb2, frontend_pb2_grpc, sampling_pb2
+
+
+@dataclass
+class RequestResult:
+    index: int
+    start_s: float = 0.0  # real seconds after the run's start
+    ttft_s: float | None = None  # real seconds from start to the first token
+    end_s: float = 0.0
+    chunks: list[tuple[float, int]] = field(default_factory=list)  # (seconds after start, tokens)
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    error: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return not self.error
+
+
+async def _one(stub: frontend_pb2_grpc.FrontendServiceStub, req: BenchRequest, t0: float, timeout_s: float,
+               ) -> RequestResult:
+    res = RequestResult(req.index, start_s=time.perf_counter() - t0)
+    msg = frontend_pb2.GenerateRequest(
+        request_id=f"bench-{req.index}", text=req.text, token_ids=req.prompt_tokens(),
+        sampling=sampling_pb2.SamplingParams(max_tokens=req.output_len, temperature=0.0, ignore_eos=True))
+    begin = time.perf_counter()
+    try:
+        async for out in stub.Generate(msg, timeout=timeout_s):
+            now = time.perf_counter()
+            if out.token_ids:
+                if res.ttft_s is None:
+                    res.ttft_s = now - begin
+                res.chunks.append((now - t0, len(out.token_ids)))
+            if out.HasField("usage"):
+                res.prompt_tokens = out.usage.prompt_tokens
+                res.completion_tokens = out.usage.completion_tokens
+                res.cached_tokens = out.usage.cached_tokens
+    except grpc.aio.AioRpcError as exc:
+        res.error = f"{exc.code().name}: {exc.details()}"
+    res.end_s = time.perf_counter() - t0
+    return res
+
+
+async def run_load(router: str, reqs: list[BenchRequest], speedup: float = 1.0, concurrency: int = 0,
+                   timeout_s: float = 600.0, progress: bool = True) -> tuple[list[RequestResult], float]:
+    """Send every request; returns (results in request order, wall seconds of the run)."""
+    from tqdm import tqdm
+
+    bar = tqdm(total=len(reqs), unit="req", disable=not progress, dynamic_ncols=True)
+    results: list[RequestResult | None] = [None] * len(reqs)
+    async with channel(router) as ch:
+        stub = frontend_pb2_grpc.FrontendServiceStub(ch)
+        await ch.channel_ready()
+        t0 = time.perf_counter()
+        slots = asyncio.Semaphore(concurrency) if concurrency > 0 else None
+
+        async def fire(i: int, req: BenchRequest) -> None:
+            if slots is None:
+                delay = req.arrival_s / speedup - (time.perf_counter() - t0)
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                results[i] = await _one(stub, req, t0, timeout_s)
+            else:
+                async with slots:
+                    results[i] = await _one(stub, req, t0, timeout_s)
+            bar.update(1)
+            if not results[i].ok:
+                bar.set_postfix(failed=sum(1 for r in results if r is not None and not r.ok))
+
+        await asyncio.gather(*(fire(i, r) for i, r in enumerate(reqs)))
+        wall = time.perf_counter() - t0
+    bar.close()
+    return [r for r in results if r is not None], wall

@@ -1,0 +1,177 @@
+"""`tandem bench`: replay a trace (or prompts) against a router and report like sglang.bench_serving.
+
+    tandem bench --router 127.0.0.1:50051                     # the shipped Mooncake slice
+    tandem bench --dataset mooncake:../shared/datasets/mooncake/conversation_trace.jsonl \\
+                 --num-requests 2000 --speedup 10 --out results/run.json
+
+Prints the result table, writes the JSON (summary + per-request records) to --out and the
+plots (TTFT CDF, throughput and hit rate over time) beside it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import platform
+import sys
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+from bench import traces
+from bench.client import RequestResult, run_load
+from bench.metrics import summarize, table
+from bench.traces import BenchRequest
+
+DATASETS = ("mooncake[:PATH]", "azure:PATH", "sharegpt:PATH", "mt-bench[:PATH]", "synthetic-prefix")
+
+
+@dataclass(frozen=True)
+class BenchOptions:
+    """Flags of `tandem bench` (each has a TANDEM_* variable)."""
+
+    router: str = "127.0.0.1:50051"  # router address host:port
+    dataset: str = "mooncake"  # mooncake[:PATH] | azure:PATH | sharegpt:PATH | mt-bench[:PATH] | synthetic-prefix
+    num_requests: int = 0  # 0 = every request of the dataset
+    skip: int = 0  # start at this row of a trace
+    arrival: str = "trace"  # trace | poisson | concurrency
+    rate: float = 1.0  # poisson: requests/second (trace time)
+    concurrency: int = 8  # concurrency: requests in flight
+    load: float = 1.0  # trace: arrival rate multiplier (2 = timestamps halved)
+    speedup: float = 1.0  # the mocker's speedup: arrivals compressed, latencies reported ×speedup
+    output_tokens: int = 128  # generated tokens for datasets without lengths (text prompts, synthetic)
+    max_output_len: int = 0  # cap on generated tokens (0 = as the trace says)
+    groups: int = 16  # synthetic-prefix: prefix groups
+    prefix_len: int = 4096  # synthetic-prefix: shared tokens per group
+    suffix_len: int = 512  # synthetic-prefix: fresh tokens per request
+    bench_seed: int = 0  # random seed: Poisson arrivals, synthetic prompts, Azure token ids
+    timeout_s: float = 600.0  # deadline of each request (real seconds)
+    out: str = ""  # JSON result path; plots go beside it ("" = print only)
+    label: str = ""  # name of this run in plots and JSON
+
+    def __post_init__(self) -> None:
+        if self.arrival not in ("trace", "poisson", "concurrency"):
+            raise ValueError(f"--arrival must be trace, poisson or concurrency; got {self.arrival!r}")
+        if self.speedup <= 0 or self.load <= 0 or self.rate <= 0:
+            raise ValueError("--speedup, --load and --rate must be > 0")
+        if min(self.num_requests, self.skip, self.max_output_len) < 0 or self.output_tokens < 1 or self.concurrency < 1:
+            raise ValueError("--num-requests, --skip, --max-output-len must be >= 0; --output-tokens, --concurrency >= 1")
+        name = self.dataset.split(":", 1)[0]
+        if name not in ("mooncake", "azure", "sharegpt", "mt-bench", "synthetic-prefix"):
+            raise ValueError(f"--dataset must be one of {', '.join(DATASETS)}; got {self.dataset!r}")
+
+
+def load_requests(opts: BenchOptions, vocab: int) -> list[BenchRequest]:
+    """The requests of --dataset with arrival times in trace seconds (before --load).
+
+    Raises:
+        ValueError: a dataset that needs a path got none. FileNotFoundError: no such file.
+    """
+    name, _, path = opts.dataset.partition(":")
+    n = opts.num_requests or None
+    if name == "mooncake":
+        reqs = traces.load_mooncake(Path(path) if path else traces.DEFAULT_TRACE, vocab, n, opts.skip)
+    elif name == "azure":
+        reqs = traces.load_azure(Path(_need(path, name)), vocab, n, opts.bench_seed)
+    elif name == "sharegpt":
+        reqs = traces.load_sharegpt(Path(_need(path, name)), opts.output_tokens, n)
+    elif name == "mt-bench":
+        reqs = traces.load_mt_bench(Path(path) if path else traces.MT_BENCH, opts.output_tokens, n)
+    else:
+        reqs = traces.synthetic_prefix(n or 1000, opts.groups, opts.prefix_len, opts.suffix_len, opts.output_tokens,
+                                       vocab, opts.bench_seed)
+    if opts.arrival == "poisson" or (opts.arrival == "trace" and all(r.arrival_s == 0 for r in reqs)):
+        reqs = traces.poisson_arrivals(reqs, opts.rate, opts.bench_seed)
+    cap = opts.max_output_len
+    return [replace(r, arrival_s=r.arrival_s / opts.load, output_len=min(r.output_len, cap) if cap else r.output_len)
+            for r in reqs]
+
+
+def _need(path: str, name: str) -> str:
+    if not path:
+        raise ValueError(f"--dataset {name} needs a path: {name}:PATH (see ../shared/datasets/README.md)")
+    return path
+
+
+async def _model_info(router: str, wait_s: float = 180.0):
+    """The router's model, once it answers and its set of decode workers has stopped growing
+    (so `tandem up --mocker N & tandem bench` works as one command)."""
+    import grpc
+
+    from common.grpc_server import channel
+    from common.pb.tandem.v1 import frontend_pb2, frontend_pb2_grpc
+
+    deadline = time.monotonic() + wait_s
+    seen, stable, said = -1, 0, False
+    async with channel(router) as ch:
+        stub = frontend_pb2_grpc.FrontendServiceStub(ch)
+        while True:
+            try:
+                model = (await stub.ListModels(frontend_pb2.ListModelsRequest(), timeout=5)).models[0]
+                resp = await stub.ExplainRoute(frontend_pb2.GenerateRequest(token_ids=[1]), timeout=5)
+                n = sum(1 for c in resp.candidates if c.role == "decode")
+                stable = stable + 1 if n == seen else 0
+                seen = n
+                if stable >= 4:
+                    return model
+            except grpc.aio.AioRpcError as exc:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"router {router} not ready after {wait_s:.0f} s: {exc.code().name}") from None
+            if not said:
+                print(f"tandem bench: waiting for the router at {router} and its workers", file=sys.stderr)
+                said = True
+            await asyncio.sleep(0.5)
+
+
+def write_results(path: Path, opts: dict, summary: dict, reqs: list[BenchRequest], results: list[RequestResult],
+                  extra: dict | None = None) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    doc = {"options": opts, "machine": {"platform": platform.platform(), "python": platform.python_version(),
+                                        "cpus": __import__("os").cpu_count()},
+           "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "summary": summary, **(extra or {}),
+           "requests": [{**asdict(r), "chunks": r.chunks, "prompt_len": q.prompt_len or r.prompt_tokens,
+                         "arrival_s": q.arrival_s} for r, q in zip(results, reqs)]}
+    path.write_text(json.dumps(doc) + "\n")
+
+
+def run(opts: BenchOptions) -> dict:
+    """Run the bench; returns the summary (also printed, and written with --out)."""
+    model = asyncio.run(_model_info(opts.router))
+    reqs = load_requests(opts, model.vocab_size)
+    if opts.arrival == "concurrency":
+        reqs = [replace(r, arrival_s=0.0) for r in reqs]
+    print(f"tandem bench: {len(reqs)} requests ({opts.dataset}) to {opts.router} (model {model.name}, block size "
+          f"{model.block_size}), arrival {opts.arrival}, load {opts.load}, speedup {opts.speedup}", file=sys.stderr)
+    results, wall = asyncio.run(run_load(opts.router, reqs, opts.speedup,
+                                         opts.concurrency if opts.arrival == "concurrency" else 0, opts.timeout_s))
+    summary = summarize(reqs, results, wall, opts.speedup)
+    if any(r.hash_ids for r in reqs):
+        summary["oracle_block_hit_rate"] = traces.oracle_hit_rate(reqs)["block"]
+    if any(r.prompt_len for r in reqs):
+        summary["oracle_token_hit_rate"] = traces.oracle_hit_rate(reqs)["token"]
+    print(table(summary))
+    if opts.out:
+        from bench.plots import plot_runs
+
+        out = Path(opts.out)
+        write_results(out, asdict(opts), summary, reqs, results)
+        label = opts.label or opts.dataset
+        paths = plot_runs([(label, reqs, results, opts.speedup)], out.with_suffix(""), label)
+        print(f"wrote {out} and {', '.join(str(p) for p in paths)}", file=sys.stderr)
+    return summary
+
+
+def add_parser(sub) -> None:
+    """Register `tandem bench` (flags from BenchOptions)."""
+    from cli.flags import add_flags
+
+    p = sub.add_parser("bench", help="replay a trace or prompts against a router; report like sglang.bench_serving")
+    add_flags(p, BenchOptions)
+    p.set_defaults(func=_main)
+
+
+def _main(args) -> int:
+    from cli.flags import build
+
+    summary = run(build(BenchOptions, args))
+    return 1 if summary["failed"] else 0

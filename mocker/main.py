@@ -1,0 +1,23 @@
+"""`tandem mocker`: the subcommand (flags from MockerOptions, see mocker/fleet.py)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+
+
+def add_parser(sub) -> None:
+    from cli.flags import add_flags
+    from mocker.fleet import MockerOptions
+
+    p = sub.add_parser("mocker", help="simulated workers (real block pool, KV events, timing model; no model)")
+    add_flags(p, MockerOptions)
+    p.set_defaults(func=_run)
+
+
+def _run(args: argparse.Namespace) -> int:
+    from cli.flags import build
+    from mocker.fleet import MockerOptions, run
+
+    asyncio.run(run(build(MockerOptions, args)))
+    return 0

@@ -1,0 +1,65 @@
+"""bench/traces.py: the workloads `tandem bench` replays, and the oracle."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from bench import traces
+from bench.metrics import summarize, table
+from bench.client import RequestResult
+
+DATASETS = Path(__file__).resolve().parents[2] / "shared" / "datasets"
+
+
+def test_mooncake_hash_ids_map_to_equal_token_prefixes():
+    reqs = traces.load_mooncake(traces.DEFAULT_TRACE, vocab=151646, limit=300)
+    a, b = next((x, y) for i, x in enumerate(reqs) for y in reqs[i + 1:]
+                if len(x.hash_ids) > 2 and y.hash_ids[:2] == x.hash_ids[:2])
+    ta, tb = a.prompt_tokens(), b.prompt_tokens()
+    assert len(ta) == a.input_len and max(ta) < 151646
+    assert ta[:1024] == tb[:1024]  # two shared hash ids = 1,024 equal tokens
+    assert traces.block_tokens(5, 100).tolist() == traces.block_tokens(5, 100).tolist()
+    assert traces.block_tokens(5, 100).tolist() != traces.block_tokens(6, 100).tolist()
+    # the conversation trace's 3-second steps are spread, in order
+    times = [r.arrival_s for r in reqs]
+    assert times == sorted(times) and len(set(times)) == len(times)
+
+
+def test_spread_steps_and_oracle():
+    assert traces.spread_steps([0, 0, 0, 3000, 3000]) == [0, 1000, 2000, 3000, 4500]
+    reqs = [traces.BenchRequest(0, 0, 1, hash_ids=(1, 2, 3), input_len=1536),
+            traces.BenchRequest(1, 0, 1, hash_ids=(1, 2, 4), input_len=1400),
+            traces.BenchRequest(2, 0, 1, hash_ids=(5,), input_len=10)]
+    o = traces.oracle_hit_rate(reqs)
+    assert o["block"] == pytest.approx(2 / 7)
+    assert o["engine_block"] == pytest.approx(2 / 7)  # blocks 1, 2 are full in request 0
+
+
+@pytest.mark.skipif(not DATASETS.exists(), reason="../shared/datasets not present")
+def test_other_datasets_load():
+    az = traces.load_azure(DATASETS / "azure_llm_2023" / "AzureLLMInferenceTrace_conv.csv", 1000, limit=20)
+    assert len(az) == 20 and az[0].arrival_s == 0 and az[-1].arrival_s > 0 and az[0].prompt_len > 0
+    sg = traces.load_sharegpt(DATASETS / "prompts" / "sharegpt_mlenergy" / "ShareGPT_V3_filtered_1000.json", 64,
+                              limit=10)
+    assert len(sg) == 10 and all(r.text for r in sg)
+    mt = traces.load_mt_bench(traces.MT_BENCH, 32)
+    assert len(mt) == 160 and mt[80].text.startswith(mt[0].text)
+    syn = traces.synthetic_prefix(30, groups=3, prefix_len=64, suffix_len=8, output_len=4, vocab=1000)
+    assert len({r.token_ids[:64] for r in syn}) == 3
+    assert traces.oracle_hit_rate(syn, block=16)["token"] > 0.5
+
+
+def test_summary_metrics():
+    reqs = [traces.BenchRequest(0, 0.0, 3, hash_ids=(1,), input_len=512),
+            traces.BenchRequest(1, 0.0, 3, hash_ids=(1, 2), input_len=1024)]
+    res = [RequestResult(0, 0.0, 0.1, 0.3, [(0.1, 1), (0.3, 2)], 512, 3, 0),
+           RequestResult(1, 0.0, 0.2, 0.4, [(0.2, 1), (0.4, 2)], 1024, 3, 512),
+           RequestResult(2, error="UNAVAILABLE: no worker")]
+    s = summarize(reqs + [traces.BenchRequest(2, 0.0, 3)], res, wall_s=0.5, speedup=10)
+    assert s["completed"] == 2 and s["failed"] == 1 and s["errors"] == {"UNAVAILABLE": 2 - 1}
+    assert s["mean_ttft_ms"] == pytest.approx(1500)  # 0.15 s real x speedup 10
+    assert s["mean_itl_ms"] == pytest.approx(1000)  # 0.2 s over 2 tokens, x10
+    assert s["block_hit_rate"] == pytest.approx(1 / 3)
+    assert "Mean TTFT" in table(s)
