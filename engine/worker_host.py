@@ -12,7 +12,7 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence, TypeVar
+from typing import Any, Awaitable, Callable, Sequence, TypeVar
 
 import grpc
 import torch
@@ -23,7 +23,8 @@ from common.grpc_server import RunningServer, start_server
 from common.pb.tandem.v1 import discovery_pb2, kv_events_pb2_grpc
 from engine.kv_event_service import KvEventServicer
 from engine.kv_events import KvEventLog
-from engine.kv_pool import KvPool, KvPoolConfig, PoolExhausted, PromptBlocks
+from engine.chunking import ChunkPlanner, make_planner, profile_lengths
+from engine.kv_pool import KV_CACHE_DTYPES, KvPool, KvPoolConfig, PoolExhausted, PromptBlocks, kv_cache_torch_dtype
 from engine.model_source import DEFAULT_MODEL, LoadedModel, load_model
 from engine.runner import ModelRunner
 
@@ -40,7 +41,14 @@ class WorkerOptions:
     seed: int = 0  # weight seed for TINY
     block_size: int = 16  # tokens per KV block (must match the router's)
     num_blocks: int = 4096  # KV pool capacity in blocks
-    chunk_size: int = 256  # prefill chunk in tokens
+    chunked_prefill_size: int = 256  # prefill chunk in tokens (dynamic chunking: the base chunk); was chunk_size
+    enable_dynamic_chunking: bool = False  # chunks shrink as the prefix grows (DESIGN.md section 7)
+    dynamic_chunk_smoothing: float = 0.75  # σ: chunk = base + σ·(x − base)
+    pp_size: int = 1  # prefill: pipeline stages (processes); 1 = no pipeline
+    pp_layer_partition: str = ""  # prefill: layers per stage "3,1"; empty = as even as possible
+    kv_cache_dtype: str = "auto"  # auto (model dtype) | bf16 | fp8_e4m3
+    kv_cache_scale: float = 1.0  # fp8_e4m3: per-pool scale (stored = latent / scale)
+    device: str = "auto"  # auto = cuda (bf16 weights) when present, else cpu (float32)
     max_running: int = 64  # decode: concurrent requests in the batch
     host: str = "127.0.0.1"
     port: int = 0  # 0 = pick a free port
@@ -55,11 +63,30 @@ class WorkerOptions:
     torch_threads: int = 1  # intra-op threads for the model (small model: 1 is fastest)
 
     def __post_init__(self) -> None:
-        for name in ("block_size", "num_blocks", "chunk_size", "max_running", "torch_threads"):
+        for name in ("block_size", "num_blocks", "chunked_prefill_size", "max_running", "torch_threads",
+                     "pp_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if self.lease_ttl_s < 1:
             raise ValueError(f"--lease-ttl must be >= 1 second, got {self.lease_ttl_s}")
+        if not 0.0 <= self.dynamic_chunk_smoothing <= 1.0:
+            raise ValueError(f"--dynamic-chunk-smoothing must be in [0, 1], got {self.dynamic_chunk_smoothing}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"--kv-cache-dtype {self.kv_cache_dtype!r}: choose one of {', '.join(KV_CACHE_DTYPES)}")
+        if not self.kv_cache_scale > 0:
+            raise ValueError(f"--kv-cache-scale must be > 0, got {self.kv_cache_scale}")
+        if self.device != "auto" and not (self.device == "cpu" or self.device.startswith("cuda")):
+            raise ValueError(f"--device {self.device!r}: use auto, cpu, cuda or cuda:N")
+
+    @property
+    def chunk_size(self) -> int:
+        """The old name of chunked_prefill_size (kept for callers of the earlier option)."""
+        return self.chunked_prefill_size
+
+    def torch_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
 
 
 @dataclass
@@ -82,12 +109,35 @@ class WorkerRuntime:
         self.role = role
         self.opts = opts
         self.instance_id = f"{discovery_pb2.Role.Name(role).removeprefix('ROLE_').lower()}-{uuid.uuid4().hex[:12]}"
-        self.loaded = loaded or load_model(opts.model, seed=opts.seed)
+        if loaded is None:  # a given model keeps its own device and dtype (tests share one)
+            device = opts.torch_device()
+            loaded = load_model(opts.model, seed=opts.seed)
+            if device.type == "cuda":
+                loaded.model.to(device=device, dtype=torch.bfloat16)
+                for m in loaded.model.modules():  # the gate bias stays float32 (see model.py)
+                    if hasattr(m, "e_score_correction_bias"):
+                        m.e_score_correction_bias = m.e_score_correction_bias.float()
+        self.loaded = loaded
         cfg = self.loaded.config
+        model_dtype = self.loaded.model.dtype
+        self.device = self.loaded.model.model.embed_tokens.weight.device
         self.pool = KvPool(KvPoolConfig(num_blocks=opts.num_blocks, block_size=opts.block_size,
-                                        num_layers=cfg.num_hidden_layers, kv_dim=cfg.kv_dim),
-                           hash_seed(self.loaded.name))
+                                        num_layers=cfg.num_hidden_layers, kv_dim=cfg.kv_dim,
+                                        dtype=kv_cache_torch_dtype(opts.kv_cache_dtype, model_dtype),
+                                        scale=opts.kv_cache_scale),
+                           hash_seed(self.loaded.name), device=self.device)
         self.runner = ModelRunner(self.loaded.model, self.pool)
+        self.planner = self._chunk_planner()
+        self.pipeline = None
+        if opts.pp_size > 1:
+            if role != discovery_pb2.ROLE_PREFILL:
+                raise ValueError("--pp-size applies to prefill workers only")
+            from engine.pipeline import Pipeline, partition_layers
+            ranges = partition_layers(cfg.num_hidden_layers, opts.pp_size, opts.pp_layer_partition)
+            if self.device.type == "cpu":
+                self.pool.kv.share_memory_()  # every stage writes its own layers here (before registering)
+            self.pipeline = Pipeline(self.loaded.model, self.pool.kv, self.pool.config, ranges, self.device,
+                                     opts.torch_threads)
         self.events = KvEventLog(self.pool.blocks)
         self.stats = WorkerStats()
         self.start_time = time.time()
@@ -121,19 +171,45 @@ class WorkerRuntime:
             await asyncio.wait([fut])
             raise
 
-    async def prefill(self, block_ids: list, token_ids: list[int], start: int) -> torch.Tensor:
-        """Chunked prefill of token_ids[start:] (tokens before start are in the pool), one
-        model-thread call per chunk so a cancelled request stops between chunks.
+    def _chunk_planner(self) -> ChunkPlanner:
+        """Static chunks, or dynamic ones fitted to start-up timings of the whole model
+        (the fit's shape is what matters: stages of equal layer counts scale it alike)."""
+        o = self.opts
+        lengths, seconds = [], []
+        if o.enable_dynamic_chunking:
+            lengths = profile_lengths(o.chunked_prefill_size, o.block_size,
+                                      min(self.context_length, 4 * o.chunked_prefill_size))
+            seconds = self.runner.time_prefill(lengths)
+            log.info("prefill timings for dynamic chunking: %s",
+                     ", ".join(f"{n}: {t * 1e3:.1f} ms" for n, t in zip(lengths, seconds)))
+        return make_planner(o.chunked_prefill_size, o.block_size, o.enable_dynamic_chunking,
+                            o.dynamic_chunk_smoothing, lengths, seconds)
+
+    async def prefill(self, block_ids: list, token_ids: list[int], start: int,
+                      on_chunk_done: Callable[[int], Awaitable[None]] | None = None) -> torch.Tensor:
+        """Chunked prefill of token_ids[start:] (tokens before start are in the pool), with
+        chunks from `self.planner`, one model-thread call per chunk so a cancelled request
+        stops between chunks; through the stage processes when --pp-size > 1.
+
+        on_chunk_done(n) is awaited after each chunk, once it has finished on every stage,
+        with n = the prompt tokens whose KV (all layers) is now complete in the pool.
 
         Returns:
             float32 logits [vocab] of the last prompt token.
+        Raises:
+            ValueError: nothing to compute (start >= len(token_ids)).
+            RuntimeError: a pipeline stage process died.
         """
-        chunk = self.opts.chunk_size
+        chunks = self.planner.chunks(start, len(token_ids))
+        if not chunks:
+            raise ValueError(f"prefill needs at least one token to compute (start {start}, {len(token_ids)} tokens)")
+        if self.pipeline is not None:
+            return await self.pipeline.prefill(self, block_ids, token_ids, chunks, on_chunk_done)
         hidden = None
-        for s in range(start, len(token_ids), chunk):
-            hidden = await self.run_model(self.runner.prefill_chunk, block_ids, token_ids, s,
-                                          min(s + chunk, len(token_ids)))
-        assert hidden is not None, "prefill needs at least one token to compute"
+        for s, e in chunks:
+            hidden = await self.run_model(self.runner.prefill_chunk, block_ids, token_ids, s, e)
+            if on_chunk_done is not None:
+                await on_chunk_done(e)
         return await self.run_model(self.runner.logits, hidden)
 
     async def allocate_prompt(self, token_ids: list[int], context: grpc.aio.ServicerContext) -> PromptBlocks:
@@ -186,6 +262,8 @@ class WorkerRuntime:
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
+        if self.pipeline is not None:
+            self.pipeline.close()
         self.agent.close()
 
 

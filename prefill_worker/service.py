@@ -58,6 +58,19 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
                                   f"{dst.first_block_index} for {len(request.token_ids)} tokens, got {len(dst.block_ids)}")
         if len(set(dst.block_ids)) != len(dst.block_ids):
             raise InvalidArgument("destination.block_ids", "block ids repeat")
+        # Both pools must store the same bytes for the same KV (dtype and FP8 scale); checked
+        # before the stride so a dtype mismatch is named as such.
+        pool_cfg = self.rt.pool.config
+        dtype = dst.kv_cache_dtype or str(self.rt.loaded.model.dtype).removeprefix("torch.")
+        if dtype != pool_cfg.dtype_name:
+            raise InvalidArgument("destination.kv_cache_dtype",
+                                  f"{dtype!r} differs from this worker's KV cache dtype {pool_cfg.dtype_name!r} "
+                                  "(set the same --kv-cache-dtype on prefill and decode workers)")
+        # the field is a float32: compare to its precision
+        if pool_cfg.quantized and abs((dst.kv_cache_scale or 1.0) - pool_cfg.scale) > 1e-6 * pool_cfg.scale:
+            raise InvalidArgument("destination.kv_cache_scale",
+                                  f"{dst.kv_cache_scale or 1.0} differs from this worker's FP8 KV scale "
+                                  f"{pool_cfg.scale} (set the same --kv-cache-scale)")
         stride = self.rt.pool_desc.block_stride_bytes
         if dst.block_stride_bytes != stride:
             raise InvalidArgument("destination.block_stride_bytes",
