@@ -207,6 +207,7 @@ class Pipeline:
         self._collector = threading.Thread(target=self._collect, name="pipeline-acks", daemon=True)
         self._collector.start()
         self.closed = False
+        self.max_in_flight = 0  # most chunks of one request in the pipeline at once (overlap > 1)
         log.info("prefill pipeline: %d stages over layers %s (%s)", self.size, self.ranges, backend)
 
     # --- model thread --------------------------------------------------------------------------
@@ -281,6 +282,7 @@ class Pipeline:
             for i, (s, e) in enumerate(chunks):
                 inflight.append(await rt.run_model(self.dispatch, rt.pool, block_ids, token_ids, s, e,
                                                    i == len(chunks) - 1, loop))
+                self.max_in_flight = max(self.max_in_flight, len(inflight))
                 while inflight and inflight[0].done.done():  # type: ignore[union-attr]
                     logits = await self._finish(inflight.popleft(), on_chunk_done, logits)
             while inflight:

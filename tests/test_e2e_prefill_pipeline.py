@@ -69,6 +69,12 @@ def test_pipeline_greedy_equals_reference(cluster, tiny_model, pp, n):
     assert all_free(cluster, prefill)
 
 
+def test_chunks_of_one_request_overlap_across_stages(cluster):
+    # after the parametrized runs above: chunk k+1 was dispatched before chunk k left the pipeline
+    assert cluster.pp[3].runtime.pipeline.max_in_flight >= 2
+    assert cluster.pp[2].runtime.pipeline.max_in_flight >= 2
+
+
 def test_chunk_plans_differ(cluster):
     assert [e - s for s, e in cluster.pp[3].runtime.planner.chunks(0, 100)] == [32, 16, 16, 16, 16, 4]
     assert [e - s for s, e in cluster.pp[2].runtime.planner.chunks(0, 100)] == [48, 48, 4]

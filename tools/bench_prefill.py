@@ -211,6 +211,83 @@ def attention_last_chunk(cfg: ModelConfig, n: int, chunk: int, device: torch.dev
                 sdpa_fraction_of_h200_peak=flops / sdpa_s / H200_BF16_DENSE_PEAK)
 
 
+@torch.inference_mode()
+def stage_costs(loaded: LoadedModel, ids: list[int], plan: list[tuple[int, int]],
+                ranges: list[tuple[int, int]]) -> list[list[float]]:
+    """CPU seconds (this thread's, `time.thread_time`: robust to other processes on a shared
+    machine) of every (chunk, stage) of a pipelined prefill, run in this process: stage 0
+    embeds, the last stage adds the final logits. [chunks][stages]."""
+    from engine.kv_pool import KvPool, PagedKvCache
+    cfg = loaded.config
+    pool = KvPool(KvPoolConfig(len(ids) // 16 + 8, 16, cfg.num_hidden_layers, cfg.kv_dim,
+                               dtype=loaded.model.dtype), 0)
+    blocks = list(range(pool.blocks_for(len(ids))))
+    model = loaded.model
+    out = []
+    for s, e in plan:
+        row = []
+        positions = torch.arange(s, e)
+        cache = PagedKvCache(pool, [(blocks, s, e - s)])
+        x = None
+        for k, (a, b) in enumerate(ranges):
+            t0 = time.thread_time()
+            if k == 0:
+                x = model.model.embed_tokens(torch.tensor(ids[s:e]))
+            x = model.run_layers(x, positions, [e - s], cache, a, b)
+            if k == len(ranges) - 1 and e == len(ids):
+                model.logits(model.model.norm(x[-1:]))
+            row.append(time.thread_time() - t0)
+        out.append(row)
+    return out
+
+
+def makespan(costs: list[list[float]]) -> float:
+    """Finish time of the last chunk on the last stage when each stage has its own core and
+    a stage takes chunks in order: f[k][j] = max(f[k-1][j], f[k][j-1]) + c[k][j]."""
+    stages = len(costs[0])
+    prev = [0.0] * stages
+    for row in costs:
+        cur = []
+        for j, c in enumerate(row):
+            cur.append(max(prev[j], cur[j - 1] if j else 0.0) + c)
+        prev = cur
+    return prev[-1]
+
+
+def cpu_time_prefill(loaded: LoadedModel, lengths: list[int]) -> list[float]:
+    """Thread CPU seconds of one-chunk prefills of `lengths` tokens (the fit's samples)."""
+    from engine.kv_cache_contiguous import ContiguousKvCache
+    cfg = loaded.config
+    out = []
+    with torch.inference_mode():
+        for n in lengths:
+            ids, pos = torch.arange(n) % cfg.vocab_size, torch.arange(n)
+            t0 = time.thread_time()
+            loaded.model.forward(ids, pos, [n], ContiguousKvCache(cfg.num_hidden_layers))
+            out.append(time.thread_time() - t0)
+    return out
+
+
+def modeled_pipeline(loaded: LoadedModel, ids: list[int], chunk: int, smoothing: float,
+                     pp: int) -> dict[str, object]:
+    """pp 1 vs pp stages and static vs dynamic chunks from CPU-time costs (module doc)."""
+    from engine.pipeline import partition_layers
+    cfg = loaded.config
+    fit_lengths = profile_lengths(chunk, 16, len(ids))
+    fit_cpu = cpu_time_prefill(loaded, fit_lengths)
+    dynamic = make_planner(chunk, 16, True, smoothing, fit_lengths, fit_cpu)
+    static = make_planner(chunk, 16, False, smoothing)
+    ranges = partition_layers(cfg.num_hidden_layers, pp)
+    out: dict[str, object] = dict(fit_lengths=fit_lengths, fit_cpu_s=fit_cpu, fit_usable=dynamic.dynamic)
+    for name, planner in (("static", static), ("dynamic", dynamic)):
+        plan = planner.chunks(0, len(ids))
+        costs = stage_costs(loaded, ids, plan, ranges)
+        total = sum(map(sum, costs))
+        out[name] = dict(chunks=[e - s for s, e in plan], pp1_s=total, pipelined_s=makespan(costs),
+                         speedup=total / makespan(costs), stage_cpu_s=[sum(r[j] for r in costs) for j in range(pp)])
+    return out
+
+
 async def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", choices=("cpu", "h200"), default="cpu")
@@ -221,6 +298,9 @@ async def main() -> None:
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--smoothing", type=float, default=0.75)
     ap.add_argument("--cases", default="", help="e.g. 'pp1-static,pp2-static,pp2-dynamic,pp1-static-fp8'")
+    ap.add_argument("--modeled", action="store_true",
+                    help="also model the pipeline from per-stage CPU time (for a busy shared CPU machine)")
+    ap.add_argument("--skip-measured", action="store_true", help="with --modeled: skip the wall-clock cases")
     ap.add_argument("--out", default="", help="write results as JSON here (and a .md next to it)")
     args = ap.parse_args()
 
@@ -242,15 +322,25 @@ async def main() -> None:
     print(f"model: {sum(p.numel() for p in loaded.model.parameters()) / 1e9:.2f} B parameters, "
           f"{dtype}, {device}; built in {build_s:.1f} s", flush=True)
 
+    modeled = {}
+    if args.modeled:
+        for n in lengths:
+            modeled[n] = modeled_pipeline(loaded, prompt_ids(n, cfg.vocab_size)[0], chunk, args.smoothing, 2)
+            print(json.dumps({"modeled": n, **modeled[n]}), flush=True)
+    if args.skip_measured:
+        lengths = []
     # dynamic chunking's fit: timed once on the whole model, shared by every dynamic case
-    fit_lengths = profile_lengths(chunk, 16, max(lengths))
-    probe = make_runtime(loaded, max(lengths), 1, chunk, "auto", 1, device)
-    await ttft(probe, list(range(1024)), device)  # warm-up
-    fit_seconds = probe.runner.time_prefill(fit_lengths, repeats=1)
-    planner = make_planner(chunk, 16, True, args.smoothing, fit_lengths, fit_seconds)
-    probe.close()
-    print("fit samples:", {n: round(s, 4) for n, s in zip(fit_lengths, fit_seconds)},
-          "dynamic" if planner.dynamic else "static fallback", flush=True)
+    fit_lengths = profile_lengths(chunk, 16, max(lengths or [chunk]))
+    fit_seconds: list[float] = []
+    planner = make_planner(chunk, 16, False, args.smoothing)
+    if lengths:
+        probe = make_runtime(loaded, max(lengths + [1024]), 1, chunk, "auto", 1, device)
+        await ttft(probe, list(range(1024)), device)  # warm-up
+        fit_seconds = probe.runner.time_prefill(fit_lengths, repeats=1)
+        planner = make_planner(chunk, 16, True, args.smoothing, fit_lengths, fit_seconds)
+        probe.close()
+        print("fit samples:", {n: round(s, 4) for n, s in zip(fit_lengths, fit_seconds)},
+              "dynamic" if planner.dynamic else "static fallback", flush=True)
 
     results = []
     for n in lengths:
@@ -297,12 +387,13 @@ async def main() -> None:
     kv_measured = {name: KvPoolConfig(1, 16, cfg.num_hidden_layers, cfg.kv_dim,
                                       dtype=kv_cache_torch_dtype(name, torch.bfloat16)).bytes_per_token
                    for name in ("bf16", "fp8_e4m3")}
+    source = prompt_ids(16, cfg.vocab_size)[1]
     summary = dict(preset=args.preset, device=str(device),
                    device_name=torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor(),
                    torch=torch.__version__, model=dataclasses.asdict(cfg), dtype=str(dtype), chunk=chunk,
                    prompt_source=source, fit=dict(lengths=fit_lengths, seconds=fit_seconds,
                                                   a_b_c=dataclasses.astuple(planner.fit) if planner.fit else None),
-                   results=results, ratios={str(k): v for k, v in ratios.items()},
+                   results=results, modeled={str(k): v for k, v in modeled.items()}, ratios={str(k): v for k, v in ratios.items()},
                    kv_bytes_per_token=dict(formula=kv_formula, pool=kv_measured),
                    command=" ".join(sys.argv))
     print(json.dumps(dict(ratios=summary["ratios"], kv_bytes_per_token=summary["kv_bytes_per_token"])), flush=True)
