@@ -21,8 +21,15 @@ Presets:
 Each case runs `--repeats` times (after a warm-up prefill of 1K tokens per runtime); the median
 is reported. Ratios compare cases of the same run.
 
+`--modeled` (for a CPU shared with other work, where two stage processes cannot count on two
+free cores): run each chunk plan once in this process, timing every (chunk, stage) in thread CPU
+time, and compute the pipeline's finish time with each stage on its own core (`makespan`); the
+dynamic plan's fit is timed in CPU time too. It leaves out the stage-to-stage sends (a chunk's
+hidden states, [chunk, hidden] float32: 8 MB for 2048 × 1024, milliseconds on loopback).
+
 Usage:
   python tools/bench_prefill.py --preset cpu --out docs/bench/prefill_cpu.json
+  python tools/bench_prefill.py --preset cpu --modeled --skip-measured --out docs/bench/prefill_cpu_modeled.json
   python tools/bench_prefill.py --preset h200 --device cuda --out /tmp/prefill_h200.json
 """
 
