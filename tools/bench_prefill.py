@@ -59,6 +59,7 @@ from engine.model_source import LoadedModel  # noqa: E402
 from engine.worker_host import WorkerOptions, WorkerRuntime  # noqa: E402
 
 DATASET = Path(__file__).resolve().parents[2] / "shared" / "datasets" / "prompts" / "longbench2_md_short"
+REPEATS = 1  # --repeats
 H200_BF16_DENSE_PEAK = 989e12  # FLOP/s, NVIDIA H200 SXM datasheet (dense, no sparsity)
 
 
@@ -295,6 +296,39 @@ def modeled_pipeline(loaded: LoadedModel, ids: list[int], chunk: int, smoothing:
     return out
 
 
+async def run_case(loaded: LoadedModel, cfg: ModelConfig, ids: list[int], case: str, pp: int, mode: str,
+                   kv: str, chunk: int, planner, device: torch.device, dtype: torch.dtype, profile: bool,
+                   microbench: bool) -> dict:
+    n = len(ids)
+    rt = make_runtime(loaded, n, pp, chunk, kv, 1 if device.type == "cpu" else 4, device)
+    try:
+        if mode == "dynamic":
+            rt.planner = planner
+        await ttft(rt, ids[:1024], device)  # warm-up (and stage start-up)
+        times = [await ttft(rt, ids, device) for _ in range(REPEATS)]
+        row = dict(case=case, tokens=n, pp=pp, chunking=mode, kv_cache_dtype=rt.pool.config.dtype_name,
+                   ttft_s=statistics.median(times), runs_s=times, chunks=[e - s for s, e in rt.planner.chunks(0, n)],
+                   kv_bytes_per_token=rt.pool.config.bytes_per_token)
+        attn_flops = attention_flops(n, cfg)
+        row["attention_flops"] = attn_flops
+        row["attention_flops_per_s_of_ttft"] = attn_flops / row["ttft_s"]
+        if profile:
+            secs, names = await attention_kernel_seconds(rt, ids)
+            row.update(attention_kernel_s=secs, attention_kernels=names,
+                       attention_tflops=attn_flops / secs / 1e12 if secs else None,
+                       attention_fraction_of_peak=attn_flops / secs / H200_BF16_DENSE_PEAK if secs else None)
+    finally:
+        rt.close()
+    if microbench:
+        try:
+            row["attention_last_chunk"] = attention_last_chunk(cfg, n, chunk, device, dtype)
+        except Exception as exc:  # noqa: BLE001 - keep the TTFT row
+            row["attention_last_chunk"] = dict(error=f"{type(exc).__name__}: {exc}")
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return row
+
+
 async def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", choices=("cpu", "h200"), default="cpu")
@@ -308,8 +342,10 @@ async def main() -> None:
     ap.add_argument("--modeled", action="store_true",
                     help="also model the pipeline from per-stage CPU time (for a busy shared CPU machine)")
     ap.add_argument("--skip-measured", action="store_true", help="with --modeled: skip the wall-clock cases")
-    ap.add_argument("--out", default="", help="write results as JSON here (and a .md next to it)")
+    ap.add_argument("--out", default="", help="write results as JSON here")
     args = ap.parse_args()
+    global REPEATS
+    REPEATS = args.repeats
 
     device = torch.device(args.device)
     cfg = model_config(args.preset, args.layers)
@@ -356,33 +392,17 @@ async def main() -> None:
             parts = case.split("-")
             pp, mode = int(parts[0].removeprefix("pp")), parts[1]
             kv = "fp8_e4m3" if "fp8" in parts[2:] else "auto"
-            rt = make_runtime(loaded, n, pp, chunk, kv, 1 if device.type == "cpu" else 4, device)
             try:
-                if mode == "dynamic":
-                    rt.planner = planner
-                await ttft(rt, ids[:1024], device)  # warm-up (and stage start-up)
-                times = [await ttft(rt, ids, device) for _ in range(args.repeats)]
-                row = dict(case=case, tokens=n, pp=pp, chunking=mode, kv_cache_dtype=rt.pool.config.dtype_name,
-                           ttft_s=statistics.median(times), runs_s=times,
-                           chunks=[e - s for s, e in rt.planner.chunks(0, n)],
-                           kv_bytes_per_token=rt.pool.config.bytes_per_token)
-                attn_flops = attention_flops(n, cfg)
-                row["attention_flops"] = attn_flops
-                row["attention_flops_per_s_of_ttft"] = attn_flops / row["ttft_s"]
-                if device.type == "cuda" and n == max(lengths) and case == cases[0]:
-                    secs, names = await attention_kernel_seconds(rt, ids)
-                    row.update(attention_kernel_s=secs, attention_kernels=names,
-                               attention_tflops=attn_flops / secs / 1e12 if secs else None,
-                               attention_fraction_of_peak=attn_flops / secs / H200_BF16_DENSE_PEAK if secs else None)
-            finally:
-                rt.close()
-            if device.type == "cuda" and case == cases[0]:
-                row["attention_last_chunk"] = attention_last_chunk(cfg, n, chunk, device, dtype)
+                row = await run_case(loaded, cfg, ids, case, pp, mode, kv, chunk, planner, device, dtype,
+                                     profile=device.type == "cuda" and n == max(lengths) and case == cases[0],
+                                     microbench=device.type == "cuda" and case == cases[0])
+            except Exception as exc:  # noqa: BLE001 - one failed case must not lose the others
+                row = dict(case=case, tokens=n, error=f"{type(exc).__name__}: {exc}")
             results.append(row)
             print(json.dumps({k: v for k, v in row.items() if k not in ("chunks", "attention_kernels")}), flush=True)
 
     def ratio(a: str, b: str, n: int) -> float | None:
-        r = {x["case"]: x["ttft_s"] for x in results if x["tokens"] == n}
+        r = {x["case"]: x["ttft_s"] for x in results if x["tokens"] == n and "ttft_s" in x}
         return r[a] / r[b] if a in r and b in r else None
 
     ratios = {n: {"pp1-static / pp2-static": ratio("pp1-static", "pp2-static", n),
