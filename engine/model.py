@@ -126,20 +126,26 @@ def mla_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, context_latent: torc
     k = torch.cat((k_nope, k_pe[:, None, :].expand(s, h, k_pe.shape[-1])), dim=-1).transpose(0, 1)  # [H, S, qk]
     v = v.transpose(0, 1)  # [H, S, v]
     qk = q.shape[-1]
+    if q.is_cuda and v_head_dim < qk:
+        # flash needs one head size for q, k and v: pad v (v_head_dim <= qk_head_dim in DeepSeek)
+        v = F.pad(v, (0, qk - v_head_dim))
     mask: torch.Tensor | None
     # By the KvCache contract the T new tokens are the context's last T rows, so the mask is
-    # the lower-right causal one (and none at all for one query).
+    # the lower-right causal one (and none at all for one query). With no prefix (T == S) it
+    # is the plain causal mask, which kernels skip block by block instead of reading a mask.
+    causal = False
     if t == 1:
         mask = None
-    elif q.is_cuda and t <= s:
+    elif t == s:
+        mask, causal = None, True
+    elif q.is_cuda:
         from torch.nn.attention.bias import causal_lower_right
-        # flash needs one head size for q, k and v: pad v (v_head_dim <= qk_head_dim in DeepSeek)
-        if v_head_dim < qk:
-            v = F.pad(v, (0, qk - v_head_dim))
         mask = causal_lower_right(t, s)
     else:
         mask = torch.arange(s, device=positions.device)[None, :] <= positions[:, None]  # [T, S]
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=softmax_scale)  # [H, T, v']
+    # a batch dimension of 1: the fused kernels take [B, H, L, E] only
+    out = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask, is_causal=causal,
+                                         scale=softmax_scale)[0]  # [H, T, v']
     return out[..., :v_head_dim].transpose(0, 1)  # [T, H, v]
 
 

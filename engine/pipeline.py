@@ -193,6 +193,10 @@ class Pipeline:
         self.size = len(ranges)
         self.device = device
         backend = "nccl" if device.type == "cuda" else "gloo"
+        if device.type == "cuda" and torch.cuda.device_count() < self.size:
+            # NCCL refuses two ranks on one GPU
+            raise ValueError(f"--pp-size {self.size} on CUDA needs {self.size} GPUs, "
+                             f"found {torch.cuda.device_count()}")
         if device.type == "cpu":
             # the stages read the same weights through shared memory: no copy, no reload
             model.share_memory()
