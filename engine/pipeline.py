@@ -54,6 +54,10 @@ HEADER_LEN = 5
 OnChunkDone = Callable[[int], Awaitable[None]]
 
 
+class PipelineError(RuntimeError):
+    """A stage process died or the pipeline is closed: this worker cannot prefill any more."""
+
+
 def partition_layers(num_layers: int, pp_size: int, spec: str = "") -> list[tuple[int, int]]:
     """[start, stop) layer ranges of the stages.
 
@@ -228,8 +232,8 @@ class Pipeline:
 
         Returns at once after the sends are posted; the chunk's `done` future resolves when the
         last stage has finished it."""
-        if self.closed:
-            raise RuntimeError("the prefill pipeline is closed")
+        if self.closed or self.dead_stages():
+            raise PipelineError(f"the prefill pipeline is closed or lost stages {self.dead_stages()}")
         dev = self.device
         ids = torch.tensor(token_ids[start:end], dtype=torch.long, device=dev)
         positions = torch.arange(start, end, dtype=torch.long, device=dev)
@@ -269,8 +273,8 @@ class Pipeline:
                 for w in chunk.keep:
                     if hasattr(w, "wait"):
                         w.wait()
-            except BaseException as exc:  # noqa: BLE001 - handed to the awaiting request
-                error = exc
+            except Exception as exc:  # noqa: BLE001 - handed to the awaiting request
+                error = PipelineError(f"prefill pipeline transport failed: {exc}")
             loop.call_soon_threadsafe(_resolve, chunk.done, error)
 
     # --- event loop ----------------------------------------------------------------------------
@@ -281,7 +285,7 @@ class Pipeline:
 
         `on_chunk_done(end)` is awaited, in order, once chunk [.., end) is finished on every
         stage. On error or cancellation it still waits for the chunks already dispatched, so
-        no stage writes into blocks the caller frees afterwards. Raises RuntimeError when a
+        no stage writes into blocks the caller frees afterwards. Raises PipelineError when a
         stage process died.
         """
         loop = asyncio.get_running_loop()
@@ -303,15 +307,19 @@ class Pipeline:
         assert logits is not None, "the final chunk brings the logits"
         return logits
 
+    def dead_stages(self) -> list[str]:
+        """Names of stage processes that have exited (the pipeline cannot run any more)."""
+        return [p.name for p in self.procs if not p.is_alive()]
+
     async def _wait(self, chunk: _Chunk) -> None:
         assert chunk.done is not None
         while True:
             done, _ = await asyncio.wait([chunk.done], timeout=0.5)
             if done:
                 return
-            dead = [p.name for p in self.procs if not p.is_alive()]
+            dead = self.dead_stages()
             if dead:
-                raise RuntimeError(f"prefill pipeline stage process(es) {dead} died")
+                raise PipelineError(f"prefill pipeline stage process(es) {dead} died")
 
     async def _finish(self, chunk: _Chunk, on_chunk_done: OnChunkDone | None,
                       logits: torch.Tensor | None) -> torch.Tensor | None:
@@ -325,7 +333,7 @@ class Pipeline:
         for c in chunks:
             try:
                 await self._wait(c)
-            except RuntimeError:
+            except PipelineError:
                 return  # a stage died: nothing more will be written
 
     def close(self) -> None:

@@ -198,7 +198,7 @@ class WorkerRuntime:
             float32 logits [vocab] of the last prompt token.
         Raises:
             ValueError: nothing to compute (start >= len(token_ids)).
-            RuntimeError: a pipeline stage process died.
+            engine.pipeline.PipelineError: a pipeline stage process died.
         """
         chunks = self.planner.chunks(start, len(token_ids))
         if not chunks:
@@ -229,7 +229,10 @@ class WorkerRuntime:
             self.busy_since = None
 
     def stalled(self) -> bool:
-        """True while one model call has run longer than --stall-timeout."""
+        """True while one model call has run longer than --stall-timeout, or for good once a
+        pipeline stage process has died (the worker then reports NOT_SERVING)."""
+        if self.pipeline is not None and self.pipeline.dead_stages():
+            return True
         since = self.busy_since
         return since is not None and time.monotonic() - since > self.opts.stall_timeout_s
 

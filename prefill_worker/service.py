@@ -17,6 +17,7 @@ from common.grpc_errors import abort_invalid, check_parsed
 from common.pb.tandem.v1 import prefill_pb2 as pb
 from common.pb.tandem.v1 import prefill_pb2_grpc as pb_grpc
 from common.validation import InvalidArgument, sampling_from_proto, validate_prompt_length, validate_token_ids
+from engine.pipeline import PipelineError
 from engine.sampling import sample
 from engine.worker_host import WorkerRuntime
 from kv_transfer.base import RemoteBlocks, TransferError
@@ -108,7 +109,10 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
         prompt = await self.rt.allocate_prompt(tokens, context)
         try:
             start = prompt.num_cached_blocks * pool.block_size
-            logits = await self.rt.prefill(prompt.block_ids, tokens, start)
+            try:
+                logits = await self.rt.prefill(prompt.block_ids, tokens, start)
+            except PipelineError as exc:  # the worker reports NOT_SERVING; the decode worker goes elsewhere
+                await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
             pool.commit_prompt(prompt)
             self.rt.events.publish()
             token, logprob = sample(logits, params, step=request.sampling_step_offset)

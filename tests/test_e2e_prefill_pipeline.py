@@ -8,6 +8,8 @@ the pipeline it exercises; the KV still travels over NIXL between the pools.
 
 from __future__ import annotations
 
+import time
+
 import grpc
 import pytest
 import torch
@@ -169,3 +171,26 @@ def test_dynamic_chunking_profiles_at_start_up(cluster):
     finally:
         cluster.stop(h)
 
+
+
+def test_dead_stage_fails_over_to_local_prefill_and_reports_not_serving(cluster, tiny_model):
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    h = cluster.start("prefill", chunked_prefill_size=32, pp_size=2, stall_timeout_s=1.0)
+    try:
+        proc = h.runtime.pipeline.procs[0]
+        proc.kill()  # our own child, by its handle
+        proc.join(10)
+        local = cluster.decode.runtime.stats.local_prefills
+        prompt = tokens_of(70, offset=555)
+        assert generate(cluster.decode, h, prompt, 3) == reference_generate(tiny_model.model, prompt, 3,
+                                                                           tiny_model.config.eos_token_ids)
+        assert cluster.decode.runtime.stats.local_prefills == local + 1
+        assert all_free(cluster, h)
+        with grpc.insecure_channel(h.address) as ch:
+            stub = health_pb2_grpc.HealthStub(ch)
+            deadline = time.time() + 10
+            while stub.Check(health_pb2.HealthCheckRequest(), timeout=5).status != health_pb2.HealthCheckResponse.NOT_SERVING:
+                assert time.time() < deadline, "a prefill worker without its pipeline still reports SERVING"
+                time.sleep(0.1)
+    finally:
+        cluster.stop(h)
