@@ -111,12 +111,10 @@ class WorkerRuntime:
         self.instance_id = f"{discovery_pb2.Role.Name(role).removeprefix('ROLE_').lower()}-{uuid.uuid4().hex[:12]}"
         if loaded is None:  # a given model keeps its own device and dtype (tests share one)
             device = opts.torch_device()
-            loaded = load_model(opts.model, seed=opts.seed)
-            if device.type == "cuda":
-                loaded.model.to(device=device, dtype=torch.bfloat16)
-                for m in loaded.model.modules():  # the gate bias stays float32 (see model.py)
-                    if hasattr(m, "e_score_correction_bias"):
-                        m.e_score_correction_bias = m.e_score_correction_bias.float()
+            # bf16 weights on a GPU (the gate bias stays float32: see engine/model.py)
+            loaded = load_model(opts.model, seed=opts.seed,
+                                dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
+            loaded.model.to(device)
         self.loaded = loaded
         cfg = self.loaded.config
         model_dtype = self.loaded.model.dtype
