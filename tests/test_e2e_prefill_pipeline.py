@@ -133,6 +133,11 @@ def test_fp8_pair_transfers_half_the_bytes(cluster, tiny_model):
     got = generate(cluster.fp8_decode, cluster.fp8_prefill, prompt, 4)
     assert len(got) == 4 and cluster.fp8_decode.runtime.stats.local_prefills == 0
     assert cluster.fp8_prefill.runtime.stats.transfer_bytes - before == 7 * stride  # 100 tokens = 7 blocks
+    # prefix reuse from the FP8 pool: 4 cached blocks
+    cached = cluster.fp8_prefill.runtime.stats.prefill_cached_tokens
+    again = generate(cluster.fp8_decode, cluster.fp8_prefill, prompt[:64] + tokens_of(30, offset=78), 4)
+    assert cluster.fp8_prefill.runtime.stats.prefill_cached_tokens - cached == 64 and len(again) == 4
+    assert all_free(cluster, cluster.fp8_prefill)
 
 
 def test_kv_dtype_mismatch_is_refused_naming_the_field(cluster):
