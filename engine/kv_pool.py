@@ -174,9 +174,11 @@ class PagedKvCache:
             self.kv[self._w_blk, layer, self._w_off] = latent.to(self.kv.device, self.kv.dtype)
             return [self.kv[table, layer].reshape(-1, kv_dim)[:ctx].to(dev, latent.dtype)
                     for table, ctx in self._reads]
-        # FP8: a cast of a value beyond e4m3's range gives NaN, so saturate first
+        # FP8: a cast of a value beyond e4m3's range gives NaN, so saturate first. Indexing goes
+        # through byte views: index_put / gather kernels cover uint8 on every device.
         fmax = torch.finfo(FP8).max
         q = (latent.float() / self._scale).clamp(-fmax, fmax).to(FP8)
-        self.kv[self._w_blk, layer, self._w_off] = q.to(self.kv.device)
-        return [(self.kv[table, layer].reshape(-1, kv_dim)[:ctx].to(dev).float() * self._scale).to(latent.dtype)
-                for table, ctx in self._reads]
+        raw = self.kv.view(torch.uint8)
+        raw[self._w_blk, layer, self._w_off] = q.view(torch.uint8).to(self.kv.device)
+        return [(raw[table, layer].reshape(-1, kv_dim)[:ctx].to(dev).view(FP8).float() * self._scale)
+                .to(latent.dtype) for table, ctx in self._reads]
