@@ -43,20 +43,20 @@ import platform
 import statistics
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
 import torch  # noqa: E402
 
-import kv_transfer  # noqa: E402
-from common.pb.tandem.v1 import discovery_pb2  # noqa: E402
 from engine.chunking import make_planner, profile_lengths  # noqa: E402
 from engine.config import ModelConfig  # noqa: E402
-from engine.kv_pool import KvPoolConfig, kv_cache_torch_dtype  # noqa: E402
+from engine.kv_pool import KvPool, KvPoolConfig, kv_cache_torch_dtype  # noqa: E402
 from engine.model import DeepseekV3ForCausalLM  # noqa: E402
 from engine.model_source import LoadedModel  # noqa: E402
-from engine.worker_host import WorkerOptions, WorkerRuntime  # noqa: E402
+from engine.pipeline import Pipeline, partition_layers  # noqa: E402
+from engine.runner import ModelRunner  # noqa: E402
 
 DATASET = Path(__file__).resolve().parents[2] / "shared" / "datasets" / "prompts" / "longbench2_md_short"
 REPEATS = 1  # --repeats
@@ -113,25 +113,51 @@ def prompt_ids(n: int, vocab: int) -> tuple[list[int], str]:
     return [t % vocab for t in ids[:n]], "LongBench-v2 " + " + ".join(used)
 
 
-class _NoTransfer:
-    """The benchmark measures compute only: no KV leaves the worker (and the H200 machine has
-    no NIXL)."""
+class BenchRuntime:
+    """The prefill side of `engine.worker_host.WorkerRuntime` without its gRPC, discovery and
+    transfer parts (the H200 image lacks grpcio-health-checking, grpcio-reflection and NIXL):
+    the same pool, `ModelRunner`, chunk planner and `Pipeline`, driven by the same calls as
+    `WorkerRuntime.prefill`, on one model thread."""
 
-    name = "bench-prefill"
+    def __init__(self, loaded: LoadedModel, tokens: int, pp: int, chunk: int, kv_dtype: str, threads: int,
+                 device: torch.device) -> None:
+        cfg = loaded.config
+        torch.set_num_threads(threads)
+        self.device = loaded.model.model.embed_tokens.weight.device
+        self.pool = KvPool(KvPoolConfig(tokens // 16 + 8, 16, cfg.num_hidden_layers, cfg.kv_dim,
+                                        dtype=kv_cache_torch_dtype(kv_dtype, loaded.model.dtype)), 0,
+                           device=self.device)
+        self.runner = ModelRunner(loaded.model, self.pool)
+        self.planner = make_planner(chunk, 16, False, 0.75)
+        self.pipeline = None
+        if pp > 1:
+            if self.device.type == "cpu":
+                self.pool.kv.share_memory_()
+            self.pipeline = Pipeline(loaded.model, self.pool.kv, self.pool.config,
+                                     partition_layers(cfg.num_hidden_layers, pp), self.device, threads)
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
 
-    def register_pool(self, tensor: torch.Tensor) -> None:
-        return None
+    async def run_model(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    async def prefill(self, block_ids: list[int], token_ids: list[int], start: int) -> torch.Tensor:
+        chunks = self.planner.chunks(start, len(token_ids))  # as WorkerRuntime.prefill
+        if self.pipeline is not None:
+            return await self.pipeline.prefill(self, block_ids, token_ids, chunks, None)  # type: ignore[arg-type]
+        hidden = None
+        for s, e in chunks:
+            hidden = await self.run_model(self.runner.prefill_chunk, block_ids, token_ids, s, e)
+        return await self.run_model(self.runner.logits, hidden)
 
     def close(self) -> None:
-        pass
+        if self.pipeline is not None:
+            self.pipeline.close()
+        self._executor.shutdown(wait=True)
 
 
 def make_runtime(loaded: LoadedModel, tokens: int, pp: int, chunk: int, kv_dtype: str, threads: int,
-                 device: torch.device) -> WorkerRuntime:
-    opts = WorkerOptions(model=loaded.name, block_size=16, num_blocks=tokens // 16 + 8, chunked_prefill_size=chunk,
-                         pp_size=pp, kv_cache_dtype=kv_dtype, torch_threads=threads, device=str(device),
-                         stall_timeout_s=3600.0)
-    return WorkerRuntime(discovery_pb2.ROLE_PREFILL, opts, loaded)
+                 device: torch.device) -> BenchRuntime:
+    return BenchRuntime(loaded, tokens, pp, chunk, kv_dtype, threads, device)
 
 
 def sync(device: torch.device) -> None:
@@ -139,7 +165,7 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-async def ttft(rt: WorkerRuntime, ids: list[int], device: torch.device) -> float:
+async def ttft(rt: BenchRuntime, ids: list[int], device: torch.device) -> float:
     blocks = rt.pool.blocks.allocate(rt.pool.blocks_for(len(ids)))
     try:
         sync(device)
@@ -158,7 +184,7 @@ def attention_flops(n: int, cfg: ModelConfig) -> float:
     return 2 * pairs * cfg.num_attention_heads * (cfg.qk_head_dim + cfg.v_head_dim) * cfg.num_hidden_layers
 
 
-async def attention_kernel_seconds(rt: WorkerRuntime, ids: list[int]) -> tuple[float, list[str]]:
+async def attention_kernel_seconds(rt: BenchRuntime, ids: list[int]) -> tuple[float, list[str]]:
     """Device time of the attention kernels (flash / memory-efficient SDPA) in one prefill."""
     from torch.profiler import ProfilerActivity, profile
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -356,7 +382,6 @@ async def main() -> None:
     cases = args.cases.split(",") if args.cases else (
         ["pp1-static", "pp2-static", "pp2-dynamic"] if args.preset == "cpu"
         else ["pp1-static", "pp1-static-fp8", "pp1-dynamic"])
-    kv_transfer.create_agent = lambda backend, name: _NoTransfer()  # see _NoTransfer
     torch.set_num_threads(1 if device.type == "cpu" else 4)
 
     t0 = time.perf_counter()
