@@ -16,6 +16,9 @@ from common.env import env_name, parse_bool
 
 T = TypeVar("T")
 
+# Other spellings of a flag: field -> extra flags (SGLang's name for our --chunk-size).
+ALIASES = {"chunk_size": ("--chunked-prefill-size",)}
+
 HELP = {
     "model": "served model: 'tandem-shakespeare' (shipped, trained), 'tandem-tiny' (seeded) or a Hugging Face checkpoint folder",
     "seed": "weight seed of tandem-tiny",
@@ -29,7 +32,15 @@ HELP = {
     "practical_fraction": "decode admission: admit while the admitted requests' KV at prompt + max_tokens fits "
                           "this share of the pool (> 1 overcommits; retraction recovers)",
     "max_queued": "decode: requests that may wait for admission; beyond it RESOURCE_EXHAUSTED",
-    "chunk_size": "prefill chunk size in tokens",
+    "chunk_size": "prefill chunk size in tokens (the base chunk with dynamic chunking); alias --chunked-prefill-size",
+    "enable_dynamic_chunking": "prefill: fit f(l) = a·l² + b·l + c from start-up timings and shrink chunks as the "
+                               "prefix grows (DESIGN.md section 7); falls back to static chunks with a logged reason",
+    "dynamic_chunk_smoothing": "dynamic chunking: σ in [0, 1], chunk = base + σ·(x − base)",
+    "pp_size": "prefill: pipeline-parallel stage processes (1 = no pipeline)",
+    "pp_layer_partition": "prefill: layers per stage, comma-separated (e.g. '3,1'); empty = as even as possible",
+    "kv_cache_dtype": "KV cache storage: auto (model dtype) | bf16 | fp8_e4m3 (prefill and decode must agree)",
+    "kv_cache_scale": "fp8_e4m3 KV cache: per-pool scale, stored = latent / scale",
+    "device": "auto (cuda with bf16 weights when present, else cpu with float32) | cpu | cuda | cuda:N",
     "max_running": "decode: most requests in one batch",
     "host": "address to listen on",
     "port": "port to listen on (0 = any free port)",
@@ -107,6 +118,7 @@ class Option:
     default: Any
     kind: type
     help: str
+    aliases: tuple[str, ...] = ()  # other flag spellings (ALIASES)
 
 
 ATTR = "tandem_options"  # where a parser keeps its list of Option
@@ -120,24 +132,26 @@ def add_argument(parser: argparse.ArgumentParser, opt: Option) -> None:
     """The argparse flag of `opt`, with no default (given flags only; see the module docstring)."""
     shown = f"{opt.help} (default {opt.default!r}; env {opt.env})"
     if opt.kind is bool:
-        parser.add_argument(opt.flag, dest=opt.name, action=argparse.BooleanOptionalAction,
+        parser.add_argument(opt.flag, *opt.aliases, dest=opt.name, action=argparse.BooleanOptionalAction,
                             default=argparse.SUPPRESS, help=shown)
     elif opt.kind is list:
-        parser.add_argument(opt.flag, dest=opt.name, action="append", default=argparse.SUPPRESS,
+        parser.add_argument(opt.flag, *opt.aliases, dest=opt.name, action="append", default=argparse.SUPPRESS,
                             help=shown + "; repeatable")
     else:
-        parser.add_argument(opt.flag, dest=opt.name, type=opt.kind, default=argparse.SUPPRESS, help=shown)
+        parser.add_argument(opt.flag, *opt.aliases, dest=opt.name, type=opt.kind, default=argparse.SUPPRESS,
+                            help=shown)
 
 
 def add_option(parser: argparse.ArgumentParser, flag: str, default: Any, help: str, kind: type | None = None,
-               env: str | None = None, name: str | None = None) -> None:
+               env: str | None = None, name: str | None = None, aliases: tuple[str, ...] = ()) -> None:
     """Declare one option not backed by a dataclass (e.g. `tandem up --prefill`).
 
     kind defaults to the type of `default` (str when the default is None); env to
     TANDEM_<FLAG>; name (dest and TOML key) to the flag with dashes as underscores.
     """
     kind = kind or (type(default) if default is not None else str)
-    opt = Option(name or flag.lstrip("-").replace("-", "_"), flag, env or env_name(flag), default, kind, help)
+    opt = Option(name or flag.lstrip("-").replace("-", "_"), flag, env or env_name(flag), default, kind, help,
+                 tuple(aliases))
     if not hasattr(parser, ATTR):
         setattr(parser, ATTR, [])
     options_of(parser).append(opt)
@@ -152,7 +166,8 @@ def add_flags(parser: argparse.ArgumentParser, cls: type, skip: tuple[str, ...] 
             continue
         flag = "--" + f.name.removesuffix("_s").replace("_", "-")
         default = f.default if f.default is not dataclasses.MISSING else ""
-        add_option(parser, flag, default, HELP.get(f.name, f.name), kind=type(default), name=f.name)
+        add_option(parser, flag, default, HELP.get(f.name, f.name), kind=type(default), name=f.name,
+                   aliases=ALIASES.get(f.name, ()))
 
 
 def parser_for(kind: type) -> Callable[[str], Any]:

@@ -83,7 +83,8 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
         dst = prefill_pb2.KvDestination(
             backend=self.rt.opts.transfer_backend, agent_name=self.rt.agent.name,
             base_address=desc.base_address, block_stride_bytes=desc.block_stride_bytes, device_id=desc.device_id,
-            first_block_index=prompt.num_cached_blocks, block_ids=prompt.block_ids[prompt.num_cached_blocks:])
+            first_block_index=prompt.num_cached_blocks, block_ids=prompt.block_ids[prompt.num_cached_blocks:],
+            kv_cache_dtype=self.rt.pool.config.dtype_name, kv_cache_scale=self.rt.pool.config.scale)
         req = prefill_pb2.PrefillRequest(request_id=request_id, token_ids=tokens, sampling=sampling, destination=dst,
                                          sampling_step_offset=step_offset,
                                          return_last_hidden=self.scheduler.spec is not None)

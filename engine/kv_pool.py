@@ -5,6 +5,12 @@ bytes, over every layer, are contiguous, so a block is one transfer descriptor a
 consecutive blocks merges into one (DESIGN.md section 6, "few, large descriptors").
 kv_dim = kv_lora_rank + qk_rope_head_dim: MLA caches one compressed latent per token per
 layer, so bytes per token = kv_dim × num_layers × element size.
+
+FP8 (`--kv-cache-dtype fp8_e4m3`): the pool holds `float8_e4m3fn` values latent / scale with
+one per-pool scale (as vLLM's per-tensor FP8 KV scales; default 1.0: the latents are RMS-normed
+or rope'd projections, well inside e4m3's range of ±448 down to 2^-9), dequantized on read.
+A per-pool scale keeps a block's bytes exactly its values, so the transfer and the bytes-per-token
+formula are unchanged; both workers must agree on dtype and scale (checked per request).
 """
 
 from __future__ import annotations
@@ -16,7 +22,19 @@ import torch
 from common.block_hash import BlockHash, block_hashes
 from engine.block_pool import BlockId, BlockPool, PoolExhausted
 
-__all__ = ["KvPoolConfig", "KvPool", "PromptBlocks", "PagedKvCache", "PoolExhausted"]
+__all__ = ["KV_CACHE_DTYPES", "KvPoolConfig", "KvPool", "PromptBlocks", "PagedKvCache", "PoolExhausted",
+           "kv_cache_torch_dtype"]
+
+FP8 = torch.float8_e4m3fn
+KV_CACHE_DTYPES = {"auto": None, "bf16": torch.bfloat16, "fp8_e4m3": FP8}
+"""--kv-cache-dtype choices; auto = the model's dtype."""
+
+
+def kv_cache_torch_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The pool dtype for a --kv-cache-dtype value. Raises ValueError naming the flag."""
+    if name not in KV_CACHE_DTYPES:
+        raise ValueError(f"--kv-cache-dtype {name!r}: choose one of {', '.join(KV_CACHE_DTYPES)}")
+    return KV_CACHE_DTYPES[name] or model_dtype
 
 
 @dataclass(frozen=True)
@@ -25,12 +43,25 @@ class KvPoolConfig:
     block_size: int  # tokens per block (the page size; one value per model)
     num_layers: int  # layers whose latent KV is cached
     kv_dim: int  # cached values per token per layer
-    dtype: torch.dtype = torch.float32
+    dtype: torch.dtype = torch.float32  # storage dtype (float8_e4m3fn = FP8 KV cache)
+    scale: float = 1.0  # FP8 only: stored value = latent / scale (per pool)
 
     def __post_init__(self) -> None:
         for name in ("num_blocks", "block_size", "num_layers", "kv_dim"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not self.scale > 0:
+            raise ValueError(f"--kv-cache-scale must be > 0, got {self.scale}")
+
+    @property
+    def quantized(self) -> bool:
+        return self.dtype == FP8
+
+    @property
+    def dtype_name(self) -> str:
+        """Storage dtype as torch names it ("float32", "bfloat16", "float8_e4m3fn"); sent in
+        KvDestination.kv_cache_dtype so both workers can check they agree."""
+        return str(self.dtype).removeprefix("torch.")
 
     @property
     def bytes_per_token(self) -> int:
@@ -123,6 +154,8 @@ class PagedKvCache:
     def __init__(self, pool: KvPool, seqs: list[tuple[list[BlockId], int, int]]) -> None:
         bs = pool.config.block_size
         self.kv = pool.kv
+        self._quantized = pool.config.quantized
+        self._scale = pool.config.scale
         device = pool.kv.device
         w_blk: list[int] = []
         w_off: list[int] = []
@@ -139,7 +172,18 @@ class PagedKvCache:
 
     def update(self, layer: int, latent: torch.Tensor) -> list[torch.Tensor]:
         # latent: [T, kv_dim] -> written to (block, layer, offset) slots
-        self.kv[self._w_blk, layer, self._w_off] = latent.to(self.kv.dtype)
         kv_dim = self.kv.shape[-1]
-        return [self.kv[table, layer].reshape(-1, kv_dim)[:ctx].to(latent.dtype)
-                for table, ctx in self._reads]
+        # (the device moves are no-ops unless a pipeline stage on another GPU shares the pool)
+        dev = latent.device
+        if not self._quantized:
+            self.kv[self._w_blk, layer, self._w_off] = latent.to(self.kv.device, self.kv.dtype)
+            return [self.kv[table, layer].reshape(-1, kv_dim)[:ctx].to(dev, latent.dtype)
+                    for table, ctx in self._reads]
+        # FP8: a cast of a value beyond e4m3's range gives NaN, so saturate first. Indexing goes
+        # through byte views: index_put / gather kernels cover uint8 on every device.
+        fmax = torch.finfo(FP8).max
+        q = (latent.float() / self._scale).clamp(-fmax, fmax).to(FP8)
+        raw = self.kv.view(torch.uint8)
+        raw[self._w_blk, layer, self._w_off] = q.view(torch.uint8).to(self.kv.device)
+        return [(raw[table, layer].reshape(-1, kv_dim)[:ctx].to(dev).view(FP8).float() * self._scale)
+                .to(latent.dtype) for table, ctx in self._reads]

@@ -108,20 +108,45 @@ def mla_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, context_latent: torc
         kv_b_weight: [H * (qk_nope_head_dim + v_head_dim), kv_lora_rank] (kv_b_proj.weight).
         softmax_scale: multiplier of q·k, qk_head_dim ** -0.5 (HF `scaling`).
     Returns:
-        [T, H, v_head_dim] attention output in the queries' dtype. Scores and softmax are
-        computed in float32.
+        [T, H, v_head_dim] attention output in the queries' dtype.
+
+    Runs `F.scaled_dot_product_attention`, so the [H, T, S] score matrix is never materialised
+    on a flash / memory-efficient backend (a 128K context's scores would not fit on a GPU); those
+    kernels accumulate softmax in float32. A prefill chunk's queries are the last T of the S
+    context rows (the KvCache contract), which is the lower-right causal mask: on CUDA
+    `causal_lower_right` keeps the flash path; elsewhere a boolean [T, S] mask is passed.
     """
-    s = context_latent.shape[0]
+    s, t = context_latent.shape[0], q_nope.shape[0]
     _, h, nope = q_nope.shape
     c_kv, k_pe = context_latent.split([kv_lora_rank, context_latent.shape[1] - kv_lora_rank], -1)
     kv = F.linear(c_kv, kv_b_weight).view(s, h, nope + v_head_dim)  # [S, H, nope + v]
     k_nope, v = kv.split([nope, v_head_dim], dim=-1)
-    # the rope key is shared by all heads (MQA-style), so it is one [S, rope] matrix
-    scores = (torch.einsum("thd,shd->hts", q_nope, k_nope)
-              + torch.einsum("thd,sd->hts", q_pe, k_pe)).float() * softmax_scale  # [H, T, S]
-    future = torch.arange(s, device=positions.device)[None, :] > positions[:, None]  # [T, S]
-    probs = scores.masked_fill(future, float("-inf")).softmax(dim=-1).to(v.dtype)
-    return torch.einsum("hts,shd->thd", probs, v)  # [T, H, v]
+    # the rope key is shared by all heads (MQA-style): broadcast it to every head
+    q = torch.cat((q_nope, q_pe), dim=-1).transpose(0, 1)  # [H, T, qk]
+    k = torch.cat((k_nope, k_pe[:, None, :].expand(s, h, k_pe.shape[-1])), dim=-1).transpose(0, 1)  # [H, S, qk]
+    v = v.transpose(0, 1)  # [H, S, v]
+    qk = q.shape[-1]
+    if q.is_cuda and v_head_dim < qk:
+        # flash needs one head size for q, k and v: pad v (v_head_dim <= qk_head_dim in DeepSeek)
+        v = F.pad(v, (0, qk - v_head_dim))
+    mask: torch.Tensor | None
+    # By the KvCache contract the T new tokens are the context's last T rows, so the mask is
+    # the lower-right causal one (and none at all for one query). With no prefix (T == S) it
+    # is the plain causal mask, which kernels skip block by block instead of reading a mask.
+    causal = False
+    if t == 1:
+        mask = None
+    elif t == s:
+        mask, causal = None, True
+    elif q.is_cuda:
+        from torch.nn.attention.bias import causal_lower_right
+        mask = causal_lower_right(t, s)
+    else:
+        mask = torch.arange(s, device=positions.device)[None, :] <= positions[:, None]  # [T, S]
+    # a batch dimension of 1: the fused kernels take [B, H, L, E] only
+    out = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask, is_causal=causal,
+                                         scale=softmax_scale)[0]  # [H, T, v']
+    return out[..., :v_head_dim].transpose(0, 1)  # [T, H, v]
 
 
 class MLAttention(nn.Module):

@@ -52,7 +52,7 @@ def sample(logits: torch.Tensor, params: SamplingParams, step: int) -> tuple[int
         (token id, log-probability of that token under softmax(logits / T) after top-p
         filtering; under softmax(logits) for greedy).
     """
-    logits = logits.float()
+    logits = logits.float().cpu()  # the generator is a CPU one: same draws on every device
     if params.greedy:
         token = int(torch.argmax(logits))
         return token, float(torch.log_softmax(logits, dim=-1)[token])

@@ -27,7 +27,8 @@ from common.pb.tandem.v1 import discovery_pb2, kv_events_pb2_grpc
 from engine.kv_event_service import KvEventServicer
 from engine.capacity import device_memory_bytes, format_bytes, module_bytes, pool_blocks_from_memory
 from engine.kv_events import KvEventLog
-from engine.kv_pool import KvPool, KvPoolConfig, PoolExhausted, PromptBlocks
+from engine.chunking import ChunkPlanner, make_planner, profile_lengths
+from engine.kv_pool import KV_CACHE_DTYPES, KvPool, KvPoolConfig, PoolExhausted, PromptBlocks, kv_cache_torch_dtype
 from engine.model_source import DEFAULT_MODEL, LoadedModel, load_model
 from engine.runner import ModelRunner
 from engine.worker_metrics import WorkerMetrics
@@ -50,7 +51,14 @@ class WorkerOptions:
     device_memory_bytes: int = 0  # memory --mem-fraction-static applies to; 0 = the GPU's total (CPU: physical RAM)
     practical_fraction: float = 0.9  # decode admission: admitted requests' projected KV <= this share of the pool
     max_queued: int = 256  # decode: requests waiting for admission; one more gets RESOURCE_EXHAUSTED
-    chunk_size: int = 256  # prefill chunk in tokens
+    chunk_size: int = 256  # prefill chunk in tokens (dynamic chunking: the base chunk); alias --chunked-prefill-size
+    enable_dynamic_chunking: bool = False  # chunks shrink as the prefix grows (DESIGN.md section 7)
+    dynamic_chunk_smoothing: float = 0.75  # σ: chunk = base + σ·(x − base)
+    pp_size: int = 1  # prefill: pipeline stages (processes); 1 = no pipeline
+    pp_layer_partition: str = ""  # prefill: layers per stage "3,1"; empty = as even as possible
+    kv_cache_dtype: str = "auto"  # auto (model dtype) | bf16 | fp8_e4m3
+    kv_cache_scale: float = 1.0  # fp8_e4m3: per-pool scale (stored = latent / scale)
+    device: str = "auto"  # auto = cuda (bf16 weights) when present, else cpu (float32)
     max_running: int = 64  # decode: concurrent requests in the batch
     host: str = "127.0.0.1"
     port: int = 0  # 0 = pick a free port
@@ -73,7 +81,7 @@ class WorkerOptions:
 
     def __post_init__(self) -> None:
         metrics_http.validate_port(self.metrics_port)
-        for name in ("block_size", "chunk_size", "max_running", "torch_threads", "ep_size"):
+        for name in ("block_size", "chunk_size", "max_running", "torch_threads", "ep_size", "pp_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         for name in ("num_blocks", "device_memory_bytes", "max_queued"):
@@ -95,6 +103,20 @@ class WorkerOptions:
         if self.lease_ttl_s < 1:
             raise ValueError(f"--lease-ttl must be >= 1 second, got {self.lease_ttl_s}")
         advertised_host(self.host, self.advertise_host)  # fails early, naming the flag
+        if not 0.0 <= self.dynamic_chunk_smoothing <= 1.0:
+            raise ValueError(f"--dynamic-chunk-smoothing must be in [0, 1], got {self.dynamic_chunk_smoothing}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"--kv-cache-dtype {self.kv_cache_dtype!r}: choose one of {', '.join(KV_CACHE_DTYPES)}")
+        if not self.kv_cache_scale > 0:
+            raise ValueError(f"--kv-cache-scale must be > 0, got {self.kv_cache_scale}")
+        if self.device != "auto" and not (self.device == "cpu" or self.device.startswith("cuda")):
+            raise ValueError(f"--device {self.device!r}: use auto, cpu, cuda or cuda:N")
+
+    def torch_device(self) -> torch.device:
+        """The device `--device` names (auto: cuda when present)."""
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
 
 
 @dataclass
@@ -171,20 +193,40 @@ class WorkerRuntime:
         self.role = role
         self.opts = opts
         self.instance_id = f"{discovery_pb2.Role.Name(role).removeprefix('ROLE_').lower()}-{uuid.uuid4().hex[:12]}"
-        self.loaded = loaded or load_model(opts.model, seed=opts.seed)
+        if loaded is None:  # a given model keeps its own device and dtype (tests share one)
+            device = opts.torch_device()
+            # bf16 weights on a GPU (the gate bias stays float32: see engine/model.py)
+            loaded = load_model(opts.model, seed=opts.seed,
+                                dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
+            loaded.model.to(device)
+        self.loaded = loaded
         cfg = self.loaded.config
+        model_dtype = self.loaded.model.dtype
+        self.device = self.loaded.model.model.embed_tokens.weight.device
         # num_kv_layers: the MTP module's KV rides in the same blocks (engine/mtp.py), so
         # prefill and decode workers of one model agree on the block layout whatever their flags
         pool_config = KvPoolConfig(num_blocks=1, block_size=opts.block_size, num_layers=cfg.num_kv_layers,
-                                   kv_dim=cfg.kv_dim)
+                                   kv_dim=cfg.kv_dim, dtype=kv_cache_torch_dtype(opts.kv_cache_dtype, model_dtype),
+                                   scale=opts.kv_cache_scale)
         pool_config = dataclasses.replace(pool_config, num_blocks=pool_blocks(opts, self.loaded, pool_config))
         self.engine = None
         if engine is None:
-            self.pool = KvPool(pool_config, hash_seed(self.loaded.name))
+            self.pool = KvPool(pool_config, hash_seed(self.loaded.name), device=self.device)
             self.runner = ModelRunner(self.loaded.model, self.pool)
         else:  # --- EP hook: the ranks' pools (num_blocks each) and lock-step runner (decode_worker/ep_ranks.py)
             self.engine = engine(opts, self.loaded, pool_config, hash_seed(self.loaded.name))
             self.pool, self.runner = self.engine.pool, self.engine
+        self.planner = self._chunk_planner()
+        self.pipeline = None
+        if opts.pp_size > 1:
+            if role != discovery_pb2.ROLE_PREFILL:
+                raise ValueError("--pp-size applies to prefill workers only")
+            from engine.pipeline import Pipeline, partition_layers
+            ranges = partition_layers(cfg.num_hidden_layers, opts.pp_size, opts.pp_layer_partition)
+            if self.device.type == "cpu":
+                self.pool.kv.share_memory_()  # every stage writes its own layers here (before registering)
+            self.pipeline = Pipeline(self.loaded.model, self.pool.kv, self.pool.config, ranges, self.device,
+                                     opts.torch_threads)
         self.events = KvEventLog(self.pool.blocks)
         self.stats = WorkerStats()
         self.scheduler: Any = None  # decode: its DecodeScheduler (admission and retraction state)
@@ -236,46 +278,85 @@ class WorkerRuntime:
             await asyncio.wait([fut])
             raise
 
+    def _chunk_planner(self) -> ChunkPlanner:
+        """Static chunks, or dynamic ones fitted to start-up timings of the whole model
+        (the fit's shape is what matters: stages of equal layer counts scale it alike)."""
+        o = self.opts
+        lengths, seconds = [], []
+        if o.enable_dynamic_chunking:
+            lengths = profile_lengths(o.chunk_size, o.block_size, min(self.context_length, 4 * o.chunk_size))
+            seconds = self.runner.time_prefill(lengths)
+            log.info("prefill timings for dynamic chunking: %s",
+                     ", ".join(f"{n}: {t * 1e3:.1f} ms" for n, t in zip(lengths, seconds)))
+        return make_planner(o.chunk_size, o.block_size, o.enable_dynamic_chunking, o.dynamic_chunk_smoothing,
+                            lengths, seconds)
+
     async def prefill(self, block_ids: list, token_ids: list[int], start: int,
                       on_chunk_done: Callable[[int], Awaitable[None]] | None = None) -> torch.Tensor:
-        """Chunked prefill of token_ids[start:] (tokens before start are in the pool), one
-        model-thread call per chunk so a cancelled request stops between chunks.
+        """Chunked prefill of token_ids[start:] (tokens before start are in the pool), with
+        chunks from `self.planner`, one model-thread call per chunk so a cancelled request
+        stops between chunks; through the stage processes when --pp-size > 1.
 
-        Traced as a `tandem.prefill` span with one `tandem.prefill.chunk` child per chunk.
+        Traced as a `tandem.prefill` span with one `tandem.prefill.chunk` child per chunk
+        (with --pp-size > 1 one `tandem.prefill` span: the chunks run in the stage processes).
 
         Args:
-            on_chunk_done: awaited after each chunk with the number of prompt tokens whose KV
-                is now complete in the pool (the chunk's end, counting the cached prefix); the
-                prefill worker starts sending those blocks while the next chunk computes. An
-                exception it raises ends the prefill.
+            on_chunk_done: awaited after each chunk, once it has finished on every stage, with
+                the number of prompt tokens whose KV (all layers) is now complete in the pool
+                (the chunk's end, counting the cached prefix); the prefill worker starts sending
+                those blocks while the next chunk computes. An exception it raises ends the prefill.
 
         Returns:
             float32 logits [vocab] of the last prompt token.
+        Raises:
+            ValueError: nothing to compute (start >= len(token_ids)).
+            engine.pipeline.PipelineError: a pipeline stage process died.
         """
-        hidden = await self.prefill_hidden(block_ids, token_ids, start, on_chunk_done=on_chunk_done)
-        return await self.run_model(self.runner.logits, hidden)
+        if self.pipeline is None:
+            hidden = await self.prefill_hidden(block_ids, token_ids, start, on_chunk_done=on_chunk_done)
+            return await self.run_model(self.runner.logits, hidden)
+        chunks = self._chunks(token_ids, start)
+        began = time.perf_counter()
+        with tracing.span("tandem.prefill", {"tandem.prefill.where": "remote", "tandem.prompt_tokens": len(token_ids),
+                                             "tandem.prefill.cached_tokens": start,
+                                             "tandem.prefill.chunks": len(chunks),
+                                             "tandem.prefill.pp_size": self.opts.pp_size}):
+            logits = await self.pipeline.prefill(self, block_ids, token_ids, chunks, on_chunk_done)
+        self.metrics.prefill_duration.labels("remote").observe(time.perf_counter() - began)
+        return logits
+
+    def _chunks(self, token_ids: list[int], start: int) -> list[tuple[int, int]]:
+        chunks = self.planner.chunks(start, len(token_ids))
+        if not chunks:
+            raise ValueError(f"prefill needs at least one token to compute (start {start}, {len(token_ids)} tokens)")
+        return chunks
 
     async def prefill_hidden(self, block_ids: list, token_ids: list[int], start: int, mtp: bool = False,
                              on_chunk_done: Callable[[int], Awaitable[None]] | None = None) -> torch.Tensor:
-        """As `prefill`, but returns the last prompt token's final-normed hidden state [hidden]
-        (what the first MTP draft step needs); with `mtp` it also writes the prompt's MTP KV
-        rows (engine/mtp.py)."""
-        chunk = self.opts.chunk_size
+        """As `prefill` in one process, but returns the last prompt token's final-normed hidden
+        state [hidden] (what the first MTP draft step needs); with `mtp` it also writes the
+        prompt's MTP KV rows (engine/mtp.py).
+
+        Raises:
+            ValueError: nothing to compute, or a pipeline-parallel worker (its hidden states
+                stay in the last stage).
+        """
+        if self.pipeline is not None:
+            raise ValueError("the last hidden state (MTP) is not served with --pp-size > 1")
+        chunks = self._chunks(token_ids, start)
         hidden = None
         where = "remote" if self.role == discovery_pb2.ROLE_PREFILL else "local"
         began = time.perf_counter()
         with tracing.span("tandem.prefill", {"tandem.prefill.where": where, "tandem.prompt_tokens": len(token_ids),
                                              "tandem.prefill.cached_tokens": start,
-                                             "tandem.prefill.chunk_size": chunk}) as span:
-            for i, s in enumerate(range(start, len(token_ids), chunk)):
-                e = min(s + chunk, len(token_ids))
+                                             "tandem.prefill.chunk_size": self.opts.chunk_size,
+                                             "tandem.prefill.chunks": len(chunks)}):
+            for i, (s, e) in enumerate(chunks):
                 with tracing.span("tandem.prefill.chunk", {"tandem.chunk.index": i, "tandem.chunk.start": s,
                                                            "tandem.chunk.tokens": e - s}):
                     hidden = await self.run_model(self.runner.prefill_chunk, block_ids, token_ids, s, e, mtp)
                 if on_chunk_done is not None:
                     await on_chunk_done(e)
-            assert hidden is not None, "prefill needs at least one token to compute"
-            span.set_attribute("tandem.prefill.chunks", -(-(len(token_ids) - start) // chunk))
         self.metrics.prefill_duration.labels(where).observe(time.perf_counter() - began)
         return hidden
 
@@ -305,7 +386,10 @@ class WorkerRuntime:
             self.busy_since = None
 
     def stalled(self) -> bool:
-        """True while one model call has run longer than --stall-timeout."""
+        """True while one model call has run longer than --stall-timeout, or for good once a
+        pipeline stage process has died (the worker then reports NOT_SERVING)."""
+        if self.pipeline is not None and self.pipeline.dead_stages():
+            return True
         since = self.busy_since
         return since is not None and time.monotonic() - since > self.opts.stall_timeout_s
 
@@ -344,6 +428,8 @@ class WorkerRuntime:
             except Exception:  # noqa: BLE001 - a wedged or failed engine must not block shutdown
                 log.exception("%s: closing the EP ranks failed", self.instance_id)
         self._executor.shutdown(wait=False, cancel_futures=True)
+        if self.pipeline is not None:
+            self.pipeline.close()
         self.agent.close()
 
 

@@ -20,6 +20,7 @@ from common.pb.tandem.v1 import prefill_pb2 as pb
 from common.pb.tandem.v1 import prefill_pb2_grpc as pb_grpc
 from common.validation import InvalidArgument, sampling_from_proto, validate_prompt_length, validate_token_ids
 from engine.mtp import hidden_to_bytes
+from engine.pipeline import PipelineError
 from engine.sampling import sample
 from engine.worker_host import WorkerRuntime
 from kv_transfer.base import RemoteBlocks, TransferError
@@ -62,6 +63,19 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
                                   f"{dst.first_block_index} for {len(request.token_ids)} tokens, got {len(dst.block_ids)}")
         if len(set(dst.block_ids)) != len(dst.block_ids):
             raise InvalidArgument("destination.block_ids", "block ids repeat")
+        # Both pools must store the same bytes for the same KV (dtype and FP8 scale); checked
+        # before the stride so a dtype mismatch is named as such.
+        pool_cfg = self.rt.pool.config
+        dtype = dst.kv_cache_dtype or str(self.rt.loaded.model.dtype).removeprefix("torch.")
+        if dtype != pool_cfg.dtype_name:
+            raise InvalidArgument("destination.kv_cache_dtype",
+                                  f"{dtype!r} differs from this worker's KV cache dtype {pool_cfg.dtype_name!r} "
+                                  "(set the same --kv-cache-dtype on prefill and decode workers)")
+        # the field is a float32: compare to its precision
+        if pool_cfg.quantized and abs((dst.kv_cache_scale or 1.0) - pool_cfg.scale) > 1e-6 * pool_cfg.scale:
+            raise InvalidArgument("destination.kv_cache_scale",
+                                  f"{dst.kv_cache_scale or 1.0} differs from this worker's FP8 KV scale "
+                                  f"{pool_cfg.scale} (set the same --kv-cache-scale)")
         stride = self.rt.pool_desc.block_stride_bytes
         if dst.block_stride_bytes != stride:
             raise InvalidArgument("destination.block_stride_bytes",
@@ -87,6 +101,9 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
             params = sampling_from_proto(request.sampling, len(request.token_ids), self.rt.context_length)
         except InvalidArgument as exc:
             await abort_invalid(context, exc)
+        if request.return_last_hidden and self.rt.pipeline is not None:  # hidden states stay in the last stage
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED,
+                                "return_last_hidden: not served by a pipeline-parallel prefill worker (--pp-size > 1)")
         dst = request.destination
         if dst.agent_metadata:
             try:
@@ -107,10 +124,18 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
             start = prompt.num_cached_blocks * pool.block_size
             try:
                 await sender.on_chunk_done(start)  # blocks from this worker's prefix cache go at once
-                # MTP KV rows only for a decode worker that drafts with them (it asks for the hidden state)
-                hidden = await self.rt.prefill_hidden(prompt.block_ids, tokens, start, mtp=request.return_last_hidden,
-                                                      on_chunk_done=sender.on_chunk_done)
-                logits = await self.rt.run_model(self.rt.runner.logits, hidden)
+                hidden = None
+                try:
+                    if request.return_last_hidden:
+                        # MTP KV rows and the hidden state, for a decode worker that drafts with them
+                        hidden = await self.rt.prefill_hidden(prompt.block_ids, tokens, start, mtp=True,
+                                                              on_chunk_done=sender.on_chunk_done)
+                        logits = await self.rt.run_model(self.rt.runner.logits, hidden)
+                    else:
+                        logits = await self.rt.prefill(prompt.block_ids, tokens, start,
+                                                       on_chunk_done=sender.on_chunk_done)
+                except PipelineError as exc:  # the worker reports NOT_SERVING; the decode worker goes elsewhere
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
                 pool.commit_prompt(prompt)
                 self.rt.events.publish()
                 token, logprob = sample(logits, params, step=request.sampling_step_offset)

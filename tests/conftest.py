@@ -1,9 +1,13 @@
+import os
 import sys
 from pathlib import Path
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+# Workers started as processes (`--device auto` picks a GPU when there is one) stay on the CPU in
+# float32, so their tokens can equal reference_generate's on a GPU machine too.
+os.environ.setdefault("TANDEM_DEVICE", "cpu")
 
 
 @pytest.fixture(scope="session")

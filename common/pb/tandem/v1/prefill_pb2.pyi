@@ -24,7 +24,7 @@ class PrefillRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_sampling_pb2.SamplingParams, _Mapping]] = ..., destination: _Optional[_Union[KvDestination, _Mapping]] = ..., sampling_step_offset: _Optional[int] = ..., return_last_hidden: _Optional[bool] = ...) -> None: ...
 
 class KvDestination(_message.Message):
-    __slots__ = ("backend", "agent_name", "agent_metadata", "base_address", "block_stride_bytes", "device_id", "first_block_index", "block_ids")
+    __slots__ = ("backend", "agent_name", "agent_metadata", "base_address", "block_stride_bytes", "device_id", "first_block_index", "block_ids", "kv_cache_dtype", "kv_cache_scale")
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     AGENT_NAME_FIELD_NUMBER: _ClassVar[int]
     AGENT_METADATA_FIELD_NUMBER: _ClassVar[int]
@@ -33,6 +33,8 @@ class KvDestination(_message.Message):
     DEVICE_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_BLOCK_INDEX_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_SCALE_FIELD_NUMBER: _ClassVar[int]
     backend: str
     agent_name: str
     agent_metadata: bytes
@@ -41,7 +43,9 @@ class KvDestination(_message.Message):
     device_id: int
     first_block_index: int
     block_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, backend: _Optional[str] = ..., agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., base_address: _Optional[int] = ..., block_stride_bytes: _Optional[int] = ..., device_id: _Optional[int] = ..., first_block_index: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    kv_cache_dtype: str
+    kv_cache_scale: float
+    def __init__(self, backend: _Optional[str] = ..., agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., base_address: _Optional[int] = ..., block_stride_bytes: _Optional[int] = ..., device_id: _Optional[int] = ..., first_block_index: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., kv_cache_dtype: _Optional[str] = ..., kv_cache_scale: _Optional[float] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("first_token_id", "first_token_logprob", "cached_tokens", "transfer_bytes", "transfer_seconds", "last_hidden")
