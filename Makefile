@@ -2,6 +2,8 @@
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
+# Where the default index's torch is a CUDA build: TORCH_INDEX='--index-url https://download.pytorch.org/whl/cpu'
+TORCH_INDEX ?=
 STAMP := $(VENV)/.installed
 
 .PHONY: demo test setup proto bench-transfer clean
@@ -30,7 +32,7 @@ $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	@if command -v nvidia-smi >/dev/null 2>&1; then $(PY) -m pip install -q "torch>=2.6"; \
-	 else $(PY) -m pip install -q torch==2.13.0; fi
+	 else $(PY) -m pip install -q torch==2.13.0 $(TORCH_INDEX); fi
 	$(PY) -m pip install -q -e ".[dev,nixl]"
 	@touch $(STAMP)
 

@@ -65,7 +65,8 @@ async def run_load(router: str, reqs: list[BenchRequest], speedup: float = 1.0, 
     """Send every request; returns (results in request order, wall seconds of the run)."""
     from tqdm import tqdm
 
-    bar = tqdm(total=len(reqs), unit="req", disable=not progress, dynamic_ncols=True)
+    # disable=None: tqdm turns itself off when stderr is not a terminal (logs stay readable)
+    bar = tqdm(total=len(reqs), unit="req", disable=None if progress else True, dynamic_ncols=True)
     results: list[RequestResult | None] = [None] * len(reqs)
     async with channel(router) as ch:
         stub = frontend_pb2_grpc.FrontendServiceStub(ch)

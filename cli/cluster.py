@@ -71,9 +71,10 @@ class LocalCluster:
     def spawn(self, name: str, role: str, *args: str) -> subprocess.Popen:
         """Start `tandem <role>` as a child process logging to log_dir/<name>.log."""
         # Explicit flags win over TANDEM_* variables the children inherit (TANDEM_PORT is the router's).
+        metrics = self.metrics and role != "mocker"  # simulated workers serve no /metrics
         cmd = [sys.executable, "-m", "cli.main", role, "--etcd", self._etcd_endpoint,
                "--namespace", self.namespace, "--model", self.model,
-               *(["--metrics-port", "0"] if self.metrics else []), *args]
+               *(["--metrics-port", "0"] if metrics else []), *args]
         out = open(self.log_dir / f"{name}.log", "ab")
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env,

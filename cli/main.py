@@ -43,7 +43,8 @@ def _up(args: argparse.Namespace) -> int:
         # Children inherit the log settings through their TANDEM_* variables.
         os.environ.update(TANDEM_LOG_LEVEL=args.log_level, TANDEM_LOG_FORMAT=args.log_format)
         cluster = LocalCluster(model=args.model, num_prefill=args.prefill, num_decode=args.decode, etcd=args.etcd,
-                               router_port=args.port, router_args=["--router-mode", args.router_mode],
+                               router_port=args.port,
+                               router_args=["--router-mode", args.router_mode] if args.router_mode else [],
                                metrics=args.metrics, num_mocker=args.mocker)
         await cluster.start()
         print(f"tandem up: router at {cluster.router_address}, etcd at {cluster.etcd_endpoint}, "
@@ -148,7 +149,8 @@ def build_parser() -> argparse.ArgumentParser:
     _arg(p, "--port", 50051, "router port")
     _arg(p, "--prefill", 1, "prefill workers")
     _arg(p, "--decode", 1, "decode workers")
-    _arg(p, "--router-mode", "kv", "kv | approx | round-robin | random | least-loaded")
+    _arg(p, "--router-mode", "", "kv | approx | round-robin | random | least-loaded (empty: the router's own "
+         "setting, from [router] in the config file or its default kv)")
     _arg(p, "--metrics", True, "serve /metrics from every process on a free port (--no-metrics: none)", kind=bool)
     _arg(p, "--mocker", 0, "simulated workers instead of real ones (tandem mocker; model tandem-mock)")
     p.set_defaults(func=_up)

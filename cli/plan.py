@@ -168,6 +168,8 @@ def build_plans(opts: PlanOptions) -> tuple[str, KvFootprint, list[Plan]]:
     label, fp, default_weights = _footprint(opts)
     weights = parse_bytes(opts.weights) if opts.weights else default_weights
     hbm, fractions = opts.hbm_bytes, opts.fractions
+    if opts.practical_fractions == PlanOptions.practical_fractions and len(hbm) != len(fractions):
+        fractions = fractions[:1]  # the default pair is the seed's two columns; one column takes the first
     if len(fractions) == 1:
         fractions = fractions * len(hbm)
     if len(fractions) != len(hbm):

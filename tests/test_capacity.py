@@ -63,7 +63,9 @@ def test_plan_flags_and_units():
                                            input_len="32K", output_len="1K"))
     assert fp.bytes_per_token == 2 * 35_136 and len(plans) == 1 and plans[0].practical_total == 8 * plans[0].practical_per_gpu
     with pytest.raises(ValueError, match="--practical-fractions"):
-        build_plans(PlanOptions(hbm="80GiB,141GB,192GiB"))  # two fractions for three columns
+        build_plans(PlanOptions(hbm="80GiB,141GB,192GiB", practical_fractions="0.9,0.8"))  # two for three
+    # the default pair (the seed's two columns) gives its first value to a plan of other columns
+    assert [p.inputs.practical_fraction for p in build_plans(PlanOptions(hbm="141GB"))[2]] == [0.9]
     with pytest.raises(ValueError, match="--kv-dtype"):
         PlanOptions(kv_dtype="int3")
     with pytest.raises(ValueError, match="--hbm"):
