@@ -158,15 +158,18 @@ def add_option(parser: argparse.ArgumentParser, flag: str, default: Any, help: s
     add_argument(parser, opt)
 
 
-def add_flags(parser: argparse.ArgumentParser, cls: type, skip: tuple[str, ...] = ()) -> None:
+def add_flags(parser: argparse.ArgumentParser, cls: type, skip: tuple[str, ...] = (),
+              help: dict[str, str] | None = None) -> None:
     """One option per field of the options dataclass `cls` (except `skip`); a field without a
-    default (a required one, such as the router's etcd) shows as an empty string."""
+    default (a required one, such as the router's etcd) shows as an empty string. `help`
+    overrides HELP for this parser (e.g. `tandem plan`'s --ep-size is not a worker's)."""
+    texts = {**HELP, **(help or {})}
     for f in dataclasses.fields(cls):
         if f.name in skip:
             continue
         flag = "--" + f.name.removesuffix("_s").replace("_", "-")
         default = f.default if f.default is not dataclasses.MISSING else ""
-        add_option(parser, flag, default, HELP.get(f.name, f.name), kind=type(default), name=f.name,
+        add_option(parser, flag, default, texts.get(f.name, f.name), kind=type(default), name=f.name,
                    aliases=ALIASES.get(f.name, ()))
 
 

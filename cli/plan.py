@@ -12,7 +12,7 @@ import json
 import sys
 from dataclasses import asdict, dataclass
 
-from cli.flags import HELP, add_flags, build
+from cli.flags import add_flags, build
 from engine.capacity import DEEPSEEK_R1, GIB, KvFootprint, Plan, PlanInputs, parse_bytes, parse_tokens, plan
 from engine.capacity import format_bytes as size
 
@@ -91,10 +91,8 @@ def _list(parse):
 
 def register(sub: argparse._SubParsersAction) -> None:
     """Add the `plan` subcommand to the `tandem` parser (flags from PlanOptions)."""
-    for key, text in _HELP.items():  # workers' help for shared names (--model, --mem-fraction-static) stays
-        HELP.setdefault(key, text)
     p = sub.add_parser("plan", help="KV capacity table: pool, per-request KV, requests per GPU (DESIGN.md section 6)")
-    add_flags(p, PlanOptions)
+    add_flags(p, PlanOptions, help=_HELP)
     p.set_defaults(func=lambda args: main(build(PlanOptions, args)))
 
 
