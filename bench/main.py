@@ -65,8 +65,19 @@ def load_requests(opts: BenchOptions, vocab: int) -> list[BenchRequest]:
     """The requests of --dataset with arrival times in trace seconds (before --load).
 
     Raises:
-        ValueError: a dataset that needs a path got none. FileNotFoundError: no such file.
+        ValueError: a dataset that needs a path got none, a malformed row (the dataset named),
+            or no requests at all. FileNotFoundError: no such file.
     """
+    try:
+        reqs = _load(opts, vocab)
+    except (KeyError, TypeError, IndexError, json.JSONDecodeError) as exc:  # a row without the trace's fields
+        raise ValueError(f"--dataset {opts.dataset}: malformed row ({type(exc).__name__}: {exc})") from None
+    if not reqs:
+        raise ValueError(f"--dataset {opts.dataset}: no requests (an empty file, or --skip past its end)")
+    return reqs
+
+
+def _load(opts: BenchOptions, vocab: int) -> list[BenchRequest]:
     name, _, path = opts.dataset.partition(":")
     n = opts.num_requests or None
     if name == "mooncake":
@@ -136,6 +147,7 @@ def write_results(path: Path, opts: dict, summary: dict, reqs: list[BenchRequest
 
 def run(opts: BenchOptions) -> dict:
     """Run the bench; returns the summary (also printed, and written with --out)."""
+    load_requests(opts, 2)  # a bad --dataset fails now, not after waiting for the router
     model = asyncio.run(_model_info(opts.router))
     reqs = load_requests(opts, model.vocab_size)
     if opts.arrival == "concurrency":

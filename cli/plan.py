@@ -175,6 +175,11 @@ def build_plans(opts: PlanOptions) -> tuple[str, KvFootprint, list[Plan]]:
     cached = parse_tokens(opts.input_len) + parse_tokens(opts.output_len)
     plans = [plan(PlanInputs(h, opts.mem_fraction_static, weights, cached, fp.bytes_per_token, opts.ep_size, f))
              for h, f in zip(hbm, fractions)]
+    for p in plans:
+        if p.pool_bytes <= 0:
+            raise ValueError(f"--hbm {size(p.inputs.hbm_bytes)}: × --mem-fraction-static "
+                             f"{opts.mem_fraction_static} leaves no KV pool after {size(weights)} of weights "
+                             "(--weights)")
     return label, fp, plans
 
 

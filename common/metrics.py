@@ -58,12 +58,15 @@ def serve(registry: CollectorRegistry, host: str, port: int, name: str) -> Metri
     """Serve `registry` at http://host:port/metrics; None when port is -1.
 
     Raises:
-        OSError: the port could not be bound.
+        OSError: the port could not be bound (the message names --metrics-port).
     """
     validate_port(port)
     if port == METRICS_OFF:
         return None
-    httpd, _ = start_http_server(port, addr=host, registry=registry)
+    try:
+        httpd, _ = start_http_server(port, addr=host, registry=registry)
+    except OSError as exc:
+        raise OSError(exc.errno, f"--metrics-port {port}: cannot listen on {host}:{port}: {exc.strerror}") from None
     server = MetricsServer(f"{host}:{httpd.server_port}", httpd)
     log.info("%s metrics at http://%s/metrics", name, server.address)
     return server

@@ -450,7 +450,12 @@ async def serve_worker(runtime: WorkerRuntime, add_services: Sequence[Callable[[
         [*service_names, "tandem.v1.KvEventService"])
     address = f"{advertised_host(opts.host, opts.advertise_host)}:{server.port}"
     runtime.metrics.bind_loop(asyncio.get_running_loop())
-    metrics_server = metrics_http.serve(runtime.metrics.registry, opts.host, opts.metrics_port, runtime.instance_id)
+    try:
+        metrics_server = metrics_http.serve(runtime.metrics.registry, opts.host, opts.metrics_port,
+                                            runtime.instance_id)
+    except OSError:
+        await server.stop(0)  # nothing was served yet; leave no server behind
+        raise
     runtime.metrics_address = metrics_server.address if metrics_server else ""
     stop = stop or asyncio.Event()
     restore_signals = install_stop_signals(stop)

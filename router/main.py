@@ -170,7 +170,11 @@ async def run(opts: RouterOptions, ready: Callable[[RunningServer, FrontendServi
     index = overlap if isinstance(overlap, KvIndex) else None
     metrics.bind(servicer, workers, load, health, subscriber, index)
     metrics.collector.loop = asyncio.get_running_loop()
-    metrics_server = metrics_http.serve(metrics.registry, opts.host, opts.metrics_port, instance_id)
+    try:
+        metrics_server = metrics_http.serve(metrics.registry, opts.host, opts.metrics_port, instance_id)
+    except OSError:
+        await server.stop(0)  # nothing was served yet; leave no server behind
+        raise
     metrics_address = metrics_server.address if metrics_server else ""
     servicer.cluster_status = ClusterView(instance_id, opts.router_mode, servicer, workers, load, health, index,
                                           metrics_address)

@@ -63,3 +63,16 @@ def test_summary_metrics():
     assert s["mean_itl_ms"] == pytest.approx(1000)  # 0.2 s over 2 tokens, x10
     assert s["block_hit_rate"] == pytest.approx(1 / 3)
     assert "Mean TTFT" in table(s)
+
+
+def test_bad_or_empty_dataset_fails_naming_it(tmp_path):
+    from bench.main import BenchOptions, load_requests
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"timestamp": "x"}\n')
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    with pytest.raises(ValueError, match=r"--dataset mooncake:.*bad.jsonl: malformed row"):
+        load_requests(BenchOptions(dataset=f"mooncake:{bad}"), 1000)
+    with pytest.raises(ValueError, match=r"--dataset mooncake:.*empty.jsonl: no requests"):
+        load_requests(BenchOptions(dataset=f"mooncake:{empty}"), 1000)

@@ -231,3 +231,8 @@ def test_make_room_ends_a_request_larger_than_the_pool():
     assert Retractor(sched).make_room([big]) == []
     (req, out), = sched.finished
     assert req is big and out.error[0].name == "RESOURCE_EXHAUSTED" and kv.blocks.num_free == 2
+
+
+def test_plan_refuses_memory_that_leaves_no_pool():
+    with pytest.raises(ValueError, match="--hbm .* leaves no KV pool"):
+        build_plans(PlanOptions(hbm="32GiB", practical_fractions="0.9"))  # 0.75 × 32 GiB < 40 GiB of weights

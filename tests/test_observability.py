@@ -203,3 +203,18 @@ def test_refused_decode_calls_are_retried_in_migration_spans(cluster, spans):
     router = scrape(cluster.router.servicer.cluster_status.metrics_address)
     assert value(router, "tandem_router_requests_total", outcome="error", code="UNAVAILABLE") == 1
     assert value(router, "tandem_router_retries_total") == 2
+
+
+def test_metrics_port_in_use_names_the_flag():
+    import socket
+
+    from prometheus_client import CollectorRegistry
+
+    from common import metrics as metrics_http
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(OSError, match=f"--metrics-port {port}"):
+            metrics_http.serve(CollectorRegistry(), "127.0.0.1", port, "test")
