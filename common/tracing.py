@@ -146,6 +146,20 @@ def span(name: str, attributes: dict[str, Any] | None = None):
     return _tracer.start_as_current_span(name, attributes=attributes)
 
 
+def record_span(name: str, start_ns: int, end_ns: int, attributes: dict[str, Any] | None = None,
+                parent: Any = None) -> Any:
+    """A finished span over [start_ns, end_ns] (time.time_ns() of this host), child of `parent`
+    or of the current span: for work timed elsewhere, e.g. a pipeline stage process.
+    NO_SPAN when tracing is off."""
+    if _tracer is None:
+        return NO_SPAN
+    from opentelemetry import trace
+    context = trace.set_span_in_context(parent) if parent is not None else None
+    s = _tracer.start_span(name, context=context, attributes=attributes, start_time=start_ns)
+    s.end(end_time=end_ns)
+    return s
+
+
 def current_span() -> Any:
     """The active span (NO_SPAN when tracing is off), e.g. to add attributes to the RPC's span."""
     if _tracer is None:

@@ -33,6 +33,7 @@ import logging
 import os
 import queue
 import threading
+import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
@@ -41,6 +42,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from common import tracing
 from engine.kv_pool import KvPoolConfig, PagedKvCache
 
 if TYPE_CHECKING:
@@ -50,7 +52,13 @@ log = logging.getLogger(__name__)
 
 OP_CHUNK, OP_STOP = 1, 2
 TAG_HEADER, TAG_BLOCKS, TAG_HIDDEN, TAG_ACK, TAG_LOGITS = 0, 1, 2, 3, 4
-HEADER_LEN = 5
+HEADER_LEN = 5  # op, start, end, blocks, final; then (start_ns, end_ns) of each stage's compute
+
+
+def header_len(size: int) -> int:
+    """Header and ack carry every stage's compute interval (wall-clock ns, one host) for the
+    `tandem.prefill.stage` spans stage 0 records."""
+    return HEADER_LEN + 2 * size
 OnChunkDone = Callable[[int], Awaitable[None]]
 
 
@@ -128,12 +136,12 @@ def _stage_main(rank: int, size: int, port: int, backend: str, model: torch.nn.M
     hidden_size = model.config.hidden_size
     dtype = model.dtype
     pending: deque[tuple[Any, Any]] = deque()  # (work, tensor kept alive until sent)
-    header = torch.empty(HEADER_LEN, dtype=torch.long, device=dev)
+    header = torch.empty(header_len(size), dtype=torch.long, device=dev)
     try:
         with torch.inference_mode():
             while True:
                 pg.recv([header], rank - 1, TAG_HEADER).wait()
-                op, start, end, num_blocks, final = header.tolist()
+                op, start, end, num_blocks, final = header[:HEADER_LEN].tolist()
                 if op == OP_STOP:
                     if not last:
                         pg.send([header], rank + 1, TAG_HEADER).wait()
@@ -144,12 +152,16 @@ def _stage_main(rank: int, size: int, port: int, backend: str, model: torch.nn.M
                 pg.recv([x], rank - 1, TAG_HIDDEN).wait()
                 positions = torch.arange(start, end, dtype=torch.long, device=dev)
                 cache = PagedKvCache(pool, [(blocks.tolist(), start, end - start)])
+                began = time.time_ns()
                 x = model.run_layers(x, positions, [end - start], cache, *layers)
+                if dev.type == "cuda":
+                    torch.cuda.synchronize(dev)  # the interval is the compute's, not its launch's
+                header[HEADER_LEN + 2 * rank:HEADER_LEN + 2 * rank + 2] = torch.tensor([began, time.time_ns()])
                 if last:
                     if final:
                         logits = model.logits(model.model.norm(x[-1:]))[0].contiguous()  # [vocab] float32
                         pending.append((pg.send([logits], 0, TAG_LOGITS), logits))
-                    ack = torch.tensor([start, end], dtype=torch.long, device=dev)
+                    ack = torch.cat([torch.tensor([start, end], dtype=torch.long, device=dev), header[HEADER_LEN:]])
                     pending.append((pg.send([ack], 0, TAG_ACK), ack))
                 else:
                     out_header = header.clone()
@@ -176,6 +188,7 @@ class _Chunk:
     final: bool
     keep: list[Any]  # works and tensors that must outlive the sends
     ack: Any
+    ack_tensor: torch.Tensor | None = None  # [2 + 2 × stages]: start, end, each stage's (start_ns, end_ns)
     logits_work: Any = None
     logits: torch.Tensor | None = None
     done: asyncio.Future | None = field(default=None, repr=False)
@@ -239,9 +252,13 @@ class Pipeline:
         positions = torch.arange(start, end, dtype=torch.long, device=dev)
         nb = -(-end // pool.config.block_size)
         cache = PagedKvCache(pool, [(block_ids, start, end - start)])
+        began = time.time_ns()
         x = self.model.model.embed_tokens(ids)  # [chunk, hidden]
         x = self.model.run_layers(x, positions, [end - start], cache, *self.ranges[0]).contiguous()
-        header = torch.tensor([OP_CHUNK, start, end, nb, int(final)], dtype=torch.long, device=dev)
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        times = [began, time.time_ns()] + [0] * (2 * (self.size - 1))
+        header = torch.tensor([OP_CHUNK, start, end, nb, int(final), *times], dtype=torch.long, device=dev)
         blocks = torch.tensor(block_ids[:nb], dtype=torch.long, device=dev)
         chunk = _Chunk(end, final, [header, blocks, x], None, done=loop.create_future())
         last = self.size - 1
@@ -249,9 +266,9 @@ class Pipeline:
         if final:
             chunk.logits = torch.empty(self.model.config.vocab_size, dtype=torch.float32, device=dev)
             chunk.logits_work = self.pg.recv([chunk.logits], last, TAG_LOGITS)
-        ack = torch.empty(2, dtype=torch.long, device=dev)
+        ack = torch.empty(2 + 2 * self.size, dtype=torch.long, device=dev)
         chunk.ack = self.pg.recv([ack], last, TAG_ACK)
-        chunk.keep.append(ack)
+        chunk.ack_tensor = ack
         for t, tag in ((header, TAG_HEADER), (blocks, TAG_BLOCKS), (x, TAG_HIDDEN)):
             chunk.keep.append(self.pg.send([t], 1, tag))
         self._acks.put((chunk, loop))
@@ -325,9 +342,24 @@ class Pipeline:
                       logits: torch.Tensor | None) -> torch.Tensor | None:
         assert chunk.done is not None
         chunk.done.result()  # raises a transport error
+        self._trace(chunk)
         if on_chunk_done is not None:
             await on_chunk_done(chunk.end)
         return chunk.logits if chunk.final else logits
+
+    def _trace(self, chunk: _Chunk) -> None:
+        """One `tandem.prefill.chunk` span (first stage's start to last stage's end) with a
+        `tandem.prefill.stage` child per stage, from the intervals the stages reported."""
+        if not tracing.enabled() or chunk.ack_tensor is None:
+            return
+        start, end, *times = chunk.ack_tensor.tolist()
+        stages = [(times[2 * k], times[2 * k + 1]) for k in range(self.size)]
+        parent = tracing.record_span("tandem.prefill.chunk", stages[0][0], stages[-1][1],
+                                     {"tandem.chunk.start": start, "tandem.chunk.tokens": end - start})
+        for k, (t0, t1) in enumerate(stages):
+            tracing.record_span("tandem.prefill.stage", t0, t1,
+                                {"tandem.pp.stage": k, "tandem.pp.layers": f"{self.ranges[k][0]}-{self.ranges[k][1]}"},
+                                parent=parent)
 
     async def _drain(self, chunks: list[_Chunk]) -> None:
         for c in chunks:
@@ -343,7 +375,8 @@ class Pipeline:
         self.closed = True
         try:
             if all(p.is_alive() for p in self.procs):
-                stop = torch.tensor([OP_STOP, 0, 0, 0, 0], dtype=torch.long, device=self.device)
+                stop = torch.zeros(header_len(self.size), dtype=torch.long, device=self.device)
+                stop[0] = OP_STOP
                 self.pg.send([stop], 1, TAG_HEADER).wait()
         except Exception as exc:  # noqa: BLE001 - shutting down anyway
             log.warning("prefill pipeline: stop message failed: %s", exc)

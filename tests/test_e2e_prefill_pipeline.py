@@ -200,3 +200,48 @@ def test_dead_stage_fails_over_to_local_prefill_and_reports_not_serving(cluster,
                 time.sleep(0.1)
     finally:
         cluster.stop(h)
+
+
+def test_pipeline_records_a_span_per_chunk_and_per_stage(cluster):
+    """Tracing on: each chunk of a pp 2 prefill is a `tandem.prefill.chunk` span under
+    `tandem.prefill`, with one `tandem.prefill.stage` child per stage, in time order."""
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from common import tracing
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    rt = cluster.pp[2].runtime
+    prompt = tokens_of(100, offset=999)
+
+    async def run():
+        blocks = rt.pool.blocks.allocate(rt.pool.blocks_for(len(prompt)))
+        try:
+            return await rt.prefill(blocks, prompt, 0)
+        finally:
+            rt.pool.free(blocks)
+
+    previous = tracing.use_provider(provider)
+    try:
+        cluster.call(run())
+    finally:
+        tracing.use_provider(previous)
+    spans = exporter.get_finished_spans()
+    prefill = [s for s in spans if s.name == "tandem.prefill"]
+    chunks = [s for s in spans if s.name == "tandem.prefill.chunk"]
+    stages = [s for s in spans if s.name == "tandem.prefill.stage"]
+    n = len(rt.planner.chunks(0, len(prompt)))
+    assert len(prefill) == 1 and len(chunks) == n > 1 and len(stages) == 2 * n
+    assert all(c.parent.span_id == prefill[0].context.span_id for c in chunks)
+    by_id = {c.context.span_id: c for c in chunks}
+    for st in stages:
+        chunk = by_id[st.parent.span_id]
+        assert chunk.start_time <= st.start_time <= st.end_time <= chunk.end_time
+    for c in chunks:
+        mine = sorted((s for s in stages if s.parent.span_id == c.context.span_id),
+                      key=lambda s: s.attributes["tandem.pp.stage"])
+        assert [s.attributes["tandem.pp.stage"] for s in mine] == [0, 1]
+        assert mine[0].end_time <= mine[1].start_time  # stage 1 runs on what stage 0 sent
