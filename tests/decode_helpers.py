@@ -13,13 +13,15 @@ from engine.worker_host import WorkerOptions, WorkerRuntime
 
 
 async def generate(loaded, k: int, prompts: list[list[int]], params: list[SamplingParams],
-                   num_blocks: int = 256, overlap: bool = False, cancel: int | None = None
-                   ) -> tuple[list[list[int]], WorkerRuntime]:
+                   num_blocks: int = 256, overlap: bool = False, cancel: int | None = None,
+                   **worker_options) -> tuple[list[list[int]], WorkerRuntime]:
     """Prefill each prompt locally, then decode all of them in one continuous batch with
-    --speculative-num-steps k (overlap: force the overlap loop, even on a CPU). Request
+    --speculative-num-steps k (overlap: force the overlap loop, even on a CPU; otherwise the
+    scheduler decides, on with a CUDA model unless disable_overlap_schedule=True). Request
     number `cancel` is cancelled after its third token. Returns (tokens per request, runtime)."""
     rt = WorkerRuntime(discovery_pb2.ROLE_DECODE,
-                       WorkerOptions(model=loaded.name, num_blocks=num_blocks, speculative_num_steps=k),
+                       WorkerOptions(model=loaded.name, num_blocks=num_blocks, speculative_num_steps=k,
+                                     **worker_options),
                        loaded)
     sched = DecodeScheduler(rt)
     if overlap:
