@@ -29,12 +29,15 @@ def shakespeare():
     return load_model("tandem-shakespeare")
 
 
-@pytest.fixture(scope="module")
-def cluster(etcd_server, shakespeare):
-    c = InProcessCluster(etcd_server.endpoint, shakespeare, namespace="e2e-ep-spec")
+@pytest.fixture(scope="module", params=[2, 1, 3], ids=["k2", "k1", "k3"])
+def cluster(request, etcd_server, shakespeare):
+    c = InProcessCluster(etcd_server.endpoint, shakespeare, namespace=f"e2e-ep-spec-k{request.param}")
     c.router = c.start("router")
     c.prefill = c.start("prefill")
-    c.decode = c.start("decode", ep_size=2, speculative_num_steps=2)
+    # 16-token chunks: a 33-token local prefill ends with a chunk of the last token alone, whose
+    # MTP row is not computable yet (engine/mtp.py), so the owning rank joins the MTP MoE idle
+    c.decode = c.start("decode", ep_size=2, speculative_num_steps=request.param, chunk_size=16,
+                       enable_dynamic_chunking=False)
     c.wait_roles(c.router, 1, 1)
     yield c
     c.close()
@@ -100,7 +103,7 @@ def test_concurrent_requests_land_on_both_ranks(cluster, stub, shakespeare):
 def test_local_prefill_writes_mtp_rows_on_owning_rank(cluster, shakespeare):
     """No prefill worker named: the decode worker prefills (main and MTP rows) on the owning rank."""
     tok = shakespeare.tokenizer()
-    prompts = [tok.encode(TEXTS[2] * 2), tok.encode(TEXTS[3])]
+    prompts = [tok.encode(TEXTS[2] * 2)[:33], tok.encode(TEXTS[3])]
     ch = grpc.insecure_channel(cluster.decode.address)
     stub = decode_pb2_grpc.DecodeServiceStub(ch)
     local = cluster.decode.runtime.stats.local_prefills
