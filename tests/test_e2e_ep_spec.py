@@ -119,3 +119,15 @@ def test_local_prefill_writes_mtp_rows_on_owning_rank(cluster, shakespeare):
     assert got == [reference(shakespeare, p, 12) for p in prompts]
     assert cluster.decode.runtime.stats.local_prefills == local + 2
     wait_all_free(cluster)
+
+
+def test_seeded_sampling_is_reproducible(cluster, stub, shakespeare):
+    """Temperature > 0: drafts are sampled on the owning rank, rejection sampling runs on rank 0."""
+    if cluster.decode.runtime.opts.speculative_num_steps != 2:
+        pytest.skip("one k is enough")
+    prompt = shakespeare.tokenizer().encode(TEXTS[1])
+    s = sampling_pb2.SamplingParams(max_tokens=16, temperature=0.7, top_p=0.95, seed=11)
+    runs = [[t for m in stub.Generate(frontend_pb2.GenerateRequest(token_ids=prompt, sampling=s), timeout=120)
+             for t in m.token_ids] for _ in range(2)]
+    assert runs[0] == runs[1] and len(runs[0]) == 16
+    wait_all_free(cluster)
