@@ -19,6 +19,7 @@ runs its ranks on CPU.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import multiprocessing.connection
 import time
@@ -35,8 +36,10 @@ from engine.block_pool import BlockId
 from engine.kv_pool import KvPool, KvPoolConfig, PagedKvCache
 from engine.model import DeepseekV3ForCausalLM
 from engine.ep_placement import ExpertPlacement
-from engine.moe_ep import EpStats, idle_forward, install_expert_parallel, select_backend
+from engine.moe_ep import EpStats, idle_forward, idle_mtp_forward, install_expert_parallel, select_backend
+from engine.mtp import MTP_MODULE, pool_has_mtp, prefill_mtp_rows
 from engine.runner import DecodeInput
+from engine.spec_decode import SpecInput, SpecOutput, spec_forward
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +53,27 @@ class RankWork:
 
     seqs: tuple[tuple[tuple[int, ...], int, int], ...] = ()
     token_ids: tuple[int, ...] = ()
+    # prefill with MTP rows (engine/mtp.py): set on every rank of the step; `prompt` is the
+    # whole prompt of the one prefill sequence (its MTP rows pair hidden p with token p + 1)
+    mtp: bool = False
+    prompt: tuple[int, ...] = ()
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.seqs)
+
+
+@dataclass(frozen=True)
+class SpecWork:
+    """One rank's share of an MTP speculative step: its requests (local block tables; may be
+    empty) and the step's draft rounds over all ranks (`spec_forward`'s lock-step `rounds`)."""
+
+    batch: tuple[SpecInput, ...]
+    rounds: int
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.batch)
 
 
 @dataclass
@@ -65,18 +89,27 @@ class StepStats:
     all_busy_steps: int = 0  # steps where every rank had work
 
 
-def run_work(model: DeepseekV3ForCausalLM, pool: KvPool, work: RankWork) -> torch.Tensor:
+def run_work(model: DeepseekV3ForCausalLM, pool: KvPool, work: RankWork | SpecWork) -> Any:
     """Run one rank's share of a step -> final-normed hidden [len(work.seqs), hidden] of each
-    sequence's last new token ([0, hidden] when idle; the collectives still run)."""
+    sequence's last new token ([0, hidden] when idle; the collectives still run); for a
+    SpecWork, `spec_forward`'s outputs (the rank's SpecOutputs, [] when idle)."""
+    if isinstance(work, SpecWork):
+        return spec_forward(model, pool, list(work.batch), rounds=work.rounds)
     with torch.inference_mode():
         if not work.seqs:
             idle_forward(model)
+            if work.mtp:
+                idle_mtp_forward(model, MTP_MODULE)
             return torch.empty(0, model.config.hidden_size, dtype=model.dtype)
         q_lens = [q for _, _, q in work.seqs]
         ids = torch.tensor(work.token_ids, dtype=torch.long)
         positions = torch.cat([torch.arange(s, s + q) for _, s, q in work.seqs])
         kv = PagedKvCache(pool, [(list(b), s, q) for b, s, q in work.seqs])
         hidden = model.forward(ids, positions, q_lens, kv)  # [T, hidden]
+        if work.mtp:  # one prefill sequence: its chunk's MTP rows, or an idle MTP forward
+            (blocks, start, q), = work.seqs
+            if not prefill_mtp_rows(model, pool, list(blocks), list(work.prompt), start, start + q, hidden):
+                idle_mtp_forward(model, MTP_MODULE)
         last = torch.tensor(q_lens).cumsum(0) - 1
         return hidden[last]
 
@@ -198,8 +231,8 @@ class EpEngine:
             raise RuntimeError(f"EP rank {rank} failed: {payload}")
         return payload
 
-    def step(self, works: list[RankWork]) -> list[torch.Tensor]:
-        """One lock-step step: works[r] to rank r; returns each rank's hidden [n_r, hidden]."""
+    def step(self, works: list[RankWork] | list[SpecWork]) -> list[Any]:
+        """One lock-step step: works[r] to rank r; returns each rank's result (`run_work`)."""
         t0 = time.perf_counter()
         for rank, (conn, work) in enumerate(zip(self._conns, works[1:]), start=1):
             try:
@@ -219,7 +252,7 @@ class EpEngine:
             self._loads[rank] = st.expert_load
         self.stats.steps += 1
         self.stats.step_s += time.perf_counter() - t0
-        idle = sum(1 for w in works if not w.seqs)
+        idle = sum(1 for w in works if not w.busy)
         self.stats.idle_rank_steps += idle
         self.stats.all_busy_steps += idle == 0
         return outs
@@ -233,13 +266,29 @@ class EpEngine:
     @torch.inference_mode()
     def prefill_chunk(self, block_ids: list[BlockId], token_ids: list[int], start: int, end: int,
                       mtp: bool = False) -> torch.Tensor:
-        """Prompt tokens [start, end) on the rank owning block_ids (others idle) -> hidden [hidden].
-        `mtp` (the MTP module's KV rows) is not supported with EP: WorkerOptions refuses the pair."""
-        assert not mtp, "MTP with --ep-size > 1 is refused by WorkerOptions"
+        """Prompt tokens [start, end) on the rank owning block_ids (others idle) -> hidden [hidden];
+        with `mtp` the chunk's MTP KV rows too (engine/mtp.py; the other ranks join the MTP
+        module's collectives with no tokens)."""
+        mtp = mtp and pool_has_mtp(self.pool.ranks[0], self.model)
         rank, local = self.pool.split(block_ids)
-        works = [RankWork() for _ in range(self.world)]
-        works[rank] = RankWork(((tuple(local), start, end - start),), tuple(token_ids[start:end]))
+        works = [RankWork(mtp=mtp) for _ in range(self.world)]
+        works[rank] = RankWork(((tuple(local), start, end - start),), tuple(token_ids[start:end]), mtp,
+                               tuple(token_ids) if mtp else ())
         return self.step(works)[rank][0]
+
+    def spec_decode(self, batch: list[SpecInput]) -> list[SpecOutput]:
+        """One MTP speculative step (engine/spec_decode.py) for every request, each on the rank
+        that owns its blocks: every rank runs the MTP extend, the same number of chain rounds
+        (the most drafts of any request) and the verify forward, idle where it has no rows."""
+        shares: list[list[SpecInput]] = [[] for _ in range(self.world)]
+        where = []
+        for b in batch:
+            rank, local = self.pool.split(b.block_ids)
+            where.append((rank, len(shares[rank])))
+            shares[rank].append(dataclasses.replace(b, block_ids=list(local)))
+        rounds = max((b.num_drafts for b in batch), default=0)
+        outs = self.step([SpecWork(tuple(s), rounds) for s in shares])
+        return [outs[r][i] for r, i in where]
 
     @torch.inference_mode()
     def decode(self, batch: list[DecodeInput]) -> torch.Tensor:

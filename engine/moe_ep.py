@@ -190,6 +190,20 @@ def idle_forward(model: DeepseekV3ForCausalLM, main_only: bool = True) -> None:
         moe.experts_forward(x, ids, weights)
 
 
+@torch.inference_mode()
+def idle_mtp_forward(model: DeepseekV3ForCausalLM, k: int = 0) -> None:
+    """Join the collectives of one forward of MTP module k with no tokens (a lock-step rank with
+    no rows in a speculative step's MTP extend or chain round, engine/spec_decode.py)."""
+    moe = model.mtp_layer(k).mlp
+    if not isinstance(moe, MoE):  # a dense MTP layer has no collectives
+        return
+    c = model.config
+    x = torch.empty(0, c.hidden_size, dtype=model.dtype, device=model.model.embed_tokens.weight.device)
+    ids = torch.empty(0, c.num_experts_per_tok, dtype=torch.long, device=x.device)
+    weights = torch.empty(0, c.num_experts_per_tok, dtype=torch.float32, device=x.device)
+    moe.experts_forward(x, ids, weights)
+
+
 def select_backend(requested: str, device: torch.device | str) -> str:
     """The all-to-all backend for ranks on `device`: 'torch' (torch.distributed: gloo on CPU,
     NCCL on CUDA) or 'deepep'. 'auto' picks DeepEP only when `deep_ep` imports and the ranks are
@@ -226,4 +240,4 @@ DEEPEP_IMPLEMENTED = False
 
 
 __all__: Sequence[str] = ("ExpertPlacement", "ExpertParallelDispatch", "EpStats", "install_expert_parallel",
-                          "idle_forward", "moe_layers", "select_backend")
+                          "idle_forward", "idle_mtp_forward", "moe_layers", "select_backend")

@@ -35,23 +35,25 @@ def pool_has_mtp(pool: KvPool, model: torch.nn.Module) -> bool:
 
 
 def prefill_mtp_rows(model: torch.nn.Module, pool: KvPool, block_ids: list[BlockId],
-                     token_ids: list[int], start: int, end: int, hidden: torch.Tensor) -> None:
+                     token_ids: list[int], start: int, end: int, hidden: torch.Tensor) -> bool:
     """Write MTP rows start..min(end, P-1)-1 of a prompt chunk [start, end) (P = len(token_ids)).
 
     Args:
         hidden: [end - start, hidden] the main model's final-normed output for the chunk.
     Row p pairs hidden[p - start] with token_ids[p + 1]; the chunk's rows are computed in one
     MTP forward that attends to rows 0..p (earlier chunks or the prefix cache wrote the rest).
+    Returns whether the MTP forward ran (False for a chunk ending at the prompt's last token alone).
     """
     stop = min(end, len(token_ids) - 1)
     if stop <= start:
-        return
+        return False
     n = stop - start
     device = hidden.device
     next_ids = torch.tensor(token_ids[start + 1:stop + 1], dtype=torch.long, device=device)
     positions = torch.arange(start, stop, dtype=torch.long, device=device)
     kv = PagedKvCache(pool, [(block_ids, start, n)])
     model.mtp_forward(MTP_MODULE, hidden[:n], next_ids, positions, [n], kv)
+    return True
 
 
 def hidden_to_bytes(hidden: torch.Tensor) -> bytes:

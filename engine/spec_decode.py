@@ -74,13 +74,43 @@ def _draft(logits: torch.Tensor, params: SamplingParams, step: int
     return int(torch.multinomial(logp.exp().cpu(), 1, generator=g)), logp
 
 
+def _idle_mtp(model: torch.nn.Module) -> None:
+    # a lock-step rank with no rows for this MTP forward still joins its MoE collectives
+    from engine.moe_ep import idle_mtp_forward
+    idle_mtp_forward(model, MTP_MODULE)
+
+
+def _idle_main(model: torch.nn.Module) -> None:
+    from engine.moe_ep import idle_forward
+    idle_forward(model)
+
+
 @torch.inference_mode()
-def spec_forward(model: torch.nn.Module, pool: KvPool, batch: list[SpecInput]) -> list[SpecOutput]:
+def spec_forward(model: torch.nn.Module, pool: KvPool, batch: list[SpecInput],
+                 rounds: int | None = None) -> list[SpecOutput]:
     """Steps 1-3 above for every request in batch (steps run batched over the requests).
 
     Writes MTP rows mtp_start..n-1 (final) and n..n+k-2 (provisional) and main rows n..n+k
     into the pool; rows past the accepted tokens are overwritten by later steps.
+
+    rounds: None (one process) runs only the forwards this batch needs. An expert-parallel
+    rank (decode_worker/ep_ranks.py) passes the step's draft count over all ranks (max
+    num_drafts, >= every request's here): then the MTP extend, exactly max(rounds - 1, 0)
+    chain forwards and the verify forward always run, a forward with no rows on this rank
+    joining the MoE all-to-alls with no tokens (`engine.moe_ep` idle paths), so every rank
+    runs the same collectives in the same order (DESIGN.md section 8). batch may then be empty.
     """
+    lockstep = rounds is not None
+    if rounds is None:
+        rounds = max((b.num_drafts for b in batch), default=0)
+    assert all(b.num_drafts <= rounds for b in batch), "rounds below a request's num_drafts"
+    if not batch:
+        assert lockstep, "an empty batch is only run in lock-step"
+        _idle_mtp(model)
+        for _ in range(rounds - 1):
+            _idle_mtp(model)
+        _idle_main(model)
+        return []
     device = pool.kv.device
     lt = lambda xs: torch.tensor(xs, dtype=torch.long, device=device)  # noqa: E731
     # 1. MTP extend over every request's not yet MTP-cached pairs
@@ -94,18 +124,22 @@ def spec_forward(model: torch.nn.Module, pool: KvPool, batch: list[SpecInput]) -
     dlogp: list[list[torch.Tensor]] = [[] for _ in batch]
     active = [i for i, b in enumerate(batch) if b.num_drafts > 0]
     prev = g[last[active]]  # [active, hidden] MTP hidden predicting each request's n + 1
-    for j in range(max((b.num_drafts for b in batch), default=0)):
+    for j in range(rounds):
         # 2. draft j+1 for the active requests; then feed it back for the next draft
-        logits = model.mtp_logits(MTP_MODULE, prev)  # [len(active), vocab]
-        for row, i in enumerate(active):
-            tok, logp = _draft(logits[row], batch[i].params, batch[i].step + j)
-            drafts[i].append(tok)
-            if logp is not None:
-                dlogp[i].append(logp)
+        if active:
+            logits = model.mtp_logits(MTP_MODULE, prev)  # [len(active), vocab]
+            for row, i in enumerate(active):
+                tok, logp = _draft(logits[row], batch[i].params, batch[i].step + j)
+                drafts[i].append(tok)
+                if logp is not None:
+                    dlogp[i].append(logp)
         keep = [row for row, i in enumerate(active) if batch[i].num_drafts > j + 1]
-        if not keep:
+        if j + 1 >= rounds or not (keep or lockstep):
             break
         active = [active[row] for row in keep]
+        if not active:  # lock-step: another rank still drafts
+            _idle_mtp(model)
+            continue
         pos = lt([batch[i].num_computed + j for i in active])
         kv = PagedKvCache(pool, [(batch[i].block_ids, batch[i].num_computed + j, 1) for i in active])
         prev = model.mtp_forward(MTP_MODULE, prev[keep], lt([drafts[i][-1] for i in active]), pos,

@@ -94,9 +94,6 @@ class WorkerOptions:
             raise ValueError(f"--practical-fraction must be in (0, 4], got {self.practical_fraction}")
         if not 0 <= self.speculative_num_steps <= 8:
             raise ValueError(f"--speculative-num-steps must be in 0..8, got {self.speculative_num_steps}")
-        if self.ep_size > 1 and self.speculative_num_steps:
-            # EpEngine runs prefill, decode and logits steps only; MTP draft/verify steps are not there yet
-            raise ValueError("--speculative-num-steps with --ep-size > 1 is not supported yet")
         from kv_transfer.select import CHOICES
         if self.transfer_backend not in CHOICES:
             raise ValueError(f"--transfer-backend must be one of {', '.join(CHOICES)}, got {self.transfer_backend!r}")
