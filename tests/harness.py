@@ -109,3 +109,24 @@ class InProcessCluster:
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(10)
         self.loop.close()
+
+
+def decode_locally(address: str, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """Send prompts straight to a decode worker (no prefill worker named: it prefills them
+    itself), concurrently, and return the greedy tokens of each."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import grpc
+
+    from common.pb.tandem.v1 import decode_pb2, decode_pb2_grpc, sampling_pb2
+
+    with grpc.insecure_channel(address) as ch:
+        stub = decode_pb2_grpc.DecodeServiceStub(ch)
+
+        def one(p: list[int]) -> list[int]:
+            req = decode_pb2.DecodeRequest(request_id=f"local-{len(p)}", token_ids=p,
+                                           sampling=sampling_pb2.SamplingParams(max_tokens=max_tokens))
+            return [t for m in stub.Generate(req, timeout=120) for t in m.token_ids]
+
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            return list(pool.map(one, prompts))

@@ -13,7 +13,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from common.pb.tandem.v1 import decode_pb2, decode_pb2_grpc, frontend_pb2, frontend_pb2_grpc, sampling_pb2
 from engine.reference import reference_generate
-from harness import InProcessCluster
+from harness import InProcessCluster, decode_locally
 
 pytestmark = pytest.mark.e2e
 
@@ -97,19 +97,9 @@ def test_concurrent_requests_land_on_both_ranks(cluster, stub, tiny_model):
 
 def test_local_prefill_on_owning_rank(cluster, tiny_model):
     """No prefill worker named: the decode worker prefills on the rank that owns the request."""
-    ch = grpc.insecure_channel(cluster.decode.address)
-    stub = decode_pb2_grpc.DecodeServiceStub(ch)
     local = cluster.decode.runtime.stats.local_prefills
     prompts = [tokens_of(21, 40), tokens_of(33, 41)]
-    try:
-        def one(p):
-            req = decode_pb2.DecodeRequest(request_id=f"local-{len(p)}", token_ids=p,
-                                           sampling=sampling_pb2.SamplingParams(max_tokens=8))
-            return [t for m in stub.Generate(req, timeout=120) for t in m.token_ids]
-        with ThreadPoolExecutor(2) as pool:
-            got = list(pool.map(one, prompts))
-    finally:
-        ch.close()
+    got = decode_locally(cluster.decode.address, prompts, 8)
     assert got == [reference(tiny_model, p, 8) for p in prompts]
     assert cluster.decode.runtime.stats.local_prefills == local + 2
     wait_all_free(cluster)

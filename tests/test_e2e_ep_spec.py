@@ -12,10 +12,10 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 
-from common.pb.tandem.v1 import decode_pb2, decode_pb2_grpc, frontend_pb2, frontend_pb2_grpc, sampling_pb2
+from common.pb.tandem.v1 import frontend_pb2, frontend_pb2_grpc, sampling_pb2
 from engine.model_source import load_model
 from engine.reference import reference_generate
-from harness import InProcessCluster
+from harness import InProcessCluster, decode_locally
 
 pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("one_torch_thread")]
 TEXTS = ["ROMEO:\nBut soft, what light through yonder window breaks?\n",
@@ -104,18 +104,8 @@ def test_local_prefill_writes_mtp_rows_on_owning_rank(cluster, shakespeare):
     """No prefill worker named: the decode worker prefills (main and MTP rows) on the owning rank."""
     tok = shakespeare.tokenizer()
     prompts = [tok.encode(TEXTS[2] * 2)[:33], tok.encode(TEXTS[3])]
-    ch = grpc.insecure_channel(cluster.decode.address)
-    stub = decode_pb2_grpc.DecodeServiceStub(ch)
     local = cluster.decode.runtime.stats.local_prefills
-    try:
-        def one(p):
-            req = decode_pb2.DecodeRequest(request_id=f"local-{len(p)}", token_ids=p,
-                                           sampling=sampling_pb2.SamplingParams(max_tokens=12))
-            return [t for m in stub.Generate(req, timeout=120) for t in m.token_ids]
-        with ThreadPoolExecutor(2) as ex:
-            got = list(ex.map(one, prompts))
-    finally:
-        ch.close()
+    got = decode_locally(cluster.decode.address, prompts, 12)
     assert got == [reference(shakespeare, p, 12) for p in prompts]
     assert cluster.decode.runtime.stats.local_prefills == local + 2
     wait_all_free(cluster)
