@@ -34,7 +34,7 @@ HELP = {
     "max_queued": "decode: requests that may wait for admission; beyond it RESOURCE_EXHAUSTED",
     "chunk_size": "prefill chunk size in tokens (the base chunk with dynamic chunking); alias --chunked-prefill-size",
     "enable_dynamic_chunking": "prefill: fit f(l) = a·l² + b·l + c from start-up timings and shrink chunks as the "
-                               "prefix grows (DESIGN.md section 7); falls back to static chunks with a logged reason",
+                               "prefix grows; falls back to static chunks with a logged reason",
     "dynamic_chunk_smoothing": "dynamic chunking: σ in [0, 1], chunk = base + σ·(x − base)",
     "pp_size": "prefill: pipeline-parallel stage processes (1 = no pipeline)",
     "pp_layer_partition": "prefill: layers per stage, comma-separated (e.g. '3,1'); empty = as even as possible",
@@ -63,6 +63,8 @@ HELP = {
     "speculative_num_steps": "decode: MTP draft tokens per verify step (0 = no speculative decoding)",
     "disable_overlap_schedule": "decode: turn the overlap scheduler off (it runs on CUDA only; on a CPU "
                                 "steps always run in turn)",
+    "disable_cuda_graph": "decode on CUDA: run every step eagerly instead of replaying the decode step's "
+                          "CUDA graph (captured at start-up for batch sizes up to --max-running)",
     "ep_size": "decode: expert-parallel ranks (processes) forming this worker; 1 = no expert parallelism",
     "ep_backend": "decode: EP all-to-all backend: auto (DeepEP when it imports and ranks are on GPUs, else "
                   "torch.distributed), torch, or deepep (fails unless it can run)",

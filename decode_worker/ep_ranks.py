@@ -38,7 +38,7 @@ from engine.model import DeepseekV3ForCausalLM
 from engine.ep_placement import ExpertPlacement
 from engine.moe_ep import EpStats, idle_forward, idle_mtp_forward, install_expert_parallel, select_backend
 from engine.mtp import MTP_MODULE, pool_has_mtp, prefill_mtp_rows
-from engine.runner import DecodeInput
+from engine.runner import DecodeInput, sample_to_host
 from engine.spec_decode import SpecInput, SpecOutput, spec_forward
 
 log = logging.getLogger(__name__)
@@ -306,6 +306,10 @@ class EpEngine:
         return self.model.logits(hidden)
 
     @torch.inference_mode()
+    def decode_tokens(self, batch: list[DecodeInput], sampling: list) -> tuple[list[int], list[float]]:
+        """`decode`, then rank 0 samples every row at once (engine.runner.sample_to_host)."""
+        return sample_to_host(self.decode(batch), sampling)
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.model.logits(hidden)
 

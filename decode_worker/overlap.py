@@ -45,7 +45,7 @@ def use_overlap(runtime, speculative: bool) -> bool:
     if speculative:
         log.info("overlap scheduler: off with MTP speculative decoding (not overlapped yet)")
         return False
-    log.info("overlap scheduler: on (future-token map, side stream for inputs)")
+    log.info("overlap scheduler: on (future-token map, device sampling)")
     return True
 
 
@@ -53,7 +53,7 @@ class OverlapLoop:
     def __init__(self, scheduler: DecodeScheduler) -> None:
         self.sched = scheduler
         rt = scheduler.rt
-        self.runner = OverlapRunner(rt.loaded.model, rt.pool, capacity=4 * rt.opts.max_running + 16)
+        self.runner = OverlapRunner(rt.runner, capacity=4 * rt.opts.max_running + 16)
         self.fmap = self.runner.fmap
         self._inflight: tuple[list[RunningRequest], list[int], LaunchedStep] | None = None
         self._deferred: list[list] = []  # block lists to free once the step in flight is done
@@ -103,7 +103,7 @@ class OverlapLoop:
         for req, slot, token, logprob in zip(batch, slots, tokens, logprobs):
             if req not in running or req.cancelled:
                 continue  # finished by an earlier token (its step's token is dropped) or cancelled
-            idx = len(req.tokens) - 1 - req.tokens[::-1].index(self.fmap.placeholder(slot))
+            idx = _last_index(req.tokens, self.fmap.placeholder(slot))
             req.tokens[idx] = token
             generated = idx + 1 - req.prompt_len
             reason = sampling_pb2.FINISH_REASON_UNSPECIFIED
@@ -115,3 +115,12 @@ class OverlapLoop:
             if reason != sampling_pb2.FINISH_REASON_UNSPECIFIED:
                 del req.tokens[idx + 1:]  # a placeholder of the step now in flight, if any
                 self.sched._finish(req, TokenOut(finish_reason=reason))
+
+
+def _last_index(tokens: list[int], value: int) -> int:
+    """Index of value's last occurrence, scanning from the end (a step's placeholder is among
+    the last two entries: at most one later step is in flight)."""
+    for i in range(len(tokens) - 1, -1, -1):
+        if tokens[i] == value:
+            return i
+    raise ValueError(f"placeholder {value} not in the request's tokens")

@@ -21,7 +21,6 @@ from decode_worker.admission import Admission, Ticket
 from decode_worker.retraction import Retractor
 from engine.block_pool import BlockId
 from engine.runner import DecodeInput
-from engine.sampling import sample
 from engine.worker_host import WorkerRuntime
 from decode_worker.overlap import OverlapLoop, use_overlap
 from decode_worker.spec_step import SpecDecoder
@@ -102,17 +101,10 @@ class DecodeScheduler:
             self.rt.pool.grow(req.block_ids, len(req.tokens))  # make_room left enough free blocks
         return batch
 
-    def _postprocess(self, batch: list[RunningRequest], logits) -> None:
-        for req, row in zip(batch, logits):
-            if req.cancelled:
-                continue
-            try:
-                token, logprob = sample(row, req.params, step=req.step_offset + req.generated)
-            except (RuntimeError, ValueError) as exc:  # one request's sampling must not stop the batch
-                log.exception("request %s: sampling failed", req.request_id)
-                self._finish(req, TokenOut(error=(grpc.StatusCode.INTERNAL, f"sampling failed: {exc}")))
-                continue
-            self.emit(req, token, logprob)
+    def _postprocess(self, batch: list[RunningRequest], tokens: list[int], logprobs: list[float]) -> None:
+        for req, token, logprob in zip(batch, tokens, logprobs):
+            if not req.cancelled:
+                self.emit(req, token, logprob)
 
     def emit(self, req: RunningRequest, token: int, logprob: float) -> bool:
         """Append and stream one generated token; finish req at eos or max_tokens (True then)."""
@@ -158,6 +150,7 @@ class DecodeScheduler:
                 self.steps += 1
                 continue
             inputs = [DecodeInput(r.block_ids, len(r.tokens) - 1, r.tokens[-1]) for r in batch]
-            logits = await self.rt.run_model(self.rt.runner.decode, inputs)
+            sampling = [(r.params, r.step_offset + r.generated) for r in batch]
+            tokens, logprobs = await self.rt.run_model(self.rt.runner.decode_tokens, inputs, sampling)
             self.steps += 1
-            self._postprocess(batch, logits)
+            self._postprocess(batch, tokens, logprobs)

@@ -151,6 +151,21 @@ def plan(inputs: PlanInputs) -> Plan:
     return Plan(inputs, pool, per_request, cap, practical, practical * inputs.ep_size)
 
 
+def graph_reserve_bytes(config, max_batch: int) -> int:
+    """Memory set aside from --mem-fraction-static for the decode CUDA graphs' shared pool: the
+    activations of the largest captured batch (engine/graph_runner.py), estimated as float32
+    logits (twice: graph output and sampling), the grouped experts' [B × k, 2I + hidden] rows,
+    the attention's split partials (at most 32 splits of [H, kv_lora_rank] float32 at batch 1,
+    fewer at larger batches: ~2 waves of SMs in all), plus 256 MiB of cuBLAS/Triton workspace.
+    The worker logs the measured figure and warns when it exceeds this."""
+    c = config
+    per_row = (2 * c.vocab_size * 4
+               + 3 * c.num_experts_per_tok * (2 * c.moe_intermediate_size + c.hidden_size) * 2
+               + 3 * max(c.intermediate_size * 2, c.hidden_size) * 2
+               + 16 * c.num_attention_heads * c.kv_lora_rank * 4)
+    return 256 * 2**20 + max_batch * per_row + 64 * c.num_attention_heads * c.kv_lora_rank * 4
+
+
 def pool_blocks_from_memory(device_bytes: int, mem_fraction_static: float, weight_bytes: int,
                             block_bytes: int) -> int:
     """KV pool size in blocks: floor((device memory × mem_fraction_static − weights) / block bytes).

@@ -51,6 +51,32 @@ def _embedding(vocab: int, hidden: int) -> nn.Embedding:
     return nn.Embedding(vocab, hidden, _weight=torch.empty(vocab, hidden))
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm as HF: x [..., dim] normalised in float32, cast back, then scaled by weight [dim]."""
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU's silu(gate) * up (elementwise)."""
+    return F.silu(gate) * up
+
+
+class HotPath:
+    """The model's elementwise hot spots, called through this table so that a GPU runner can
+    swap in fused (torch.compile'd) versions of the same functions (engine/kernels/fused.py);
+    on a CPU they stay these plain functions, the reference."""
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.rms_norm, self.silu_mul = rms_norm, silu_mul
+        self.rope_cos_sin, self.apply_rope, self.route = rope_cos_sin, apply_rope, route
+        self.fused = False
+
+
 class RMSNorm(nn.Module):
     """RMSNorm as HF: normalise in float32, cast back, then scale by `weight` [dim]."""
 
@@ -61,9 +87,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [..., dim]
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        return HOT.rms_norm(x, self.weight, self.eps)
 
 
 def rope_cos_sin(positions: torch.Tensor, dim: int, theta: float,
@@ -181,10 +205,10 @@ class MLAttention(nn.Module):
         q_nope, q_pe = q.split([c.qk_nope_head_dim, c.qk_rope_head_dim], dim=-1)
         c_kv, k_pe = self.kv_a_proj_with_mqa(x).split([c.kv_lora_rank, c.qk_rope_head_dim], -1)
         cos, sin = rope
-        q_pe = apply_rope(q_pe, cos, sin, c.rope_interleave)
-        k_pe = apply_rope(k_pe[:, None, :], cos, sin, c.rope_interleave)[:, 0]  # [T, rope]
+        q_pe = HOT.apply_rope(q_pe, cos, sin, c.rope_interleave)
+        k_pe = HOT.apply_rope(k_pe[:, None, :], cos, sin, c.rope_interleave)[:, 0]  # [T, rope]
         latent = torch.cat((self.kv_a_layernorm(c_kv), k_pe), dim=-1)  # [T, kv_dim]
-        if getattr(kv, "attends", False):  # hook: batched decode attention (engine/fast_decode.py)
+        if getattr(kv, "attends", False):  # the GPU decode step: engine/decode_batch.py
             return self.o_proj(kv.attend(layer_idx, latent, q_nope, q_pe, self).reshape(t, -1))
         contexts = kv.update(layer_idx, latent)
         outs, start = [], 0
@@ -207,7 +231,7 @@ class MLP(nn.Module):
         self.down_proj = _linear(intermediate, hidden)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(HOT.silu_mul(self.gate_proj(x), self.up_proj(x)))
 
 
 def route(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor,
@@ -236,6 +260,10 @@ def route(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor,
     return ids, weights * c.routed_scaling_factor
 
 
+HOT = HotPath()
+"""Process-wide: every model of the process calls these (see HotPath)."""
+
+
 class TopkRouter(nn.Module):
     """The MoE gate: `weight` [E, hidden] and buffer `e_score_correction_bias` [E] (float32)."""
 
@@ -247,7 +275,7 @@ class TopkRouter(nn.Module):
         self.register_buffer("e_score_correction_bias", torch.empty(c.n_routed_experts))
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return route(x, self.weight, self.e_score_correction_bias, self.c)
+        return HOT.route(x, self.weight, self.e_score_correction_bias, self.c)
 
 
 class MoE(nn.Module):
@@ -260,6 +288,9 @@ class MoE(nn.Module):
             MLP(c.hidden_size, c.moe_intermediate_size) for _ in range(c.n_routed_experts))
         self.shared_experts = (MLP(c.hidden_size, c.moe_intermediate_size * c.n_shared_experts)
                                if c.n_shared_experts > 0 else None)
+        # the grouped-GEMM form of the routed experts (engine/kernels/grouped_experts.py), set by
+        # use_grouped_experts on GPU workers; None runs the per-expert loop below (the reference)
+        self.grouped = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, hidden] -> [T, hidden]
@@ -275,6 +306,8 @@ class MoE(nn.Module):
 
         Accumulates in float32 like HF. Expert-parallel runtimes replace this call.
         """
+        if self.grouped is not None:
+            return self.grouped.forward(x, ids, weights)
         out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         for e, expert in enumerate(self.experts):
             tok, slot = torch.where(ids == e)  # tokens routed to e, and which of their k slots
@@ -379,8 +412,8 @@ class DeepseekV3ForCausalLM(nn.Module):
 
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [T, qk_rope_head_dim] for positions [T], in the model dtype."""
-        return rope_cos_sin(positions, self.config.qk_rope_head_dim, self.config.rope_theta,
-                            self.dtype)
+        return HOT.rope_cos_sin(positions, self.config.qk_rope_head_dim, self.config.rope_theta,
+                                self.dtype)
 
     def run_layers(self, x: torch.Tensor, positions: torch.Tensor, q_lens: Sequence[int],
                    kv: KvCache, start: int = 0, stop: int | None = None) -> torch.Tensor:

@@ -1,15 +1,11 @@
 """Decode steps for the overlap scheduler: launch without waiting, collect later.
 
-`launch` builds the step's inputs on a side CUDA stream (so their host-to-device copies do not
-queue behind the step still running on the main stream), resolves placeholder input ids from
-the FutureTokenMap on the device, runs the forward, picks greedy tokens on the device, writes
-them into the map and starts a non-blocking copy of tokens and log-probabilities to pinned host
-memory with an event behind it. `collect` waits for that event only. On a CPU every call runs
-to completion at once, so the same code path works, sequentially.
-
-Requests with temperature > 0 are sampled with engine.sampling's CPU-seeded (seed, step)
-streams, which are reproducible on any device; on CUDA such a step therefore copies those rows'
-logits to the host (one sync in that step), greedy rows never do.
+`launch` runs one `ModelRunner.decode_step` with the step's placeholder input ids resolved from
+the FutureTokenMap on the device (so step i + 1 can be launched before step i's tokens reach the
+host), writes the sampled tokens into the map and starts a non-blocking copy of tokens and
+log-probabilities to pinned host memory with an event behind it. `collect` waits for that event
+only. Sampling (greedy and seeded) runs on the device (engine/sampling.py): no step syncs. On a
+CPU every call runs to completion at once, so the same code path works, sequentially.
 """
 
 from __future__ import annotations
@@ -20,9 +16,7 @@ import torch
 
 from common.sampling_params import SamplingParams
 from engine.future_map import FutureTokenMap
-from engine.kv_pool import KvPool, PagedKvCache
-from engine.runner import DecodeInput
-from engine.sampling import sample
+from engine.runner import DecodeInput, ModelRunner
 
 
 @dataclass
@@ -35,21 +29,11 @@ class LaunchedStep:
 
 
 class OverlapRunner:
-    def __init__(self, model: torch.nn.Module, pool: KvPool, capacity: int) -> None:
-        self.model = model
-        self.pool = pool
-        self.device = pool.kv.device
+    def __init__(self, runner: ModelRunner, capacity: int) -> None:
+        self.runner = runner
+        self.device = runner.device
         self.fmap = FutureTokenMap(capacity, self.device)
         self.cuda = self.device.type == "cuda"
-        self.side = torch.cuda.Stream(self.device) if self.cuda else None
-
-    def _inputs(self, batch: list[DecodeInput], slots: list[int]):
-        lt = lambda xs: torch.tensor(xs, dtype=torch.long, pin_memory=self.cuda).to(  # noqa: E731
-            self.device, non_blocking=True)
-        ids = lt([b.input_token for b in batch])
-        positions = lt([b.num_computed for b in batch])
-        kv = PagedKvCache(self.pool, [(b.block_ids, b.num_computed, 1) for b in batch])
-        return ids, positions, kv, lt(slots)
 
     @torch.inference_mode()
     def launch(self, batch: list[DecodeInput], slots: list[int],
@@ -58,29 +42,8 @@ class OverlapRunner:
 
         sampling[i] = (params, step index) of the token batch[i] generates.
         """
-        if self.cuda:
-            with torch.cuda.stream(self.side):
-                ids, positions, kv, slot_t = self._inputs(batch, slots)
-            main = torch.cuda.current_stream(self.device)
-            main.wait_stream(self.side)
-            # made on the side stream, read on the main one: keep the caching allocator from
-            # handing their memory to the next step's inputs before this step has run
-            for t in (ids, positions, slot_t, kv._w_blk, kv._w_off, *(tab for tab, _ in kv._reads)):
-                t.record_stream(main)
-        else:
-            ids, positions, kv, slot_t = self._inputs(batch, slots)
-        ids = self.fmap.resolve(ids)  # placeholders of the step before -> its tokens, on device
-        hidden = self.model(ids, positions, [1] * len(batch), kv)  # [B, hidden]
-        logits = self.model.logits(hidden)  # [B, vocab] float32
-        tokens = torch.argmax(logits, dim=-1)
-        logprobs = torch.log_softmax(logits, dim=-1).gather(1, tokens[:, None])[:, 0]
-        sampled = [i for i, (p, _) in enumerate(sampling) if not p.greedy]
-        if sampled:  # CPU-seeded streams: reproducible everywhere, at the price of one sync
-            rows = logits[sampled].cpu()
-            picks = [sample(rows[j], *sampling[i]) for j, i in enumerate(sampled)]
-            idx = torch.tensor(sampled, device=self.device)
-            tokens[idx] = torch.tensor([t for t, _ in picks], device=self.device)
-            logprobs[idx] = torch.tensor([lp for _, lp in picks], device=self.device)
+        tokens, logprobs = self.runner.decode_step(batch, sampling, resolve=self.fmap.resolve)
+        slot_t = torch.tensor(slots, dtype=torch.long, pin_memory=self.cuda).to(self.device, non_blocking=True)
         self.fmap.store(slot_t, tokens)
         if not self.cuda:
             return LaunchedStep(tokens, logprobs, None)

@@ -1,61 +1,183 @@
-"""Sampling: greedy, temperature and top-p, reproducible across processes.
+"""Sampling: greedy, temperature and top-p, batched on the device, reproducible across processes.
 
-The random stream for generated token `step` (0 = first token) is seeded from
-(seed, step) alone, so the prefill worker (which samples token 0), the decode worker and a
-migrated request all draw the same numbers without sharing generator state.
+`sample_batch` picks one token per row of a [B, vocab] logits tensor where the logits are
+(CPU or GPU), with no host sync. Seeded draws use the Gumbel-max trick with counter-based
+noise: the noise of vocabulary entry v for generated token `step` of a request with `seed` is
+a fixed integer hash of (seed, step, v), computed with integer tensor ops that give the same
+bits on every device. A row's draw therefore depends on its own logits, seed and step only —
+not on which other requests share the batch, on the batch's order, on the process or on any
+generator state — so the prefill worker (which samples token 0), the decode worker and a
+migrated request all draw the same token from the same logits.
+
+Gumbel-max: argmax_v(logp_v + g_v) with g_v = -log(-log(u_v)), u_v uniform in (0, 1), is a
+draw from softmax(logp) (Gumbel 1954; e.g. Maddison et al., "A* Sampling", 2014). u_v has 24
+random bits (float32), which truncates the Gumbel tail at about 17.3: the distribution differs
+from the exact one only by a term of order 2^-24 per entry.
+
+`sample` is the one-row form of the same function.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import xxhash
 
 from common.sampling_params import SamplingParams
 
-__all__ = ["SamplingParams", "sample", "sampling_logprobs"]
+__all__ = ["SamplingParams", "SamplingRows", "sample", "sample_batch", "sampling_logprobs"]
+
+_M32 = 0xFFFFFFFF
+
 
 def _generator(seed: int, step: int, stream: int = 0) -> torch.Generator:
-    # stream 0 draws the token itself; speculative decoding (engine/spec_decode.py) uses other
-    # streams for its draft, accept and resample draws of the same step
+    # CPU generators of speculative decoding's draft, accept and resample draws (streams 1-3 of
+    # engine/spec_decode.py); the token draw itself uses the counter-based noise below
     key = step.to_bytes(8, "little") + (stream.to_bytes(4, "little") if stream else b"")
     g = torch.Generator()
     g.manual_seed(xxhash.xxh3_64_intdigest(key, seed=seed) & ((1 << 63) - 1))
     return g
 
 
-def sampling_logprobs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """The distribution `sample` draws from, as log-probabilities [vocab] (float32): softmax of
-    logits [vocab] / temperature, restricted to the top-p nucleus and renormalised (for greedy:
-    plain log_softmax of the logits)."""
+def _fmix32(x: torch.Tensor) -> torch.Tensor:
+    """murmur3's 32-bit finaliser on int64 tensors holding values in [0, 2^32).
+
+    Products are taken in int64 and masked back to 32 bits: the low 32 bits of a product do
+    not depend on overflow, so CPU and CUDA give the same bits."""
+    x = x ^ (x >> 16)
+    x = (x * 0x85EBCA6B) & _M32
+    x = x ^ (x >> 13)
+    x = (x * 0xC2B2AE35) & _M32
+    return x ^ (x >> 16)
+
+
+def _row_keys(seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+    """[B] int64 seeds (any 64-bit value) and steps -> [B] 32-bit row keys (int64 tensor)."""
+    lo, hi = seeds & _M32, (seeds >> 32) & _M32
+    k = _fmix32(lo ^ 0x9E3779B9)
+    k = _fmix32(k ^ hi)
+    return _fmix32(k ^ (steps & _M32))
+
+
+def gumbel_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Gumbel(0, 1) noise [B, vocab] float32 for rows (seeds[b], steps[b]), on their device."""
+    keys = _row_keys(seeds, steps)  # [B]
+    v = torch.arange(vocab, dtype=torch.int64, device=seeds.device)
+    h = _fmix32(_fmix32(keys[:, None] ^ ((v * 0x27D4EB2F) & _M32)[None, :]) ^ keys[:, None])  # [B, V]
+    u = ((h >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))  # (0, 1), 24 random bits
+    return -torch.log(-torch.log(u))
+
+
+@dataclass(frozen=True)
+class SamplingRows:
+    """Per-row sampling parameters of a batch as device tensors (built once per step).
+
+    temperature [B] float32 (0 = greedy), top_p [B] float32, seed [B] int64, step [B] int64
+    (index of the token being generated, 0 = first); `any_sampled` / `any_top_p` are known on
+    the host so a greedy batch runs no noise or sort kernels.
+    """
+
+    temperature: torch.Tensor
+    top_p: torch.Tensor
+    seed: torch.Tensor
+    step: torch.Tensor
+    any_sampled: bool
+    any_top_p: bool
+
+    @staticmethod
+    def build(rows: list[tuple[SamplingParams, int]], device: torch.device | str) -> SamplingRows:
+        """rows[i] = (params, step) -> tensors on device: two small host-to-device copies, none
+        for an all-greedy batch (its tensors are never read)."""
+        device = torch.device(device)
+        any_sampled = any(not p.greedy for p, _ in rows)
+        if not any_sampled:
+            z = _zeros(len(rows), device)
+            return SamplingRows(z, z, z, z, False, False)
+        pin = device.type == "cuda"
+        floats = torch.tensor([[p.temperature for p, _ in rows], [p.top_p for p, _ in rows]],
+                              dtype=torch.float32, pin_memory=pin).to(device, non_blocking=True)
+        seeds = [p.seed - (1 << 64) if p.seed >= (1 << 63) else p.seed for p, _ in rows]  # uint64 as int64
+        ints = torch.tensor([seeds, [s for _, s in rows]], dtype=torch.int64,
+                            pin_memory=pin).to(device, non_blocking=True)
+        return SamplingRows(floats[0], floats[1], ints[0], ints[1], True,
+                            any(not p.greedy and p.top_p < 1.0 for p, _ in rows))
+
+
+_ZEROS: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+
+def _zeros(n: int, device: torch.device) -> torch.Tensor:
+    # placeholder rows of an all-greedy batch (never read); cached per (size, device)
+    key = (n, device)
+    if key not in _ZEROS:
+        _ZEROS[key] = torch.zeros(n, device=device)
+    return _ZEROS[key]
+
+
+def _nucleus(logp: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Keep each row's smallest set of entries with mass >= top_p (ties by sort order);
+    logp [B, V] normalised log-probs, top_p [B] -> renormalised log-probs with -inf elsewhere."""
+    sorted_logp, order = torch.sort(logp, dim=-1, descending=True)
+    p = sorted_logp.exp()
+    drop = (torch.cumsum(p, dim=-1) - p) >= top_p[:, None]
+    sorted_logp = sorted_logp.masked_fill(drop, float("-inf"))
+    out = torch.full_like(logp, float("-inf")).scatter(1, order, sorted_logp)
+    return torch.log_softmax(out, dim=-1)
+
+
+def sampling_logprobs_batch(logits: torch.Tensor, rows: SamplingRows) -> torch.Tensor:
+    """The distributions `sample_batch` draws from, as log-probs [B, V] float32: greedy rows
+    log_softmax(logits); sampled rows log_softmax(logits / T) restricted to the top-p nucleus."""
     logits = logits.float()
-    if params.greedy:
+    if not rows.any_sampled:
         return torch.log_softmax(logits, dim=-1)
-    logp = torch.log_softmax(logits / params.temperature, dim=-1)
-    if params.top_p < 1.0:
-        sorted_logp, order = torch.sort(logp, descending=True)
-        cum = torch.cumsum(sorted_logp.exp(), dim=-1)
-        drop = cum - sorted_logp.exp() >= params.top_p  # keep the smallest set with mass >= top_p
-        sorted_logp = sorted_logp.masked_fill(drop, float("-inf"))
-        logp = torch.full_like(logp, float("-inf")).scatter(0, order, sorted_logp)
-        logp = torch.log_softmax(logp, dim=-1)
-    return logp
+    greedy = rows.temperature <= 0
+    t = torch.where(greedy, torch.ones_like(rows.temperature), rows.temperature)
+    logp = torch.log_softmax(logits / t[:, None], dim=-1)
+    if rows.any_top_p:
+        top_p = torch.where(greedy, torch.ones_like(rows.top_p), rows.top_p)
+        logp = torch.where((top_p < 1.0)[:, None], _nucleus(logp, top_p), logp)
+    return torch.where(greedy[:, None], torch.log_softmax(logits, dim=-1), logp)
+
+
+def sample_batch(logits: torch.Tensor, rows: SamplingRows) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token per row, on the logits' device, without a host sync.
+
+    Args:
+        logits: [B, vocab] logits (any float dtype) of each row's last position.
+        rows: the rows' parameters (`SamplingRows.build`), on the same device.
+    Returns:
+        (tokens [B] int64, logprobs [B] float32): greedy rows take the argmax and its
+        log_softmax; sampled rows a Gumbel-max draw from the tempered top-p distribution
+        (`sampling_logprobs_batch`) with its log-probability there.
+    """
+    logp = sampling_logprobs_batch(logits, rows)
+    if not rows.any_sampled:
+        tokens = torch.argmax(logp, dim=-1)
+    else:
+        noise = gumbel_noise(rows.seed, rows.step, logp.shape[-1])
+        noisy = torch.where((rows.temperature > 0)[:, None], logp + noise, logp)
+        tokens = torch.argmax(noisy, dim=-1)
+    return tokens, logp.gather(1, tokens[:, None])[:, 0]
+
+
+def sampling_logprobs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The distribution `sample` draws from for one row of logits [vocab], as log-probs [vocab]
+    float32 (greedy: plain log_softmax)."""
+    rows = SamplingRows.build([(params, 0)], logits.device)
+    return sampling_logprobs_batch(logits[None], rows)[0]
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, step: int) -> tuple[int, float]:
-    """Pick the next token from one row of logits.
+    """Pick the next token from one row of logits: `sample_batch` for a batch of one.
 
     Args:
-        logits: [vocab] float32 logits of the last position.
+        logits: [vocab] logits of the last position (any device).
         params: sampling parameters.
         step: index of the token being generated (0 = first generated token).
     Returns:
-        (token id, log-probability of that token under softmax(logits / T) after top-p
-        filtering; under softmax(logits) for greedy).
+        (token id, its log-probability under the distribution drawn from).
     """
-    logits = logits.float().cpu()  # the generator is a CPU one: same draws on every device
-    if params.greedy:
-        token = int(torch.argmax(logits))
-        return token, float(torch.log_softmax(logits, dim=-1)[token])
-    logp = sampling_logprobs(logits.cpu(), params)  # the seeded generators are CPU generators
-    token = int(torch.multinomial(logp.exp(), 1, generator=_generator(params.seed, step)))
-    return token, float(logp[token])
+    tokens, logprobs = sample_batch(logits[None], SamplingRows.build([(params, step)], logits.device))
+    return int(tokens[0]), float(logprobs[0])

@@ -25,7 +25,8 @@ from common.lifecycle import install_stop_signals
 from common.grpc_server import RunningServer, advertised_host, start_server
 from common.pb.tandem.v1 import discovery_pb2, kv_events_pb2_grpc
 from engine.kv_event_service import KvEventServicer
-from engine.capacity import device_memory_bytes, format_bytes, module_bytes, pool_blocks_from_memory
+from engine.capacity import (device_memory_bytes, format_bytes, graph_reserve_bytes, module_bytes,
+                             pool_blocks_from_memory)
 from engine.kv_events import KvEventLog
 from engine.chunking import ChunkPlanner, make_planner, profile_lengths
 from engine.kv_pool import KV_CACHE_DTYPES, KvPool, KvPoolConfig, PoolExhausted, PromptBlocks, kv_cache_torch_dtype
@@ -74,6 +75,7 @@ class WorkerOptions:
     torch_threads: int = 1  # intra-op threads for the model (small model: 1 is fastest)
     speculative_num_steps: int = 0  # decode: MTP draft tokens per verify step (0 = off)
     disable_overlap_schedule: bool = False  # decode: run schedule/run/postprocess strictly in turn
+    disable_cuda_graph: bool = False  # decode on CUDA: run each step eagerly instead of replaying a graph
     metrics_port: int = -1  # Prometheus /metrics: -1 = off, 0 = any free port
     ep_size: int = 1  # decode: expert-parallel ranks (processes) forming this worker; 1 = no EP
     ep_backend: str = "auto"  # decode: all-to-all backend of the EP ranks: auto | torch | deepep
@@ -153,10 +155,12 @@ class WorkerStats:
         return self.transfer_by_backend.setdefault(name, BackendTransferStats())
 
 
-def pool_blocks(opts: WorkerOptions, loaded: LoadedModel, pool_config: KvPoolConfig) -> int:
+def pool_blocks(opts: WorkerOptions, loaded: LoadedModel, pool_config: KvPoolConfig,
+                reserve_bytes: int = 0) -> int:
     """KV pool size in blocks: --num-blocks when given; else from --mem-fraction-static
-    (DESIGN.md section 6: (device memory × fraction − weight bytes) / block bytes); else
-    DEFAULT_NUM_BLOCKS. Logs the resulting capacity.
+    ((device memory × fraction − weight bytes − reserve_bytes) / block bytes; reserve_bytes is
+    the decode graphs' memory, `engine.capacity.graph_reserve_bytes`); else DEFAULT_NUM_BLOCKS.
+    Logs the resulting capacity.
 
     Raises:
         ValueError: --mem-fraction-static leaves no room for one block (the message says why).
@@ -167,9 +171,11 @@ def pool_blocks(opts: WorkerOptions, loaded: LoadedModel, pool_config: KvPoolCon
         device = next(loaded.model.parameters()).device
         memory = device_memory_bytes(device, opts.device_memory_bytes)
         weights = module_bytes(loaded.model)
-        blocks = pool_blocks_from_memory(memory, opts.mem_fraction_static, weights, pool_config.block_bytes)
+        blocks = pool_blocks_from_memory(memory, opts.mem_fraction_static, weights + reserve_bytes,
+                                         pool_config.block_bytes)
         why = (f"--mem-fraction-static {opts.mem_fraction_static} of {format_bytes(memory)} ({device.type}) "
-               f"minus {format_bytes(weights)} of weights")
+               f"minus {format_bytes(weights)} of weights"
+               + (f" and {format_bytes(reserve_bytes)} for CUDA graphs" if reserve_bytes else ""))
     else:
         blocks, why = DEFAULT_NUM_BLOCKS, "default"
     log.info("KV pool: %d blocks × %d B = %s, %d tokens at %d B per token (%s)", blocks,
@@ -205,11 +211,22 @@ class WorkerRuntime:
         pool_config = KvPoolConfig(num_blocks=1, block_size=opts.block_size, num_layers=cfg.num_kv_layers,
                                    kv_dim=cfg.kv_dim, dtype=kv_cache_torch_dtype(opts.kv_cache_dtype, model_dtype),
                                    scale=opts.kv_cache_scale)
-        pool_config = dataclasses.replace(pool_config, num_blocks=pool_blocks(opts, self.loaded, pool_config))
+        graphs = (role == discovery_pb2.ROLE_DECODE and engine is None and self.device.type == "cuda"
+                  and not opts.disable_cuda_graph)
+        reserve = graph_reserve_bytes(cfg, opts.max_running) if graphs else 0
+        pool_config = dataclasses.replace(pool_config, num_blocks=pool_blocks(opts, self.loaded, pool_config, reserve))
         self.engine = None
         if engine is None:
             self.pool = KvPool(pool_config, hash_seed(self.loaded.name), device=self.device)
             self.runner = ModelRunner(self.loaded.model, self.pool)
+            if graphs and self.runner.fast:  # before any request: graph memory comes out of the reserve above
+                self.runner.capture_graphs(opts.max_running, self.context_length)
+                if self.runner.graphs.memory_bytes > reserve:
+                    log.warning("CUDA graphs took %s, more than the %s reserved from --mem-fraction-static",
+                                format_bytes(self.runner.graphs.memory_bytes), format_bytes(reserve))
+        elif self.device.type == "cuda":
+            log.info("decode on CUDA without graphs: %s", "--disable-cuda-graph" if opts.disable_cuda_graph
+                     else "expert-parallel ranks step eagerly")
         else:  # --- EP hook: the ranks' pools (num_blocks each) and lock-step runner (decode_worker/ep_ranks.py)
             self.engine = engine(opts, self.loaded, pool_config, hash_seed(self.loaded.name))
             self.pool, self.runner = self.engine.pool, self.engine

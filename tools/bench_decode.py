@@ -12,8 +12,9 @@ Parts, each written to OUT (JSON) and OUT with .md (tables):
    random init (saved with save_pretrained, loaded with engine/loader.py: the same weights in
    both). For batch B and context C the KV pool is filled with random latents (decode speed
    does not depend on their values, and it spares a B × C-token prefill), then greedy decode
-   steps run through engine/fast_decode.py (batched absorbed-MLA attention over the paged
-   pool, all-experts MoE, the step captured in a CUDA graph). tokens/s = B × steps / seconds.
+   steps run through the worker's own step, `ModelRunner.decode_step` (host plan, the CUDA
+   graph of engine/graph_runner.py with the Triton paged MLA decode kernel and grouped-GEMM
+   experts, device sampling). tokens/s = B × steps / seconds.
    The plain engine path (per-sequence attention, per-expert loop) is timed at C = 1K too.
 2. transformers: `generate` on the same weights with a real C-token prompt; decode tokens/s =
    B × (N − 1) / (t(N new tokens) − t(1 new token)), so its prefill is excluded.
@@ -45,7 +46,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from engine.config import ModelConfig  # noqa: E402
-from engine.fast_decode import BatchedDecodeKv, DecodeGraph, tables_tensor, use_dense_experts  # noqa: E402
+from common.sampling_params import SamplingParams  # noqa: E402
 from engine.kv_pool import KvPool, KvPoolConfig  # noqa: E402
 from engine.loader import load_checkpoint  # noqa: E402
 from engine.model import build_model  # noqa: E402
@@ -110,37 +111,33 @@ def bytes_per_step(cfg: ModelConfig, model: torch.nn.Module, batch: int, context
 
 def bench_engine(model, cfg: ModelConfig, device: torch.device, dtype: torch.dtype, batch: int,
                  context: int, steps: int, block_size: int, graphs: bool) -> dict[str, Any]:
-    """Fast-path greedy decode tokens/s for `batch` sequences at `context` cached tokens."""
+    """Greedy decode tokens/s of the worker's decode step (`ModelRunner.decode_step`: host plan,
+    graph replay or eager batched forward, device sampling) for `batch` sequences at `context`
+    cached tokens. Input tokens are fixed (speed does not depend on them), so no step syncs."""
     width = -(-(context + steps + 8) // block_size)
-    pool = KvPool(KvPoolConfig(num_blocks=1 + batch * width, block_size=block_size,
+    pool = KvPool(KvPoolConfig(num_blocks=2 + batch * width, block_size=block_size,
                                num_layers=cfg.num_hidden_layers, kv_dim=cfg.kv_dim, dtype=dtype), 1, device)
     pool.kv.normal_(0.0, 0.5)  # synthetic context latents
-    tables = torch.arange(1, 1 + batch * width, device=device).view(batch, width)  # block 0: scratch
-    lens = torch.full((batch,), context + 1, dtype=torch.long, device=device)
-    ids = torch.randint(0, cfg.vocab_size, (batch,), device=device)
-    mode = "eager"
-    step_fn = None
-    if graphs and device.type == "cuda":
-        try:
-            graph = DecodeGraph(model, pool, batch, width, scratch_block=0)
-            step_fn, mode = graph.step, "cuda-graph"
-        except Exception as exc:  # noqa: BLE001 - reported, then measured eagerly
-            mode = f"eager (graph capture failed: {type(exc).__name__}: {exc})"[:200]
-    if step_fn is None:
-        def step_fn(i, p, t, n):
-            with torch.inference_mode():
-                kv = BatchedDecodeKv(pool, t, n)
-                return torch.argmax(model.logits(model(i, p, [1] * batch, kv)), dim=-1)
-    for _ in range(3):  # warm-up (positions advance as in real decoding)
-        ids = step_fn(ids, lens - 1, tables, lens).clone()
-        lens = lens + 1
+    runner = ModelRunner(model, pool)
+    mode = "plain" if not runner.fast else "eager"
+    if graphs and runner.fast:
+        runner.capture_graphs(batch, context + steps + 8, sizes=[batch])
+        mode = "cuda-graph"
+    tables = [pool.blocks.allocate(width) for _ in range(batch)]
+    params = [(SamplingParams(max_tokens=1 << 20), 0)] * batch
+
+    def step(n: int) -> torch.Tensor:
+        return runner.decode_step([DecodeInput(t, n, 3) for t in tables], params)[0]
+
+    for i in range(3):  # warm-up (positions advance as in real decoding)
+        step(context + i)
     sync(device)
     t0 = time.perf_counter()
-    for _ in range(steps):
-        ids = step_fn(ids, lens - 1, tables, lens).clone()
-        lens = lens + 1
+    for i in range(steps):
+        step(context + 3 + i)
     sync(device)
     dt = time.perf_counter() - t0
+    del runner, pool
     return {"batch": batch, "context": context, "steps": steps, "seconds": dt,
             "tokens_per_s": batch * steps / dt, "ms_per_step": 1e3 * dt / steps, "mode": mode}
 
@@ -152,7 +149,7 @@ def bench_plain(model, cfg: ModelConfig, device: torch.device, dtype: torch.dtyp
     pool = KvPool(KvPoolConfig(num_blocks=batch * width, block_size=block_size,
                                num_layers=cfg.num_hidden_layers, kv_dim=cfg.kv_dim, dtype=dtype), 1, device)
     pool.kv.normal_(0.0, 0.5)
-    runner = ModelRunner(model, pool)
+    runner = ModelRunner(model, pool, fast=False)
     tables = [list(range(i * width, (i + 1) * width)) for i in range(batch)]
     tokens = [3] * batch
     runner.decode([DecodeInput(t, context, 3) for t in tables])  # warm-up
@@ -296,7 +293,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         model, hf, n_params = make_models(cfg, device, dtype, Path(tmp))
     res["config_params"] = n_params
-    use_dense_experts(model)
     block_size = 16 if smoke else 64
     for c in contexts:
         for b in batches:

@@ -1,0 +1,187 @@
+"""The GPU decode path's parts against their references.
+
+CPU (float32): the absorbed decode step (`AbsorbedDecodeKv` with the reference attention) and
+the grouped-GEMM experts against the plain model path; the batched sampler's properties.
+CUDA (skipped without; run on the lent H200): the Triton MLA decode kernel against
+`mla_decode_reference` over shapes, splits and FP8; grouped experts in bf16; the captured graph
+against the eager fast step; sampling on the GPU against the CPU for the same logits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from common.sampling_params import SamplingParams
+from engine.decode_batch import AbsorbedDecodeKv
+from engine.kernels.grouped_experts import use_grouped_experts
+from engine.kernels.mla_decode import mla_decode_reference
+from engine.kv_pool import FP8, KvPool, KvPoolConfig, PagedKvCache
+from engine.model import MoE, build_model
+from engine.sampling import SamplingRows, sample, sample_batch
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (run on the lent H200)")
+
+
+def _tables(tables: list[list[int]], width: int) -> torch.Tensor:
+    return torch.tensor([t + [t[0]] * (width - len(t)) for t in tables], dtype=torch.int32)
+
+
+def test_absorbed_decode_matches_plain_path(tiny_model) -> None:
+    c = dataclasses.replace(tiny_model.config, vocab_size=3000, bos_token_id=1, eos_token_id=(2,))
+    plain, fast = build_model(c, seed=3), build_model(c, seed=3)
+    assert use_grouped_experts(fast) == c.num_kv_layers - c.first_k_dense_replace  # MTP too
+    lens = [5, 17, 40]  # context before the step
+    pool = KvPool(KvPoolConfig(num_blocks=16, block_size=8, num_layers=c.num_kv_layers, kv_dim=c.kv_dim), 1)
+    tables = []
+    for i, n in enumerate(lens):  # prefill each sequence through the plain path
+        blocks = pool.blocks.allocate(pool.blocks_for(n + 1))
+        ids = torch.tensor([(31 * j + i) % 3000 for j in range(n)])
+        with torch.inference_mode():
+            plain(ids, torch.arange(n), [n], PagedKvCache(pool, [(blocks, 0, n)]))
+        tables.append(blocks)
+    ids, pos = torch.tensor([7, 8, 9]), torch.tensor(lens)
+    before = pool.kv.clone()
+    with torch.inference_mode():
+        want = plain.logits(plain(ids, pos, [1, 1, 1], PagedKvCache(pool, [(t, n, 1) for t, n in zip(tables, lens)])))
+        written = pool.kv.clone()
+        pool.kv.copy_(before)
+        kv = AbsorbedDecodeKv(pool, _tables(tables, 6), (pos + 1).int(), attention=mla_decode_reference)
+        got = fast.logits(fast(ids, pos, [1, 1, 1], kv))
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(pool.kv, written, atol=1e-5, rtol=0)  # same KV rows written
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+
+
+@pytest.mark.parametrize("tokens", [1, 7, 300])
+def test_grouped_experts_match_loop(tiny_model, tokens: int) -> None:
+    c = tiny_model.config
+    model = build_model(c, seed=5)
+    moe = next(m for m in model.modules() if isinstance(m, MoE))
+    x = torch.randn(tokens, c.hidden_size, generator=torch.Generator().manual_seed(tokens))
+    ids, w = moe.gate(x)
+    want = moe.experts_forward(x, ids, w)
+    use_grouped_experts(model)
+    got = moe.experts_forward(x, ids, w)
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+    assert moe.experts[0].gate_proj.weight.data_ptr() == moe.grouped.gate_up.data_ptr()  # views, no copy
+
+
+def test_sample_batch_rows_do_not_depend_on_the_batch() -> None:
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(6, 500, generator=g) * 3
+    params = [SamplingParams(temperature=0.7 + 0.1 * i, top_p=1.0 if i % 2 else 0.8, seed=100 + i) for i in range(5)]
+    params.append(SamplingParams())  # greedy row
+    rows = [(p, 3 + i) for i, p in enumerate(params)]
+    tokens, logprobs = sample_batch(logits, SamplingRows.build(rows, "cpu"))
+    alone = [sample(logits[i], p, s) for i, (p, s) in enumerate(rows)]
+    assert tokens.tolist() == [t for t, _ in alone]
+    torch.testing.assert_close(logprobs, torch.tensor([lp for _, lp in alone]))
+    perm = [4, 0, 5, 2, 1, 3]  # another order, another batch: the same draws
+    t2, _ = sample_batch(logits[perm], SamplingRows.build([rows[i] for i in perm], "cpu"))
+    assert t2.tolist() == [tokens[i].item() for i in perm]
+    assert tokens[5].item() == int(logits[5].argmax())
+
+
+def test_sample_follows_the_distribution() -> None:
+    logits = torch.tensor([0.0, 1.0, 0.5, -1.0, 2.0])
+    p = SamplingParams(temperature=1.3, seed=9)
+    n = 20000
+    draws = torch.tensor([sample(logits, p, s)[0] for s in range(n)])
+    freq = torch.bincount(draws, minlength=5).float() / n
+    torch.testing.assert_close(freq, torch.softmax(logits / 1.3, 0), atol=0.015, rtol=0)
+    top = SamplingParams(temperature=1.0, top_p=0.6, seed=3)
+    assert {sample(logits, top, s)[0] for s in range(300)} == {4, 1}  # the 0.6 nucleus: ids 4 and 1
+
+
+# --- CUDA -------------------------------------------------------------------------------------
+
+def _random_pool(blocks: int, layers: int, bs: int, dim: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    kv = torch.randn(blocks, layers, bs, dim, device="cuda", generator=g)
+    return kv.to(FP8) if dtype == FP8 else kv.to(dtype)
+
+
+@cuda
+@pytest.mark.parametrize("heads,rank,rope,bs,dtype", [
+    (16, 512, 64, 64, torch.bfloat16), (16, 512, 64, 16, torch.bfloat16), (128, 512, 64, 64, torch.bfloat16),
+    (4, 32, 8, 8, torch.bfloat16), (16, 512, 64, 64, FP8)])
+def test_mla_decode_kernel_matches_reference(heads, rank, rope, bs, dtype) -> None:
+    from engine.kernels.mla_decode import mla_decode
+    torch.manual_seed(heads + bs)
+    lens = torch.tensor([1, 2, 63, 64, 65, 700, 4100, 9], dtype=torch.int32, device="cuda")
+    width = int((lens.max() + bs - 1) // bs) + 3
+    nb = 1 + len(lens) * width
+    kv = _random_pool(nb, 3, bs, rank + rope, dtype, seed=1)
+    perm = torch.randperm(nb - 1, device="cuda")[: len(lens) * width] + 1  # scattered blocks
+    tables = perm.view(len(lens), width).int()
+    q = torch.randn(len(lens), heads, rank + rope, device="cuda", dtype=torch.bfloat16)
+    scale, kv_scale = 0.07, (0.5 if dtype == FP8 else 1.0)
+    want = mla_decode_reference(q, kv, 1, tables, lens, rank, scale, kv_scale)
+    for splits in (None, 1, 3, 32):
+        got = mla_decode(q, kv, 1, tables, lens, rank, scale, kv_scale, splits=splits).float()
+        err = (got - want).norm() / want.norm()
+        assert err < 1e-2, (splits, float(err))
+        assert torch.isfinite(got).all()
+
+
+@cuda
+def test_grouped_experts_bf16_match_loop_on_cuda() -> None:
+    from engine.model_source import TINY, load_model
+    c = dataclasses.replace(load_model(TINY).config, n_routed_experts=64, num_experts_per_tok=6, n_group=1,
+                            topk_group=1, hidden_size=256, moe_intermediate_size=128)
+    model = build_model(c, seed=2, dtype=torch.bfloat16, device="cuda")
+    moe = next(m for m in model.modules() if isinstance(m, MoE))
+    for t in (1, 64, 2048):
+        x = torch.randn(t, c.hidden_size, device="cuda", dtype=torch.bfloat16)
+        ids, w = moe.gate(x)
+        moe.grouped = None
+        want = moe.experts_forward(x, ids, w).float()
+        use_grouped_experts(model)
+        got = moe.experts_forward(x, ids, w).float()
+        assert (got - want).norm() / want.norm() < 1e-2
+
+
+@cuda
+def test_cuda_sampling_equals_cpu_for_the_same_logits() -> None:
+    logits = torch.randn(32, 32000, generator=torch.Generator().manual_seed(1)) * 4
+    rows = [(SamplingParams(temperature=0.9, top_p=0.95 if i % 3 else 1.0, seed=i * 7919), i) for i in range(32)]
+    cpu_t, cpu_lp = sample_batch(logits, SamplingRows.build(rows, "cpu"))
+    gpu_t, gpu_lp = sample_batch(logits.cuda(), SamplingRows.build(rows, "cuda"))
+    assert (cpu_t == gpu_t.cpu()).float().mean() >= 0.95  # equal bits of noise; log/exp may differ in the last ulp
+    torch.testing.assert_close(cpu_lp[cpu_t == gpu_t.cpu()], gpu_lp.cpu()[cpu_t == gpu_t.cpu()], atol=1e-4, rtol=1e-4)
+
+
+@cuda
+def test_graph_replay_equals_eager_fast_step_and_plain_path() -> None:
+    from engine.model_source import TINY, load_model
+    from engine.runner import DecodeInput, ModelRunner
+    loaded = load_model(TINY, dtype=torch.bfloat16)
+    c = loaded.config
+    model = loaded.model.to("cuda")
+    pool = KvPool(KvPoolConfig(num_blocks=200, block_size=16, num_layers=c.num_kv_layers, kv_dim=c.kv_dim,
+                               dtype=torch.bfloat16), 1, "cuda")
+    pool.kv.normal_(0, 0.5)
+    plain = ModelRunner(model, pool, fast=False)
+    want_plain = None
+    lens = [3, 40, 100, 17, 250]
+    tables = [pool.blocks.allocate(pool.blocks_for(n + 1)) for n in lens]
+    batch = [DecodeInput(t, n, 5 + i) for i, (t, n) in enumerate(zip(tables, lens))]
+    before = pool.kv.clone()
+    want_plain = plain.decode(batch)
+    fast = ModelRunner(model, pool)  # grouped experts from here on
+    assert fast.fast
+    pool.kv.copy_(before)
+    eager = fast.decode(batch).clone()
+    fast.capture_graphs(max_batch=8, max_context=512)
+    pool.kv.copy_(before)
+    graphed = fast.decode(batch)
+    assert fast.graphs is not None and fast.graphs.can_run(len(batch), 1)
+    torch.testing.assert_close(graphed, eager, atol=2e-2, rtol=2e-2)
+    err = (eager - want_plain).norm() / want_plain.norm()
+    assert err < 2e-2, float(err)
+    agree = (eager.argmax(-1) == want_plain.argmax(-1)).float().mean()
+    assert agree >= 0.6, float(agree)

@@ -1,0 +1,289 @@
+"""Decode through the real serving path on one GPU, next to the same engine in-process,
+transformers `generate` and the HBM bound, in one run (the GPU decode issue's measurement).
+
+Usage (one H200; needs etcd on PATH and the project's packages importable):
+    python tools/bench_serving_gpu.py --configs S --out docs/bench/serving_gpu.json
+    python tools/bench_serving_gpu.py --configs S,M --contexts 1024,8192 --concurrency 1,8,64,256 ...
+CPU smoke run of the script itself (tiny sizes): --smoke --device cpu
+
+For each config (S = tools/bench_decode.py's ~490M model; M = a 16B-class DeepSeek-V2-Lite /
+Moonlight-shaped MoE with V3 routing) it
+1. writes seeded bf16 weights as a checkpoint folder (M's weights are drawn on the GPU: per
+   tensor a generator seeded from (seed, name), as engine/model.py's init_weights does on the CPU);
+2. starts `tandem up --model DIR` (etcd, router, one prefill and one decode worker, both on
+   the GPU) and runs `tandem bench --dataset synthetic-prefix` for every context C (prompts of
+   C tokens: C/2 shared by 8 groups, C/2 fresh) and concurrency c, `--output-tokens` each;
+   served tok/s is the bench's output throughput (TTFT included), TPOT its mean;
+3. stops the cluster and times the worker's own decode step in this process at batch c and
+   context C (`bench_decode.bench_engine`: `ModelRunner.decode_step`, graphs);
+4. transformers `generate` on the same folder (S, batch 1 and 64 at the first context);
+5. the HBM bound: bytes read per step (weights touched + the batch's KV latents) ÷ --hbm-tbps;
+6. exactness (S): 64 prompts × 64 greedy tokens through the worker's fast step against the
+   plain path (per-sequence attention, per-expert loop) on the same bf16 weights: share of
+   identical tokens, first-divergence positions, and the first step's logit error.
+Rows (`rows` in the JSON): {"config", "context", "concurrency", "served_tok_s", "inprocess_tok_s",
+"transformers_tok_s", "bound_tok_s", "tpot_ms", ...}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+for p in (ROOT, ROOT / "tools"):
+    if str(p) not in sys.path:
+        sys.path.insert(0, str(p))
+
+from bench_decode import bench_config, bench_engine, bench_hf, bytes_per_step  # noqa: E402
+from engine.config import ModelConfig  # noqa: E402
+from engine.loader import load_checkpoint, save_checkpoint  # noqa: E402
+from engine.model import DeepseekV3ForCausalLM, _param_seed, tied_aliases  # noqa: E402
+
+
+def m_config() -> ModelConfig:
+    """M: DeepSeek-V2-Lite / Moonlight shapes with V3 routing (~15.7B parameters)."""
+    return dataclasses.replace(
+        bench_config(False), hidden_size=2048, num_hidden_layers=27, first_k_dense_replace=1,
+        intermediate_size=10944, num_attention_heads=16, q_lora_rank=None, kv_lora_rank=512,
+        qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128, n_routed_experts=64,
+        num_experts_per_tok=6, n_shared_experts=2, moe_intermediate_size=1408, vocab_size=102400,
+        n_group=1, topk_group=1, max_position_embeddings=16384)
+
+
+def smoke_config() -> ModelConfig:
+    return dataclasses.replace(bench_config(True), max_position_embeddings=4096)
+
+
+@torch.no_grad()
+def write_checkpoint(cfg: ModelConfig, directory: Path, device: torch.device, seed: int = 0) -> int:
+    """Seeded weights (drawn on `device`, N(0, initializer_range), norms 1) saved as an HF folder.
+    Returns the parameter count."""
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    model = DeepseekV3ForCausalLM(cfg, dtype=dtype, device=device)
+    model.share_mtp_weights()
+    tensors = model.state_dict(keep_vars=True)
+    aliases = tied_aliases(cfg)
+    for name, t in tensors.items():
+        if name in aliases and t is tensors[aliases[name]]:
+            continue
+        if name.endswith("norm.weight"):
+            t.fill_(1.0)
+            continue
+        g = torch.Generator(device=device).manual_seed(_param_seed(seed, name))
+        t.copy_(torch.empty(t.shape, dtype=torch.float32, device=device).normal_(0.0, cfg.initializer_range,
+                                                                                 generator=g))
+    save_checkpoint(model, cfg, directory)
+    n = sum(p.numel() for p in model.parameters())
+    del model, tensors
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return n
+
+
+def _cli(*args: str) -> list[str]:
+    return [sys.executable, "-m", "cli.main", *args]
+
+
+def serve_and_bench(model_dir: Path, contexts: list[int], concurrencies: list[int], output_tokens: int,
+                    port: int, work: Path, env_extra: dict[str, str]) -> dict[tuple[int, int], dict]:
+    """`tandem up` once, then `tandem bench` for every (context, concurrency); summaries."""
+    env = {**os.environ, "TANDEM_MAX_RUNNING": str(max(concurrencies)),
+           "TANDEM_MEM_FRACTION_STATIC": "0.4", "TANDEM_MAX_QUEUED": "4096", **env_extra}
+    log = open(work / "up.log", "w")  # noqa: SIM115 - closed below
+    up = subprocess.Popen(_cli("up", "--model", str(model_dir), "--port", str(port), "--no-metrics"),
+                          cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    out: dict[tuple[int, int], dict] = {}
+    try:
+        deadline = time.time() + 300
+        while subprocess.run(_cli("health", f"127.0.0.1:{port}"), cwd=ROOT, env=env,
+                             capture_output=True).returncode != 0:
+            if up.poll() is not None or time.time() > deadline:
+                raise RuntimeError("tandem up did not become healthy: " + (work / "up.log").read_text()[-3000:])
+            time.sleep(2)
+        time.sleep(3)  # both workers registered with the router
+        for ctx in contexts:
+            for c in concurrencies:
+                n = max(4, 2 * c) if ctx <= 2048 else max(4, c)
+                res = work / f"bench_{ctx}_{c}.json"
+                cmd = _cli("bench", "--router", f"127.0.0.1:{port}", "--dataset", "synthetic-prefix",
+                           "--groups", "8", "--prefix-len", str(ctx // 2), "--suffix-len", str(ctx - ctx // 2),
+                           "--arrival", "concurrency", "--concurrency", str(c), "--num-requests", str(n),
+                           "--output-tokens", str(output_tokens), "--bench-seed", str(ctx + c), "--out", str(res))
+                t0 = time.time()
+                r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+                summary = json.loads(res.read_text())["summary"] if res.exists() else {}
+                out[(ctx, c)] = summary
+                print(json.dumps({"served": [ctx, c], "rc": r.returncode, "wall_s": round(time.time() - t0, 1),
+                                  "output_throughput": summary.get("output_throughput"),
+                                  "mean_tpot_ms": summary.get("mean_tpot_ms"),
+                                  "mean_ttft_ms": summary.get("mean_ttft_ms"),
+                                  "failed": summary.get("failed")}), flush=True)
+                if r.returncode != 0:
+                    print(r.stdout[-2000:], r.stderr[-2000:], flush=True)
+                for png in work.glob("*.png"):
+                    png.unlink()
+    finally:
+        try:
+            os.killpg(up.pid, signal.SIGINT)
+            up.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(up.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        log.close()
+    return out
+
+
+@torch.inference_mode()
+def exactness(model: torch.nn.Module, cfg: ModelConfig, device: torch.device, prompts: int = 64,
+              new: int = 64, block_size: int = 16) -> dict[str, Any]:
+    """Greedy tokens of the fast decode step (graphs) against the plain path, same bf16 weights."""
+    from engine.kv_pool import KvPool, KvPoolConfig, PagedKvCache
+    from engine.runner import DecodeInput, ModelRunner
+    g = torch.Generator().manual_seed(0)
+    lens = [int(x) for x in torch.randint(32, 200, (prompts,), generator=g)]
+    toks = [torch.randint(2, cfg.vocab_size, (n,), generator=g).tolist() for n in lens]
+    width = -(-(max(lens) + new + 1) // block_size)
+    from engine.model import MoE
+    results = {}
+    grouped = {m: m.grouped for m in model.modules() if isinstance(m, MoE)}
+    for mode in ("plain", "fast"):
+        for m, gr in grouped.items():  # plain: the per-expert loop; fast: the grouped GEMMs
+            m.grouped = None if mode == "plain" else gr
+        pool = KvPool(KvPoolConfig(num_blocks=2 + prompts * width, block_size=block_size,
+                                   num_layers=cfg.num_hidden_layers, kv_dim=cfg.kv_dim,
+                                   dtype=model.dtype), 1, device)
+        runner = ModelRunner(model, pool, fast=None if mode == "fast" else False)
+        if mode == "fast" and runner.fast:
+            runner.capture_graphs(prompts, max(lens) + new + 1)
+        tables = [pool.blocks.allocate(width) for _ in range(prompts)]
+        seqs = []
+        for t, p in zip(tables, toks):  # prefill through the plain path in both modes
+            ids = torch.tensor(p, device=device)
+            hidden = model(ids, torch.arange(len(p), device=device), [len(p)], PagedKvCache(pool, [(t, 0, len(p))]))
+            seqs.append(p + [int(model.logits(hidden[-1:]).argmax())])
+        first = None
+        for _ in range(new - 1):
+            logits = runner.decode([DecodeInput(t, len(s) - 1, s[-1]) for t, s in zip(tables, seqs)])
+            if first is None:
+                first = logits.float().clone()
+            for s, x in zip(seqs, logits.argmax(-1).tolist()):
+                s.append(x)
+        results[mode] = ([s[n:] for s, n in zip(seqs, lens)], first)
+        del runner, pool
+    for m, gr in grouped.items():
+        m.grouped = gr
+    (plain, lp), (fast, lf) = results["plain"], results["fast"]
+    logit_err = float((lf - lp).norm() / lp.norm())
+    same = sum(a == b for pa, pf in zip(plain, fast) for a, b in zip(pa, pf))
+    diverge = [next((i for i, (a, b) in enumerate(zip(pa, pf)) if a != b), None) for pa, pf in zip(plain, fast)]
+    return {"prompts": prompts, "new_tokens": new, "identical_token_share": same / (prompts * new),
+            "identical_sequences": sum(d is None for d in diverge), "first_divergence": diverge,
+            "first_step_logit_rel_err": logit_err,
+            "first_step_argmax_agree": float((lf.argmax(-1) == lp.argmax(-1)).float().mean())}
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--configs", default="S", help="comma list of S, M")
+    p.add_argument("--contexts", default="1024,8192")
+    p.add_argument("--concurrency", default="1,8,64,256")
+    p.add_argument("--output-tokens", type=int, default=256)
+    p.add_argument("--hbm-tbps", type=float, default=4.8)
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--port", type=int, default=50051)
+    p.add_argument("--skip-transformers", action="store_true")
+    p.add_argument("--skip-served", action="store_true")
+    p.add_argument("--skip-exactness", action="store_true")
+    p.add_argument("--smoke", action="store_true", help="tiny model (a CPU check of the script)")
+    p.add_argument("--out", required=True)
+    args = p.parse_args(argv)
+    device = torch.device(args.device)
+    contexts = [int(x) for x in args.contexts.split(",")]
+    concs = [int(x) for x in args.concurrency.split(",")]
+    doc: dict[str, Any] = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+                           "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "args": vars(args),
+                           "rows": [], "exactness": {}, "params": {}}
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    for name in args.configs.split(","):
+        cfg = smoke_config() if args.smoke else {"S": bench_config(False), "M": m_config()}[name]
+        with tempfile.TemporaryDirectory() as tmp:
+            work, model_dir = Path(tmp), Path(tmp) / "model"
+            t0 = time.time()
+            doc["params"][name] = write_checkpoint(cfg, model_dir, device)
+            print(json.dumps({"config": name, "params": doc["params"][name], "checkpoint_s": time.time() - t0}),
+                  flush=True)
+            pool_env = {"TANDEM_NUM_BLOCKS": "4000"} if args.smoke else {}  # GPU: --mem-fraction-static
+            served = {} if args.skip_served else serve_and_bench(model_dir, contexts, concs, args.output_tokens,
+                                                                  args.port, work, pool_env)
+            dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+            model, _ = load_checkpoint(model_dir, dtype=dtype, device=device)
+            elem = torch.empty((), dtype=dtype).element_size()
+            hf_rates: dict[int, float] = {}
+            for ctx in contexts:
+                for c in concs:
+                    try:
+                        ip = bench_engine(model, cfg, device, dtype, c, ctx, 30 if ctx <= 2048 else 12, 16, True)
+                    except torch.cuda.OutOfMemoryError as exc:
+                        ip = {"tokens_per_s": 0.0, "ms_per_step": 0.0, "mode": f"OOM {exc}"[:80]}
+                    bound_s = bytes_per_step(cfg, model, c, ctx, elem) / (args.hbm_tbps * 1e12)
+                    s = served.get((ctx, c), {})
+                    row = {"config": name, "context": ctx, "concurrency": c,
+                           "served_tok_s": s.get("output_throughput"), "inprocess_tok_s": ip["tokens_per_s"],
+                           "transformers_tok_s": None, "bound_tok_s": c / bound_s,
+                           "tpot_ms": s.get("mean_tpot_ms"), "median_tpot_ms": s.get("median_tpot_ms"),
+                           # the decode phase alone: concurrency / mean TPOT (output tok/s counts TTFT too)
+                           "served_decode_tok_s": c * 1e3 / s["mean_tpot_ms"] if s.get("mean_tpot_ms") else None,
+                           "mean_ttft_ms": s.get("mean_ttft_ms"), "inprocess_ms_per_step": ip["ms_per_step"],
+                           "bound_ms_per_step": 1e3 * bound_s, "failed": s.get("failed")}
+                    doc["rows"].append(row)
+                    print(json.dumps(row), flush=True)
+                    if device.type == "cuda":
+                        torch.cuda.empty_cache()
+            if not args.skip_exactness and name == "S":
+                doc["exactness"][name] = exactness(model, cfg, device, prompts=8 if args.smoke else 64,
+                                                   new=8 if args.smoke else 64)
+                print(json.dumps({k: v for k, v in doc["exactness"][name].items() if k != "first_divergence"}),
+                      flush=True)
+            del model
+            if not args.skip_transformers and name == "S":
+                try:
+                    import transformers
+                    hf = transformers.DeepseekV3ForCausalLM.from_pretrained(model_dir, torch_dtype=dtype).to(device)
+                    for b in (1, 64):
+                        hf_rates[b] = bench_hf(hf.eval(), cfg, device, b, contexts[0], 17)["tokens_per_s"]
+                    del hf
+                except Exception as exc:  # noqa: BLE001 - reported in the JSON, the rest still counts
+                    doc["transformers_error"] = f"{type(exc).__name__}: {exc}"[:300]
+                for row in doc["rows"]:
+                    if row["config"] == name and row["context"] == contexts[0] and row["concurrency"] in hf_rates:
+                        row["transformers_tok_s"] = hf_rates[row["concurrency"]]
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+        out.write_text(json.dumps(doc, indent=1) + "\n")
+    print("| config | context | concurrency | served tok/s | served decode tok/s (c / TPOT) | in-process tok/s | "
+          "served/in-process | transformers tok/s | bound tok/s | in-process/bound | TPOT ms | TTFT ms |")
+    for r in doc["rows"]:
+        sv, ip = r["served_tok_s"] or 0.0, r["inprocess_tok_s"] or 0.0
+        print(f"| {r['config']} | {r['context']} | {r['concurrency']} | {sv:.0f} | {r['served_decode_tok_s'] or 0:.0f} | "
+              f"{ip:.0f} | {sv / ip if ip else 0:.2f} | {r['transformers_tok_s'] or 0:.0f} | {r['bound_tok_s']:.0f} | "
+              f"{ip / r['bound_tok_s']:.2f} | {r['tpot_ms'] or 0:.2f} | {r['mean_ttft_ms'] or 0:.0f} |")
+    out.write_text(json.dumps(doc, indent=1) + "\n")
+    return doc
+
+
+if __name__ == "__main__":
+    main()
