@@ -115,6 +115,8 @@ def serve_and_bench(model_dir: Path, contexts: list[int], concurrencies: list[in
         time.sleep(3)  # both workers registered with the router
         for ctx in contexts:
             for c in concurrencies:
+                if up.poll() is not None:
+                    raise RuntimeError("tandem up exited: " + (work / "up.log").read_text()[-3000:])
                 n = max(4, 2 * c) if ctx <= 2048 else max(4, c)
                 res = work / f"bench_{ctx}_{c}.json"
                 cmd = _cli("bench", "--router", f"127.0.0.1:{port}", "--dataset", "synthetic-prefix",

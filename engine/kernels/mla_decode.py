@@ -184,13 +184,13 @@ def mla_decode(q: torch.Tensor, kv: torch.Tensor, layer: int, tables: torch.Tens
         q.stride(0), q.stride(1), kv.stride(0), kv.stride(1), kv.stride(2),
         tables.stride(0), part_o.stride(0), part_o.stride(1), part_o.stride(2),
         part_lse.stride(0), part_lse.stride(1),
-        s, H=h, R=r, P=p, BLOCK_SIZE=kv.shape[2], BLOCK_H=block_h, BLOCK_N=32,
+        H=h, R=r, P=p, BLOCK_SIZE=kv.shape[2], SPLITS=s, BLOCK_H=block_h, BLOCK_N=32,
         BLOCK_P=max(16, triton.next_power_of_2(p)), IS_FP8=is_fp8,
         num_warps=4, num_stages=2)
     _mla_stage2[(b, h)](
         part_o, part_lse, out, part_o.stride(0), part_o.stride(1), part_o.stride(2),
         part_lse.stride(0), part_lse.stride(1), out.stride(0), out.stride(1),
-        s, R=r, BLOCK_S=32, num_warps=4)  # BLOCK_S: num_splits' cap (one compile for any split count)
+        SPLITS=s, R=r, BLOCK_S=32, num_warps=4)  # BLOCK_S: num_splits' cap (one compile for any split count)
     return out
 
 
