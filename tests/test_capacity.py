@@ -172,7 +172,7 @@ def test_admission_a_request_that_fits_only_alone_holds_no_one_back_and_waits_a_
         assert adm.queued == 0 and adm.reserved == 4
         adm.release(a)
         solo = asyncio.create_task(adm.admit(8, 24))
-        c = asyncio.create_task(adm.admit(4, 8))  # 3 blocks: waits for room, like before
+        c = asyncio.create_task(adm.admit(4, 12))  # 4 blocks: waits for room, like before
         await asyncio.sleep(0)
         adm.release(b)  # nothing admitted: the solo request runs, and c (behind it) waits for it
         alone = await asyncio.wait_for(solo, 1)
