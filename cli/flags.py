@@ -32,6 +32,8 @@ HELP = {
     "practical_fraction": "decode admission: admit while the admitted requests' KV at prompt + max_tokens fits "
                           "this share of the pool (> 1 overcommits; retraction recovers)",
     "max_queued": "decode: requests that may wait for admission; beyond it RESOURCE_EXHAUSTED",
+    "solo_wait_s": "decode: seconds a request whose prompt + max_tokens exceeds the admission budget (so it runs "
+                   "only alone) may wait for the worker to be free before RESOURCE_EXHAUSTED",
     "chunk_size": "prefill chunk size in tokens (the base chunk with dynamic chunking); alias --chunked-prefill-size",
     "enable_dynamic_chunking": "prefill: fit f(l) = a·l² + b·l + c from start-up timings and shrink chunks as the "
                                "prefix grows; falls back to static chunks with a logged reason",
@@ -75,6 +77,12 @@ HELP = {
     "router_temperature": "kv/approx: 0 picks the lowest cost; > 0 samples by cost",
     "local_prefill_threshold": "prefill on the decode worker when its uncached part is below this many tokens",
     "migration_limit": "router: decode-worker failures one request may survive (retry or migrate elsewhere)",
+    "default_deadline_s": "router: deadline in seconds of router → worker calls when the client sets none",
+    "token_stall_timeout_s": "router: seconds a running stream may go without a response before its worker "
+                             "counts as failed and the request migrates (0 = off)",
+    "keepalive_time_s": "router: seconds between HTTP/2 keepalive PINGs on each channel to a worker (>= 1)",
+    "keepalive_timeout_s": "router: seconds a keepalive PING may go unanswered before the channel's calls fail "
+                           "(a stopped or unreachable worker)",
     "approx_ttl_s": "approx mode: seconds a routed block is assumed cached",
     "metrics_port": "Prometheus /metrics port (-1 = off, 0 = any free port, announced in discovery)",
     "kv_recent_s": "kv mode: also count a prefix routed to a worker in the last this many seconds, before its KV "

@@ -20,6 +20,38 @@ from common import tracing
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
 
+@dataclass(frozen=True)
+class Keepalive:
+    """HTTP/2 keepalive of every client channel: a PING every `time_s` seconds, with or without
+    calls in flight; a peer that answers none within `timeout_s` seconds (a stopped process, a
+    wedged or unplugged host: its kernel may still hold the TCP connection) fails the channel's
+    calls with UNAVAILABLE. Servers accept PINGs as often as every MIN_PING_INTERVAL_S."""
+
+    time_s: float = 10.0
+    timeout_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        if self.time_s < MIN_PING_INTERVAL_S or self.timeout_s <= 0:
+            raise ValueError(f"--keepalive-time must be >= {MIN_PING_INTERVAL_S} s and --keepalive-timeout > 0 s, "
+                             f"got {self.time_s} and {self.timeout_s}")
+
+    def options(self) -> list[tuple[str, int]]:
+        return [("grpc.keepalive_time_ms", int(self.time_s * 1000)),
+                ("grpc.keepalive_timeout_ms", int(self.timeout_s * 1000)),
+                ("grpc.keepalive_permit_without_calls", 1),
+                ("grpc.http2.max_pings_without_data", 0)]
+
+
+MIN_PING_INTERVAL_S = 1.0  # servers accept client PINGs this often; must be <= every Keepalive.time_s
+KEEPALIVE = Keepalive()  # set once per process by its main (the router's --keepalive-time/--keepalive-timeout)
+
+
+def set_keepalive(keepalive: Keepalive) -> None:
+    """Keepalive of the channels this process opens from now on."""
+    global KEEPALIVE
+    KEEPALIVE = keepalive
+
+
 @dataclass
 class RunningServer:
     server: grpc.aio.Server
@@ -48,7 +80,13 @@ async def start_server(address: str, add_services: Sequence[Callable[[grpc.aio.S
     server = grpc.aio.server(interceptors=tracing.server_interceptors() or None,
                              options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                                       ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-                                      ("grpc.so_reuseport", 0)])
+                                      ("grpc.so_reuseport", 0),
+                                      # Answer clients' keepalive PINGs (Keepalive) instead of
+                                      # closing the connection with "too many pings".
+                                      ("grpc.keepalive_permit_without_calls", 1),
+                                      ("grpc.http2.min_ping_interval_without_data_ms",
+                                       int(MIN_PING_INTERVAL_S * 1000)),
+                                      ("grpc.http2.max_ping_strikes", 0)])
     for add in add_services:
         add(server)
     health_servicer = health.aio.HealthServicer()
@@ -100,14 +138,15 @@ def _bracketed(host: str) -> str:
 
 
 def channel(address: str) -> grpc.aio.Channel:
-    """A client channel with Tandem's message size limits."""
+    """A client channel with Tandem's message size limits and keepalive (KEEPALIVE)."""
     # A restarted peer at the same address is reachable again within ~1 s, not after gRPC's
     # default reconnect back-off of up to 120 s.
     return grpc.aio.insecure_channel(address, interceptors=tracing.client_interceptors() or None,
                                      options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                                               ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                                               ("grpc.initial_reconnect_backoff_ms", 200),
-                                              ("grpc.max_reconnect_backoff_ms", 1000)])
+                                              ("grpc.max_reconnect_backoff_ms", 1000),
+                                              *KEEPALIVE.options()])
 
 
 def add_lenient_service(server: grpc.aio.Server, service: str, servicer: object,

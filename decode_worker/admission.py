@@ -4,9 +4,15 @@ fraction of the pool, so retraction stays rare (DESIGN.md sections 6 and 8).
 A request is admitted when the admitted requests' *projected* KV — each one's prompt +
 max_tokens, in blocks, capped at the pool — plus its own fits `practical_fraction` of the
 pool; otherwise it waits in a bounded FIFO queue in the worker (one more than `max_queued` gets
-RESOURCE_EXHAUSTED at once, so the router can try elsewhere). One request is always admitted
-when nothing else is, so a request larger than the budget still runs alone. While retracted
-requests wait to resume (`hold`), new requests wait behind them.
+RESOURCE_EXHAUSTED at once, so the router can try elsewhere). While retracted requests wait to
+resume (`hold`), new requests wait behind them.
+
+What cannot fit is refused, not started: a request whose prompt + max_tokens needs more blocks
+than the whole pool gets RESOURCE_EXHAUSTED at once, naming the numbers (it would stream until
+the pool ran out and fail then, after holding every other request back). A request larger than
+the budget but within the pool fits only *alone*: it is admitted when nothing else is admitted,
+never holds the queue behind it (requests that fit go past it), and waits at most `solo_wait_s`
+seconds for its turn, then gets RESOURCE_EXHAUSTED.
 
 The projection is an upper bound on what a request can hold (shared prefix blocks are counted
 once per request), so with practical_fraction <= 1 the pool never runs out; > 1 overcommits
@@ -45,8 +51,9 @@ class Refused(Exception):
 class Admission:
     """Admit requests against a KV budget of floor(practical_fraction × pool blocks)."""
 
-    def __init__(self, pool: KvPool, practical_fraction: float, max_queued: int) -> None:
+    def __init__(self, pool: KvPool, practical_fraction: float, max_queued: int, solo_wait_s: float = 5.0) -> None:
         self.pool = pool
+        self.solo_wait_s = solo_wait_s  # seconds a request that fits only alone may wait (--solo-wait)
         self.capacity = pool.config.num_blocks
         self.budget = max(1, math.floor(practical_fraction * self.capacity))
         self.max_queued = max_queued
@@ -54,7 +61,7 @@ class Admission:
         self.admitted = 0  # admitted requests not yet released
         self.held = 0  # retracted requests waiting to resume: they go first
         self.waited = 0  # requests that had to queue (a counter, for metrics and tests)
-        self._queue: deque[tuple[int, asyncio.Future[Ticket]]] = deque()
+        self._queue: deque[tuple[int, asyncio.Future[Ticket]]] = deque()  # (projected blocks, grant)
         self._freed = asyncio.Event()
         self.on_release: Callable[[], None] | None = None  # the scheduler's wake-up
 
@@ -69,38 +76,63 @@ class Admission:
     def _fits(self, blocks: int) -> bool:
         return self.held == 0 and (self.admitted == 0 or self.reserved + blocks <= self.budget)
 
+    def _solo(self, blocks: int) -> bool:
+        """Whether a request of `blocks` projected blocks fits only when nothing else runs."""
+        return blocks > self.budget
+
     def _grant(self, blocks: int) -> Ticket:
         self.reserved += blocks
         self.admitted += 1
         return Ticket(blocks)
 
     async def admit(self, prompt_tokens: int, max_tokens: int) -> Ticket:
-        """Wait (FIFO) until the request fits, then reserve its projected blocks.
+        """Wait until the request fits, then reserve its projected blocks. Requests within the
+        budget are admitted in FIFO order; one that fits only alone waits beside them.
 
         Raises:
-            Refused: the prompt alone cannot fit the pool, or the queue is full.
+            Refused: prompt + max_tokens cannot fit the whole pool, the queue is full, or a
+                request that fits only alone did not get its turn within solo_wait_s seconds.
             asyncio.CancelledError: the caller went away while queued (nothing is held).
         """
-        if self.pool.blocks_for(prompt_tokens + 1) > self.capacity:
-            raise Refused(f"prompt of {prompt_tokens} tokens needs {self.pool.blocks_for(prompt_tokens + 1)} KV "
-                          f"blocks; the pool has {self.capacity}")
+        need = self.pool.blocks_for(prompt_tokens + max_tokens)
+        if need > self.capacity:
+            raise Refused(f"prompt ({prompt_tokens} tokens) + max_tokens ({max_tokens}) needs {need} KV blocks of "
+                          f"{self.pool.block_size} tokens; this worker's whole pool has {self.capacity} blocks")
         blocks = self.projected_blocks(prompt_tokens, max_tokens)
-        if not self._queue and self._fits(blocks):
-            return self._grant(blocks)
-        if len(self._queue) >= self.max_queued:
-            raise Refused(f"decode queue full ({self.max_queued} requests waiting for KV capacity)")
         fut: asyncio.Future[Ticket] = asyncio.get_running_loop().create_future()
         self._queue.append((blocks, fut))
+        self._pump()
+        if fut.done():
+            return fut.result()
+        if len(self._queue) > self.max_queued:
+            self._drop(fut)
+            raise Refused(f"decode queue full ({self.max_queued} requests waiting for KV capacity)")
         self.waited += 1
         try:
-            return await fut
+            if not self._solo(blocks):
+                return await fut
+            try:
+                return await asyncio.wait_for(asyncio.shield(fut), self.solo_wait_s)
+            except (TimeoutError, asyncio.TimeoutError):
+                if fut.done():
+                    return fut.result()  # granted just as the wait ended
+                self._drop(fut)
+                raise Refused(f"prompt ({prompt_tokens} tokens) + max_tokens ({max_tokens}) needs {blocks} KV blocks, "
+                              f"more than the admission budget of {self.budget} (--practical-fraction of "
+                              f"{self.capacity}): it runs only alone, and the worker was not free within "
+                              f"{self.solo_wait_s:g} s (--solo-wait)") from None
         except asyncio.CancelledError:
             if fut.done() and not fut.cancelled():
                 self.release(fut.result())  # granted just as the caller went away
             else:
-                self._queue = deque(e for e in self._queue if e[1] is not fut)
-            self._pump()
+                self._drop(fut)
             raise
+
+    def _drop(self, fut: asyncio.Future[Ticket]) -> None:
+        """Take a waiter out of the queue (it was refused or went away) and admit the rest."""
+        self._queue = deque(e for e in self._queue if e[1] is not fut)
+        fut.cancel()
+        self._pump()
 
     def release(self, ticket: Ticket | None) -> None:
         """Return a ticket's reservation (idempotent; None is ignored) and admit waiters."""
@@ -124,10 +156,20 @@ class Admission:
         self._pump()
 
     def _pump(self) -> None:
-        while self._queue and self._fits(self._queue[0][0]):
+        """Grant waiters in order: requests within the budget strictly FIFO; one that fits only
+        alone is granted when nothing is admitted, and otherwise skipped (it holds no one back)."""
+        kept: deque[tuple[int, asyncio.Future[Ticket]]] = deque()
+        blocked = False  # a request within the budget is waiting: those behind it wait too
+        while self._queue:
             blocks, fut = self._queue.popleft()
-            if not fut.done():
+            if fut.done():
+                continue
+            if not (blocked and not self._solo(blocks)) and self._fits(blocks):
                 fut.set_result(self._grant(blocks))
+                continue
+            blocked = blocked or not self._solo(blocks)
+            kept.append((blocks, fut))
+        self._queue = kept
 
     async def allocate_prompt(self, tokens: list[int], busy: Callable[[], bool]) -> PromptBlocks:
         """The prompt's blocks, waiting for running requests to free some when the pool is

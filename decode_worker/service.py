@@ -60,6 +60,7 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
     def __init__(self, runtime: WorkerRuntime, scheduler: DecodeScheduler) -> None:
         self.rt = runtime
         self.scheduler = scheduler
+        scheduler.admission.solo_wait_s = runtime.opts.solo_wait_s
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._metadata_sent: set[str] = set()  # prefill addresses that hold our agent metadata
         self._failures = RateLimitedLog(log)  # one line per prefill worker per 5 s

@@ -52,6 +52,7 @@ class WorkerOptions:
     device_memory_bytes: int = 0  # memory --mem-fraction-static applies to; 0 = the GPU's total (CPU: physical RAM)
     practical_fraction: float = 0.9  # decode admission: admitted requests' projected KV <= this share of the pool
     max_queued: int = 256  # decode: requests waiting for admission; one more gets RESOURCE_EXHAUSTED
+    solo_wait_s: float = 5.0  # decode: seconds a request that fits only alone may wait for admission
     chunk_size: int = 256  # prefill chunk in tokens (dynamic chunking: the base chunk); alias --chunked-prefill-size
     enable_dynamic_chunking: bool = False  # chunks shrink as the prefix grows (DESIGN.md section 7)
     dynamic_chunk_smoothing: float = 0.75  # σ: chunk = base + σ·(x − base)
@@ -89,6 +90,8 @@ class WorkerOptions:
         for name in ("num_blocks", "device_memory_bytes", "max_queued"):
             if getattr(self, name) < 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
+        if self.solo_wait_s < 0:
+            raise ValueError(f"--solo-wait must be >= 0 seconds, got {self.solo_wait_s}")
         if not 0 <= self.mem_fraction_static <= 1:
             raise ValueError(f"--mem-fraction-static must be in [0, 1] (0 = off), got {self.mem_fraction_static}")
         # > 1 overcommits: a bet that requests stop (EOS) before max_tokens; retraction covers a lost bet.

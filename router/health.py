@@ -19,6 +19,7 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -74,6 +75,9 @@ class HealthTracker:
         self._state: dict[str, WorkerHealth] = {}
         self._task: asyncio.Task | None = None  # strong reference
         self.rounds = 0
+        # Called with (instance id, reason) when a worker turns unhealthy: the router takes its
+        # open calls away (router/inflight.py) instead of waiting on a worker that may never answer.
+        self.on_unhealthy: Callable[[str, str], None] | None = None
 
     # -- queries ---------------------------------------------------------------------------------
 
@@ -115,6 +119,8 @@ class HealthTracker:
             st.since = time.monotonic()
             log.warning("worker %s at %s is unhealthy after %d consecutive failures (last: %s): no new requests "
                         "until it recovers", instance_id, st.address, st.consecutive_failures, reason)
+            if self.on_unhealthy is not None:
+                self.on_unhealthy(instance_id, f"unhealthy ({reason})")
 
     def record_transport_failure(self, instance_id: str, reason: str = "transport failure") -> None:
         """A call to the worker failed in transport (refused, reset, unavailable)."""

@@ -59,11 +59,15 @@ class KvEventSubscriber:
 
     async def _follow(self, inst: discovery_pb2.Instance) -> None:
         wid = inst.instance_id
-        stub = kv_events_pb2_grpc.KvEventServiceStub(self.workers.channel(inst))
         backoff = 0.05
         while True:
             last = self.last_event_id.get(wid, 0)
             try:
+                # The channel of the record now: a record that moved is followed to its new address.
+                current = self.workers.instance(wid)
+                if current is None:
+                    return  # left discovery; sync() drops its blocks
+                stub = kv_events_pb2_grpc.KvEventServiceStub(self.workers.channel(current))
                 async for batch in stub.Subscribe(kv_events_pb2.SubscribeRequest(from_event_id=last)):
                     if not self._apply(wid, batch):
                         break  # gap: resubscribe from 0 for a snapshot
@@ -71,6 +75,8 @@ class KvEventSubscriber:
             except grpc.aio.AioRpcError as exc:
                 self.counters.stream_errors += 1
                 log.debug("KV events from %s: %s", wid, exc.code().name)
+            except LookupError:
+                return  # left discovery between the two looks
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, self.max_backoff_s)
 

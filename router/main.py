@@ -12,7 +12,8 @@ from typing import Callable
 from common import metrics as metrics_http
 from common.block_hash import hash_seed
 from common.lifecycle import install_stop_signals
-from common.grpc_server import RunningServer, add_lenient_service, advertised_host, start_server
+from common.grpc_server import (Keepalive, RunningServer, add_lenient_service, advertised_host, set_keepalive,
+                                start_server)
 from common.pb.tandem.v1 import discovery_pb2
 from common.pb.tandem.v1 import frontend_pb2 as pb
 from common.tokenizer import load_tokenizer
@@ -59,6 +60,10 @@ class RouterOptions:
     health_timeout_s: float = 0.5  # seconds one probe may take
     health_failure_threshold: int = 3  # consecutive failures (probes or transport) that make a worker unhealthy
     metrics_port: int = -1  # Prometheus /metrics: -1 = off, 0 = any free port
+    default_deadline_s: float = 600.0  # seconds: deadline of router → worker calls when the client sets none
+    token_stall_timeout_s: float = 30.0  # seconds without a response on a running stream → its worker failed (0 = off)
+    keepalive_time_s: float = 10.0  # seconds between HTTP/2 keepalive PINGs on every channel to a worker
+    keepalive_timeout_s: float = 5.0  # seconds a PING may go unanswered before the channel's calls fail
 
     def __post_init__(self) -> None:
         metrics_http.validate_port(self.metrics_port)
@@ -77,6 +82,11 @@ class RouterOptions:
                              f"{self.health_interval_s} and {self.health_timeout_s}")
         if self.health_failure_threshold < 1:
             raise ValueError(f"--health-failure-threshold must be >= 1, got {self.health_failure_threshold}")
+        if self.default_deadline_s <= 0:
+            raise ValueError(f"--default-deadline must be > 0 seconds, got {self.default_deadline_s}")
+        if self.token_stall_timeout_s < 0:
+            raise ValueError(f"--token-stall-timeout must be >= 0 seconds (0 = off), got {self.token_stall_timeout_s}")
+        Keepalive(self.keepalive_time_s, self.keepalive_timeout_s)  # fails naming the flags
         if not self.etcd:
             raise ValueError("--etcd is required for the router (host:port of an etcd server)")
         if self.block_size < 1:
@@ -145,6 +155,7 @@ async def run(opts: RouterOptions, ready: Callable[[RunningServer, FrontendServi
               stop: asyncio.Event | None = None) -> None:
     """Serve until SIGTERM/SIGINT or `stop`; `ready(server, servicer)` is called once serving."""
     name, config, ckpt = load_config(opts.model)
+    set_keepalive(Keepalive(opts.keepalive_time_s, opts.keepalive_timeout_s))
     watcher = InstanceWatcher(opts.etcd, opts.namespace)
     await watcher.start()
     workers = WorkerSet(watcher, name, opts.block_size, hash_seed(name))
@@ -158,7 +169,16 @@ async def run(opts: RouterOptions, ready: Callable[[RunningServer, FrontendServi
     servicer = FrontendServicer(workers, placement, load, load_tokenizer(ckpt), config.vocab_size,
                                 config.max_position_embeddings, on_routed=on_routed, metrics=metrics)
     servicer.migration_limit = opts.migration_limit
-    membership = asyncio.create_task(_follow_membership(watcher, on_membership), name="membership")  # strong ref
+    servicer.default_deadline_s = opts.default_deadline_s
+    servicer.token_stall_timeout_s = opts.token_stall_timeout_s
+    health.on_unhealthy = servicer.evict_worker
+
+    def on_change() -> None:
+        if on_membership is not None:
+            on_membership()  # KV subscriptions first: a departed worker's stream ends before its channel closes
+        servicer.on_membership()
+
+    membership = asyncio.create_task(_follow_membership(watcher, on_change), name="membership")  # strong ref
     methods = {"Generate": ("stream", pb.GenerateRequest, pb.GenerateResponse),
                "ListModels": ("unary", pb.ListModelsRequest, pb.ListModelsResponse),
                "ExplainRoute": ("unary", pb.GenerateRequest, pb.ExplainRouteResponse),

@@ -53,8 +53,11 @@ class Placement:
         self.decode_policy = make_policy(opts.mode, opts.prefill_weight, opts.temperature, rng(0))
         self.prefill_policy = make_policy(opts.mode, opts.prefill_weight, opts.temperature, rng(1))
 
-    def route(self, tokens: list[int]) -> tuple[RouteDecision, list[int]]:
+    def route(self, tokens: list[int], exclude: frozenset[str] = frozenset()) -> tuple[RouteDecision, list[int]]:
         """Choose the decode worker and the prefill worker (or local prefill) for a prompt.
+
+        Args:
+            exclude: decode instance ids not to choose (e.g. ones whose pool refused it).
 
         Returns:
             (the decision, the prompt's block hashes — empty in modes that ignore caches).
@@ -67,9 +70,9 @@ class Placement:
         hashes = block_hashes(tokens, bs, self.workers.hash_seed) if uses_overlap else []
         overlaps = self.overlap.overlaps(hashes) if hashes else {}
         blocks = len(tokens) // bs
-        decodes = self.workers.candidates(discovery_pb2.ROLE_DECODE)
+        decodes = [d for d in self.workers.candidates(discovery_pb2.ROLE_DECODE) if d.instance_id not in exclude]
         if not decodes:
-            raise NoWorker("no healthy decode worker")
+            raise NoWorker("no healthy decode worker" + (f" other than {', '.join(sorted(exclude))}" if exclude else ""))
         scored = self.decode_policy.score(discovery_pb2.ROLE_DECODE, decodes, overlaps, blocks, self.load)
         decode = self.decode_policy.pick(scored)
         prefill, reason = None, ""

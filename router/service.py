@@ -20,13 +20,14 @@ import grpc
 
 from common import logs, tracing
 from common.grpc_errors import abort_invalid, check_parsed
-from common.pb.tandem.v1 import decode_pb2, decode_pb2_grpc, sampling_pb2
+from common.pb.tandem.v1 import decode_pb2, decode_pb2_grpc, discovery_pb2, sampling_pb2
 from common.pb.tandem.v1 import frontend_pb2 as pb
 from common.pb.tandem.v1 import frontend_pb2_grpc as pb_grpc
 from common.tokenizer import IncrementalDetokenizer, TextTokenizer
 from common.validation import (InvalidArgument, sampling_from_proto, sampling_to_proto, validate_prompt_length,
                                validate_token_ids)
 from router.decision import RouteDecision
+from router.inflight import OpenCalls, WorkerLost, next_message
 from router.load import LoadTracker
 from router.metrics import RouterMetrics
 from router.placement import NoWorker, Placement
@@ -80,6 +81,9 @@ class FrontendServicer(pb_grpc.FrontendServiceServicer):
         self.context_length = context_length
         self.on_routed = on_routed  # approx mode: remember the routed blocks
         self.migration_limit = 3  # decode failures one request may survive (retries and migrations)
+        self.default_deadline_s = 600.0  # deadline of a client call that sets none (router → worker calls)
+        self.token_stall_timeout_s = 0.0  # a running stream silent this long is a failed worker (0 = off)
+        self.open_calls = OpenCalls()  # decode calls in flight, by worker: evicted when it fails
         self.migrations = 0  # counter: requests continued on another decode worker mid-stream
         self.retries = 0  # counter: decode calls retried on another worker before any token
         self.running = 0  # Generate calls in progress
@@ -148,9 +152,10 @@ class FrontendServicer(pb_grpc.FrontendServiceServicer):
             await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
         return tokens, params
 
-    async def _route(self, tokens: list[int], context: grpc.aio.ServicerContext) -> tuple[RouteDecision, list[int]]:
+    async def _route(self, tokens: list[int], context: grpc.aio.ServicerContext,
+                     exclude: frozenset[str] = frozenset()) -> tuple[RouteDecision, list[int]]:
         try:
-            return self.placement.route(tokens)
+            return self.placement.route(tokens, exclude)
         except NoWorker as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
             raise
@@ -167,10 +172,10 @@ class FrontendServicer(pb_grpc.FrontendServiceServicer):
             "tandem.migration.reason": failed[1] if failed else "", "tandem.migration.tokens_generated": generated})
 
     async def _traced_route(self, tokens: list[int], context: grpc.aio.ServicerContext,
-                            attempt: int) -> tuple[RouteDecision, list[int]]:
+                            attempt: int, exclude: frozenset[str] = frozenset()) -> tuple[RouteDecision, list[int]]:
         """_route inside a `tandem.route` span carrying the decision's inputs and choice."""
         with tracing.span("tandem.route") as span:
-            decision, hashes = await self._route(tokens, context)
+            decision, hashes = await self._route(tokens, context, exclude)
             if span.is_recording():
                 span.set_attributes(route_span_attributes(decision, attempt))
         self.metrics.observe_decision(decision)
@@ -237,9 +242,14 @@ class FrontendServicer(pb_grpc.FrontendServiceServicer):
         # one with prompt + tokens generated so far; sampling resumes at the same step, so the
         # client sees one uninterrupted stream with exactly the tokens a fault-free run gives.
         failed: tuple[str, str] | None = None  # (decode instance id, status code) of the last failure
+        # Every router → worker call carries a deadline: the client's, or default_deadline_s from arrival.
+        remaining = context.time_remaining()
+        deadline = time.monotonic() + (remaining if remaining is not None else self.default_deadline_s)
+        refused_by: set[str] = set()  # decode workers whose pool cannot hold this request
         for attempt in range(1 + self.migration_limit):
             with self._attempt_span(attempt, failed, len(generated)):
-                decision, hashes = await self._traced_route(tokens + generated, context, attempt)
+                decision, hashes = await self._traced_route(tokens + generated, context, attempt,
+                                                            frozenset(refused_by))
                 self.decision_s.append(decision.seconds)
                 if log.isEnabledFor(logging.DEBUG):
                     log.debug("request %s routed:\n%s", request_id, decision.explain())
@@ -251,50 +261,104 @@ class FrontendServicer(pb_grpc.FrontendServiceServicer):
                 load = self.load.start(decision.decode.instance_id, prefill.instance_id if prefill else None,
                                        len(prompt_now), uncached)
                 sampling = sampling_to_proto(replace(params, max_tokens=params.max_tokens - len(generated)))
-                call = decode_pb2_grpc.DecodeServiceStub(self.workers.channel_for(decision.decode.address)).Generate(
+                worker = decision.decode.instance_id
+                try:
+                    stub = decode_pb2_grpc.DecodeServiceStub(self.workers.channel_to(worker, decision.decode.address))
+                except LookupError as exc:  # left discovery since it was chosen: like a refused call
+                    stub, lookup_error = None, str(exc)
+                call = None if stub is None else stub.Generate(
                     decode_pb2.DecodeRequest(request_id=f"{request_id}.{attempt}" if attempt else request_id,
                                              token_ids=prompt_now, sampling=sampling,
                                              prefill_address=prefill.address if prefill else "",
                                              sampling_step_offset=len(generated)),
-                    timeout=context.time_remaining())
+                    timeout=max(0.0, deadline - time.monotonic()))
                 if attempt == 0:
                     self.overhead_s.append(time.perf_counter() - arrived)
                     self.overhead_cpu_s.append(time.thread_time() - arrived_cpu)
                 streamed = len(generated)
-                try:
-                    async for msg in call:
-                        if msg.token_ids and len(generated) == streamed:
-                            self.load.prefill_finished(load)
-                        self.load.grow(load, len(generated) - streamed, len(generated) - streamed + len(msg.token_ids))
-                        cached = cached or msg.cached_tokens
-                        text, stopped, used = feed_tokens(stops, detok, list(msg.token_ids),
-                                                          bool(msg.finish_reason))
-                        generated.extend(msg.token_ids[:used])  # nothing past a stop string
-                        reason = sampling_pb2.FINISH_REASON_STOP if stopped else msg.finish_reason
-                        out = pb.GenerateResponse(request_id=request_id, token_ids=msg.token_ids[:used], text=text,
-                                                  logprobs=msg.logprobs[:used], finish_reason=reason)
-                        if reason:
-                            if not stopped:
-                                out.text += stops.flush()
-                            out.usage.CopyFrom(pb.Usage(prompt_tokens=len(tokens), completion_tokens=len(generated),
-                                                        cached_tokens=cached))
+                with self.open_calls.open(worker) as lost:
+                    try:
+                        if call is None:
+                            raise WorkerLost(worker, lookup_error)
+                        while True:
+                            # The stall bound starts once the stream runs (before its first token the
+                            # worker may be prefilling a long prompt; health covers that stretch).
+                            msg = await next_message(call, lost, worker, self.token_stall_timeout_s
+                                                     if self.token_stall_timeout_s and len(generated) > streamed else None)
+                            if msg is grpc.aio.EOF:
+                                break
+                            if msg.token_ids and len(generated) == streamed:
+                                self.load.prefill_finished(load)
+                            self.load.grow(load, len(generated) - streamed, len(generated) - streamed + len(msg.token_ids))
+                            cached = cached or msg.cached_tokens
+                            text, stopped, used = feed_tokens(stops, detok, list(msg.token_ids),
+                                                              bool(msg.finish_reason))
+                            generated.extend(msg.token_ids[:used])  # nothing past a stop string
+                            reason = sampling_pb2.FINISH_REASON_STOP if stopped else msg.finish_reason
+                            out = pb.GenerateResponse(request_id=request_id, token_ids=msg.token_ids[:used], text=text,
+                                                      logprobs=msg.logprobs[:used], finish_reason=reason)
+                            if reason:
+                                if not stopped:
+                                    out.text += stops.flush()
+                                out.usage.CopyFrom(pb.Usage(prompt_tokens=len(tokens), completion_tokens=len(generated),
+                                                            cached_tokens=cached))
+                                yield out
+                                return
                             yield out
-                            return
-                        yield out
-                    return
-                except grpc.aio.AioRpcError as exc:
-                    log.info("request %s: decode worker %s answered %s: %s", request_id, decision.decode.instance_id,
-                             exc.code().name, exc.details())
-                    if exc.code() in MIGRATABLE and attempt < self.migration_limit:
-                        self.workers.set_aside(decision.decode.instance_id)
-                        failed = (decision.decode.instance_id, exc.code().name)
-                        if generated:
-                            self.migrations += 1
-                            log.info("request %s: migrating after %d tokens", request_id, len(generated))
-                        else:
-                            self.retries += 1
-                        continue
-                    await context.abort(exc.code(), exc.details() or "decode worker failed")
-                finally:
-                    call.cancel()
-                    self.load.finish(load)
+                        return
+                    except WorkerLost as exc:
+                        log.warning("request %s: taken from decode worker %s after %d tokens: %s", request_id, worker,
+                                    len(generated), exc.reason)
+                        if attempt < self.migration_limit:
+                            self.workers.set_aside(worker)
+                            failed = (worker, "WORKER_LOST")
+                            self._count_move(request_id, generated)
+                            continue
+                        await context.abort(grpc.StatusCode.UNAVAILABLE, f"decode worker {worker} failed ({exc.reason}) "
+                                            f"and --migration-limit {self.migration_limit} is reached")
+                    except grpc.aio.AioRpcError as exc:
+                        log.info("request %s: decode worker %s answered %s: %s", request_id, decision.decode.instance_id,
+                                 exc.code().name, exc.details())
+                        if (exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and not generated
+                                and attempt < self.migration_limit and self._larger_pool(worker, refused_by)):
+                            refused_by.add(worker)  # this request only: the worker stays in rotation
+                            failed = (worker, exc.code().name)
+                            continue
+                        if exc.code() in MIGRATABLE and attempt < self.migration_limit:
+                            self.workers.set_aside(decision.decode.instance_id)
+                            failed = (decision.decode.instance_id, exc.code().name)
+                            self._count_move(request_id, generated)
+                            continue
+                        await context.abort(exc.code(), exc.details() or "decode worker failed")
+                    finally:
+                        if call is not None:
+                            call.cancel()
+                        self.load.finish(load)
+
+    def _count_move(self, request_id: str, generated: list[int]) -> None:
+        if generated:
+            self.migrations += 1
+            log.info("request %s: migrating after %d tokens", request_id, len(generated))
+        else:
+            self.retries += 1
+
+    def _larger_pool(self, worker: str, refused_by: set[str]) -> bool:
+        """Whether a decode worker other than those that refused has a larger KV pool than `worker`."""
+        inst = self.workers.instance(worker)
+        have = inst.kv_capacity_blocks if inst is not None else 0
+        return any(c.kv_capacity_blocks > have for c in self.workers.candidates(discovery_pb2.ROLE_DECODE)
+                   if c.instance_id != worker and c.instance_id not in refused_by)
+
+    def evict_worker(self, instance_id: str, reason: str) -> None:
+        """Take every open call away from a failed decode worker: each request migrates."""
+        n = self.open_calls.evict(instance_id, reason)
+        if n:
+            log.warning("decode worker %s %s: moving its %d open calls to other workers", instance_id, reason, n)
+
+    def on_membership(self) -> None:
+        """After a discovery change: evict the calls of workers that left, then close their channels."""
+        present = set(self.workers.instance_ids())
+        for wid in self.open_calls.workers():
+            if wid not in present:
+                self.evict_worker(wid, "left discovery")
+        self.workers.prune()

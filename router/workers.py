@@ -1,8 +1,14 @@
 """The router's view of the workers: discovery's instances, filtered to those it may use,
-with one gRPC channel per worker."""
+with one gRPC channel per worker instance.
+
+Channel lifecycle: a channel is opened on first use for an instance in discovery, replaced
+when the instance's record moves to another address, and closed when the instance leaves
+discovery (`prune`, on every membership change), so the router never keeps dialling an
+address whose record is gone and the pool is bounded by the instances in discovery."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 
@@ -22,7 +28,9 @@ class WorkerSet:
         self.model = model
         self.block_size = block_size
         self.hash_seed = hash_seed
-        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._channels: dict[str, tuple[str, grpc.aio.Channel]] = {}  # instance id -> (address, channel)
+        self._closing: set[asyncio.Task] = set()  # strong references to channel closes
+        self.channels_closed = 0  # counter: channels closed because their instance left or moved
         self._refused: set[str] = set()
         self.refused_workers = 0  # counter: workers refused for model, block size or hash seed
         self._aside: dict[str, float] = {}  # instance id -> monotonic time it may be used again
@@ -62,16 +70,56 @@ class WorkerSet:
         if self.health is not None:
             self.health.record_transport_failure(instance_id, "refused a call")
 
-    def channel(self, inst: discovery_pb2.Instance) -> grpc.aio.Channel:
-        return self.channel_for(inst.address)
+    def instance(self, instance_id: str) -> discovery_pb2.Instance | None:
+        """The instance's record in discovery now, or None once it left."""
+        return self._watcher.instances().get(instance_id)
 
-    def channel_for(self, address: str) -> grpc.aio.Channel:
-        ch = self._channels.get(address)
-        if ch is None:
-            ch = self._channels[address] = channel(address)
+    def channel(self, inst: discovery_pb2.Instance) -> grpc.aio.Channel:
+        return self.channel_to(inst.instance_id, inst.address)
+
+    def channel_to(self, instance_id: str, address: str) -> grpc.aio.Channel:
+        """The channel to this instance at `address` (opened now if needed; a record that moved
+        to another address gets a new one, the old one is closed).
+
+        Raises:
+            LookupError: the instance is not in discovery at that address (never dial a
+                departed address).
+        """
+        inst = self.instance(instance_id)
+        if inst is None or inst.address != address:
+            raise LookupError(f"worker {instance_id} at {address} is no longer in discovery")
+        entry = self._channels.get(instance_id)
+        if entry is not None and entry[0] == address:
+            return entry[1]
+        if entry is not None:
+            log.info("worker %s moved from %s to %s: new channel", instance_id, entry[0], address)
+            self._close(entry[1])
+        ch = channel(address)
+        self._channels[instance_id] = (address, ch)
         return ch
 
+    def prune(self) -> list[str]:
+        """Close the channels of instances no longer in discovery, or whose record moved to
+        another address; returns the instance ids whose channel was closed. (Their open calls
+        end CANCELLED: call after migrating them.)"""
+        present = self._watcher.instances()
+        gone = [wid for wid, (addr, _) in self._channels.items()
+                if wid not in present or present[wid].address != addr]
+        for wid in gone:
+            self._close(self._channels.pop(wid)[1])
+        return gone
+
+    def channel_count(self) -> int:
+        return len(self._channels)
+
+    def _close(self, ch: grpc.aio.Channel) -> None:
+        self.channels_closed += 1
+        task = asyncio.get_running_loop().create_task(ch.close())
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
+
     async def close(self) -> None:
-        for ch in self._channels.values():
+        for _, ch in self._channels.values():
             await ch.close()
         self._channels.clear()
+        await asyncio.gather(*self._closing, return_exceptions=True)

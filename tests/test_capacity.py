@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass, replace
 
 import pytest
@@ -132,9 +133,11 @@ def test_admission_queues_fifo_and_releases():
 def test_admission_lone_request_and_refusals():
     async def main():
         adm = Admission(pool(10), practical_fraction=0.5, max_queued=4)
-        big = await adm.admit(prompt_tokens=8, max_tokens=1000)  # over the budget, but alone: admitted
-        assert big.blocks == 10  # projection capped at the pool
-        with pytest.raises(Refused, match="the pool has 10"):
+        with pytest.raises(Refused, match=r"prompt \(8 tokens\) \+ max_tokens \(1000\) needs 252 KV blocks.*has 10"):
+            await adm.admit(prompt_tokens=8, max_tokens=1000)  # can never fit the pool: refused at once
+        big = await adm.admit(prompt_tokens=8, max_tokens=24)  # 8 blocks, over the budget of 5, but alone: admitted
+        assert big.blocks == 8
+        with pytest.raises(Refused, match="whole pool has 10 blocks"):
             await adm.admit(prompt_tokens=40, max_tokens=1)  # the prompt can never fit
         waiter = asyncio.create_task(adm.admit(1, 1))
         await asyncio.sleep(0)
@@ -150,6 +153,33 @@ def test_admission_lone_request_and_refusals():
         adm.unhold()
         adm.release(await held)
         assert adm.reserved == 0 and adm.admitted == 0
+
+    asyncio.run(main())
+
+
+def test_admission_a_request_that_fits_only_alone_holds_no_one_back_and_waits_a_bounded_time():
+    async def main():
+        adm = Admission(pool(10), practical_fraction=0.5, max_queued=4, solo_wait_s=0.2)  # budget 5 blocks
+        a = await adm.admit(4, 4)  # 2 blocks
+        solo = asyncio.create_task(adm.admit(8, 24))  # 8 blocks: only alone
+        await asyncio.sleep(0)
+        assert adm.queued == 1
+        b = await asyncio.wait_for(adm.admit(4, 4), 1)  # fits: goes past the solo request at once
+        start = time.monotonic()
+        with pytest.raises(Refused, match=r"needs 8 KV blocks.*budget of 5.*within 0.2 s \(--solo-wait\)"):
+            await solo
+        assert 0.15 < time.monotonic() - start < 5
+        assert adm.queued == 0 and adm.reserved == 4
+        adm.release(a)
+        solo = asyncio.create_task(adm.admit(8, 24))
+        c = asyncio.create_task(adm.admit(4, 12))  # 4 blocks: waits for room, like before
+        await asyncio.sleep(0)
+        adm.release(b)  # nothing admitted: the solo request runs, and c (behind it) waits for it
+        alone = await asyncio.wait_for(solo, 1)
+        assert adm.admitted == 1 and adm.queued == 1
+        adm.release(alone)
+        adm.release(await asyncio.wait_for(c, 1))
+        assert adm.reserved == 0 and adm.admitted == 0 and adm.queued == 0
 
     asyncio.run(main())
 

@@ -11,7 +11,16 @@ measures
       (about --health-interval × --health-failure-threshold, plus the probe timeout).
 Repeats --rounds times (a fresh cluster each) and prints each figure.
 
+With --sigstop N instead (issue 20): one cluster (router, 1 prefill, 2 decode workers, default
+health settings), N trials of: a long greedy stream; after its 5th response, SIGSTOP the decode
+worker serving it (it stops answering without closing its connections); measure
+  (c) stop → first migrated token: from the SIGSTOP until the client's next response (health
+      probes mark the worker unhealthy, the router takes the call away and re-prefills prompt
+      + generated tokens on the other worker);
+then SIGCONT it and wait until the router routes to it again. Prints median and p99.
+
 Usage: python tools/bench_failover.py [--rounds 3] [--json out.json]
+       python tools/bench_failover.py --sigstop 20 [--json out.json]
 """
 
 from __future__ import annotations
@@ -19,6 +28,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import signal
 import statistics
 import tempfile
@@ -70,11 +80,61 @@ async def one_round() -> dict:
             await ch.close()
 
 
+async def sigstop_trials(n: int) -> list[float]:
+    cluster = LocalCluster(model=TINY, namespace="bench-stuck", num_decode=2,
+                           log_dir=tempfile.mkdtemp(prefix="tandem-stuck-"))
+    async with cluster:
+        ch, stub = frontend_stub(cluster.router_address)
+        names = {}
+        for name in ("decode-0", "decode-1"):
+            log = (cluster.log_dir / f"{name}.log").read_text()
+            names[next(i for i in cluster.instances if i in log)] = name
+        explain_req = frontend_pb2.GenerateRequest(token_ids=[1])
+        out = []
+        try:
+            for trial in range(n):
+                req = frontend_pb2.GenerateRequest(token_ids=[(7 * trial + j) % 1000 + 1 for j in range(32)],
+                                                   sampling=sampling_pb2.SamplingParams(max_tokens=64, ignore_eos=True))
+                count, stopped_at, first_after, pid = 0, 0.0, 0.0, 0
+                async for _ in stub.Generate(req, timeout=120):
+                    count += 1
+                    if stopped_at and not first_after:
+                        first_after = time.perf_counter()
+                    if count == 5:
+                        explain = await stub.ExplainRoute(explain_req, timeout=5)
+                        busy = max((c for c in explain.candidates if c.role == "decode"), key=lambda c: c.load)
+                        pid = cluster.procs[names[busy.instance_id]].pid
+                        os.kill(pid, signal.SIGSTOP)
+                        stopped_at = time.perf_counter()
+                os.kill(pid, signal.SIGCONT)
+                out.append(first_after - stopped_at)
+                print(f"trial {trial}: stop -> first migrated token {out[-1] * 1000:.0f} ms", flush=True)
+                while True:  # back in routing before the next trial
+                    explain = await stub.ExplainRoute(explain_req, timeout=5)
+                    if sum(c.role == "decode" for c in explain.candidates) == 2:
+                        break
+                    await asyncio.sleep(0.1)
+        finally:
+            await ch.close()
+        return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--sigstop", type=int, default=0, help="trials of SIGSTOP of the serving decode worker")
     p.add_argument("--json", default=None)
     a = p.parse_args()
+    if a.sigstop:
+        xs = asyncio.run(sigstop_trials(a.sigstop))
+        ys = sorted(xs)
+        p99 = ys[min(len(ys) - 1, int(0.99 * len(ys)))]
+        print(f"stop -> first migrated token over {len(xs)} trials: median {statistics.median(xs) * 1000:.0f} ms, "
+              f"p99 {p99 * 1000:.0f} ms, max {ys[-1] * 1000:.0f} ms")
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump({"stop_to_first_migrated_token_s": xs}, f, indent=1)
+        return
     rows = [asyncio.run(one_round()) for _ in range(a.rounds)]
     for r in rows:
         print(f"stream of {r['tokens']} responses: migration pause {r['pause_s'] * 1000:.0f} ms; "

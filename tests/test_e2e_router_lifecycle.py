@@ -1,0 +1,185 @@
+"""The router against workers that misbehave without dying (issue 20), in one process with a
+real etcd and real gRPC over loopback: a departed worker's address is never dialled again; a
+stream that goes silent past --token-stall-timeout moves to another worker, with the router's
+own deadline on every call when the client sets none; a request that cannot fit any decode
+pool is refused at once, naming the numbers, while other requests keep flowing."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+
+import grpc
+import pytest
+
+from common.block_hash import hash_seed
+from common.grpc_server import start_server
+from common.pb.tandem.v1 import decode_pb2, decode_pb2_grpc, discovery_pb2, frontend_pb2, frontend_pb2_grpc, sampling_pb2
+from discovery.registration import Registration
+from engine.reference import reference_generate
+from harness import InProcessCluster
+
+pytestmark = pytest.mark.e2e
+HEALTH_S = 0.2  # router health interval and probe timeout in these tests
+
+
+@pytest.fixture(scope="module")
+def cluster(etcd_server, tiny_model):
+    c = InProcessCluster(etcd_server.endpoint, tiny_model, namespace="e2e-lifecycle")
+    yield c
+    c.close()
+
+
+def record(c: InProcessCluster, instance_id: str, address: str, capacity: int = 512) -> Registration:
+    inst = discovery_pb2.Instance(instance_id=instance_id, role=discovery_pb2.ROLE_DECODE, address=address,
+                                  model=c.loaded.name, block_size=c.worker_opts.block_size,
+                                  hash_seed=hash_seed(c.loaded.name), state=discovery_pb2.INSTANCE_STATE_SERVING,
+                                  kv_capacity_blocks=capacity)
+    return Registration(c.etcd, c.namespace, inst, ttl_seconds=5)
+
+
+def wait(cond, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.02)
+
+
+def test_departed_workers_address_gets_no_connection(cluster):
+    router = cluster.start("router", health_interval_s=HEALTH_S, health_timeout_s=HEALTH_S)
+    listener = socket.create_server(("127.0.0.1", 0))  # accepts TCP, speaks no HTTP/2: probes fail
+    accepts: list[float] = []
+
+    def serve() -> None:
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            accepts.append(time.monotonic())
+            conn.close()
+
+    threading.Thread(target=serve, daemon=True).start()
+    reg = record(cluster, "decode-departs", f"127.0.0.1:{listener.getsockname()[1]}")
+    try:
+        cluster.call(reg.start())
+        wait(lambda: accepts, 10, "the router never dialled the registered worker")
+        cluster.call(reg.stop())  # revokes the lease: the record is gone
+        wait(lambda: "decode-departs" not in router.workers.instance_ids(), 10, "record still in the router's view")
+        time.sleep(3 * 1.0 + 2 * HEALTH_S)  # past gRPC's reconnect back-off (1 s) and ten probe rounds
+        gone_at = time.monotonic()
+        time.sleep(2.0)
+        assert [t for t in accepts if t > gone_at] == [], "the router dialled a departed worker's address"
+        assert router.workers.channel_count() == 0 and router.workers.channels_closed >= 1
+    finally:
+        listener.close()
+        cluster.stop(router)
+
+
+class FakeDecode(decode_pb2_grpc.DecodeServiceServicer):
+    """Streams `tokens` from 1000 + sampling_step_offset on; after `hang_after` of them, goes silent."""
+
+    def __init__(self, hang_after: int | None = None) -> None:
+        self.hang_after = hang_after
+        self.requests: list[decode_pb2.DecodeRequest] = []
+        self.time_remaining: list[float | None] = []
+        self.cancelled = 0
+
+    async def Generate(self, request, context):
+        self.requests.append(request)
+        self.time_remaining.append(context.time_remaining())
+        try:
+            for k in range(request.sampling.max_tokens):
+                if self.hang_after is not None and k == self.hang_after:
+                    await asyncio.sleep(3600)
+                last = k == request.sampling.max_tokens - 1
+                yield decode_pb2.DecodeResponse(token_ids=[1000 + request.sampling_step_offset + k], logprobs=[0.0],
+                                                finish_reason=sampling_pb2.FINISH_REASON_LENGTH if last else 0)
+        except asyncio.CancelledError:
+            self.cancelled += 1
+            raise
+
+
+async def fake_server(servicer: FakeDecode):
+    return await start_server("127.0.0.1:0", [lambda s: decode_pb2_grpc.add_DecodeServiceServicer_to_server(
+        servicer, s)], ["tandem.v1.DecodeService"])
+
+
+def test_silent_stream_moves_after_the_stall_timeout_and_calls_carry_the_default_deadline(cluster):
+    stall_s, default_s = 0.5, 100.0
+    router = cluster.start("router", health_interval_s=HEALTH_S, health_timeout_s=HEALTH_S,
+                           token_stall_timeout_s=stall_s, default_deadline_s=default_s)
+    hang, good = FakeDecode(hang_after=3), FakeDecode()
+    servers = [cluster.call(fake_server(f)) for f in (hang, good)]
+    regs = [record(cluster, "decode-hangs", f"127.0.0.1:{servers[0].port}"),
+            record(cluster, "decode-good", f"127.0.0.1:{servers[1].port}")]
+    try:
+        cluster.call(regs[0].start())
+        cluster.wait_roles(router, 0, 1)
+        cluster.call(regs[1].start())
+        cluster.wait_roles(router, 0, 2)
+        with grpc.insecure_channel(router.address) as ch:
+            stub = frontend_pb2_grpc.FrontendServiceStub(ch)
+            # Pin the first call to the silent worker: the other is set aside until that call is open.
+            cluster.on_loop(router.workers.set_aside, "decode-good", 60.0)
+
+            def back_in_rotation() -> None:
+                wait(lambda: hang.requests, 30, "the call never reached the silent worker")
+                cluster.on_loop(router.workers.set_aside, "decode-good", 0.0)
+
+            helper = threading.Thread(target=back_in_rotation, daemon=True)
+            helper.start()
+            start = time.monotonic()
+            got = [t for m in stub.Generate(frontend_pb2.GenerateRequest(
+                token_ids=[5, 6, 7], sampling=sampling_pb2.SamplingParams(max_tokens=8))) for t in m.token_ids]
+            took = time.monotonic() - start
+            helper.join(30)
+        assert got == [1000 + k for k in range(8)]  # 3 from the silent worker, 5 from the other: no gap, no repeat
+        assert stall_s <= took < stall_s + 10
+        moved = good.requests[-1]
+        assert list(moved.token_ids) == [5, 6, 7, 1000, 1001, 1002] and moved.sampling_step_offset == 3
+        assert moved.sampling.max_tokens == 5
+        # The client set no deadline: the router's calls carry --default-deadline from arrival (the
+        # wire format rounds a timeout up, hence + 2).
+        assert hang.time_remaining[0] is not None and default_s - 30 < hang.time_remaining[0] <= default_s + 2
+        assert good.time_remaining[-1] is not None and good.time_remaining[-1] <= hang.time_remaining[0] + 1
+        wait(lambda: hang.cancelled == 1, 10, "the silent worker's call was not cancelled")
+        assert router.servicer.migrations == 1
+    finally:
+        for r in regs:
+            cluster.call(r.stop())
+        for s in servers:
+            cluster.call(s.stop(0))
+        cluster.stop(router)
+
+
+def test_request_beyond_every_pool_is_refused_at_once_while_others_flow(cluster, tiny_model):
+    router = cluster.start("router")
+    small = cluster.start("decode", num_blocks=32)  # 32 blocks of 16 tokens: 512 tokens of KV
+    try:
+        cluster.wait_roles(router, 0, 1)
+        with grpc.insecure_channel(router.address) as ch:
+            stub = frontend_pb2_grpc.FrontendServiceStub(ch)
+            prompts = [[3 + i, 4, 5, 6] for i in range(3)]
+            calls = [stub.Generate(frontend_pb2.GenerateRequest(token_ids=p, sampling=sampling_pb2.SamplingParams(
+                max_tokens=24, ignore_eos=True)), timeout=60) for p in prompts]
+            start = time.monotonic()
+            with pytest.raises(grpc.RpcError) as e:
+                list(stub.Generate(frontend_pb2.GenerateRequest(token_ids=[9] * 20, sampling=sampling_pb2.SamplingParams(
+                    max_tokens=1000, ignore_eos=True)), timeout=60))
+            refused_in = time.monotonic() - start
+            assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "prompt (20 tokens) + max_tokens (1000) needs 64 KV blocks" in e.value.details()
+            assert "whole pool has 32 blocks" in e.value.details()
+            assert refused_in < 5, f"refused after {refused_in:.1f} s"
+            outs = [[t for m in c for t in m.token_ids] for c in calls]
+        for p, got in zip(prompts, outs):
+            assert got == reference_generate(tiny_model.model, p, 24)
+        rt = small.runtime
+        wait(lambda: cluster.on_loop(lambda: rt.pool.blocks.num_free) == rt.pool.blocks.num_blocks, 10,
+             "blocks left behind")
+    finally:
+        cluster.stop(small)
+        cluster.stop(router)
