@@ -74,6 +74,8 @@ HELP = {
     "local_prefill_threshold": "prefill on the decode worker when its uncached part is below this many tokens",
     "migration_limit": "router: decode-worker failures one request may survive (retry or migrate elsewhere)",
     "approx_ttl_s": "approx mode: seconds a routed block is assumed cached",
+    "http_port": "router: OpenAI-compatible HTTP API port (/v1/completions, /v1/chat/completions, /v1/models, "
+                 "/health, /metrics; -1 = off, 0 = any free port, announced in discovery)",
     "metrics_port": "Prometheus /metrics port (-1 = off, 0 = any free port, announced in discovery)",
     "kv_recent_s": "kv mode: also count a prefix routed to a worker in the last this many seconds, before its KV "
                    "events arrive (0 = off)",
