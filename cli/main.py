@@ -45,12 +45,17 @@ def _up(args: argparse.Namespace) -> int:
         cluster = LocalCluster(model=args.model, num_prefill=args.prefill, num_decode=args.decode, etcd=args.etcd,
                                router_port=args.port,
                                router_args=["--router-mode", args.router_mode] if args.router_mode else [],
-                               metrics=args.metrics, num_mocker=args.mocker)
+                               metrics=args.metrics, num_mocker=args.mocker, http_port=args.http_port)
         await cluster.start()
         print(f"tandem up: router at {cluster.router_address}, etcd at {cluster.etcd_endpoint}, "
               f"logs in {cluster.log_dir}; Ctrl-C stops everything", flush=True)
+        if cluster.http_address:
+            print(f"  OpenAI-compatible HTTP API at http://{cluster.http_address}/v1", flush=True)
         for name, addr in cluster.metrics_addresses().items():
             print(f"  metrics: {name} at http://{addr}/metrics", flush=True)
+        workers = (f"{args.mocker} simulated decode workers" if args.mocker else
+                   f"{args.prefill} prefill and {args.decode} decode worker{'s' if args.decode != 1 else ''}")
+        print(f"tandem up: ready to serve {cluster.model} ({workers})", flush=True)
         stop = asyncio.Event()
         from common.lifecycle import install_stop_signals
         install_stop_signals(stop, on_second=cluster.kill)
@@ -147,6 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
     _arg(p, "--model", "tandem-shakespeare", "served model: 'tandem-shakespeare' (shipped, trained), 'tandem-tiny' (seeded) or a checkpoint folder")
     _arg(p, "--etcd", "", "use this etcd (host:port) instead of starting one")
     _arg(p, "--port", 50051, "router port")
+    _arg(p, "--http-port", 8000, "router's OpenAI-compatible HTTP API port (-1 = off, 0 = any free port)")
     _arg(p, "--prefill", 1, "prefill workers")
     _arg(p, "--decode", 1, "decode workers")
     _arg(p, "--router-mode", "", "kv | approx | round-robin | random | least-loaded (empty: the router's own "

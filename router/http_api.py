@@ -322,7 +322,10 @@ def _loc(loc: tuple) -> str:
 
 
 def create_app(api: OpenAIFrontend) -> FastAPI:
-    app = FastAPI(title="Tandem OpenAI-compatible API", docs_url=None, redoc_url=None, openapi_url=None)
+    # FastAPI's own OpenTelemetry spans are off: Generation opens the request's SERVER span,
+    # named and nested like the gRPC path's (docs/observability.md).
+    app = FastAPI(title="Tandem OpenAI-compatible API", docs_url=None, redoc_url=None, openapi_url=None,
+                  telemetry={"tracing": False, "metrics": False, "logs": False, "operation_spans": False})
 
     @app.exception_handler(RequestValidationError)
     async def bad_request(request: Request, exc: RequestValidationError) -> JSONResponse:
