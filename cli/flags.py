@@ -34,7 +34,7 @@ HELP = {
     "max_queued": "decode: requests that may wait for admission; beyond it RESOURCE_EXHAUSTED",
     "chunk_size": "prefill chunk size in tokens (the base chunk with dynamic chunking); alias --chunked-prefill-size",
     "enable_dynamic_chunking": "prefill: fit f(l) = a·l² + b·l + c from start-up timings and shrink chunks as the "
-                               "prefix grows (DESIGN.md section 7); falls back to static chunks with a logged reason",
+                               "prefix grows (docs/architecture.md); falls back to static chunks with a logged reason",
     "dynamic_chunk_smoothing": "dynamic chunking: σ in [0, 1], chunk = base + σ·(x − base)",
     "pp_size": "prefill: pipeline-parallel stage processes (1 = no pipeline)",
     "pp_layer_partition": "prefill: layers per stage, comma-separated (e.g. '3,1'); empty = as even as possible",
@@ -86,6 +86,9 @@ HELP = {
     "timing": "mocker: JSON timing model (mocker/timing.py fields, e.g. from python -m mocker.calibrate)",
     "tick_s": "mocker: real seconds of engine iterations per wake-up (token streaming granularity)",
     "router": "router address host:port",
+    "backend": "bench: grpc (FrontendService.Generate at --router) or openai (POST /v1/completions at --http-url; "
+               "the model and its workers are still read from --router)",
+    "http_url": "bench --backend openai: base URL of the router's OpenAI-compatible HTTP API",
     "dataset": "mooncake[:PATH] | azure:PATH | sharegpt:PATH | mt-bench[:PATH] | synthetic-prefix",
     "num_requests": "requests to send (0 = all)",
     "skip": "start at this row of the trace",
