@@ -126,12 +126,40 @@ def _arg(p: argparse.ArgumentParser, flag: str, default, help: str, kind=None, e
     add_option(p, flag, default, help, kind=kind, env=env if isinstance(env, str) else None, **kw)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """Every subcommand with its options; their values are filled in by cli/config.py apply()."""
-    from bench.main import add_parser as add_bench
-    from engine.worker_host import WorkerOptions
-    from mocker.main import add_parser as add_mocker
-    from router.main import RouterOptions
+# Subcommands whose options come from modules that import torch or FastAPI: only the one being
+# run gets them (so `tandem --help` and the light subcommands start in a fraction of a second).
+HEAVY = {"router": "the client-facing router: gRPC, and the OpenAI-compatible HTTP API with --http-port",
+         "prefill": "a prefill worker", "decode": "a decode worker",
+         "mocker": "simulated workers (real block pool, KV events, timing model; no model)",
+         "bench": "replay a trace or prompts against a router; report like sglang.bench_serving",
+         "plan": "KV capacity table: pool, per-request KV, requests per GPU (docs/bench/capacity.md)"}
+GLOBAL_WITH_VALUE = ("--log-level", "--log-format", "--config")
+
+
+def command_of(argv: list[str]) -> str | None:
+    """The subcommand named in argv (None for none, e.g. `tandem --help`)."""
+    skip = False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg in GLOBAL_WITH_VALUE:
+            skip = True
+        elif not arg.startswith("-"):
+            return arg
+    return None
+
+
+def build_parser(command: str | None = None, full: bool = True) -> argparse.ArgumentParser:
+    """Every subcommand with its options; their values are filled in by cli/config.py apply().
+
+    With full=False only `command` (of HEAVY) gets its options; the others are listed with
+    their help line alone, and nothing heavy is imported for them."""
+    def heavy(name: str) -> bool:
+        """Whether to build `name`'s options; else add a stub subparser with its help."""
+        if full or name == command:
+            return True
+        sub.add_parser(name, help=HEAVY[name])
+        return False
 
     parser = argparse.ArgumentParser(prog="tandem", description="Disaggregated LLM serving.")
     _arg(parser, "--log-level", "info", "level, and per component: 'info,router=debug,discovery=warning'")
@@ -139,15 +167,23 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--config", default=argparse.SUPPRESS,
                         help="TOML config file (env TANDEM_CONFIG; precedence flag > env > file > default)")
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("router", help="the client-facing gRPC router")
-    add_flags(p, RouterOptions)
-    p.set_defaults(func=_router)
+    if heavy("router"):
+        from router.main import RouterOptions
+        p = sub.add_parser("router", help=HEAVY["router"])
+        add_flags(p, RouterOptions)
+        p.set_defaults(func=_router)
     for role in ("prefill", "decode"):
-        p = sub.add_parser(role, help=f"a {role} worker")
-        add_flags(p, WorkerOptions)
-        p.set_defaults(func=_worker)
-    add_mocker(sub)
-    add_bench(sub)
+        if heavy(role):
+            from engine.worker_host import WorkerOptions
+            p = sub.add_parser(role, help=HEAVY[role])
+            add_flags(p, WorkerOptions)
+            p.set_defaults(func=_worker)
+    if heavy("mocker"):
+        from mocker.main import add_parser as add_mocker
+        add_mocker(sub)
+    if heavy("bench"):
+        from bench.main import add_parser as add_bench
+        add_bench(sub)
     p = sub.add_parser("up", help="a local cluster: etcd, router, prefill and decode workers")
     _arg(p, "--model", "tandem-shakespeare", "served model: 'tandem-shakespeare' (shipped, trained), 'tandem-tiny' (seeded) or a checkpoint folder")
     _arg(p, "--etcd", "", "use this etcd (host:port) instead of starting one")
@@ -179,7 +215,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("config", help="print the effective configuration and where each value came from")
     p.add_argument("action", choices=["show"])
     p.add_argument("target", nargs="?", default=None, help="subcommand (default: every one)")
-    __import__("cli.plan").plan.register(sub)  # `tandem plan` (cli/plan.py)
+    if heavy("plan"):
+        __import__("cli.plan").plan.register(sub)  # `tandem plan` (cli/plan.py)
     p = sub.add_parser("demo", help="the README demo: MT-Bench through a local cluster, checked against the reference",
                        add_help=False)
     p.set_defaults(func=None)
@@ -190,7 +227,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else argv
+    command = command_of(argv)
+    # `config show` and a config file (checked whole against every subcommand) need every option.
+    uses_file = bool(os.environ.get("TANDEM_CONFIG")) or any(a == "--config" or a.startswith("--config=")
+                                                             for a in argv)
+    parser = build_parser(command, full=command == "config" or uses_file)
     args, rest = parser.parse_known_args(argv)
     if args.command == "demo":
         from cli.demo import main as demo_main

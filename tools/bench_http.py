@@ -10,7 +10,8 @@ POST /v1/completions (`tandem bench --backend openai`'s client). It reports per 
   added latency per request is the difference of the TTFT medians);
 - the router process's CPU time per --short request, and per streamed token: the slope of CPU
   per request between --short and --long requests (from /proc over each block), which does
-  not depend on how busy the machine's other cores are.
+  not depend on how busy the machine's other cores are; the router's idle CPU rate (measured
+  for 5 s before) times each block's wall time is subtracted.
 
     python tools/bench_http.py --requests 100 --out /tmp/http_overhead.json
 """
@@ -52,13 +53,22 @@ def p50(xs: list[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
 
 
-async def run_blocks(cluster: LocalCluster, backend: str, req: BenchRequest, n: int) -> tuple[list[RequestResult], float]:
-    """n requests one at a time on `backend`; (results, router CPU seconds they took)."""
+async def idle_cpu_rate(pid: int, seconds: float = 5.0) -> float:
+    """The router's CPU seconds per second with no request (health probes, KV event streams,
+    etcd keep-alives, timers): subtracted from each block's CPU over the block's wall time."""
+    before, t = cpu_seconds(pid), time.perf_counter()
+    await asyncio.sleep(seconds)
+    return (cpu_seconds(pid) - before) / (time.perf_counter() - t)
+
+
+async def run_blocks(cluster: LocalCluster, backend: str, req: BenchRequest, n: int,
+                     idle: float = 0.0) -> tuple[list[RequestResult], float]:
+    """n requests one at a time on `backend`; (results, router CPU seconds they took beyond idle)."""
     http_url = f"http://{cluster.http_address}" if backend == "openai" else ""
     before = cpu_seconds(cluster.procs["router"].pid)
-    results, _ = await run_load(cluster.router_address, [req] * n, concurrency=1, progress=False,
-                                http_url=http_url, model=cluster.model)
-    cpu = cpu_seconds(cluster.procs["router"].pid) - before
+    results, wall = await run_load(cluster.router_address, [req] * n, concurrency=1, progress=False,
+                                   http_url=http_url, model=cluster.model)
+    cpu = cpu_seconds(cluster.procs["router"].pid) - before - idle * wall
     bad = [r.error for r in results if not r.ok]
     if bad:
         raise RuntimeError(f"{backend}: {len(bad)} requests failed, e.g. {bad[0]}")
@@ -76,10 +86,11 @@ async def measure(args: argparse.Namespace) -> dict:
     try:
         for backend in BACKENDS:  # warm-up: the prompt's KV into the prefix cache, first-request costs
             await run_blocks(cluster, backend, BenchRequest(0, 0.0, args.short, prompt), 4)
+        idle = await idle_cpu_rate(cluster.procs["router"].pid)
         for _ in range(args.requests // args.block):
             for n in lengths:
                 for backend in BACKENDS:
-                    rs, c = await run_blocks(cluster, backend, BenchRequest(0, 0.0, n, prompt), args.block)
+                    rs, c = await run_blocks(cluster, backend, BenchRequest(0, 0.0, n, prompt), args.block, idle)
                     results[backend, n] += rs
                     cpu[backend, n] += c
     finally:
@@ -97,6 +108,9 @@ async def measure(args: argparse.Namespace) -> dict:
             "router_cpu_per_token_us": (per_req[args.long] - per_req[args.short]) / (args.long - args.short) * 1e6,
         }
     out["http_minus_grpc"] = {k: out["openai"][k] - out["grpc"][k] for k in out["grpc"] if k != "requests"}
+    out["router_idle_cpu_per_s"] = idle
+    from router.http_api import HTTP_PARSER
+    out["http_parser"] = HTTP_PARSER
     out["options"] = vars(args)
     out["machine"] = {"platform": platform.platform(), "python": platform.python_version(), "cpus": os.cpu_count()}
     out["date"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
