@@ -83,10 +83,11 @@ def _generate(args: argparse.Namespace) -> int:
             with tracing.span("tandem.client.generate"):
                 trace_id = tracing.trace_id_hex()
                 c = await generate(stub, text=args.prompt, max_tokens=args.max_tokens, temperature=args.temperature,
-                                   seed=args.sampling_seed, stop=args.stop,
+                                   top_p=args.top_p, seed=args.sampling_seed, stop=args.stop,
                                    on_text=lambda t: print(t, end="", flush=True))
         except grpc.aio.AioRpcError as exc:
-            print(f"tandem generate: {exc.code().name}: {exc.details()}", file=sys.stderr)
+            print(f"tandem generate: {exc.code().name}: {exc.details()}{no_router_hint(exc, args.router)}",
+                  file=sys.stderr)
             return 1
         finally:
             await ch.close()
@@ -96,6 +97,15 @@ def _generate(args: argparse.Namespace) -> int:
         return 0
 
     return asyncio.run(main())
+
+
+def no_router_hint(exc, router: str) -> str:
+    """For a call that found no router: what to do about it."""
+    import grpc
+    if exc.code() != grpc.StatusCode.UNAVAILABLE or "connect" not in (exc.details() or "").lower():
+        return ""
+    return (f"\nno router at {router}: start a local cluster with `tandem up`, or pass --router "
+            f"(or TANDEM_ROUTER) with the address of yours")
 
 
 def _explain(args: argparse.Namespace) -> int:
@@ -109,7 +119,8 @@ def _explain(args: argparse.Namespace) -> int:
         try:
             resp = await stub.ExplainRoute(frontend_pb2.GenerateRequest(text=args.prompt), timeout=10)
         except grpc.aio.AioRpcError as exc:
-            print(f"tandem explain: {exc.code().name}: {exc.details()}", file=sys.stderr)
+            print(f"tandem explain: {exc.code().name}: {exc.details()}{no_router_hint(exc, args.router)}",
+                  file=sys.stderr)
             return 1
         finally:
             await ch.close()
@@ -201,6 +212,7 @@ def build_parser(command: str | None = None, full: bool = True) -> argparse.Argu
     _arg(p, "--router", "127.0.0.1:50051", "router address host:port")
     _arg(p, "--max-tokens", 64, "tokens to generate")
     _arg(p, "--temperature", 0.0, "0 = greedy")
+    _arg(p, "--top-p", 1.0, "nucleus sampling mass in (0, 1] (with --temperature > 0)")
     # Not `seed` / TANDEM_SEED: that is the workers' weight seed.
     _arg(p, "--seed", None, "sampling seed (with --temperature > 0)", kind=int, env="TANDEM_SAMPLING_SEED",
          name="sampling_seed")
