@@ -297,3 +297,22 @@ def test_disconnect_while_waiting_for_a_whole_response_frees_every_block(cluster
         httpx.post(f"http://{cluster.router.http_address}/v1/completions", json=body, timeout=1.0)
     assert wait_all_free(cluster), "blocks still held after the client went away"
     assert router_requests(cluster, "CANCELLED", "cancelled") == cancelled + 1
+
+
+def test_bench_backend_openai_equals_grpc(cluster):
+    """`tandem bench --backend openai`'s client: every request completes with the gRPC client's
+    token counts, each streamed event timed with its tokens."""
+    import asyncio
+
+    from bench.client import run_load
+    from bench.traces import BenchRequest
+
+    reqs = [BenchRequest(index=i, arrival_s=0.0, output_len=6, token_ids=tuple(prompt_ids(20 + i, offset=17)))
+            for i in range(4)]
+    grpc_results, _ = asyncio.run(run_load(cluster.router.address, reqs, concurrency=2, progress=False))
+    http_results, _ = asyncio.run(run_load(cluster.router.address, reqs, concurrency=2, progress=False,
+                                           http_url=f"http://{cluster.router.http_address}", model="tandem-tiny"))
+    for g, h in zip(grpc_results, http_results):
+        assert g.ok and h.ok, (g.error, h.error)
+        assert (h.prompt_tokens, h.completion_tokens) == (g.prompt_tokens, g.completion_tokens) == (g.prompt_tokens, 6)
+        assert sum(n for _, n in h.chunks) == 6 and h.ttft_s is not None and h.ttft_s <= h.end_s - h.start_s

@@ -51,7 +51,8 @@ class Up:
         self.http = ""
         self.metrics: dict[str, str] = {}
         deadline = time.monotonic() + timeout_s
-        while len(self.metrics) < 3:
+        self.ready = False
+        while len(self.metrics) < 3 or not self.ready:
             try:
                 line = lines.get(timeout=max(0.1, deadline - time.monotonic()))
             except queue.Empty:
@@ -60,6 +61,7 @@ class Up:
             self.output.append(line)
             if m := re.search(r"router at (\S+?),", line):
                 self.router = m.group(1)
+            self.ready = self.ready or line.startswith("tandem up: ready to serve tandem-tiny")
             if m := re.search(r"HTTP API at http://(\S+)/v1", line):
                 self.http = m.group(1)
             if m := re.search(r"logs in (\S+?);", line):
