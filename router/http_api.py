@@ -217,7 +217,7 @@ class OpenAIFrontend:
 
     async def generate(self, request: Request, req: CompletionRequest | ChatCompletionRequest, route: str) -> Response:
         chat = isinstance(req, ChatCompletionRequest)
-        request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
+        request_id = request.headers.get("x-request-id", "")[:128] or uuid.uuid4().hex  # bounded: logs, spans
         headers = {"X-Request-Id": request_id}
         try:
             if chat:
@@ -234,7 +234,8 @@ class OpenAIFrontend:
             first = await unless_disconnected(request, gen.next())  # errors before any token: a status
         except Aborted as exc:
             return self.aborted(exc, req, headers)
-        except ClientGone:
+        except ClientGone:  # e.g. during a long prefill: cancel it, as a disconnect mid-stream does
+            gen.cancel()
             return Response(status_code=499)
         except BaseException:
             gen.cancel()

@@ -316,3 +316,26 @@ def test_bench_backend_openai_equals_grpc(cluster):
         assert g.ok and h.ok, (g.error, h.error)
         assert (h.prompt_tokens, h.completion_tokens) == (g.prompt_tokens, g.completion_tokens) == (g.prompt_tokens, 6)
         assert sum(n for _, n in h.chunks) == 6 and h.ttft_s is not None and h.ttft_s <= h.end_s - h.start_s
+
+
+def test_disconnect_before_the_first_token_frees_every_block(cluster):
+    """The client goes away while its long prompt is still being prefilled."""
+    import socket
+
+    assert wait_all_free(cluster)
+    cancelled = router_requests(cluster, "CANCELLED", "cancelled")
+    body = json.dumps({"model": "tandem-tiny", "prompt": prompt_ids(3000, offset=21), "max_tokens": 500,
+                       "ignore_eos": True}).encode()
+    host, port = cluster.router.http_address.rsplit(":", 1)
+    with socket.create_connection((host, int(port))) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: %d\r\n\r\n" % len(body) + body)
+        deadline = time.time() + 10
+        while cluster.on_loop(lambda: cluster.router.servicer.running) == 0 and time.time() < deadline:
+            time.sleep(0.005)
+        assert cluster.on_loop(lambda: cluster.router.servicer.running) == 1
+    assert wait_all_free(cluster, timeout=30), "blocks still held after the client went away"
+    deadline = time.time() + 10
+    while router_requests(cluster, "CANCELLED", "cancelled") != cancelled + 1 and time.time() < deadline:
+        time.sleep(0.05)
+    assert router_requests(cluster, "CANCELLED", "cancelled") == cancelled + 1
