@@ -23,6 +23,7 @@ import logging
 import socket
 import time
 import uuid
+from collections import deque
 from typing import Any, AsyncIterator
 
 import grpc
@@ -60,6 +61,43 @@ def validate_port(port: int) -> None:
         raise ValueError(f"--http-port must be -1 (off), 0 (any free port) or a TCP port, got {port}")
 
 
+class HttpTimings:
+    """Wall time the HTTP layer adds around FrontendServicer.Generate, for the last 100,000
+    requests: `before` from the request's arrival (uvicorn hands it over) to Generate's start
+    (parsing, validation, chat template, the request's task); `first` and `token` from a
+    GenerateResponse leaving Generate to its server-sent event written to the socket (queue,
+    event, Starlette and uvicorn), for the first response and for each later one."""
+
+    def __init__(self) -> None:
+        self.before_s: deque[float] = deque(maxlen=100_000)
+        self.first_s: deque[float] = deque(maxlen=100_000)
+        self.token_s: deque[float] = deque(maxlen=100_000)
+
+    def summary(self) -> str:
+        def stats(xs: deque[float]) -> str:
+            if not xs:
+                return "n=0"
+            s = sorted(xs)
+            return f"n={len(s)} p50_us={s[len(s) // 2] * 1e6:.0f} p99_us={s[min(len(s) - 1, int(0.99 * len(s)))] * 1e6:.0f}"
+        return (f"http layer: before Generate {stats(self.before_s)}; first event {stats(self.first_s)}; "
+                f"later events {stats(self.token_s)}")
+
+
+class _Marks:
+    """When the event being streamed left Generate (set by the body, read by the send)."""
+
+    pending: float | None = None
+    first = True
+
+
+def _stamp_arrival(app):
+    """ASGI wrapper: the request's arrival time in its scope (HttpTimings.before_s)."""
+    async def asgi(scope, receive, send):
+        scope["tandem.arrived"] = time.perf_counter()
+        await app(scope, receive, send)
+    return asgi
+
+
 class Aborted(Exception):
     """Generate ended the call with a gRPC status (context.abort)."""
 
@@ -93,16 +131,19 @@ class Generation:
 
     def __init__(self, servicer: Any, request: pb.GenerateRequest, span_name: str, headers: dict[str, str]) -> None:
         self._queue: asyncio.Queue = asyncio.Queue()
+        self.started = 0.0  # perf_counter() when Generate was called
+        self.last_put = 0.0  # perf_counter() when the response last returned by next() left Generate
         self.task = asyncio.create_task(self._run(servicer, request, span_name, headers),
                                         name=f"http {request.request_id}")
 
     async def _run(self, servicer: Any, request: pb.GenerateRequest, span_name: str, headers: dict[str, str]) -> None:
         put = self._queue.put_nowait
+        self.started = time.perf_counter()
         try:
             with tracing.server_span(span_name, headers, {"http.route": span_name.split(" ", 1)[1],
                                                           "tandem.request_id": request.request_id}):
                 async for out in servicer.Generate(request, HttpCallContext()):
-                    put(out)
+                    put((out, time.perf_counter()))
             put(None)
         except Aborted as exc:
             put(exc)
@@ -119,7 +160,10 @@ class Generation:
         item = await self._queue.get()
         if isinstance(item, Aborted):
             raise item
-        return item
+        if item is None:
+            return None
+        out, self.last_put = item
+        return out
 
     def cancel(self) -> None:
         self.task.cancel()
@@ -155,13 +199,22 @@ class _GenerationStream(StreamingResponse):
     """Server-sent events that cancel their Generation however the response ends (a
     disconnect cancels the body iterator, which may be suspended outside it)."""
 
-    def __init__(self, body: AsyncIterator[bytes], generation: Generation, headers: dict[str, str]) -> None:
+    def __init__(self, body: AsyncIterator[bytes], generation: Generation, headers: dict[str, str],
+                 marks: _Marks, timings: HttpTimings) -> None:
         super().__init__(body, media_type="text/event-stream", headers={"Cache-Control": "no-cache", **headers})
         self.generation = generation
+        self.marks, self.timings = marks, timings
 
     async def __call__(self, scope, receive, send) -> None:
+        marks, timings = self.marks, self.timings
+
+        async def timed_send(message) -> None:
+            await send(message)
+            if marks.pending is not None and message["type"] == "http.response.body" and message.get("body"):
+                (timings.first_s if marks.first else timings.token_s).append(time.perf_counter() - marks.pending)
+                marks.pending, marks.first = None, False
         try:
-            await super().__call__(scope, receive, send)
+            await super().__call__(scope, receive, timed_send)
         finally:
             self.generation.cancel()
 
@@ -175,6 +228,7 @@ class OpenAIFrontend:
         self.registry = registry
         self.created = int(time.time())
         self._token_text: dict[int, str] = {}
+        self.timings = HttpTimings()
 
     # -- errors ------------------------------------------------------------------------------
     @staticmethod
@@ -240,9 +294,11 @@ class OpenAIFrontend:
         except BaseException:
             gen.cancel()
             raise
+        self.timings.before_s.append(gen.started - request.scope.get("tandem.arrived", gen.started))
         shape = ResponseShape(chat, request_id, self.servicer.workers.model)
         if req.stream:
-            return _GenerationStream(self._events(gen, first, shape, req), gen, headers)
+            marks = _Marks()
+            return _GenerationStream(self._events(gen, first, shape, req, marks), gen, headers, marks, self.timings)
         try:
             return JSONResponse(await unless_disconnected(request, self._collect(gen, first, shape, req)),
                                 headers=headers)
@@ -269,13 +325,14 @@ class OpenAIFrontend:
         return shape.final("".join(text), FINISH_REASONS[out.finish_reason], out.usage, logprobs)
 
     async def _events(self, gen: Generation, out: pb.GenerateResponse | None, shape: ResponseShape,
-                      req) -> AsyncIterator[bytes]:
+                      req, marks: _Marks) -> AsyncIterator[bytes]:
         first = True
         try:
             while out is not None:
                 finish = FINISH_REASONS.get(out.finish_reason)
                 if out.text or finish or first or req.want_logprobs:
                     lp = self._logprobs(shape.chat, out) if req.want_logprobs else None
+                    marks.pending = gen.last_put
                     yield _sse(shape.chunk(out.text, finish, lp, first=first))
                     first = False
                 if finish:
@@ -398,7 +455,7 @@ class HttpServer:
     flight finish for up to `grace_s`, then cancels them."""
 
     def __init__(self, app: FastAPI, host: str, port: int, grace_s: float = 2.0) -> None:
-        self.config = uvicorn.Config(app, host=host, port=port, lifespan="off", log_config=None, access_log=False,
+        self.config = uvicorn.Config(_stamp_arrival(app), host=host, port=port, lifespan="off", log_config=None, access_log=False,
                                      timeout_graceful_shutdown=grace_s, log_level="warning", http=HTTP_PARSER)
         self.server = uvicorn.Server(self.config)
         self.host, self.port = host, port

@@ -181,11 +181,11 @@ async def run(opts: RouterOptions, ready: Callable[[RunningServer, FrontendServi
         await server.stop(0)  # nothing was served yet; leave no server behind
         raise
     metrics_address = metrics_server.address if metrics_server else ""
-    http_server = None
+    http_server = frontend = None
     if opts.http_port != HTTP_OFF:
         try:
-            http_server = HttpServer(create_app(OpenAIFrontend(servicer, load_chat_template(ckpt), metrics.registry)),
-                                     opts.host, opts.http_port)
+            frontend = OpenAIFrontend(servicer, load_chat_template(ckpt), metrics.registry)
+            http_server = HttpServer(create_app(frontend), opts.host, opts.http_port)
             await http_server.start()
         except (OSError, ValueError):
             await server.stop(0)  # as for --metrics-port: leave no server behind
@@ -213,6 +213,8 @@ async def run(opts: RouterOptions, ready: Callable[[RunningServer, FrontendServi
     finally:
         restore_signals()
         log.info("%s", servicer.overhead_summary())
+        if frontend is not None:
+            log.info("%s", frontend.timings.summary())
         await server.set_serving(False)
         await asyncio.shield(registration.stop())
         if http_server is not None:

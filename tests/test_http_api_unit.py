@@ -74,3 +74,46 @@ def test_status_table():
         grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.NOT_FOUND: 404,
         grpc.StatusCode.RESOURCE_EXHAUSTED: 429, grpc.StatusCode.UNAVAILABLE: 503,
         grpc.StatusCode.DEADLINE_EXCEEDED: 504}
+
+
+def test_http_layer_timings_cover_every_streamed_event():
+    """HttpTimings over a real uvicorn server with a stand-in servicer yielding 4 responses."""
+    import httpx
+
+    from common.pb.tandem.v1 import frontend_pb2 as pb
+    from common.pb.tandem.v1 import sampling_pb2
+    from common.tokenizer import load_tokenizer
+    from router.chat_template import load_chat_template
+    from router.http_api import HttpServer, OpenAIFrontend, create_app
+
+    class Workers:
+        model = "m"
+
+    class Servicer:
+        workers, context_length, tokenizer = Workers(), 4096, load_tokenizer(None)
+
+        async def Generate(self, req, ctx):
+            for i in range(3):
+                yield pb.GenerateResponse(token_ids=[100 + i], text=f"t{i}", logprobs=[-0.5])
+            yield pb.GenerateResponse(token_ids=[7], text="!", logprobs=[-0.1], usage=pb.Usage(prompt_tokens=3,
+                                      completion_tokens=4), finish_reason=sampling_pb2.FINISH_REASON_LENGTH)
+
+    async def main() -> OpenAIFrontend:
+        frontend = OpenAIFrontend(Servicer(), load_chat_template(None), None)
+        server = HttpServer(create_app(frontend), "127.0.0.1", 0)
+        await server.start()
+        try:
+            async with httpx.AsyncClient() as client:
+                for _ in range(5):
+                    async with client.stream("POST", f"http://{server.address}/v1/completions",
+                                             json={"prompt": [1, 2, 3], "stream": True}) as r:
+                        events = [line async for line in r.aiter_lines() if line.startswith("data: ")]
+                    assert events[-1] == "data: [DONE]" and len(events) == 5
+        finally:
+            await server.stop()
+        return frontend
+
+    t = asyncio.run(main()).timings
+    assert (len(t.before_s), len(t.first_s), len(t.token_s)) == (5, 5, 15)
+    assert all(0 < x < 1 for x in [*t.before_s, *t.first_s, *t.token_s])
+    assert t.summary().startswith("http layer: before Generate n=5 p50_us=")

@@ -9,6 +9,8 @@ POST /v1/completions (`tandem bench --backend openai`'s client). It reports per 
 - TTFT p50 and request duration p50 at the client, for --short-token requests (a block's first
   request, which opens the HTTP connection, left out) (the HTTP path's
   added latency per request is the difference of the TTFT medians);
+- the HTTP layer's own wall time in the router (router/http_api.py HttpTimings, from its log):
+  arrival to Generate, and each response from Generate to its event on the socket;
 - the router process's CPU time per --short request, and per streamed token: the slope of CPU
   per request between --short and --long requests (from /proc over each block), which does
   not depend on how busy the machine's other cores are; the router's idle CPU rate (measured
@@ -100,7 +102,10 @@ async def measure(args: argparse.Namespace) -> dict:
                     cpu[backend, n] += c
     finally:
         await cluster.stop()
-    out: dict = {}
+    # The router logs router/http_api.py HttpTimings at shutdown: the HTTP layer's own wall time.
+    http_layer = [line.split("http layer: ", 1)[1] for line in (cluster.log_dir / "router.log").read_text().splitlines()
+                  if "http layer: " in line]
+    out: dict = {"http_layer_in_router": http_layer[-1] if http_layer else ""}
     for backend in BACKENDS:
         per_req = {n: cpu[backend, n] / len(results[backend, n]) for n in lengths}
         short = warm[backend, args.short]
@@ -144,6 +149,7 @@ def main() -> int:
                      f"{result['http_minus_grpc'][key]:+.2f}"))
     for r in rows:
         print(f"{r[0]:<28}{r[1]:>12}{r[2]:>12}{r[3]:>14}")
+    print(f"in the router: {result['http_layer_in_router']}")
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
         print(f"wrote {args.out}", file=sys.stderr)
