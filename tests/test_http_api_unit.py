@@ -117,3 +117,13 @@ def test_http_layer_timings_cover_every_streamed_event():
     assert (len(t.before_s), len(t.first_s), len(t.token_s)) == (5, 5, 15)
     assert all(0 < x < 1 for x in [*t.before_s, *t.first_s, *t.token_s])
     assert t.summary().startswith("http layer: before Generate n=5 p50_us=")
+
+
+@pytest.mark.parametrize("kw, flag", [({"backend": "rest"}, "--backend"),
+                                      ({"backend": "openai", "http_url": "127.0.0.1:8000"}, "--http-url")])
+def test_bench_backend_options_name_the_flag(kw, flag):
+    from bench.main import BenchOptions
+
+    with pytest.raises(ValueError, match=flag):
+        BenchOptions(**kw)
+    assert BenchOptions(backend="openai").http_url == "http://127.0.0.1:8000"
