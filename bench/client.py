@@ -60,18 +60,37 @@ async def _one(stub: frontend_pb2_grpc.FrontendServiceStub, req: BenchRequest, t
     return res
 
 
+def _http_client(http_url: str, connections: int):
+    """An httpx client with a connection per request in flight, or a null context without http_url."""
+    import contextlib
+    if not http_url:
+        return contextlib.nullcontext()
+    import httpx
+    return httpx.AsyncClient(limits=httpx.Limits(max_connections=connections, max_keepalive_connections=connections))
+
+
 async def run_load(router: str, reqs: list[BenchRequest], speedup: float = 1.0, concurrency: int = 0,
-                   timeout_s: float = 600.0, progress: bool = True) -> tuple[list[RequestResult], float]:
-    """Send every request; returns (results in request order, wall seconds of the run)."""
+                   timeout_s: float = 600.0, progress: bool = True, http_url: str = "",
+                   model: str = "") -> tuple[list[RequestResult], float]:
+    """Send every request; returns (results in request order, wall seconds of the run).
+
+    With `http_url` (e.g. "http://127.0.0.1:8000") the requests go to that OpenAI-compatible
+    API for `model` (bench/openai_client.py) instead of `router`'s gRPC API."""
     from tqdm import tqdm
 
     # disable=None: tqdm turns itself off when stderr is not a terminal (logs stay readable)
     bar = tqdm(total=len(reqs), unit="req", disable=None if progress else True, dynamic_ncols=True)
     results: list[RequestResult | None] = [None] * len(reqs)
-    async with channel(router) as ch:
+    async with channel(router) as ch, _http_client(http_url, concurrency or len(reqs)) as http:
         stub = frontend_pb2_grpc.FrontendServiceStub(ch)
         await ch.channel_ready()
         t0 = time.perf_counter()
+
+        def send(req: BenchRequest):
+            if http is None:
+                return _one(stub, req, t0, timeout_s)
+            from bench.openai_client import one_openai
+            return one_openai(http, http_url, model, req, t0, timeout_s)
         slots = asyncio.Semaphore(concurrency) if concurrency > 0 else None
 
         async def fire(i: int, req: BenchRequest) -> None:
@@ -79,10 +98,10 @@ async def run_load(router: str, reqs: list[BenchRequest], speedup: float = 1.0, 
                 delay = req.arrival_s / speedup - (time.perf_counter() - t0)
                 if delay > 0:
                     await asyncio.sleep(delay)
-                results[i] = await _one(stub, req, t0, timeout_s)
+                results[i] = await send(req)
             else:
                 async with slots:
-                    results[i] = await _one(stub, req, t0, timeout_s)
+                    results[i] = await send(req)
             bar.update(1)
             if not results[i].ok:
                 bar.set_postfix(failed=sum(1 for r in results if r is not None and not r.ok))

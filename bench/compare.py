@@ -84,7 +84,8 @@ def _live(reqs, mode: str, args) -> tuple[list, dict, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog="python -m bench.compare", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dataset", default="mooncake", help="mooncake[:PATH] (default: the shipped slice)")
     ap.add_argument("--num-requests", type=int, default=0, help="0 = the whole file")
     ap.add_argument("--skip", type=int, default=0)
@@ -116,6 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     runs = []
     print(f"{len(reqs)} requests, {args.workers} workers x {args.num_blocks} blocks of {args.block_size} tokens, "
           f"load {args.load}, {'live' if args.live else 'offline'}; oracle {oracle}", file=sys.stderr, flush=True)
+    print("\n".join(markdown([]).splitlines()[:2]), file=sys.stderr, flush=True)  # the header, then a row per mode
     for mode in args.modes.split(","):
         load_before = os.getloadavg()
         results, summary, wall = (_live if args.live else _offline)(reqs, mode, args)

@@ -31,6 +31,8 @@ class BenchOptions:
     """Flags of `tandem bench` (each has a TANDEM_* variable)."""
 
     router: str = "127.0.0.1:50051"  # router address host:port
+    backend: str = "grpc"  # grpc (FrontendService.Generate) | openai (the router's HTTP API at --http-url)
+    http_url: str = "http://127.0.0.1:8000"  # --backend openai: base URL of the OpenAI-compatible API
     dataset: str = "mooncake"  # mooncake[:PATH] | azure:PATH | sharegpt:PATH | mt-bench[:PATH] | synthetic-prefix
     num_requests: int = 0  # 0 = every request of the dataset
     skip: int = 0  # start at this row of a trace
@@ -50,6 +52,10 @@ class BenchOptions:
     label: str = ""  # name of this run in plots and JSON
 
     def __post_init__(self) -> None:
+        if self.backend not in ("grpc", "openai"):
+            raise ValueError(f"--backend must be grpc or openai; got {self.backend!r}")
+        if self.backend == "openai" and not self.http_url.startswith(("http://", "https://")):
+            raise ValueError(f"--http-url must start with http:// or https://; got {self.http_url!r}")
         if self.arrival not in ("trace", "poisson", "concurrency"):
             raise ValueError(f"--arrival must be trace, poisson or concurrency; got {self.arrival!r}")
         if self.speedup <= 0 or self.load <= 0 or self.rate <= 0:
@@ -152,10 +158,13 @@ def run(opts: BenchOptions) -> dict:
     reqs = load_requests(opts, model.vocab_size)
     if opts.arrival == "concurrency":
         reqs = [replace(r, arrival_s=0.0) for r in reqs]
-    print(f"tandem bench: {len(reqs)} requests ({opts.dataset}) to {opts.router} (model {model.name}, block size "
+    http_url = opts.http_url.rstrip("/") if opts.backend == "openai" else ""
+    target = f"{http_url}/v1/completions" if http_url else opts.router
+    print(f"tandem bench: {len(reqs)} requests ({opts.dataset}) to {target} (model {model.name}, block size "
           f"{model.block_size}), arrival {opts.arrival}, load {opts.load}, speedup {opts.speedup}", file=sys.stderr)
     results, wall = asyncio.run(run_load(opts.router, reqs, opts.speedup,
-                                         opts.concurrency if opts.arrival == "concurrency" else 0, opts.timeout_s))
+                                         opts.concurrency if opts.arrival == "concurrency" else 0, opts.timeout_s,
+                                         http_url=http_url, model=model.name))
     summary = summarize(reqs, results, wall, opts.speedup)
     if any(r.hash_ids for r in reqs):
         summary["oracle_block_hit_rate"] = traces.oracle_hit_rate(reqs)["block"]

@@ -25,7 +25,7 @@ class Completion:
 
 async def generate(stub: frontend_pb2_grpc.FrontendServiceStub, text: str = "", token_ids: list[int] | None = None,
                    max_tokens: int = 64, temperature: float = 0.0, seed: int | None = None,
-                   stop: list[str] | None = None, timeout_s: float = 300.0,
+                   stop: list[str] | None = None, timeout_s: float = 300.0, top_p: float | None = None,
                    on_text: Callable[[str], None] | None = None) -> Completion:
     """Stream one completion; on_text gets each text delta as it arrives.
 
@@ -35,6 +35,8 @@ async def generate(stub: frontend_pb2_grpc.FrontendServiceStub, text: str = "", 
     sampling = sampling_pb2.SamplingParams(max_tokens=max_tokens, temperature=temperature, stop=stop or [])
     if seed is not None:
         sampling.seed = seed
+    if top_p is not None:
+        sampling.top_p = top_p
     req = frontend_pb2.GenerateRequest(text=text, token_ids=token_ids or [], sampling=sampling)
     out = Completion()
     start = time.perf_counter()

@@ -31,6 +31,8 @@ class LocalCluster:
         router_port: 0 picks a free port; the chosen address is `router_address`.
         log_dir: where each process's log goes (a temporary folder by default).
         metrics: every process serves Prometheus /metrics on a free port (`metrics_addresses()`).
+        http_port: the router's OpenAI-compatible HTTP API (-1 = off, 0 = a free port); its
+            address is `http_address` once started.
         num_mocker: simulated decode workers (one `tandem mocker` process) instead of real
             workers; the model becomes tandem-mock unless another was given, and
             `mocker_args` go to that process (e.g. ["--num-blocks", "256", "--speedup", "10"]).
@@ -41,7 +43,7 @@ class LocalCluster:
                  worker_args: list[str] | None = None, router_args: list[str] | None = None,
                  log_dir: str | None = None,
                  ready_timeout_s: float = 120.0, metrics: bool = False, num_mocker: int = 0,
-                 mocker_args: list[str] | None = None) -> None:
+                 mocker_args: list[str] | None = None, http_port: int = -1) -> None:
         if num_mocker:
             from engine.model_source import MOCK
             model = MOCK if model in (DEFAULT_MODEL, "") else model
@@ -63,6 +65,8 @@ class LocalCluster:
         self._etcd: EtcdServer | None = None
         self.procs: dict[str, subprocess.Popen] = {}
         self.router_address = ""
+        self.http_port = http_port
+        self.http_address = ""  # host:port of the router's HTTP API; "" when off
 
     @property
     def etcd_endpoint(self) -> str:
@@ -88,7 +92,8 @@ class LocalCluster:
             self._etcd = EtcdServer()
             self._etcd.start()
             self._etcd_endpoint = self._etcd.endpoint
-        self.spawn("router", "router", "--port", str(self.router_port), *self.router_args)
+        self.spawn("router", "router", "--port", str(self.router_port), "--http-port", str(self.http_port),
+                   *self.router_args)
         for i in range(self.num_prefill):
             self.spawn(f"prefill-{i}", "prefill", "--port", "0", *self.worker_args)
         for i in range(self.num_decode):
@@ -121,7 +126,8 @@ class LocalCluster:
                     if time.monotonic() > deadline:
                         raise TimeoutError(f"cluster not ready in {self.ready_timeout_s} s; logs in {self.log_dir}")
         self.instances = dict(view)
-        self.router_address = next(i.address for i in view.values() if i.role == discovery_pb2.ROLE_ROUTER)
+        router = next(i for i in view.values() if i.role == discovery_pb2.ROLE_ROUTER)
+        self.router_address, self.http_address = router.address, router.http_address
         await self._wait_router_sees_workers(deadline)
 
     async def _wait_router_sees_workers(self, deadline: float) -> None:

@@ -57,6 +57,10 @@ def show(parser: argparse.ArgumentParser, args: argparse.Namespace, extra: list[
         ConfigError: as cli.config.load_file / resolve, or an unknown subcommand.
     """
     schema = Schema.of(parser)
+    if args.target is None and extra and not extra[0].startswith("-"):
+        # `config show --config FILE router`: argparse fills the optional positional before the
+        # flag (with nothing) and leaves the subcommand over.
+        args.target, extra = extra[0], extra[1:]
     if args.target is not None and args.target not in schema.commands:
         raise ConfigError(f"config show: {args.target!r} has no options; choose one of: "
                           + ", ".join(schema.commands))

@@ -93,12 +93,13 @@ async def run_demo(model: str = "tandem-shakespeare", concurrency: int = 8, max_
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
-    p = argparse.ArgumentParser(prog="tandem demo", description=" ".join(__doc__.split("\n\n")[0].split()))
+    p = argparse.ArgumentParser(prog="tandem demo", description=" ".join(__doc__.split("\n\n")[0].split()),
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--model", default="tandem-shakespeare",
                    help="tandem-shakespeare (shipped, trained), tandem-tiny (seeded) or a checkpoint folder")
-    p.add_argument("--concurrency", type=int, default=8)
-    p.add_argument("--max-tokens", type=int, default=32)
-    p.add_argument("--limit", type=int, default=None, help="send only the first N questions")
+    p.add_argument("--concurrency", type=int, default=8, help="requests in flight")
+    p.add_argument("--max-tokens", type=int, default=32, help="tokens to generate per question")
+    p.add_argument("--limit", type=int, default=None, help="send only the first N questions (default: all 80)")
     a = p.parse_args(argv)
     return asyncio.run(run_demo(a.model, a.concurrency, a.max_tokens, a.limit))
 

@@ -84,6 +84,8 @@ HELP = {
     "keepalive_timeout_s": "router: seconds a keepalive PING may go unanswered before the channel's calls fail "
                            "(a stopped or unreachable worker)",
     "approx_ttl_s": "approx mode: seconds a routed block is assumed cached",
+    "http_port": "router: OpenAI-compatible HTTP API port (/v1/completions, /v1/chat/completions, /v1/models, "
+                 "/health, /metrics; -1 = off, 0 = any free port, announced in discovery)",
     "metrics_port": "Prometheus /metrics port (-1 = off, 0 = any free port, announced in discovery)",
     "kv_recent_s": "kv mode: also count a prefix routed to a worker in the last this many seconds, before its KV "
                    "events arrive (0 = off)",
@@ -94,6 +96,9 @@ HELP = {
     "timing": "mocker: JSON timing model (mocker/timing.py fields, e.g. from python -m mocker.calibrate)",
     "tick_s": "mocker: real seconds of engine iterations per wake-up (token streaming granularity)",
     "router": "router address host:port",
+    "backend": "bench: grpc (FrontendService.Generate at --router) or openai (POST /v1/completions at --http-url; "
+               "the model and its workers are still read from --router)",
+    "http_url": "bench --backend openai: base URL of the router's OpenAI-compatible HTTP API",
     "dataset": "mooncake[:PATH] | azure:PATH | sharegpt:PATH | mt-bench[:PATH] | synthetic-prefix",
     "num_requests": "requests to send (0 = all)",
     "skip": "start at this row of the trace",

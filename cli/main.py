@@ -45,12 +45,17 @@ def _up(args: argparse.Namespace) -> int:
         cluster = LocalCluster(model=args.model, num_prefill=args.prefill, num_decode=args.decode, etcd=args.etcd,
                                router_port=args.port,
                                router_args=["--router-mode", args.router_mode] if args.router_mode else [],
-                               metrics=args.metrics, num_mocker=args.mocker)
+                               metrics=args.metrics, num_mocker=args.mocker, http_port=args.http_port)
         await cluster.start()
         print(f"tandem up: router at {cluster.router_address}, etcd at {cluster.etcd_endpoint}, "
               f"logs in {cluster.log_dir}; Ctrl-C stops everything", flush=True)
+        if cluster.http_address:
+            print(f"  OpenAI-compatible HTTP API at http://{cluster.http_address}/v1", flush=True)
         for name, addr in cluster.metrics_addresses().items():
             print(f"  metrics: {name} at http://{addr}/metrics", flush=True)
+        workers = (f"{args.mocker} simulated decode workers" if args.mocker else
+                   f"{args.prefill} prefill and {args.decode} decode worker{'s' if args.decode != 1 else ''}")
+        print(f"tandem up: ready to serve {cluster.model} ({workers})", flush=True)
         stop = asyncio.Event()
         from common.lifecycle import install_stop_signals
         install_stop_signals(stop, on_second=cluster.kill)
@@ -78,10 +83,11 @@ def _generate(args: argparse.Namespace) -> int:
             with tracing.span("tandem.client.generate"):
                 trace_id = tracing.trace_id_hex()
                 c = await generate(stub, text=args.prompt, max_tokens=args.max_tokens, temperature=args.temperature,
-                                   seed=args.sampling_seed, stop=args.stop,
+                                   top_p=args.top_p, seed=args.sampling_seed, stop=args.stop,
                                    on_text=lambda t: print(t, end="", flush=True))
         except grpc.aio.AioRpcError as exc:
-            print(f"tandem generate: {exc.code().name}: {exc.details()}", file=sys.stderr)
+            print(f"tandem generate: {exc.code().name}: {exc.details()}{no_router_hint(exc, args.router)}",
+                  file=sys.stderr)
             return 1
         finally:
             await ch.close()
@@ -91,6 +97,15 @@ def _generate(args: argparse.Namespace) -> int:
         return 0
 
     return asyncio.run(main())
+
+
+def no_router_hint(exc, router: str) -> str:
+    """For a call that found no router: what to do about it."""
+    import grpc
+    if exc.code() != grpc.StatusCode.UNAVAILABLE or "connect" not in (exc.details() or "").lower():
+        return ""
+    return (f"\nno router at {router}: start a local cluster with `tandem up`, or pass --router "
+            f"(or TANDEM_ROUTER) with the address of yours")
 
 
 def _explain(args: argparse.Namespace) -> int:
@@ -104,7 +119,8 @@ def _explain(args: argparse.Namespace) -> int:
         try:
             resp = await stub.ExplainRoute(frontend_pb2.GenerateRequest(text=args.prompt), timeout=10)
         except grpc.aio.AioRpcError as exc:
-            print(f"tandem explain: {exc.code().name}: {exc.details()}", file=sys.stderr)
+            print(f"tandem explain: {exc.code().name}: {exc.details()}{no_router_hint(exc, args.router)}",
+                  file=sys.stderr)
             return 1
         finally:
             await ch.close()
@@ -121,12 +137,40 @@ def _arg(p: argparse.ArgumentParser, flag: str, default, help: str, kind=None, e
     add_option(p, flag, default, help, kind=kind, env=env if isinstance(env, str) else None, **kw)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """Every subcommand with its options; their values are filled in by cli/config.py apply()."""
-    from bench.main import add_parser as add_bench
-    from engine.worker_host import WorkerOptions
-    from mocker.main import add_parser as add_mocker
-    from router.main import RouterOptions
+# Subcommands whose options come from modules that import torch or FastAPI: only the one being
+# run gets them (so `tandem --help` and the light subcommands start in a fraction of a second).
+HEAVY = {"router": "the client-facing router: gRPC, and the OpenAI-compatible HTTP API with --http-port",
+         "prefill": "a prefill worker", "decode": "a decode worker",
+         "mocker": "simulated workers (real block pool, KV events, timing model; no model)",
+         "bench": "replay a trace or prompts against a router; report like sglang.bench_serving",
+         "plan": "KV capacity table: pool, per-request KV, requests per GPU (docs/bench/capacity.md)"}
+GLOBAL_WITH_VALUE = ("--log-level", "--log-format", "--config")
+
+
+def command_of(argv: list[str]) -> str | None:
+    """The subcommand named in argv (None for none, e.g. `tandem --help`)."""
+    skip = False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg in GLOBAL_WITH_VALUE:
+            skip = True
+        elif not arg.startswith("-"):
+            return arg
+    return None
+
+
+def build_parser(command: str | None = None, full: bool = True) -> argparse.ArgumentParser:
+    """Every subcommand with its options; their values are filled in by cli/config.py apply().
+
+    With full=False only `command` (of HEAVY) gets its options; the others are listed with
+    their help line alone, and nothing heavy is imported for them."""
+    def heavy(name: str) -> bool:
+        """Whether to build `name`'s options; else add a stub subparser with its help."""
+        if full or name == command:
+            return True
+        sub.add_parser(name, help=HEAVY[name])
+        return False
 
     parser = argparse.ArgumentParser(prog="tandem", description="Disaggregated LLM serving.")
     _arg(parser, "--log-level", "info", "level, and per component: 'info,router=debug,discovery=warning'")
@@ -134,19 +178,28 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--config", default=argparse.SUPPRESS,
                         help="TOML config file (env TANDEM_CONFIG; precedence flag > env > file > default)")
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("router", help="the client-facing gRPC router")
-    add_flags(p, RouterOptions)
-    p.set_defaults(func=_router)
+    if heavy("router"):
+        from router.main import RouterOptions
+        p = sub.add_parser("router", help=HEAVY["router"])
+        add_flags(p, RouterOptions)
+        p.set_defaults(func=_router)
     for role in ("prefill", "decode"):
-        p = sub.add_parser(role, help=f"a {role} worker")
-        add_flags(p, WorkerOptions)
-        p.set_defaults(func=_worker)
-    add_mocker(sub)
-    add_bench(sub)
+        if heavy(role):
+            from engine.worker_host import WorkerOptions
+            p = sub.add_parser(role, help=HEAVY[role])
+            add_flags(p, WorkerOptions)
+            p.set_defaults(func=_worker)
+    if heavy("mocker"):
+        from mocker.main import add_parser as add_mocker
+        add_mocker(sub)
+    if heavy("bench"):
+        from bench.main import add_parser as add_bench
+        add_bench(sub)
     p = sub.add_parser("up", help="a local cluster: etcd, router, prefill and decode workers")
     _arg(p, "--model", "tandem-shakespeare", "served model: 'tandem-shakespeare' (shipped, trained), 'tandem-tiny' (seeded) or a checkpoint folder")
     _arg(p, "--etcd", "", "use this etcd (host:port) instead of starting one")
     _arg(p, "--port", 50051, "router port")
+    _arg(p, "--http-port", 8000, "router's OpenAI-compatible HTTP API port (-1 = off, 0 = any free port)")
     _arg(p, "--prefill", 1, "prefill workers")
     _arg(p, "--decode", 1, "decode workers")
     _arg(p, "--router-mode", "", "kv | approx | round-robin | random | least-loaded (empty: the router's own "
@@ -159,6 +212,7 @@ def build_parser() -> argparse.ArgumentParser:
     _arg(p, "--router", "127.0.0.1:50051", "router address host:port")
     _arg(p, "--max-tokens", 64, "tokens to generate")
     _arg(p, "--temperature", 0.0, "0 = greedy")
+    _arg(p, "--top-p", 1.0, "nucleus sampling mass in (0, 1] (with --temperature > 0)")
     # Not `seed` / TANDEM_SEED: that is the workers' weight seed.
     _arg(p, "--seed", None, "sampling seed (with --temperature > 0)", kind=int, env="TANDEM_SAMPLING_SEED",
          name="sampling_seed")
@@ -173,7 +227,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("config", help="print the effective configuration and where each value came from")
     p.add_argument("action", choices=["show"])
     p.add_argument("target", nargs="?", default=None, help="subcommand (default: every one)")
-    __import__("cli.plan").plan.register(sub)  # `tandem plan` (cli/plan.py)
+    if heavy("plan"):
+        __import__("cli.plan").plan.register(sub)  # `tandem plan` (cli/plan.py)
     p = sub.add_parser("demo", help="the README demo: MT-Bench through a local cluster, checked against the reference",
                        add_help=False)
     p.set_defaults(func=None)
@@ -184,7 +239,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else argv
+    command = command_of(argv)
+    # `config show` and a config file (checked whole against every subcommand) need every option.
+    uses_file = bool(os.environ.get("TANDEM_CONFIG")) or any(a == "--config" or a.startswith("--config=")
+                                                             for a in argv)
+    parser = build_parser(command, full=command == "config" or uses_file)
     args, rest = parser.parse_known_args(argv)
     if args.command == "demo":
         from cli.demo import main as demo_main

@@ -1,4 +1,4 @@
-"""`tandem plan`: DESIGN.md section 6's capacity table — KV pool, per-request KV, requests per GPU.
+"""`tandem plan`: the KV capacity table (docs/bench/capacity.md) — KV pool, per-request KV, requests per GPU.
 
 With no arguments it prints the seed's table (DeepSeek-R1, FP8 KV, 288 vs 192 GiB HBM at
 mem_fraction_static 0.75, 40 GiB of weights per GPU, 128K + 8K tokens, EP16, practical
@@ -91,7 +91,7 @@ def _list(parse):
 
 def register(sub: argparse._SubParsersAction) -> None:
     """Add the `plan` subcommand to the `tandem` parser (flags from PlanOptions)."""
-    p = sub.add_parser("plan", help="KV capacity table: pool, per-request KV, requests per GPU (DESIGN.md section 6)")
+    p = sub.add_parser("plan", help="KV capacity table: pool, per-request KV, requests per GPU (docs/bench/capacity.md)")
     add_flags(p, PlanOptions, help=_HELP)
     p.set_defaults(func=lambda args: main(build(PlanOptions, args)))
 

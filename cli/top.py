@@ -4,7 +4,9 @@ One `FrontendService.ClusterStatus` call per refresh (router/status.py): every w
 role, discovery state, health, the router's load on it (in-flight requests; active decode
 blocks or queued prefill tokens), KV capacity and how much of it the router's KV index holds,
 requests routed to it and their predicted prefix hit rate. `--once` prints one table and exits
-(for scripts and tests); otherwise a rich Live table refreshes every `--interval` seconds.
+(for scripts and tests); on a terminal a rich Live table refreshes every `--interval` seconds
+until `q` (or Ctrl-C); when stdout is not a terminal (a pipe, a file) a new table is printed
+every `--interval` seconds instead, as `top -b` does.
 """
 
 from __future__ import annotations
@@ -13,18 +15,49 @@ import argparse
 import asyncio
 import sys
 
-from common.env import env_default, env_name
+from cli.flags import add_option
 from common.pb.tandem.v1 import frontend_pb2 as pb
 
 
 def add_parser(sub) -> None:
     """Register `tandem top` on the CLI's subparsers."""
-    p = sub.add_parser("top", help="live view of the cluster from the router: workers, health, load, KV, hit rate")
-    p.add_argument("--router", default=env_default("--router", "127.0.0.1:50051"),
-                   help=f"router address host:port (default '127.0.0.1:50051'; env {env_name('--router')})")
+    p = sub.add_parser("top", help="live view of the cluster from the router: workers, health, load, KV, hit rate "
+                                   "(q quits)")
+    add_option(p, "--router", "127.0.0.1:50051", "router address host:port")
+    add_option(p, "--interval", 1.0, "seconds between refreshes", env="TANDEM_TOP_INTERVAL")
     p.add_argument("--once", action="store_true", help="print one table and exit")
-    p.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes (default 1.0)")
     p.set_defaults(func=main)
+
+
+def _quit_on_q(stop: asyncio.Event):
+    """On a terminal stdin: read keys unbuffered and set `stop` on q; returns the undo."""
+    import os
+    import termios
+    import tty
+
+    fd = sys.stdin.fileno()
+    saved = termios.tcgetattr(fd)
+    tty.setcbreak(fd)
+    loop = asyncio.get_running_loop()
+
+    def on_key() -> None:
+        if os.read(fd, 1) in (b"q", b"Q", b""):
+            stop.set()
+    loop.add_reader(fd, on_key)
+
+    def undo() -> None:
+        loop.remove_reader(fd)
+        termios.tcsetattr(fd, termios.TCSADRAIN, saved)
+    return undo
+
+
+async def _wait(stop: asyncio.Event, seconds: float) -> bool:
+    """Sleep `seconds` or until stop; True when stopped."""
+    try:
+        await asyncio.wait_for(stop.wait(), seconds)
+    except (TimeoutError, asyncio.TimeoutError):
+        pass
+    return stop.is_set()
 
 
 async def fetch(stub, timeout_s: float = 5.0) -> pb.ClusterStatusResponse:
@@ -72,10 +105,21 @@ async def _run(args: argparse.Namespace) -> int:
         if args.once:
             console.print(render(await fetch(stub)))
             return 0
-        with Live(render(await fetch(stub)), console=console, refresh_per_second=4, screen=False) as live:
+        stop = asyncio.Event()
+        if not sys.stdout.isatty():  # no Live display off a terminal: one table per refresh
             while True:
-                await asyncio.sleep(args.interval)
-                live.update(render(await fetch(stub)))
+                console.print(render(await fetch(stub)))
+                sys.stdout.flush()
+                if await _wait(stop, args.interval):
+                    return 0
+        undo = _quit_on_q(stop) if sys.stdin.isatty() else (lambda: None)
+        try:
+            with Live(render(await fetch(stub)), console=console, refresh_per_second=4, screen=False) as live:
+                while not await _wait(stop, args.interval):
+                    live.update(render(await fetch(stub)))
+        finally:
+            undo()
+        return 0
     except grpc.aio.AioRpcError as exc:
         print(f"tandem top: {exc.code().name}: {exc.details()}", file=sys.stderr)
         return 1
@@ -84,6 +128,9 @@ async def _run(args: argparse.Namespace) -> int:
 
 
 def main(args: argparse.Namespace) -> int:
+    if not args.interval > 0:
+        print(f"tandem top: --interval must be > 0 seconds, got {args.interval}", file=sys.stderr)
+        return 2
     try:
         return asyncio.run(_run(args))
     except KeyboardInterrupt:

@@ -160,6 +160,19 @@ def record_span(name: str, start_ns: int, end_ns: int, attributes: dict[str, Any
     return s
 
 
+def server_span(name: str, carrier: dict[str, str], attributes: dict[str, Any] | None = None):
+    """A SERVER span for a request that did not come over gRPC (the HTTP API), child of the
+    W3C `traceparent` in `carrier` (the request's headers) when there is one; NO_SPAN_CM when
+    tracing is off. Enter it in the task that runs the request, so that its spans nest."""
+    if _tracer is None:
+        return NO_SPAN_CM
+    from opentelemetry import trace
+    from opentelemetry.propagate import extract
+
+    return _tracer.start_as_current_span(name, context=extract(carrier), kind=trace.SpanKind.SERVER,
+                                         attributes=attributes)
+
+
 def current_span() -> Any:
     """The active span (NO_SPAN when tracing is off), e.g. to add attributes to the RPC's span."""
     if _tracer is None:

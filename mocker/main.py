@@ -11,7 +11,10 @@ def add_parser(sub) -> None:
     from mocker.fleet import MockerOptions
 
     p = sub.add_parser("mocker", help="simulated workers (real block pool, KV events, timing model; no model)")
-    add_flags(p, MockerOptions)
+    add_flags(p, MockerOptions, help={
+        "model": "the served model's name and limits: tandem-mock (shipped config) or a folder with a config.json; "
+                 "no weights are loaded",
+        "num_blocks": "KV pool capacity of each simulated worker, in blocks"})
     p.set_defaults(func=_run)
 
 

@@ -40,7 +40,7 @@ class TimingModel:
     decode_overhead: float = 8.0e-3  # seconds per decode step
     decode_per_request: float = 1.0e-4  # seconds per request in the decode batch
     decode_per_kv_token: float = 9.0e-9  # seconds per KV token read by a decode step
-    kv_bytes_per_token: int = 35_136  # DeepSeek-R1 MLA in FP8 (DESIGN.md section 6)
+    kv_bytes_per_token: int = 35_136  # DeepSeek-R1 MLA in FP8 (docs/bench/capacity.md)
     transfer_bandwidth: float = 25e9  # bytes/second, prefill → decode worker
     transfer_latency: float = 1.0e-3  # seconds per transfer
     speedup: float = 1.0  # simulated seconds per real second

@@ -22,7 +22,10 @@ from discovery.watcher import InstanceWatcher
 from engine.model_source import DEFAULT_MODEL, load_config
 from engine.worker_host import VERSION
 from router.approx_index import ApproxIndex, KvWithRecent
+from router.chat_template import load_chat_template
 from router.health import HealthTracker
+from router.http_api import HTTP_OFF, HttpServer, OpenAIFrontend, create_app
+from router.http_api import validate_port as validate_http_port
 from router.kv_index import KvIndex
 from router.kv_subscriber import KvEventSubscriber
 from router.load import LoadTracker
@@ -64,9 +67,11 @@ class RouterOptions:
     token_stall_timeout_s: float = 30.0  # seconds without a response on a running stream → its worker failed (0 = off)
     keepalive_time_s: float = 10.0  # seconds between HTTP/2 keepalive PINGs on every channel to a worker
     keepalive_timeout_s: float = 5.0  # seconds a PING may go unanswered before the channel's calls fail
+    http_port: int = -1  # OpenAI-compatible HTTP API (router/http_api.py): -1 = off, 0 = any free port
 
     def __post_init__(self) -> None:
         metrics_http.validate_port(self.metrics_port)
+        validate_http_port(self.http_port)
         if self.migration_limit < 0:
             raise ValueError(f"--migration-limit must be >= 0, got {self.migration_limit}")
         if self.router_mode not in MODES:
@@ -196,12 +201,25 @@ async def run(opts: RouterOptions, ready: Callable[[RunningServer, FrontendServi
         await server.stop(0)  # nothing was served yet; leave no server behind
         raise
     metrics_address = metrics_server.address if metrics_server else ""
+    http_server = frontend = None
+    if opts.http_port != HTTP_OFF:
+        try:
+            frontend = OpenAIFrontend(servicer, load_chat_template(ckpt), metrics.registry)
+            http_server = HttpServer(create_app(frontend), opts.host, opts.http_port)
+            await http_server.start()
+        except (OSError, ValueError):
+            await server.stop(0)  # as for --metrics-port: leave no server behind
+            if metrics_server is not None:
+                metrics_server.close()
+            raise
+        log.info("router OpenAI-compatible HTTP API at http://%s/v1", http_server.address)
     servicer.cluster_status = ClusterView(instance_id, opts.router_mode, servicer, workers, load, health, index,
                                           metrics_address)
     instance = discovery_pb2.Instance(
         instance_id=instance_id, role=discovery_pb2.ROLE_ROUTER, address=address, model=name,
         block_size=opts.block_size, hash_seed=hash_seed(name), state=discovery_pb2.INSTANCE_STATE_SERVING,
-        start_time_unix=time.time(), version=VERSION, metrics_address=metrics_address)
+        start_time_unix=time.time(), version=VERSION, metrics_address=metrics_address,
+        http_address=http_server.address if http_server else "")
     registration = Registration(opts.etcd, opts.namespace, instance, ttl_seconds=opts.lease_ttl_s)
     await registration.start()
     stop = stop or asyncio.Event()
@@ -215,8 +233,12 @@ async def run(opts: RouterOptions, ready: Callable[[RunningServer, FrontendServi
     finally:
         restore_signals()
         log.info("%s", servicer.overhead_summary())
+        if frontend is not None:
+            log.info("%s", frontend.timings.summary())
         await server.set_serving(False)
         await asyncio.shield(registration.stop())
+        if http_server is not None:
+            await http_server.stop()
         await server.stop(2.0)
         if metrics_server is not None:
             await asyncio.to_thread(metrics_server.close)

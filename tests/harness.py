@@ -27,6 +27,7 @@ class Handle:
     runtime: WorkerRuntime | None = None
     workers: Any = None  # the router's WorkerSet
     servicer: Any = None  # the router's FrontendServicer
+    http_address: str = ""  # the router's HTTP API (started with http_port=0), from its discovery record
     stop: asyncio.Event = field(default_factory=asyncio.Event)
     task: asyncio.Task | None = None
 
@@ -73,12 +74,25 @@ class InProcessCluster:
         server, extra = ready.result()
         if role == "router":
             h.servicer, h.workers = extra, extra.workers
+            h.http_address = await self._http_address(server.port)
         else:
             h.runtime = extra
         h.server = server
         h.address = f"127.0.0.1:{server.port}"
         self.handles.append(h)
         return h
+
+    async def _http_address(self, grpc_port: int) -> str:
+        """The HTTP address in the discovery record of the router serving gRPC on grpc_port."""
+        from discovery.watcher import InstanceWatcher
+
+        def mine(view: dict) -> list:
+            return [i for i in view.values() if i.role == discovery_pb2.ROLE_ROUTER
+                    and i.address.endswith(f":{grpc_port}")]
+
+        async with InstanceWatcher(self.etcd, self.namespace) as watcher:
+            view = await watcher.wait_for(lambda v: bool(mine(v)), timeout=10)
+        return mine(view)[0].http_address
 
     def start(self, role: str, **overrides: Any) -> Handle:
         return self.call(self._start(role, **overrides))

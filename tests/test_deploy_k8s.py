@@ -108,3 +108,13 @@ def test_router_service_and_etcd_endpoint_agree(tandem_config):
     etcd = find("StatefulSet", host)
     assert etcd["spec"]["serviceName"] == host
     assert etcd_service["spec"]["selector"].items() <= etcd["spec"]["template"]["metadata"]["labels"].items()
+
+
+def test_router_serves_the_http_api_through_its_service():
+    pod = find("Deployment", "tandem-router")["spec"]["template"]
+    (container,) = pod["spec"]["containers"]
+    env = {e["name"]: e for e in container["env"]}
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert ports["http"] == int(env["TANDEM_HTTP_PORT"]["value"])
+    service = {p["name"]: p for p in find("Service", "tandem-router")["spec"]["ports"]}
+    assert service["http"]["targetPort"] == "http"

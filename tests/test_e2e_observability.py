@@ -39,7 +39,8 @@ class Up:
     """`python -m cli.main up` as a child process, with the addresses it prints."""
 
     def __init__(self, env: dict[str, str], timeout_s: float = 180.0) -> None:
-        self.proc = subprocess.Popen([sys.executable, "-m", "cli.main", "up", "--model", "tandem-tiny", "--port", "0"],
+        self.proc = subprocess.Popen([sys.executable, "-m", "cli.main", "up", "--model", "tandem-tiny", "--port", "0",
+                                      "--http-port", "0"],
                                      cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                      start_new_session=True)
         lines: queue.Queue[str] = queue.Queue()
@@ -47,9 +48,11 @@ class Up:
         self._reader = threading.Thread(target=lambda: [lines.put(x) for x in self.proc.stdout], daemon=True)
         self._reader.start()
         self.router = ""
+        self.http = ""
         self.metrics: dict[str, str] = {}
         deadline = time.monotonic() + timeout_s
-        while len(self.metrics) < 3:
+        self.ready = False
+        while len(self.metrics) < 3 or not self.ready:
             try:
                 line = lines.get(timeout=max(0.1, deadline - time.monotonic()))
             except queue.Empty:
@@ -58,6 +61,9 @@ class Up:
             self.output.append(line)
             if m := re.search(r"router at (\S+?),", line):
                 self.router = m.group(1)
+            self.ready = self.ready or line.startswith("tandem up: ready to serve tandem-tiny")
+            if m := re.search(r"HTTP API at http://(\S+)/v1", line):
+                self.http = m.group(1)
             if m := re.search(r"logs in (\S+?);", line):
                 self.log_dir = Path(m.group(1))
             if m := re.search(r"metrics: (\S+) at http://(\S+)/metrics", line):
@@ -160,6 +166,34 @@ def test_one_trace_per_request_across_processes(cluster):
     mine = [x for x in lines if x["trace_id"] == trace_id]
     assert mine and all(x["request_id"] == api.attributes["tandem.request_id"] for x in mine), lines[-5:]
     assert any(x["level"] == "debug" and x["logger"] == "router.service" for x in mine)
+
+
+def test_http_request_traced_like_grpc(cluster):
+    """A request to the HTTP API gets a SERVER span (child of its traceparent header) with the
+    gRPC path's spans below it."""
+    up, receiver = cluster
+    trace_id = secrets.token_hex(16)
+    body = {"model": "tandem-tiny", "prompt": [random.randrange(5, 200) for _ in range(PROMPT_TOKENS)],
+            "max_tokens": MAX_TOKENS, "ignore_eos": True}
+    req = urllib.request.Request(f"http://{up.http}/v1/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json",
+                                          "traceparent": f"00-{trace_id}-{'c' * 16}-01"})
+    with urllib.request.urlopen(req, timeout=120) as resp:
+        assert json.loads(resp.read())["usage"]["completion_tokens"] == MAX_TOKENS
+    http = ("tandem-router", "POST /v1/completions")
+    expected = {k: (http if v == ("tandem-router", "/tandem.v1.FrontendService/Generate") else v)
+                for k, v in EXPECTED.items() if k != ("tandem-router", "/tandem.v1.FrontendService/Generate")}
+    expected[http] = None
+    spans = receiver.wait_for(trace_id, lambda ss: set(expected) <= {(s.service, s.name) for s in ss}, timeout_s=60)
+    by_id = {s.span_id: s for s in spans}
+    for s in spans:
+        want = expected[(s.service, s.name)]
+        if want is None:
+            assert s.parent_span_id == "c" * 16 and s.kind == SERVER
+        else:
+            assert (by_id[s.parent_span_id].service, by_id[s.parent_span_id].name) == want, s
+    api = next(s for s in spans if (s.service, s.name) == http)
+    assert api.attributes["tandem.completion_tokens"] == MAX_TOKENS and api.attributes["tandem.request_id"]
 
 
 def test_unsampled_context_stays_unsampled(cluster):

@@ -1,4 +1,4 @@
-"""Benchmark the prefill runtime (DESIGN.md section 7): TTFT of long prompts by pipeline stages,
+"""Benchmark the prefill runtime (docs/bench/prefill.md): TTFT of long prompts by pipeline stages,
 static vs dynamic chunking and KV cache dtype; on CUDA also attention FLOP/s against the peak.
 
 TTFT here is the prefill worker's own part: `WorkerRuntime.prefill` of the whole prompt into its

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Benchmarks of the router's KV index (router/kv_index.py, DESIGN.md section 4). Not a test.
+"""Benchmarks of the router's KV index (router/kv_index.py, docs/architecture.md). Not a test.
 
 Default mode, on one Python thread:
 
@@ -231,7 +231,7 @@ def make_events(corpus: Corpus, workers: list[WorkerId], entries: int, rng: rand
 
 
 def cost_argmin(ov: dict, n_blocks: int, workers: list[WorkerId], load: dict) -> WorkerId:
-    """cost_w = prefill_weight * (B - overlap_w) + load_w; lowest wins (DESIGN.md section 4)."""
+    """cost_w = prefill_weight * (B - overlap_w) + load_w; lowest wins (docs/architecture.md, step 2)."""
     best, best_cost = workers[0], math.inf
     get = ov.get
     for w in workers:

@@ -1,6 +1,6 @@
-"""Benchmark KV block transfer bandwidth against a plain memcpy (DESIGN.md section 5).
+"""Benchmark KV block transfer bandwidth against a plain memcpy (docs/bench/transfer.md).
 
-Two pools of `--total-mb / 2` MB each (default 268 MB in all, as in DESIGN.md); every block of
+Two pools of `--total-mb / 2` MB each (default 268 MB in all, as in docs/bench/transfer.md); every block of
 the source pool is written into a destination pool:
 
   memcpy           dst.copy_(src) in this process: the copy bandwidth limit (torch's threads)

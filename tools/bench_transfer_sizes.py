@@ -3,7 +3,7 @@
 A child process owns the destination pool (a `SelectingAgent("auto")` offers every backend it
 has); this process owns the source pool and, per backend, an agent forced to that backend.
 Pools are uint8 [num_blocks, block_bytes] with block_bytes = block_tokens x --bytes-per-token
-(default 35,136 B: DeepSeek-R1's MLA latent in FP8, DESIGN.md section 6), so a 16-token block
+(default 35,136 B: DeepSeek-R1's MLA latent in FP8, docs/bench/capacity.md), so a 16-token block
 is 562 kB and a 64-token block 2.25 MB. For every size (1 MB ... 1 GB), block size and backend,
 a write of the first size/block_bytes blocks into the child's pool, with a notification, is
 timed at the writer (submission to notification sent), interleaved in each round with the

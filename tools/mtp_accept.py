@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from engine.model import DeepseekV3ForCausalLM  # noqa: E402
 from engine.model_source import load_model  # noqa: E402
-from train_small import default_data, split_text  # noqa: E402  (tools/train_small.py)
+from train_small import default_data, read_text, split_text  # noqa: E402  (tools/train_small.py)
 
 
 class RecordingKv:
@@ -155,11 +155,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    text = read_text(args.data, "tools/mtp_accept.py")  # before loading: a missing file fails at once
     loaded = load_model(args.checkpoint)
     model = loaded.model.to(args.device)
     if model.config.num_nextn_predict_layers < 1:
         raise SystemExit(f"{args.checkpoint}: the checkpoint has no MTP module")
-    text = Path(args.data).read_text(encoding="utf-8")
     if args.max_chars:
         text = text[:args.max_chars]
     ids = torch.tensor(loaded.tokenizer().encode(split_text(text)[1]), device=args.device)

@@ -80,6 +80,18 @@ def default_data() -> Path:
     return next((p for p in DATA_CANDIDATES if p.exists()), DATA_CANDIDATES[0])
 
 
+def read_text(path: str, tool: str = "tools/train_small.py") -> str:
+    """The training text at `path`; a missing file exits with what to do (not a traceback)."""
+    p = Path(path)
+    if not p.is_file():
+        raise SystemExit(
+            f"{tool}: no training text at {p}. It expects Tiny Shakespeare (the public-domain input.txt of "
+            f"karpathy/char-rnn, data/tinyshakespeare/, about 1.1 MB) at "
+            f"../shared/datasets/corpus/tinyshakespeare/input.txt beside the repository; put it there, "
+            f"or pass --data FILE (any UTF-8 text file).")
+    return p.read_text(encoding="utf-8")
+
+
 def split_text(text: str) -> tuple[str, str]:
     """(train, validation): validation is the last VAL_FRACTION, starting at a line start."""
     cut = int(len(text) * (1 - VAL_FRACTION))
@@ -477,7 +489,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 
-    text = Path(args.data).read_text(encoding="utf-8")
+    text = read_text(args.data)
     if args.max_chars:
         text = text[:args.max_chars]
     train_text, val_text = split_text(text)

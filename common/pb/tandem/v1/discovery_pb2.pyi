@@ -26,7 +26,7 @@ INSTANCE_STATE_SERVING: InstanceState
 INSTANCE_STATE_DRAINING: InstanceState
 
 class Instance(_message.Message):
-    __slots__ = ("instance_id", "role", "address", "model", "block_size", "hash_seed", "kv_capacity_blocks", "transfer_agent_name", "state", "start_time_unix", "version", "metrics_address")
+    __slots__ = ("instance_id", "role", "address", "model", "block_size", "hash_seed", "kv_capacity_blocks", "transfer_agent_name", "state", "start_time_unix", "version", "metrics_address", "http_address")
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -39,6 +39,7 @@ class Instance(_message.Message):
     START_TIME_UNIX_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     METRICS_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    HTTP_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
     role: Role
     address: str
@@ -51,4 +52,5 @@ class Instance(_message.Message):
     start_time_unix: float
     version: str
     metrics_address: str
-    def __init__(self, instance_id: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., address: _Optional[str] = ..., model: _Optional[str] = ..., block_size: _Optional[int] = ..., hash_seed: _Optional[int] = ..., kv_capacity_blocks: _Optional[int] = ..., transfer_agent_name: _Optional[str] = ..., state: _Optional[_Union[InstanceState, str]] = ..., start_time_unix: _Optional[float] = ..., version: _Optional[str] = ..., metrics_address: _Optional[str] = ...) -> None: ...
+    http_address: str
+    def __init__(self, instance_id: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., address: _Optional[str] = ..., model: _Optional[str] = ..., block_size: _Optional[int] = ..., hash_seed: _Optional[int] = ..., kv_capacity_blocks: _Optional[int] = ..., transfer_agent_name: _Optional[str] = ..., state: _Optional[_Union[InstanceState, str]] = ..., start_time_unix: _Optional[float] = ..., version: _Optional[str] = ..., metrics_address: _Optional[str] = ..., http_address: _Optional[str] = ...) -> None: ...

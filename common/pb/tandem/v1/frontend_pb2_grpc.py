@@ -77,7 +77,7 @@ class FrontendServiceServicer:
 
     def ExplainRoute(self, request, context):
         """Where Generate would place this request now, with every candidate's overlap,
-        load and cost; changes nothing (DESIGN.md section 4, "explainable decisions").
+        load and cost; changes nothing (docs/architecture.md, step 2).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -26,7 +26,7 @@ if _version_not_supported:
 
 
 class KvEventServiceStub:
-    """Served by every worker: the block pool's KV events (DESIGN.md section 4).
+    """Served by every worker: the block pool's KV events (docs/architecture.md).
     """
 
     def __init__(self, channel):
@@ -43,7 +43,7 @@ class KvEventServiceStub:
 
 
 class KvEventServiceServicer:
-    """Served by every worker: the block pool's KV events (DESIGN.md section 4).
+    """Served by every worker: the block pool's KV events (docs/architecture.md).
     """
 
     def Subscribe(self, request, context):
@@ -72,7 +72,7 @@ def add_KvEventServiceServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class KvEventService:
-    """Served by every worker: the block pool's KV events (DESIGN.md section 4).
+    """Served by every worker: the block pool's KV events (docs/architecture.md).
     """
 
     @staticmethod

@@ -1,0 +1,58 @@
+"""`tandem bench --backend openai`: one request to the router's OpenAI-compatible HTTP API.
+
+The same request as the gRPC client's (bench/client.py): greedy, `ignore_eos`, token ids or
+text, streamed as server-sent events from POST /v1/completions. `logprobs: 0` makes every event
+carry its tokens, so each one is timed with its exact token count, as gRPC messages are.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import httpx
+
+from bench.client import RequestResult
+from bench.traces import BenchRequest
+
+
+def completion_body(req: BenchRequest, model: str) -> dict:
+    tokens = req.prompt_tokens()
+    return {"model": model, "prompt": tokens if tokens else req.text, "max_tokens": req.output_len,
+            "temperature": 0.0, "ignore_eos": True, "stream": True, "logprobs": 0,
+            "stream_options": {"include_usage": True}}
+
+
+async def one_openai(http: httpx.AsyncClient, base_url: str, model: str, req: BenchRequest, t0: float,
+                     timeout_s: float) -> RequestResult:
+    res = RequestResult(req.index, start_s=time.perf_counter() - t0)
+    begin = time.perf_counter()
+    try:
+        async with http.stream("POST", f"{base_url}/v1/completions", json=completion_body(req, model),
+                               headers={"X-Request-Id": f"bench-{req.index}"}, timeout=timeout_s) as r:
+            if r.status_code != 200:
+                err = json.loads(await r.aread()).get("error", {})
+                res.error = f"HTTP {r.status_code}: {err.get('message', '')}"
+            else:
+                async for line in r.aiter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    now = time.perf_counter()
+                    chunk = json.loads(line[6:])
+                    if "error" in chunk:
+                        res.error = chunk["error"].get("message", "error")
+                        break
+                    if chunk.get("usage"):
+                        u = chunk["usage"]
+                        res.prompt_tokens, res.completion_tokens = u["prompt_tokens"], u["completion_tokens"]
+                        res.cached_tokens = (u.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+                    for choice in chunk.get("choices", ()):
+                        n = len((choice.get("logprobs") or {}).get("tokens") or ())
+                        if n:
+                            if res.ttft_s is None:
+                                res.ttft_s = now - begin
+                            res.chunks.append((now - t0, n))
+    except httpx.HTTPError as exc:
+        res.error = f"{type(exc).__name__}: {exc}"
+    res.end_s = time.perf_counter() - t0
+    return res

@@ -1,0 +1,487 @@
+"""The OpenAI-compatible HTTP API of the router (`--http-port`), beside its gRPC API.
+
+Routes: POST /v1/completions, POST /v1/chat/completions (JSON, or server-sent events ending
+with `data: [DONE]` when `stream` is true), GET /v1/models, GET /health and GET /metrics.
+
+The seam with the gRPC API is `FrontendServicer.Generate` itself: a request is mapped onto a
+`tandem.v1.GenerateRequest` (router/openai_protocol.py) and run through the same Generate —
+validation, tokenization, routing, retry and migration, stop strings, metrics and spans — with
+`HttpCallContext` standing in for the gRPC servicer context (the three methods Generate uses:
+abort, time_remaining, code). Each request runs in its own task (`Generation`), inside a SERVER
+span; the HTTP side reads its responses from a queue and cancels the task when the client goes
+away, which cancels the decode call and frees the request's KV blocks on both workers.
+
+uvicorn's server runs on the router's own event loop (`HttpServer`), on a socket bound here so
+that a taken port is an OSError naming --http-port.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import socket
+import time
+import uuid
+from collections import deque
+from typing import Any, AsyncIterator
+
+import grpc
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+
+from common import tracing
+from common.pb.tandem.v1 import discovery_pb2
+from common.pb.tandem.v1 import frontend_pb2 as pb
+from common.validation import InvalidArgument
+from router.chat_template import ChatTemplate, TemplateError
+from router.openai_protocol import (FINISH_REASONS, ChatCompletionRequest, CompletionRequest, ResponseShape,
+                                    error_body, param_name, token_logprobs)
+
+log = logging.getLogger(__name__)
+HTTP_OFF = -1
+HTTP_PARSER = "httptools"  # uvicorn's C parser (llhttp); its pure-Python h11 costs more CPU per request
+
+# gRPC status → (HTTP status, OpenAI error type). Anything else is a bug: 500.
+STATUS = {
+    grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
+    grpc.StatusCode.NOT_FOUND: (404, "invalid_request_error"),
+    grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
+    grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable_error"),
+    grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout_error"),
+}
+
+
+def validate_port(port: int) -> None:
+    """Raises ValueError naming --http-port unless port is -1, 0 or a TCP port."""
+    if not HTTP_OFF <= port <= 65535:
+        raise ValueError(f"--http-port must be -1 (off), 0 (any free port) or a TCP port, got {port}")
+
+
+class HttpTimings:
+    """Wall time the HTTP layer adds around FrontendServicer.Generate, for the last 100,000
+    requests: `before` from the request's arrival (uvicorn hands it over) to Generate's start
+    (parsing, validation, chat template, the request's task); `first` and `token` from a
+    GenerateResponse leaving Generate to its server-sent event written to the socket (queue,
+    event, Starlette and uvicorn), for the first response and for each later one."""
+
+    def __init__(self) -> None:
+        self.before_s: deque[float] = deque(maxlen=100_000)
+        self.first_s: deque[float] = deque(maxlen=100_000)
+        self.token_s: deque[float] = deque(maxlen=100_000)
+
+    def summary(self) -> str:
+        def stats(xs: deque[float]) -> str:
+            if not xs:
+                return "n=0"
+            s = sorted(xs)
+            return f"n={len(s)} p50_us={s[len(s) // 2] * 1e6:.0f} p99_us={s[min(len(s) - 1, int(0.99 * len(s)))] * 1e6:.0f}"
+        return (f"http layer: before Generate {stats(self.before_s)}; first event {stats(self.first_s)}; "
+                f"later events {stats(self.token_s)}")
+
+
+class _Marks:
+    """When the event being streamed left Generate (set by the body, read by the send)."""
+
+    pending: float | None = None
+    first = True
+
+
+def _stamp_arrival(app):
+    """ASGI wrapper: the request's arrival time in its scope (HttpTimings.before_s)."""
+    async def asgi(scope, receive, send):
+        scope["tandem.arrived"] = time.perf_counter()
+        await app(scope, receive, send)
+    return asgi
+
+
+class Aborted(Exception):
+    """Generate ended the call with a gRPC status (context.abort)."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(f"{code.name}: {details}")
+        self.code = code
+        self.details = details
+
+
+class HttpCallContext:
+    """What FrontendServicer.Generate needs of a grpc.aio.ServicerContext, for an HTTP call:
+    `abort` raises Aborted (as grpc.aio's raises to end the RPC), there is no deadline."""
+
+    def __init__(self) -> None:
+        self._code: grpc.StatusCode | None = None
+
+    async def abort(self, code: grpc.StatusCode, details: str = "") -> None:
+        self._code = code
+        raise Aborted(code, details)
+
+    def time_remaining(self) -> float | None:
+        return None
+
+    def code(self) -> grpc.StatusCode | None:
+        return self._code
+
+
+class Generation:
+    """One Generate call in its own task (so that its spans nest and it can be cancelled
+    from the HTTP side whatever that is doing); `next()` gives its responses in order."""
+
+    def __init__(self, servicer: Any, request: pb.GenerateRequest, span_name: str, headers: dict[str, str]) -> None:
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self.started = 0.0  # perf_counter() when Generate was called
+        self.last_put = 0.0  # perf_counter() when the response last returned by next() left Generate
+        self.task = asyncio.create_task(self._run(servicer, request, span_name, headers),
+                                        name=f"http {request.request_id}")
+
+    async def _run(self, servicer: Any, request: pb.GenerateRequest, span_name: str, headers: dict[str, str]) -> None:
+        put = self._queue.put_nowait
+        self.started = time.perf_counter()
+        try:
+            with tracing.server_span(span_name, headers, {"http.route": span_name.split(" ", 1)[1],
+                                                          "tandem.request_id": request.request_id}):
+                async for out in servicer.Generate(request, HttpCallContext()):
+                    put((out, time.perf_counter()))
+            put(None)
+        except Aborted as exc:
+            put(exc)
+        except Exception as exc:  # a bug: the client gets a 500 with its repr, the log the traceback
+            log.exception("request %s failed", request.request_id)
+            put(Aborted(grpc.StatusCode.INTERNAL, f"internal error: {exc!r}"))
+
+    async def next(self) -> pb.GenerateResponse | None:
+        """The next response; None after the last one.
+
+        Raises:
+            Aborted: the call ended with an error status.
+        """
+        item = await self._queue.get()
+        if isinstance(item, Aborted):
+            raise item
+        if item is None:
+            return None
+        out, self.last_put = item
+        return out
+
+    def cancel(self) -> None:
+        self.task.cancel()
+
+
+class ClientGone(Exception):
+    """The client closed the connection before the response was ready."""
+
+
+async def _until_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def unless_disconnected(request: Request, coro):
+    """Await `coro`, or raise ClientGone (cancelling it) if the client disconnects first."""
+    task, watch = asyncio.ensure_future(coro), asyncio.ensure_future(_until_disconnect(request))
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+        if task.done():
+            return task.result()
+        raise ClientGone
+    finally:
+        task.cancel()
+        watch.cancel()
+
+
+def _sse(obj: dict) -> bytes:
+    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+
+
+class _GenerationStream(StreamingResponse):
+    """Server-sent events that cancel their Generation however the response ends (a
+    disconnect cancels the body iterator, which may be suspended outside it)."""
+
+    def __init__(self, body: AsyncIterator[bytes], generation: Generation, headers: dict[str, str],
+                 marks: _Marks, timings: HttpTimings) -> None:
+        super().__init__(body, media_type="text/event-stream", headers={"Cache-Control": "no-cache", **headers})
+        self.generation = generation
+        self.marks, self.timings = marks, timings
+
+    async def __call__(self, scope, receive, send) -> None:
+        marks, timings = self.marks, self.timings
+
+        async def timed_send(message) -> None:
+            await send(message)
+            if marks.pending is not None and message["type"] == "http.response.body" and message.get("body"):
+                (timings.first_s if marks.first else timings.token_s).append(time.perf_counter() - marks.pending)
+                marks.pending, marks.first = None, False
+        try:
+            await super().__call__(scope, receive, timed_send)
+        finally:
+            self.generation.cancel()
+
+
+class OpenAIFrontend:
+    """The routes' logic over one router's FrontendServicer."""
+
+    def __init__(self, servicer: Any, template: ChatTemplate, registry: CollectorRegistry | None) -> None:
+        self.servicer = servicer
+        self.template = template
+        self.registry = registry
+        self.created = int(time.time())
+        self._token_text: dict[int, str] = {}
+        self.timings = HttpTimings()
+
+    # -- errors ------------------------------------------------------------------------------
+    @staticmethod
+    def error(status: int, message: str, type_: str, param: str | None = None, code: str | None = None,
+              headers: dict[str, str] | None = None) -> JSONResponse:
+        return JSONResponse(error_body(message, type_, param, code), status_code=status, headers=headers)
+
+    def invalid(self, exc: InvalidArgument, req: Any, headers: dict[str, str]) -> JSONResponse:
+        param = param_name(exc.field, req)
+        message = str(exc).split(": ", 1)[1] if ": " in str(exc) else str(exc)
+        return self.error(400, f"{param}: {message}", "invalid_request_error", param, headers=headers)
+
+    def aborted(self, exc: Aborted, req: Any, headers: dict[str, str]) -> JSONResponse:
+        body = self.aborted_body(exc, req)
+        return JSONResponse(body, status_code=STATUS.get(exc.code, (500,))[0], headers=headers)
+
+    def aborted_body(self, exc: Aborted, req: Any) -> dict:
+        status, type_ = STATUS.get(exc.code, (500, "internal_error"))
+        field, sep, message = exc.details.partition(": ")
+        if exc.code == grpc.StatusCode.INVALID_ARGUMENT and sep and " " not in field:
+            param = param_name(field, req)
+            return error_body(f"{param}: {message}", type_, param)
+        if exc.code == grpc.StatusCode.NOT_FOUND and field == "model":
+            return error_body(exc.details, type_, "model", "model_not_found")
+        return error_body(exc.details, type_, None, exc.code.name.lower())
+
+    # -- generation --------------------------------------------------------------------------
+    def _tokens_text(self, ids: list[int]) -> list[str]:
+        tok = self.servicer.tokenizer.tokenizer
+        out = []
+        for i in ids:
+            text = self._token_text.get(i)
+            if text is None:
+                text = self._token_text[i] = tok.decode([i], skip_special_tokens=False)
+            out.append(text)
+        return out
+
+    def _logprobs(self, chat: bool, out: pb.GenerateResponse) -> dict:
+        return token_logprobs(chat, self._tokens_text(list(out.token_ids)), list(out.logprobs))
+
+    async def generate(self, request: Request, req: CompletionRequest | ChatCompletionRequest, route: str) -> Response:
+        chat = isinstance(req, ChatCompletionRequest)
+        request_id = request.headers.get("x-request-id", "")[:128] or uuid.uuid4().hex  # bounded: logs, spans
+        headers = {"X-Request-Id": request_id}
+        try:
+            if chat:
+                prompt = self.template.render(req.template_messages(), add_generation_prompt=True)
+                grpc_req = req.to_generate(request_id, prompt)
+            else:
+                grpc_req = req.to_generate(request_id)
+        except InvalidArgument as exc:
+            return self.invalid(exc, req, headers)
+        except TemplateError as exc:
+            return self.error(400, f"messages: {exc}", "invalid_request_error", "messages", headers=headers)
+        gen = Generation(self.servicer, grpc_req, f"POST {route}", dict(request.headers))
+        try:
+            first = await unless_disconnected(request, gen.next())  # errors before any token: a status
+        except Aborted as exc:
+            return self.aborted(exc, req, headers)
+        except ClientGone:  # e.g. during a long prefill: cancel it, as a disconnect mid-stream does
+            gen.cancel()
+            return Response(status_code=499)
+        except BaseException:
+            gen.cancel()
+            raise
+        self.timings.before_s.append(gen.started - request.scope.get("tandem.arrived", gen.started))
+        shape = ResponseShape(chat, request_id, self.servicer.workers.model)
+        if req.stream:
+            marks = _Marks()
+            return _GenerationStream(self._events(gen, first, shape, req, marks), gen, headers, marks, self.timings)
+        try:
+            return JSONResponse(await unless_disconnected(request, self._collect(gen, first, shape, req)),
+                                headers=headers)
+        except Aborted as exc:
+            return self.aborted(exc, req, headers)
+        except ClientGone:
+            return Response(status_code=499)
+        finally:
+            gen.cancel()
+
+    async def _collect(self, gen: Generation, out: pb.GenerateResponse | None, shape: ResponseShape, req) -> dict:
+        text: list[str] = []
+        ids: list[int] = []
+        lps: list[float] = []
+        while out is not None:
+            text.append(out.text)
+            ids.extend(out.token_ids)
+            lps.extend(out.logprobs)
+            if out.finish_reason:
+                break
+            out = await gen.next()
+        assert out is not None and out.finish_reason, "Generate ended without a finish reason"
+        logprobs = token_logprobs(shape.chat, self._tokens_text(ids), lps) if req.want_logprobs else None
+        return shape.final("".join(text), FINISH_REASONS[out.finish_reason], out.usage, logprobs)
+
+    async def _events(self, gen: Generation, out: pb.GenerateResponse | None, shape: ResponseShape,
+                      req, marks: _Marks) -> AsyncIterator[bytes]:
+        first = True
+        try:
+            while out is not None:
+                finish = FINISH_REASONS.get(out.finish_reason)
+                if out.text or finish or first or req.want_logprobs:
+                    lp = self._logprobs(shape.chat, out) if req.want_logprobs else None
+                    marks.pending = gen.last_put
+                    yield _sse(shape.chunk(out.text, finish, lp, first=first))
+                    first = False
+                if finish:
+                    if req.include_usage:
+                        yield _sse(shape.usage_chunk(out.usage))
+                    break
+                out = await gen.next()
+        except Aborted as exc:  # after the 200 went out: the error as one more event
+            yield _sse(self.aborted_body(exc, req))
+        finally:
+            gen.cancel()
+        yield b"data: [DONE]\n\n"
+
+    # -- the rest ----------------------------------------------------------------------------
+    def models(self) -> dict:
+        return {"object": "list", "data": [self.model_card()]}
+
+    def model_card(self) -> dict:
+        s = self.servicer
+        return {"id": s.workers.model, "object": "model", "created": self.created, "owned_by": "tandem",
+                "max_model_len": s.context_length}
+
+    def health(self) -> JSONResponse:
+        decode = len(self.servicer.workers.candidates(discovery_pb2.ROLE_DECODE))
+        prefill = len(self.servicer.workers.candidates(discovery_pb2.ROLE_PREFILL))
+        body = {"status": "ok" if decode else "no decode worker", "decode_workers": decode, "prefill_workers": prefill}
+        return JSONResponse(body, status_code=200 if decode else 503)
+
+    async def metrics(self) -> Response:
+        if self.registry is None:
+            return self.error(404, "this router has no metrics registry", "invalid_request_error")
+        # The collectors run on this loop (common/metrics.py FunctionCollector): scrape off it.
+        data = await asyncio.to_thread(generate_latest, self.registry)
+        return Response(data, media_type=CONTENT_TYPE_LATEST)
+
+
+def _loc(loc: tuple) -> str:
+    """pydantic's ("body", "messages", 0, "content") → "messages[0].content"."""
+    out = ""
+    for part in loc[1:] if loc and loc[0] == "body" else loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif not part.startswith(("function-", "str", "list[", "int")):  # union member tags
+            out += ("." if out else "") + part
+    return out
+
+
+def create_app(api: OpenAIFrontend) -> FastAPI:
+    # FastAPI's own OpenTelemetry spans are off: Generation opens the request's SERVER span,
+    # named and nested like the gRPC path's (docs/observability.md).
+    app = FastAPI(title="Tandem OpenAI-compatible API", docs_url=None, redoc_url=None, openapi_url=None,
+                  telemetry={"tracing": False, "metrics": False, "logs": False, "operation_spans": False})
+
+    @app.exception_handler(RequestValidationError)
+    async def bad_request(request: Request, exc: RequestValidationError) -> JSONResponse:
+        err = exc.errors()[0]
+        if err.get("type") == "json_invalid":
+            return api.error(400, f"request body is not valid JSON: {err.get('msg', '')}", "invalid_request_error")
+        param = _loc(tuple(err.get("loc", ()))) or None
+        return api.error(400, f"{param}: {err.get('msg', 'invalid')}" if param else err.get("msg", "invalid request"),
+                         "invalid_request_error", param)
+
+    @app.exception_handler(404)
+    async def not_found(request: Request, exc: Exception) -> JSONResponse:
+        return api.error(404, f"no route {request.method} {request.url.path}", "invalid_request_error")
+
+    @app.exception_handler(405)
+    async def not_allowed(request: Request, exc: Exception) -> JSONResponse:
+        return api.error(405, f"{request.method} not allowed on {request.url.path}", "invalid_request_error")
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest, request: Request) -> Response:
+        return await api.generate(request, req, "/v1/completions")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(req: ChatCompletionRequest, request: Request) -> Response:
+        return await api.generate(request, req, "/v1/chat/completions")
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return api.models()
+
+    @app.get("/v1/models/{model:path}")
+    async def model(model: str) -> Response:
+        if model != api.servicer.workers.model:
+            return api.error(404, f"model: unknown model {model!r}; this router serves {api.servicer.workers.model!r}",
+                             "invalid_request_error", "model", "model_not_found")
+        return JSONResponse(api.model_card())
+
+    @app.get("/health")
+    async def health() -> Response:
+        return api.health()
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return await api.metrics()
+
+    return app
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """A listening TCP socket. proto must be IPPROTO_TCP (socket.create_server leaves it 0):
+    asyncio sets TCP_NODELAY only on accepted sockets of that proto, and without it a
+    keep-alive connection's first streamed events wait ~40 ms for the client's delayed ACK."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(2048)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+class HttpServer:
+    """uvicorn serving `app` on the running event loop (no signal handlers, no logging set-up:
+    the router owns both). `await start()`, then `address`; `await stop()` lets requests in
+    flight finish for up to `grace_s`, then cancels them."""
+
+    def __init__(self, app: FastAPI, host: str, port: int, grace_s: float = 2.0) -> None:
+        self.config = uvicorn.Config(_stamp_arrival(app), host=host, port=port, lifespan="off", log_config=None, access_log=False,
+                                     timeout_graceful_shutdown=grace_s, log_level="warning", http=HTTP_PARSER)
+        self.server = uvicorn.Server(self.config)
+        self.host, self.port = host, port
+        self._sock: socket.socket | None = None
+        self._ticks: asyncio.Task | None = None
+        self.address = ""  # host:port once started
+
+    async def start(self) -> None:
+        """Raises:
+            OSError: the port could not be bound (the message names --http-port)."""
+        try:
+            self._sock = _listen(self.host, self.port)
+        except OSError as exc:
+            raise OSError(exc.errno, f"--http-port {self.port}: cannot listen on {self.host}:{self.port}: "
+                                     f"{exc.strerror}") from None
+        self._sock.setblocking(False)
+        self.address = f"{self.host}:{self._sock.getsockname()[1]}"
+        self.config.load()
+        self.server.lifespan = self.config.lifespan_class(self.config)
+        await self.server.startup(sockets=[self._sock])
+        self._ticks = asyncio.create_task(self.server.main_loop(), name="http ticks")  # strong ref; date header
+
+    async def stop(self) -> None:
+        if self._ticks is None:
+            return
+        self.server.should_exit = True
+        await self._ticks
+        self._ticks = None
+        await self.server.shutdown(sockets=[self._sock])

@@ -1,0 +1,244 @@
+"""OpenAI's request and response objects, and their mapping onto `tandem.v1.GenerateRequest`.
+
+Requests are pydantic models (unknown fields are accepted and ignored, as OpenAI's own
+server-side clients expect); `to_generate` turns one into the gRPC request, so that the HTTP
+API shares the gRPC API's validation (common/validation.py). Fields the engine cannot honour
+are refused by name when set to anything but their no-op value (`n`, `best_of`, `echo`,
+`suffix`, `logit_bias`, `presence_penalty`, `frequency_penalty`, `tools`, `response_format`,
+`top_logprobs` > 0, `logprobs` > 0 on /v1/completions).
+
+The gRPC path names fields as `text`, `token_ids[i]` and `sampling.<name>`; `param_name` maps
+those onto the OpenAI parameter the client sent, so a 400's `param` is what the client wrote.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from common.pb.tandem.v1 import frontend_pb2 as pb
+from common.pb.tandem.v1 import sampling_pb2
+from common.validation import InvalidArgument
+
+FINISH_REASONS = {sampling_pb2.FINISH_REASON_LENGTH: "length", sampling_pb2.FINISH_REASON_STOP: "stop",
+                  sampling_pb2.FINISH_REASON_EOS: "stop"}
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    include_usage: bool = False
+
+
+class _Common(BaseModel):
+    """Fields both endpoints take. Defaults are the gRPC API's: greedy (temperature 0), top_p 1,
+    max_tokens min(64, context left)."""
+
+    model_config = ConfigDict(extra="allow")
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    ignore_eos: bool = False  # not OpenAI's: keep generating after the end-of-sequence token (as vLLM)
+
+    def _refuse_unsupported(self) -> None:
+        if self.n != 1:
+            raise InvalidArgument("n", f"only n = 1 is supported, got {self.n}")
+        if self.presence_penalty or self.frequency_penalty:
+            raise InvalidArgument("presence_penalty" if self.presence_penalty else "frequency_penalty",
+                                  "penalties are not supported (leave them 0)")
+        if self.logit_bias:
+            raise InvalidArgument("logit_bias", "logit_bias is not supported")
+        if self.stream_options is not None and not self.stream:
+            raise InvalidArgument("stream_options", "only allowed with stream: true")
+
+    def _sampling(self, max_tokens: int | None) -> sampling_pb2.SamplingParams:
+        s = sampling_pb2.SamplingParams(ignore_eos=self.ignore_eos)
+        if max_tokens is not None:
+            s.max_tokens = max_tokens
+        if self.temperature is not None:
+            s.temperature = self.temperature
+        if self.top_p is not None:
+            s.top_p = self.top_p
+        if self.seed is not None:
+            if not 0 <= self.seed < 2 ** 64:
+                raise InvalidArgument("seed", f"must be in [0, 2^64), got {self.seed}")
+            s.seed = self.seed
+        if self.stop is not None:
+            s.stop.extend([self.stop] if isinstance(self.stop, str) else self.stop)
+        return s
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_Common):
+    """POST /v1/completions: `prompt` is a string or a list of token ids (or a list of one of those)."""
+
+    prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    @property
+    def want_logprobs(self) -> bool:
+        return self.logprobs is not None
+
+    def to_generate(self, request_id: str) -> pb.GenerateRequest:
+        self._refuse_unsupported()
+        if self.echo:
+            raise InvalidArgument("echo", "echo is not supported")
+        if self.suffix:
+            raise InvalidArgument("suffix", "suffix is not supported")
+        if self.best_of not in (None, 1):
+            raise InvalidArgument("best_of", f"only best_of = 1 is supported, got {self.best_of}")
+        if self.logprobs not in (None, 0):
+            raise InvalidArgument("logprobs", "only the sampled token's log-probability is available: use 0")
+        prompt = self.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            if len(prompt) != 1:
+                raise InvalidArgument("prompt", f"one prompt per request, got a batch of {len(prompt)}")
+            prompt = prompt[0]
+        req = pb.GenerateRequest(request_id=request_id, model=self.model or "",
+                                 sampling=self._sampling(self.max_tokens))
+        if isinstance(prompt, str):
+            req.text = prompt
+        else:
+            req.token_ids.extend(prompt)
+        return req
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    role: str
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(_Common):
+    """POST /v1/chat/completions: `messages` rendered with the model's chat template."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tools: list[Any] | None = None
+    response_format: dict[str, Any] | None = None
+
+    @property
+    def want_logprobs(self) -> bool:
+        return self.logprobs
+
+    def template_messages(self) -> list[dict]:
+        """The messages as the chat template sees them: role, content (text), name when given."""
+        out = []
+        for i, m in enumerate(self.messages):
+            content = m.content if m.content is not None else ""
+            if isinstance(content, list):
+                if any(p.type != "text" for p in content):
+                    raise InvalidArgument(f"messages[{i}].content", "only text content parts are supported")
+                content = "".join(p.text or "" for p in content)
+            msg = {"role": m.role, "content": content}
+            if m.name:
+                msg["name"] = m.name
+            out.append(msg)
+        return out
+
+    def to_generate(self, request_id: str, prompt: str) -> pb.GenerateRequest:
+        self._refuse_unsupported()
+        if self.tools:
+            raise InvalidArgument("tools", "tool calls are not supported")
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            raise InvalidArgument("response_format", "only {\"type\": \"text\"} is supported")
+        if self.top_logprobs:
+            raise InvalidArgument("top_logprobs", "only the sampled token's log-probability is available: use 0")
+        if self.max_tokens is not None and self.max_completion_tokens is not None \
+                and self.max_tokens != self.max_completion_tokens:
+            raise InvalidArgument("max_completion_tokens", "set max_completion_tokens or max_tokens, not both")
+        max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        return pb.GenerateRequest(request_id=request_id, model=self.model or "", text=prompt,
+                                  sampling=self._sampling(max_tokens))
+
+
+def param_name(field: str, request: _Common) -> str:
+    """The OpenAI parameter behind a gRPC-side field name ("sampling.top_p" → "top_p")."""
+    chat = isinstance(request, ChatCompletionRequest)
+    if field == "text":
+        return "messages" if chat else "prompt"
+    if field.startswith("token_ids"):
+        return "prompt" + field.removeprefix("token_ids")
+    if field == "sampling.max_tokens":
+        return "max_completion_tokens" if chat and request.max_completion_tokens is not None else "max_tokens"
+    return field.removeprefix("sampling.")
+
+
+def error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> dict:
+    """OpenAI's error object."""
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def usage(u: pb.Usage) -> dict:
+    return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
+            "total_tokens": u.prompt_tokens + u.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": u.cached_tokens}}
+
+
+def token_logprobs(chat: bool, tokens: list[str], logprobs: list[float]) -> dict:
+    """The `logprobs` of one choice (or one chunk's delta): chat's `content` list, or the
+    completions API's parallel arrays."""
+    if chat:
+        return {"content": [{"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
+                            for t, lp in zip(tokens, logprobs)]}
+    return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": None, "text_offset": []}
+
+
+class ResponseShape:
+    """Builds the JSON objects of one response: the final one, or stream chunks."""
+
+    def __init__(self, chat: bool, request_id: str, model: str) -> None:
+        self.chat = chat
+        self.id = ("chatcmpl-" if chat else "cmpl-") + request_id
+        self.model = model
+        self.created = int(time.time())
+
+    def _head(self, obj: str) -> dict:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+
+    def final(self, text: str, finish: str, u: pb.Usage, logprobs: dict | None) -> dict:
+        if self.chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
+                      "finish_reason": finish}
+            return {**self._head("chat.completion"), "choices": [choice], "usage": usage(u)}
+        choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
+        return {**self._head("text_completion"), "choices": [choice], "usage": usage(u)}
+
+    def chunk(self, text: str, finish: str | None, logprobs: dict | None, first: bool = False) -> dict:
+        if self.chat:
+            delta: dict[str, Any] = {"role": "assistant", "content": text} if first else {"content": text}
+            choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+            return {**self._head("chat.completion.chunk"), "choices": [choice], "usage": None}
+        choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
+        return {**self._head("text_completion"), "choices": [choice], "usage": None}
+
+    def usage_chunk(self, u: pb.Usage) -> dict:
+        return {**self._head("chat.completion.chunk" if self.chat else "text_completion"), "choices": [],
+                "usage": usage(u)}
+

@@ -1,0 +1,186 @@
+"""The rough edges a newcomer met (issue 17), one test each: help texts and tools that point to
+the project's own docs, `tandem --help` without torch, `tandem top` off a terminal and its `q`,
+`config show --config FILE router`, the flags that were missing or mis-described, tools that
+say what is missing instead of a traceback, `tandem generate` with no router, a taken
+--http-port, and `python -m bench.compare`'s usage line and table."""
+
+from __future__ import annotations
+
+import os
+import pty
+import re
+import select
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from harness import InProcessCluster
+
+ROOT = Path(__file__).resolve().parent.parent
+PY = sys.executable
+
+
+def tandem(*args: str, timeout: float = 60, **kw) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TANDEM_")}
+    return subprocess.run([PY, "-m", "cli.main", *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+                          env=env, **kw)
+
+
+@pytest.fixture(scope="module")
+def router(etcd_server, tiny_model):
+    """A router alone (ClusterStatus needs no worker)."""
+    c = InProcessCluster(etcd_server.endpoint, tiny_model, namespace="cli-newcomer")
+    c.router = c.start("router")
+    yield c.router
+    c.close()
+
+
+def test_help_imports_neither_torch_nor_fastapi():
+    code = ("import sys, time; t = time.perf_counter()\n"
+            "from cli.main import main\n"
+            "try:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
+            "print(time.perf_counter() - t, 'torch' in sys.modules, 'fastapi' in sys.modules)")
+    out = subprocess.run([PY, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60, check=True)
+    seconds, torch_loaded, fastapi_loaded = out.stdout.split()[-3:]
+    assert (torch_loaded, fastapi_loaded) == ("False", "False"), out.stdout
+    print(f"tandem --help in-process: {float(seconds) * 1000:.0f} ms")
+
+
+def test_no_help_text_tool_docstring_or_doc_points_to_design_md():
+    from cli.config import subparsers
+    from cli.main import build_parser
+
+    parser = build_parser()
+    texts = {"tandem --help": parser.format_help()}
+    texts |= {f"tandem {name} --help": p.format_help() for name, p in subparsers(parser).items()}
+    # tools/bench_decode.py is left out: it is being rewritten with the GPU decode path.
+    for tool in sorted((ROOT / "tools").glob("*.py")):
+        if tool.name != "bench_decode.py":
+            texts[str(tool.relative_to(ROOT))] = tool.read_text().split('"""')[1] if '"""' in tool.read_text() else ""
+    for doc in [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]:
+        texts[str(doc.relative_to(ROOT))] = doc.read_text()
+    assert [name for name, text in texts.items() if "DESIGN.md" in text] == []
+
+
+def test_top_prints_tables_when_stdout_is_a_pipe(router):
+    with subprocess.Popen([PY, "-m", "cli.main", "top", "--router", router.address, "--interval", "0.2"], cwd=ROOT,
+                          stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True) as proc:
+        try:
+            lines, deadline = [], time.monotonic() + 60
+            while sum("router router-" in line for line in lines) < 2 and time.monotonic() < deadline:
+                ready, _, _ = select.select([proc.stdout], [], [], 1.0)
+                if ready:
+                    lines.append(proc.stdout.readline())
+            assert sum("router router-" in line for line in lines) >= 2, lines  # one table per refresh
+        finally:
+            proc.kill()
+
+
+def test_top_quits_on_q(router):
+    pid, fd = pty.fork()
+    if pid == 0:  # the child: stdin and stdout are the pty
+        os.chdir(ROOT)
+        os.execv(PY, [PY, "-m", "cli.main", "top", "--router", router.address, "--interval", "0.2"])
+    out, deadline = b"", time.monotonic() + 60
+    try:
+        while b"router router-" not in out and time.monotonic() < deadline:
+            if select.select([fd], [], [], 1.0)[0]:
+                out += os.read(fd, 4096)
+        assert b"router router-" in out, out
+        os.write(fd, b"q")
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                assert os.waitstatus_to_exitcode(status) == 0
+                return
+            if select.select([fd], [], [], 0.2)[0]:
+                try:
+                    os.read(fd, 4096)
+                except OSError:
+                    pass
+        pytest.fail("tandem top did not quit on q")
+    finally:
+        try:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+        except (ProcessLookupError, ChildProcessError):
+            pass
+        os.close(fd)
+
+
+def test_top_interval_has_a_variable_and_is_checked():
+    assert "TANDEM_TOP_INTERVAL" in tandem("top", "--help").stdout
+    r = tandem("top", "--interval", "0")
+    assert r.returncode == 2 and "--interval must be > 0" in r.stderr
+
+
+def test_config_show_with_config_file_then_subcommand(tmp_path):
+    cfg = tmp_path / "t.toml"
+    cfg.write_text("[router]\nport = 50071\n")
+    r = tandem("config", "show", "--config", str(cfg), "router")
+    assert r.returncode == 0, r.stderr
+    assert re.search(r"^port = 50071 +# file .*router\.port$", r.stdout, re.M), r.stdout
+    assert "[prefill]" not in r.stdout  # only the subcommand asked for
+
+
+def test_readme_says_the_pool_default_as_it_is():
+    from engine.worker_host import WorkerOptions
+
+    readme = (ROOT / "README.md").read_text()
+    assert WorkerOptions().mem_fraction_static == 0 and WorkerOptions().num_blocks == 0
+    assert "`--mem-fraction-static F` (default 0, off" in readme
+    assert "sizes its own pool with\n`--mem-fraction-static 0.75`" not in readme
+
+
+def test_flags_that_were_missing_or_misdescribed():
+    gen = tandem("generate", "--help").stdout
+    assert "--top-p" in gen and "TANDEM_TOP_P" in gen
+    demo = tandem("demo", "--help").stdout
+    assert "(default: 8)" in demo and "(default: 32)" in demo
+    mocker = tandem("mocker", "--help").stdout
+    assert "mem-fraction-static" not in mocker and "tandem-shakespeare" not in mocker and "tandem-mock" in mocker
+    router = tandem("router", "--help").stdout
+    assert "--http-port" in router and "TANDEM_HTTP_PORT" in router
+    up = tandem("up", "--help").stdout
+    assert "--http-port" in up and "8000" in up
+
+
+def test_generate_without_a_router_suggests_tandem_up():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # nothing listens here once closed
+    r = tandem("generate", "hello", "--router", f"127.0.0.1:{port}")
+    assert r.returncode == 1 and "UNAVAILABLE" in r.stderr and "`tandem up`" in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("tool, args", [("train_small.py", ["--out", "OUT"]),
+                                        ("mtp_accept.py", ["tandem-shakespeare"])])
+def test_tools_say_what_data_is_missing(tool, args, tmp_path):
+    args = [str(tmp_path / "out") if a == "OUT" else a for a in args]
+    r = subprocess.run([PY, f"tools/{tool}", *args, "--data", str(tmp_path / "absent.txt")], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    assert "no training text at" in r.stderr and "--data FILE" in r.stderr and "tinyshakespeare" in r.stderr
+
+
+def test_taken_http_port_is_one_line_naming_the_flag(etcd_server):
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        r = tandem("router", "--etcd", etcd_server.endpoint, "--namespace", "cli-taken", "--model", "tandem-tiny",
+                   "--port", "0", "--http-port", str(taken.getsockname()[1]), timeout=120)
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert re.search(r"^tandem router: .*--http-port \d+: cannot listen on", r.stderr, re.M), r.stderr
+
+
+def test_bench_compare_usage_and_header_first():
+    r = subprocess.run([PY, "-m", "bench.compare", "--help"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert r.stdout.startswith("usage: python -m bench.compare")
+    r = subprocess.run([PY, "-m", "bench.compare", "--num-requests", "20", "--modes", "kv,round-robin"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120, check=True)
+    rows = [line for line in r.stderr.splitlines() if line.startswith("|")]
+    assert rows[0].startswith("| mode |") and rows[1].startswith("|---") and rows[2].startswith("| kv |"), r.stderr
+    assert "python -m bench.compare" in (ROOT / "README.md").read_text()

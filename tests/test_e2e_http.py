@@ -1,0 +1,341 @@
+"""The OpenAI-compatible HTTP API end to end: the official `openai` client (and curl) against a
+router with --http-port, over a real etcd, real gRPC to real workers and real KV transfers;
+every answer is checked against the gRPC API's answer to the same request."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import time
+
+import grpc
+import httpx
+import openai
+import pytest
+
+from common.pb.tandem.v1 import frontend_pb2, frontend_pb2_grpc, sampling_pb2
+from engine.worker_host import WorkerOptions
+from harness import InProcessCluster
+from router.chat_template import load_chat_template
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture(scope="module")
+def cluster(etcd_server, tiny_model, one_torch_thread):
+    c = InProcessCluster(etcd_server.endpoint, tiny_model, namespace="e2e-http")
+    c.router = c.start("router", http_port=0)
+    c.prefill = c.start("prefill")
+    c.decode = c.start("decode")
+    c.wait_roles(c.router, 1, 1)
+    yield c
+    c.close()
+
+
+@pytest.fixture(scope="module")
+def stub(cluster):
+    ch = grpc.insecure_channel(cluster.router.address)
+    yield frontend_pb2_grpc.FrontendServiceStub(ch)
+    ch.close()
+
+
+@pytest.fixture(scope="module")
+def client(cluster):
+    with openai.OpenAI(base_url=f"http://{cluster.router.http_address}/v1", api_key="none", max_retries=0,
+                       timeout=60) as c:
+        yield c
+
+
+def grpc_run(stub, **kw) -> tuple[str, list[float], frontend_pb2.Usage, int]:
+    """(text, logprobs, usage, finish reason) of one gRPC Generate."""
+    msgs = list(stub.Generate(frontend_pb2.GenerateRequest(**kw), timeout=60))
+    return ("".join(m.text for m in msgs), [lp for m in msgs for lp in m.logprobs], msgs[-1].usage,
+            msgs[-1].finish_reason)
+
+
+def prompt_ids(n: int, offset: int = 0) -> list[int]:
+    return [(1000 + 7 * i + offset) % 150000 for i in range(n)]
+
+
+def usage_of(u: frontend_pb2.Usage) -> dict:
+    return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
+            "total_tokens": u.prompt_tokens + u.completion_tokens, "cached_tokens": u.cached_tokens}
+
+
+def http_usage(u) -> dict:
+    return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
+            "total_tokens": u.total_tokens, "cached_tokens": u.prompt_tokens_details.cached_tokens}
+
+
+def wait_all_free(cluster, timeout=10.0) -> bool:
+    total = cluster.worker_opts.num_blocks
+
+    def counts():
+        return (cluster.on_loop(lambda: cluster.prefill.runtime.pool.blocks.num_free),
+                cluster.on_loop(lambda: cluster.decode.runtime.pool.blocks.num_free))
+    deadline = time.time() + timeout
+    while counts() != (total, total):
+        if time.time() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_completions_equal_grpc(client, stub, stream):
+    ids = prompt_ids(40, offset=3 + stream)
+    text, logprobs, usage, _ = grpc_run(stub, token_ids=ids, sampling=sampling_pb2.SamplingParams(max_tokens=12))
+    if stream:
+        chunks = list(client.completions.create(model="tandem-tiny", prompt=ids, max_tokens=12, logprobs=0,
+                                                stream=True, stream_options={"include_usage": True}))
+        got = "".join(c.choices[0].text for c in chunks if c.choices)
+        got_lps = [lp for c in chunks if c.choices and c.choices[0].logprobs for lp in c.choices[0].logprobs.token_logprobs]
+        assert chunks[-1].choices == [] and chunks[-1].usage is not None
+        assert [c.choices[0].finish_reason for c in chunks[:-1]][-1] == "length"
+        got_usage = chunks[-1].usage
+    else:
+        r = client.completions.create(model="tandem-tiny", prompt=ids, max_tokens=12, logprobs=0)
+        got, got_lps, got_usage = r.choices[0].text, r.choices[0].logprobs.token_logprobs, r.usage
+        assert r.object == "text_completion" and r.choices[0].finish_reason == "length"
+        assert len(r.choices[0].logprobs.tokens) == 12
+    assert got == text
+    assert got_lps == pytest.approx(logprobs, abs=1e-6) and len(got_lps) == 12
+    # The same prompt again: the prefix cache answers part of it, on both paths alike.
+    assert http_usage(got_usage) == {**usage_of(usage), "cached_tokens": http_usage(got_usage)["cached_tokens"]}
+    assert usage.completion_tokens == 12 and got_usage.prompt_tokens == 40
+
+
+def test_text_prompt_and_usage_equal_grpc(client, stub):
+    prompt = "To be, or not to be, that is the question"
+    text, _, usage, _ = grpc_run(stub, text=prompt, sampling=sampling_pb2.SamplingParams(max_tokens=8))
+    r = client.completions.create(model="tandem-tiny", prompt=prompt, max_tokens=8)
+    assert r.choices[0].text == text
+    assert http_usage(r.usage) == usage_of(usage) | {"cached_tokens": r.usage.prompt_tokens_details.cached_tokens}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_chat_equals_grpc_on_the_templated_prompt(client, stub, stream):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Tell me about Hawaii"}]
+    prompt = load_chat_template(None).render(messages)  # tandem-tiny has no template: the default
+    text, logprobs, usage, _ = grpc_run(stub, text=prompt, sampling=sampling_pb2.SamplingParams(max_tokens=10))
+    if stream:
+        chunks = list(client.chat.completions.create(model="tandem-tiny", messages=messages, max_completion_tokens=10,
+                                                     stream=True, stream_options={"include_usage": True}))
+        assert chunks[0].choices[0].delta.role == "assistant"
+        got = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        assert chunks[-1].usage.completion_tokens == 10 and chunks[-1].usage.prompt_tokens == usage.prompt_tokens
+    else:
+        r = client.chat.completions.create(model="tandem-tiny", messages=messages, max_completion_tokens=10,
+                                           logprobs=True)
+        got = r.choices[0].message.content
+        assert r.object == "chat.completion" and r.choices[0].message.role == "assistant"
+        assert [c.logprob for c in r.choices[0].logprobs.content] == pytest.approx(logprobs, abs=1e-6)
+        assert len(r.choices[0].logprobs.content) == 10
+        assert r.usage.prompt_tokens == usage.prompt_tokens and r.usage.completion_tokens == 10
+    assert got == text
+
+
+def test_stop_string_cuts_like_grpc(client, stub):
+    ids = prompt_ids(20, offset=11)
+    full, _, _, _ = grpc_run(stub, token_ids=ids, sampling=sampling_pb2.SamplingParams(max_tokens=16))
+    stop = next(full[i:i + 2] for i in range(len(full) // 2, len(full) - 1) if full[i:i + 2].strip())
+    want, _, usage, reason = grpc_run(stub, token_ids=ids, sampling=sampling_pb2.SamplingParams(max_tokens=16,
+                                                                                                  stop=[stop]))
+    assert reason == sampling_pb2.FINISH_REASON_STOP and stop not in want
+    r = client.completions.create(model="tandem-tiny", prompt=ids, max_tokens=16, stop=stop)
+    assert (r.choices[0].text, r.choices[0].finish_reason) == (want, "stop")
+    assert r.usage.completion_tokens == usage.completion_tokens
+    chunks = list(client.completions.create(model="tandem-tiny", prompt=ids, max_tokens=16, stop=[stop], stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == want and chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_seeded_sampling_reproducible_and_equal_grpc(client, stub):
+    ids = prompt_ids(30, offset=5)
+    kw = dict(model="tandem-tiny", prompt=ids, max_tokens=12, temperature=1.0, top_p=0.9)
+    a = client.completions.create(seed=7, **kw).choices[0].text
+    assert a == client.completions.create(seed=7, **kw).choices[0].text
+    assert a != client.completions.create(seed=8, **kw).choices[0].text
+    text, _, _, _ = grpc_run(stub, token_ids=ids, sampling=sampling_pb2.SamplingParams(
+        max_tokens=12, temperature=1.0, top_p=0.9, seed=7))
+    assert a == text
+
+
+@pytest.mark.parametrize("kw, param", [
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"max_tokens": 5000}, "max_tokens"),
+    ({"temperature": -1.0}, "temperature"),
+    ({"top_p": 1.5}, "top_p"),
+    ({"stop": [""]}, "stop"),
+    ({"n": 2}, "n"),
+    ({"logprobs": 3}, "logprobs"),
+    ({"prompt": [1, 999999]}, "prompt[1]"),
+    ({"prompt": ""}, "prompt"),
+    ({"prompt": ["a", "b"]}, "prompt"),
+    ({"extra_body": {"max_tokens": "many"}}, "max_tokens"),
+    ({"seed": -3}, "seed"),
+    ({"presence_penalty": 0.5}, "presence_penalty"),
+])
+def test_completions_bad_parameter_is_400_naming_it(client, kw, param):
+    args = {"model": "tandem-tiny", "prompt": [1, 2, 3], "max_tokens": 4, **kw}
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(**args)
+    err = e.value.body
+    assert e.value.status_code == 400 and err["param"] == param and err["type"] == "invalid_request_error"
+    assert err["message"].startswith(param), err
+
+
+@pytest.mark.parametrize("kw, param", [
+    ({"messages": []}, "messages"),
+    ({"messages": [{"content": "no role"}]}, "messages[0].role"),
+    ({"max_completion_tokens": 0}, "max_completion_tokens"),
+    ({"top_logprobs": 2, "logprobs": True}, "top_logprobs"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],},
+     "messages[0].content"),
+])
+def test_chat_bad_parameter_is_400_naming_it(client, kw, param):
+    args = {"model": "tandem-tiny", "messages": [{"role": "user", "content": "hi"}], **kw}
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(**args)
+    assert e.value.status_code == 400 and e.value.body["param"] == param, e.value.body
+
+
+def test_unknown_model_is_404(client):
+    with pytest.raises(openai.NotFoundError) as e:
+        client.completions.create(model="gpt-4", prompt="hi", max_tokens=2)
+    assert e.value.body["code"] == "model_not_found" and e.value.body["param"] == "model"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-4")
+
+
+def test_models_health_metrics(client, cluster):
+    models = client.models.list().data
+    assert [m.id for m in models] == ["tandem-tiny"] and models[0].max_model_len == 4096
+    assert client.models.retrieve("tandem-tiny").id == "tandem-tiny"
+    base = f"http://{cluster.router.http_address}"
+    h = httpx.get(f"{base}/health")
+    assert h.status_code == 200 and h.json()["decode_workers"] == 1
+
+    before = router_requests(cluster, "OK", "length")
+    client.completions.create(model="tandem-tiny", prompt=[5, 6, 7], max_tokens=2)
+    assert router_requests(cluster, "OK", "length") == before + 1  # the same Generate metrics as gRPC's
+
+
+def test_malformed_json_and_unknown_route(cluster):
+    base = f"http://{cluster.router.http_address}"
+    r = httpx.post(f"{base}/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+    r = httpx.get(f"{base}/v1/nothing")
+    assert r.status_code == 404 and "error" in r.json()
+
+
+def router_requests(cluster, code: str, outcome: str) -> float:
+    text = httpx.get(f"http://{cluster.router.http_address}/metrics").text
+    m = re.search(rf'^tandem_router_requests_total\{{code="{code}",outcome="{outcome}"\}} (\S+)$', text, re.M)
+    return float(m.group(1)) if m else 0.0
+
+
+def test_disconnect_mid_stream_frees_every_block(cluster):
+    assert wait_all_free(cluster)
+    total = cluster.worker_opts.num_blocks
+    cancelled = router_requests(cluster, "CANCELLED", "cancelled")
+    body = {"model": "tandem-tiny", "prompt": prompt_ids(100, offset=9), "max_tokens": 3900, "stream": True,
+            "ignore_eos": True}
+    with httpx.Client(timeout=60) as http:
+        with http.stream("POST", f"http://{cluster.router.http_address}/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            events = []
+            for line in r.iter_lines():
+                if line.startswith("data:"):
+                    events.append(line)
+                    if len(events) == 3:
+                        break
+            assert cluster.on_loop(lambda: cluster.decode.runtime.pool.blocks.num_free) < total
+    assert wait_all_free(cluster), "blocks still held after the client went away"
+    assert router_requests(cluster, "CANCELLED", "cancelled") == cancelled + 1  # cancelled, not finished
+
+
+@pytest.mark.skipif(shutil.which("curl") is None, reason="no curl")
+def test_curl_streams_server_sent_events(cluster):
+    body = json.dumps({"model": "tandem-tiny", "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 5,
+                       "stream": True})
+    out = subprocess.run(["curl", "-sN", f"http://{cluster.router.http_address}/v1/chat/completions",
+                          "-H", "Content-Type: application/json", "-d", body],
+                         capture_output=True, text=True, timeout=60, check=True).stdout
+    events = [line.removeprefix("data: ") for line in out.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]" and all(line == "" or line.startswith("data: ") for line in out.splitlines())
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert chunks[0]["object"] == "chat.completion.chunk" and chunks[-1]["choices"][0]["finish_reason"] == "length"
+
+
+def test_no_decode_worker_is_503_and_overload_is_429(etcd_server, tiny_model, one_torch_thread):
+    c = InProcessCluster(etcd_server.endpoint, tiny_model, namespace="e2e-http-empty",
+                         worker_opts=WorkerOptions(num_blocks=4))
+    try:
+        router = c.start("router", http_port=0)
+        with openai.OpenAI(base_url=f"http://{router.http_address}/v1", api_key="none", max_retries=0) as client:
+            with pytest.raises(openai.InternalServerError) as e:
+                client.completions.create(model="tandem-tiny", prompt=[1, 2, 3], max_tokens=2)
+            assert e.value.status_code == 503 and e.value.body["type"] == "service_unavailable_error"
+            assert httpx.get(f"http://{router.http_address}/health").status_code == 503
+            c.start("decode")
+            c.wait_roles(router, 0, 1)
+            # 4 blocks of 16 tokens: a 100-token prompt can never fit this worker's pool.
+            with pytest.raises(openai.RateLimitError) as e:
+                client.completions.create(model="tandem-tiny", prompt=prompt_ids(100), max_tokens=2)
+            assert e.value.status_code == 429 and e.value.body["code"] == "resource_exhausted"
+    finally:
+        c.close()
+
+
+def test_disconnect_while_waiting_for_a_whole_response_frees_every_block(cluster):
+    assert wait_all_free(cluster)
+    cancelled = router_requests(cluster, "CANCELLED", "cancelled")
+    body = {"model": "tandem-tiny", "prompt": prompt_ids(60, offset=13), "max_tokens": 3900, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"http://{cluster.router.http_address}/v1/completions", json=body, timeout=1.0)
+    assert wait_all_free(cluster), "blocks still held after the client went away"
+    assert router_requests(cluster, "CANCELLED", "cancelled") == cancelled + 1
+
+
+def test_bench_backend_openai_equals_grpc(cluster):
+    """`tandem bench --backend openai`'s client: every request completes with the gRPC client's
+    token counts, each streamed event timed with its tokens."""
+    import asyncio
+
+    from bench.client import run_load
+    from bench.traces import BenchRequest
+
+    reqs = [BenchRequest(index=i, arrival_s=0.0, output_len=6, token_ids=tuple(prompt_ids(20 + i, offset=17)))
+            for i in range(4)]
+    grpc_results, _ = asyncio.run(run_load(cluster.router.address, reqs, concurrency=2, progress=False))
+    http_results, _ = asyncio.run(run_load(cluster.router.address, reqs, concurrency=2, progress=False,
+                                           http_url=f"http://{cluster.router.http_address}", model="tandem-tiny"))
+    for g, h in zip(grpc_results, http_results):
+        assert g.ok and h.ok, (g.error, h.error)
+        assert (h.prompt_tokens, h.completion_tokens) == (g.prompt_tokens, g.completion_tokens) == (g.prompt_tokens, 6)
+        assert sum(n for _, n in h.chunks) == 6 and h.ttft_s is not None and h.ttft_s <= h.end_s - h.start_s
+
+
+def test_disconnect_before_the_first_token_frees_every_block(cluster):
+    """The client goes away while its long prompt is still being prefilled."""
+    import socket
+
+    assert wait_all_free(cluster)
+    cancelled = router_requests(cluster, "CANCELLED", "cancelled")
+    body = json.dumps({"model": "tandem-tiny", "prompt": prompt_ids(3000, offset=21), "max_tokens": 500,
+                       "ignore_eos": True}).encode()
+    host, port = cluster.router.http_address.rsplit(":", 1)
+    with socket.create_connection((host, int(port))) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: %d\r\n\r\n" % len(body) + body)
+        deadline = time.time() + 10
+        while cluster.on_loop(lambda: cluster.router.servicer.running) == 0 and time.time() < deadline:
+            time.sleep(0.005)
+        assert cluster.on_loop(lambda: cluster.router.servicer.running) == 1
+    assert wait_all_free(cluster, timeout=30), "blocks still held after the client went away"
+    deadline = time.time() + 10
+    while router_requests(cluster, "CANCELLED", "cancelled") != cancelled + 1 and time.time() < deadline:
+        time.sleep(0.05)
+    assert router_requests(cluster, "CANCELLED", "cancelled") == cancelled + 1
