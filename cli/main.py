@@ -23,7 +23,7 @@ def _router(args: argparse.Namespace) -> int:
 
 def _worker(args: argparse.Namespace) -> int:
     from common import tracing
-    from engine.worker_host import WorkerOptions
+    from worker.host import WorkerOptions
     tracing.setup(args.command)
     if args.command == "prefill":
         from prefill_worker.main import run
@@ -185,7 +185,7 @@ def build_parser(command: str | None = None, full: bool = True) -> argparse.Argu
         p.set_defaults(func=_router)
     for role in ("prefill", "decode"):
         if heavy(role):
-            from engine.worker_host import WorkerOptions
+            from worker.host import WorkerOptions
             p = sub.add_parser(role, help=HEAVY[role])
             add_flags(p, WorkerOptions)
             p.set_defaults(func=_worker)

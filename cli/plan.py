@@ -104,7 +104,7 @@ def _footprint(opts: PlanOptions) -> tuple[str, KvFootprint, int]:
         return opts.preset, KvFootprint(fp.kv_lora_rank, fp.qk_rope_head_dim, fp.num_layers, elem), weights
     from engine.model_source import load_config
     name, cfg, _ = load_config(opts.model)
-    # The pool holds every KV layer: the main layers and the MTP module's (engine/worker_host.py, num_kv_layers).
+    # The pool holds every KV layer: the main layers and the MTP module's (worker/host.py, num_kv_layers).
     fp = KvFootprint(cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.num_kv_layers, elem)
     return name, fp, _weights_per_gpu(cfg, opts.ep_size, opts.weight_dtype)
 

@@ -11,7 +11,7 @@ from common.pb.tandem.v1 import discovery_pb2
 from decode_worker.scheduler import DecodeScheduler
 from decode_worker.service import DecodeServicer
 from engine.model_source import LoadedModel
-from engine.worker_host import WorkerOptions, WorkerRuntime, serve_worker
+from worker.host import WorkerOptions, WorkerRuntime, serve_worker
 
 SERVICE = "tandem.v1.DecodeService"
 

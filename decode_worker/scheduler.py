@@ -21,7 +21,7 @@ from decode_worker.admission import Admission, Ticket
 from decode_worker.retraction import Retractor
 from engine.block_pool import BlockId
 from engine.runner import DecodeInput
-from engine.worker_host import WorkerRuntime
+from worker.host import WorkerRuntime
 from decode_worker.overlap import OverlapLoop, use_overlap
 from decode_worker.spec_step import SpecDecoder
 

@@ -32,7 +32,7 @@ from decode_worker.scheduler import DecodeScheduler, RunningRequest
 from engine.kv_pool import PoolExhausted, PromptBlocks
 from engine.mtp import hidden_from_bytes
 from engine.sampling import sample
-from engine.worker_host import WorkerRuntime
+from worker.host import WorkerRuntime
 from kv_transfer.base import TransferError
 
 log = logging.getLogger(__name__)

@@ -46,7 +46,7 @@ from common import tracing
 from engine.kv_pool import KvPoolConfig, PagedKvCache
 
 if TYPE_CHECKING:
-    from engine.worker_host import WorkerRuntime
+    from worker.host import WorkerRuntime
 
 log = logging.getLogger(__name__)
 

@@ -19,9 +19,9 @@ from common.block_hash import hash_seed
 from common.grpc_server import RunningServer, add_lenient_service, start_server
 from common.lifecycle import install_stop_signals
 from common.pb.tandem.v1 import decode_pb2, discovery_pb2, kv_events_pb2_grpc, prefill_pb2
-from engine.kv_event_service import KvEventServicer
+from worker.kv_event_service import KvEventServicer
 from engine.model_source import MOCK, load_config
-from engine.worker_host import VERSION
+from worker.host import VERSION
 from mocker.driver import RealTimeDriver
 from mocker.engine import MockEngine
 from mocker.service import MockDecodeServicer, MockPrefillServicer

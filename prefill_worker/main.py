@@ -10,7 +10,7 @@ from common.pb.tandem.v1 import discovery_pb2
 from common.pb.tandem.v1 import prefill_pb2 as pb
 from discovery.watcher import InstanceEvent, InstanceWatcher
 from engine.model_source import LoadedModel
-from engine.worker_host import WorkerOptions, WorkerRuntime, serve_worker
+from worker.host import WorkerOptions, WorkerRuntime, serve_worker
 from prefill_worker.service import PrefillServicer
 
 SERVICE = "tandem.v1.PrefillService"

@@ -22,7 +22,7 @@ from common.validation import InvalidArgument, sampling_from_proto, validate_pro
 from engine.mtp import hidden_to_bytes
 from engine.pipeline import PipelineError
 from engine.sampling import sample
-from engine.worker_host import WorkerRuntime
+from worker.host import WorkerRuntime
 from kv_transfer.base import RemoteBlocks, TransferError
 from kv_transfer.select import CHOICES
 from prefill_worker.chunk_sender import ChunkSender

@@ -20,7 +20,7 @@ from common.tokenizer import load_tokenizer
 from discovery.registration import Registration
 from discovery.watcher import InstanceWatcher
 from engine.model_source import DEFAULT_MODEL, load_config
-from engine.worker_host import VERSION
+from common.version import VERSION
 from router.approx_index import ApproxIndex, KvWithRecent
 from router.chat_template import load_chat_template
 from router.health import HealthTracker

@@ -9,7 +9,7 @@ from common.sampling_params import SamplingParams
 from decode_worker.overlap import OverlapLoop
 from decode_worker.scheduler import DecodeScheduler, RunningRequest
 from engine.sampling import sample
-from engine.worker_host import WorkerOptions, WorkerRuntime
+from worker.host import WorkerOptions, WorkerRuntime
 
 
 async def generate(loaded, k: int, prompts: list[list[int]], params: list[SamplingParams],

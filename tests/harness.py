@@ -14,7 +14,7 @@ from typing import Any, Coroutine
 
 from common.pb.tandem.v1 import discovery_pb2
 from engine.model_source import LoadedModel
-from engine.worker_host import WorkerOptions, WorkerRuntime
+from worker.host import WorkerOptions, WorkerRuntime
 
 
 @dataclass

@@ -15,7 +15,7 @@ from decode_worker.retraction import retraction_order
 from engine.capacity import (DEEPSEEK_R1, GIB, PlanInputs, module_bytes, parse_bytes, parse_tokens, plan,
                              pool_blocks_from_memory)
 from engine.kv_pool import KvPool, KvPoolConfig
-from engine.worker_host import DEFAULT_NUM_BLOCKS, WorkerOptions, pool_blocks
+from worker.host import DEFAULT_NUM_BLOCKS, WorkerOptions, pool_blocks
 
 
 def plan_main(*argv: str) -> int:
@@ -202,7 +202,7 @@ class FakeScheduler:
     def __init__(self, kv: KvPool) -> None:
         from types import SimpleNamespace
 
-        from engine.worker_host import WorkerStats
+        from worker.host import WorkerStats
         self.rt = SimpleNamespace(pool=kv, stats=WorkerStats())
         self.running: list = []
         self.admission = Admission(kv, practical_fraction=4.0, max_queued=4)

@@ -129,7 +129,7 @@ def test_config_show_with_config_file_then_subcommand(tmp_path):
 
 
 def test_readme_says_the_pool_default_as_it_is():
-    from engine.worker_host import WorkerOptions
+    from worker.host import WorkerOptions
 
     readme = (ROOT / "README.md").read_text()
     assert WorkerOptions().mem_fraction_static == 0 and WorkerOptions().num_blocks == 0

@@ -17,7 +17,7 @@ from cli.health import check
 from cli.health import main as health_main
 from cli.main import build_parser
 from cli.main import main as tandem
-from engine.worker_host import WorkerOptions
+from worker.host import WorkerOptions
 
 ROOT = Path(__file__).resolve().parent.parent
 

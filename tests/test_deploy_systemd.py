@@ -12,13 +12,13 @@ import pytest
 
 from cli import config
 from cli.main import build_parser
-from engine.worker_host import WorkerOptions
+from worker.host import WorkerOptions
 
 SYSTEMD = Path(__file__).resolve().parent.parent / "deploy" / "systemd"
 UNITS = sorted(SYSTEMD.glob("*.service"))
 INSTALLED_TANDEM = "/opt/tandem/venv/bin/tandem"  # must match the units' ExecStart and docs/deploy.md
 # After the drain: deregistration (<= 2 s, discovery/registration.py) and the gRPC server's grace
-# (2 s, engine/worker_host.py serve_worker), plus room for a slow process exit.
+# (2 s, worker/host.py serve_worker), plus room for a slow process exit.
 AFTER_DRAIN_S = 2 + 2 + 5
 
 

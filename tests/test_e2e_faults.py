@@ -26,7 +26,7 @@ pytestmark = pytest.mark.e2e
 def cluster(etcd_server, tiny_model):
     from dataclasses import replace
 
-    from engine.worker_host import WorkerOptions
+    from worker.host import WorkerOptions
     c = InProcessCluster(etcd_server.endpoint, tiny_model, namespace="e2e-faults",
                          worker_opts=replace(WorkerOptions(num_blocks=256), prefill_timeout_s=2.0))
     c.router = c.start("router")

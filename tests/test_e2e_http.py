@@ -16,7 +16,7 @@ import openai
 import pytest
 
 from common.pb.tandem.v1 import frontend_pb2, frontend_pb2_grpc, sampling_pb2
-from engine.worker_host import WorkerOptions
+from worker.host import WorkerOptions
 from harness import InProcessCluster
 from router.chat_template import load_chat_template
 

@@ -11,7 +11,7 @@ import pytest
 
 from common.pb.tandem.v1 import frontend_pb2, frontend_pb2_grpc, sampling_pb2
 from engine.reference import reference_generate
-from engine.worker_host import WorkerOptions
+from worker.host import WorkerOptions
 from harness import InProcessCluster
 
 pytestmark = pytest.mark.e2e

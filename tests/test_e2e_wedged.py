@@ -12,7 +12,7 @@ import grpc
 import pytest
 
 from common.pb.tandem.v1 import discovery_pb2, frontend_pb2, frontend_pb2_grpc, sampling_pb2
-from engine.worker_host import WorkerOptions
+from worker.host import WorkerOptions
 from harness import InProcessCluster
 
 pytestmark = pytest.mark.e2e

@@ -100,7 +100,7 @@ def _decode_options(argv: list[str]):
     from cli import config
     from cli.flags import build
     from cli.main import build_parser
-    from engine.worker_host import WorkerOptions
+    from worker.host import WorkerOptions
     parser = build_parser()
     args = parser.parse_args(["prefill", *argv])
     config.apply(parser, args)

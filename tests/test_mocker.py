@@ -52,7 +52,7 @@ def run_mock(num_blocks, block_size, seed):
 
 @pytest.fixture(scope="module")
 def real_decode(etcd_server, tiny_model, one_torch_thread):
-    from engine.worker_host import WorkerOptions
+    from worker.host import WorkerOptions
     from harness import InProcessCluster
 
     c = InProcessCluster(etcd_server.endpoint, tiny_model, namespace="mocker-acct",

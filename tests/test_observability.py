@@ -17,7 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from common import logs, tracing
 from common.pb.tandem.v1 import frontend_pb2, frontend_pb2_grpc, sampling_pb2
-from engine.worker_host import WorkerOptions
+from worker.host import WorkerOptions
 from harness import InProcessCluster
 
 

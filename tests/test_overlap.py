@@ -62,7 +62,7 @@ def test_disable_overlap_flag_and_env(monkeypatch, argv, env, want) -> None:
     from cli import config
     from cli.flags import build
     from cli.main import build_parser
-    from engine.worker_host import WorkerOptions
+    from worker.host import WorkerOptions
 
     monkeypatch.delenv("TANDEM_DISABLE_OVERLAP_SCHEDULE", raising=False)
     if env is not None:

@@ -147,7 +147,7 @@ def test_model_without_mtp_is_refused_by_name(tiny_model) -> None:
     from decode_worker.scheduler import DecodeScheduler
     from engine.model import build_model
     from engine.model_source import LoadedModel
-    from engine.worker_host import WorkerOptions, WorkerRuntime
+    from worker.host import WorkerOptions, WorkerRuntime
 
     cfg = dataclasses.replace(tiny_model.config, num_nextn_predict_layers=0)
     loaded = LoadedModel("no-mtp", cfg, build_model(cfg), None)

@@ -29,7 +29,7 @@ from common.grpc_server import channel
 from common.pb.tandem.v1 import decode_pb2, decode_pb2_grpc, sampling_pb2
 from decode_worker.main import run as run_decode
 from engine.model_source import TINY, load_model
-from engine.worker_host import WorkerOptions
+from worker.host import WorkerOptions
 
 
 def prompts(n: int) -> list[list[int]]:

@@ -114,7 +114,7 @@ def prompt_ids(n: int, vocab: int) -> tuple[list[int], str]:
 
 
 class BenchRuntime:
-    """The prefill side of `engine.worker_host.WorkerRuntime` without its gRPC, discovery and
+    """The prefill side of `worker.host.WorkerRuntime` without its gRPC, discovery and
     transfer parts (the H200 image lacks grpcio-health-checking, grpcio-reflection and NIXL):
     the same pool, `ModelRunner`, chunk planner and `Pipeline`, driven by the same calls as
     `WorkerRuntime.prefill`, on one model thread."""

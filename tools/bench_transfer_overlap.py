@@ -37,7 +37,7 @@ from common.pb.tandem.v1 import discovery_pb2  # noqa: E402
 from engine.config import ModelConfig  # noqa: E402
 from engine.model import build_model  # noqa: E402
 from engine.model_source import LoadedModel  # noqa: E402
-from engine.worker_host import WorkerOptions, WorkerRuntime  # noqa: E402
+from worker.host import WorkerOptions, WorkerRuntime  # noqa: E402
 from kv_transfer import PoolDescriptor, create_agent, prepare_pool  # noqa: E402
 from prefill_worker.chunk_sender import ChunkSender  # noqa: E402
 

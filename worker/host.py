@@ -24,7 +24,7 @@ from common.block_hash import hash_seed
 from common.lifecycle import install_stop_signals
 from common.grpc_server import RunningServer, advertised_host, start_server
 from common.pb.tandem.v1 import discovery_pb2, kv_events_pb2_grpc
-from engine.kv_event_service import KvEventServicer
+from worker.kv_event_service import KvEventServicer
 from engine.capacity import (device_memory_bytes, format_bytes, graph_reserve_bytes, module_bytes,
                              pool_blocks_from_memory)
 from engine.kv_events import KvEventLog
@@ -32,11 +32,11 @@ from engine.chunking import ChunkPlanner, make_planner, profile_lengths
 from engine.kv_pool import KV_CACHE_DTYPES, KvPool, KvPoolConfig, PoolExhausted, PromptBlocks, kv_cache_torch_dtype
 from engine.model_source import DEFAULT_MODEL, LoadedModel, load_model
 from engine.runner import ModelRunner
-from engine.worker_metrics import WorkerMetrics
+from worker.metrics import WorkerMetrics
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-VERSION = "0.1.0"
+from common.version import VERSION  # noqa: F401  (re-exported: workers report it)
 DEFAULT_NUM_BLOCKS = 4096  # the pool without --num-blocks or --mem-fraction-static
 
 
@@ -135,7 +135,7 @@ class BackendTransferStats:
 
 @dataclass
 class WorkerStats:
-    """Counters of one worker, exported at scrape time (engine/worker_metrics.py WORKER_COUNTERS:
+    """Counters of one worker, exported at scrape time (worker/metrics.py WORKER_COUNTERS:
     a new field needs one line there)."""
 
     remote_prefills: int = 0  # decode: prompts whose KV came from a prefill worker
