@@ -30,6 +30,21 @@ def validate_token_ids(token_ids: list[int], vocab_size: int, field: str = "toke
             raise InvalidArgument(f"{field}[{i}]", f"token id {t} outside the vocabulary [0, {vocab_size})")
 
 
+MAX_STOP_STRINGS = 16  # stop strings per request (OpenAI allows 4; every one is checked per token)
+MAX_STOP_CHARS = 256  # characters per stop string
+MAX_REQUEST_ID_CHARS = 128  # client request ids: they travel in every internal call and KV notification
+INTERNAL_ID_SUFFIX_CHARS = 16  # room workers leave for the router's ".<attempt>" suffix of a migrated call
+
+
+def validate_request_id(request_id: str, internal: bool = False) -> None:
+    """Raises InvalidArgument naming request_id for an id longer than MAX_REQUEST_ID_CHARS
+    (internal = a worker's check of a router's call: plus INTERNAL_ID_SUFFIX_CHARS). Empty is
+    allowed here: the server assigns one."""
+    limit = MAX_REQUEST_ID_CHARS + (INTERNAL_ID_SUFFIX_CHARS if internal else 0)
+    if len(request_id) > limit:
+        raise InvalidArgument("request_id", f"{len(request_id)} characters; at most {limit}")
+
+
 MIN_TEMPERATURE = 1e-3  # below this, logits / T overflows float32; use 0 for greedy
 
 
@@ -66,6 +81,11 @@ def sampling_from_proto(msg: sampling_pb2.SamplingParams, prompt_tokens: int, co
         raise InvalidArgument("sampling.top_p", f"must be in (0, 1], got {top_p}")
     if any(s == "" for s in msg.stop):
         raise InvalidArgument("sampling.stop", "stop strings must be non-empty")
+    if len(msg.stop) > MAX_STOP_STRINGS:
+        raise InvalidArgument("sampling.stop", f"{len(msg.stop)} stop strings; at most {MAX_STOP_STRINGS}")
+    for i, stop in enumerate(msg.stop):
+        if len(stop) > MAX_STOP_CHARS:
+            raise InvalidArgument(f"sampling.stop[{i}]", f"{len(stop)} characters; at most {MAX_STOP_CHARS}")
     return SamplingParams(max_tokens=max_tokens, temperature=float(temperature), top_p=float(top_p),
                           seed=msg.seed if msg.HasField("seed") else default_seed,
                           stop=tuple(msg.stop), ignore_eos=msg.ignore_eos)

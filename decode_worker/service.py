@@ -26,7 +26,8 @@ from common.pb.tandem.v1 import decode_pb2 as pb
 from common.pb.tandem.v1 import decode_pb2_grpc as pb_grpc
 from common.pb.tandem.v1 import prefill_pb2, prefill_pb2_grpc, sampling_pb2
 from common.sampling_params import SamplingParams
-from common.validation import InvalidArgument, sampling_from_proto, validate_prompt_length, validate_token_ids
+from common.validation import (InvalidArgument, sampling_from_proto, validate_prompt_length, validate_request_id,
+                               validate_token_ids)
 from decode_worker.admission import admit_or_abort
 from decode_worker.scheduler import DecodeScheduler, RunningRequest
 from engine.kv_pool import PoolExhausted, PromptBlocks
@@ -148,6 +149,7 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
     async def _generate(self, request: pb.DecodeRequest, context: grpc.aio.ServicerContext):
         try:
             check_parsed(request)
+            validate_request_id(request.request_id, internal=True)
             validate_token_ids(list(request.token_ids), self.rt.vocab_size)
             validate_prompt_length(len(request.token_ids), self.rt.context_length, "token_ids")
             params = sampling_from_proto(request.sampling, len(request.token_ids), self.rt.context_length)

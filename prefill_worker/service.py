@@ -18,7 +18,8 @@ from common.ratelimit import RateLimitedLog
 from common.grpc_errors import abort_invalid, check_parsed
 from common.pb.tandem.v1 import prefill_pb2 as pb
 from common.pb.tandem.v1 import prefill_pb2_grpc as pb_grpc
-from common.validation import InvalidArgument, sampling_from_proto, validate_prompt_length, validate_token_ids
+from common.validation import (InvalidArgument, sampling_from_proto, validate_prompt_length, validate_request_id,
+                               validate_token_ids)
 from engine.mtp import hidden_to_bytes
 from engine.pipeline import PipelineError
 from engine.sampling import sample
@@ -46,6 +47,7 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
         check_parsed(request)
         if not request.request_id:
             raise InvalidArgument("request_id", "must be set (the transfer notification carries it)")
+        validate_request_id(request.request_id, internal=True)
         validate_token_ids(list(request.token_ids), self.rt.vocab_size)
         validate_prompt_length(len(request.token_ids), self.rt.context_length, "token_ids")
         dst = request.destination

@@ -24,7 +24,7 @@ from common.pb.tandem.v1 import decode_pb2, decode_pb2_grpc, discovery_pb2, samp
 from common.pb.tandem.v1 import frontend_pb2 as pb
 from common.pb.tandem.v1 import frontend_pb2_grpc as pb_grpc
 from common.tokenizer import IncrementalDetokenizer, TextTokenizer
-from common.validation import (InvalidArgument, sampling_from_proto, sampling_to_proto, validate_prompt_length,
+from common.validation import (InvalidArgument, validate_request_id, sampling_from_proto, sampling_to_proto, validate_prompt_length,
                                validate_token_ids)
 from router.decision import RouteDecision
 from router.inflight import OpenCalls, WorkerLost, next_message
@@ -141,7 +141,8 @@ class FrontendServicer(pb_grpc.FrontendServiceServicer):
 
     async def _validated(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
         try:
-            tokens = self._prompt(request)
+            tokens = self._prompt(request)  # first: an unparsable request is named by its field
+            validate_request_id(request.request_id)
             if request.text:
                 tokens = await self._tokenize(request)
             params = sampling_from_proto(request.sampling, len(tokens), self.context_length,

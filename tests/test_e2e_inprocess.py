@@ -135,6 +135,8 @@ BAD = [
     (dict(token_ids=[1], sampling=sampling_pb2.SamplingParams(temperature=-1)), "sampling.temperature"),
     (dict(token_ids=[1], sampling=sampling_pb2.SamplingParams(top_p=0)), "sampling.top_p"),
     (dict(token_ids=[1], sampling=sampling_pb2.SamplingParams(top_p=1.01)), "sampling.top_p"),
+    (dict(token_ids=[1], request_id="r" * (1 << 20)), "request_id"),  # 1 MiB id: refused, not forwarded
+    (dict(token_ids=[1], sampling=sampling_pb2.SamplingParams(stop=["x"] * 10_000)), "sampling.stop"),
 ]
 
 

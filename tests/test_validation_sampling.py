@@ -19,11 +19,24 @@ from router.stop_strings import StopMatcher
     (dict(top_p=0.0), "sampling.top_p"),
     (dict(top_p=1.5), "sampling.top_p"),
     (dict(stop=[""]), "sampling.stop"),
+    (dict(stop=[f"s{i}" for i in range(17)]), "sampling.stop"),  # more than MAX_STOP_STRINGS
+    (dict(stop=["ok", "x" * 257]), "sampling.stop[1]"),  # longer than MAX_STOP_CHARS
 ])
 def test_bad_sampling_names_field(fields, field):
     with pytest.raises(InvalidArgument) as e:
         sampling_from_proto(sampling_pb2.SamplingParams(**fields), prompt_tokens=10, context_length=64)
     assert e.value.field == field and str(e.value).startswith(field)
+
+
+def test_request_id_length():
+    from common.validation import MAX_REQUEST_ID_CHARS, validate_request_id
+    validate_request_id("")
+    validate_request_id("r" * MAX_REQUEST_ID_CHARS)
+    validate_request_id("r" * MAX_REQUEST_ID_CHARS + ".3", internal=True)  # a router's migrated call
+    for rid, internal in (("r" * (MAX_REQUEST_ID_CHARS + 1), False), ("r" * (1 << 20), True)):
+        with pytest.raises(InvalidArgument) as e:
+            validate_request_id(rid, internal)
+        assert e.value.field == "request_id"
 
 
 def test_defaults():
