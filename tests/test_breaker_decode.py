@@ -48,3 +48,27 @@ def test_sampled_never_picks_a_very_unlikely_token_in_a_large_vocab() -> None:
     rows = [(SamplingParams(temperature=1.0, seed=7), s) for s in range(200)]
     tokens, _ = sample_batch(logits, SamplingRows.build(rows, "cpu"))
     assert set(tokens.tolist()) == {5}
+
+
+# --- grouped experts ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("tokens,k,same_expert", [(0, 2, False), (1, 1, False), (5, 1, True), (4, 3, True),
+                                                   (33, 2, False)])
+def test_grouped_experts_edge_shapes_match_loop(tiny_model, tokens: int, k: int, same_expert: bool) -> None:
+    # T = 0 raised "cannot reshape tensor of 0 elements into shape [0, 2, -1]"
+    c = tiny_model.config
+    model = build_model(c, seed=5)
+    moe = next(m for m in model.modules() if isinstance(m, MoE))
+    g = torch.Generator().manual_seed(tokens)
+    x = torch.randn(tokens, c.hidden_size, generator=g)
+    if same_expert:  # every pair on the last expert: all other groups empty
+        ids = torch.full((tokens, k), c.n_routed_experts - 1, dtype=torch.long)
+    else:
+        ids = torch.stack([torch.randperm(c.n_routed_experts, generator=g)[:k] for _ in range(tokens)]) \
+            if tokens else torch.zeros(0, k, dtype=torch.long)
+    w = torch.rand(tokens, k, generator=g)
+    want = moe.experts_forward(x, ids, w)
+    use_grouped_experts(model)
+    got = moe.experts_forward(x, ids, w)
+    assert got.shape == want.shape and got.dtype == want.dtype
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
