@@ -72,3 +72,35 @@ def test_grouped_experts_edge_shapes_match_loop(tiny_model, tokens: int, k: int,
     got = moe.experts_forward(x, ids, w)
     assert got.shape == want.shape and got.dtype == want.dtype
     torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+
+
+# --- worker start-up ---------------------------------------------------------------------------
+
+def test_expert_parallel_engine_is_built_on_cuda(tiny_model) -> None:
+    # engine/worker_host.py: the new `elif self.device.type == "cuda":` (a log line) sat between
+    # `if engine is None:` and the EP `else:`, so EP ranks on a GPU never built their engine:
+    # AttributeError: 'WorkerRuntime' object has no attribute 'pool'
+    from engine.worker_host import WorkerOptions, WorkerRuntime
+
+    class OnCuda:  # all WorkerRuntime reads of a model an EP engine is given
+        dtype = torch.float32
+        model = types.SimpleNamespace(embed_tokens=types.SimpleNamespace(
+            weight=types.SimpleNamespace(device=torch.device("cuda"))))
+
+    built = []
+
+    class Engine:  # stands in for decode_worker/ep_ranks.py's EpEngine
+        def __init__(self, opts, loaded, pool_config, seed) -> None:
+            self.pool = KvPool(pool_config, seed)
+            built.append(self)
+
+        def close(self) -> None:
+            pass
+
+    loaded = dataclasses.replace(tiny_model, model=OnCuda())
+    rt = WorkerRuntime(discovery_pb2.ROLE_DECODE, WorkerOptions(model=tiny_model.name, num_blocks=8, ep_size=2),
+                       loaded, engine=Engine)
+    try:
+        assert built and rt.engine is built[0] and rt.runner is built[0] and rt.pool is built[0].pool
+    finally:
+        rt.close()
