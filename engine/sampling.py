@@ -156,12 +156,15 @@ def sample_batch(logits: torch.Tensor, rows: SamplingRows) -> tuple[torch.Tensor
         (`sampling_logprobs_batch`) with its log-probability there.
     """
     logp = sampling_logprobs_batch(logits, rows)
+    # greedy rows: the argmax of the logits themselves (engine.reference, spec_decode's accept):
+    # logits - logsumexp can round two close logits to one value and flip the tie to the lower id
+    greedy_tokens = torch.argmax(logits.float(), dim=-1)
     if not rows.any_sampled:
-        tokens = torch.argmax(logp, dim=-1)
+        tokens = greedy_tokens
     else:
         noise = gumbel_noise(rows.seed, rows.step, logp.shape[-1])
-        noisy = torch.where((rows.temperature > 0)[:, None], logp + noise, logp)
-        tokens = torch.argmax(noisy, dim=-1)
+        sampled = torch.argmax(logp + noise, dim=-1)
+        tokens = torch.where(rows.temperature > 0, sampled, greedy_tokens)
     return tokens, logp.gather(1, tokens[:, None])[:, 0]
 
 

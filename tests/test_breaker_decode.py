@@ -104,3 +104,16 @@ def test_expert_parallel_engine_is_built_on_cuda(tiny_model) -> None:
         assert built and rt.engine is built[0] and rt.runner is built[0] and rt.pool is built[0].pool
     finally:
         rt.close()
+
+
+def test_greedy_is_the_argmax_of_the_logits() -> None:
+    # engine.reference and spec_decode's accept take argmax(logits); sample_batch took
+    # argmax(log_softmax(logits)), where logit - logsumexp rounds 0.001 and 0.0010001 to one
+    # float32 and the tie went to the lower id
+    logits = torch.full((4096,), -5.0)
+    logits[10], logits[11] = 0.001, 0.0010001
+    assert int(logits.argmax()) == 11
+    assert sample(logits, SamplingParams(), 0)[0] == 11
+    rows = [(SamplingParams(), 0), (SamplingParams(temperature=1.0, seed=1), 0)]  # greedy beside sampled
+    tokens, _ = sample_batch(torch.stack([logits, logits]), SamplingRows.build(rows, "cpu"))
+    assert tokens[0].item() == 11
