@@ -119,9 +119,11 @@ def _zeros(n: int, device: torch.device) -> torch.Tensor:
 
 
 def _nucleus(logp: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """Keep each row's smallest set of entries with mass >= top_p (ties by sort order);
-    logp [B, V] normalised log-probs, top_p [B] -> renormalised log-probs with -inf elsewhere."""
-    sorted_logp, order = torch.sort(logp, dim=-1, descending=True)
+    """Keep each row's smallest set of entries with mass >= top_p (among equal log-probs the
+    lower ids first: a stable sort, so every device and batch keeps the same set; bf16 logits
+    tie often); logp [B, V] normalised log-probs, top_p [B] -> renormalised log-probs with -inf
+    elsewhere."""
+    sorted_logp, order = torch.sort(logp, dim=-1, descending=True, stable=True)
     p = sorted_logp.exp()
     drop = (torch.cumsum(p, dim=-1) - p) >= top_p[:, None]
     sorted_logp = sorted_logp.masked_fill(drop, float("-inf"))
