@@ -156,3 +156,41 @@ def test_top_p_ties_keep_the_lowest_ids(vocab: int) -> None:
     kept = torch.isfinite(lp).nonzero()[:, 0]
     assert torch.equal(kept, torch.arange(kept.numel())), kept[:5]
     assert abs(kept.numel() - vocab // 2) <= 1
+
+
+# --- tools/bench_serving_gpu.py ----------------------------------------------------------------
+
+def test_bench_serving_cluster_does_not_take_http_port_8000(monkeypatch, tmp_path) -> None:
+    # `tandem up` serves HTTP on 8000 by default since the router's HTTP API; the bench passed
+    # only --port, so a second cluster on the machine made its router exit at start-up
+    # ("--http-port 8000: cannot listen on 127.0.0.1:8000: Address already in use")
+    import importlib
+    import sys
+    from pathlib import Path
+
+    tools = str(Path(__file__).resolve().parent.parent / "tools")
+    monkeypatch.syspath_prepend(tools)
+    bench = importlib.import_module("bench_serving_gpu")
+    seen = []
+
+    class Exited:  # a `tandem up` that exits at once (nothing is started)
+        pid = -1
+
+        def poll(self):
+            return 1
+
+        def wait(self, timeout=None):
+            return 1
+
+    def popen(cmd, **kwargs):
+        seen.append(cmd)
+        return Exited()
+
+    monkeypatch.setattr(bench.subprocess, "Popen", popen)
+    monkeypatch.setattr(bench.subprocess, "run", lambda *a, **k: types.SimpleNamespace(returncode=1))
+    monkeypatch.setattr(bench.os, "killpg", lambda pid, sig: None)
+    with pytest.raises(RuntimeError, match="did not become healthy"):
+        bench.serve_and_bench(tmp_path, [64], [1], 8, 50461, tmp_path, {})
+    cmd = seen[0]
+    assert "--http-port" in cmd and cmd[cmd.index("--http-port") + 1] in ("-1", "0"), cmd
+    sys.modules.pop("bench_serving_gpu", None)
