@@ -194,3 +194,14 @@ def test_bench_serving_cluster_does_not_take_http_port_8000(monkeypatch, tmp_pat
     cmd = seen[0]
     assert "--http-port" in cmd and cmd[cmd.index("--http-port") + 1] in ("-1", "0"), cmd
     sys.modules.pop("bench_serving_gpu", None)
+
+
+def test_ep_engine_logits_run_in_inference_mode(tiny_model) -> None:
+    # decode_tokens was inserted between `@torch.inference_mode()` and `def logits`, which
+    # took the decorator: the first token's logits of an EP worker ran with autograd on
+    from decode_worker.ep_ranks import EpEngine
+
+    with torch.inference_mode():
+        hidden = torch.randn(1, tiny_model.config.hidden_size)
+    out = EpEngine.logits(types.SimpleNamespace(model=tiny_model.model), hidden)
+    assert out.is_inference()
