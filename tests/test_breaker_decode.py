@@ -205,3 +205,46 @@ def test_ep_engine_logits_run_in_inference_mode(tiny_model) -> None:
         hidden = torch.randn(1, tiny_model.config.hidden_size)
     out = EpEngine.logits(types.SimpleNamespace(model=tiny_model.model), hidden)
     assert out.is_inference()
+
+
+# --- absorbed decode KV (checks that held) -----------------------------------------------------
+
+@pytest.mark.parametrize("dtype,scale,bs", [("fp8", 0.25, 1), ("fp8", 1.0, 16), ("float32", 1.0, 16)])
+def test_absorbed_decode_fp8_block_boundaries_and_long_tables(tiny_model, dtype, scale, bs) -> None:
+    # DecodePlan.build from block lists longer than needed, contexts ending exactly at block
+    # boundaries, FP8 pools with a scale: the same logits and KV bytes as the plain path
+    from engine.decode_batch import AbsorbedDecodeKv, DecodePlan
+    from engine.kernels.mla_decode import mla_decode_reference
+    from engine.kv_pool import FP8, PagedKvCache
+    from engine.runner import DecodeInput
+
+    c = dataclasses.replace(tiny_model.config, vocab_size=3000, bos_token_id=1, eos_token_id=(2,))
+    plain, fast = build_model(c, seed=3), build_model(c, seed=3)
+    use_grouped_experts(fast)
+    kv_dtype = FP8 if dtype == "fp8" else torch.float32
+    pool = KvPool(KvPoolConfig(num_blocks=200, block_size=bs, num_layers=c.num_kv_layers, kv_dim=c.kv_dim,
+                               dtype=kv_dtype, scale=scale), 1)
+    lens = [max(1, bs - 1), bs, 2 * bs - 1, 2 * bs, 3]
+    batch = []
+    for i, n in enumerate(lens):
+        blocks = pool.blocks.allocate(pool.blocks_for(n + 1) + 2)  # two more than needed
+        with torch.inference_mode():
+            plain(torch.tensor([(31 * j + i) % 3000 for j in range(n)]), torch.arange(n), [n],
+                  PagedKvCache(pool, [(blocks, 0, n)]))
+        batch.append(DecodeInput(blocks, n, 7 + i))
+    raw = (lambda: pool.kv.view(torch.uint8).clone()) if dtype == "fp8" else (lambda: pool.kv.clone())
+    before = pool.kv.clone()
+    with torch.inference_mode():
+        want = plain.logits(plain(torch.tensor([b.input_token for b in batch]), torch.tensor(lens),
+                                  [1] * len(lens), PagedKvCache(pool, [(b.block_ids, b.num_computed, 1) for b in batch])))
+        written = raw()
+        pool.kv.copy_(before)
+        plan = DecodePlan.build(batch, bs, torch.device("cpu"))
+        assert plan.width == max(pool.blocks_for(n + 1) for n in lens)
+        kv = AbsorbedDecodeKv(pool, plan.tables, plan.lens, attention=mla_decode_reference)
+        got = fast.logits(fast(plan.ids, plan.positions, [1] * len(lens), kv))
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    if dtype == "fp8":
+        assert torch.equal(raw(), written)
+    else:
+        torch.testing.assert_close(pool.kv, written, atol=1e-5, rtol=0)
