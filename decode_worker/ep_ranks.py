@@ -310,6 +310,7 @@ class EpEngine:
         """`decode`, then rank 0 samples every row at once (engine.runner.sample_to_host)."""
         return sample_to_host(self.decode(batch), sampling)
 
+    @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.model.logits(hidden)
 

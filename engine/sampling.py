@@ -10,9 +10,10 @@ generator state — so the prefill worker (which samples token 0), the decode wo
 migrated request all draw the same token from the same logits.
 
 Gumbel-max: argmax_v(logp_v + g_v) with g_v = -log(-log(u_v)), u_v uniform in (0, 1), is a
-draw from softmax(logp) (Gumbel 1954; e.g. Maddison et al., "A* Sampling", 2014). u_v has 24
-random bits (float32), which truncates the Gumbel tail at about 17.3: the distribution differs
-from the exact one only by a term of order 2^-24 per entry.
+draw from softmax(logp) (Gumbel 1954; e.g. Maddison et al., "A* Sampling", 2014). u_v has 23
+random bits ((k + 0.5) / 2^23, exact in float32, strictly inside (0, 1)), which truncates the
+Gumbel tail at about 16.6: the distribution differs from the exact one only by a term of order
+2^-23 per entry.
 
 `sample` is the one-row form of the same function.
 """
@@ -65,7 +66,9 @@ def gumbel_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab: int) -> torch.
     keys = _row_keys(seeds, steps)  # [B]
     v = torch.arange(vocab, dtype=torch.int64, device=seeds.device)
     h = _fmix32(_fmix32(keys[:, None] ^ ((v * 0x27D4EB2F) & _M32)[None, :]) ^ keys[:, None])  # [B, V]
-    u = ((h >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))  # (0, 1), 24 random bits
+    # (k + 0.5) / 2^23 for a 23-bit k is exact in float32 and lies in [2^-24, 1 - 2^-24]; with 24
+    # bits, (2^24 - 1) + 0.5 rounds to 2^24, u to 1.0 and the noise to +inf (one entry in 2^24)
+    u = ((h >> 9).to(torch.float32) + 0.5) * (1.0 / (1 << 23))
     return -torch.log(-torch.log(u))
 
 
@@ -116,9 +119,11 @@ def _zeros(n: int, device: torch.device) -> torch.Tensor:
 
 
 def _nucleus(logp: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """Keep each row's smallest set of entries with mass >= top_p (ties by sort order);
-    logp [B, V] normalised log-probs, top_p [B] -> renormalised log-probs with -inf elsewhere."""
-    sorted_logp, order = torch.sort(logp, dim=-1, descending=True)
+    """Keep each row's smallest set of entries with mass >= top_p (among equal log-probs the
+    lower ids first: a stable sort, so every device and batch keeps the same set; bf16 logits
+    tie often); logp [B, V] normalised log-probs, top_p [B] -> renormalised log-probs with -inf
+    elsewhere."""
+    sorted_logp, order = torch.sort(logp, dim=-1, descending=True, stable=True)
     p = sorted_logp.exp()
     drop = (torch.cumsum(p, dim=-1) - p) >= top_p[:, None]
     sorted_logp = sorted_logp.masked_fill(drop, float("-inf"))
@@ -153,12 +158,15 @@ def sample_batch(logits: torch.Tensor, rows: SamplingRows) -> tuple[torch.Tensor
         (`sampling_logprobs_batch`) with its log-probability there.
     """
     logp = sampling_logprobs_batch(logits, rows)
+    # greedy rows: the argmax of the logits themselves (engine.reference, spec_decode's accept):
+    # logits - logsumexp can round two close logits to one value and flip the tie to the lower id
+    greedy_tokens = torch.argmax(logits.float(), dim=-1)
     if not rows.any_sampled:
-        tokens = torch.argmax(logp, dim=-1)
+        tokens = greedy_tokens
     else:
         noise = gumbel_noise(rows.seed, rows.step, logp.shape[-1])
-        noisy = torch.where((rows.temperature > 0)[:, None], logp + noise, logp)
-        tokens = torch.argmax(noisy, dim=-1)
+        sampled = torch.argmax(logp + noise, dim=-1)
+        tokens = torch.where(rows.temperature > 0, sampled, greedy_tokens)
     return tokens, logp.gather(1, tokens[:, None])[:, 0]
 
 

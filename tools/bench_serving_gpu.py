@@ -102,7 +102,10 @@ def serve_and_bench(model_dir: Path, contexts: list[int], concurrencies: list[in
     env = {**os.environ, "TANDEM_MAX_RUNNING": str(max(concurrencies)),
            "TANDEM_MEM_FRACTION_STATIC": "0.4", "TANDEM_MAX_QUEUED": "4096", **env_extra}
     log = open(work / "up.log", "w")  # noqa: SIM115 - closed below
-    up = subprocess.Popen(_cli("up", "--model", str(model_dir), "--port", str(port), "--no-metrics"),
+    # --http-port -1: the bench speaks gRPC; the router's default HTTP port 8000 would collide with
+    # any other cluster on the machine (the --port option exists to avoid exactly that)
+    up = subprocess.Popen(_cli("up", "--model", str(model_dir), "--port", str(port), "--no-metrics",
+                               "--http-port", "-1"),
                           cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     out: dict[tuple[int, int], dict] = {}
     try:

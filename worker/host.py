@@ -227,10 +227,11 @@ class WorkerRuntime:
                 if self.runner.graphs.memory_bytes > reserve:
                     log.warning("CUDA graphs took %s, more than the %s reserved from --mem-fraction-static",
                                 format_bytes(self.runner.graphs.memory_bytes), format_bytes(reserve))
-        elif self.device.type == "cuda":
-            log.info("decode on CUDA without graphs: %s", "--disable-cuda-graph" if opts.disable_cuda_graph
-                     else "expert-parallel ranks step eagerly")
+            elif role == discovery_pb2.ROLE_DECODE and self.device.type == "cuda" and opts.disable_cuda_graph:
+                log.info("decode on CUDA without graphs: --disable-cuda-graph")
         else:  # --- EP hook: the ranks' pools (num_blocks each) and lock-step runner (decode_worker/ep_ranks.py)
+            if self.device.type == "cuda":
+                log.info("decode on CUDA without graphs: expert-parallel ranks step eagerly")
             self.engine = engine(opts, self.loaded, pool_config, hash_seed(self.loaded.name))
             self.pool, self.runner = self.engine.pool, self.engine
         self.planner = self._chunk_planner()

@@ -48,6 +48,8 @@ class GroupedExperts:
         """x [T, hidden], ids [T, k] int64 expert ids, weights [T, k] float32 -> [T, hidden]
         (x's dtype; the weighted sum over k accumulates in float32, as the reference)."""
         t, k = ids.shape
+        if t == 0:  # (a shape known on the host: no sync) the reference loop's empty result
+            return torch.zeros_like(x)
         flat = ids.reshape(-1)  # [T * k]
         order = torch.argsort(flat, stable=True)  # pairs grouped by expert
         counts = torch.zeros(self.num_experts, dtype=torch.int32, device=x.device)

@@ -1,0 +1,250 @@
+"""Edge cases of the batched decode path (sampling, grouped experts, absorbed decode KV,
+worker start-up) found by review; each test names the defect it pins."""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+
+import pytest
+import torch
+
+from common.pb.tandem.v1 import discovery_pb2
+from common.sampling_params import SamplingParams
+from engine.kv_pool import KvPool, KvPoolConfig
+from engine.model import MoE, build_model
+from engine.kernels.grouped_experts import use_grouped_experts
+from engine.sampling import SamplingRows, gumbel_noise, sample, sample_batch
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+# --- sampling ----------------------------------------------------------------------------------
+
+def test_gumbel_noise_is_finite() -> None:
+    # u = ((h >> 8) + 0.5) / 2^24 rounds to exactly 1.0 in float32 for h >> 8 == 2^24 - 1
+    # (16777215.5 is not a float32), and -log(-log(1)) = +inf: about one entry in 2^24, i.e.
+    # one decode step in ~130 with a 129k vocabulary. (seed 0, step 11895, entry 691) is one.
+    g = gumbel_noise(torch.tensor([0, 1]), torch.tensor([11895, 8343]), 1000)
+    assert torch.isfinite(g).all(), g[~torch.isfinite(g)]
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=1.0, seed=0),
+                                    SamplingParams(temperature=1.0, top_p=0.5, seed=0)])
+def test_sampled_token_is_never_impossible(params: SamplingParams) -> None:
+    # token 0 has all the mass; token 691 is -inf (masked), or outside the top-p nucleus
+    logits = torch.zeros(1000)
+    logits[0] = 30.0
+    logits[691] = float("-inf") if params.top_p == 1.0 else 0.0
+    token, logprob = sample(logits, params, 11895)
+    assert (token, logprob) == (0, pytest.approx(0.0, abs=1e-6))
+
+
+def test_sampled_never_picks_a_very_unlikely_token_in_a_large_vocab() -> None:
+    # a DeepSeek-V3-sized vocabulary, one row whose mass is all on token 5: 200 steps of it
+    vocab = 129280
+    logits = torch.full((200, vocab), -1e4)
+    logits[:, 5] = 0.0
+    rows = [(SamplingParams(temperature=1.0, seed=7), s) for s in range(200)]
+    tokens, _ = sample_batch(logits, SamplingRows.build(rows, "cpu"))
+    assert set(tokens.tolist()) == {5}
+
+
+# --- grouped experts ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("tokens,k,same_expert", [(0, 2, False), (1, 1, False), (5, 1, True), (4, 3, True),
+                                                   (33, 2, False)])
+def test_grouped_experts_edge_shapes_match_loop(tiny_model, tokens: int, k: int, same_expert: bool) -> None:
+    # T = 0 raised "cannot reshape tensor of 0 elements into shape [0, 2, -1]"
+    c = tiny_model.config
+    model = build_model(c, seed=5)
+    moe = next(m for m in model.modules() if isinstance(m, MoE))
+    g = torch.Generator().manual_seed(tokens)
+    x = torch.randn(tokens, c.hidden_size, generator=g)
+    if same_expert:  # every pair on the last expert: all other groups empty
+        ids = torch.full((tokens, k), c.n_routed_experts - 1, dtype=torch.long)
+    else:
+        ids = torch.stack([torch.randperm(c.n_routed_experts, generator=g)[:k] for _ in range(tokens)]) \
+            if tokens else torch.zeros(0, k, dtype=torch.long)
+    w = torch.rand(tokens, k, generator=g)
+    want = moe.experts_forward(x, ids, w)
+    use_grouped_experts(model)
+    got = moe.experts_forward(x, ids, w)
+    assert got.shape == want.shape and got.dtype == want.dtype
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+
+
+# --- worker start-up ---------------------------------------------------------------------------
+
+def test_expert_parallel_engine_is_built_on_cuda(tiny_model) -> None:
+    # engine/worker_host.py: the new `elif self.device.type == "cuda":` (a log line) sat between
+    # `if engine is None:` and the EP `else:`, so EP ranks on a GPU never built their engine:
+    # AttributeError: 'WorkerRuntime' object has no attribute 'pool'
+    from engine.worker_host import WorkerOptions, WorkerRuntime
+
+    class OnCuda:  # all WorkerRuntime reads of a model an EP engine is given
+        dtype = torch.float32
+        model = types.SimpleNamespace(embed_tokens=types.SimpleNamespace(
+            weight=types.SimpleNamespace(device=torch.device("cuda"))))
+
+    built = []
+
+    class Engine:  # stands in for decode_worker/ep_ranks.py's EpEngine
+        def __init__(self, opts, loaded, pool_config, seed) -> None:
+            self.pool = KvPool(pool_config, seed)
+            built.append(self)
+
+        def close(self) -> None:
+            pass
+
+    loaded = dataclasses.replace(tiny_model, model=OnCuda())
+    rt = WorkerRuntime(discovery_pb2.ROLE_DECODE, WorkerOptions(model=tiny_model.name, num_blocks=8, ep_size=2),
+                       loaded, engine=Engine)
+    try:
+        assert built and rt.engine is built[0] and rt.runner is built[0] and rt.pool is built[0].pool
+    finally:
+        rt.close()
+
+
+def test_greedy_is_the_argmax_of_the_logits() -> None:
+    # engine.reference and spec_decode's accept take argmax(logits); sample_batch took
+    # argmax(log_softmax(logits)), where logit - logsumexp rounds 0.001 and 0.0010001 to one
+    # float32 and the tie went to the lower id
+    logits = torch.full((4096,), -5.0)
+    logits[10], logits[11] = 0.001, 0.0010001
+    assert int(logits.argmax()) == 11
+    assert sample(logits, SamplingParams(), 0)[0] == 11
+    rows = [(SamplingParams(), 0), (SamplingParams(temperature=1.0, seed=1), 0)]  # greedy beside sampled
+    tokens, _ = sample_batch(torch.stack([logits, logits]), SamplingRows.build(rows, "cpu"))
+    assert tokens[0].item() == 11
+
+
+# --- the scheduler with seeded sampling --------------------------------------------------------
+
+def test_scheduler_seeded_batch_equals_reference(tiny_model) -> None:
+    # one continuous batch mixing greedy, tempered, top-p and 64-bit seeds, plain and overlap
+    # loops: each request as if it ran alone through engine.reference with `sample`
+    import asyncio
+
+    from decode_helpers import generate
+    from engine.reference import reference_generate
+
+    prompts = [[(17 * i + j) % 9000 for i in range(n)] for j, n in enumerate([3, 15, 16, 31])]
+    params = [SamplingParams(max_tokens=9, temperature=0.8, seed=2**64 - 1),
+              SamplingParams(max_tokens=6),
+              SamplingParams(max_tokens=7, temperature=1.5, top_p=0.3, seed=2**63),
+              SamplingParams(max_tokens=10, temperature=1.0, top_p=0.9, seed=0, ignore_eos=True)]
+    want = [reference_generate(tiny_model.model, pr, p.max_tokens,
+                               () if p.ignore_eos else tiny_model.config.eos_token_ids,
+                               sample_fn=lambda row, step, p=p: sample(row, p, step)[0])
+            for pr, p in zip(prompts, params)]
+    for overlap in (False, True):
+        got, rt = asyncio.run(generate(tiny_model, 0, prompts, params, overlap=overlap))
+        assert got == want, overlap
+        assert rt.pool.blocks.num_free == rt.opts.num_blocks
+
+
+@pytest.mark.parametrize("vocab", [100, 5000, 40000])
+def test_top_p_ties_keep_the_lowest_ids(vocab: int) -> None:
+    # the nucleus sort was unstable: on the CPU, equal log-probs came out in an order that
+    # depends on the vocab size (V = 100 kept ids 50..99; V = 40000 kept 6670 and 20000..39999),
+    # and CUDA's sort orders ties differently, so the same (seed, step) and bf16 logits (which
+    # tie often) could draw from different nuclei on the prefill and the decode device
+    from engine.sampling import sampling_logprobs
+
+    lp = sampling_logprobs(torch.zeros(vocab), SamplingParams(temperature=1.0, top_p=0.5, seed=0))
+    kept = torch.isfinite(lp).nonzero()[:, 0]
+    assert torch.equal(kept, torch.arange(kept.numel())), kept[:5]
+    assert abs(kept.numel() - vocab // 2) <= 1
+
+
+# --- tools/bench_serving_gpu.py ----------------------------------------------------------------
+
+def test_bench_serving_cluster_does_not_take_http_port_8000(monkeypatch, tmp_path) -> None:
+    # `tandem up` serves HTTP on 8000 by default since the router's HTTP API; the bench passed
+    # only --port, so a second cluster on the machine made its router exit at start-up
+    # ("--http-port 8000: cannot listen on 127.0.0.1:8000: Address already in use")
+    import importlib
+    import sys
+    from pathlib import Path
+
+    tools = str(Path(__file__).resolve().parent.parent / "tools")
+    monkeypatch.syspath_prepend(tools)
+    bench = importlib.import_module("bench_serving_gpu")
+    seen = []
+
+    class Exited:  # a `tandem up` that exits at once (nothing is started)
+        pid = -1
+
+        def poll(self):
+            return 1
+
+        def wait(self, timeout=None):
+            return 1
+
+    def popen(cmd, **kwargs):
+        seen.append(cmd)
+        return Exited()
+
+    monkeypatch.setattr(bench.subprocess, "Popen", popen)
+    monkeypatch.setattr(bench.subprocess, "run", lambda *a, **k: types.SimpleNamespace(returncode=1))
+    monkeypatch.setattr(bench.os, "killpg", lambda pid, sig: None)
+    with pytest.raises(RuntimeError, match="did not become healthy"):
+        bench.serve_and_bench(tmp_path, [64], [1], 8, 50461, tmp_path, {})
+    cmd = seen[0]
+    assert "--http-port" in cmd and cmd[cmd.index("--http-port") + 1] in ("-1", "0"), cmd
+    sys.modules.pop("bench_serving_gpu", None)
+
+
+def test_ep_engine_logits_run_in_inference_mode(tiny_model) -> None:
+    # decode_tokens was inserted between `@torch.inference_mode()` and `def logits`, which
+    # took the decorator: the first token's logits of an EP worker ran with autograd on
+    from decode_worker.ep_ranks import EpEngine
+
+    with torch.inference_mode():
+        hidden = torch.randn(1, tiny_model.config.hidden_size)
+    out = EpEngine.logits(types.SimpleNamespace(model=tiny_model.model), hidden)
+    assert out.is_inference()
+
+
+# --- absorbed decode KV (checks that held) -----------------------------------------------------
+
+@pytest.mark.parametrize("dtype,scale,bs", [("fp8", 0.25, 1), ("fp8", 1.0, 16), ("float32", 1.0, 16)])
+def test_absorbed_decode_fp8_block_boundaries_and_long_tables(tiny_model, dtype, scale, bs) -> None:
+    # DecodePlan.build from block lists longer than needed, contexts ending exactly at block
+    # boundaries, FP8 pools with a scale: the same logits and KV bytes as the plain path
+    from engine.decode_batch import AbsorbedDecodeKv, DecodePlan
+    from engine.kernels.mla_decode import mla_decode_reference
+    from engine.kv_pool import FP8, PagedKvCache
+    from engine.runner import DecodeInput
+
+    c = dataclasses.replace(tiny_model.config, vocab_size=3000, bos_token_id=1, eos_token_id=(2,))
+    plain, fast = build_model(c, seed=3), build_model(c, seed=3)
+    use_grouped_experts(fast)
+    kv_dtype = FP8 if dtype == "fp8" else torch.float32
+    pool = KvPool(KvPoolConfig(num_blocks=200, block_size=bs, num_layers=c.num_kv_layers, kv_dim=c.kv_dim,
+                               dtype=kv_dtype, scale=scale), 1)
+    lens = [max(1, bs - 1), bs, 2 * bs - 1, 2 * bs, 3]
+    batch = []
+    for i, n in enumerate(lens):
+        blocks = pool.blocks.allocate(pool.blocks_for(n + 1) + 2)  # two more than needed
+        with torch.inference_mode():
+            plain(torch.tensor([(31 * j + i) % 3000 for j in range(n)]), torch.arange(n), [n],
+                  PagedKvCache(pool, [(blocks, 0, n)]))
+        batch.append(DecodeInput(blocks, n, 7 + i))
+    raw = (lambda: pool.kv.view(torch.uint8).clone()) if dtype == "fp8" else (lambda: pool.kv.clone())
+    before = pool.kv.clone()
+    with torch.inference_mode():
+        want = plain.logits(plain(torch.tensor([b.input_token for b in batch]), torch.tensor(lens),
+                                  [1] * len(lens), PagedKvCache(pool, [(b.block_ids, b.num_computed, 1) for b in batch])))
+        written = raw()
+        pool.kv.copy_(before)
+        plan = DecodePlan.build(batch, bs, torch.device("cpu"))
+        assert plan.width == max(pool.blocks_for(n + 1) for n in lens)
+        kv = AbsorbedDecodeKv(pool, plan.tables, plan.lens, attention=mla_decode_reference)
+        got = fast.logits(fast(plan.ids, plan.positions, [1] * len(lens), kv))
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    if dtype == "fp8":
+        assert torch.equal(raw(), written)
+    else:
+        torch.testing.assert_close(pool.kv, written, atol=1e-5, rtol=0)
