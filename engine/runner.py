@@ -175,8 +175,8 @@ def sample_to_host(logits: torch.Tensor, sampling: list[tuple[SamplingParams, in
 
 
 def to_host(tokens: torch.Tensor, logprobs: torch.Tensor) -> tuple[list[int], list[float]]:
-    """A step's tokens [B] and logprobs [B] in one device-to-host copy (ids < 2^24 are exact
-    in float64, as every vocabulary is)."""
+    """A step's tokens [B] and logprobs [B] in one device-to-host copy (stacked as float64, which
+    holds every token id exactly: integers up to 2^53)."""
     both = torch.stack((tokens.double(), logprobs.double())).cpu()
     return [int(t) for t in both[0].tolist()], both[1].tolist()
 

@@ -77,10 +77,10 @@ def test_grouped_experts_edge_shapes_match_loop(tiny_model, tokens: int, k: int,
 # --- worker start-up ---------------------------------------------------------------------------
 
 def test_expert_parallel_engine_is_built_on_cuda(tiny_model) -> None:
-    # engine/worker_host.py: the new `elif self.device.type == "cuda":` (a log line) sat between
+    # worker/host.py: the new `elif self.device.type == "cuda":` (a log line) sat between
     # `if engine is None:` and the EP `else:`, so EP ranks on a GPU never built their engine:
     # AttributeError: 'WorkerRuntime' object has no attribute 'pool'
-    from engine.worker_host import WorkerOptions, WorkerRuntime
+    from worker.host import WorkerOptions, WorkerRuntime
 
     class OnCuda:  # all WorkerRuntime reads of a model an EP engine is given
         dtype = torch.float32
