@@ -37,12 +37,12 @@ from common import tracing
 from common.pb.tandem.v1 import discovery_pb2
 from common.pb.tandem.v1 import frontend_pb2 as pb
 from common.validation import InvalidArgument
+from router.http_port import HTTP_OFF, validate_port  # noqa: F401 (re-exported)
 from router.chat_template import ChatTemplate, TemplateError
 from router.openai_protocol import (FINISH_REASONS, ChatCompletionRequest, CompletionRequest, ResponseShape,
                                     error_body, param_name, token_logprobs)
 
 log = logging.getLogger(__name__)
-HTTP_OFF = -1
 HTTP_PARSER = "httptools"  # uvicorn's C parser (llhttp); its pure-Python h11 costs more CPU per request
 
 # gRPC status → (HTTP status, OpenAI error type). Anything else is a bug: 500.
@@ -53,12 +53,6 @@ STATUS = {
     grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable_error"),
     grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout_error"),
 }
-
-
-def validate_port(port: int) -> None:
-    """Raises ValueError naming --http-port unless port is -1, 0 or a TCP port."""
-    if not HTTP_OFF <= port <= 65535:
-        raise ValueError(f"--http-port must be -1 (off), 0 (any free port) or a TCP port, got {port}")
 
 
 class HttpTimings:

@@ -22,10 +22,9 @@ from discovery.watcher import InstanceWatcher
 from engine.model_source import DEFAULT_MODEL, load_config
 from common.version import VERSION
 from router.approx_index import ApproxIndex, KvWithRecent
-from router.chat_template import load_chat_template
 from router.health import HealthTracker
-from router.http_api import HTTP_OFF, HttpServer, OpenAIFrontend, create_app
-from router.http_api import validate_port as validate_http_port
+from router.http_port import HTTP_OFF
+from router.http_port import validate_port as validate_http_port
 from router.kv_index import KvIndex
 from router.kv_subscriber import KvEventSubscriber
 from router.load import LoadTracker
@@ -203,6 +202,8 @@ async def run(opts: RouterOptions, ready: Callable[[RunningServer, FrontendServi
     metrics_address = metrics_server.address if metrics_server else ""
     http_server = frontend = None
     if opts.http_port != HTTP_OFF:
+        from router.chat_template import load_chat_template  # the HTTP stack only when it is on
+        from router.http_api import HttpServer, OpenAIFrontend, create_app
         try:
             frontend = OpenAIFrontend(servicer, load_chat_template(ckpt), metrics.registry)
             http_server = HttpServer(create_app(frontend), opts.host, opts.http_port)
