@@ -57,10 +57,8 @@ def test_no_help_text_tool_docstring_or_doc_points_to_design_md():
     parser = build_parser()
     texts = {"tandem --help": parser.format_help()}
     texts |= {f"tandem {name} --help": p.format_help() for name, p in subparsers(parser).items()}
-    # tools/bench_decode.py is left out: it is being rewritten with the GPU decode path.
     for tool in sorted((ROOT / "tools").glob("*.py")):
-        if tool.name != "bench_decode.py":
-            texts[str(tool.relative_to(ROOT))] = tool.read_text().split('"""')[1] if '"""' in tool.read_text() else ""
+        texts[str(tool.relative_to(ROOT))] = tool.read_text().split('"""')[1] if '"""' in tool.read_text() else ""
     for doc in [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]:
         texts[str(doc.relative_to(ROOT))] = doc.read_text()
     assert [name for name, text in texts.items() if "DESIGN.md" in text] == []
@@ -184,3 +182,12 @@ def test_bench_compare_usage_and_header_first():
     rows = [line for line in r.stderr.splitlines() if line.startswith("|")]
     assert rows[0].startswith("| mode |") and rows[1].startswith("|---") and rows[2].startswith("| kv |"), r.stderr
     assert "python -m bench.compare" in (ROOT / "README.md").read_text()
+
+
+@pytest.mark.parametrize("tool", ["tools/bench_decode.py", "tools/bench_serving_gpu.py"])
+def test_gpu_benchmarks_say_cuda_is_missing(tool, tmp_path):
+    if __import__("torch").cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    r = subprocess.run([PY, tool, "--device", "cuda", "--out", str(tmp_path / "x.json")], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "no CUDA device" in r.stderr and "--device cpu" in r.stderr, r.stderr[-500:]

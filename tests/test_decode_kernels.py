@@ -185,3 +185,47 @@ def test_graph_replay_equals_eager_fast_step_and_plain_path() -> None:
     assert err < 2e-2, float(err)
     agree = (eager.argmax(-1) == want_plain.argmax(-1)).float().mean()
     assert agree >= 0.6, float(agree)
+
+
+def test_graph_batch_buckets() -> None:
+    from engine.graph_runner import batch_sizes
+    assert batch_sizes(1) == [1]
+    assert batch_sizes(64) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]
+    sizes = batch_sizes(300)
+    assert sizes[-1] == 300 and sizes == sorted(set(sizes)) and 256 in sizes and 288 in sizes
+    for b in range(1, 301):  # every batch has a bucket, padded by less than a bucket step
+        bucket = next(s for s in sizes if s >= b)
+        assert bucket - b < (8 if b <= 256 else 32)
+
+
+def test_graph_reserve_grows_with_batch_and_vocab(tiny_model) -> None:
+    from engine.capacity import graph_reserve_bytes
+    c = tiny_model.config
+    small, big = graph_reserve_bytes(c, 8), graph_reserve_bytes(c, 256)
+    assert 256 * 2**20 < small < big
+    wide = graph_reserve_bytes(dataclasses.replace(c, vocab_size=c.vocab_size * 10), 256)
+    assert wide - big >= 256 * 2 * 4 * 9 * c.vocab_size  # float32 logits twice per row
+
+
+def test_bench_serving_script_smoke_on_cpu(tmp_path) -> None:
+    """tools/bench_serving_gpu.py end to end on a CPU with a tiny model: checkpoint, tandem up,
+    tandem bench, in-process step, exactness (the plain and the 'fast' runner agree exactly here:
+    on a CPU both run the plain path)."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parent.parent
+    import socket
+    out = tmp_path / "s.json"
+    with socket.socket() as sock:  # a free port for the router of the script's `tandem up`
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    r = subprocess.run([sys.executable, "tools/bench_serving_gpu.py", "--smoke", "--device", "cpu",
+                        "--contexts", "48", "--concurrency", "2", "--output-tokens", "4", "--skip-transformers",
+                        "--port", str(port), "--out", str(out)], cwd=root, capture_output=True, text=True, timeout=240)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    doc = json.loads(out.read_text())
+    (row,) = doc["rows"]
+    assert row["served_tok_s"] > 0 and row["inprocess_tok_s"] > 0 and row["failed"] == 0
+    assert doc["exactness"]["S"]["identical_token_share"] == 1.0

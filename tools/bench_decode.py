@@ -1,5 +1,5 @@
 """Decode throughput of the engine's GPU hot path, against transformers and the HBM bound;
-MTP accept length and per-user speed (DESIGN.md section 8; issue 7 benchmarks).
+MTP accept length and per-user speed (issue 7 benchmarks).
 
 Usage (one H200, < 8 minutes):
     python tools/bench_decode.py --device cuda --out docs/bench/spec_gpu.json
@@ -59,7 +59,7 @@ except ImportError:  # pragma: no cover - depends on the machine
 
 
 def bench_config(smoke: bool) -> ModelConfig:
-    """The ~490M DeepSeek-V3-style config of DESIGN.md section 8 (or a tiny one for --smoke)."""
+    """The ~490M DeepSeek-V3-style config (8 layers, 32 experts top-4; or a tiny one for --smoke)."""
     base = dataclasses.replace(ModelConfig.tiny(), vocab_size=32000, bos_token_id=0, eos_token_id=(1,),
                                num_nextn_predict_layers=0, max_position_embeddings=40000)
     if smoke:
@@ -277,6 +277,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--skip-mtp", action="store_true", help="no MTP part")
     args = p.parse_args(argv)
     device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        p.error(f"--device {args.device}: this machine has no CUDA device (torch {torch.__version__}); "
+                "run on a GPU machine, or pass --device cpu (with --smoke for a quick check)")
     smoke = args.smoke
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
     elem = torch.empty((), dtype=dtype).element_size()

@@ -221,6 +221,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
     device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        p.error(f"--device {args.device}: this machine has no CUDA device (torch {torch.__version__}); "
+                "run on a GPU machine, or pass --device cpu (with --smoke for a quick check)")
     contexts = [int(x) for x in args.contexts.split(",")]
     concs = [int(x) for x in args.concurrency.split(",")]
     doc: dict[str, Any] = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
