@@ -12,6 +12,9 @@ from typing import Callable, TypeVar
 T = TypeVar("T")
 PREFIX = "TANDEM_"
 CONFIG_VAR = "TANDEM_CONFIG"  # path of the TOML config file (`--config`)
+# Test-only: a worker started with this set takes it as its instance id instead of a random one,
+# so a test can restart a worker under the same identity (a new incarnation; issue 20).
+TEST_INSTANCE_ID_VAR = "TANDEM_TEST_INSTANCE_ID"
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}

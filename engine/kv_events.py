@@ -34,16 +34,19 @@ class EventBatch:
 
 
 class KvEventLog:
-    """Ring of recent batches for one pool; `capacity` is in batches."""
+    """Ring of recent batches for one pool; `capacity` is in batches. `incarnation`: the worker
+    process's (Instance.incarnation), stamped on every batch; ids count within it."""
 
-    def __init__(self, blocks: BlockPool, capacity: int = 1024) -> None:
+    def __init__(self, blocks: BlockPool, capacity: int = 1024, incarnation: int = 0) -> None:
         self._blocks = blocks
+        self.incarnation = incarnation
         self._ring: deque[EventBatch] = deque(maxlen=capacity)
         self.last_event_id = 0
         self._changed = asyncio.Event()
         # Why subscribers got snapshots (besides being new): counted for metrics.
         self.future_subscribers = 0  # asked from an id this worker never issued
         self.behind_subscribers = 0  # asked from an id that left the ring
+        self.other_incarnation_subscribers = 0  # asked from an id of another incarnation
 
     def publish(self) -> None:
         """Turn the pool's pending events into one batch (no-op when there are none)."""
@@ -54,6 +57,14 @@ class KvEventLog:
         self._ring.append(EventBatch(self.last_event_id, tuple(events)))
         self._changed.set()
         self._changed = asyncio.Event()
+
+    def other_incarnation(self, incarnation: int) -> bool:
+        """Whether a subscriber's `incarnation` (nonzero) is another process's: its event ids
+        mean nothing here, so it needs a snapshot (counted)."""
+        if incarnation and incarnation != self.incarnation:
+            self.other_incarnation_subscribers += 1
+            return True
+        return False
 
     def since(self, event_id: int) -> list[EventBatch] | None:
         """Batches after event_id, or None when the ring no longer holds them all."""
@@ -68,7 +79,7 @@ class KvEventLog:
         return [b for b in self._ring if b.event_id > event_id]
 
     def snapshot(self) -> pb.KvEventBatch:
-        return pb.KvEventBatch(event_id=self.last_event_id, snapshot=True,
+        return pb.KvEventBatch(event_id=self.last_event_id, snapshot=True, incarnation=self.incarnation,
                                events=[event_to_proto(e) for e in self._blocks.snapshot()])
 
     def changed(self) -> asyncio.Event:

@@ -6,6 +6,13 @@ gap: the subscription restarts from event 0, which makes the worker send a full 
 that replaces what the index held for it. Restarts back off (up to `max_backoff_s`), so a
 worker that keeps answering with gaps cannot drive a resync loop. When a worker leaves
 discovery its subscription ends and all its blocks leave the index.
+
+Incarnations (issue 20): event ids count within one worker process, named by the incarnation
+in its discovery record and in every batch. When either shows a new incarnation under a known
+instance id (the worker restarted under the same identity), everything the index held for it
+is dropped at once and the subscription starts again from a snapshot; the subscribe request
+names the incarnation its `from_event_id` belongs to, so the worker never resumes another
+process's ids. A record that moves to another address is followed by a new subscription there.
 """
 
 from __future__ import annotations
@@ -31,6 +38,8 @@ class SubscriberCounters:
     duplicates: int = 0  # batches at or before the last applied id (dropped)
     gaps: int = 0  # batches after a missing id (resync)
     stream_errors: int = 0
+    incarnations: int = 0  # restarts of a known worker seen (record or batch): its blocks reset
+    moves: int = 0  # records that moved to another address: subscription moved with them
 
 
 class KvEventSubscriber:
@@ -41,6 +50,8 @@ class KvEventSubscriber:
         self.counters = SubscriberCounters()
         self._tasks: dict[str, asyncio.Task] = {}  # strong references
         self.last_event_id: dict[str, int] = {}
+        self.incarnation: dict[str, int] = {}  # the incarnation last_event_id belongs to (0 = unknown)
+        self._address: dict[str, str] = {}  # the address each subscription was started for
 
     def sync(self) -> None:
         """Subscribe to every compatible worker in discovery; drop the ones that left."""
@@ -50,12 +61,36 @@ class KvEventSubscriber:
             if wid not in current:
                 self._tasks.pop(wid).cancel()
                 self.last_event_id.pop(wid, None)
+                self.incarnation.pop(wid, None)
+                self._address.pop(wid, None)
                 removed = self.index.remove_worker(wid)
                 log.info("worker %s left discovery: %d blocks left the index", wid, removed)
         for wid, inst in current.items():
-            if wid not in self._tasks:
+            if wid in self._tasks:
+                known = self.incarnation.get(wid, 0)
+                if inst.incarnation and known and inst.incarnation != known:
+                    self._reset(wid, inst.incarnation, "its discovery record")
+                elif self._address.get(wid) == inst.address:
+                    continue
+                else:  # same incarnation, new address: resume there from the last applied id
+                    self.counters.moves += 1
+                    log.info("worker %s moved to %s: KV event subscription follows", wid, inst.address)
+                self._tasks.pop(wid).cancel()
+            else:
                 self.index.add_worker(wid)
-                self._tasks[wid] = asyncio.create_task(self._follow(inst), name=f"kv-events-{wid}")
+                self.incarnation.setdefault(wid, inst.incarnation)
+            self._address[wid] = inst.address
+            self._tasks[wid] = asyncio.create_task(self._follow(inst), name=f"kv-events-{wid}")
+
+    def _reset(self, wid: str, incarnation: int, source: str) -> None:
+        """A new incarnation of a known worker: drop its blocks; the next subscription starts
+        from a snapshot of the new process."""
+        self.counters.incarnations += 1
+        dropped = self.index.clear_worker(wid)
+        log.info("worker %s restarted (new incarnation %x, seen in %s): %d blocks left the index; "
+                 "resubscribing from a snapshot", wid, incarnation, source, dropped)
+        self.last_event_id[wid] = 0
+        self.incarnation[wid] = incarnation
 
     async def _follow(self, inst: discovery_pb2.Instance) -> None:
         wid = inst.instance_id
@@ -68,7 +103,9 @@ class KvEventSubscriber:
                 if current is None:
                     return  # left discovery; sync() drops its blocks
                 stub = kv_events_pb2_grpc.KvEventServiceStub(self.workers.channel(current))
-                async for batch in stub.Subscribe(kv_events_pb2.SubscribeRequest(from_event_id=last)):
+                request = kv_events_pb2.SubscribeRequest(from_event_id=last,
+                                                         incarnation=self.incarnation.get(wid, 0))
+                async for batch in stub.Subscribe(request):
                     if not self._apply(wid, batch):
                         break  # gap: resubscribe from 0 for a snapshot
                     backoff = 0.05
@@ -81,8 +118,14 @@ class KvEventSubscriber:
             backoff = min(backoff * 2, self.max_backoff_s)
 
     def _apply(self, wid: str, batch: kv_events_pb2.KvEventBatch) -> bool:
-        """Apply one batch; False when a gap requires a snapshot."""
+        """Apply one batch; False when a gap or a new incarnation requires a snapshot."""
         self.counters.batches += 1
+        known = self.incarnation.get(wid, 0)
+        if batch.incarnation and known and batch.incarnation != known and not batch.snapshot:
+            self._reset(wid, batch.incarnation, "a KV event batch")
+            return False
+        if batch.incarnation:
+            self.incarnation[wid] = batch.incarnation
         if batch.snapshot:
             self.counters.snapshots += 1
             self.index.replace_worker(wid, [h for e in batch.events if e.HasField("stored")

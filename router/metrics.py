@@ -27,6 +27,9 @@ KV_SUBSCRIBER_COUNTERS = {
     "gaps": ("tandem_router_kv_resyncs", "resyncs from a snapshot after a gap in a worker's event ids"),
     "duplicates": ("tandem_router_kv_duplicate_batches", "batches dropped as repeated or out of order"),
     "stream_errors": ("tandem_router_kv_stream_errors", "KV event streams that ended with an error"),
+    "incarnations": ("tandem_router_kv_worker_restarts", "known workers seen under a new incarnation (record or "
+                     "batch): their blocks were dropped and resubscribed from a snapshot"),
+    "moves": ("tandem_router_kv_subscription_moves", "KV event subscriptions moved to a record's new address"),
 }
 
 

@@ -22,3 +22,11 @@ def test_ring_ids_snapshot_and_gaps():
     assert snap.snapshot and snap.event_id == 3
     assert sorted(h for e in snap.events for h in e.stored.block_hashes) == [11, 12, 13]
     assert log.since(3) == [] and isinstance(log.since(2)[0].events[0], Stored)
+
+
+def test_incarnation_on_every_batch_and_other_incarnations_need_a_snapshot():
+    pool = BlockPool(4)
+    log = KvEventLog(pool, incarnation=41)
+    assert log.snapshot().incarnation == 41
+    assert not log.other_incarnation(0) and not log.other_incarnation(41)  # 0: a subscriber that knows none
+    assert log.other_incarnation(40) and log.other_incarnation_subscribers == 1

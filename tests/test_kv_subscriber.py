@@ -64,3 +64,30 @@ def test_unknown_parent_is_applied_and_counted():
     s, index = subscriber()
     s._apply("w", stored(1, [7], parent=12345))
     assert index.overlaps([7]) == {"w": 1} and index.counters.unknown_parent == 1
+
+
+def test_batch_of_a_new_incarnation_resets_the_worker_and_asks_for_a_snapshot():
+    s, index = subscriber()
+    first = stored(1, [1, 2])
+    first.incarnation = 7
+    assert s._apply("w", first) and s.incarnation["w"] == 7
+    # The same instance id restarted and issued ids past ours: nothing it says may be merged.
+    later = stored(2, [8], parent=None)
+    later.incarnation = 9
+    assert not s._apply("w", later)
+    assert index.overlaps([1, 2]) == {} and s.last_event_id["w"] == 0 and s.incarnation["w"] == 9
+    assert s.counters.incarnations == 1
+    snap = stored(5, [8], snapshot=True)
+    snap.incarnation = 9
+    assert s._apply("w", snap) and index.overlaps([8]) == {"w": 1} and s.last_event_id["w"] == 5
+
+
+def test_snapshot_of_a_new_incarnation_replaces_without_a_second_round_trip():
+    s, index = subscriber()
+    a = stored(1, [1])
+    a.incarnation = 3
+    s._apply("w", a)
+    snap = stored(1, [4], snapshot=True)
+    snap.incarnation = 4
+    assert s._apply("w", snap) and index.overlaps([1]) == {} and index.overlaps([4]) == {"w": 1}
+    assert s.incarnation["w"] == 4 and s.counters.incarnations == 0

@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import secrets
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -21,6 +22,7 @@ import torch
 from common import metrics as metrics_http
 from common import tracing
 from common.block_hash import hash_seed
+from common.env import TEST_INSTANCE_ID_VAR, read_env
 from common.lifecycle import install_stop_signals
 from common.grpc_server import RunningServer, advertised_host, start_server
 from common.pb.tandem.v1 import discovery_pb2, kv_events_pb2_grpc
@@ -198,7 +200,10 @@ class WorkerRuntime:
         torch.set_num_threads(opts.torch_threads)
         self.role = role
         self.opts = opts
-        self.instance_id = f"{discovery_pb2.Role.Name(role).removeprefix('ROLE_').lower()}-{uuid.uuid4().hex[:12]}"
+        self.instance_id = (read_env(TEST_INSTANCE_ID_VAR, str)
+                            or f"{discovery_pb2.Role.Name(role).removeprefix('ROLE_').lower()}-{uuid.uuid4().hex[:12]}")
+        # New at every start, so a restart under the same instance id is told apart (records, KV events).
+        self.incarnation = secrets.randbits(64) | 1
         if loaded is None:  # a given model keeps its own device and dtype (tests share one)
             device = opts.torch_device()
             # bf16 weights on a GPU (the gate bias stays float32: see engine/model.py)
@@ -245,7 +250,7 @@ class WorkerRuntime:
                 self.pool.kv.share_memory_()  # every stage writes its own layers here (before registering)
             self.pipeline = Pipeline(self.loaded.model, self.pool.kv, self.pool.config, ranges, self.device,
                                      opts.torch_threads)
-        self.events = KvEventLog(self.pool.blocks)
+        self.events = KvEventLog(self.pool.blocks, incarnation=self.incarnation)
         self.stats = WorkerStats()
         self.scheduler: Any = None  # decode: its DecodeScheduler (admission and retraction state)
         self.start_time = time.time()
@@ -437,7 +442,7 @@ class WorkerRuntime:
             block_size=self.opts.block_size, hash_seed=self.pool.hash_seed,
             kv_capacity_blocks=self.pool.config.num_blocks, transfer_agent_name=self.agent.name,
             state=discovery_pb2.INSTANCE_STATE_SERVING, start_time_unix=self.start_time, version=VERSION,
-            metrics_address=self.metrics_address)
+            metrics_address=self.metrics_address, incarnation=self.incarnation)
 
     def close(self) -> None:
         if self.engine is not None:  # stop the EP ranks from the model thread, between steps

@@ -15,7 +15,8 @@ class KvEventServicer(pb_grpc.KvEventServiceServicer):
 
     async def Subscribe(self, request: pb.SubscribeRequest, context: grpc.aio.ServicerContext):
         last = request.from_event_id
-        new = last == 0  # a new subscriber starts from a snapshot
+        # A new subscriber, or one whose ids are another incarnation's, starts from a snapshot.
+        new = last == 0 or self._log.other_incarnation(request.incarnation)
         while True:
             changed = self._log.changed()  # take the event before reading, so no batch is missed
             batches = None if new else self._log.since(last)
@@ -26,6 +27,7 @@ class KvEventServicer(pb_grpc.KvEventServiceServicer):
                 last = snap.event_id
             else:
                 for b in batches:
-                    yield pb.KvEventBatch(event_id=b.event_id, events=[event_to_proto(e) for e in b.events])
+                    yield pb.KvEventBatch(event_id=b.event_id, incarnation=self._log.incarnation,
+                                          events=[event_to_proto(e) for e in b.events])
                     last = b.event_id
             await changed.wait()

@@ -7,20 +7,24 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class SubscribeRequest(_message.Message):
-    __slots__ = ("from_event_id",)
+    __slots__ = ("from_event_id", "incarnation")
     FROM_EVENT_ID_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
     from_event_id: int
-    def __init__(self, from_event_id: _Optional[int] = ...) -> None: ...
+    incarnation: int
+    def __init__(self, from_event_id: _Optional[int] = ..., incarnation: _Optional[int] = ...) -> None: ...
 
 class KvEventBatch(_message.Message):
-    __slots__ = ("event_id", "snapshot", "events")
+    __slots__ = ("event_id", "snapshot", "events", "incarnation")
     EVENT_ID_FIELD_NUMBER: _ClassVar[int]
     SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
     EVENTS_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
     event_id: int
     snapshot: bool
     events: _containers.RepeatedCompositeFieldContainer[KvEvent]
-    def __init__(self, event_id: _Optional[int] = ..., snapshot: _Optional[bool] = ..., events: _Optional[_Iterable[_Union[KvEvent, _Mapping]]] = ...) -> None: ...
+    incarnation: int
+    def __init__(self, event_id: _Optional[int] = ..., snapshot: _Optional[bool] = ..., events: _Optional[_Iterable[_Union[KvEvent, _Mapping]]] = ..., incarnation: _Optional[int] = ...) -> None: ...
 
 class KvEvent(_message.Message):
     __slots__ = ("stored", "removed", "cleared")
