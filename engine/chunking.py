@@ -87,13 +87,16 @@ class ChunkPlanner:
     def next_chunk(self, prefix: int, remaining: int) -> int:
         """Tokens of the next chunk after `prefix` computed tokens, with `remaining` (> 0) left.
 
-        Always in [1, remaining]; static planning gives min(base, remaining).
+        Always in [1, min(base, remaining)]; static planning gives min(base, remaining).
         """
         if remaining < 1:
             raise ValueError(f"remaining must be >= 1, got {remaining}")
         if self.fit is None:
             return min(self.base, remaining)
-        x = self.base + self.smoothing * (self.equal_time_chunk(prefix) - self.base)
+        # never above base: with a fit whose slope at 0 is negative (noisy start-up timings on a
+        # busy machine, b < -2a·base) the formula's larger root lies past the curve's minimum
+        x = min(self.equal_time_chunk(prefix), self.base)
+        x = self.base + self.smoothing * (x - self.base)
         x = max(x, self.base / 4)
         size = int(x) // self.block_size * self.block_size
         # base/4 below one block: keep at least one block so the plan always advances

@@ -101,3 +101,13 @@ def test_bad_options_name_the_flag():
 def test_profile_lengths():
     assert profile_lengths(256, 16, 100_000) == [64, 128, 256, 512, 1024]
     assert profile_lengths(256, 16, 300) == [64, 128, 256, 300]
+
+
+def test_a_fit_falling_at_zero_never_gives_chunks_above_base():
+    # timings from a busy machine: a > 0 but b < -2a·base, so f(x) - f(0) = T has its larger
+    # root far past base (the start-up fit of tests/test_e2e_prefill_pipeline.py once gave 160
+    # for a base of 64)
+    fit = QuadraticFit(a=1e-6, b=-2e-4, c=0.05)
+    planner = ChunkPlanner(64, 16, fit, 0.75)
+    sizes = [e - s for s, e in planner.chunks(0, 4096)]
+    assert max(sizes) <= 64 and sum(sizes) == 4096
