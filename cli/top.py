@@ -83,6 +83,8 @@ def render(status: pb.ClusterStatusResponse):
         load = f"{w.active_blocks} blk" if w.role == "decode" else f"{w.queued_prefill_tokens} tok"
         used = _pct(w.active_blocks, w.kv_capacity_blocks) if w.role == "decode" else "-"
         health = "[green]healthy[/]" if w.healthy else f"[red]unhealthy ({w.consecutive_failures})[/]"
+        if w.refused:
+            health = f"[red]refused: {w.refused}[/]"
         table.add_row(w.instance_id, w.role, w.state, health, str(w.in_flight_requests), load, used,
                       f"{w.indexed_blocks}/{w.kv_capacity_blocks}", str(w.routed_requests),
                       f"{100 * w.hit_rate:.0f}%" if w.routed_requests else "-", w.metrics_address or "-")

@@ -24,9 +24,14 @@ BlockHash = NewType("BlockHash", int)
 _LE64 = struct.Struct("<Q")
 
 
-def hash_seed(model: str, lora: str = "", cache_salt: str = "") -> int:
-    """Seed for block hashes of `model` (64-bit): XXH3_64 of the salt string, seed 0."""
-    salt = f"tandem/v1\x00{model}\x00{lora}\x00{cache_salt}".encode()
+def hash_seed(model: str, lora: str = "", cache_salt: str = "", weights: str = "") -> int:
+    """Seed for block hashes of `model` (64-bit): XXH3_64 of the salt string, seed 0.
+
+    `weights` is the weights' fingerprint (engine/model_source.py `weights_fingerprint`), so
+    two workers with one model name but other weights never share block hashes; "" (a worker
+    that publishes none, e.g. the mocker) leaves the salt as it was before fingerprints.
+    """
+    salt = f"tandem/v1\x00{model}\x00{lora}\x00{cache_salt}{chr(0) + weights if weights else ''}".encode()
     return xxhash.xxh3_64_intdigest(salt)
 
 

@@ -6,6 +6,10 @@ reference) loads them through `load_model` with the same spec and seed.
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import json
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,6 +31,7 @@ class LoadedModel:
     config: ModelConfig
     model: torch.nn.Module
     checkpoint_dir: Path | None
+    fingerprint: str = ""  # weights_fingerprint(): published in discovery, enters the block-hash seed
 
     def tokenizer(self) -> TextTokenizer:
         return load_tokenizer(self.checkpoint_dir)
@@ -55,6 +60,42 @@ def load_config(spec: str = DEFAULT_MODEL) -> tuple[str, ModelConfig, Path | Non
     return model_name(spec), ModelConfig.from_json_file(path / "config.json"), path
 
 
+SAMPLE_BYTES = 1 << 20  # tensor bytes read from each end of every safetensors file for the fingerprint
+
+
+def _safetensors_digest(path: Path, h) -> None:
+    """Feed `h` a file's safetensors header (names, dtypes, shapes, offsets) and SAMPLE_BYTES
+    of tensor data from each end: a cheap stand-in for hashing every byte, which tells apart
+    checkpoints of one architecture trained differently without reading gigabytes at start-up."""
+    size = path.stat().st_size
+    with path.open("rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        h.update(f.read(n))
+        data_start = 8 + n
+        h.update(f.read(min(SAMPLE_BYTES, size - data_start)))
+        f.seek(max(data_start, size - SAMPLE_BYTES))
+        h.update(f.read())
+    h.update(struct.pack("<Q", size))
+
+
+def weights_fingerprint(config: ModelConfig, checkpoint_dir: Path | None = None, seed: int | None = None) -> str:
+    """Identity of a model's weights (16 hex digits), published in discovery and mixed into the
+    block-hash seed so workers with one model name but other weights are never used together.
+
+    A checkpoint folder: config plus every safetensors file's header and sampled tensor bytes
+    (`_safetensors_digest`); a seeded model (tandem-tiny): config plus the seed.
+    """
+    h = hashlib.sha256(json.dumps(dataclasses.asdict(config), sort_keys=True, default=str).encode())
+    if checkpoint_dir is None:
+        h.update(f"seed={seed}".encode())
+    else:
+        from engine.loader import checkpoint_files
+        for path in sorted(set(checkpoint_files(checkpoint_dir).values())):
+            h.update(path.name.encode() + b"\x00")
+            _safetensors_digest(path, h)
+    return h.hexdigest()[:16]
+
+
 def load_model(spec: str = DEFAULT_MODEL, seed: int = 0, dtype: torch.dtype = torch.float32) -> LoadedModel:
     """Load `spec`: TINY (seeded weights), a shipped model's name, or a folder with
     config.json + model.safetensors (+ tokenizer.json).
@@ -68,9 +109,10 @@ def load_model(spec: str = DEFAULT_MODEL, seed: int = 0, dtype: torch.dtype = to
 
     if spec in ("", TINY):
         config = ModelConfig.tiny()
-        return LoadedModel(TINY, config, build_model(config, seed=seed, dtype=dtype).eval(), None)
+        return LoadedModel(TINY, config, build_model(config, seed=seed, dtype=dtype).eval(), None,
+                           weights_fingerprint(config, seed=seed))
     path = _folder(spec)
     if not (path / "config.json").exists():
         raise FileNotFoundError(f"--model {spec}: no config.json there (expected a Hugging Face checkpoint folder)")
     model, config = load_checkpoint(path, dtype=dtype)
-    return LoadedModel(model_name(spec), config, model.eval(), path)
+    return LoadedModel(model_name(spec), config, model.eval(), path, weights_fingerprint(config, path))

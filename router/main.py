@@ -67,6 +67,7 @@ class RouterOptions:
     keepalive_time_s: float = 10.0  # seconds between HTTP/2 keepalive PINGs on every channel to a worker
     keepalive_timeout_s: float = 5.0  # seconds a PING may go unanswered before the channel's calls fail
     http_port: int = -1  # OpenAI-compatible HTTP API (router/http_api.py): -1 = off, 0 = any free port
+    drain_timeout_s: float = 30.0  # on SIGTERM: let in-flight streams finish for at most this long
 
     def __post_init__(self) -> None:
         metrics_http.validate_port(self.metrics_port)
@@ -88,6 +89,8 @@ class RouterOptions:
             raise ValueError(f"--health-failure-threshold must be >= 1, got {self.health_failure_threshold}")
         if self.default_deadline_s <= 0:
             raise ValueError(f"--default-deadline must be > 0 seconds, got {self.default_deadline_s}")
+        if self.drain_timeout_s < 0:
+            raise ValueError(f"--drain-timeout must be >= 0 seconds, got {self.drain_timeout_s}")
         if self.token_stall_timeout_s < 0:
             raise ValueError(f"--token-stall-timeout must be >= 0 seconds (0 = off), got {self.token_stall_timeout_s}")
         Keepalive(self.keepalive_time_s, self.keepalive_timeout_s)  # fails naming the flags
@@ -153,6 +156,28 @@ async def _follow_membership(watcher: InstanceWatcher, on_change) -> None:
     on_change()
     async for _ in watcher.events(replay=False):
         on_change()
+
+
+async def drain(servicer: FrontendServicer, server: RunningServer, registration: Registration,
+                instance: discovery_pb2.Instance, timeout_s: float) -> None:
+    """The drain stage, as a worker's (worker/host.py `drain`): refuse new Generate calls with
+    UNAVAILABLE, report NOT_SERVING, mark the etcd record DRAINING, and let the streams in
+    flight finish for at most `timeout_s`. Health probes, discovery and migration keep running
+    meanwhile, so a stream whose decode worker fails during the drain still migrates. The
+    signal handlers stay installed: a second SIGTERM exits at once (common/lifecycle.py)."""
+    servicer.draining = True
+    await server.set_serving(False)
+    draining = discovery_pb2.Instance()
+    draining.CopyFrom(instance)
+    draining.state = discovery_pb2.INSTANCE_STATE_DRAINING
+    try:
+        await registration.update(draining)
+    except Exception as exc:  # noqa: BLE001 - etcd down: the health status and the refusals still hold
+        log.warning("could not mark router %s DRAINING in etcd: %s", instance.instance_id, exc)
+    log.info("router %s draining: %d streams in flight", instance.instance_id, servicer.running)
+    if not await servicer.wait_idle(timeout_s):
+        log.warning("router %s: drain timeout (%.0f s) with %d streams still in flight; cutting them",
+                    instance.instance_id, timeout_s, servicer.running)
 
 
 async def run(opts: RouterOptions, ready: Callable[[RunningServer, FrontendServicer], None] | None = None,
@@ -231,6 +256,7 @@ async def run(opts: RouterOptions, ready: Callable[[RunningServer, FrontendServi
         ready(server, servicer)
     try:
         await stop.wait()
+        await drain(servicer, server, registration, instance, opts.drain_timeout_s)
     finally:
         restore_signals()
         log.info("%s", servicer.overhead_summary())

@@ -158,7 +158,7 @@ class RouterMetrics:
             fams["prompt_blocks"].add_metric(lv, routes.prompt_blocks.get(wid, 0))
             fams["overlap_blocks"].add_metric(lv, routes.overlap_blocks.get(wid, 0))
         yield from fams.values()
-        yield counter("tandem_router_refused_workers", "workers refused for another model, block size or hash seed",
+        yield counter("tandem_router_refused_workers", "workers refused for another model, block size, weights or hash seed",
                       workers.refused_workers)
 
 

@@ -53,6 +53,15 @@ class Placement:
         self.decode_policy = make_policy(opts.mode, opts.prefill_weight, opts.temperature, rng(0))
         self.prefill_policy = make_policy(opts.mode, opts.prefill_weight, opts.temperature, rng(1))
 
+    def _refused_note(self) -> str:
+        """For the UNAVAILABLE message: the decode workers in discovery this router refuses, and why."""
+        refused = self.workers.refused(discovery_pb2.ROLE_DECODE)
+        if not refused:
+            return ""
+        return ("; refused decode workers: "
+                + "; ".join(f"{inst.instance_id} at {inst.address} ({why})" for inst, why in refused[:5])
+                + (f"; and {len(refused) - 5} more" if len(refused) > 5 else ""))
+
     def route(self, tokens: list[int], exclude: frozenset[str] = frozenset()) -> tuple[RouteDecision, list[int]]:
         """Choose the decode worker and the prefill worker (or local prefill) for a prompt.
 
@@ -72,7 +81,8 @@ class Placement:
         blocks = len(tokens) // bs
         decodes = [d for d in self.workers.candidates(discovery_pb2.ROLE_DECODE) if d.instance_id not in exclude]
         if not decodes:
-            raise NoWorker("no healthy decode worker" + (f" other than {', '.join(sorted(exclude))}" if exclude else ""))
+            raise NoWorker("no healthy decode worker" + (f" other than {', '.join(sorted(exclude))}" if exclude else "")
+                           + self._refused_note())
         scored = self.decode_policy.score(discovery_pb2.ROLE_DECODE, decodes, overlaps, blocks, self.load)
         decode = self.decode_policy.pick(scored)
         prefill, reason = None, ""

@@ -87,6 +87,9 @@ class FrontendServicer(pb_grpc.FrontendServiceServicer):
         self.migrations = 0  # counter: requests continued on another decode worker mid-stream
         self.retries = 0  # counter: decode calls retried on another worker before any token
         self.running = 0  # Generate calls in progress
+        self._idle = asyncio.Event()  # set while running == 0 (the drain waits on it)
+        self._idle.set()
+        self.draining = False  # set on SIGTERM (router/main.py drain): new Generate calls get UNAVAILABLE
         self.metrics = metrics or RouterMetrics()
         self.cluster_status = None  # async (request, context) -> ClusterStatusResponse, set by router/main.py
         tokenizer.max_token_bytes  # computed once here, not on the first request
@@ -202,9 +205,13 @@ class FrontendServicer(pb_grpc.FrontendServiceServicer):
         # getattr: an unparsable request (common/lenient_parse.py) is answered by _validated.
         request_id = getattr(request, "request_id", "") or uuid.uuid4().hex
         logs.request_id.set(request_id)  # this RPC's task only
+        if self.draining:  # before counting it: the drain waits only for the calls it let in
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "router is draining (shutting down); "
+                                "send the request to another router")
         timer = self.metrics.request_timer()
         outcome, code = "error", grpc.StatusCode.UNKNOWN
         self.running += 1
+        self._idle.clear()
         try:
             async for out in self._generate(request, context, request_id):
                 timer.tokens(len(out.token_ids))
@@ -229,7 +236,17 @@ class FrontendServicer(pb_grpc.FrontendServiceServicer):
             raise
         finally:
             self.running -= 1
+            if self.running == 0:
+                self._idle.set()
             timer.done(outcome, code.name)
+
+    async def wait_idle(self, timeout_s: float) -> bool:
+        """Wait until no Generate call is in progress; False if timeout_s passed first."""
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout_s)
+            return True
+        except (TimeoutError, asyncio.TimeoutError):
+            return False
 
     async def _generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext, request_id: str):
         arrived, arrived_cpu = time.perf_counter(), time.thread_time()

@@ -31,7 +31,8 @@ class ClusterView:
         servicer, load, health, routes = self.servicer, self.load, self.health, self.servicer.metrics.routes
         out = pb.ClusterStatusResponse(router_instance_id=self.instance_id, model=self.workers.model, mode=self.mode,
                                        running_requests=servicer.running, migrations=servicer.migrations,
-                                       metrics_address=self.metrics_address)
+                                       metrics_address=self.metrics_address,
+                                       weights_fingerprint=self.workers.fingerprint)
         for role in (discovery_pb2.ROLE_PREFILL, discovery_pb2.ROLE_DECODE):
             for inst in sorted(self.workers.candidates(role, serving_only=False), key=lambda i: i.instance_id):
                 wid = inst.instance_id
@@ -48,7 +49,12 @@ class ClusterView:
                     kv_capacity_blocks=inst.kv_capacity_blocks,
                     indexed_blocks=self.index.num_blocks(wid) if self.index is not None and wid in self.index else 0,
                     routed_requests=routes.requests.get(wid, 0), hit_rate=routes.hit_rate(wid),
-                    metrics_address=inst.metrics_address))
+                    metrics_address=inst.metrics_address, weights_fingerprint=inst.weights_fingerprint))
+            for inst, why in sorted(self.workers.refused(role), key=lambda r: r[0].instance_id):
+                out.workers.append(pb.WorkerStatus(
+                    instance_id=inst.instance_id, role=discovery_pb2.Role.Name(role).removeprefix("ROLE_").lower(),
+                    address=inst.address, state="refused", healthy=False, kv_capacity_blocks=inst.kv_capacity_blocks,
+                    metrics_address=inst.metrics_address, weights_fingerprint=inst.weights_fingerprint, refused=why))
         return out
 
     async def __call__(self, request: pb.ClusterStatusRequest, context: Any) -> pb.ClusterStatusResponse:

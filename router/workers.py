@@ -14,6 +14,7 @@ import time
 
 import grpc
 
+from common import block_hash
 from common.grpc_server import channel
 from common.pb.tandem.v1 import discovery_pb2
 
@@ -21,42 +22,93 @@ log = logging.getLogger(__name__)
 
 
 class WorkerSet:
-    """Which workers can serve this router's model (same name, block size and hash seed)."""
+    """Which workers can serve this router's model: same name, block size and weights.
+
+    Weights (model identity): workers publish a fingerprint of their weights
+    (`Instance.weights_fingerprint`, which also enters their hash seed). The router has no
+    weights of its own to compare with, so it accepts the fingerprint most workers of its model
+    name and block size in discovery have, ties going to the earliest started, and refuses the
+    others with one log line each: a worker started with another --seed or another checkpoint
+    folder under the same name is never mixed in. The accepted fingerprint follows discovery
+    (a rolling replacement of every worker moves it once the new weights are the majority).
+    """
 
     def __init__(self, watcher, model: str, block_size: int, hash_seed: int) -> None:
         self._watcher = watcher
         self.model = model
         self.block_size = block_size
-        self.hash_seed = hash_seed
+        self._base_seed = hash_seed  # the seed of workers that publish no fingerprint (the mocker)
         self._channels: dict[str, tuple[str, grpc.aio.Channel]] = {}  # instance id -> (address, channel)
         self._closing: set[asyncio.Task] = set()  # strong references to channel closes
         self.channels_closed = 0  # counter: channels closed because their instance left or moved
-        self._refused: set[str] = set()
-        self.refused_workers = 0  # counter: workers refused for model, block size or hash seed
+        self._refused: dict[str, str] = {}  # instance id -> why, logged once per instance and reason
+        self.refused_workers = 0  # counter: workers refused for model, block size, weights or hash seed
         self._aside: dict[str, float] = {}  # instance id -> monotonic time it may be used again
         self.set_aside_s = 5.0
         self.health = None  # router.health.HealthTracker, when probing: unhealthy workers are not candidates
 
-    def _compatible(self, inst: discovery_pb2.Instance) -> bool:
-        if inst.model == self.model and inst.block_size == self.block_size and inst.hash_seed == self.hash_seed:
+    def seed_for(self, fingerprint: str) -> int:
+        """The hash seed of a worker of this model with these weights (must match worker/host.py)."""
+        return block_hash.hash_seed(self.model, weights=fingerprint) if fingerprint else self._base_seed
+
+    @property
+    def fingerprint(self) -> str:
+        """The weights fingerprint accepted now (see the class docstring)."""
+        return self._accepted(self._watcher.instances())
+
+    @property
+    def hash_seed(self) -> int:
+        """The seed of the accepted workers' block hashes (the router's lookups use it)."""
+        return self.seed_for(self.fingerprint)
+
+    def _accepted(self, view: dict[str, discovery_pb2.Instance]) -> str:
+        votes: dict[str, tuple[int, float]] = {}  # fingerprint -> (-workers, earliest start)
+        for i in view.values():
+            if i.role != discovery_pb2.ROLE_ROUTER and i.model == self.model and i.block_size == self.block_size:
+                n, first = votes.get(i.weights_fingerprint, (0, float("inf")))
+                votes[i.weights_fingerprint] = (n - 1, min(first, i.start_time_unix))
+        return min(votes, key=lambda fp: (votes[fp], fp)) if votes else ""
+
+    def refusal(self, inst: discovery_pb2.Instance, accepted: str) -> str:
+        """Why this worker is not used ("" when it is)."""
+        if inst.model != self.model:
+            return f"model {inst.model!r}, router serves {self.model!r}"
+        if inst.block_size != self.block_size:
+            return f"block_size {inst.block_size}, router has {self.block_size}"
+        if inst.weights_fingerprint != accepted:
+            return (f"weights fingerprint {inst.weights_fingerprint or '(none)'} differs from {accepted or '(none)'}, "
+                    f"the one most {self.model} workers have (other weights under the same model name)")
+        if inst.hash_seed != self.seed_for(accepted):
+            return f"hash_seed {inst.hash_seed}, router expects {self.seed_for(accepted)}"
+        return ""
+
+    def _compatible(self, inst: discovery_pb2.Instance, accepted: str) -> bool:
+        why = self.refusal(inst, accepted)
+        if not why:
             return True
-        if inst.instance_id not in self._refused:  # say it once, never score it silently
-            self._refused.add(inst.instance_id)
+        if self._refused.get(inst.instance_id) != why:  # say it once, never score it silently
+            self._refused[inst.instance_id] = why
             self.refused_workers += 1
-            log.warning("refusing worker %s at %s: model=%s block_size=%d hash_seed=%d, router has "
-                        "model=%s block_size=%d hash_seed=%d", inst.instance_id, inst.address, inst.model,
-                        inst.block_size, inst.hash_seed, self.model, self.block_size, self.hash_seed)
+            log.warning("refusing worker %s at %s: %s", inst.instance_id, inst.address, why)
         return False
 
     def candidates(self, role: int, serving_only: bool = True) -> list[discovery_pb2.Instance]:
         """Compatible instances of `role` in discovery now: by default only SERVING ones that
         are neither set aside nor unhealthy."""
         now = time.monotonic()
-        return [i for i in self._watcher.instances().values()
-                if i.role == role and self._compatible(i)
+        view = self._watcher.instances()
+        accepted = self._accepted(view)
+        return [i for i in view.values()
+                if i.role == role and self._compatible(i, accepted)
                 and (not serving_only or (i.state == discovery_pb2.INSTANCE_STATE_SERVING
                                           and self._aside.get(i.instance_id, 0.0) <= now
                                           and (self.health is None or self.health.healthy(i.instance_id))))]
+
+    def refused(self, role: int) -> list[tuple[discovery_pb2.Instance, str]]:
+        """Instances of `role` in discovery that this router does not use, with the reason."""
+        view = self._watcher.instances()
+        accepted = self._accepted(view)
+        return [(i, why) for i in view.values() if i.role == role and (why := self.refusal(i, accepted))]
 
     def instance_ids(self) -> list[str]:
         """Every instance in discovery now (any role, state or compatibility)."""

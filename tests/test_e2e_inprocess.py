@@ -230,6 +230,6 @@ def test_kv_events_stream_snapshot_then_stored(cluster, stub):
                 break
         events.cancel()
     from common.block_hash import block_hashes, hash_seed
-    expected = block_hashes(prompt, 16, hash_seed("tandem-tiny"))
+    expected = block_hashes(prompt, 16, hash_seed("tandem-tiny", weights=cluster.loaded.fingerprint))
     # The decode worker caches the prompt's full blocks except the last one it recomputes.
     assert set(stored) <= set(expected) and stored[:2] == expected[:2]

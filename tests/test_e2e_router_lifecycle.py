@@ -35,7 +35,8 @@ def cluster(etcd_server, tiny_model):
 def record(c: InProcessCluster, instance_id: str, address: str, capacity: int = 512) -> Registration:
     inst = discovery_pb2.Instance(instance_id=instance_id, role=discovery_pb2.ROLE_DECODE, address=address,
                                   model=c.loaded.name, block_size=c.worker_opts.block_size,
-                                  hash_seed=hash_seed(c.loaded.name), state=discovery_pb2.INSTANCE_STATE_SERVING,
+                                  hash_seed=hash_seed(c.loaded.name, weights=c.loaded.fingerprint),
+                                  weights_fingerprint=c.loaded.fingerprint, state=discovery_pb2.INSTANCE_STATE_SERVING,
                                   kv_capacity_blocks=capacity)
     return Registration(c.etcd, c.namespace, inst, ttl_seconds=5)
 

@@ -76,7 +76,7 @@ def test_kv_accounting_matches_the_real_decode_worker(real_decode, tiny_model):
     real_events = cluster.on_loop(lambda: flatten(h.runtime.events.since(0) or []))
     real_free = cluster.on_loop(lambda: (h.runtime.pool.blocks.num_free, h.runtime.pool.blocks.num_cached))
 
-    mock_hits, mock_events, engine = run_mock(40, 4, hash_seed(tiny_model.name))
+    mock_hits, mock_events, engine = run_mock(40, 4, hash_seed(tiny_model.name, weights=tiny_model.fingerprint))
     assert hits == mock_hits
     assert any(hits) and any(e[0] == "removed" for e in real_events)  # the sequence does hit and evict
     assert real_events == mock_events

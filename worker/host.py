@@ -225,7 +225,7 @@ class WorkerRuntime:
         pool_config = dataclasses.replace(pool_config, num_blocks=pool_blocks(opts, self.loaded, pool_config, reserve))
         self.engine = None
         if engine is None:
-            self.pool = KvPool(pool_config, hash_seed(self.loaded.name), device=self.device)
+            self.pool = KvPool(pool_config, hash_seed(self.loaded.name, weights=self.loaded.fingerprint), device=self.device)
             self.runner = ModelRunner(self.loaded.model, self.pool)
             if graphs and self.runner.fast:  # before any request: graph memory comes out of the reserve above
                 self.runner.capture_graphs(opts.max_running, self.context_length)
@@ -237,7 +237,7 @@ class WorkerRuntime:
         else:  # --- EP hook: the ranks' pools (num_blocks each) and lock-step runner (decode_worker/ep_ranks.py)
             if self.device.type == "cuda":
                 log.info("decode on CUDA without graphs: expert-parallel ranks step eagerly")
-            self.engine = engine(opts, self.loaded, pool_config, hash_seed(self.loaded.name))
+            self.engine = engine(opts, self.loaded, pool_config, hash_seed(self.loaded.name, weights=self.loaded.fingerprint))
             self.pool, self.runner = self.engine.pool, self.engine
         self.planner = self._chunk_planner()
         self.pipeline = None
@@ -442,7 +442,8 @@ class WorkerRuntime:
             block_size=self.opts.block_size, hash_seed=self.pool.hash_seed,
             kv_capacity_blocks=self.pool.config.num_blocks, transfer_agent_name=self.agent.name,
             state=discovery_pb2.INSTANCE_STATE_SERVING, start_time_unix=self.start_time, version=VERSION,
-            metrics_address=self.metrics_address, incarnation=self.incarnation)
+            metrics_address=self.metrics_address, incarnation=self.incarnation,
+            weights_fingerprint=self.loaded.fingerprint)
 
     def close(self) -> None:
         if self.engine is not None:  # stop the EP ranks from the model thread, between steps

@@ -26,7 +26,7 @@ INSTANCE_STATE_SERVING: InstanceState
 INSTANCE_STATE_DRAINING: InstanceState
 
 class Instance(_message.Message):
-    __slots__ = ("instance_id", "role", "address", "model", "block_size", "hash_seed", "kv_capacity_blocks", "transfer_agent_name", "state", "start_time_unix", "version", "metrics_address", "http_address", "incarnation")
+    __slots__ = ("instance_id", "role", "address", "model", "block_size", "hash_seed", "kv_capacity_blocks", "transfer_agent_name", "state", "start_time_unix", "version", "metrics_address", "http_address", "incarnation", "weights_fingerprint")
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -41,6 +41,7 @@ class Instance(_message.Message):
     METRICS_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     HTTP_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
     role: Role
     address: str
@@ -55,4 +56,5 @@ class Instance(_message.Message):
     metrics_address: str
     http_address: str
     incarnation: int
-    def __init__(self, instance_id: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., address: _Optional[str] = ..., model: _Optional[str] = ..., block_size: _Optional[int] = ..., hash_seed: _Optional[int] = ..., kv_capacity_blocks: _Optional[int] = ..., transfer_agent_name: _Optional[str] = ..., state: _Optional[_Union[InstanceState, str]] = ..., start_time_unix: _Optional[float] = ..., version: _Optional[str] = ..., metrics_address: _Optional[str] = ..., http_address: _Optional[str] = ..., incarnation: _Optional[int] = ...) -> None: ...
+    weights_fingerprint: str
+    def __init__(self, instance_id: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., address: _Optional[str] = ..., model: _Optional[str] = ..., block_size: _Optional[int] = ..., hash_seed: _Optional[int] = ..., kv_capacity_blocks: _Optional[int] = ..., transfer_agent_name: _Optional[str] = ..., state: _Optional[_Union[InstanceState, str]] = ..., start_time_unix: _Optional[float] = ..., version: _Optional[str] = ..., metrics_address: _Optional[str] = ..., http_address: _Optional[str] = ..., incarnation: _Optional[int] = ..., weights_fingerprint: _Optional[str] = ...) -> None: ...

@@ -112,7 +112,7 @@ class ClusterStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ClusterStatusResponse(_message.Message):
-    __slots__ = ("router_instance_id", "model", "mode", "running_requests", "migrations", "metrics_address", "workers")
+    __slots__ = ("router_instance_id", "model", "mode", "running_requests", "migrations", "metrics_address", "workers", "weights_fingerprint")
     ROUTER_INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
@@ -120,6 +120,7 @@ class ClusterStatusResponse(_message.Message):
     MIGRATIONS_FIELD_NUMBER: _ClassVar[int]
     METRICS_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     router_instance_id: str
     model: str
     mode: str
@@ -127,10 +128,11 @@ class ClusterStatusResponse(_message.Message):
     migrations: int
     metrics_address: str
     workers: _containers.RepeatedCompositeFieldContainer[WorkerStatus]
-    def __init__(self, router_instance_id: _Optional[str] = ..., model: _Optional[str] = ..., mode: _Optional[str] = ..., running_requests: _Optional[int] = ..., migrations: _Optional[int] = ..., metrics_address: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ...) -> None: ...
+    weights_fingerprint: str
+    def __init__(self, router_instance_id: _Optional[str] = ..., model: _Optional[str] = ..., mode: _Optional[str] = ..., running_requests: _Optional[int] = ..., migrations: _Optional[int] = ..., metrics_address: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., weights_fingerprint: _Optional[str] = ...) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("instance_id", "role", "address", "state", "healthy", "consecutive_failures", "in_flight_requests", "active_blocks", "queued_prefill_tokens", "kv_capacity_blocks", "indexed_blocks", "routed_requests", "hit_rate", "metrics_address")
+    __slots__ = ("instance_id", "role", "address", "state", "healthy", "consecutive_failures", "in_flight_requests", "active_blocks", "queued_prefill_tokens", "kv_capacity_blocks", "indexed_blocks", "routed_requests", "hit_rate", "metrics_address", "weights_fingerprint", "refused")
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -145,6 +147,8 @@ class WorkerStatus(_message.Message):
     ROUTED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     HIT_RATE_FIELD_NUMBER: _ClassVar[int]
     METRICS_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
     role: str
     address: str
@@ -159,4 +163,6 @@ class WorkerStatus(_message.Message):
     routed_requests: int
     hit_rate: float
     metrics_address: str
-    def __init__(self, instance_id: _Optional[str] = ..., role: _Optional[str] = ..., address: _Optional[str] = ..., state: _Optional[str] = ..., healthy: _Optional[bool] = ..., consecutive_failures: _Optional[int] = ..., in_flight_requests: _Optional[int] = ..., active_blocks: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., kv_capacity_blocks: _Optional[int] = ..., indexed_blocks: _Optional[int] = ..., routed_requests: _Optional[int] = ..., hit_rate: _Optional[float] = ..., metrics_address: _Optional[str] = ...) -> None: ...
+    weights_fingerprint: str
+    refused: str
+    def __init__(self, instance_id: _Optional[str] = ..., role: _Optional[str] = ..., address: _Optional[str] = ..., state: _Optional[str] = ..., healthy: _Optional[bool] = ..., consecutive_failures: _Optional[int] = ..., in_flight_requests: _Optional[int] = ..., active_blocks: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., kv_capacity_blocks: _Optional[int] = ..., indexed_blocks: _Optional[int] = ..., routed_requests: _Optional[int] = ..., hit_rate: _Optional[float] = ..., metrics_address: _Optional[str] = ..., weights_fingerprint: _Optional[str] = ..., refused: _Optional[str] = ...) -> None: ...
