@@ -79,10 +79,12 @@ def test_top_prints_tables_when_stdout_is_a_pipe(router):
 
 
 def test_top_quits_on_q(router):
-    pid, fd = pty.fork()
-    if pid == 0:  # the child: stdin and stdout are the pty
-        os.chdir(ROOT)
-        os.execv(PY, [PY, "-m", "cli.main", "top", "--router", router.address, "--interval", "0.2"])
+    # a pty for the child's stdin/stdout, started with subprocess (exec in C right after fork):
+    # pty.fork() runs Python in the child of a multi-threaded test process, which can crash there
+    fd, slave = pty.openpty()
+    proc = subprocess.Popen([PY, "-m", "cli.main", "top", "--router", router.address, "--interval", "0.2"],
+                            cwd=ROOT, stdin=slave, stdout=slave, stderr=slave, start_new_session=True)
+    os.close(slave)
     out, deadline = b"", time.monotonic() + 60
     try:
         while b"router router-" not in out and time.monotonic() < deadline:
@@ -92,9 +94,8 @@ def test_top_quits_on_q(router):
         os.write(fd, b"q")
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline:
-            done, status = os.waitpid(pid, os.WNOHANG)
-            if done:
-                assert os.waitstatus_to_exitcode(status) == 0
+            if proc.poll() is not None:
+                assert proc.returncode == 0
                 return
             if select.select([fd], [], [], 0.2)[0]:
                 try:
@@ -103,11 +104,8 @@ def test_top_quits_on_q(router):
                     pass
         pytest.fail("tandem top did not quit on q")
     finally:
-        try:
-            os.kill(pid, 9)
-            os.waitpid(pid, 0)
-        except (ProcessLookupError, ChildProcessError):
-            pass
+        proc.kill()
+        proc.wait()
         os.close(fd)
 
 
