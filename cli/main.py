@@ -100,7 +100,8 @@ def _generate(args: argparse.Namespace) -> int:
                                    top_p=args.top_p, seed=args.sampling_seed, stop=args.stop,
                                    on_text=lambda t: print(t, end="", flush=True))
         except grpc.aio.AioRpcError as exc:
-            print(f"tandem generate: {exc.code().name}: {exc.details()}{no_router_hint(exc, args.router)}",
+            hint = no_router_hint(exc, args.router, creds is not None)
+            print(f"tandem generate: {exc.code().name}: {exc.details()}{hint}",
                   file=sys.stderr)
             return 1
         finally:
@@ -113,13 +114,15 @@ def _generate(args: argparse.Namespace) -> int:
     return asyncio.run(main())
 
 
-def no_router_hint(exc, router: str) -> str:
-    """For a call that found no router: what to do about it."""
+def no_router_hint(exc, router: str, tls: bool = True) -> str:
+    """For a call that found no router: what to do about it (`tls`: whether the call used TLS)."""
     import grpc
     if exc.code() != grpc.StatusCode.UNAVAILABLE or "connect" not in (exc.details() or "").lower():
         return ""
     return (f"\nno router at {router}: start a local cluster with `tandem up`, or pass --router "
-            f"(or TANDEM_ROUTER) with the address of yours")
+            f"(or TANDEM_ROUTER) with the address of yours"
+            + ("" if tls else "; a router of `tandem up` serves TLS: run the `export TANDEM_TLS_CA=...` line "
+               "it printed (or pass --tls-ca)"))
 
 
 def _explain(args: argparse.Namespace) -> int:
@@ -134,7 +137,8 @@ def _explain(args: argparse.Namespace) -> int:
         try:
             resp = await stub.ExplainRoute(frontend_pb2.GenerateRequest(text=args.prompt), timeout=10)
         except grpc.aio.AioRpcError as exc:
-            print(f"tandem explain: {exc.code().name}: {exc.details()}{no_router_hint(exc, args.router)}",
+            hint = no_router_hint(exc, args.router, creds is not None)
+            print(f"tandem explain: {exc.code().name}: {exc.details()}{hint}",
                   file=sys.stderr)
             return 1
         finally:
