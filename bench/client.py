@@ -71,17 +71,18 @@ def _http_client(http_url: str, connections: int):
 
 async def run_load(router: str, reqs: list[BenchRequest], speedup: float = 1.0, concurrency: int = 0,
                    timeout_s: float = 600.0, progress: bool = True, http_url: str = "",
-                   model: str = "") -> tuple[list[RequestResult], float]:
+                   model: str = "", creds=None) -> tuple[list[RequestResult], float]:
     """Send every request; returns (results in request order, wall seconds of the run).
 
     With `http_url` (e.g. "http://127.0.0.1:8000") the requests go to that OpenAI-compatible
-    API for `model` (bench/openai_client.py) instead of `router`'s gRPC API."""
+    API for `model` (bench/openai_client.py) instead of `router`'s gRPC API. `creds`
+    (common.tls.TlsCredentials): TLS to the router (default: this process's, common/tls.py)."""
     from tqdm import tqdm
 
     # disable=None: tqdm turns itself off when stderr is not a terminal (logs stay readable)
     bar = tqdm(total=len(reqs), unit="req", disable=None if progress else True, dynamic_ncols=True)
     results: list[RequestResult | None] = [None] * len(reqs)
-    async with channel(router) as ch, _http_client(http_url, concurrency or len(reqs)) as http:
+    async with channel(router, creds) as ch, _http_client(http_url, concurrency or len(reqs)) as http:
         stub = frontend_pb2_grpc.FrontendServiceStub(ch)
         await ch.channel_ready()
         t0 = time.perf_counter()

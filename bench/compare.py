@@ -73,7 +73,7 @@ def _live(reqs, mode: str, args) -> tuple[list, dict, float]:
                          "--speedup", str(args.speedup), "--tick", str(args.tick)], ready_timeout_s=300)
         await cluster.start()
         try:
-            return await run_load(cluster.router_address, reqs, args.speedup)
+            return await run_load(cluster.router_address, reqs, args.speedup, creds=cluster.client_tls)
         finally:
             await cluster.stop()
 

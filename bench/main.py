@@ -50,6 +50,9 @@ class BenchOptions:
     timeout_s: float = 600.0  # deadline of each request (real seconds)
     out: str = ""  # JSON result path; plots go beside it ("" = print only)
     label: str = ""  # name of this run in plots and JSON
+    tls_ca: str = ""  # the cluster CA: the router's certificate must chain to it (TLS); "" = plaintext
+    tls_cert: str = ""  # optional client certificate (with --tls-key)
+    tls_key: str = ""
 
     def __post_init__(self) -> None:
         if self.backend not in ("grpc", "openai"):
@@ -192,7 +195,11 @@ def add_parser(sub) -> None:
 
 
 def _main(args) -> int:
+    from cli.client import client_credentials
     from cli.flags import build
+    from common import tls
 
-    summary = run(build(BenchOptions, args))
+    opts = build(BenchOptions, args)
+    tls.TLS = client_credentials(opts)  # every channel of this client process (bench/client.py)
+    summary = run(opts)
     return 1 if summary["failed"] else 0

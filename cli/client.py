@@ -9,6 +9,7 @@ from typing import Callable
 import grpc
 
 from common.grpc_server import channel
+from common.tls import TlsCredentials, TlsFiles
 from common.pb.tandem.v1 import frontend_pb2, frontend_pb2_grpc, sampling_pb2
 
 
@@ -55,6 +56,26 @@ async def generate(stub: frontend_pb2_grpc.FrontendServiceStub, text: str = "", 
     return out
 
 
-def frontend_stub(address: str) -> tuple[grpc.aio.Channel, frontend_pb2_grpc.FrontendServiceStub]:
-    ch = channel(address)
+def frontend_stub(address: str, creds: TlsCredentials | None = None
+                  ) -> tuple[grpc.aio.Channel, frontend_pb2_grpc.FrontendServiceStub]:
+    """A channel to the router at `address`, over TLS with `creds` (plaintext without)."""
+    ch = channel(address, creds)
     return ch, frontend_pb2_grpc.FrontendServiceStub(ch)
+
+
+def client_credentials(args) -> TlsCredentials | None:
+    """The TLS credentials of a frontend client from its --tls-ca (and optional --tls-cert and
+    --tls-key); None without --tls-ca (plaintext).
+
+    Raises:
+        ValueError: naming the flag, for a missing flag or unreadable file.
+    """
+    files = TlsFiles(args.tls_cert, args.tls_key, args.tls_ca, client=True)
+    return files.load() if files.enabled else None
+
+
+CLIENT_TLS_HELP = {
+    "--tls-ca": "PEM certificate of the cluster CA: the router's certificate must chain to it (TLS; "
+                "`tandem up` prints its path); empty = plaintext",
+    "--tls-cert": "PEM client certificate issued by the cluster CA (optional; with --tls-key)",
+    "--tls-key": "PEM private key of --tls-cert"}

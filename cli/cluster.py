@@ -36,6 +36,10 @@ class LocalCluster:
         num_mocker: simulated decode workers (one `tandem mocker` process) instead of real
             workers; the model becomes tandem-mock unless another was given, and
             `mocker_args` go to that process (e.g. ["--num-blocks", "256", "--speedup", "10"]).
+        tls: mutual TLS between every process (common/tls.py): a throw-away CA and one
+            certificate per process in log_dir/tls; `ca` issues more (tests), `client_tls`
+            is a frontend client's (`cli.client.frontend_stub(address, cluster.client_tls)`).
+            False: plaintext.
     """
 
     def __init__(self, model: str = DEFAULT_MODEL, num_prefill: int = 1, num_decode: int = 1,
@@ -43,7 +47,7 @@ class LocalCluster:
                  worker_args: list[str] | None = None, router_args: list[str] | None = None,
                  log_dir: str | None = None,
                  ready_timeout_s: float = 120.0, metrics: bool = False, num_mocker: int = 0,
-                 mocker_args: list[str] | None = None, http_port: int = -1) -> None:
+                 mocker_args: list[str] | None = None, http_port: int = -1, tls: bool = True) -> None:
         if num_mocker:
             from engine.model_source import MOCK
             model = MOCK if model in (DEFAULT_MODEL, "") else model
@@ -67,6 +71,9 @@ class LocalCluster:
         self.router_address = ""
         self.http_port = http_port
         self.http_address = ""  # host:port of the router's HTTP API; "" when off
+        self.tls = tls
+        self.ca = None  # common.certs.LocalCa once started with tls
+        self.client_tls = None  # common.tls.TlsCredentials of a frontend client (role "client")
 
     @property
     def etcd_endpoint(self) -> str:
@@ -78,16 +85,30 @@ class LocalCluster:
         metrics = self.metrics and role != "mocker"  # simulated workers serve no /metrics
         cmd = [sys.executable, "-m", "cli.main", role, "--etcd", self._etcd_endpoint,
                "--namespace", self.namespace, "--model", self.model,
-               *(["--metrics-port", "0"] if metrics else []), *args]
+               *(["--metrics-port", "0"] if metrics else []), *self._tls_args(name, role), *args]
         out = open(self.log_dir / f"{name}.log", "ab")
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        # Without TLS no TANDEM_TLS_* of the caller's shell half-configures the children.
+        env = {k: v for k, v in os.environ.items() if self.tls or not k.startswith("TANDEM_TLS_")}
+        env["PYTHONUNBUFFERED"] = "1"
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env,
                                 cwd=Path(__file__).resolve().parent.parent, start_new_session=True)
         out.close()
         self.procs[name] = proc
         return proc
 
+    def _tls_args(self, name: str, role: str) -> list[str]:
+        """--tls-cert/--tls-key/--tls-ca of a new certificate for this process (none without tls)."""
+        if self.ca is None:
+            return []
+        roles = ("decode", "prefill") if role == "mocker" else (role,)  # simulated workers of both kinds
+        files = self.ca.issue(name, roles)
+        return ["--tls-cert", files.cert, "--tls-key", files.key, "--tls-ca", files.ca]
+
     async def start(self) -> None:
+        if self.tls and self.ca is None:
+            from common.certs import LocalCa
+            self.ca = LocalCa(self.log_dir / "tls")
+            self.client_tls = self.ca.issue("client", ("client",)).load()
         if not self._etcd_endpoint:
             self._etcd = EtcdServer()
             self._etcd.start()
@@ -139,7 +160,7 @@ class LocalCluster:
         from common.pb.tandem.v1 import frontend_pb2, frontend_pb2_grpc
 
         want = self.num_prefill + self.num_decode + self.num_mocker
-        async with channel(self.router_address) as ch:
+        async with channel(self.router_address, self.client_tls) as ch:
             stub = frontend_pb2_grpc.FrontendServiceStub(ch)
             while True:
                 try:

@@ -26,8 +26,8 @@ def load_questions(path: Path = QUESTIONS) -> list[dict]:
 
 
 async def send_all(address: str, prompts: list[str], concurrency: int, max_tokens: int,
-                   show: bool = True) -> list[Completion]:
-    ch, stub = frontend_stub(address)
+                   show: bool = True, creds=None) -> list[Completion]:
+    ch, stub = frontend_stub(address, creds)
     sem = asyncio.Semaphore(concurrency)
     results: list[Completion | None] = [None] * len(prompts)
 
@@ -70,7 +70,8 @@ async def run_demo(model: str = "tandem-shakespeare", concurrency: int = 8, max_
         print(f"cluster ready in {time.perf_counter() - t0:.1f} s; router at {cluster.router_address}; "
               f"sending {len(prompts)} MT-Bench questions, {concurrency} in flight, max_tokens={max_tokens}", flush=True)
         t1 = time.perf_counter()
-        results = await send_all(cluster.router_address, prompts, concurrency, max_tokens)
+        results = await send_all(cluster.router_address, prompts, concurrency, max_tokens,
+                                 creds=cluster.client_tls)
         duration = time.perf_counter() - t1
     overhead = [line.split("router overhead: ", 1)[1] for line in (cluster.log_dir / "router.log").read_text().splitlines()
                 if "router overhead: " in line]

@@ -89,6 +89,10 @@ HELP = {
     "metrics_port": "Prometheus /metrics port (-1 = off, 0 = any free port, announced in discovery)",
     "kv_recent_s": "kv mode: also count a prefix routed to a worker in the last this many seconds, before its KV "
                    "events arrive (0 = off)",
+    "tls_cert": "PEM certificate of this process, issued by the cluster CA and naming its role "
+                "(docs/security.md); with --tls-key and --tls-ca; none of the three = plaintext",
+    "tls_key": "PEM private key of --tls-cert",
+    "tls_ca": "PEM certificate of the cluster CA; peers' certificates must chain to it",
     # tandem mocker / tandem bench (mocker/fleet.py, bench/main.py)
     "num_workers": "mocker: simulated decode workers (each its own gRPC server and etcd record)",
     "num_prefill": "mocker: simulated prefill workers",

@@ -21,15 +21,20 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_option(p, "--port", 50051, "port of the local server to check when no address is given")
     add_option(p, "--service", "", "service name to check ('' = the whole server)")
     add_option(p, "--health-timeout", 2.0, "seconds the check may take", name="health_timeout_s")
+    add_option(p, "--tls-ca", "", "PEM certificate of the cluster CA (TLS; with --tls-cert and --tls-key for a "
+               "worker, whose port takes only clients with a certificate); empty = plaintext")
+    add_option(p, "--tls-cert", "", "PEM certificate issued by the cluster CA, naming a Tandem role")
+    add_option(p, "--tls-key", "", "PEM private key of --tls-cert")
     p.set_defaults(func=run)
 
 
-def check(address: str, service: str = "", timeout_s: float = 2.0) -> tuple[bool, str]:
-    """(serving?, status name or error) of one Check call; never raises for RPC failures."""
+def check(address: str, service: str = "", timeout_s: float = 2.0, creds=None) -> tuple[bool, str]:
+    """(serving?, status name or error) of one Check call, over TLS with `creds`
+    (common.tls.TlsCredentials); never raises for RPC failures."""
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    with grpc.insecure_channel(address) as ch:
+    with (grpc.secure_channel(address, creds.channel()) if creds else grpc.insecure_channel(address)) as ch:
         try:
             resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=service),
                                                          timeout=timeout_s)
@@ -40,8 +45,11 @@ def check(address: str, service: str = "", timeout_s: float = 2.0) -> tuple[bool
 
 
 def run(args: argparse.Namespace) -> int:
+    from common.tls import TlsFiles
+
     address = args.address or f"127.0.0.1:{args.port}"
-    ok, status = check(address, args.service, args.health_timeout_s)
+    files = TlsFiles(args.tls_cert, args.tls_key, args.tls_ca, client=True)
+    ok, status = check(address, args.service, args.health_timeout_s, files.load() if files.enabled else None)
     print(f"{address}{' ' + args.service if args.service else ''}: {status}", file=sys.stdout if ok else sys.stderr)
     return 0 if ok else 1
 

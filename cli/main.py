@@ -15,21 +15,27 @@ from cli.top import add_parser as add_top_parser
 
 def _router(args: argparse.Namespace) -> int:
     from common import tracing
+    from common.tls import set_tls
     from router.main import RouterOptions, run
     tracing.setup("router")
-    asyncio.run(run(build(RouterOptions, args)))
+    opts = build(RouterOptions, args)
+    set_tls(opts.tls)
+    asyncio.run(run(opts))
     return 0
 
 
 def _worker(args: argparse.Namespace) -> int:
     from common import tracing
+    from common.tls import set_tls
     from worker.host import WorkerOptions
     tracing.setup(args.command)
+    opts = build(WorkerOptions, args)
+    set_tls(opts.tls)
     if args.command == "prefill":
         from prefill_worker.main import run
     else:
         from decode_worker.main import run
-    asyncio.run(run(build(WorkerOptions, args)))
+    asyncio.run(run(opts))
     return 0
 
 
@@ -45,10 +51,17 @@ def _up(args: argparse.Namespace) -> int:
         cluster = LocalCluster(model=args.model, num_prefill=args.prefill, num_decode=args.decode, etcd=args.etcd,
                                router_port=args.port,
                                router_args=["--router-mode", args.router_mode] if args.router_mode else [],
-                               metrics=args.metrics, num_mocker=args.mocker, http_port=args.http_port)
+                               metrics=args.metrics, num_mocker=args.mocker, http_port=args.http_port,
+                               tls=not args.insecure)
+        if args.insecure:
+            print("tandem up: WARNING: --insecure: every gRPC port of this cluster serves plaintext with no "
+                  "authentication; any local process can call the workers directly", file=sys.stderr, flush=True)
         await cluster.start()
         print(f"tandem up: router at {cluster.router_address}, etcd at {cluster.etcd_endpoint}, "
               f"logs in {cluster.log_dir}; Ctrl-C stops everything", flush=True)
+        if cluster.ca is not None:
+            print(f"  mutual TLS: CA and certificates in {cluster.ca.folder}; clients: "
+                  f"export TANDEM_TLS_CA={cluster.ca.ca_path}", flush=True)
         if cluster.http_address:
             print(f"  OpenAI-compatible HTTP API at http://{cluster.http_address}/v1", flush=True)
         for name, addr in cluster.metrics_addresses().items():
@@ -72,13 +85,14 @@ def _up(args: argparse.Namespace) -> int:
 def _generate(args: argparse.Namespace) -> int:
     import grpc
 
-    from cli.client import frontend_stub, generate
+    from cli.client import client_credentials, frontend_stub, generate
     from common import tracing
 
     tracing.setup("client")  # with OTEL_EXPORTER_OTLP_ENDPOINT set, the request's trace starts here
+    creds = client_credentials(args)
 
     async def main() -> int:
-        ch, stub = frontend_stub(args.router)
+        ch, stub = frontend_stub(args.router, creds)
         try:
             with tracing.span("tandem.client.generate"):
                 trace_id = tracing.trace_id_hex()
@@ -86,7 +100,8 @@ def _generate(args: argparse.Namespace) -> int:
                                    top_p=args.top_p, seed=args.sampling_seed, stop=args.stop,
                                    on_text=lambda t: print(t, end="", flush=True))
         except grpc.aio.AioRpcError as exc:
-            print(f"tandem generate: {exc.code().name}: {exc.details()}{no_router_hint(exc, args.router)}",
+            hint = no_router_hint(exc, args.router, creds is not None)
+            print(f"tandem generate: {exc.code().name}: {exc.details()}{hint}",
                   file=sys.stderr)
             return 1
         finally:
@@ -99,27 +114,31 @@ def _generate(args: argparse.Namespace) -> int:
     return asyncio.run(main())
 
 
-def no_router_hint(exc, router: str) -> str:
-    """For a call that found no router: what to do about it."""
+def no_router_hint(exc, router: str, tls: bool = True) -> str:
+    """For a call that found no router: what to do about it (`tls`: whether the call used TLS)."""
     import grpc
     if exc.code() != grpc.StatusCode.UNAVAILABLE or "connect" not in (exc.details() or "").lower():
         return ""
     return (f"\nno router at {router}: start a local cluster with `tandem up`, or pass --router "
-            f"(or TANDEM_ROUTER) with the address of yours")
+            f"(or TANDEM_ROUTER) with the address of yours"
+            + ("" if tls else "; a router of `tandem up` serves TLS: run the `export TANDEM_TLS_CA=...` line "
+               "it printed (or pass --tls-ca)"))
 
 
 def _explain(args: argparse.Namespace) -> int:
     import grpc
 
-    from cli.client import frontend_stub
+    from cli.client import client_credentials, frontend_stub
     from common.pb.tandem.v1 import frontend_pb2
+    creds = client_credentials(args)
 
     async def main() -> int:
-        ch, stub = frontend_stub(args.router)
+        ch, stub = frontend_stub(args.router, creds)
         try:
             resp = await stub.ExplainRoute(frontend_pb2.GenerateRequest(text=args.prompt), timeout=10)
         except grpc.aio.AioRpcError as exc:
-            print(f"tandem explain: {exc.code().name}: {exc.details()}{no_router_hint(exc, args.router)}",
+            hint = no_router_hint(exc, args.router, creds is not None)
+            print(f"tandem explain: {exc.code().name}: {exc.details()}{hint}",
                   file=sys.stderr)
             return 1
         finally:
@@ -135,6 +154,13 @@ def _arg(p: argparse.ArgumentParser, flag: str, default, help: str, kind=None, e
     """One option with a TANDEM_* variable and a config file key (cli/flags.py add_option);
     env names the variable when it is not TANDEM_<FLAG> (every option has one)."""
     add_option(p, flag, default, help, kind=kind, env=env if isinstance(env, str) else None, **kw)
+
+
+def _client_tls_args(p: argparse.ArgumentParser) -> None:
+    """--tls-ca, --tls-cert, --tls-key of a client of the router (cli/client.py client_credentials)."""
+    from cli.client import CLIENT_TLS_HELP
+    for flag, text in CLIENT_TLS_HELP.items():
+        _arg(p, flag, "", text)
 
 
 # Subcommands whose options come from modules that import torch or FastAPI: only the one being
@@ -206,6 +232,8 @@ def build_parser(command: str | None = None, full: bool = True) -> argparse.Argu
          "setting, from [router] in the config file or its default kv)")
     _arg(p, "--metrics", True, "serve /metrics from every process on a free port (--no-metrics: none)", kind=bool)
     _arg(p, "--mocker", 0, "simulated workers instead of real ones (tandem mocker; model tandem-mock)")
+    _arg(p, "--insecure", False, "no TLS: every process serves and dials gRPC in plaintext, unauthenticated "
+         "(default: mutual TLS with a throw-away CA made at start-up)", kind=bool)
     p.set_defaults(func=_up)
     p = sub.add_parser("generate", help="send one prompt to a router and stream the answer")
     p.add_argument("prompt", help="prompt text")
@@ -217,10 +245,12 @@ def build_parser(command: str | None = None, full: bool = True) -> argparse.Argu
     _arg(p, "--seed", None, "sampling seed (with --temperature > 0)", kind=int, env="TANDEM_SAMPLING_SEED",
          name="sampling_seed")
     _arg(p, "--stop", None, "stop string", kind=list)
+    _client_tls_args(p)
     p.set_defaults(func=_generate)
     p = sub.add_parser("explain", help="show where the router would place a prompt, and why")
     p.add_argument("prompt", help="prompt text")
     _arg(p, "--router", "127.0.0.1:50051", "router address host:port")
+    _client_tls_args(p)
     p.set_defaults(func=_explain)
     health.add_parser(sub)
     add_top_parser(sub)

@@ -15,7 +15,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from common import tracing
+from common import tls, tracing
 
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
@@ -70,14 +70,21 @@ class RunningServer:
 
 
 async def start_server(address: str, add_services: Sequence[Callable[[grpc.aio.Server], None]],
-                       service_names: Sequence[str]) -> RunningServer:
+                       service_names: Sequence[str], internal: bool = True) -> RunningServer:
     """Bind `address` (host:port; port 0 picks a free one), add services, start serving.
+
+    With TLS on (common/tls.py set_tls) an internal server (a worker's) takes only clients
+    whose certificate chains to the cluster CA and names a role its services admit
+    (tls.RoleCheck); `internal=False` (the router's frontend) serves TLS with client
+    certificates optional. With TLS off it serves plaintext.
 
     Raises:
         RuntimeError: the address could not be bound.
     """
+    creds = tls.TLS
     # Tracing interceptors exist only when tracing is on (common/tracing.py): off costs nothing.
-    server = grpc.aio.server(interceptors=tracing.server_interceptors() or None,
+    interceptors = [*(tracing.server_interceptors() or ()), *([tls.RoleCheck()] if creds and internal else [])]
+    server = grpc.aio.server(interceptors=interceptors or None,
                              options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                                       ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                                       ("grpc.so_reuseport", 0),
@@ -92,7 +99,7 @@ async def start_server(address: str, add_services: Sequence[Callable[[grpc.aio.S
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-    port = server.add_insecure_port(address)
+    port = server.add_secure_port(address, creds.server(internal)) if creds else server.add_insecure_port(address)
     if port == 0:
         raise RuntimeError(f"could not bind gRPC server to {address}")
     await server.start()
@@ -137,16 +144,21 @@ def _bracketed(host: str) -> str:
         return host
 
 
-def channel(address: str) -> grpc.aio.Channel:
-    """A client channel with Tandem's message size limits and keepalive (KEEPALIVE)."""
+def channel(address: str, creds: tls.TlsCredentials | None = None) -> grpc.aio.Channel:
+    """A client channel with Tandem's message size limits and keepalive (KEEPALIVE), over
+    mTLS with `creds` or else this process's (tls.TLS; None: plaintext)."""
+    creds = creds or tls.TLS
     # A restarted peer at the same address is reachable again within ~1 s, not after gRPC's
     # default reconnect back-off of up to 120 s.
-    return grpc.aio.insecure_channel(address, interceptors=tracing.client_interceptors() or None,
-                                     options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-                                              ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-                                              ("grpc.initial_reconnect_backoff_ms", 200),
-                                              ("grpc.max_reconnect_backoff_ms", 1000),
-                                              *KEEPALIVE.options()])
+    options = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+               ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+               ("grpc.initial_reconnect_backoff_ms", 200),
+               ("grpc.max_reconnect_backoff_ms", 1000),
+               *KEEPALIVE.options()]
+    interceptors = tracing.client_interceptors() or None
+    if creds is not None:
+        return grpc.aio.secure_channel(address, creds.channel(), interceptors=interceptors, options=options)
+    return grpc.aio.insecure_channel(address, interceptors=interceptors, options=options)
 
 
 def add_lenient_service(server: grpc.aio.Server, service: str, servicer: object,

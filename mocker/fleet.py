@@ -18,6 +18,7 @@ from typing import Callable
 from common.block_hash import hash_seed
 from common.grpc_server import RunningServer, add_lenient_service, start_server
 from common.lifecycle import install_stop_signals
+from common.tls import TlsFiles
 from common.pb.tandem.v1 import decode_pb2, discovery_pb2, kv_events_pb2_grpc, prefill_pb2
 from worker.kv_event_service import KvEventServicer
 from engine.model_source import MOCK, load_config
@@ -50,8 +51,16 @@ class MockerOptions:
     etcd: str = ""  # etcd endpoints host:port[,host:port]; empty = no registration
     namespace: str = "default"
     lease_ttl_s: float = 10.0
+    tls_cert: str = ""  # PEM certificate naming roles "decode" and "prefill" (common/tls.py); with --tls-key, --tls-ca
+    tls_key: str = ""  # its private key
+    tls_ca: str = ""  # the cluster CA
+
+    @property
+    def tls(self) -> TlsFiles:
+        return TlsFiles(self.tls_cert, self.tls_key, self.tls_ca)
 
     def __post_init__(self) -> None:
+        TlsFiles(self.tls_cert, self.tls_key, self.tls_ca)  # fails naming the flags when only some are set
         for name in ("num_workers", "block_size", "num_blocks", "chunk_size", "max_running"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")

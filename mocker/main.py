@@ -20,7 +20,10 @@ def add_parser(sub) -> None:
 
 def _run(args: argparse.Namespace) -> int:
     from cli.flags import build
+    from common.tls import set_tls
     from mocker.fleet import MockerOptions, run
 
-    asyncio.run(run(build(MockerOptions, args)))
+    opts = build(MockerOptions, args)
+    set_tls(opts.tls)
+    asyncio.run(run(opts))
     return 0

@@ -15,6 +15,7 @@ from common.lifecycle import install_stop_signals
 from common.grpc_server import (Keepalive, RunningServer, add_lenient_service, advertised_host, set_keepalive,
                                 start_server)
 from common.pb.tandem.v1 import discovery_pb2
+from common.tls import TlsFiles
 from common.pb.tandem.v1 import frontend_pb2 as pb
 from common.tokenizer import load_tokenizer
 from discovery.registration import Registration
@@ -68,6 +69,13 @@ class RouterOptions:
     keepalive_timeout_s: float = 5.0  # seconds a PING may go unanswered before the channel's calls fail
     http_port: int = -1  # OpenAI-compatible HTTP API (router/http_api.py): -1 = off, 0 = any free port
     drain_timeout_s: float = 30.0  # on SIGTERM: let in-flight streams finish for at most this long
+    tls_cert: str = ""  # PEM certificate naming role "router" (common/tls.py); with --tls-key and --tls-ca
+    tls_key: str = ""  # its private key
+    tls_ca: str = ""  # the cluster CA: workers' certificates must chain to it
+
+    @property
+    def tls(self) -> TlsFiles:
+        return TlsFiles(self.tls_cert, self.tls_key, self.tls_ca)
 
     def __post_init__(self) -> None:
         metrics_http.validate_port(self.metrics_port)
@@ -99,6 +107,7 @@ class RouterOptions:
         if self.block_size < 1:
             raise ValueError(f"--block-size must be >= 1, got {self.block_size}")
         advertised_host(self.host, self.advertise_host)  # fails early, naming the flag
+        TlsFiles(self.tls_cert, self.tls_key, self.tls_ca)  # fails naming the flags when only some are set
 
 
 def overlap_source(opts: RouterOptions, workers: WorkerSet):
@@ -213,7 +222,7 @@ async def run(opts: RouterOptions, ready: Callable[[RunningServer, FrontendServi
                "ExplainRoute": ("unary", pb.GenerateRequest, pb.ExplainRouteResponse),
                "ClusterStatus": ("unary", pb.ClusterStatusRequest, pb.ClusterStatusResponse)}
     server = await start_server(f"{opts.host}:{opts.port}", [lambda s: add_lenient_service(s, SERVICE, servicer, methods)],
-                                [SERVICE])
+                                [SERVICE], internal=False)  # clients are not cluster processes: certificates optional
     address = f"{advertised_host(opts.host, opts.advertise_host)}:{server.port}"
     instance_id = f"router-{uuid.uuid4().hex[:12]}"
     index = overlap if isinstance(overlap, KvIndex) else None

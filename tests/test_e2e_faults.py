@@ -142,7 +142,7 @@ def test_killed_decode_worker_is_set_aside_and_requests_go_elsewhere(tmp_path):
         cluster = LocalCluster(model=TINY, namespace="e2e-kill", num_decode=2, log_dir=str(tmp_path))
         async with cluster:
             cluster.stop_process("decode-0", signal.SIGKILL)  # its lease lives on for ~10 s
-            ch, stub = frontend_stub(cluster.router_address)
+            ch, stub = frontend_stub(cluster.router_address, cluster.client_tls)
             try:
                 return await asyncio.gather(*(generate(stub, token_ids=[7, 8, i + 1], max_tokens=3, timeout_s=60)
                                               for i in range(6)))

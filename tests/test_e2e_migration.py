@@ -34,7 +34,7 @@ def test_decode_worker_lost_mid_stream_every_stream_completes_exactly(tiny_model
     async def main():
         cluster = LocalCluster(model=TINY, namespace="e2e-migrate", num_decode=2, log_dir=str(tmp_path))
         async with cluster:
-            ch, stub = frontend_stub(cluster.router_address)
+            ch, stub = frontend_stub(cluster.router_address, cluster.client_tls)
             started = asyncio.Event()
             counts = [0] * N
 

@@ -39,8 +39,8 @@ class Up:
     """`python -m cli.main up` as a child process, with the addresses it prints."""
 
     def __init__(self, env: dict[str, str], timeout_s: float = 180.0) -> None:
-        self.proc = subprocess.Popen([sys.executable, "-m", "cli.main", "up", "--model", "tandem-tiny", "--port", "0",
-                                      "--http-port", "0"],
+        self.proc = subprocess.Popen([sys.executable, "-m", "cli.main", "up", "--insecure", "--model", "tandem-tiny",
+                                      "--port", "0", "--http-port", "0"],
                                      cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                      start_new_session=True)
         lines: queue.Queue[str] = queue.Queue()

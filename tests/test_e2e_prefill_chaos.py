@@ -44,7 +44,7 @@ def test_prefill_worker_failing_during_transfers(tiny_model, tmp_path, chaos):
                                worker_args=["--num-blocks", str(BLOCKS), "--prefill-timeout", "3",
                                             "--transfer-timeout", "3"])
         async with cluster:
-            ch, stub = frontend_stub(cluster.router_address)
+            ch, stub = frontend_stub(cluster.router_address, cluster.client_tls)
             try:
                 if chaos == "sigstop":  # stalled before the router's probes notice: requests still go there
                     cluster.procs["prefill-0"].send_signal(signal.SIGSTOP)

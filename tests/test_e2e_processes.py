@@ -21,7 +21,7 @@ def test_twenty_concurrent_streams_complete_and_match_reference(tiny_model, tmp_
     async def main():
         cluster = LocalCluster(model=TINY, namespace="e2e-procs", worker_args=["--num-blocks", "1024"], log_dir=str(tmp_path))
         async with cluster:
-            ch, stub = frontend_stub(cluster.router_address)
+            ch, stub = frontend_stub(cluster.router_address, cluster.client_tls)
             try:
                 results = await asyncio.gather(*(generate(stub, text=p, max_tokens=8, timeout_s=120) for p in prompts))
             finally:

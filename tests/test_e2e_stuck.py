@@ -57,7 +57,7 @@ def test_sigstopped_decode_worker_every_request_moves_with_exact_tokens(tiny_mod
                                router_args=["--health-interval", str(INTERVAL), "--health-timeout", str(TIMEOUT),
                                             "--health-failure-threshold", str(THRESHOLD)])
         async with cluster:
-            ch, stub = frontend_stub(cluster.router_address)
+            ch, stub = frontend_stub(cluster.router_address, cluster.client_tls)
             ids = {n: next(i for i, inst in cluster.instances.items() if inst.role == discovery_pb2.ROLE_DECODE
                            and i in (tmp_path / f"{n}.log").read_text()) for n in ("decode-0", "decode-1")}
             metrics = cluster.metrics_addresses()

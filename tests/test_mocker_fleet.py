@@ -30,7 +30,8 @@ def test_1000_requests_against_32_mocked_workers(monkeypatch, etcd_server):
                                mocker_args=["--num-blocks", "512", "--speedup", str(speedup)], ready_timeout_s=120)
         await cluster.start()
         try:
-            return await run_load(cluster.router_address, reqs, speedup, timeout_s=120, progress=False)
+            return await run_load(cluster.router_address, reqs, speedup, timeout_s=120, progress=False,
+                                  creds=cluster.client_tls)
         finally:
             await cluster.stop()
 

@@ -44,7 +44,7 @@ async def one_round() -> dict:
     cluster = LocalCluster(model=TINY, namespace="bench-failover", num_decode=3,
                            log_dir=tempfile.mkdtemp(prefix="tandem-failover-"))
     async with cluster:
-        ch, stub = frontend_stub(cluster.router_address)
+        ch, stub = frontend_stub(cluster.router_address, cluster.client_tls)
         try:
             req = frontend_pb2.GenerateRequest(token_ids=list(range(1, 33)), sampling=sampling_pb2.SamplingParams(
                 max_tokens=300, ignore_eos=True))
@@ -84,7 +84,7 @@ async def sigstop_trials(n: int) -> list[float]:
     cluster = LocalCluster(model=TINY, namespace="bench-stuck", num_decode=2,
                            log_dir=tempfile.mkdtemp(prefix="tandem-stuck-"))
     async with cluster:
-        ch, stub = frontend_stub(cluster.router_address)
+        ch, stub = frontend_stub(cluster.router_address, cluster.client_tls)
         names = {}
         for name in ("decode-0", "decode-1"):
             log = (cluster.log_dir / f"{name}.log").read_text()

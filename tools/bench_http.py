@@ -70,7 +70,7 @@ async def run_blocks(cluster: LocalCluster, backend: str, req: BenchRequest, n: 
     http_url = f"http://{cluster.http_address}" if backend == "openai" else ""
     before = cpu_seconds(cluster.procs["router"].pid)
     results, wall = await run_load(cluster.router_address, [req] * n, concurrency=1, progress=False,
-                                   http_url=http_url, model=cluster.model)
+                                   http_url=http_url, model=cluster.model, creds=cluster.client_tls)
     cpu = cpu_seconds(cluster.procs["router"].pid) - before - idle * wall
     bad = [r.error for r in results if not r.ok]
     if bad:

@@ -26,6 +26,7 @@ from common.env import TEST_INSTANCE_ID_VAR, read_env
 from common.lifecycle import install_stop_signals
 from common.grpc_server import RunningServer, advertised_host, start_server
 from common.pb.tandem.v1 import discovery_pb2, kv_events_pb2_grpc
+from common.tls import TlsFiles
 from worker.kv_event_service import KvEventServicer
 from engine.capacity import (device_memory_bytes, format_bytes, graph_reserve_bytes, module_bytes,
                              pool_blocks_from_memory)
@@ -83,6 +84,13 @@ class WorkerOptions:
     ep_size: int = 1  # decode: expert-parallel ranks (processes) forming this worker; 1 = no EP
     ep_backend: str = "auto"  # decode: all-to-all backend of the EP ranks: auto | torch | deepep
     ep_placement: str = ""  # decode: JSON expert placement (engine/ep_placement.py); empty = contiguous
+    tls_cert: str = ""  # PEM certificate naming this worker's role (common/tls.py); with --tls-key and --tls-ca
+    tls_key: str = ""  # its private key
+    tls_ca: str = ""  # the cluster CA: clients' and peers' certificates must chain to it
+
+    @property
+    def tls(self) -> TlsFiles:
+        return TlsFiles(self.tls_cert, self.tls_key, self.tls_ca)
 
     def __post_init__(self) -> None:
         metrics_http.validate_port(self.metrics_port)
@@ -115,6 +123,7 @@ class WorkerOptions:
             raise ValueError(f"--kv-cache-scale must be > 0, got {self.kv_cache_scale}")
         if self.device != "auto" and not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ValueError(f"--device {self.device!r}: use auto, cpu, cuda or cuda:N")
+        TlsFiles(self.tls_cert, self.tls_key, self.tls_ca)  # fails naming the flags when only some are set
 
     def torch_device(self) -> torch.device:
         """The device `--device` names (auto: cuda when present)."""

@@ -1,0 +1,91 @@
+"""A throw-away certificate authority for a local cluster (`tandem up`, the tests), with the
+`cryptography` package: one CA and one certificate per process, each naming its roles
+(common/tls.py ROLE_URI) and the loopback host names it is dialled at."""
+
+from __future__ import annotations
+
+import datetime
+import ipaddress
+from pathlib import Path
+
+from common.tls import ROLE_URI, TlsFiles
+
+LOOPBACK = ("localhost", "127.0.0.1", "::1")
+VALID_DAYS = 7  # a local cluster's certificates; each `tandem up` makes new ones
+
+
+def _key():
+    from cryptography.hazmat.primitives.asymmetric import ec
+    return ec.generate_private_key(ec.SECP256R1())
+
+
+def _pem_key(key) -> bytes:
+    from cryptography.hazmat.primitives import serialization
+    return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                             serialization.NoEncryption())
+
+
+def _write(path: Path, data: bytes, private: bool = False) -> None:
+    path.write_bytes(data)
+    if private:
+        path.chmod(0o600)
+
+
+class LocalCa:
+    """A new CA whose files live in `folder` (ca.pem, ca-key.pem); `issue` writes NAME.pem
+    and NAME-key.pem beside them."""
+
+    def __init__(self, folder: str | Path, name: str = "tandem local CA") -> None:
+        from cryptography import x509
+        from cryptography.hazmat.primitives import hashes, serialization
+        from cryptography.x509.oid import NameOID
+
+        self.folder = Path(folder)
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self._key = _key()
+        subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
+        now = datetime.datetime.now(datetime.timezone.utc)
+        self._cert = (x509.CertificateBuilder().subject_name(subject).issuer_name(subject)
+                      .public_key(self._key.public_key()).serial_number(x509.random_serial_number())
+                      .not_valid_before(now - datetime.timedelta(minutes=5))
+                      .not_valid_after(now + datetime.timedelta(days=VALID_DAYS))
+                      .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+                      .add_extension(x509.KeyUsage(digital_signature=True, key_cert_sign=True, crl_sign=True,
+                                                   content_commitment=False, key_encipherment=False,
+                                                   data_encipherment=False, key_agreement=False,
+                                                   encipher_only=False, decipher_only=False), critical=True)
+                      .sign(self._key, hashes.SHA256()))
+        self.ca_path = self.folder / "ca.pem"
+        _write(self.ca_path, self._cert.public_bytes(serialization.Encoding.PEM))
+        _write(self.folder / "ca-key.pem", _pem_key(self._key), private=True)
+
+    def issue(self, name: str, roles: tuple[str, ...], hosts: tuple[str, ...] = LOOPBACK) -> TlsFiles:
+        """A certificate for one process (server and client use), CN = name, a URI SAN per role
+        and a DNS or IP SAN per host; returns its files with the CA's."""
+        from cryptography import x509
+        from cryptography.hazmat.primitives import hashes, serialization
+        from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+        key = _key()
+        sans: list[x509.GeneralName] = [x509.UniformResourceIdentifier(ROLE_URI + r) for r in roles]
+        for h in hosts:
+            try:
+                sans.append(x509.IPAddress(ipaddress.ip_address(h)))
+            except ValueError:
+                sans.append(x509.DNSName(h))
+        now = datetime.datetime.now(datetime.timezone.utc)
+        cert = (x509.CertificateBuilder()
+                .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)]))
+                .issuer_name(self._cert.subject).public_key(key.public_key())
+                .serial_number(x509.random_serial_number())
+                .not_valid_before(now - datetime.timedelta(minutes=5))
+                .not_valid_after(now + datetime.timedelta(days=VALID_DAYS))
+                .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+                .add_extension(x509.SubjectAlternativeName(sans), critical=False)
+                .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH,
+                                                      ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
+                .sign(self._key, hashes.SHA256()))
+        cert_path, key_path = self.folder / f"{name}.pem", self.folder / f"{name}-key.pem"
+        _write(cert_path, cert.public_bytes(serialization.Encoding.PEM))
+        _write(key_path, _pem_key(key), private=True)
+        return TlsFiles(str(cert_path), str(key_path), str(self.ca_path))

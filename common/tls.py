@@ -1,0 +1,192 @@
+"""Mutual TLS between Tandem processes, with grpc's own credentials (docs/security.md).
+
+Every process of a cluster holds a certificate issued by the cluster CA that names its role
+(ROLE_URI + role, a URI subject alternative name, e.g. "tandem://role/decode"; a process that
+plays several roles, such as `tandem mocker`, has one such name per role), and the CA itself.
+
+- Internal servers (prefill and decode workers, simulated workers) require a client
+  certificate that chains to the CA (`require_client_auth=True`: the handshake refuses a
+  plaintext client and one whose certificate another CA issued) and names a known role;
+  RoleCheck then admits to each service only the roles that must call it (SERVICE_ROLES).
+- The router's frontend serves TLS with client certificates optional (clients are not
+  cluster processes; a certificate they present must still chain to the CA).
+- Every channel a process opens presents its certificate and verifies the server's against
+  the CA, including the host name it dials (a server certificate names the hosts and IPs
+  peers reach it at: its --advertise-host).
+
+The files are read once at start-up: rotating a certificate means restarting the process with
+the new files. Without --tls-cert/--tls-key/--tls-ca a process serves and dials in plaintext.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+log = logging.getLogger(__name__)
+
+ROLE_URI = "tandem://role/"  # + role, a URI SAN of every Tandem certificate (common/certs.py issues them)
+ROLES = ("router", "prefill", "decode", "client")
+# Which roles may call each internal service; a service not listed (health, reflection) takes
+# any known role. Must match who dials whom: router -> decode (Generate), router -> every worker
+# (KvEventService, health), decode -> prefill (Prefill).
+SERVICE_ROLES = {"tandem.v1.PrefillService": frozenset({"decode"}),
+                 "tandem.v1.DecodeService": frozenset({"router"}),
+                 "tandem.v1.KvEventService": frozenset({"router"})}
+
+
+@dataclass(frozen=True)
+class TlsFiles:
+    """PEM files of one process: its certificate (chain) and key, and the cluster CA.
+
+    Raises (on construction):
+        ValueError: naming the flags, when only some of them are set (a client may give --tls-ca
+            alone: `client=True`).
+    """
+
+    cert: str = ""
+    key: str = ""
+    ca: str = ""
+    client: bool = False  # a client of the frontend: its own certificate is optional
+
+    def __post_init__(self) -> None:
+        given = [f for f, v in (("--tls-cert", self.cert), ("--tls-key", self.key), ("--tls-ca", self.ca)) if v]
+        if not given:
+            return
+        if bool(self.cert) != bool(self.key):
+            raise ValueError("--tls-cert and --tls-key go together (the certificate and its private key)")
+        if not self.ca:
+            raise ValueError(f"{' and '.join(given)} need --tls-ca (the cluster CA certificate)")
+        if not self.cert and not self.client:
+            raise ValueError("--tls-ca needs --tls-cert and --tls-key (this process's certificate and key)")
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.ca)
+
+    def load(self) -> TlsCredentials:
+        """Read the files (once: rotation is a restart).
+
+        Raises:
+            ValueError: naming the flag of a file that cannot be read or is not PEM.
+        """
+        def read(flag: str, path: str) -> bytes:
+            if not path:
+                return b""
+            try:
+                data = Path(path).read_bytes()
+            except OSError as exc:
+                raise ValueError(f"{flag} {path}: {exc.strerror or exc}") from None
+            if b"-----BEGIN " not in data:
+                raise ValueError(f"{flag} {path}: not a PEM file")
+            return data
+        return TlsCredentials(read("--tls-cert", self.cert), read("--tls-key", self.key), read("--tls-ca", self.ca))
+
+
+@dataclass(frozen=True)
+class TlsCredentials:
+    """The loaded PEM bytes; cert and key are empty for a frontend client without a certificate."""
+
+    cert: bytes
+    key: bytes
+    ca: bytes
+
+    def server(self, require_client_auth: bool) -> grpc.ServerCredentials:
+        return grpc.ssl_server_credentials([(self.key, self.cert)], root_certificates=self.ca,
+                                           require_client_auth=require_client_auth)
+
+    def channel(self) -> grpc.ChannelCredentials:
+        return grpc.ssl_channel_credentials(root_certificates=self.ca, private_key=self.key or None,
+                                            certificate_chain=self.cert or None)
+
+
+TLS: TlsCredentials | None = None  # set once per process by its main (set_tls); None = plaintext
+
+
+def set_tls(files: TlsFiles | None) -> None:
+    """Serve and dial with these files from now on (None or no files: plaintext, logged).
+
+    Raises:
+        ValueError: see TlsFiles.load.
+    """
+    global TLS
+    TLS = files.load() if files is not None and files.enabled else None
+    if TLS is None:
+        log.warning("no --tls-cert/--tls-key/--tls-ca: serving and dialling gRPC in plaintext, "
+                    "unauthenticated (docs/security.md)")
+
+
+def peer_roles(context: grpc.aio.ServicerContext) -> frozenset[str]:
+    """The known roles the calling peer's verified certificate names (empty without one)."""
+    names = context.auth_context().get("x509_subject_alternative_name", [])
+    roles = {n.decode(errors="replace").removeprefix(ROLE_URI) for n in names
+             if n.startswith(ROLE_URI.encode())}
+    return frozenset(roles & set(ROLES))
+
+
+class RoleCheck(grpc.aio.ServerInterceptor):
+    """PERMISSION_DENIED for a call whose client certificate names no role the service admits
+    (SERVICE_ROLES; other services: any known role). Installed on internal servers with TLS on,
+    where the handshake has already verified the chain."""
+
+    async def intercept_service(self, continuation, details: grpc.HandlerCallDetails) -> Any:
+        handler = await continuation(details)
+        if handler is None:
+            return None
+        service = details.method.lstrip("/").split("/", 1)[0]
+        allowed = SERVICE_ROLES.get(service, frozenset(ROLES))
+        return _guarded(handler, service, allowed)
+
+
+def _guarded(handler: grpc.RpcMethodHandler, service: str, allowed: frozenset[str]) -> grpc.RpcMethodHandler:
+    async def check(context: grpc.aio.ServicerContext) -> None:
+        roles = peer_roles(context)
+        if not roles & allowed:
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                                f"{service} accepts calls from {', '.join(sorted(allowed))} only; the client's "
+                                f"certificate names {', '.join(sorted(roles)) or 'no Tandem role'}")
+
+    if handler.unary_unary is not None:
+        inner_uu = handler.unary_unary
+
+        async def unary_unary(request, context):
+            await check(context)
+            result = inner_uu(request, context)
+            return await result if inspect.isawaitable(result) else result
+        return handler._replace(unary_unary=unary_unary)
+    if handler.unary_stream is not None:
+        inner_us = handler.unary_stream
+
+        async def unary_stream(request, context):
+            await check(context)
+            result = inner_us(request, context)
+            if inspect.isasyncgen(result):
+                async for response in result:
+                    yield response
+            else:  # a coroutine that writes with context.write
+                await result
+        return handler._replace(unary_stream=unary_stream)
+    if handler.stream_unary is not None:
+        inner_su = handler.stream_unary
+
+        async def stream_unary(request_iterator, context):
+            await check(context)
+            result = inner_su(request_iterator, context)
+            return await result if inspect.isawaitable(result) else result
+        return handler._replace(stream_unary=stream_unary)
+    inner_ss = handler.stream_stream
+
+    async def stream_stream(request_iterator, context):
+        await check(context)
+        result = inner_ss(request_iterator, context)
+        if inspect.isasyncgen(result):
+            async for response in result:
+                yield response
+        else:
+            await result
+    return handler._replace(stream_stream=stream_stream)

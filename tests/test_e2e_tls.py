@@ -1,0 +1,144 @@
+"""Mutual TLS between real processes (common/tls.py, docs/security.md): a local cluster with
+its throw-away CA, and clients that have no certificate, one from another CA, or one naming
+the wrong role, against each internal service of the prefill and decode workers."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from cli.client import frontend_stub, generate
+from cli.cluster import LocalCluster
+from common.certs import LocalCa
+from common.pb.tandem.v1 import (decode_pb2, decode_pb2_grpc, discovery_pb2, kv_events_pb2, kv_events_pb2_grpc,
+                                 prefill_pb2, prefill_pb2_grpc, sampling_pb2)
+from common.tls import TlsCredentials
+from engine.model_source import TINY
+
+pytestmark = pytest.mark.e2e
+PROMPTS = [f"Tell me about the number {i * 41}, briefly." for i in range(4)]
+
+
+@pytest.fixture(scope="module")
+def clusters(etcd_server, tmp_path_factory):
+    """(the mTLS cluster, the same cluster with --insecure), both real processes."""
+    made = []
+    try:
+        for tls in (True, False):
+            c = LocalCluster(model=TINY, etcd=etcd_server.endpoint, namespace=f"e2e-tls-{tls}", tls=tls,
+                             worker_args=["--num-blocks", "256"], log_dir=str(tmp_path_factory.mktemp("tls")))
+            asyncio.run(c.start())
+            made.append(c)
+        yield made
+    finally:
+        for c in made:
+            asyncio.run(c.stop())
+
+
+def _address(cluster: LocalCluster, role: int) -> str:
+    return next(i.address for i in cluster.instances.values() if i.role == role)
+
+
+def _calls(address: str, creds: TlsCredentials | None):
+    """One call of each service a worker at `address` serves (the one it exists for, its KV
+    events, health): name -> a function raising grpc.RpcError or returning."""
+    ch = grpc.secure_channel(address, creds.channel()) if creds else grpc.insecure_channel(address)
+
+    def prefill():
+        prefill_pb2_grpc.PrefillServiceStub(ch).Prefill(prefill_pb2.PrefillRequest(request_id="x", token_ids=[1, 2]),
+                                                         timeout=5)
+
+    def decode():
+        req = decode_pb2.DecodeRequest(request_id="x", token_ids=[1, 2],
+                                       sampling=sampling_pb2.SamplingParams(max_tokens=1))
+        list(decode_pb2_grpc.DecodeServiceStub(ch).Generate(req, timeout=5))
+
+    def kv_events():
+        stream = kv_events_pb2_grpc.KvEventServiceStub(ch).Subscribe(kv_events_pb2.SubscribeRequest(), timeout=5)
+        next(iter(stream))  # the snapshot
+
+    def health():
+        health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5)
+
+    return ch, {"prefill": prefill, "decode": decode, "kv_events": kv_events, "health": health}
+
+
+def _code(call) -> grpc.StatusCode:
+    try:
+        call()
+    except grpc.RpcError as exc:
+        return exc.code()
+    return grpc.StatusCode.OK
+
+
+WORKERS = [("prefill", discovery_pb2.ROLE_PREFILL, ("prefill", "kv_events", "health")),
+           ("decode", discovery_pb2.ROLE_DECODE, ("decode", "kv_events", "health"))]
+
+
+@pytest.mark.parametrize("client", ["plaintext", "other CA"])
+@pytest.mark.parametrize("worker,role,services", WORKERS, ids=[w[0] for w in WORKERS])
+def test_internal_services_refuse_unauthenticated_clients(clusters, tmp_path, client, worker, role, services):
+    cluster = clusters[0]
+    creds = None if client == "plaintext" else LocalCa(tmp_path, "another CA").issue("router", ("router",)).load()
+    ch, calls = _calls(_address(cluster, role), creds)
+    with ch:
+        codes = {name: _code(calls[name]) for name in services}
+    assert codes == {name: grpc.StatusCode.UNAVAILABLE for name in services}  # the handshake fails
+
+
+# (worker, service, a role that must not call it, the role that may)
+WRONG_ROLE = [("prefill", discovery_pb2.ROLE_PREFILL, "prefill", "router", "decode"),
+              ("prefill", discovery_pb2.ROLE_PREFILL, "kv_events", "decode", "router"),
+              ("decode", discovery_pb2.ROLE_DECODE, "decode", "prefill", "router"),
+              ("decode", discovery_pb2.ROLE_DECODE, "decode", "client", "router"),
+              ("decode", discovery_pb2.ROLE_DECODE, "kv_events", "prefill", "router")]
+
+
+@pytest.mark.parametrize("worker,role,service,wrong,right", WRONG_ROLE,
+                         ids=[f"{w[2]}@{w[0]}-by-{w[3]}" for w in WRONG_ROLE])
+def test_a_client_of_the_wrong_role_is_refused(clusters, worker, role, service, wrong, right):
+    cluster = clusters[0]
+    address = _address(cluster, role)
+    ch, calls = _calls(address, cluster.ca.issue(f"test-{wrong}", (wrong,)).load())
+    with ch:
+        assert _code(calls[service]) == grpc.StatusCode.PERMISSION_DENIED
+        assert _code(calls["health"]) == grpc.StatusCode.OK  # health takes any cluster role
+    ch, calls = _calls(address, cluster.ca.issue(f"test-{right}", (right,)).load())
+    with ch:
+        assert _code(calls[service]) not in (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAVAILABLE)
+
+
+def test_normal_path_over_mtls_gives_the_insecure_paths_tokens(clusters):
+    secure, insecure = clusters
+
+    async def run(cluster: LocalCluster, creds) -> list[list[int]]:
+        ch, stub = frontend_stub(cluster.router_address, creds)
+        try:
+            return [(await generate(stub, text=p, max_tokens=8, timeout_s=120)).token_ids for p in PROMPTS]
+        finally:
+            await ch.close()
+
+    assert secure.client_tls is not None and insecure.client_tls is None
+    over_tls = asyncio.run(run(secure, secure.client_tls))
+    ca_only = TlsCredentials(b"", b"", secure.client_tls.ca)  # the frontend's client certificates are optional
+    assert asyncio.run(run(secure, ca_only)) == over_tls
+    assert over_tls == asyncio.run(run(insecure, None))
+    assert all(len(t) == 8 for t in over_tls)
+    # Every prompt went decode -> prefill over mTLS: the decode worker fell back to local prefill for none.
+    decode_log = (secure.log_dir / "decode-0.log").read_text()
+    assert "prefilling locally" not in decode_log, decode_log[-2000:]
+
+    async def plaintext() -> grpc.StatusCode:
+        ch, stub = frontend_stub(secure.router_address)
+        try:
+            await generate(stub, text=PROMPTS[0], max_tokens=2, timeout_s=5)
+        except grpc.aio.AioRpcError as exc:
+            return exc.code()
+        finally:
+            await ch.close()
+        return grpc.StatusCode.OK
+
+    assert asyncio.run(plaintext()) == grpc.StatusCode.UNAVAILABLE  # the frontend serves TLS only

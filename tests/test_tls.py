@@ -1,0 +1,101 @@
+"""The TLS options (common/tls.py): flags, TANDEM_* variables and TOML keys on every process,
+their validation, and `tandem up`'s certificates (common/certs.py) on its children's command lines."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+from cryptography import x509
+
+from cli import config
+from cli.cluster import LocalCluster
+from cli.main import build_parser
+from common.certs import LocalCa
+from common.tls import ROLE_URI, TlsFiles
+from mocker.fleet import MockerOptions
+from router.main import RouterOptions
+from worker.host import WorkerOptions
+
+
+@pytest.fixture(autouse=True)
+def no_tandem_env(monkeypatch):
+    for name in list(os.environ):
+        if name.startswith("TANDEM_"):
+            monkeypatch.delenv(name)
+
+
+@pytest.mark.parametrize("command", ["router", "prefill", "decode", "mocker"])
+def test_every_process_takes_tls_files_from_flag_env_and_file(tmp_path, monkeypatch, command):
+    path = tmp_path / "tandem.toml"
+    path.write_text('tls_ca = "/etc/tandem/ca.pem"\n')
+    monkeypatch.setenv("TANDEM_TLS_KEY", "/etc/tandem/key.pem")
+    parser = build_parser()
+    args, rest = parser.parse_known_args([command, "--config", str(path), "--tls-cert", "/etc/tandem/cert.pem"])
+    assert not rest
+    _, mine, _ = config.effective(parser, args, command)
+    got = {k: (mine[k].value, mine[k].source.split(":")[0]) for k in ("tls_cert", "tls_key", "tls_ca")}
+    assert got == {"tls_cert": ("/etc/tandem/cert.pem", "flag --tls-cert"),
+                   "tls_key": ("/etc/tandem/key.pem", "env TANDEM_TLS_KEY"),
+                   "tls_ca": ("/etc/tandem/ca.pem", f"file {path}")}
+
+
+@pytest.mark.parametrize("cls,extra", [(WorkerOptions, {}), (RouterOptions, {"etcd": "127.0.0.1:2379"}),
+                                       (MockerOptions, {})])
+@pytest.mark.parametrize("given,message", [
+    ({"tls_cert": "c.pem"}, "--tls-cert and --tls-key go together"),
+    ({"tls_cert": "c.pem", "tls_key": "k.pem"}, "need --tls-ca"),
+    ({"tls_ca": "ca.pem"}, "--tls-ca needs --tls-cert and --tls-key"),
+])
+def test_some_but_not_all_tls_flags_is_an_error_naming_them(cls, extra, given, message):
+    with pytest.raises(ValueError, match=message):
+        cls(**extra, **given)
+
+
+def test_a_frontend_client_may_give_the_ca_alone_and_unreadable_files_name_the_flag(tmp_path):
+    assert TlsFiles(ca="ca.pem", client=True).enabled
+    with pytest.raises(ValueError, match="--tls-ca .*missing.pem"):
+        TlsFiles(ca=str(tmp_path / "missing.pem"), client=True).load()
+    (tmp_path / "junk.pem").write_text("not a certificate")
+    with pytest.raises(ValueError, match="--tls-ca .*: not a PEM file"):
+        TlsFiles(ca=str(tmp_path / "junk.pem"), client=True).load()
+
+
+def test_issued_certificates_name_roles_and_loopback_and_chain_to_the_ca(tmp_path):
+    ca = LocalCa(tmp_path)
+    files = ca.issue("mocker", ("decode", "prefill"))
+    cert = x509.load_pem_x509_certificate(Path(files.cert).read_bytes())
+    san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert san.get_values_for_type(x509.UniformResourceIdentifier) == [ROLE_URI + "decode", ROLE_URI + "prefill"]
+    assert "localhost" in san.get_values_for_type(x509.DNSName)
+    assert cert.issuer == x509.load_pem_x509_certificate(Path(files.ca).read_bytes()).subject
+    assert oct(os.stat(files.key).st_mode & 0o777) == "0o600"
+
+
+def test_tandem_up_gives_every_child_its_own_certificate(monkeypatch, tmp_path):
+    seen: dict[str, list[str]] = {}
+
+    class FakePopen:  # records the command line instead of starting a process
+        def __init__(self, cmd, **kwargs) -> None:
+            seen[cmd[3]] = cmd
+
+    monkeypatch.setattr(subprocess, "Popen", FakePopen)
+    c = LocalCluster(log_dir=str(tmp_path), etcd="127.0.0.1:1")
+    c.ca = LocalCa(tmp_path / "tls")  # what start() makes
+    for role in ("router", "prefill", "decode", "mocker"):
+        c.spawn(role, role)
+    certs = {r: seen[r][seen[r].index("--tls-cert") + 1] for r in seen}
+    assert len(set(certs.values())) == 4 and all("--tls-ca" in cmd for cmd in seen.values())
+    (tmp_path / "plain").mkdir()
+    insecure = LocalCluster(log_dir=str(tmp_path / "plain"), etcd="127.0.0.1:1", tls=False)
+    monkeypatch.setenv("TANDEM_TLS_CA", "/elsewhere/ca.pem")
+    insecure.spawn("router", "router")
+    assert "--tls-cert" not in seen["router"]
+
+
+def test_tandem_up_has_an_insecure_switch():
+    parser = build_parser()
+    args, _ = parser.parse_known_args(["up", "--insecure"])
+    assert args.insecure is True
