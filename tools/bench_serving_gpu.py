@@ -10,7 +10,7 @@ For each config (S = tools/bench_decode.py's ~490M model; M = a 16B-class DeepSe
 Moonlight-shaped MoE with V3 routing) it
 1. writes seeded bf16 weights as a checkpoint folder (M's weights are drawn on the GPU: per
    tensor a generator seeded from (seed, name), as engine/model.py's init_weights does on the CPU);
-2. starts `tandem up --model DIR` (etcd, router, one prefill and one decode worker, both on
+2. starts `tandem up --model DIR --insecure` (loopback only, plaintext as in the earlier runs; etcd, router, one prefill and one decode worker, both on
    the GPU) and runs `tandem bench --dataset synthetic-prefix` for every context C (prompts of
    C tokens: C/2 shared by 8 groups, C/2 fresh) and concurrency c, `--output-tokens` each;
    served tok/s is the bench's output throughput (TTFT included), TPOT its mean;
@@ -104,7 +104,7 @@ def serve_and_bench(model_dir: Path, contexts: list[int], concurrencies: list[in
     log = open(work / "up.log", "w")  # noqa: SIM115 - closed below
     # --http-port -1: the bench speaks gRPC; the router's default HTTP port 8000 would collide with
     # any other cluster on the machine (the --port option exists to avoid exactly that)
-    up = subprocess.Popen(_cli("up", "--model", str(model_dir), "--port", str(port), "--no-metrics",
+    up = subprocess.Popen(_cli("up", "--model", str(model_dir), "--port", str(port), "--no-metrics", "--insecure",
                                "--http-port", "-1"),
                           cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     out: dict[tuple[int, int], dict] = {}
