@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import tempfile
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable
 
 import grpc
@@ -63,14 +66,27 @@ def frontend_stub(address: str, creds: TlsCredentials | None = None
     return ch, frontend_pb2_grpc.FrontendServiceStub(ch)
 
 
+def local_ca_file(port: int) -> Path:
+    """Where `tandem up` leaves its CA certificate for clients of its router on `port` (this
+    user's folder under the temp directory; removed when the cluster stops)."""
+    return Path(tempfile.gettempdir()) / f"tandem-{os.getuid()}" / f"up-{port}-ca.pem"
+
+
 def client_credentials(args) -> TlsCredentials | None:
     """The TLS credentials of a frontend client from its --tls-ca (and optional --tls-cert and
-    --tls-key); None without --tls-ca (plaintext).
+    --tls-key). Without --tls-ca, a router on a loopback address whose port a running
+    `tandem up` serves is reached with that cluster's CA (`local_ca_file`); otherwise None
+    (plaintext).
 
     Raises:
         ValueError: naming the flag, for a missing flag or unreadable file.
     """
-    files = TlsFiles(args.tls_cert, args.tls_key, args.tls_ca, client=True)
+    ca = args.tls_ca
+    if not ca and not args.tls_cert:
+        host, _, port = getattr(args, "router", "").rpartition(":")
+        if host in ("127.0.0.1", "localhost", "[::1]") and port.isdigit() and local_ca_file(int(port)).exists():
+            ca = str(local_ca_file(int(port)))
+    files = TlsFiles(args.tls_cert, args.tls_key, ca, client=True)
     return files.load() if files.enabled else None
 
 

@@ -99,3 +99,27 @@ def test_tandem_up_has_an_insecure_switch():
     parser = build_parser()
     args, _ = parser.parse_known_args(["up", "--insecure"])
     assert args.insecure is True
+
+
+def test_local_clients_find_the_ca_of_tandem_up(tmp_path):
+    """A client of a loopback router whose port has a `tandem up` CA file uses it without
+    --tls-ca; other addresses, or no file, stay plaintext; --tls-ca wins."""
+    import argparse
+
+    from cli.client import client_credentials, local_ca_file
+    from common.certs import LocalCa
+    ca = LocalCa(tmp_path / "tls")
+    port = 1  # no real cluster serves port 1
+    path = local_ca_file(port)
+    path.parent.mkdir(mode=0o700, exist_ok=True)
+    path.write_bytes(Path(ca.ca_path).read_bytes())
+    try:
+        def args(router, tls_ca=""):
+            return argparse.Namespace(router=router, tls_ca=tls_ca, tls_cert="", tls_key="")
+        assert client_credentials(args(f"127.0.0.1:{port}")) is not None
+        assert client_credentials(args(f"10.1.2.3:{port}")) is None  # not this machine's cluster
+        assert client_credentials(args("127.0.0.1:2")) is None  # no cluster of ours there
+        assert client_credentials(args("127.0.0.1:2", tls_ca=ca.ca_path)) is not None
+    finally:
+        path.unlink()
+    assert client_credentials(args(f"127.0.0.1:{port}")) is None
