@@ -54,7 +54,8 @@ def test_same_identity_restart_resets_the_router_index(tmp_path, monkeypatch):
             await asyncio.sleep(0.1)
 
     async def main():
-        cluster = LocalCluster(model=TINY, namespace="e2e-incarnation", num_prefill=0, log_dir=str(tmp_path),
+        cluster = LocalCluster(model=TINY, tls=False, namespace="e2e-incarnation", num_prefill=0,
+                               log_dir=str(tmp_path),
                                worker_args=["--num-blocks", "256"])
         async with cluster:
             ch, stub = frontend_stub(cluster.router_address)

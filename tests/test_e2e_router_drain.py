@@ -52,7 +52,7 @@ def test_router_drains_twenty_streams_on_sigterm(tiny_model, tmp_path):
     max_tokens = 40
 
     async def main():
-        cluster = LocalCluster(model=TINY, namespace="e2e-router-drain", worker_args=["--num-blocks", "1024"],
+        cluster = LocalCluster(model=TINY, tls=False, namespace="e2e-router-drain", worker_args=["--num-blocks", "1024"],
                                router_args=["--drain-timeout", str(DRAIN_TIMEOUT_S)], log_dir=str(tmp_path))
         async with cluster:
             ch, stub = frontend_stub(cluster.router_address)
@@ -94,7 +94,7 @@ def test_router_drains_twenty_streams_on_sigterm(tiny_model, tmp_path):
 
 def test_second_sigterm_stops_the_router_at_once(tmp_path):
     async def main():
-        cluster = LocalCluster(model=TINY, num_prefill=0, namespace="e2e-router-drain2",
+        cluster = LocalCluster(model=TINY, tls=False, num_prefill=0, namespace="e2e-router-drain2",
                                worker_args=["--num-blocks", "1024"], router_args=["--drain-timeout", "120"],
                                log_dir=str(tmp_path))
         async with cluster:
