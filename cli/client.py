@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import stat
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -72,6 +73,32 @@ def local_ca_file(port: int) -> Path:
     return Path(tempfile.gettempdir()) / f"tandem-{os.getuid()}" / f"up-{port}-ca.pem"
 
 
+def _private(path: Path) -> bool:
+    """path and its folder exist, belong to this user and are writable by no one else (so no
+    other local user can have planted the CA a client would trust)."""
+    try:
+        folder, file = path.parent.lstat(), path.lstat()
+    except OSError:
+        return False
+    return (stat.S_ISDIR(folder.st_mode) and stat.S_ISREG(file.st_mode)
+            and all(st.st_uid == os.getuid() and not st.st_mode & 0o022 for st in (folder, file)))
+
+
+def write_local_ca(port: int, pem: bytes) -> Path:
+    """Leave the CA certificate of `tandem up`'s router on `port` for local clients (see
+    local_ca_file). Raises PermissionError when the folder is not this user's own."""
+    path = local_ca_file(port)
+    path.parent.mkdir(mode=0o700, exist_ok=True)
+    st = path.parent.lstat()
+    if not path.parent.is_dir() or st.st_uid != os.getuid() or st.st_mode & 0o022:
+        raise PermissionError(f"{path.parent} is not private to this user; not writing the CA there")
+    path.unlink(missing_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    with os.fdopen(fd, "wb") as f:
+        f.write(pem)
+    return path
+
+
 def client_credentials(args) -> TlsCredentials | None:
     """The TLS credentials of a frontend client from its --tls-ca (and optional --tls-cert and
     --tls-key). Without --tls-ca, a router on a loopback address whose port a running
@@ -84,7 +111,7 @@ def client_credentials(args) -> TlsCredentials | None:
     ca = args.tls_ca
     if not ca and not args.tls_cert:
         host, _, port = getattr(args, "router", "").rpartition(":")
-        if host in ("127.0.0.1", "localhost", "[::1]") and port.isdigit() and local_ca_file(int(port)).exists():
+        if host in ("127.0.0.1", "localhost", "[::1]") and port.isdigit() and _private(local_ca_file(int(port))):
             ca = str(local_ca_file(int(port)))
     files = TlsFiles(args.tls_cert, args.tls_key, ca, client=True)
     return files.load() if files.enabled else None

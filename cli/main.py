@@ -61,14 +61,13 @@ def _up(args: argparse.Namespace) -> int:
               f"logs in {cluster.log_dir}; Ctrl-C stops everything", flush=True)
         from pathlib import Path
 
-        from cli.client import local_ca_file
+        from cli.client import local_ca_file, write_local_ca
         router_port = int(cluster.router_address.rsplit(":", 1)[1])
         ca_file = local_ca_file(router_port)
         ca_file.unlink(missing_ok=True)  # a plaintext cluster, or one that did not stop cleanly
         if cluster.ca is not None:
             # clients on this machine (generate, explain, bench) find it there for this port
-            ca_file.parent.mkdir(mode=0o700, exist_ok=True)
-            ca_file.write_bytes(Path(cluster.ca.ca_path).read_bytes())
+            write_local_ca(router_port, Path(cluster.ca.ca_path).read_bytes())
             print(f"  mutual TLS: CA and certificates in {cluster.ca.folder}; local clients of port {router_port} "
                   f"use it by themselves, others: export TANDEM_TLS_CA={cluster.ca.ca_path}", flush=True)
         if cluster.http_address:

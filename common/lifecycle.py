@@ -37,3 +37,12 @@ def install_stop_signals(stop: asyncio.Event, on_second: Callable[[], None] | No
             loop.remove_signal_handler(sig)
 
     return restore
+
+
+async def wait_set(event: asyncio.Event, timeout_s: float) -> bool:
+    """Wait until event is set; False if timeout_s seconds passed first (a drain's bound)."""
+    try:
+        await asyncio.wait_for(event.wait(), timeout_s)
+        return True
+    except (TimeoutError, asyncio.TimeoutError):
+        return False

@@ -242,11 +242,8 @@ class FrontendServicer(pb_grpc.FrontendServiceServicer):
 
     async def wait_idle(self, timeout_s: float) -> bool:
         """Wait until no Generate call is in progress; False if timeout_s passed first."""
-        try:
-            await asyncio.wait_for(self._idle.wait(), timeout_s)
-            return True
-        except (TimeoutError, asyncio.TimeoutError):
-            return False
+        from common.lifecycle import wait_set
+        return await wait_set(self._idle, timeout_s)
 
     async def _generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext, request_id: str):
         arrived, arrived_cpu = time.perf_counter(), time.thread_time()

@@ -106,13 +106,11 @@ def test_local_clients_find_the_ca_of_tandem_up(tmp_path):
     --tls-ca; other addresses, or no file, stay plaintext; --tls-ca wins."""
     import argparse
 
-    from cli.client import client_credentials, local_ca_file
+    from cli.client import client_credentials, write_local_ca
     from common.certs import LocalCa
     ca = LocalCa(tmp_path / "tls")
     port = 1  # no real cluster serves port 1
-    path = local_ca_file(port)
-    path.parent.mkdir(mode=0o700, exist_ok=True)
-    path.write_bytes(Path(ca.ca_path).read_bytes())
+    path = write_local_ca(port, Path(ca.ca_path).read_bytes())
     try:
         def args(router, tls_ca=""):
             return argparse.Namespace(router=router, tls_ca=tls_ca, tls_cert="", tls_key="")
@@ -120,6 +118,8 @@ def test_local_clients_find_the_ca_of_tandem_up(tmp_path):
         assert client_credentials(args(f"10.1.2.3:{port}")) is None  # not this machine's cluster
         assert client_credentials(args("127.0.0.1:2")) is None  # no cluster of ours there
         assert client_credentials(args("127.0.0.1:2", tls_ca=ca.ca_path)) is not None
+        path.chmod(0o666)  # writable by others: it could have been planted, so it is not trusted
+        assert client_credentials(args(f"127.0.0.1:{port}")) is None
     finally:
         path.unlink()
     assert client_credentials(args(f"127.0.0.1:{port}")) is None

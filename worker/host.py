@@ -439,11 +439,8 @@ class WorkerRuntime:
 
     async def wait_idle(self, timeout_s: float) -> bool:
         """Wait until no request is in flight; False if timeout_s passed first."""
-        try:
-            await asyncio.wait_for(self._idle.wait(), timeout_s)
-            return True
-        except (TimeoutError, asyncio.TimeoutError):
-            return False
+        from common.lifecycle import wait_set
+        return await wait_set(self._idle, timeout_s)
 
     def instance(self, address: str) -> discovery_pb2.Instance:
         return discovery_pb2.Instance(
