@@ -47,11 +47,15 @@ class ChunkSender:
             first_block_index, first_block_index + 1, ...
         block_size: tokens per block. timeout_s: limit of each write (> 0).
         overlap: False sends everything in `finish` (one write, the pre-issue-10 behaviour).
+        deadline: time.monotonic() at which the decode worker's call ends (None: none). No
+            write is posted after it and none may run past it: the decode worker has stopped
+            waiting and fenced the blocks (decode_worker/fence.py); a process resumed after
+            a SIGSTOP must not write into them.
     """
 
     def __init__(self, agent: KvTransferAgent, peer: str, src_block_ids: Sequence[int],
                  first_block_index: int, dst: RemoteBlocks, block_size: int, timeout_s: float,
-                 overlap: bool = True) -> None:
+                 overlap: bool = True, deadline: float | None = None) -> None:
         if len(src_block_ids) - first_block_index != len(dst.block_ids):
             raise ValueError(f"{len(dst.block_ids)} destination blocks for "
                              f"{len(src_block_ids) - first_block_index} prompt blocks")
@@ -61,15 +65,24 @@ class ChunkSender:
         self._next = first_block_index  # prompt block index of the first block not yet posted
         self._writes: list[asyncio.Task[TransferResult]] = []
         self._t0: float | None = None
+        self._deadline = deadline
+        self.late_refused = 0  # writes not posted: the call's deadline had passed
 
     def _post(self, end_block: int, notification: bytes | None) -> asyncio.Task[TransferResult]:
+        timeout_s = self._timeout_s
+        if self._deadline is not None:
+            left = self._deadline - time.monotonic()
+            if left <= 0:
+                self.late_refused += 1
+                raise TransferError("the decode worker's call ended (deadline passed): no further KV write")
+            timeout_s = min(timeout_s, left)
         lo, hi = self._next, max(end_block, self._next)
         dst = self._dst._replace(block_ids=list(self._dst.block_ids[lo - self._first:hi - self._first]))
         self._next = hi
         if self._t0 is None:
             self._t0 = time.monotonic()
         task = asyncio.ensure_future(self._agent.write_blocks(
-            self._peer, self._src[lo:hi], dst, notification, self._timeout_s))
+            self._peer, self._src[lo:hi], dst, notification, timeout_s))
         self._writes.append(task)
         return task
 

@@ -9,7 +9,9 @@ the request id → free this worker's references → respond.
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import time
 
 import grpc
 
@@ -24,7 +26,7 @@ from engine.mtp import hidden_to_bytes
 from engine.pipeline import PipelineError
 from engine.sampling import sample
 from worker.host import WorkerRuntime
-from kv_transfer.base import RemoteBlocks, TransferError
+from kv_transfer.base import END_SUFFIX, RemoteBlocks, TransferError
 from kv_transfer.select import CHOICES
 from prefill_worker.chunk_sender import ChunkSender
 
@@ -119,8 +121,11 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
         pool = self.rt.pool
         prompt = await self.rt.allocate_prompt(tokens, context)
         remote = RemoteBlocks(dst.base_address, dst.block_stride_bytes, dst.device_id, list(dst.block_ids))
+        remaining = context.time_remaining()
+        deadline = None if remaining is None else time.monotonic() + remaining
         sender = ChunkSender(self.rt.agent, dst.agent_name, prompt.block_ids, dst.first_block_index, remote,
-                             pool.block_size, self.rt.opts.transfer_timeout_s)
+                             pool.block_size, self.rt.opts.transfer_timeout_s, deadline=deadline)
+        done = forget = unanswered = False
         backend = self.rt.agent.backend_for(dst.agent_name) or self.rt.agent.backend
         try:
             start = prompt.num_cached_blocks * pool.block_size
@@ -158,8 +163,9 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
                 self.rt.stats.backend(backend).writes += sender.writes
                 self._failures.warning(dst.agent_name, "request %s: KV transfer to %s failed: %s", request.request_id,
                                        dst.agent_name, exc)
-                self.rt.agent.remove_peer(dst.agent_name)
+                forget = True
                 await context.abort(grpc.StatusCode.UNAVAILABLE, f"KV transfer failed: {exc}")
+            done = True
             self.rt.stats.prefill_cached_tokens += start
             self.rt.stats.transfers += 1
             self.rt.stats.transfer_bytes += result.bytes
@@ -175,7 +181,25 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
                                       cached_tokens=start, transfer_bytes=result.bytes,
                                       transfer_seconds=result.seconds,
                                       last_hidden=hidden_to_bytes(hidden) if request.return_last_hidden else b"")
+        except asyncio.CancelledError:  # the call ended (deadline, cancel) with no answer sent
+            unanswered = True
+            raise
         finally:
             await sender.aclose()  # writes still running are cancelled before the blocks go
+            self.rt.stats.late_writes_refused += sender.late_refused
+            if not done and (unanswered or (deadline is not None and time.monotonic() >= deadline)):
+                # The decode worker stopped waiting and fenced its blocks: tell it no write is left.
+                await self._send_end(dst.agent_name, request.request_id, remote)
+            if forget:
+                self.rt.agent.remove_peer(dst.agent_name)
             pool.free(prompt.block_ids)
             self.rt.events.publish()
+
+    async def _send_end(self, agent_name: str, request_id: str, remote: RemoteBlocks) -> None:
+        """Notification `request_id/end` after every write of a failed request was cancelled and
+        awaited: the decode worker releases the blocks it fenced (decode_worker/fence.py)."""
+        try:
+            await self.rt.agent.write_blocks(agent_name, [], remote._replace(block_ids=[]),
+                                             request_id.encode() + END_SUFFIX, self.rt.opts.transfer_timeout_s)
+        except (TransferError, ValueError, RuntimeError) as exc:
+            log.debug("request %s: end notification to %s not sent: %s", request_id, agent_name, exc)
