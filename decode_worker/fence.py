@@ -1,71 +1,102 @@
 """Blocks a silent prefill worker may still write into (issue 20).
 
 A decode worker whose prefill call ends without an answer (its deadline passed or it was
-cancelled: a stopped or wedged prefill worker) cannot know whether writes of that request are
-still on their way into its pool. It prefills locally into fresh blocks and holds the blocks
-it gave the prefill worker here, out of the pool, until that worker says it is done with the
-request — its notification `request_id` (the transfer finished late) or `request_id/end`
-(prefill_worker/service.py: sent once every write of a failed request was cancelled and
-awaited) — or until `bound_s` passes. So a late write never lands in blocks the decode worker
-has since reused for another request.
+cancelled: a stopped, wedged or slow prefill worker) cannot know whether writes of that
+request are still on their way into its pool. It prefills locally into fresh blocks and holds
+the blocks it gave the prefill worker here, out of the pool, until the prefill worker answers
+`Abandon(request_id)` — which it does only once no write of that request can reach us any
+more (prefill_worker/calls.py: running writes stopped and awaited, a call still queued there
+refused when it arrives) — or until `bound_s` passes without an answer. So a late write never
+lands in blocks this worker has since given to another request.
+
+`Abandon` is retried (each attempt at most `attempt_s`) so a prefill worker resumed after a
+SIGSTOP, or reachable again, answers within about one attempt.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any, Callable
+import time
+from typing import Any, Awaitable, Callable
+
+import grpc
 
 from engine.block_pool import BlockId
-from kv_transfer.base import END_SUFFIX, KvTransferAgent, TransferError
+from kv_transfer.base import KvTransferAgent, TransferError
 
 log = logging.getLogger(__name__)
+
+# Abandon(timeout_s) -> notified: the prefill worker's answer (raises grpc.aio.AioRpcError).
+AbandonCall = Callable[[float], Awaitable[bool]]
+RETRY_PAUSE_S = 0.2  # after a fast failure (connection refused), before the next attempt
 
 
 class PrefillFence:
     """Holds fenced blocks (one background task per request, strong references kept).
 
     Args:
-        agent: the decode worker's transfer agent (notifications arrive there).
+        agent: the decode worker's transfer agent (a late transfer's notification arrives there).
         free: returns blocks to the pool (called once per fenced request, on the loop).
-        bound_s: the longest a request's blocks stay fenced without word from the prefill worker.
+        bound_s: the longest a request's blocks stay fenced without an answer from the prefill worker.
+        attempt_s: the longest one Abandon attempt waits.
         stats: the worker's WorkerStats; counts fenced_prefills, fences_released_by_peer,
             fences_expired.
     """
 
     def __init__(self, agent: KvTransferAgent, free: Callable[[list[BlockId]], None], bound_s: float,
-                 stats: Any) -> None:
-        self._agent, self._free, self.bound_s, self._stats = agent, free, bound_s, stats
+                 attempt_s: float, stats: Any) -> None:
+        self._agent, self._free, self._stats = agent, free, stats
+        self.bound_s, self.attempt_s = bound_s, attempt_s
         self._tasks: set[asyncio.Task] = set()
         self.held_blocks = 0
+        self.released = asyncio.Event()  # set at every release (tests and waiters for blocks)
 
-    def hold(self, request_id: str, block_ids: list[BlockId]) -> None:
+    def hold(self, request_id: str, block_ids: list[BlockId], abandon: AbandonCall) -> None:
+        """Hold `block_ids` until `abandon` is answered or bound_s passes. Call from the loop."""
         if not block_ids:
             return
         self._stats.fenced_prefills += 1
         self.held_blocks += len(block_ids)
-        task = asyncio.get_running_loop().create_task(self._release(request_id.encode(), list(block_ids)))
+        task = asyncio.get_running_loop().create_task(self._release(request_id, list(block_ids), abandon),
+                                                      name=f"fence-{request_id}")
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _release(self, rid: bytes, block_ids: list[BlockId]) -> None:
-        waits = [asyncio.ensure_future(self._agent.wait_notification(m, self.bound_s)) for m in (rid, rid + END_SUFFIX)]
+    async def _release(self, request_id: str, block_ids: list[BlockId], abandon: AbandonCall) -> None:
         try:
-            done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-            if any(not w.cancelled() and w.exception() is None for w in done):
+            if await self._abandon(request_id, abandon):
                 self._stats.fences_released_by_peer += 1
             else:
                 self._stats.fences_expired += 1
-                log.warning("request %s: no word from its prefill worker in %.0f s; %d fenced blocks return to "
-                            "the pool", rid.decode(), self.bound_s, len(block_ids))
-        except (TransferError, RuntimeError):
-            self._stats.fences_expired += 1
+                log.warning("request %s: its prefill worker did not answer Abandon in %.1f s; %d fenced blocks "
+                            "return to the pool", request_id, self.bound_s, len(block_ids))
         finally:
-            for w in waits:
-                w.cancel()
-            await asyncio.gather(*waits, return_exceptions=True)
             self.held_blocks -= len(block_ids)
             self._free(block_ids)
+            self.released.set()
+
+    async def _abandon(self, request_id: str, abandon: AbandonCall) -> bool:
+        """True once the prefill worker answered; False at the bound."""
+        end = time.monotonic() + self.bound_s
+        while (left := end - time.monotonic()) > 0:
+            started = time.monotonic()
+            try:
+                notified = await abandon(min(self.attempt_s, left))
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() == grpc.StatusCode.UNIMPLEMENTED:  # it cannot answer: wait out the bound
+                    await asyncio.sleep(max(0.0, end - time.monotonic()))
+                    return False
+                if time.monotonic() - started < RETRY_PAUSE_S:  # refused at once: do not spin
+                    await asyncio.sleep(min(RETRY_PAUSE_S, max(0.0, end - time.monotonic())))
+                continue
+            if notified:  # its transfer had completed late: consume the notification it sent
+                try:
+                    await self._agent.wait_notification(request_id.encode(), max(0.1, min(self.attempt_s, left)))
+                except (TransferError, RuntimeError):
+                    pass  # the transfer is over either way; an unclaimed notification ages out
+            return True
+        return False
 
     async def close(self) -> None:
         for t in list(self._tasks):

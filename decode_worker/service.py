@@ -41,6 +41,7 @@ from kv_transfer.base import TransferError
 log = logging.getLogger(__name__)
 # Prefill call outcomes after which the prefill worker may still be writing: it never answered.
 UNANSWERED = (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED)
+FENCE_ATTEMPT_S = 1.0  # one Abandon attempt: a resumed prefill worker frees the fence within about this
 
 
 class Prefilled(NamedTuple):
@@ -69,11 +70,13 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._metadata_sent: set[str] = set()  # prefill addresses that hold our agent metadata
         self._failures = RateLimitedLog(log)  # one line per prefill worker per 5 s
-        # A prefill call that ended unanswered may still write: its blocks wait here (fence.py).
-        # Bound: a prefill worker silent this long after our call ended is past its own
-        # write deadlines (each at most --transfer-timeout and never past the call's deadline).
+        # A prefill call that ended unanswered may still write: its blocks wait here (fence.py)
+        # until the prefill worker answers Abandon. Bound, for one that never answers: its own
+        # writes stop at the call's deadline (counted from the call's arrival there) and each
+        # lasts at most --transfer-timeout, so twice both covers a worker resumed mid-call.
         self.fence = PrefillFence(runtime.agent, self._free_fenced,
-                                  2 * (runtime.opts.prefill_timeout_s + runtime.opts.transfer_timeout_s), runtime.stats)
+                                  2 * (runtime.opts.prefill_timeout_s + runtime.opts.transfer_timeout_s),
+                                  FENCE_ATTEMPT_S, runtime.stats)
 
     def _free_fenced(self, block_ids: list) -> None:
         self.rt.pool.free(block_ids)
@@ -143,10 +146,10 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
                 self._failures.warning(request.prefill_address, "request %s: prefill on %s failed (%s); prefilling "
                                        "locally", request_id, request.prefill_address, detail)
                 if isinstance(exc, grpc.aio.AioRpcError) and exc.code() in UNANSWERED:
-                    self._fence(request_id, prompt)
+                    self._fence(request.prefill_address, request_id, prompt)
             except asyncio.CancelledError:  # the request ended while the prefill worker had it
                 try:
-                    self._fence(request_id, prompt)
+                    self._fence(request.prefill_address, request_id, prompt)
                 except PoolExhausted:
                     pass  # nothing more to run for it: the fenced blocks are held all the same
                 raise
@@ -158,16 +161,23 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
         token, logprob = sample(logits, params, step=request.sampling_step_offset)
         return Prefilled(token, logprob, hidden[None] if spec else None)
 
-    def _fence(self, request_id: str, prompt: PromptBlocks) -> None:
-        """Swap the blocks the prefill worker was given for fresh ones (the prompt then holds
-        only blocks no late write can reach) and fence the old ones.
+    def _fence(self, address: str, request_id: str, prompt: PromptBlocks) -> None:
+        """Swap the blocks the prefill worker at `address` was given for fresh ones (the prompt
+        then holds only blocks no late write can reach) and fence the old ones until it
+        answers Abandon (decode_worker/fence.py).
 
         Raises:
             PoolExhausted: no fresh blocks (the old ones are fenced all the same).
         """
         given = prompt.block_ids[prompt.num_cached_blocks:]
         prompt.block_ids[prompt.num_cached_blocks:] = []
-        self.fence.hold(request_id, given)
+
+        async def abandon(timeout_s: float) -> bool:
+            resp = await self._stub(address).Abandon(prefill_pb2.AbandonRequest(request_id=request_id),
+                                                     timeout=timeout_s)
+            return resp.notified
+
+        self.fence.hold(request_id, given, abandon)
         prompt.block_ids.extend(self.rt.pool.blocks.allocate(len(given)))
 
     async def Generate(self, request: pb.DecodeRequest, context: grpc.aio.ServicerContext):
