@@ -162,11 +162,6 @@ def plan_write(pool: PoolDescriptor | None, src_block_ids: Sequence[int], dst: R
     return merge_runs(src_block_ids, dst.block_ids, pool.block_stride_bytes)
 
 
-# A prefill worker's notification `request_id + END_SUFFIX`: every write of that failed request
-# is over; the decode worker releases the blocks it fenced for it (decode_worker/fence.py).
-END_SUFFIX = b"/end"
-
-
 class KvTransferAgent(abc.ABC):
     """One worker's endpoint for KV block transfers (DESIGN.md section 5).
 
