@@ -30,7 +30,7 @@ from common.sampling_params import SamplingParams
 from common.validation import (InvalidArgument, sampling_from_proto, validate_prompt_length, validate_request_id,
                                validate_token_ids)
 from decode_worker.admission import admit_or_abort
-from decode_worker.fence import PrefillFence
+from decode_worker.fence import PrefillFence, nothing_listens
 from decode_worker.scheduler import DecodeScheduler, RunningRequest
 from engine.kv_pool import PoolExhausted, PromptBlocks
 from engine.mtp import hidden_from_bytes
@@ -177,7 +177,7 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
                                                      timeout=timeout_s)
             return resp.notified
 
-        self.fence.hold(request_id, given, abandon)
+        self.fence.hold(request_id, given, abandon, lambda: nothing_listens(address))
         prompt.block_ids.extend(self.rt.pool.blocks.allocate(len(given)))
 
     async def Generate(self, request: pb.DecodeRequest, context: grpc.aio.ServicerContext):

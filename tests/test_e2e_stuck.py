@@ -155,7 +155,7 @@ async def until(check, what: str, timeout_s: float = 30.0):
 
 def fence_over(m: dict[str, float]) -> dict[str, float] | None:
     """The decode worker's metrics once its fenced prefill was released (by answer or bound)."""
-    done = m["tandem_worker_fences_released_by_peer_total"] + m["tandem_worker_fences_expired_total"]
+    done = sum(m[f"tandem_worker_fences_{k}_total"] for k in ("released_by_peer", "released_peer_gone", "expired"))
     return m if m["tandem_worker_fenced_prefills_total"] and done else None
 
 

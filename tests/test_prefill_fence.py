@@ -5,6 +5,7 @@ the decode worker's PrefillFence holds the blocks until Abandon is answered, or 
 from __future__ import annotations
 
 import asyncio
+import socket
 import time
 from types import SimpleNamespace
 
@@ -12,7 +13,7 @@ import grpc
 import pytest
 import torch
 
-from decode_worker.fence import PrefillFence
+from decode_worker.fence import REFUSED_CHECKS, PrefillFence, nothing_listens
 from kv_transfer import TransferError, create_agent
 from prefill_worker.calls import PrefillCalls
 from prefill_worker.chunk_sender import ChunkSender
@@ -97,10 +98,11 @@ def rpc_error(code: grpc.StatusCode) -> grpc.aio.AioRpcError:
     return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details="test")
 
 
-def fence_run(answers: list, bound_s: float):
-    """Hold blocks [3, 4] behind an Abandon that fails/answers per `answers`; returns
-    (seconds until freed, freed lists, stats, attempts)."""
-    stats = SimpleNamespace(fenced_prefills=0, fences_released_by_peer=0, fences_expired=0)
+def fence_run(answers: list, bound_s: float, refused: bool = False):
+    """Hold blocks [3, 4] behind an Abandon that fails/answers per `answers` (and a TCP connect
+    refused or not); returns (seconds until freed, freed lists, stats, attempts)."""
+    stats = SimpleNamespace(fenced_prefills=0, fences_released_by_peer=0, fences_released_peer_gone=0,
+                            fences_expired=0)
     freed: list[list[int]] = []
     attempts: list[float] = []
     agent = create_agent("shm", "fence-unit")
@@ -118,7 +120,10 @@ def fence_run(answers: list, bound_s: float):
     async def run():
         fence = PrefillFence(agent, freed.append, bound_s, 0.1, stats)
         t0 = time.monotonic()
-        fence.hold("r", [3, 4], abandon)
+        async def gone() -> bool:
+            return refused
+
+        fence.hold("r", [3, 4], abandon, gone)
         assert fence.held_blocks == 2 and not freed
         await asyncio.wait_for(fence.released.wait(), bound_s + 5)
         assert fence.held_blocks == 0
@@ -142,3 +147,25 @@ def test_fence_expires_at_the_bound_without_an_answer():
     took, freed, stats, attempts = fence_run([], bound_s=0.5)
     assert freed == [[3, 4]] and 0.45 <= took < 5.0 and len(attempts) >= 2
     assert (stats.fences_released_by_peer, stats.fences_expired) == (0, 1)
+
+
+def test_fence_released_once_nothing_listens_at_the_address():
+    unavailable = [grpc.StatusCode.UNAVAILABLE] * 100
+    took, freed, stats, attempts = fence_run(unavailable, bound_s=30.0, refused=True)
+    assert freed == [[3, 4]] and REFUSED_CHECKS[1] <= took < 10.0
+    assert (stats.fences_released_peer_gone, stats.fences_released_by_peer, stats.fences_expired) == (1, 0, 0)
+    # Refused Abandon calls to a host whose port still accepts (a stopped process) keep the fence.
+    took, freed, stats, attempts = fence_run([grpc.StatusCode.UNAVAILABLE] * 100, bound_s=1.5, refused=False)
+    assert stats.fences_expired == 1 and took >= 1.4
+
+
+def test_nothing_listens_tells_a_closed_port_from_a_listening_one():
+    hole = socket.socket()
+    hole.bind(("127.0.0.1", 0))
+    hole.listen(4)  # never accepts: like a SIGSTOPped process, the kernel completes the handshake
+    address = f"127.0.0.1:{hole.getsockname()[1]}"
+    try:
+        assert asyncio.run(nothing_listens(address)) is False
+    finally:
+        hole.close()
+    assert asyncio.run(nothing_listens(address)) is True

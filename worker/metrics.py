@@ -35,6 +35,8 @@ WORKER_COUNTERS: dict[str, tuple[str, str, bool]] = {
                         "destination blocks were held out of the pool until the prefill worker was done", False),
     "fences_released_by_peer": ("tandem_worker_fences_released_by_peer", "decode: fenced blocks released once the "
                                 "prefill worker answered Abandon (no write of that request can come)", False),
+    "fences_released_peer_gone": ("tandem_worker_fences_released_peer_gone", "decode: fenced blocks released once "
+                                  "nothing listened at the prefill worker's address (dead, or done draining)", False),
     "fences_expired": ("tandem_worker_fences_expired", "decode: fenced blocks released after 2 × "
                        "(--prefill-timeout + --transfer-timeout) without an answer from the prefill worker", False),
     "late_writes_refused": ("tandem_worker_kv_late_writes_refused", "prefill: KV writes not posted because the "
