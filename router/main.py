@@ -67,7 +67,7 @@ class RouterOptions:
     default_deadline_s: float = 600.0  # seconds: deadline of router → worker calls when the client sets none
     # A running stream silent for max(token_stall_timeout_s, token_stall_itl_factor × its worker's
     # observed ITL) → its worker failed (router/stall.py); token_stall_timeout_s 0 = off.
-    token_stall_timeout_s: float = 10.0  # the floor, seconds
+    token_stall_timeout_s: float = 30.0  # the floor, seconds (covers a retracted request's wait)
     token_stall_itl_factor: float = 50.0  # N of "no token for N × the expected ITL"; 0 = the floor alone
     keepalive_time_s: float = 10.0  # seconds between HTTP/2 keepalive PINGs on every channel to a worker
     keepalive_timeout_s: float = 5.0  # seconds a PING may go unanswered before the channel's calls fail

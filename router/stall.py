@@ -8,8 +8,9 @@ where itl(w) is an exponentially weighted mean of the inter-token latency the ro
 on w's running streams (every stream of w feeds it: one step of a worker serves all its
 streams). floor_s is `--token-stall-timeout` (0 turns the rule off), factor is
 `--token-stall-itl-factor` (0 = the floor alone). A worker with no sample yet gets the floor.
-The floor keeps a fast worker's ordinary hiccups (a retraction's re-prefill, another request's
-long local prefill, a loaded host) from counting as failures; the factor lets a worker that is
+The floor keeps a fast worker's ordinary silences (a request retracted for lack of KV blocks
+waiting to resume, another request's long local prefill, a loaded host) from counting as
+failures; the factor lets a worker that is
 slow for good (large batch, big model) take proportionally longer without being evicted.
 
 A stalled worker feeds no samples (nothing arrives), so its estimate does not grow while it is
