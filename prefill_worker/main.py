@@ -24,7 +24,8 @@ async def run(opts: WorkerOptions, ready: Callable[[RunningServer, WorkerRuntime
         raise ValueError(f"--ep-size {opts.ep_size}: expert parallelism applies to decode workers only")
     runtime = WorkerRuntime(discovery_pb2.ROLE_PREFILL, opts, loaded)
     servicer = PrefillServicer(runtime)
-    methods = {"Prefill": ("unary", pb.PrefillRequest, pb.PrefillResponse)}
+    methods = {"Prefill": ("unary", pb.PrefillRequest, pb.PrefillResponse),
+               "Abandon": ("unary", pb.AbandonRequest, pb.AbandonResponse)}
     watcher = None
     if opts.etcd:  # decode workers leaving discovery: drop their cached transfer metadata
         def on_change(event: InstanceEvent) -> None:

@@ -162,6 +162,11 @@ class WorkerStats:
     prefix_hit_tokens: int = 0  # of those, tokens found there
     generated_tokens: int = 0  # decode: tokens streamed (first tokens included)
     retractions: int = 0  # decode: running requests retracted for lack of KV blocks (re-prefilled later)
+    fenced_prefills: int = 0  # decode: prefill calls unanswered: their blocks held until the prefill worker is done
+    fences_released_by_peer: int = 0  # decode: of those, released on the prefill worker's Abandon answer
+    fences_released_peer_gone: int = 0  # decode: of those, released once nothing listened at its address
+    fences_expired: int = 0  # decode: of those, released at the fence's bound, without an answer
+    late_writes_refused: int = 0  # prefill: KV writes not posted: the decode worker's call had ended or abandoned them
     transfer_by_backend: dict[str, BackendTransferStats] = field(default_factory=dict)
 
     def backend(self, name: str) -> BackendTransferStats:

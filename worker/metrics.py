@@ -31,6 +31,16 @@ WORKER_COUNTERS: dict[str, tuple[str, str, bool]] = {
     "prefix_hit_tokens": ("tandem_worker_prefix_cache_hit_tokens", "prompt tokens found in the prefix cache", False),
     "generated_tokens": ("tandem_worker_generated_tokens", "decode: tokens generated (first tokens included)", False),
     "retractions": ("tandem_worker_retractions", "decode: running requests retracted to free KV blocks", False),
+    "fenced_prefills": ("tandem_worker_fenced_prefills", "decode: prefill calls that ended unanswered; their "
+                        "destination blocks were held out of the pool until the prefill worker was done", False),
+    "fences_released_by_peer": ("tandem_worker_fences_released_by_peer", "decode: fenced blocks released once the "
+                                "prefill worker answered Abandon (no write of that request can come)", False),
+    "fences_released_peer_gone": ("tandem_worker_fences_released_peer_gone", "decode: fenced blocks released once "
+                                  "nothing listened at the prefill worker's address (dead, or done draining)", False),
+    "fences_expired": ("tandem_worker_fences_expired", "decode: fenced blocks released after 2 × "
+                       "(--prefill-timeout + --transfer-timeout) without an answer from the prefill worker", False),
+    "late_writes_refused": ("tandem_worker_kv_late_writes_refused", "prefill: KV writes not posted because the "
+                            "decode worker's call had already ended (its deadline passed, or it abandoned the request)", False),
     "spec_verify_steps": ("tandem_worker_spec_verify_steps", "decode: MTP verify steps", False),
     "spec_emitted_tokens": ("tandem_worker_spec_emitted_tokens", "decode: tokens emitted by MTP verify steps "
                             "(accept length = emitted / verify steps)", False),
