@@ -282,6 +282,8 @@ class WorkerRuntime:
         # keeps serving RPCs, and the pool's accounting stays on the loop thread.
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
         from kv_transfer import create_agent, prepare_pool
+        from kv_transfer.ucx_bind import confine_ucx
+        confine_ucx(opts.host)  # NIXL's UCX listeners on --host's interface only (before UCX starts)
         try:
             prepare_pool(self.pool.kv, opts.transfer_backend)  # host pool into shared memory for shm
             self.agent = create_agent(opts.transfer_backend, self.instance_id)
