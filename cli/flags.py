@@ -35,7 +35,8 @@ HELP = {
     "solo_wait_s": "decode: seconds a request whose prompt + max_tokens exceeds the admission budget (so it runs "
                    "only alone) may wait for the worker to be free before RESOURCE_EXHAUSTED",
     "chunk_size": "prefill chunk size in tokens (the base chunk with dynamic chunking); alias --chunked-prefill-size",
-    "max_prefill_tokens": "prefill: token budget of one prefill forward; the next chunks of concurrent prompts "
+    "max_prefill_tokens": "token budget of one prefill forward (a prefill worker's, or a decode worker's local "
+                          "prefills); the next chunks of concurrent prompts "
                           "are packed into it first come first served (a chunk larger than the budget runs alone). "
                           "16384 as SGLang's default: large enough that a forward keeps a GPU busy, small enough "
                           "to bound its activation memory and the wait of a chunk behind it",

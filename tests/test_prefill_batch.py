@@ -223,3 +223,17 @@ def test_cancelled_mid_batch_frees_every_block(tiny_model, one_torch_thread):
     finally:
         gate.set()
         rt.close()
+
+
+def test_max_prefill_tokens_option_from_flag_env_and_file(tmp_path, monkeypatch):
+    from test_config import effective
+    assert effective(["prefill"])["max_prefill_tokens"].value == WorkerOptions().max_prefill_tokens == 16384
+    monkeypatch.setenv("TANDEM_MAX_PREFILL_TOKENS", "4096")
+    assert effective(["decode"])["max_prefill_tokens"].value == 4096
+    path = tmp_path / "t.toml"
+    path.write_text("[worker]\nmax_prefill_tokens = 512\n")
+    monkeypatch.delenv("TANDEM_MAX_PREFILL_TOKENS")
+    assert effective(["prefill", "--config", str(path)])["max_prefill_tokens"].value == 512
+    assert effective(["prefill", "--max-prefill-tokens", "64"])["max_prefill_tokens"].value == 64
+    with pytest.raises(ValueError, match="--max-prefill-tokens must be >= 1"):
+        WorkerOptions(max_prefill_tokens=0)

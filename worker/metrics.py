@@ -124,13 +124,17 @@ class WorkerMetrics:
         yield gauge("tandem_worker_prefix_cache_hit_ratio", "prefix cache hit tokens / query tokens since start "
                     "(rate() of the two counters gives it over a window)",
                     getattr(rt.stats, "prefix_hit_tokens", 0) / query if query else 0.0)
-        running = self.running_fn() if self.running_fn is not None else rt.in_flight - rt.model_waiting
+        queued = rt.batcher.queued
+        running = (self.running_fn() if self.running_fn is not None
+                   else max(0, rt.in_flight - rt.model_waiting - queued))
         yield gauge("tandem_worker_requests_in_flight", "requests being served (RPCs in progress)", rt.in_flight)
         yield gauge("tandem_worker_running_requests", "decode: requests in the decode batch; prefill: requests not "
                     "waiting for the model thread", running)
         yield gauge("tandem_worker_queue_depth", "requests in flight and not running (waiting for KV, a batch "
                     "slot or the model thread)", max(0, rt.in_flight - running))
         yield gauge("tandem_worker_model_queue_depth", "model calls waiting for the model thread", rt.model_waiting)
+        yield gauge("tandem_worker_prefill_queued_chunks", "prefill chunks waiting for a batched forward "
+                    "(engine/prefill_batch.py)", queued)
         yield counter("tandem_worker_kv_event_batches", "KV event batches published", rt.events.last_event_id)
         yield gauge("tandem_worker_draining", "1 while draining after SIGTERM", 1.0 if rt.draining else 0.0)
         yield gauge("tandem_worker_engine_stalled", "1 while one model call has run over --stall-timeout",
