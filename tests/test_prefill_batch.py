@@ -118,11 +118,16 @@ async def _prefill_and_decode(rt: WorkerRuntime, prompt: list[int], new_tokens: 
         rt.pool.free(blocks)
 
 
-def test_concurrent_batched_prefills_give_reference_tokens(tiny_model, one_torch_thread):
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_concurrent_batched_prefills_give_reference_tokens(tiny_model, one_torch_thread, dynamic):
     prompts = _prompts(tiny_model.config.vocab_size)
-    # chunk 16 with a 40-token budget: up to two chunks per forward, several forwards per prompt
-    rt = WorkerRuntime(discovery_pb2.ROLE_DECODE, WorkerOptions(num_blocks=128, chunk_size=16,
-                                                                max_prefill_tokens=40), tiny_model)
+    # static: chunk 16 with a 40-token budget, up to two chunks per forward, several forwards per
+    # prompt; dynamic: base chunk 32 over 8-token blocks, so the fitted plan can shrink chunks as
+    # the prefix grows (its sizes come from this machine's timings), packed within 64 tokens
+    opts = (WorkerOptions(num_blocks=256, block_size=8, chunk_size=32, max_prefill_tokens=64,
+                          enable_dynamic_chunking=True, dynamic_chunk_smoothing=1.0) if dynamic
+            else WorkerOptions(num_blocks=128, chunk_size=16, max_prefill_tokens=40))
+    rt = WorkerRuntime(discovery_pb2.ROLE_DECODE, opts, tiny_model)
 
     async def main():
         # the first prompt alone caches the shared prefix; then the others run concurrently
