@@ -35,6 +35,11 @@ HELP = {
     "solo_wait_s": "decode: seconds a request whose prompt + max_tokens exceeds the admission budget (so it runs "
                    "only alone) may wait for the worker to be free before RESOURCE_EXHAUSTED",
     "chunk_size": "prefill chunk size in tokens (the base chunk with dynamic chunking); alias --chunked-prefill-size",
+    "max_prefill_tokens": "token budget of one prefill forward (a prefill worker's, or a decode worker's local "
+                          "prefills); the next chunks of concurrent prompts "
+                          "are packed into it first come first served (a chunk larger than the budget runs alone). "
+                          "16384 as SGLang's default: large enough that a forward keeps a GPU busy, small enough "
+                          "to bound its activation memory and the wait of a chunk behind it",
     "enable_dynamic_chunking": "prefill: fit f(l) = a·l² + b·l + c from start-up timings and shrink chunks as the "
                                "prefix grows; falls back to static chunks with a logged reason",
     "dynamic_chunk_smoothing": "dynamic chunking: σ in [0, 1], chunk = base + σ·(x − base)",

@@ -156,9 +156,9 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
         self.rt.stats.local_prefills += 1
         start = prompt.num_cached_blocks * self.rt.pool.block_size
         spec = self.scheduler.spec is not None
-        hidden = await self.rt.prefill_hidden(prompt.block_ids, tokens, start, mtp=spec)
-        logits = await self.rt.run_model(self.rt.runner.logits, hidden)
-        token, logprob = sample(logits, params, step=request.sampling_step_offset)
+        out = await self.rt.prefill_outputs(prompt.block_ids, tokens, start, mtp=spec)
+        hidden = out.hidden
+        token, logprob = sample(out.logits, params, step=request.sampling_step_offset)
         return Prefilled(token, logprob, hidden[None] if spec else None)
 
     def _fence(self, address: str, request_id: str, prompt: PromptBlocks) -> None:

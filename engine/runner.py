@@ -1,4 +1,4 @@
-"""Runs the model over a KvPool: chunked prefill and batched decode steps.
+"""Runs the model over a KvPool: batched chunked prefill and batched decode steps.
 
 One runner, two modes, chosen once at construction (the log line says which):
 - CPU (the exactness contract): every forward is the plain model path (per-sequence attention
@@ -47,6 +47,18 @@ class DecodeInput:
     input_token: int  # the token at position num_computed
 
 
+@dataclass(frozen=True)
+class PrefillInput:
+    """One request's prefill chunk in a (batched) prefill forward."""
+
+    block_ids: list[BlockId]  # its block table (room for `end` tokens)
+    token_ids: list[int]  # the whole prompt
+    start: int  # tokens before start are in the pool; the chunk is token_ids[start:end]
+    end: int
+    mtp: bool = False  # also write the chunk's MTP KV rows (engine/mtp.py)
+    logits: bool = False  # also return float32 logits of the chunk's last token (a final chunk)
+
+
 class ModelRunner:
     """The model and the pool it reads and writes, plus (on CUDA) the decode graphs.
 
@@ -92,7 +104,6 @@ class ModelRunner:
         self.tables = BlockTables(2 * max_batch + 1, width, self.device)
         self.graphs = DecodeGraphs(self.model, self.pool, self.tables, self.future, max_batch, scratch, sizes)
 
-    @torch.inference_mode()
     def prefill_chunk(self, block_ids: list[BlockId], token_ids: list[int], start: int, end: int,
                       mtp: bool = False) -> torch.Tensor:
         """Compute KV for prompt tokens [start, end) (tokens before start are in the pool), and
@@ -101,13 +112,46 @@ class ModelRunner:
         Returns:
             hidden state of the chunk's last token, [hidden].
         """
-        ids = torch.tensor(token_ids[start:end], dtype=torch.long, device=self.device)
-        positions = torch.arange(start, end, dtype=torch.long, device=self.device)
-        kv = PagedKvCache(self.pool, [(block_ids, start, end - start)])
-        hidden = self.model.forward(ids, positions, [end - start], kv)  # [chunk, hidden]
-        if mtp and pool_has_mtp(self.pool, self.model):  # MTP rows of the chunk (engine/mtp.py)
-            prefill_mtp_rows(self.model, self.pool, block_ids, token_ids, start, end, hidden)
-        return hidden[-1]
+        return self.prefill_batch([PrefillInput(block_ids, token_ids, start, end, mtp)])[0][0]
+
+    @torch.inference_mode()
+    def prefill_batch(self, batch: Sequence[PrefillInput]) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        """One forward over the chunks of several requests (engine/prefill_batch.py packs them):
+        each chunk attends to its own cached prefix plus its new tokens (`PagedKvCache`), the
+        linear layers run on all T = sum of chunk lengths rows at once. Logits of the chunks
+        that ask for them come from one lm_head call; MTP rows run per chunk (one MTP forward
+        each, after the main forward: batching them is not needed for correctness).
+
+        Returns:
+            per chunk, in order: (final-normed hidden of its last token [hidden],
+            float32 logits [vocab] when `logits` was set, else None).
+        Raises:
+            ValueError: an empty batch or a chunk with end <= start.
+        """
+        if not batch or any(b.end <= b.start for b in batch):
+            raise ValueError(f"prefill_batch needs chunks with end > start, got "
+                             f"{[(b.start, b.end) for b in batch]}")
+        q_lens = [b.end - b.start for b in batch]
+        ids = torch.tensor([t for b in batch for t in b.token_ids[b.start:b.end]], dtype=torch.long,
+                           device=self.device)
+        positions = torch.cat([torch.arange(b.start, b.end, dtype=torch.long) for b in batch]).to(self.device)
+        kv = PagedKvCache(self.pool, [(b.block_ids, b.start, n) for b, n in zip(batch, q_lens)])
+        hidden = self.model.forward(ids, positions, q_lens, kv)  # [T, hidden]
+        offsets = [0]
+        for n in q_lens:
+            offsets.append(offsets[-1] + n)
+        last = hidden[torch.tensor(offsets[1:], device=self.device) - 1]  # [B, hidden]
+        if any(b.mtp for b in batch) and pool_has_mtp(self.pool, self.model):
+            for b, lo, hi in zip(batch, offsets, offsets[1:]):
+                if b.mtp:  # MTP rows of the chunk (engine/mtp.py)
+                    prefill_mtp_rows(self.model, self.pool, b.block_ids, b.token_ids, b.start, b.end, hidden[lo:hi])
+        want = [i for i, b in enumerate(batch) if b.logits]
+        rows: list[torch.Tensor | None] = [None] * len(batch)
+        if want:
+            logits = self.model.logits(last[want])  # [len(want), vocab] float32, one lm_head call
+            for j, i in enumerate(want):
+                rows[i] = logits[j]
+        return [(last[i], rows[i]) for i in range(len(batch))]
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

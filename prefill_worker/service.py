@@ -144,9 +144,9 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
                 try:
                     if request.return_last_hidden:
                         # MTP KV rows and the hidden state, for a decode worker that drafts with them
-                        hidden = await self.rt.prefill_hidden(prompt.block_ids, tokens, start, mtp=True,
-                                                              on_chunk_done=sender.on_chunk_done)
-                        logits = await self.rt.run_model(self.rt.runner.logits, hidden)
+                        out = await self.rt.prefill_outputs(prompt.block_ids, tokens, start, mtp=True,
+                                                            on_chunk_done=sender.on_chunk_done)
+                        hidden, logits = out.hidden, out.logits
                     else:
                         logits = await self.rt.prefill(prompt.block_ids, tokens, start,
                                                        on_chunk_done=sender.on_chunk_done)
