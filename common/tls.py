@@ -31,13 +31,14 @@ import grpc
 log = logging.getLogger(__name__)
 
 ROLE_URI = "tandem://role/"  # + role, a URI SAN of every Tandem certificate (common/certs.py issues them)
-ROLES = ("router", "prefill", "decode", "client")
+ROLES = ("router", "prefill", "decode", "client", "admin")
 # Which roles may call each internal service; a service not listed (health, reflection) takes
 # any known role. Must match who dials whom: router -> decode (Generate), router -> every worker
-# (KvEventService, health), decode -> prefill (Prefill).
+# (KvEventService, health), decode -> prefill (Prefill). KV events carry every cached block
+# hash, so besides the router only an operator's "admin" certificate may read them.
 SERVICE_ROLES = {"tandem.v1.PrefillService": frozenset({"decode"}),
                  "tandem.v1.DecodeService": frozenset({"router"}),
-                 "tandem.v1.KvEventService": frozenset({"router"})}
+                 "tandem.v1.KvEventService": frozenset({"router", "admin"})}
 
 
 @dataclass(frozen=True)

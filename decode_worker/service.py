@@ -1,6 +1,7 @@
 """DecodeService: take a request from the router, get its prompt KV, decode, stream tokens.
 
-Path of one call (DESIGN.md section 5, steps 2–4): validate → admission (wait in the worker's
+Path of one call (docs/architecture.md, steps 2–4): validate → check that the prefill worker
+named is one in discovery (else PERMISSION_DENIED, nothing dialled) → admission (wait in the worker's
 queue while the admitted requests' projected KV fills the practical share of the pool;
 RESOURCE_EXHAUSTED when the queue is full) → allocate the prompt's blocks (reusing this
 worker's prefix cache) → ask the
@@ -35,6 +36,7 @@ from engine.mtp import hidden_from_bytes
 from engine.sampling import sample
 from worker.host import WorkerRuntime
 from kv_transfer.base import TransferError
+from worker.peers import DISCOVERY_WAIT_S, PeerDirectory, PermissionDenied
 
 log = logging.getLogger(__name__)
 
@@ -58,9 +60,10 @@ def _decode_span_attributes(span, running: RunningRequest) -> None:
 
 
 class DecodeServicer(pb_grpc.DecodeServiceServicer):
-    def __init__(self, runtime: WorkerRuntime, scheduler: DecodeScheduler) -> None:
+    def __init__(self, runtime: WorkerRuntime, scheduler: DecodeScheduler, prefills: PeerDirectory) -> None:
         self.rt = runtime
         self.scheduler = scheduler
+        self.prefills = prefills  # the prefill workers this worker may dial
         scheduler.admission.solo_wait_s = runtime.opts.solo_wait_s
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._metadata_sent: set[str] = set()  # prefill addresses that hold our agent metadata
@@ -93,7 +96,7 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
         # Agent metadata travels once per prefill worker; resent when it says it lacks it.
         for attempt in range(2):
             if address not in self._metadata_sent or attempt:
-                req.destination.agent_metadata = self.rt.agent.metadata()
+                req.destination.agent_metadata = self.rt.transfer_metadata  # the bytes discovery has the digest of
             try:
                 resp = await self._stub(address).Prefill(req, timeout=timeout_s)
                 break
@@ -116,19 +119,45 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
                 raise TransferError(f"prefill response unusable for MTP: {exc}") from None
         return Prefilled(resp.first_token_id, resp.first_token_logprob, hidden)
 
+    async def _prefill_address(self, request: pb.DecodeRequest, context: grpc.aio.ServicerContext) -> str:
+        """The prefill worker to dial: request.prefill_address when it is a prefill worker of this
+        model in discovery; "" (prefill here) when it left discovery lately (the router's view
+        may lag ours).
+
+        Raises:
+            PermissionDenied: prefill_address is not (and was not lately) a prefill worker in
+                discovery: nothing is dialled.
+        """
+        address = request.prefill_address
+        if not address:
+            return ""
+        remaining = context.time_remaining()
+        wait_s = DISCOVERY_WAIT_S if remaining is None else max(0.0, min(DISCOVERY_WAIT_S, remaining / 4))
+        try:
+            await self.prefills.find(lambda i: i.address == address, "prefill_address",
+                                     f"prefill worker {address!r}",
+                                     0.0 if self.prefills.recently_gone(address) else wait_s)
+        except PermissionDenied as exc:
+            if not self.prefills.recently_gone(address):
+                raise
+            self._failures.warning(address, "request %s: %s (left lately); prefilling locally",
+                                   request.request_id, exc)
+            return ""
+        return address
+
     async def _prefill(self, request: pb.DecodeRequest, request_id: str, prompt: PromptBlocks,
-                       params: SamplingParams, timeout_s: float) -> Prefilled:
+                       params: SamplingParams, timeout_s: float, prefill_address: str) -> Prefilled:
         tokens = list(request.token_ids)
-        if request.prefill_address:
+        if prefill_address:
             try:
-                first = await self._remote_prefill(request.prefill_address, request_id, tokens, prompt,
+                first = await self._remote_prefill(prefill_address, request_id, tokens, prompt,
                                                    request.sampling, timeout_s, request.sampling_step_offset)
                 self.rt.stats.remote_prefills += 1
                 return first
             except (grpc.aio.AioRpcError, TransferError) as exc:
                 detail = exc.details() if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
-                self._failures.warning(request.prefill_address, "request %s: prefill on %s failed (%s); prefilling "
-                                       "locally", request_id, request.prefill_address, detail)
+                self._failures.warning(prefill_address, "request %s: prefill on %s failed (%s); prefilling "
+                                       "locally", request_id, prefill_address, detail)
         self.rt.stats.local_prefills += 1
         start = prompt.num_cached_blocks * self.rt.pool.block_size
         spec = self.scheduler.spec is not None
@@ -153,8 +182,12 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
             validate_token_ids(list(request.token_ids), self.rt.vocab_size)
             validate_prompt_length(len(request.token_ids), self.rt.context_length, "token_ids")
             params = sampling_from_proto(request.sampling, len(request.token_ids), self.rt.context_length)
+            prefill_address = await self._prefill_address(request, context)
         except InvalidArgument as exc:
             await abort_invalid(context, exc)
+        except PermissionDenied as exc:
+            self._failures.warning(request.prefill_address, "request %s refused: %s", request.request_id, exc)
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(exc))
         request_id = request.request_id or uuid.uuid4().hex
         tokens = list(request.token_ids)
         pool = self.rt.pool
@@ -183,7 +216,8 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
             timeout_s = self.rt.opts.prefill_timeout_s
             if remaining is not None:
                 timeout_s = min(timeout_s, remaining / 2)
-            token, logprob, hidden = await self._prefill(request, request_id, prompt, params, timeout_s)
+            token, logprob, hidden = await self._prefill(request, request_id, prompt, params, timeout_s,
+                                                         prefill_address)
             pool.commit_prompt(prompt)
             self.rt.events.publish()
             yield pb.DecodeResponse(token_ids=[token], logprobs=[logprob], prompt_tokens=len(tokens),
