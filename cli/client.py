@@ -60,10 +60,29 @@ async def generate(stub: frontend_pb2_grpc.FrontendServiceStub, text: str = "", 
     return out
 
 
-def frontend_stub(address: str, creds: TlsCredentials | None = None
+class BearerToken(grpc.aio.UnaryUnaryClientInterceptor, grpc.aio.UnaryStreamClientInterceptor):
+    """Sends `authorization: Bearer <key>` with every call (the router's --api-keys). A
+    interceptor, not call credentials: gRPC sends those over TLS channels only, and a key
+    must also reach a plaintext (--insecure) router."""
+
+    def __init__(self, api_key: str) -> None:
+        self._entry = ("authorization", f"Bearer {api_key}")
+
+    def _with_key(self, details: grpc.aio.ClientCallDetails) -> grpc.aio.ClientCallDetails:
+        return details._replace(metadata=grpc.aio.Metadata(*(details.metadata or ()), self._entry))
+
+    async def intercept_unary_unary(self, continuation, details, request):
+        return await continuation(self._with_key(details), request)
+
+    async def intercept_unary_stream(self, continuation, details, request):
+        return await continuation(self._with_key(details), request)
+
+
+def frontend_stub(address: str, creds: TlsCredentials | None = None, api_key: str = ""
                   ) -> tuple[grpc.aio.Channel, frontend_pb2_grpc.FrontendServiceStub]:
-    """A channel to the router at `address`, over TLS with `creds` (plaintext without)."""
-    ch = channel(address, creds)
+    """A channel to the router at `address`, over TLS with `creds` (plaintext without),
+    sending `api_key` as a bearer token when given."""
+    ch = channel(address, creds, [BearerToken(api_key)] if api_key else ())
     return ch, frontend_pb2_grpc.FrontendServiceStub(ch)
 
 

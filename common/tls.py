@@ -24,7 +24,7 @@ import inspect
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Awaitable, Callable
 
 import grpc
 
@@ -141,17 +141,20 @@ class RoleCheck(grpc.aio.ServerInterceptor):
             return None
         service = details.method.lstrip("/").split("/", 1)[0]
         allowed = SERVICE_ROLES.get(service, frozenset(ROLES))
-        return _guarded(handler, service, allowed)
+
+        async def check(context: grpc.aio.ServicerContext) -> None:
+            roles = peer_roles(context)
+            if not roles & allowed:
+                await context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                                    f"{service} accepts calls from {', '.join(sorted(allowed))} only; the client's "
+                                    f"certificate names {', '.join(sorted(roles)) or 'no Tandem role'}")
+        return guarded(handler, check)
 
 
-def _guarded(handler: grpc.RpcMethodHandler, service: str, allowed: frozenset[str]) -> grpc.RpcMethodHandler:
-    async def check(context: grpc.aio.ServicerContext) -> None:
-        roles = peer_roles(context)
-        if not roles & allowed:
-            await context.abort(grpc.StatusCode.PERMISSION_DENIED,
-                                f"{service} accepts calls from {', '.join(sorted(allowed))} only; the client's "
-                                f"certificate names {', '.join(sorted(roles)) or 'no Tandem role'}")
-
+def guarded(handler: grpc.RpcMethodHandler,
+            check: Callable[[grpc.aio.ServicerContext], Awaitable[None]]) -> grpc.RpcMethodHandler:
+    """`handler` with `await check(context)` run first, in the call's own task (so a contextvar
+    it sets is seen by the method); check ends the call with context.abort to refuse it."""
     if handler.unary_unary is not None:
         inner_uu = handler.unary_unary
 

@@ -27,8 +27,8 @@ from common.pb.tandem.v1 import decode_pb2 as pb
 from common.pb.tandem.v1 import decode_pb2_grpc as pb_grpc
 from common.pb.tandem.v1 import prefill_pb2, prefill_pb2_grpc, sampling_pb2
 from common.sampling_params import SamplingParams
-from common.validation import (InvalidArgument, sampling_from_proto, validate_prompt_length, validate_request_id,
-                               validate_token_ids)
+from common.validation import (InvalidArgument, sampling_from_proto, validate_cache_salt, validate_prompt_length,
+                               validate_request_id, validate_token_ids)
 from decode_worker.admission import admit_or_abort
 from decode_worker.scheduler import DecodeScheduler, RunningRequest
 from engine.kv_pool import PoolExhausted, PromptBlocks
@@ -76,7 +76,7 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
 
     async def _remote_prefill(self, address: str, request_id: str, tokens: list[int], prompt: PromptBlocks,
                               sampling: sampling_pb2.SamplingParams, timeout_s: float,
-                              step_offset: int = 0) -> Prefilled:
+                              step_offset: int = 0, cache_salt: str = "") -> Prefilled:
         """Have the prefill worker at `address` write our missing blocks; returns the first token
         (and, with MTP speculative decoding, the last prompt token's hidden state).
 
@@ -92,7 +92,7 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
             kv_cache_dtype=self.rt.pool.config.dtype_name, kv_cache_scale=self.rt.pool.config.scale)
         req = prefill_pb2.PrefillRequest(request_id=request_id, token_ids=tokens, sampling=sampling, destination=dst,
                                          sampling_step_offset=step_offset,
-                                         return_last_hidden=self.scheduler.spec is not None)
+                                         return_last_hidden=self.scheduler.spec is not None, cache_salt=cache_salt)
         # Agent metadata travels once per prefill worker; resent when it says it lacks it.
         for attempt in range(2):
             if address not in self._metadata_sent or attempt:
@@ -151,7 +151,8 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
         if prefill_address:
             try:
                 first = await self._remote_prefill(prefill_address, request_id, tokens, prompt,
-                                                   request.sampling, timeout_s, request.sampling_step_offset)
+                                                   request.sampling, timeout_s, request.sampling_step_offset,
+                                                   request.cache_salt)
                 self.rt.stats.remote_prefills += 1
                 return first
             except (grpc.aio.AioRpcError, TransferError) as exc:
@@ -181,6 +182,7 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
             validate_request_id(request.request_id, internal=True)
             validate_token_ids(list(request.token_ids), self.rt.vocab_size)
             validate_prompt_length(len(request.token_ids), self.rt.context_length, "token_ids")
+            validate_cache_salt(request.cache_salt)
             params = sampling_from_proto(request.sampling, len(request.token_ids), self.rt.context_length)
             prefill_address = await self._prefill_address(request, context)
         except InvalidArgument as exc:
@@ -190,12 +192,13 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(exc))
         request_id = request.request_id or uuid.uuid4().hex
         tokens = list(request.token_ids)
+        seed = self.rt.seed_for(request.cache_salt)  # tenants share no cached prefix (docs/security.md)
         pool = self.rt.pool
         # capacity: wait for admission (RESOURCE_EXHAUSTED when the queue is full), then the blocks
         admission = self.scheduler.admission
         ticket = await admit_or_abort(admission, len(tokens), params.max_tokens, context)
         try:
-            prompt = await admission.allocate_prompt(tokens, lambda: admission.admitted > 1)
+            prompt = await admission.allocate_prompt(tokens, lambda: admission.admitted > 1, seed)
             self.rt.count_prefix_lookup(len(tokens), prompt)
         except PoolExhausted as exc:
             admission.release(ticket)
@@ -231,7 +234,8 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
             if self.scheduler.failed is not None:
                 await context.abort(grpc.StatusCode.UNAVAILABLE, "decode loop is down on this worker")
             running = RunningRequest(request_id, tokens + [token], len(tokens), prompt.block_ids, params,
-                                     step_offset=request.sampling_step_offset, hidden=hidden, ticket=ticket)
+                                     step_offset=request.sampling_step_offset, hidden=hidden, ticket=ticket,
+                                     hash_seed=seed)
             self.scheduler.add(running)
             with tracing.span("tandem.decode") as span:
                 try:

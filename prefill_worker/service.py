@@ -19,8 +19,8 @@ from common.ratelimit import RateLimitedLog
 from common.grpc_errors import abort_invalid, check_parsed
 from common.pb.tandem.v1 import prefill_pb2 as pb
 from common.pb.tandem.v1 import prefill_pb2_grpc as pb_grpc
-from common.validation import (InvalidArgument, sampling_from_proto, validate_prompt_length, validate_request_id,
-                               validate_token_ids)
+from common.validation import (InvalidArgument, sampling_from_proto, validate_cache_salt, validate_prompt_length,
+                               validate_request_id, validate_token_ids)
 from engine.mtp import hidden_to_bytes
 from engine.pipeline import PipelineError
 from engine.sampling import sample
@@ -85,6 +85,7 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
         validate_request_id(request.request_id, internal=True)
         validate_token_ids(list(request.token_ids), self.rt.vocab_size)
         validate_prompt_length(len(request.token_ids), self.rt.context_length, "token_ids")
+        validate_cache_salt(request.cache_salt)
         dst = request.destination
         if dst.backend not in CHOICES:  # the backend itself is chosen from both agents' metadata
             raise InvalidArgument("destination.backend", f"{dst.backend!r} is not one of {', '.join(CHOICES)}")
@@ -158,7 +159,7 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
                                 f"destination.agent_metadata: unknown agent {dst.agent_name!r}; send its metadata")
         tokens = list(request.token_ids)
         pool = self.rt.pool
-        prompt = await self.rt.allocate_prompt(tokens, context)
+        prompt = await self.rt.allocate_prompt(tokens, context, self.rt.seed_for(request.cache_salt))
         remote = RemoteBlocks(dst.base_address, dst.block_stride_bytes, dst.device_id, list(dst.block_ids))
         sender = ChunkSender(self.rt.agent, dst.agent_name, prompt.block_ids, dst.first_block_index, remote,
                              pool.block_size, self.rt.opts.transfer_timeout_s)
