@@ -85,8 +85,8 @@ async def run_load(router: str, reqs: list[BenchRequest], speedup: float = 1.0, 
     # disable=None: tqdm turns itself off when stderr is not a terminal (logs stay readable)
     bar = tqdm(total=len(reqs), unit="req", disable=None if progress else True, dynamic_ncols=True)
     results: list[RequestResult | None] = [None] * len(reqs)
-    from cli.client import BearerToken
-    async with channel(router, creds, [BearerToken(api_key)] if api_key else ()) as ch, \
+    from cli.client import bearer_token
+    async with channel(router, creds, bearer_token(api_key) if api_key else ()) as ch, \
             _http_client(http_url, concurrency or len(reqs), api_key) as http:
         stub = frontend_pb2_grpc.FrontendServiceStub(ch)
         await ch.channel_ready()

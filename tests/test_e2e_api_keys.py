@@ -193,3 +193,42 @@ def test_reload_takes_new_keys_and_keeps_the_old_ones_on_a_bad_file(tmp_path):
     path.write_text("not json")
     assert not ring.reload()
     assert ring.authenticate(f"Bearer {KEYS['alice']}").name == "alice"
+
+
+def test_local_cluster_with_keys_and_the_cli_clients(etcd_server, tmp_path):
+    """`tandem up`'s cluster (real processes, mTLS) with --api-keys: tandem generate and explain
+    send --api-key / TANDEM_API_KEY; explain needs an admin key."""
+    import asyncio
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from cli.cluster import LocalCluster
+    from engine.model_source import TINY
+
+    keys = tmp_path / "keys.toml"
+    keys.write_text(KEY_FILE)
+    root = Path(__file__).resolve().parent.parent
+
+    def tandem(*args: str, key: str | None = None) -> subprocess.CompletedProcess:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("TANDEM_")}
+        env.update(TANDEM_TLS_CA=str(cluster.ca.ca_path), **({"TANDEM_API_KEY": key} if key else {}))
+        return subprocess.run([sys.executable, "-m", "cli.main", *args, "--router", cluster.router_address],
+                              cwd=root, capture_output=True, text=True, timeout=120, env=env)
+
+    cluster = LocalCluster(model=TINY, etcd=etcd_server.endpoint, namespace="e2e-api-keys-up", api_keys=str(keys),
+                           worker_args=["--num-blocks", "128"], log_dir=str(tmp_path / "logs"))
+    asyncio.run(cluster.start())  # its readiness check itself needs the admin key
+    try:
+        ok = tandem("generate", "To be", "--max-tokens", "3", "--api-key", KEYS["bob"])
+        assert ok.returncode == 0 and "[3 tokens" in ok.stderr, ok.stderr
+        assert tandem("generate", "To be", "--max-tokens", "3", key=KEYS["bob"]).returncode == 0  # TANDEM_API_KEY
+        missing = tandem("generate", "To be", "--max-tokens", "3")
+        assert missing.returncode == 1 and "UNAUTHENTICATED" in missing.stderr, missing.stderr
+        refused = tandem("explain", "To be", key=KEYS["bob"])
+        assert refused.returncode == 1 and "PERMISSION_DENIED" in refused.stderr, refused.stderr
+        explained = tandem("explain", "To be", key=KEYS["ops"])
+        assert explained.returncode == 0 and explained.stdout.strip(), explained.stderr
+    finally:
+        asyncio.run(cluster.stop())
