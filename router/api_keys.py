@@ -30,6 +30,8 @@ from typing import Any
 
 import grpc
 
+from common.tls import guarded  # the same handler wrapping as the certificate role check
+
 log = logging.getLogger(__name__)
 
 MIN_KEY_CHARS = 16  # a shorter key is guessable; refused when the file is read
@@ -200,8 +202,6 @@ class ApiKeyCheck(grpc.aio.ServerInterceptor):
         self.keys = keys
 
     async def intercept_service(self, continuation, details: grpc.HandlerCallDetails) -> Any:
-        from common.tls import guarded  # the same handler wrapping as the role check
-
         handler = await continuation(details)
         service, _, method = details.method.lstrip("/").partition("/")
         if handler is None or service != SERVICE:

@@ -149,7 +149,8 @@ def test_http_api_needs_a_key(cluster, tiny_model):
             assert r.headers["www-authenticate"] == "Bearer"
     r = httpx.get(f"{base}/metrics", headers={"Authorization": f"Bearer {KEYS['alice']}"}, timeout=30)
     assert r.status_code == 403 and r.json()["error"]["type"] == "permission_error", r.text
-    assert httpx.get(f"{base}/metrics", headers={"Authorization": f"Bearer {KEYS['ops']}"}, timeout=30).status_code == 200
+    r = httpx.get(f"{base}/metrics", headers={"Authorization": f"Bearer {KEYS['ops']}"}, timeout=30)
+    assert r.status_code == 200, r.text
     assert httpx.get(f"{base}/health", timeout=30).status_code == 200  # probes need no key
 
 
@@ -230,5 +231,19 @@ def test_local_cluster_with_keys_and_the_cli_clients(etcd_server, tmp_path):
         assert refused.returncode == 1 and "PERMISSION_DENIED" in refused.stderr, refused.stderr
         explained = tandem("explain", "To be", key=KEYS["ops"])
         assert explained.returncode == 0 and explained.stdout.strip(), explained.stderr
+        # Rotation: bob's key replaced by a new one, then SIGHUP; the router logs the reload.
+        import signal
+        import time
+        new_key = "tk-bob-rotated-0123456789"
+        keys.write_text(KEY_FILE.replace(KEYS["bob"], new_key))
+        cluster.procs["router"].send_signal(signal.SIGHUP)
+        log = cluster.log_dir / "router.log"
+        deadline = time.monotonic() + 30
+        while "reloaded 5 API keys" not in log.read_text():
+            assert time.monotonic() < deadline, log.read_text()[-2000:]
+            time.sleep(0.1)
+        assert tandem("generate", "To be", "--max-tokens", "2", key=new_key).returncode == 0
+        old = tandem("generate", "To be", "--max-tokens", "2", key=KEYS["bob"])
+        assert old.returncode == 1 and "UNAUTHENTICATED" in old.stderr, old.stderr
     finally:
         asyncio.run(cluster.stop())

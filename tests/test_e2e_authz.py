@@ -29,7 +29,8 @@ PROMPT = [21, 22, 23]  # one block
 
 @pytest.fixture(scope="module")
 def cluster(etcd_server, tiny_model, one_torch_thread):
-    c = InProcessCluster(etcd_server.endpoint, tiny_model, namespace="e2e-authz", worker_opts=WorkerOptions(num_blocks=64))
+    c = InProcessCluster(etcd_server.endpoint, tiny_model, namespace="e2e-authz",
+                         worker_opts=WorkerOptions(num_blocks=64))
     c.router = c.start("router")
     c.prefill = c.start("prefill")
     c.decode = c.start("decode")
