@@ -35,6 +35,11 @@ HELP = {
     "solo_wait_s": "decode: seconds a request whose prompt + max_tokens exceeds the admission budget (so it runs "
                    "only alone) may wait for the worker to be free before RESOURCE_EXHAUSTED",
     "chunk_size": "prefill chunk size in tokens (the base chunk with dynamic chunking); alias --chunked-prefill-size",
+    "max_prefill_tokens": "token budget of one prefill forward (a prefill worker's, or a decode worker's local "
+                          "prefills); the next chunks of concurrent prompts "
+                          "are packed into it first come first served (a chunk larger than the budget runs alone). "
+                          "16384 as SGLang's default: large enough that a forward keeps a GPU busy, small enough "
+                          "to bound its activation memory and the wait of a chunk behind it",
     "enable_dynamic_chunking": "prefill: fit f(l) = a·l² + b·l + c from start-up timings and shrink chunks as the "
                                "prefix grows; falls back to static chunks with a logged reason",
     "dynamic_chunk_smoothing": "dynamic chunking: σ in [0, 1], chunk = base + σ·(x − base)",
@@ -78,8 +83,11 @@ HELP = {
     "local_prefill_threshold": "prefill on the decode worker when its uncached part is below this many tokens",
     "migration_limit": "router: decode-worker failures one request may survive (retry or migrate elsewhere)",
     "default_deadline_s": "router: deadline in seconds of router → worker calls when the client sets none",
-    "token_stall_timeout_s": "router: seconds a running stream may go without a response before its worker "
-                             "counts as failed and the request migrates (0 = off)",
+    "token_stall_timeout_s": "router: floor in seconds of the stall timeout: a running stream silent for "
+                             "max(this, --token-stall-itl-factor × its worker's observed ITL) counts its worker "
+                             "as failed and the request migrates (0 = off)",
+    "token_stall_itl_factor": "router: N of the stall timeout's N × the worker's observed inter-token latency "
+                              "(an EWMA over its streams; 0 = the floor alone)",
     "keepalive_time_s": "router: seconds between HTTP/2 keepalive PINGs on each channel to a worker (>= 1)",
     "keepalive_timeout_s": "router: seconds a keepalive PING may go unanswered before the channel's calls fail "
                            "(a stopped or unreachable worker)",

@@ -24,6 +24,9 @@ def _router(args: argparse.Namespace) -> int:
     return 0
 
 
+WORKER_SWITCH_INTERVAL_S = 0.0002
+
+
 def _worker(args: argparse.Namespace) -> int:
     from common import tracing
     from common.tls import set_tls
@@ -31,6 +34,10 @@ def _worker(args: argparse.Namespace) -> int:
     tracing.setup(args.command)
     opts = build(WorkerOptions, args)
     set_tls(opts.tls)
+    # The model thread and the event loop hand the GIL to each other several times per decode
+    # step; at Python's default 5 ms switch interval a thread that wakes (a finished CUDA event,
+    # a stream to write) can wait that long behind the other, longer than a whole step on a GPU.
+    sys.setswitchinterval(WORKER_SWITCH_INTERVAL_S)
     if args.command == "prefill":
         from prefill_worker.main import run
     else:

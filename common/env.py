@@ -15,6 +15,9 @@ CONFIG_VAR = "TANDEM_CONFIG"  # path of the TOML config file (`--config`)
 # Test-only: a worker started with this set takes it as its instance id instead of a random one,
 # so a test can restart a worker under the same identity (a new incarnation; issue 20).
 TEST_INSTANCE_ID_VAR = "TANDEM_TEST_INSTANCE_ID"
+# Test-only: a prefill worker started with this set to N stops itself (SIGSTOP) once, right
+# after posting its N-th KV write and before that write starts: stopped mid-transfer (issue 20).
+TEST_STOP_AFTER_WRITES_VAR = "TANDEM_TEST_STOP_AFTER_WRITES"
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}

@@ -68,29 +68,43 @@ def load_tokenizer(checkpoint_dir: Path | None = None) -> TextTokenizer:
 
 
 class IncrementalDetokenizer:
-    """Turns a growing list of token ids into text deltas for streaming.
+    """Turns a growing list of token ids into text deltas for streaming, in O(1) per token.
 
-    Decodes the ids seen so far and emits only the new characters; holds back text
-    that ends in U+FFFD because a multi-byte UTF-8 character may be split over tokens.
+    Decodes a window of the last few ids, not the whole list: the window starts at the previous
+    delta's first token (`_prefix`), and the new text is what decoding the window gives past
+    what decoding its old part (`_prefix:_read`) gave (vLLM's incremental detokenizer does the
+    same). Byte-level BPE decoding is concatenation of the tokens' bytes, so the window's old
+    part decodes to the same characters whatever came before; a delta is held back while it ends
+    in U+FFFD, because a multi-byte UTF-8 character may be split over tokens. Should a window's
+    text ever not extend its old part (a tokenizer whose decoding is not concatenative), the
+    delta comes from decoding all ids instead, so the streamed text always equals decoding all.
     """
 
     def __init__(self, tokenizer: TextTokenizer) -> None:
         self._tokenizer = tokenizer
         self._ids: list[int] = []
-        self._emitted = 0
+        self._prefix = 0  # window start
+        self._read = 0  # ids before this are in the emitted text
+        self._emitted = ""  # all text emitted so far (for the fallback and `text`)
 
     @property
     def text(self) -> str:
+        """Decoding of every id pushed so far."""
         return self._tokenizer.decode(self._ids)
 
     def push(self, ids: list[int], final: bool = False) -> str:
         """Add ids; return the text that became complete (everything left when final)."""
         self._ids.extend(ids)
-        text = self.text
-        end = len(text)
-        if not final:
-            while end > self._emitted and text[end - 1] == "\ufffd":
-                end -= 1
-        delta = text[self._emitted:end]
-        self._emitted = end
+        old = self._tokenizer.decode(self._ids[self._prefix:self._read])
+        new = self._tokenizer.decode(self._ids[self._prefix:])
+        if not new.startswith(old):
+            full = self.text
+            if not full.startswith(self._emitted):  # cannot happen for a concatenative decoder
+                raise RuntimeError("detokenized text changed behind the stream")
+            new, old = full, self._emitted
+        if not final and new.endswith("\ufffd"):
+            return ""
+        delta = new[len(old):]
+        self._prefix, self._read = self._read, len(self._ids)
+        self._emitted += delta
         return delta

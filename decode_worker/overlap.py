@@ -2,9 +2,11 @@
 post-processes step i − 1 and schedules step i + 1.
 
 Loop: schedule step i + 1 (its input token for a request still waiting on step i is the
-placeholder of step i's future-map slot) → launch it → collect and post-process step i (the
-only wait, on step i's event) → repeat. So the device always has the next step queued
-behind the current one and never waits for a host round trip.
+placeholder of step i's future-map slot) → one model-thread call that launches step i + 1 and
+then waits for step i (the only wait, on step i's event) → post-process step i → repeat. So the
+device always has the next step queued behind the current one and never waits for a host round
+trip, and the event loop hands the model thread one job per step (each hand-over waits for the
+event loop's turn, which the streams of every running request share).
 
 Consequences handled here:
 - A request finishing at step i (eos) may already be in step i + 1: that token is dropped.
@@ -24,11 +26,12 @@ import logging
 from typing import TYPE_CHECKING
 
 from common.pb.tandem.v1 import sampling_pb2
-from engine.overlap_runner import LaunchedStep, OverlapRunner
+from engine.overlap_runner import OverlapRunner
 from engine.runner import DecodeInput
 
 if TYPE_CHECKING:
     from decode_worker.scheduler import DecodeScheduler, RunningRequest
+    from engine.overlap_runner import LaunchedStep
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +56,7 @@ class OverlapLoop:
     def __init__(self, scheduler: DecodeScheduler) -> None:
         self.sched = scheduler
         rt = scheduler.rt
-        self.runner = OverlapRunner(rt.runner, capacity=4 * rt.opts.max_running + 16)
+        self.runner = OverlapRunner(rt.runner, rt.opts.max_running)
         self.fmap = self.runner.fmap
         self._inflight: tuple[list[RunningRequest], list[int], LaunchedStep] | None = None
         self._deferred: list[list] = []  # block lists to free once the step in flight is done
@@ -78,27 +81,32 @@ class OverlapLoop:
                 sched._wake.clear()
                 await sched._wake.wait()
                 continue
-            launched = None
+            slots: list[int] = []
+            inputs = sampling = None
             if batch:
                 slots = self.fmap.reserve(len(batch))
                 inputs = [DecodeInput(r.block_ids, len(r.tokens) - 1, r.tokens[-1]) for r in batch]
                 sampling = [(r.params, r.step_offset + r.generated) for r in batch]
-                step = await rt.run_model(self.runner.launch, inputs, slots, sampling)
+            previous = self._inflight
+            step, result = await rt.run_model(self.runner.step, inputs, slots, sampling,
+                                              previous[2] if previous is not None else None)
+            launched = None
+            if batch:
                 for r, slot in zip(batch, slots):
                     r.tokens.append(self.fmap.placeholder(slot))
                 launched = (batch, slots, step)
                 sched.steps += 1
-            previous, deferred = self._inflight, self._deferred
+            deferred = self._deferred
             self._inflight, self._deferred = launched, []
             if previous is not None:
-                await self._postprocess(*previous)
+                self._postprocess(previous[0], previous[1], *result)
             for block_ids in deferred:  # their last reader (the previous step) has completed
                 rt.pool.free(block_ids)
 
-    async def _postprocess(self, batch: list[RunningRequest], slots: list[int], step: LaunchedStep) -> None:
+    def _postprocess(self, batch: list[RunningRequest], slots: list[int], tokens: list[int],
+                     logprobs: list[float]) -> None:
         from decode_worker.scheduler import TokenOut  # circular: the scheduler imports us
 
-        tokens, logprobs = await self.sched.rt.run_model(self.runner.collect, step)
         running = set(self.sched.running)
         for req, slot, token, logprob in zip(batch, slots, tokens, logprobs):
             if req not in running or req.cancelled:

@@ -12,6 +12,7 @@ stream the first token → join the continuous batch until finished or cancelled
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import uuid
 from typing import NamedTuple
@@ -30,6 +31,7 @@ from common.sampling_params import SamplingParams
 from common.validation import (InvalidArgument, sampling_from_proto, validate_cache_salt, validate_prompt_length,
                                validate_request_id, validate_token_ids)
 from decode_worker.admission import admit_or_abort
+from decode_worker.fence import PrefillFence, nothing_listens
 from decode_worker.scheduler import DecodeScheduler, RunningRequest
 from engine.kv_pool import PoolExhausted, PromptBlocks
 from engine.mtp import hidden_from_bytes
@@ -39,6 +41,9 @@ from kv_transfer.base import TransferError
 from worker.peers import DISCOVERY_WAIT_S, PeerDirectory, PermissionDenied
 
 log = logging.getLogger(__name__)
+# Prefill call outcomes after which the prefill worker may still be writing: it never answered.
+UNANSWERED = (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED)
+FENCE_ATTEMPT_S = 1.0  # one Abandon attempt: a resumed prefill worker frees the fence within about this
 
 
 class Prefilled(NamedTuple):
@@ -68,6 +73,17 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._metadata_sent: set[str] = set()  # prefill addresses that hold our agent metadata
         self._failures = RateLimitedLog(log)  # one line per prefill worker per 5 s
+        # A prefill call that ended unanswered may still write: its blocks wait here (fence.py)
+        # until the prefill worker answers Abandon. Bound, for one that never answers: its own
+        # writes stop at the call's deadline (counted from the call's arrival there) and each
+        # lasts at most --transfer-timeout, so twice both covers a worker resumed mid-call.
+        self.fence = PrefillFence(runtime.agent, self._free_fenced,
+                                  2 * (runtime.opts.prefill_timeout_s + runtime.opts.transfer_timeout_s),
+                                  FENCE_ATTEMPT_S, runtime.stats)
+
+    def _free_fenced(self, block_ids: list) -> None:
+        self.rt.pool.free(block_ids)
+        self.rt.events.publish()
 
     def _stub(self, address: str) -> prefill_pb2_grpc.PrefillServiceStub:
         if address not in self._channels:
@@ -159,13 +175,40 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
                 detail = exc.details() if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
                 self._failures.warning(prefill_address, "request %s: prefill on %s failed (%s); prefilling "
                                        "locally", request_id, prefill_address, detail)
+                if isinstance(exc, grpc.aio.AioRpcError) and exc.code() in UNANSWERED:
+                    self._fence(prefill_address, request_id, prompt)
+            except asyncio.CancelledError:  # the request ended while the prefill worker had it
+                try:
+                    self._fence(prefill_address, request_id, prompt)
+                except PoolExhausted:
+                    pass  # nothing more to run for it: the fenced blocks are held all the same
+                raise
         self.rt.stats.local_prefills += 1
         start = prompt.num_cached_blocks * self.rt.pool.block_size
         spec = self.scheduler.spec is not None
-        hidden = await self.rt.prefill_hidden(prompt.block_ids, tokens, start, mtp=spec)
-        logits = await self.rt.run_model(self.rt.runner.logits, hidden)
-        token, logprob = sample(logits, params, step=request.sampling_step_offset)
+        out = await self.rt.prefill_outputs(prompt.block_ids, tokens, start, mtp=spec)
+        hidden = out.hidden
+        token, logprob = sample(out.logits, params, step=request.sampling_step_offset)
         return Prefilled(token, logprob, hidden[None] if spec else None)
+
+    def _fence(self, address: str, request_id: str, prompt: PromptBlocks) -> None:
+        """Swap the blocks the prefill worker at `address` was given for fresh ones (the prompt
+        then holds only blocks no late write can reach) and fence the old ones until it
+        answers Abandon (decode_worker/fence.py).
+
+        Raises:
+            PoolExhausted: no fresh blocks (the old ones are fenced all the same).
+        """
+        given = prompt.block_ids[prompt.num_cached_blocks:]
+        prompt.block_ids[prompt.num_cached_blocks:] = []
+
+        async def abandon(timeout_s: float) -> bool:
+            resp = await self._stub(address).Abandon(prefill_pb2.AbandonRequest(request_id=request_id),
+                                                     timeout=timeout_s)
+            return resp.notified
+
+        self.fence.hold(request_id, given, abandon, lambda: nothing_listens(address))
+        prompt.block_ids.extend(self.rt.pool.blocks.allocate(len(given)))
 
     async def Generate(self, request: pb.DecodeRequest, context: grpc.aio.ServicerContext):
         if self.rt.draining:  # the router retries on another decode worker
@@ -198,7 +241,9 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
         admission = self.scheduler.admission
         ticket = await admit_or_abort(admission, len(tokens), params.max_tokens, context)
         try:
-            prompt = await admission.allocate_prompt(tokens, lambda: admission.admitted > 1, seed)
+            # fenced blocks come back too (decode_worker/fence.py): wait for them as for running requests
+            prompt = await admission.allocate_prompt(tokens, lambda: admission.admitted > 1 or self.fence.held_blocks > 0,
+                                                     seed)
             self.rt.count_prefix_lookup(len(tokens), prompt)
         except PoolExhausted as exc:
             admission.release(ticket)
@@ -219,8 +264,12 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
             timeout_s = self.rt.opts.prefill_timeout_s
             if remaining is not None:
                 timeout_s = min(timeout_s, remaining / 2)
-            token, logprob, hidden = await self._prefill(request, request_id, prompt, params, timeout_s,
-                                                         prefill_address)
+            try:
+                token, logprob, hidden = await self._prefill(request, request_id, prompt, params, timeout_s,
+                                                             prefill_address)
+            except PoolExhausted:  # its prefill worker went silent and no fresh blocks are left here
+                await context.abort(grpc.StatusCode.UNAVAILABLE, "prefill worker did not answer and the KV pool has "
+                                    "no free blocks for a local prefill")
             pool.commit_prompt(prompt)
             self.rt.events.publish()
             yield pb.DecodeResponse(token_ids=[token], logprobs=[logprob], prompt_tokens=len(tokens),
@@ -268,5 +317,6 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
                 self.scheduler.cancel(running)
 
     async def close(self) -> None:
+        await self.fence.close()
         for ch in self._channels.values():
             await ch.close()

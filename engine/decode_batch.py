@@ -19,38 +19,142 @@ from engine.kernels.mla_decode import mla_decode
 from engine.kv_pool import FP8, KvPool
 
 
-@dataclass
-class DecodePlan:
-    """ids [B] int64, positions [B] int64, tables [B, W] int32 (padded with each row's first
-    block), lens [B] int32 (context length including the new token), on the pool's device."""
+class BlockTables:
+    """The running requests' block tables, kept on the device between decode steps.
 
-    ids: torch.Tensor
-    positions: torch.Tensor
-    tables: torch.Tensor
-    lens: torch.Tensor
+    A decode step reads each row's table; rebuilding a [B, W] tensor from Python lists every
+    step costs more host time than the step's GPU work at B = 64 (measured on an H200), and a
+    table changes only when a request joins or grows by a block (every block_size steps). So each
+    request keeps a row of `store` [rows, width] int32, keyed by its block list's identity, and a
+    step uploads only rows whose content changed (one host-to-device copy, none on most steps).
+    A row is right whenever its cached copy equals the list's first `need` entries: that
+    comparison runs every step (in C, for all rows), so a list mutated in place or a recycled
+    list identity is caught. Entries past a row's length are left from earlier use: valid block
+    ids, never read (masked by the row's length).
 
-    @property
-    def batch(self) -> int:
-        return self.ids.shape[0]
+    Args:
+        rows: rows of the store (at least the largest batch; a full store evicts rows of
+            requests absent from the current step).
+        width: blocks per row (the longest context's blocks).
+        fixed: True once graphs captured `store`'s address: it may not be reallocated.
+    """
+
+    def __init__(self, rows: int, width: int, device: torch.device, fixed: bool = False) -> None:
+        self.store = torch.zeros((rows, width), dtype=torch.int32, device=device)
+        self.fixed = fixed
+        self._row: dict[int, int] = {}  # id(block list) -> row
+        self._cached: list[list[int] | None] = [None] * rows
+        self._free = list(range(rows - 1, -1, -1))
 
     @property
     def width(self) -> int:
-        return self.tables.shape[1]
+        return self.store.shape[1]
+
+    def reserve_row(self, block: int) -> int:
+        """A row owned by no request whose first entry is `block` (graphs' padding rows)."""
+        r = self._free.pop()
+        self.store[r, 0] = block
+        return r
+
+    def rows_for(self, lists: list[list[int]], need: list[int]) -> list[int]:
+        """The row of each block list (its first need[i] entries uploaded if changed).
+
+        Raises ValueError when a row needs more than `width` blocks or the batch more rows than
+        the store has and the store is fixed."""
+        w = max(need)
+        if w > self.width or len(lists) > self.store.shape[0]:
+            if self.fixed:
+                raise ValueError(f"decode batch of {len(lists)} rows × {w} blocks exceeds the captured "
+                                 f"block tables ({self.store.shape[0]} × {self.width})")
+            self._grow(max(len(lists), self.store.shape[0]), max(w, self.width))
+        rows, changed = [], []
+        present = {id(lst) for lst in lists}
+        for lst, n in zip(lists, need):
+            r = self._row.get(id(lst))
+            if r is None:
+                r = self._take(present)
+                self._row[id(lst)] = r
+            head = lst[:n]
+            if self._cached[r] != head:
+                self._cached[r] = head
+                changed.append((r, head))
+            rows.append(r)
+        if changed:
+            wc = max(len(h) for _, h in changed)
+            up = torch.tensor([[r, *h, *([h[0]] * (wc - len(h)))] for r, h in changed], dtype=torch.int32,
+                              pin_memory=self.store.is_cuda).to(self.store.device, non_blocking=True)
+            self.store[up[:, 0].long(), :wc] = up[:, 1:]
+        return rows
+
+    def _take(self, present: set[int]) -> int:
+        if not self._free:  # evict the rows of requests that are not in this step
+            for key in [k for k in self._row if k not in present]:
+                r = self._row.pop(key)
+                self._cached[r] = None
+                self._free.append(r)
+        return self._free.pop()
+
+    def _grow(self, rows: int, width: int) -> None:
+        old = self.store
+        self.store = torch.zeros((rows, width), dtype=torch.int32, device=old.device)
+        self.store[: old.shape[0], : old.shape[1]] = old
+        self._cached += [None] * (rows - len(self._cached))
+        self._free = list(range(rows - 1, old.shape[0] - 1, -1)) + self._free
+
+
+@dataclass
+class DecodePlan:
+    """One step's inputs on the device: `ints` [5, B] int64 = (input ids, positions, context
+    lengths including the new token, block-table rows, future-map slots), built on the host and
+    copied in one non-blocking host-to-device copy; `store` is BlockTables.store. B may exceed
+    `batch` by padding rows (graphs' buckets); width = blocks of the longest row."""
+
+    ints: torch.Tensor
+    store: torch.Tensor
+    batch: int
+    width: int
+
+    @property
+    def ids(self) -> torch.Tensor:
+        return self.ints[0, : self.batch]
+
+    @property
+    def positions(self) -> torch.Tensor:
+        return self.ints[1, : self.batch]
+
+    @property
+    def lens(self) -> torch.Tensor:
+        return self.ints[2, : self.batch].int()
+
+    @property
+    def slots(self) -> torch.Tensor:
+        return self.ints[4, : self.batch]
+
+    @property
+    def tables(self) -> torch.Tensor:
+        """[batch, width] int32 block tables (a gather from the store)."""
+        return self.store.index_select(0, self.ints[3, : self.batch])[:, : self.width]
 
     @staticmethod
-    def build(batch, block_size: int, device: torch.device) -> DecodePlan:
-        """batch: engine.runner.DecodeInput rows (block_ids, num_computed, input_token)."""
-        pin = device.type == "cuda"
-        need = [-(-(b.num_computed + 1) // block_size) for b in batch]
-        width = max(need)
-        rows = [b.block_ids[:n] + [b.block_ids[0]] * (width - n) for b, n in zip(batch, need)]
+    def build(batch, block_size: int, device: torch.device, tables: BlockTables | None = None,
+              slots: list[int] | None = None, pad_to: int = 0, pad_row: int = 0) -> DecodePlan:
+        """batch: engine.runner.DecodeInput rows (block_ids, num_computed, input_token).
 
-        # two host-to-device copies: [ids; positions; lens] and the tables
-        rows3 = torch.tensor([[b.input_token for b in batch], [b.num_computed for b in batch],
-                              [b.num_computed + 1 for b in batch]], dtype=torch.long,
-                             pin_memory=pin).to(device, non_blocking=True)
-        tables = torch.tensor(rows, dtype=torch.int32, pin_memory=pin).to(device, non_blocking=True)
-        return DecodePlan(rows3[0], rows3[1], tables, rows3[2].int())
+        tables: the runner's BlockTables (None: a throw-away one, for tests); slots: future-map
+        slots the step's tokens go to (default: none, -1); pad_to: total rows including padding
+        rows (a one-token context in `pad_row`, writing to no slot)."""
+        if tables is None:
+            tables = BlockTables(len(batch), 1, device)
+        need = [-(-(b.num_computed + 1) // block_size) for b in batch]
+        rows = tables.rows_for([b.block_ids for b in batch], need)
+        pad = max(0, pad_to - len(batch))
+        ints = torch.tensor([[b.input_token for b in batch] + [0] * pad,
+                             [b.num_computed for b in batch] + [0] * pad,
+                             [b.num_computed + 1 for b in batch] + [1] * pad,
+                             rows + [pad_row] * pad,
+                             (slots if slots is not None else [-1] * len(batch)) + [-1] * pad],
+                            dtype=torch.long, pin_memory=device.type == "cuda").to(device, non_blocking=True)
+        return DecodePlan(ints, tables.store, len(batch), max(need))
 
 
 AttentionFn = Callable[..., torch.Tensor]

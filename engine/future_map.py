@@ -16,18 +16,19 @@ class FutureTokenMap:
     """A device ring of sampled token ids addressed by negative placeholder ids.
 
     capacity must exceed the tokens of every step whose placeholders are still in use (the
-    overlap loop has at most two steps in flight: 2 × max batch is enough).
+    overlap loop has at most two steps in flight: 2 × max batch is enough). One more entry past
+    the ring is a sink: slot -1 (padding rows, steps whose tokens nobody awaits) writes there.
     """
 
     def __init__(self, capacity: int, device: torch.device | str) -> None:
         if capacity < 1:
             raise ValueError(f"capacity={capacity}: must be >= 1")
-        self.tokens = torch.zeros(capacity, dtype=torch.long, device=device)
+        self.tokens = torch.zeros(capacity + 1, dtype=torch.long, device=device)
         self._next = 0
 
     @property
     def capacity(self) -> int:
-        return self.tokens.shape[0]
+        return self.tokens.shape[0] - 1
 
     def reserve(self, n: int) -> list[int]:
         """n consecutive ring slots (wrapping) for one step's tokens."""
@@ -45,5 +46,5 @@ class FutureTokenMap:
         return torch.where(ids < 0, self.tokens[(-ids - 1).clamp(min=0)], ids)
 
     def store(self, slots: torch.Tensor, tokens: torch.Tensor) -> None:
-        """tokens [B] -> ring slots [B] (both on the map's device)."""
+        """tokens [B] -> ring slots [B] (both on the map's device; -1 = the sink)."""
         self.tokens[slots] = tokens

@@ -4,12 +4,15 @@ At start-up the decode forward (embed → layers with `AbsorbedDecodeKv` → fin
 is captured for each batch size in `batch_sizes(max_batch)`, largest first, all graphs sharing
 one memory pool and one set of static input buffers sized for the largest batch and the widest
 block table the pool allows. A step of B requests replays the smallest graph with room for B:
-its inputs are copied into the buffers' first B rows, and the padding rows are reset to a
+the host's plan (engine/decode_batch.py: input ids, positions, lengths, block-table rows, padded
+to the bucket) is copied into the static input buffer in one copy; padding rows are a
 one-token context in the scratch block (so they write their garbage latent there, never into a
-live request's block). Sampling runs after the replay (engine/sampling.py), outside the graph.
+live request's block). Inside the graph: the future-token map resolves placeholder input ids
+(engine/future_map.py) and the rows' block tables are gathered from the device-resident
+`BlockTables` store. Sampling runs after the replay (engine/sampling.py), outside the graph.
 
 The attention kernel's work depends on each row's length, not on the table width, so one width
-serves every context; `can_run` is false only for a batch larger than the largest bucket.
+serves every context; `bucket` is None only for a batch larger than the largest bucket.
 """
 
 from __future__ import annotations
@@ -19,7 +22,8 @@ import time
 
 import torch
 
-from engine.decode_batch import AbsorbedDecodeKv, DecodePlan
+from engine.decode_batch import AbsorbedDecodeKv, BlockTables, DecodePlan
+from engine.future_map import FutureTokenMap
 from engine.kv_pool import KvPool
 
 log = logging.getLogger(__name__)
@@ -41,22 +45,28 @@ class DecodeGraphs:
     Args:
         model: the model (on CUDA; MoE layers in their grouped form).
         pool: the KV pool the graphs read and write (its tensor's address is baked in).
+        tables: the runner's BlockTables (fixed from here on: its store's address is baked in).
+        future: the runner's FutureTokenMap (placeholder ids are resolved inside the graph).
         max_batch: the largest batch (the worker's --max-running).
-        width: block-table width (blocks of the longest context).
         scratch_block: a block no request ever owns (the worker reserves one).
     """
 
-    def __init__(self, model: torch.nn.Module, pool: KvPool, max_batch: int, width: int,
-                 scratch_block: int, sizes: list[int] | None = None) -> None:
+    def __init__(self, model: torch.nn.Module, pool: KvPool, tables: BlockTables, future: FutureTokenMap,
+                 max_batch: int, scratch_block: int, sizes: list[int] | None = None) -> None:
         dev = pool.kv.device
-        self.model, self.pool, self.width, self.scratch = model, pool, width, scratch_block
+        self.model, self.pool, self.tables, self.future = model, pool, tables, future
+        self.width = tables.width
         self.sizes = sorted(sizes or batch_sizes(max_batch))
         n = self.sizes[-1]
-        self.ids = torch.zeros(n, dtype=torch.long, device=dev)
-        self.positions = torch.zeros(n, dtype=torch.long, device=dev)
-        self.tables = torch.full((n, width), scratch_block, dtype=torch.int32, device=dev)
-        self.lens = torch.ones(n, dtype=torch.int32, device=dev)
+        tables.fixed = True
+        self.pad_row = tables.reserve_row(scratch_block)
+        # (ids, positions, lens, rows, slots) of the largest bucket; padding rows' values
+        self.ints = torch.tensor([[0] * n, [0] * n, [1] * n, [self.pad_row] * n, [-1] * n], dtype=torch.long,
+                                 device=dev)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._capture(dev)
+
+    def _capture(self, dev: torch.device) -> None:
         t0 = time.perf_counter()
         torch.cuda.synchronize(dev)
         torch.cuda.empty_cache()  # (graph capture empties the cache too: measure from an empty one)
@@ -77,30 +87,25 @@ class DecodeGraphs:
         self.memory_bytes = torch.cuda.memory_reserved(dev) - before
         self.capture_seconds = time.perf_counter() - t0
         log.info("cuda graphs: %d batch sizes (%s), table width %d blocks, captured in %.1f s, "
-                 "%.0f MiB", len(self.sizes), ",".join(map(str, self.sizes)), width,
+                 "%.0f MiB", len(self.sizes), ",".join(map(str, self.sizes)), self.width,
                  self.capture_seconds, self.memory_bytes / 2**20)
 
     def _forward(self, bs: int) -> torch.Tensor:
-        kv = AbsorbedDecodeKv(self.pool, self.tables[:bs], self.lens[:bs])
-        hidden = self.model(self.ids[:bs], self.positions[:bs], [1] * bs, kv)
+        ints = self.ints[:, :bs]
+        ids = self.future.resolve(ints[0])
+        kv = AbsorbedDecodeKv(self.pool, self.tables.store.index_select(0, ints[3]), ints[2].int())
+        hidden = self.model(ids, ints[1], [1] * bs, kv)
         return self.model.logits(hidden)  # [bs, vocab] float32
 
-    def can_run(self, batch: int, width: int) -> bool:
-        return batch <= self.sizes[-1] and width <= self.width
+    def bucket(self, batch: int) -> int | None:
+        """The graph batch size a step of `batch` rows replays (None: larger than every bucket)."""
+        return next((s for s in self.sizes if s >= batch), None)
 
-    def run(self, plan: DecodePlan, ids: torch.Tensor) -> torch.Tensor:
-        """Replay for plan's batch (ids: its resolved input ids [B]); returns logits [B, vocab]
-        float32, a view of the graph's output (valid until the next replay)."""
-        b, w = plan.batch, plan.width
-        bs = next(s for s in self.sizes if s >= b)
-        self.ids[:b].copy_(ids)
-        self.positions[:b].copy_(plan.positions)
-        self.tables[:b, :w].copy_(plan.tables)
-        self.lens[:b].copy_(plan.lens)
-        if bs > b:  # padding rows: a one-token context in the scratch block
-            self.tables[b:bs, 0] = self.scratch
-            self.lens[b:bs] = 1
-            self.positions[b:bs] = 0
+    def run(self, plan: DecodePlan) -> torch.Tensor:
+        """Replay for plan (built padded to its bucket, rows from `tables`); returns logits
+        [plan.batch, vocab] float32, a view of the graph's output (valid until the next replay)."""
+        bs = plan.ints.shape[1]
+        self.ints[:, :bs].copy_(plan.ints)
         graph, out = self.graphs[bs]
         graph.replay()
-        return out[:b]
+        return out[: plan.batch]

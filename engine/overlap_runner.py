@@ -1,11 +1,13 @@
 """Decode steps for the overlap scheduler: launch without waiting, collect later.
 
-`launch` runs one `ModelRunner.decode_step` with the step's placeholder input ids resolved from
-the FutureTokenMap on the device (so step i + 1 can be launched before step i's tokens reach the
-host), writes the sampled tokens into the map and starts a non-blocking copy of tokens and
-log-probabilities to pinned host memory with an event behind it. `collect` waits for that event
-only. Sampling (greedy and seeded) runs on the device (engine/sampling.py): no step syncs. On a
-CPU every call runs to completion at once, so the same code path works, sequentially.
+`launch` runs one `ModelRunner.decode_step` whose placeholder input ids are resolved from the
+runner's FutureTokenMap on the device (so step i + 1 can be launched before step i's tokens
+reach the host) and whose sampled tokens go into the map at the step's slots, then starts one
+non-blocking copy of tokens and log-probabilities to pinned host memory with an event behind
+it. `collect` waits for that event only. `step` does both in one call (launch step i + 1, then
+collect step i), so the scheduler hands the model thread one job per step. Sampling (greedy
+and seeded) runs on the device (engine/sampling.py): no step syncs. On a CPU every call runs to
+completion at once, so the same code path works, sequentially.
 """
 
 from __future__ import annotations
@@ -15,24 +17,24 @@ from dataclasses import dataclass
 import torch
 
 from common.sampling_params import SamplingParams
-from engine.future_map import FutureTokenMap
 from engine.runner import DecodeInput, ModelRunner
 
 
 @dataclass
 class LaunchedStep:
-    """A step in flight: host buffers filled once `event` has completed."""
+    """A step in flight: `host` [2, B] float64 (tokens, logprobs) filled once `event` completed."""
 
-    tokens: torch.Tensor  # [B] int64, host (pinned on CUDA)
-    logprobs: torch.Tensor  # [B] float32, host
+    host: torch.Tensor
     event: torch.cuda.Event | None  # None on CPU: already complete
 
 
 class OverlapRunner:
-    def __init__(self, runner: ModelRunner, capacity: int) -> None:
+    def __init__(self, runner: ModelRunner, max_batch: int) -> None:
         self.runner = runner
         self.device = runner.device
-        self.fmap = FutureTokenMap(capacity, self.device)
+        self.fmap = runner.future
+        if self.fmap.capacity < 2 * max_batch:  # two steps' placeholders are alive at once
+            raise ValueError(f"future map of {self.fmap.capacity} slots is too small for batches of {max_batch}")
         self.cuda = self.device.type == "cuda"
 
     @torch.inference_mode()
@@ -42,22 +44,28 @@ class OverlapRunner:
 
         sampling[i] = (params, step index) of the token batch[i] generates.
         """
-        tokens, logprobs = self.runner.decode_step(batch, sampling, resolve=self.fmap.resolve)
-        slot_t = torch.tensor(slots, dtype=torch.long, pin_memory=self.cuda).to(self.device, non_blocking=True)
-        self.fmap.store(slot_t, tokens)
+        tokens, logprobs = self.runner.decode_step(batch, sampling, slots)
+        # float64 holds every token id exactly (integers up to 2^53): one copy for both
+        both = torch.stack((tokens.double(), logprobs.double()))
         if not self.cuda:
-            return LaunchedStep(tokens, logprobs, None)
-        host_t = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-        host_l = torch.empty(logprobs.shape, dtype=logprobs.dtype, pin_memory=True)
-        host_t.copy_(tokens, non_blocking=True)
-        host_l.copy_(logprobs, non_blocking=True)
+            return LaunchedStep(both, None)
+        host = torch.empty(both.shape, dtype=both.dtype, pin_memory=True)
+        host.copy_(both, non_blocking=True)
         event = torch.cuda.Event()
         event.record()
-        return LaunchedStep(host_t, host_l, event)
+        return LaunchedStep(host, event)
 
     @staticmethod
     def collect(step: LaunchedStep) -> tuple[list[int], list[float]]:
         """Wait for a launched step and return its tokens and log-probabilities."""
         if step.event is not None:
             step.event.synchronize()
-        return step.tokens.tolist(), step.logprobs.tolist()
+        tokens, logprobs = step.host.tolist()
+        return [int(t) for t in tokens], logprobs
+
+    def step(self, batch: list[DecodeInput] | None, slots: list[int], sampling: list[tuple[SamplingParams, int]],
+             previous: LaunchedStep | None) -> tuple[LaunchedStep | None, tuple[list[int], list[float]] | None]:
+        """Launch the next step (when batch is not None), then collect `previous` (when given):
+        (the launched step, previous's tokens and log-probabilities)."""
+        launched = self.launch(batch, slots, sampling) if batch else None
+        return launched, (self.collect(previous) if previous is not None else None)

@@ -1,4 +1,4 @@
-"""Runs the model over a KvPool: chunked prefill and batched decode steps.
+"""Runs the model over a KvPool: batched chunked prefill and batched decode steps.
 
 One runner, two modes, chosen once at construction (the log line says which):
 - CPU (the exactness contract): every forward is the plain model path (per-sequence attention
@@ -9,7 +9,10 @@ One runner, two modes, chosen once at construction (the log line says which):
   (engine/decode_batch.py, engine/kernels/mla_decode.py), replayed from a CUDA graph when the
   runner captured them (engine/graph_runner.py; off with --disable-cuda-graph).
 `decode_step` samples on the device (engine/sampling.py) and returns device tensors, so a step
-needs no host sync; `decode_tokens` adds the step's one device-to-host copy.
+needs no host sync; `decode_tokens` adds the step's one device-to-host copy. Input ids below 0
+are placeholders of the runner's FutureTokenMap (the overlap scheduler's tokens still on the
+device), resolved on the device in every mode; a step given future-map slots writes its tokens
+there.
 
 Calls must come from one thread at a time (the workers use a single-thread executor for
 all model work); the pool's block accounting stays on the event-loop thread.
@@ -19,12 +22,13 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from engine.block_pool import BlockId
+from engine.future_map import FutureTokenMap
 from engine.kv_cache_contiguous import ContiguousKvCache
 from engine.kv_pool import KvPool, PagedKvCache
 from engine.mtp import pool_has_mtp, prefill_mtp_rows
@@ -43,6 +47,18 @@ class DecodeInput:
     input_token: int  # the token at position num_computed
 
 
+@dataclass(frozen=True)
+class PrefillInput:
+    """One request's prefill chunk in a (batched) prefill forward."""
+
+    block_ids: list[BlockId]  # its block table (room for `end` tokens)
+    token_ids: list[int]  # the whole prompt
+    start: int  # tokens before start are in the pool; the chunk is token_ids[start:end]
+    end: int
+    mtp: bool = False  # also write the chunk's MTP KV rows (engine/mtp.py)
+    logits: bool = False  # also return float32 logits of the chunk's last token (a final chunk)
+
+
 class ModelRunner:
     """The model and the pool it reads and writes, plus (on CUDA) the decode graphs.
 
@@ -51,12 +67,17 @@ class ModelRunner:
         pool: its KV pool.
         fast: None = the device's mode: fast on CUDA with bf16/fp16 weights and triton; plain on
             a CPU and for a float32 model on CUDA (the GPU's reference run); False forces plain.
+        future_capacity: slots of the future-token map (at least 2 × the largest batch when the
+            overlap scheduler drives the runner).
     """
 
-    def __init__(self, model: torch.nn.Module, pool: KvPool, fast: bool | None = None) -> None:
+    def __init__(self, model: torch.nn.Module, pool: KvPool, fast: bool | None = None,
+                 future_capacity: int = 4096) -> None:
         self.model = model
         self.pool = pool
         self.device = model.model.embed_tokens.weight.device
+        self.future = FutureTokenMap(future_capacity, self.device)
+        self.tables = None  # engine.decode_batch.BlockTables of the fast mode (made on first use)
         if fast is None:
             from engine.kernels.mla_decode import triton
             fast = (self.device.type == "cuda" and model.dtype in (torch.bfloat16, torch.float16)
@@ -75,12 +96,14 @@ class ModelRunner:
         """Capture decode graphs for batches up to max_batch (buckets `sizes`, default
         engine.graph_runner.batch_sizes) and contexts up to max_context tokens (CUDA, fast mode
         only). Reserves one pool block as the padding rows' scratch block."""
+        from engine.decode_batch import BlockTables
         from engine.graph_runner import DecodeGraphs
         width = min(self.pool.blocks_for(max_context), self.pool.config.num_blocks)
         scratch = self.pool.blocks.allocate(1)[0]  # never freed: padding rows write here
-        self.graphs = DecodeGraphs(self.model, self.pool, max_batch, width, scratch, sizes)
+        # rows: a step's requests plus those absent from it for a while (overlap, retraction)
+        self.tables = BlockTables(2 * max_batch + 1, width, self.device)
+        self.graphs = DecodeGraphs(self.model, self.pool, self.tables, self.future, max_batch, scratch, sizes)
 
-    @torch.inference_mode()
     def prefill_chunk(self, block_ids: list[BlockId], token_ids: list[int], start: int, end: int,
                       mtp: bool = False) -> torch.Tensor:
         """Compute KV for prompt tokens [start, end) (tokens before start are in the pool), and
@@ -89,13 +112,46 @@ class ModelRunner:
         Returns:
             hidden state of the chunk's last token, [hidden].
         """
-        ids = torch.tensor(token_ids[start:end], dtype=torch.long, device=self.device)
-        positions = torch.arange(start, end, dtype=torch.long, device=self.device)
-        kv = PagedKvCache(self.pool, [(block_ids, start, end - start)])
-        hidden = self.model.forward(ids, positions, [end - start], kv)  # [chunk, hidden]
-        if mtp and pool_has_mtp(self.pool, self.model):  # MTP rows of the chunk (engine/mtp.py)
-            prefill_mtp_rows(self.model, self.pool, block_ids, token_ids, start, end, hidden)
-        return hidden[-1]
+        return self.prefill_batch([PrefillInput(block_ids, token_ids, start, end, mtp)])[0][0]
+
+    @torch.inference_mode()
+    def prefill_batch(self, batch: Sequence[PrefillInput]) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        """One forward over the chunks of several requests (engine/prefill_batch.py packs them):
+        each chunk attends to its own cached prefix plus its new tokens (`PagedKvCache`), the
+        linear layers run on all T = sum of chunk lengths rows at once. Logits of the chunks
+        that ask for them come from one lm_head call; MTP rows run per chunk (one MTP forward
+        each, after the main forward: batching them is not needed for correctness).
+
+        Returns:
+            per chunk, in order: (final-normed hidden of its last token [hidden],
+            float32 logits [vocab] when `logits` was set, else None).
+        Raises:
+            ValueError: an empty batch or a chunk with end <= start.
+        """
+        if not batch or any(b.end <= b.start for b in batch):
+            raise ValueError(f"prefill_batch needs chunks with end > start, got "
+                             f"{[(b.start, b.end) for b in batch]}")
+        q_lens = [b.end - b.start for b in batch]
+        ids = torch.tensor([t for b in batch for t in b.token_ids[b.start:b.end]], dtype=torch.long,
+                           device=self.device)
+        positions = torch.cat([torch.arange(b.start, b.end, dtype=torch.long) for b in batch]).to(self.device)
+        kv = PagedKvCache(self.pool, [(b.block_ids, b.start, n) for b, n in zip(batch, q_lens)])
+        hidden = self.model.forward(ids, positions, q_lens, kv)  # [T, hidden]
+        offsets = [0]
+        for n in q_lens:
+            offsets.append(offsets[-1] + n)
+        last = hidden[torch.tensor(offsets[1:], device=self.device) - 1]  # [B, hidden]
+        if any(b.mtp for b in batch) and pool_has_mtp(self.pool, self.model):
+            for b, lo, hi in zip(batch, offsets, offsets[1:]):
+                if b.mtp:  # MTP rows of the chunk (engine/mtp.py)
+                    prefill_mtp_rows(self.model, self.pool, b.block_ids, b.token_ids, b.start, b.end, hidden[lo:hi])
+        want = [i for i, b in enumerate(batch) if b.logits]
+        rows: list[torch.Tensor | None] = [None] * len(batch)
+        if want:
+            logits = self.model.logits(last[want])  # [len(want), vocab] float32, one lm_head call
+            for j, i in enumerate(want):
+                rows[i] = logits[j]
+        return [(last[i], rows[i]) for i in range(len(batch))]
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -103,38 +159,51 @@ class ModelRunner:
         return self.model.logits(hidden)
 
     @torch.inference_mode()
-    def decode(self, batch: list[DecodeInput],
-               resolve: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+    def decode(self, batch: list[DecodeInput]) -> torch.Tensor:
         """One decode step for every request in batch; returns float32 logits [batch, vocab].
-
-        resolve maps the step's input ids [B] on the device before the forward (the overlap
-        scheduler's future-token map swaps placeholders for the previous step's tokens).
-        """
-        if not self.fast:
-            ids = torch.tensor([b.input_token for b in batch], dtype=torch.long, device=self.device)
-            if resolve is not None:
-                ids = resolve(ids)
-            positions = torch.tensor([b.num_computed for b in batch], dtype=torch.long, device=self.device)
-            kv = PagedKvCache(self.pool, [(b.block_ids, b.num_computed, 1) for b in batch])
-            hidden = self.model.forward(ids, positions, [1] * len(batch), kv)  # [batch, hidden]
-            return self.model.logits(hidden)
-        from engine.decode_batch import AbsorbedDecodeKv, DecodePlan
-        plan = DecodePlan.build(batch, self.pool.config.block_size, self.device)
-        ids = plan.ids if resolve is None else resolve(plan.ids)
-        if self.graphs is not None and self.graphs.can_run(plan.batch, plan.width):
-            return self.graphs.run(plan, ids)
-        kv = AbsorbedDecodeKv(self.pool, plan.tables, plan.lens)
-        return self.model.logits(self.model.forward(ids, plan.positions, [1] * plan.batch, kv))
+        Placeholder input ids (< 0) are resolved from `self.future` on the device."""
+        return self._forward_step(batch, None)[0]
 
     @torch.inference_mode()
     def decode_step(self, batch: list[DecodeInput], sampling: list[tuple[SamplingParams, int]],
-                    resolve: Callable[[torch.Tensor], torch.Tensor] | None = None
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """`decode` then `sample_batch`: (tokens [B] int64, logprobs [B] float32) on the device.
+                    slots: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """`decode` then `sample_batch`: (tokens [B] int64, logprobs [B] float32) on the device;
+        with `slots` the tokens are also written into the future map there.
 
         sampling[i] = (params, step index) of the token batch[i] generates."""
-        logits = self.decode(batch, resolve)
-        return sample_batch(logits, SamplingRows.build(sampling, self.device))
+        logits, slot_t = self._forward_step(batch, slots)
+        tokens, logprobs = sample_batch(logits, SamplingRows.build(sampling, self.device))
+        if slot_t is not None:
+            self.future.store(slot_t, tokens)
+        return tokens, logprobs
+
+    def _forward_step(self, batch: list[DecodeInput], slots: list[int] | None
+                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(logits [B, vocab] float32, the slots as a device tensor or None)."""
+        if not self.fast:
+            ids = self.future.resolve(torch.tensor([b.input_token for b in batch], dtype=torch.long,
+                                                   device=self.device))
+            positions = torch.tensor([b.num_computed for b in batch], dtype=torch.long, device=self.device)
+            kv = PagedKvCache(self.pool, [(b.block_ids, b.num_computed, 1) for b in batch])
+            hidden = self.model.forward(ids, positions, [1] * len(batch), kv)  # [batch, hidden]
+            slot_t = None if slots is None else torch.tensor(slots, dtype=torch.long, device=self.device)
+            return self.model.logits(hidden), slot_t
+        from engine.decode_batch import AbsorbedDecodeKv, BlockTables, DecodePlan
+        bs = self.pool.config.block_size
+        bucket = self.graphs.bucket(len(batch)) if self.graphs is not None else None
+        if self.tables is None:  # eager fast mode: tables that grow with the batches seen
+            self.tables = BlockTables(2 * len(batch) + 1, 1, self.device)
+        try:
+            plan = DecodePlan.build(batch, bs, self.device, self.tables, slots, pad_to=bucket or 0,
+                                    pad_row=self.graphs.pad_row if bucket else 0)
+        except ValueError:  # a context wider than the captured tables: one eager step, own tables
+            bucket, plan = None, DecodePlan.build(batch, bs, self.device, None, slots)
+        slot_t = None if slots is None else plan.slots
+        if bucket is not None:
+            return self.graphs.run(plan), slot_t
+        kv = AbsorbedDecodeKv(self.pool, plan.tables, plan.lens)
+        hidden = self.model.forward(self.future.resolve(plan.ids), plan.positions, [1] * plan.batch, kv)
+        return self.model.logits(hidden), slot_t
 
     def decode_tokens(self, batch: list[DecodeInput], sampling: list[tuple[SamplingParams, int]]
                       ) -> tuple[list[int], list[float]]:

@@ -10,16 +10,21 @@ so it starts decoding only when all of them arrived (issue 10; DESIGN.md section
 Exactly one outcome per request: `finish` returns a `SendResult`, or the first failure is
 raised (as `TransferError`) from `on_chunk_done` or `finish`; `aclose` (always, in a
 `finally`) cancels and awaits any write still running, so no transfer reads blocks after the
-request frees them.
+request frees them. `abandon` (the decode worker's Abandon call, prefill_worker/calls.py) does the
+same from outside the request and refuses every later post, so once it returns no write of
+this request can reach the decode worker's blocks.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import time
 from dataclasses import dataclass
 from typing import Sequence
 
+from common.env import TEST_STOP_AFTER_WRITES_VAR, read_env
 from kv_transfer.base import KvTransferAgent, RemoteBlocks, TransferError, TransferResult
 
 
@@ -47,11 +52,15 @@ class ChunkSender:
             first_block_index, first_block_index + 1, ...
         block_size: tokens per block. timeout_s: limit of each write (> 0).
         overlap: False sends everything in `finish` (one write, the pre-issue-10 behaviour).
+        deadline: time.monotonic() at which the decode worker's call ends (None: none). No
+            write is posted after it and none may run past it: the decode worker has stopped
+            waiting and fenced the blocks (decode_worker/fence.py); a process resumed after
+            a SIGSTOP must not write into them.
     """
 
     def __init__(self, agent: KvTransferAgent, peer: str, src_block_ids: Sequence[int],
                  first_block_index: int, dst: RemoteBlocks, block_size: int, timeout_s: float,
-                 overlap: bool = True) -> None:
+                 overlap: bool = True, deadline: float | None = None) -> None:
         if len(src_block_ids) - first_block_index != len(dst.block_ids):
             raise ValueError(f"{len(dst.block_ids)} destination blocks for "
                              f"{len(src_block_ids) - first_block_index} prompt blocks")
@@ -61,17 +70,41 @@ class ChunkSender:
         self._next = first_block_index  # prompt block index of the first block not yet posted
         self._writes: list[asyncio.Task[TransferResult]] = []
         self._t0: float | None = None
+        self._deadline = deadline
+        self._abandoned = False
+        self._last: asyncio.Task[TransferResult] | None = None  # the write carrying the notification
+        self.late_refused = 0  # writes not posted: the call's deadline had passed, or it was abandoned
+
+    def _time_left(self) -> float:
+        """Seconds the next write may take; raises TransferError (counted in late_refused) when
+        the request was abandoned or the call's deadline has passed."""
+        if self._abandoned:
+            self.late_refused += 1
+            raise TransferError("the decode worker abandoned this request: no further KV write")
+        if self._deadline is None:
+            return self._timeout_s
+        left = self._deadline - time.monotonic()
+        if left <= 0:
+            self.late_refused += 1
+            raise TransferError("the decode worker's call ended (deadline passed): no further KV write")
+        return min(self._timeout_s, left)
 
     def _post(self, end_block: int, notification: bytes | None) -> asyncio.Task[TransferResult]:
+        self._time_left()  # refused now rather than when the write starts
         lo, hi = self._next, max(end_block, self._next)
         dst = self._dst._replace(block_ids=list(self._dst.block_ids[lo - self._first:hi - self._first]))
         self._next = hi
         if self._t0 is None:
             self._t0 = time.monotonic()
-        task = asyncio.ensure_future(self._agent.write_blocks(
-            self._peer, self._src[lo:hi], dst, notification, self._timeout_s))
+        task = asyncio.ensure_future(self._write(self._src[lo:hi], dst, notification))
         self._writes.append(task)
+        _test_stop_hook()
         return task
+
+    async def _write(self, src: list[int], dst: RemoteBlocks, notification: bytes | None) -> TransferResult:
+        # Checked again when the write starts: a process stopped between the post and this
+        # point (SIGSTOP) must not start a write the decode worker no longer waits for.
+        return await self._agent.write_blocks(self._peer, src, dst, notification, self._time_left())
 
     def _raise_failed(self) -> None:
         for w in self._writes:
@@ -98,21 +131,25 @@ class ChunkSender:
         """
         t_finish = time.monotonic()
         for w in list(self._writes):
-            try:
-                await w
-            except (TransferError, ValueError) as exc:
-                _reraise(exc)
-        last = self._post(len(self._src), notification)
-        try:
-            await last
-        except (TransferError, ValueError) as exc:
-            _reraise(exc)
+            await self._outcome(w)
+        last = self._last = self._post(len(self._src), notification)
+        await self._outcome(last)
         results = [w.result() for w in self._writes]
         t_end = time.monotonic()
         assert self._t0 is not None
         return SendResult(bytes=sum(r.bytes for r in results), writes=len(results),
                           seconds=t_end - self._t0, exposed_seconds=t_end - t_finish,
                           backend=results[-1].backend)
+
+    async def _outcome(self, write: asyncio.Task[TransferResult]) -> None:
+        try:
+            await write
+        except (TransferError, ValueError) as exc:
+            _reraise(exc)
+        except asyncio.CancelledError:
+            if self._abandoned and write.cancelled():  # `abandon` cancelled it, not our caller
+                raise TransferError("the decode worker abandoned this request: its writes were stopped") from None
+            raise
 
     async def aclose(self) -> None:
         """Cancel writes still running and wait until each has released its handle."""
@@ -125,10 +162,36 @@ class ChunkSender:
             if w.done() and not w.cancelled():
                 w.exception()
 
+    async def abandon(self) -> None:
+        """The decode worker stopped waiting for this request: refuse every later post, then
+        cancel and await the writes still running (`aclose`)."""
+        self._abandoned = True
+        await self.aclose()
+
+    @property
+    def notified(self) -> bool:
+        """Whether the write carrying the notification completed (the decode worker got it)."""
+        last = self._last
+        return last is not None and last.done() and not last.cancelled() and last.exception() is None
+
     @property
     def writes(self) -> int:
         """write_blocks calls posted so far."""
         return len(self._writes)
+
+
+_STOP_AFTER_WRITES = read_env(TEST_STOP_AFTER_WRITES_VAR, int)  # test-only (common/env.py)
+_posted = 0  # writes posted by this process, for the hook
+
+
+def _test_stop_hook() -> None:
+    """Test-only: SIGSTOP this process once, after its N-th post (TANDEM_TEST_STOP_AFTER_WRITES)."""
+    global _posted
+    if _STOP_AFTER_WRITES is None:
+        return
+    _posted += 1
+    if _posted == _STOP_AFTER_WRITES:
+        os.kill(os.getpid(), signal.SIGSTOP)
 
 
 def _reraise(exc: BaseException | None) -> None:

@@ -24,7 +24,8 @@ async def run(opts: WorkerOptions, ready: Callable[[RunningServer, WorkerRuntime
     if opts.ep_size != 1:  # expert parallelism is a decode-worker runtime (DESIGN.md section 8)
         raise ValueError(f"--ep-size {opts.ep_size}: expert parallelism applies to decode workers only")
     runtime = WorkerRuntime(discovery_pb2.ROLE_PREFILL, opts, loaded)
-    methods = {"Prefill": ("unary", pb.PrefillRequest, pb.PrefillResponse)}
+    methods = {"Prefill": ("unary", pb.PrefillRequest, pb.PrefillResponse),
+               "Abandon": ("unary", pb.AbandonRequest, pb.AbandonResponse)}
     watcher = None
     # The decode workers in discovery are the only destinations it writes into (worker/peers.py);
     # without --etcd there are none, and every Prefill call is refused.

@@ -11,6 +11,7 @@ the request id → free this worker's references → respond.
 from __future__ import annotations
 
 import logging
+import time
 
 import grpc
 
@@ -27,6 +28,7 @@ from engine.sampling import sample
 from worker.host import WorkerRuntime
 from kv_transfer.base import RemoteBlocks, TransferError
 from kv_transfer.select import CHOICES
+from prefill_worker.calls import PrefillCalls
 from prefill_worker.chunk_sender import ChunkSender
 from worker.peers import DISCOVERY_WAIT_S, PeerDirectory, PermissionDenied, metadata_digest
 
@@ -39,6 +41,7 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
         self.decoders = decoders  # the decode workers this worker may write into
         self._peer_digests: dict[str, bytes] = {}  # agent name -> digest of the metadata loaded for it
         self._failures = RateLimitedLog(log)  # one line per decode agent per 5 s
+        self.calls = PrefillCalls()  # running calls by request id, and the abandoned ids (calls.py)
 
     def forget_peer(self, agent_name: str) -> None:
         """Drop cached transfer metadata of a decode worker that left discovery."""
@@ -157,12 +160,23 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
         elif not self.rt.agent.has_peer(dst.agent_name):
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                 f"destination.agent_metadata: unknown agent {dst.agent_name!r}; send its metadata")
+        if self.calls.abandoned(request.request_id):  # e.g. queued here behind a SIGSTOP
+            await _abort_abandoned(context)
         tokens = list(request.token_ids)
         pool = self.rt.pool
         prompt = await self.rt.allocate_prompt(tokens, context, self.rt.seed_for(request.cache_salt))
         remote = RemoteBlocks(dst.base_address, dst.block_stride_bytes, dst.device_id, list(dst.block_ids))
+        # The deadline counts from this call's arrival here; a process stopped and resumed
+        # mid-call finds it passed and posts nothing more (the decode worker gave up).
+        remaining = context.time_remaining()
+        deadline = None if remaining is None else time.monotonic() + remaining
         sender = ChunkSender(self.rt.agent, dst.agent_name, prompt.block_ids, dst.first_block_index, remote,
-                             pool.block_size, self.rt.opts.transfer_timeout_s)
+                             pool.block_size, self.rt.opts.transfer_timeout_s, deadline=deadline)
+        if not self.calls.start(request.request_id, sender):  # abandoned while its blocks were allocated
+            pool.free(prompt.block_ids)
+            self.rt.events.publish()
+            await _abort_abandoned(context)
+        forget = False
         backend = self.rt.agent.backend_for(dst.agent_name) or self.rt.agent.backend
         try:
             start = prompt.num_cached_blocks * pool.block_size
@@ -172,9 +186,9 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
                 try:
                     if request.return_last_hidden:
                         # MTP KV rows and the hidden state, for a decode worker that drafts with them
-                        hidden = await self.rt.prefill_hidden(prompt.block_ids, tokens, start, mtp=True,
-                                                              on_chunk_done=sender.on_chunk_done)
-                        logits = await self.rt.run_model(self.rt.runner.logits, hidden)
+                        out = await self.rt.prefill_outputs(prompt.block_ids, tokens, start, mtp=True,
+                                                            on_chunk_done=sender.on_chunk_done)
+                        hidden, logits = out.hidden, out.logits
                     else:
                         logits = await self.rt.prefill(prompt.block_ids, tokens, start,
                                                        on_chunk_done=sender.on_chunk_done)
@@ -194,13 +208,18 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
                                          "tandem.transfer.writes": result.writes,
                                          "tandem.transfer.exposed_seconds": result.exposed_seconds})
             except TransferError as exc:
+                # Not transfer failures (the peer is fine): abandoned, or past the call's deadline.
+                if self.calls.abandoned(request.request_id):
+                    await _abort_abandoned(context)
+                if deadline is not None and time.monotonic() >= deadline:
+                    await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"no KV write past the call's deadline: {exc}")
                 # Forget the peer: its connection may be broken for good. The decode worker
                 # then resends its metadata (FAILED_PRECONDITION) and a fresh connection is made.
                 self.rt.stats.backend(backend).failures += 1
                 self.rt.stats.backend(backend).writes += sender.writes
                 self._failures.warning(dst.agent_name, "request %s: KV transfer to %s failed: %s", request.request_id,
                                        dst.agent_name, exc)
-                self.rt.agent.remove_peer(dst.agent_name)
+                forget = True
                 await context.abort(grpc.StatusCode.UNAVAILABLE, f"KV transfer failed: {exc}")
             self.rt.stats.prefill_cached_tokens += start
             self.rt.stats.transfers += 1
@@ -219,5 +238,29 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
                                       last_hidden=hidden_to_bytes(hidden) if request.return_last_hidden else b"")
         finally:
             await sender.aclose()  # writes still running are cancelled before the blocks go
+            self.calls.end(request.request_id, sender)
+            self.rt.stats.late_writes_refused += sender.late_refused
+            if forget:
+                self.rt.agent.remove_peer(dst.agent_name)
             pool.free(prompt.block_ids)
             self.rt.events.publish()
+
+    async def Abandon(self, request: pb.AbandonRequest, context: grpc.aio.ServicerContext) -> pb.AbandonResponse:
+        """The decode worker stopped waiting for this request's Prefill and holds its blocks
+        (decode_worker/fence.py): answered once no write of it can reach them (calls.py)."""
+        try:
+            check_parsed(request)
+            if not request.request_id:
+                raise InvalidArgument("request_id", "must be set")
+            validate_request_id(request.request_id, internal=True)
+        except InvalidArgument as exc:
+            await abort_invalid(context, exc)
+        logs.request_id.set(request.request_id)
+        notified = await self.calls.abandon(request.request_id)
+        log.info("request %s abandoned by its decode worker: no further KV write", request.request_id)
+        return pb.AbandonResponse(notified=notified)
+
+
+async def _abort_abandoned(context: grpc.aio.ServicerContext) -> None:
+    await context.abort(grpc.StatusCode.ABORTED, "request_id: abandoned by the decode worker (its call ended "
+                        "before this one started here); nothing was written")

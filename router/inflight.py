@@ -7,7 +7,8 @@ ends them itself, and migrates each request exactly as it does after a broken st
 
 - when health probes turn the worker unhealthy (router/health.py: `on_unhealthy`),
 - when the worker leaves discovery (router/main.py: membership changes),
-- when a running stream has produced no response for `stall_s` seconds (`next_message`).
+- when a running stream has produced no response for `stall_s` seconds (`next_message`;
+  router/stall.py sets it from the worker's observed inter-token latency).
 
 `OpenCalls.evict(worker, reason)` resolves each open call's `lost` future; the call's reader,
 `next_message`, races every read against it and raises `WorkerLost`. Single-threaded: use
@@ -86,5 +87,5 @@ async def next_message(call: grpc.aio.UnaryStreamCall, lost: asyncio.Future[str]
     if read in done:
         return read.result()
     read.cancel()  # the caller cancels the call itself
-    raise WorkerLost(instance_id, lost.result() if lost.done() else f"no response for {stall_s:g} s on a running "
-                                                                       f"stream (--token-stall-timeout)")
+    raise WorkerLost(instance_id, lost.result() if lost.done() else f"no response for {stall_s:.3g} s on a running "
+                     "stream (max(--token-stall-timeout, --token-stall-itl-factor × the worker's ITL))")

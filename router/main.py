@@ -35,6 +35,7 @@ from router.metrics import RouterMetrics
 from router.placement import NoOverlap, Placement, PlacementOptions
 from router.policy import MODES
 from router.service import FrontendServicer
+from router.stall import StallRule
 from router.status import ClusterView
 from router.workers import WorkerSet
 
@@ -66,7 +67,10 @@ class RouterOptions:
     health_failure_threshold: int = 3  # consecutive failures (probes or transport) that make a worker unhealthy
     metrics_port: int = -1  # Prometheus /metrics: -1 = off, 0 = any free port
     default_deadline_s: float = 600.0  # seconds: deadline of router → worker calls when the client sets none
-    token_stall_timeout_s: float = 30.0  # seconds without a response on a running stream → its worker failed (0 = off)
+    # A running stream silent for max(token_stall_timeout_s, token_stall_itl_factor × its worker's
+    # observed ITL) → its worker failed (router/stall.py); token_stall_timeout_s 0 = off.
+    token_stall_timeout_s: float = 30.0  # the floor, seconds (covers a retracted request's wait)
+    token_stall_itl_factor: float = 50.0  # N of "no token for N × the expected ITL"; 0 = the floor alone
     keepalive_time_s: float = 10.0  # seconds between HTTP/2 keepalive PINGs on every channel to a worker
     keepalive_timeout_s: float = 5.0  # seconds a PING may go unanswered before the channel's calls fail
     http_port: int = -1  # OpenAI-compatible HTTP API (router/http_api.py): -1 = off, 0 = any free port
@@ -102,8 +106,7 @@ class RouterOptions:
             raise ValueError(f"--default-deadline must be > 0 seconds, got {self.default_deadline_s}")
         if self.drain_timeout_s < 0:
             raise ValueError(f"--drain-timeout must be >= 0 seconds, got {self.drain_timeout_s}")
-        if self.token_stall_timeout_s < 0:
-            raise ValueError(f"--token-stall-timeout must be >= 0 seconds (0 = off), got {self.token_stall_timeout_s}")
+        StallRule(self.token_stall_timeout_s, self.token_stall_itl_factor)  # fails naming the flag
         Keepalive(self.keepalive_time_s, self.keepalive_timeout_s)  # fails naming the flags
         if not self.etcd:
             raise ValueError("--etcd is required for the router (host:port of an etcd server)")
@@ -222,7 +225,7 @@ async def run(opts: RouterOptions, ready: Callable[[RunningServer, FrontendServi
                                 config.max_position_embeddings, on_routed=on_routed, metrics=metrics)
     servicer.migration_limit = opts.migration_limit
     servicer.default_deadline_s = opts.default_deadline_s
-    servicer.token_stall_timeout_s = opts.token_stall_timeout_s
+    servicer.stall = StallRule(opts.token_stall_timeout_s, opts.token_stall_itl_factor)
     health.on_unhealthy = servicer.evict_worker
 
     def on_change() -> None:

@@ -29,6 +29,7 @@ from common.validation import (InvalidArgument, validate_request_id, sampling_fr
 from router.api_keys import cache_salt
 from router.decision import RouteDecision
 from router.inflight import OpenCalls, WorkerLost, next_message
+from router.stall import StallRule
 from router.load import LoadTracker
 from router.metrics import RouterMetrics
 from router.placement import NoWorker, Placement
@@ -83,7 +84,7 @@ class FrontendServicer(pb_grpc.FrontendServiceServicer):
         self.on_routed = on_routed  # approx mode: remember the routed blocks
         self.migration_limit = 3  # decode failures one request may survive (retries and migrations)
         self.default_deadline_s = 600.0  # deadline of a client call that sets none (router → worker calls)
-        self.token_stall_timeout_s = 0.0  # a running stream silent this long is a failed worker (0 = off)
+        self.stall = StallRule(0.0, 0.0)  # how long a running stream may be silent (router/stall.py; off here)
         self.open_calls = OpenCalls()  # decode calls in flight, by worker: evicted when it fails
         self.migrations = 0  # counter: requests continued on another decode worker mid-stream
         self.retries = 0  # counter: decode calls retried on another worker before any token
@@ -292,6 +293,7 @@ class FrontendServicer(pb_grpc.FrontendServiceServicer):
                     self.overhead_s.append(time.perf_counter() - arrived)
                     self.overhead_cpu_s.append(time.thread_time() - arrived_cpu)
                 streamed = len(generated)
+                last_at = 0.0  # when this call's previous message arrived (ITL samples for the stall rule)
                 with self.open_calls.open(worker) as lost:
                     try:
                         if call is None:
@@ -299,10 +301,14 @@ class FrontendServicer(pb_grpc.FrontendServiceServicer):
                         while True:
                             # The stall bound starts once the stream runs (before its first token the
                             # worker may be prefilling a long prompt; health covers that stretch).
-                            msg = await next_message(call, lost, worker, self.token_stall_timeout_s
-                                                     if self.token_stall_timeout_s and len(generated) > streamed else None)
+                            msg = await next_message(call, lost, worker, self.stall.timeout_s(worker)
+                                                     if len(generated) > streamed else None)
                             if msg is grpc.aio.EOF:
                                 break
+                            now = time.monotonic()
+                            if len(generated) > streamed:
+                                self.stall.observe(worker, now - last_at, len(msg.token_ids))
+                            last_at = now
                             if msg.token_ids and len(generated) == streamed:
                                 self.load.prefill_finished(load)
                             self.load.grow(load, len(generated) - streamed, len(generated) - streamed + len(msg.token_ids))
@@ -374,6 +380,7 @@ class FrontendServicer(pb_grpc.FrontendServiceServicer):
     def on_membership(self) -> None:
         """After a discovery change: evict the calls of workers that left, then close their channels."""
         present = set(self.workers.instance_ids())
+        self.stall.forget_except(present)
         for wid in self.open_calls.workers():
             if wid not in present:
                 self.evict_worker(wid, "left discovery")

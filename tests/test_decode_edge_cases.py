@@ -248,3 +248,118 @@ def test_absorbed_decode_fp8_block_boundaries_and_long_tables(tiny_model, dtype,
         assert torch.equal(raw(), written)
     else:
         torch.testing.assert_close(pool.kv, written, atol=1e-5, rtol=0)
+
+
+# --- device-resident block tables (engine/decode_batch.py BlockTables) --------------------------
+
+def test_block_tables_follow_growth_in_place_edits_and_recycled_rows() -> None:
+    # the store's rows must equal each list's first `need` entries after every step, whatever
+    # happened to the lists in between (append, shrink and regrow in place as MTP's rollback
+    # does, new lists, eviction when the store is full, growth of an unfixed store)
+    import random
+
+    from engine.decode_batch import BlockTables, DecodePlan
+    from engine.runner import DecodeInput
+
+    rng = random.Random(0)
+    tables = BlockTables(3, 2, torch.device("cpu"))
+    lists = [[rng.randrange(1000) for _ in range(rng.randrange(1, 6))] for _ in range(4)]
+    for step in range(200):
+        op = rng.randrange(4)
+        i = rng.randrange(len(lists))
+        if op == 0:
+            lists[i].append(rng.randrange(1000))
+        elif op == 1 and len(lists[i]) > 1:
+            del lists[i][rng.randrange(1, len(lists[i])):]
+            lists[i].extend(rng.randrange(1000) for _ in range(rng.randrange(3)))
+        elif op == 2:
+            lists[i] = [rng.randrange(1000) for _ in range(rng.randrange(1, 8))]
+        batch_lists = rng.sample(lists, rng.randrange(1, len(lists) + 1))
+        bs = 4
+        batch = [DecodeInput(lst, rng.randrange(bs * (len(lst) - 1), bs * len(lst)), 5) for lst in batch_lists]
+        plan = DecodePlan.build(batch, bs, torch.device("cpu"), tables)
+        need = [-(-(b.num_computed + 1) // bs) for b in batch]
+        assert plan.width == max(need)
+        got = plan.tables
+        for row, b, n in zip(got.tolist(), batch, need):
+            assert row[:n] == b.block_ids[:n], step
+        assert plan.lens.tolist() == [b.num_computed + 1 for b in batch]
+
+
+def test_fixed_block_tables_refuse_what_they_cannot_hold() -> None:
+    from engine.decode_batch import BlockTables
+
+    tables = BlockTables(2, 2, torch.device("cpu"), fixed=True)
+    with pytest.raises(ValueError, match="exceeds the captured"):
+        tables.rows_for([[1, 2, 3]], [3])
+    with pytest.raises(ValueError, match="exceeds the captured"):
+        tables.rows_for([[1], [2], [3]], [1, 1, 1])
+    assert tables.rows_for([[1, 2], [3]], [2, 1]) == [0, 1]
+
+
+def test_graph_replay_inputs_padding_and_future_ids_on_cpu(tiny_model, monkeypatch) -> None:
+    # DecodeGraphs' host side (plan padded to the bucket, rows from the fixed store, placeholder
+    # ids resolved inside the "graph") on a CPU: the graph is a stand-in that runs the captured
+    # function eagerly into the graph's output tensor, so what reaches the model is exactly what
+    # a CUDA graph would read. The logits must equal the eager fast step and the plain path's.
+    from engine import decode_batch
+    from engine.graph_runner import DecodeGraphs
+    from engine.kernels.mla_decode import mla_decode_reference
+    from engine.runner import DecodeInput, ModelRunner
+
+    monkeypatch.setattr(decode_batch.AbsorbedDecodeKv.__init__, "__defaults__", (mla_decode_reference,))
+
+    class EagerGraph:
+        def __init__(self, fn, out):
+            self.fn, self.out = fn, out
+
+        def replay(self):
+            self.out.copy_(self.fn())
+
+    class CpuGraphs(DecodeGraphs):
+        def _capture(self, dev):
+            for bs in self.sizes:
+                out = self._forward(bs).clone()
+                self.graphs[bs] = (EagerGraph(lambda bs=bs: self._forward(bs), out), out)
+            self.memory_bytes = 0
+
+    c = dataclasses.replace(tiny_model.config, vocab_size=3000, bos_token_id=1, eos_token_id=(2,))
+    plain_model, fast_model = build_model(c, seed=4), build_model(c, seed=4)
+    use_grouped_experts(fast_model)
+    pool = KvPool(KvPoolConfig(num_blocks=300, block_size=4, num_layers=c.num_kv_layers, kv_dim=c.kv_dim,
+                               dtype=torch.float32), 1)
+    pool.kv.normal_(0, 0.5)
+    plain = ModelRunner(plain_model, pool, fast=False)
+    fast = ModelRunner(fast_model, pool, fast=False)
+    fast.fast = True  # the fast mode's host code on a CPU (grouped experts, absorbed attention)
+    lens = [3, 9, 21, 4, 13]
+    batch = [DecodeInput(pool.blocks.allocate(pool.blocks_for(n + 1) + 1), n, 11 + i) for i, n in enumerate(lens)]
+    before = pool.kv.clone()
+    with torch.inference_mode():
+        want = plain.decode(batch)
+        pool.kv.copy_(before)
+        eager = fast.decode(batch).clone()
+        from engine.decode_batch import BlockTables
+        scratch = pool.blocks.allocate(1)[0]
+        fast.tables = BlockTables(2 * 8 + 1, pool.blocks_for(64), pool.kv.device)
+        fast.graphs = CpuGraphs(fast_model, pool, fast.tables, fast.future, 8, scratch, [2, 8])
+        assert fast.graphs.bucket(5) == 8 and fast.graphs.bucket(9) is None
+        for _ in range(2):  # twice: the second step finds its rows in the store (no upload)
+            pool.kv.copy_(before)
+            graphed = fast.decode(batch).clone()
+            torch.testing.assert_close(graphed, eager, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(eager, want, atol=1e-4, rtol=1e-4)
+        # placeholder ids: a step whose inputs are still on the "device" resolves them in the graph
+        slots = fast.future.reserve(len(batch))
+        fast.future.store(torch.tensor(slots), torch.tensor([b.input_token for b in batch]))
+        pending = [DecodeInput(b.block_ids, b.num_computed, fast.future.placeholder(s)) for b, s in zip(batch, slots)]
+        pool.kv.copy_(before)
+        torch.testing.assert_close(fast.decode(pending), eager, atol=1e-4, rtol=1e-4)
+        # the padding rows wrote only into the scratch block: every live block as the plain step left it
+        pool.kv.copy_(before)
+        plain.decode(batch)
+        after_plain = pool.kv.clone()
+        pool.kv.copy_(before)
+        fast.decode(batch)
+        live = [blk for b in batch for blk in b.block_ids]
+        torch.testing.assert_close(pool.kv[live], after_plain[live], atol=1e-5, rtol=0)

@@ -146,11 +146,21 @@ def test_stalled_prefill_worker_falls_back_to_local_prefill_in_time(cluster, tin
     prompt = [11, 12, 13, 14, 15]
     try:
         msgs, elapsed = asyncio.run(call())
+        # The unanswered call's destination block is fenced while the listener is open (it could
+        # still write), and returns to the pool once nothing listens there (decode_worker/fence.py).
+        stats = cluster.decode.runtime.stats
+        assert stats.fenced_prefills >= 1 and stats.fences_released_peer_gone == 0
     finally:
         hole.close()
     assert elapsed < 12  # up to 2 s for the record to reach the decode worker, prefill_timeout 2 s, local prefill
     got = [t for m in msgs for t in m.token_ids]
     assert got == reference_generate(tiny_model.model, prompt, 4, tiny_model.config.eos_token_ids)
+    total, blocks = cluster.worker_opts.num_blocks, cluster.decode.runtime.pool.blocks
+    deadline = time.time() + 20
+    while cluster.on_loop(lambda: blocks.num_free) != total:
+        assert time.time() < deadline, "fenced blocks kept after the stalled prefill worker's port closed"
+        time.sleep(0.05)
+    assert stats.fences_released_peer_gone >= 1 and stats.fences_expired == 0
 
 
 def test_killed_decode_worker_is_set_aside_and_requests_go_elsewhere(tmp_path):

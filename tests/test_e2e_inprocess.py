@@ -115,13 +115,20 @@ def test_seeded_sampling_is_reproducible(stub):
 
 
 def test_stop_string_cuts_text(stub, tiny_model):
-    _, msgs = run(stub, token_ids=tokens_of(30), sampling=greedy(20))
+    # The documented rule (docs/http-api.md, sampling.proto): the text ends before the stop
+    # string; token_ids (and usage.completion_tokens) end with the token whose text completed it
+    from common.tokenizer import load_tokenizer
+    all_ids, msgs = run(stub, token_ids=tokens_of(30), sampling=greedy(20))
     full = "".join(m.text for m in msgs)
     stop = full[5:8]
-    _, msgs = run(stub, token_ids=tokens_of(30), sampling=sampling_pb2.SamplingParams(max_tokens=20, stop=[stop]))
+    got, msgs = run(stub, token_ids=tokens_of(30), sampling=sampling_pb2.SamplingParams(max_tokens=20, stop=[stop]))
     text = "".join(m.text for m in msgs)
     assert msgs[-1].finish_reason == sampling_pb2.FINISH_REASON_STOP
     assert text == full[: full.find(stop)]
+    tok = load_tokenizer()
+    completes = next(k for k in range(1, len(all_ids) + 1) if stop in tok.decode(all_ids[:k]))
+    assert got == all_ids[:completes]
+    assert msgs[-1].usage.completion_tokens == len(got)
 
 
 BAD = [

@@ -37,7 +37,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -97,8 +97,13 @@ def _cli(*args: str) -> list[str]:
 
 
 def serve_and_bench(model_dir: Path, contexts: list[int], concurrencies: list[int], output_tokens: int,
-                    port: int, work: Path, env_extra: dict[str, str]) -> dict[tuple[int, int], dict]:
-    """`tandem up` once, then `tandem bench` for every (context, concurrency); summaries."""
+                    port: int, work: Path, env_extra: dict[str, str], runs: list[tuple[int, int]] | None = None,
+                    prefix_len: Callable[[int, int], int] = lambda ctx, c: ctx // 2,
+                    num_requests: Callable[[int, int], int] | None = None) -> dict[tuple[int, int], dict]:
+    """`tandem up` once, then `tandem bench` for every (context, concurrency) — the product of
+    `contexts` and `concurrencies`, or the pairs `runs` — with prompts of `prefix_len(context, c)`
+    tokens shared by 8 groups plus fresh ones, `num_requests(context, concurrency)` requests
+    (default 2c for short contexts, c for long, at least 4); summaries."""
     env = {**os.environ, "TANDEM_MAX_RUNNING": str(max(concurrencies)),
            "TANDEM_MEM_FRACTION_STATIC": "0.4", "TANDEM_MAX_QUEUED": "4096", **env_extra}
     log = open(work / "up.log", "w")  # noqa: SIM115 - closed below
@@ -116,29 +121,30 @@ def serve_and_bench(model_dir: Path, contexts: list[int], concurrencies: list[in
                 raise RuntimeError("tandem up did not become healthy: " + (work / "up.log").read_text()[-3000:])
             time.sleep(2)
         time.sleep(3)  # both workers registered with the router
-        for ctx in contexts:
-            for c in concurrencies:
-                if up.poll() is not None:
-                    raise RuntimeError("tandem up exited: " + (work / "up.log").read_text()[-3000:])
-                n = max(4, 2 * c) if ctx <= 2048 else max(4, c)
-                res = work / f"bench_{ctx}_{c}.json"
-                cmd = _cli("bench", "--router", f"127.0.0.1:{port}", "--dataset", "synthetic-prefix",
-                           "--groups", "8", "--prefix-len", str(ctx // 2), "--suffix-len", str(ctx - ctx // 2),
-                           "--arrival", "concurrency", "--concurrency", str(c), "--num-requests", str(n),
-                           "--output-tokens", str(output_tokens), "--bench-seed", str(ctx + c), "--out", str(res))
-                t0 = time.time()
-                r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-                summary = json.loads(res.read_text())["summary"] if res.exists() else {}
-                out[(ctx, c)] = summary
-                print(json.dumps({"served": [ctx, c], "rc": r.returncode, "wall_s": round(time.time() - t0, 1),
-                                  "output_throughput": summary.get("output_throughput"),
-                                  "mean_tpot_ms": summary.get("mean_tpot_ms"),
-                                  "mean_ttft_ms": summary.get("mean_ttft_ms"),
-                                  "failed": summary.get("failed")}), flush=True)
-                if r.returncode != 0:
-                    print(r.stdout[-2000:], r.stderr[-2000:], flush=True)
-                for png in work.glob("*.png"):
-                    png.unlink()
+        for ctx, c in runs if runs is not None else [(x, y) for x in contexts for y in concurrencies]:
+            if up.poll() is not None:
+                raise RuntimeError("tandem up exited: " + (work / "up.log").read_text()[-3000:])
+            n = (num_requests(ctx, c) if num_requests is not None
+                 else max(4, 2 * c) if ctx <= 2048 else max(4, c))
+            res = work / f"bench_{ctx}_{c}.json"
+            shared = prefix_len(ctx, c)
+            cmd = _cli("bench", "--router", f"127.0.0.1:{port}", "--dataset", "synthetic-prefix",
+                       "--groups", "8", "--prefix-len", str(shared), "--suffix-len", str(ctx - shared),
+                       "--arrival", "concurrency", "--concurrency", str(c), "--num-requests", str(n),
+                       "--output-tokens", str(output_tokens), "--bench-seed", str(ctx + c), "--out", str(res))
+            t0 = time.time()
+            r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+            summary = json.loads(res.read_text())["summary"] if res.exists() else {}
+            out[(ctx, c)] = summary
+            print(json.dumps({"served": [ctx, c], "rc": r.returncode, "wall_s": round(time.time() - t0, 1),
+                              "output_throughput": summary.get("output_throughput"),
+                              "mean_tpot_ms": summary.get("mean_tpot_ms"),
+                              "mean_ttft_ms": summary.get("mean_ttft_ms"),
+                              "failed": summary.get("failed")}), flush=True)
+            if r.returncode != 0:
+                print(r.stdout[-2000:], r.stderr[-2000:], flush=True)
+            for png in work.glob("*.png"):
+                png.unlink()
     finally:
         try:
             os.killpg(up.pid, signal.SIGINT)

@@ -34,7 +34,8 @@ from engine.kv_events import KvEventLog
 from engine.chunking import ChunkPlanner, make_planner, profile_lengths
 from engine.kv_pool import KV_CACHE_DTYPES, KvPool, KvPoolConfig, PoolExhausted, PromptBlocks, kv_cache_torch_dtype
 from engine.model_source import DEFAULT_MODEL, LoadedModel, load_model
-from engine.runner import ModelRunner
+from engine.prefill_batch import ChunkResult, PrefillBatcher
+from engine.runner import ModelRunner, PrefillInput
 from worker.metrics import WorkerMetrics
 from worker.peers import metadata_digest
 
@@ -58,6 +59,7 @@ class WorkerOptions:
     max_queued: int = 256  # decode: requests waiting for admission; one more gets RESOURCE_EXHAUSTED
     solo_wait_s: float = 5.0  # decode: seconds a request that fits only alone may wait for admission
     chunk_size: int = 256  # prefill chunk in tokens (dynamic chunking: the base chunk); alias --chunked-prefill-size
+    max_prefill_tokens: int = 16384  # token budget of one prefill forward (chunks of concurrent prompts packed)
     enable_dynamic_chunking: bool = False  # chunks shrink as the prefix grows (DESIGN.md section 7)
     dynamic_chunk_smoothing: float = 0.75  # σ: chunk = base + σ·(x − base)
     pp_size: int = 1  # prefill: pipeline stages (processes); 1 = no pipeline
@@ -95,7 +97,7 @@ class WorkerOptions:
 
     def __post_init__(self) -> None:
         metrics_http.validate_port(self.metrics_port)
-        for name in ("block_size", "chunk_size", "max_running", "torch_threads", "ep_size", "pp_size"):
+        for name in ("block_size", "chunk_size", "max_prefill_tokens", "max_running", "torch_threads", "ep_size", "pp_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         for name in ("num_blocks", "device_memory_bytes", "max_queued"):
@@ -163,6 +165,13 @@ class WorkerStats:
     prefix_hit_tokens: int = 0  # of those, tokens found there
     generated_tokens: int = 0  # decode: tokens streamed (first tokens included)
     retractions: int = 0  # decode: running requests retracted for lack of KV blocks (re-prefilled later)
+    fenced_prefills: int = 0  # decode: prefill calls unanswered: their blocks held until the prefill worker is done
+    fences_released_by_peer: int = 0  # decode: of those, released on the prefill worker's Abandon answer
+    fences_released_peer_gone: int = 0  # decode: of those, released once nothing listened at its address
+    fences_expired: int = 0  # decode: of those, released at the fence's bound, without an answer
+    late_writes_refused: int = 0  # prefill: KV writes not posted: the decode worker's call had ended or abandoned them
+    prefill_forwards: int = 0  # prefill forwards run by the batcher (engine/prefill_batch.py)
+    prefill_chunks: int = 0  # prompt chunks those forwards computed (chunks / forwards = mean batch)
     transfer_by_backend: dict[str, BackendTransferStats] = field(default_factory=dict)
 
     def backend(self, name: str) -> BackendTransferStats:
@@ -236,7 +245,7 @@ class WorkerRuntime:
         self.engine = None
         if engine is None:
             self.pool = KvPool(pool_config, hash_seed(self.loaded.name, weights=self.loaded.fingerprint), device=self.device)
-            self.runner = ModelRunner(self.loaded.model, self.pool)
+            self.runner = ModelRunner(self.loaded.model, self.pool, future_capacity=4 * opts.max_running + 16)
             if graphs and self.runner.fast:  # before any request: graph memory comes out of the reserve above
                 self.runner.capture_graphs(opts.max_running, self.context_length)
                 if self.runner.graphs.memory_bytes > reserve:
@@ -272,12 +281,19 @@ class WorkerRuntime:
         self.model_calls_submitted = 0
         self.model_calls_started = 0
         self.metrics = WorkerMetrics(self)
+        # Every single-process prefill (remote RPCs, local and re-prefills) goes through one
+        # batcher, so concurrent prompts share forwards. The EP engine has no batched call:
+        # its chunks run one per forward, through the same queue.
+        self.batcher = PrefillBatcher(self.run_model, self._prefill_forward, opts.max_prefill_tokens,
+                                      cfg.vocab_size, opts.block_size, self._observe_prefill_batch)
         self._idle = asyncio.Event()
         self._idle.set()
         # One thread for all model work: forwards never run concurrently, the event loop
         # keeps serving RPCs, and the pool's accounting stays on the loop thread.
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
         from kv_transfer import create_agent, prepare_pool
+        from kv_transfer.ucx_bind import confine_ucx
+        confine_ucx(opts.host)  # NIXL's UCX listeners on --host's interface only (before UCX starts)
         try:
             prepare_pool(self.pool.kv, opts.transfer_backend)  # host pool into shared memory for shm
             self.agent = create_agent(opts.transfer_backend, self.instance_id)
@@ -330,8 +346,8 @@ class WorkerRuntime:
     async def prefill(self, block_ids: list, token_ids: list[int], start: int,
                       on_chunk_done: Callable[[int], Awaitable[None]] | None = None) -> torch.Tensor:
         """Chunked prefill of token_ids[start:] (tokens before start are in the pool), with
-        chunks from `self.planner`, one model-thread call per chunk so a cancelled request
-        stops between chunks; through the stage processes when --pp-size > 1.
+        chunks from `self.planner`; through the stage processes when --pp-size > 1, else each
+        chunk in a forward shared with other prompts' chunks (`prefill_outputs`).
 
         Traced as a `tandem.prefill` span with one `tandem.prefill.chunk` child per chunk
         (with --pp-size > 1 one `tandem.prefill` span: the chunks run in the stage processes).
@@ -349,8 +365,9 @@ class WorkerRuntime:
             engine.pipeline.PipelineError: a pipeline stage process died.
         """
         if self.pipeline is None:
-            hidden = await self.prefill_hidden(block_ids, token_ids, start, on_chunk_done=on_chunk_done)
-            return await self.run_model(self.runner.logits, hidden)
+            out = await self.prefill_outputs(block_ids, token_ids, start, on_chunk_done=on_chunk_done)
+            assert out.logits is not None
+            return out.logits
         chunks = self._chunks(token_ids, start)
         began = time.perf_counter()
         with tracing.span("tandem.prefill", {"tandem.prefill.where": "remote", "tandem.prompt_tokens": len(token_ids),
@@ -377,24 +394,65 @@ class WorkerRuntime:
             ValueError: nothing to compute, or a pipeline-parallel worker (its hidden states
                 stay in the last stage).
         """
+        return (await self.prefill_outputs(block_ids, token_ids, start, mtp, on_chunk_done, logits=False)).hidden
+
+    async def prefill_outputs(self, block_ids: list, token_ids: list[int], start: int, mtp: bool = False,
+                              on_chunk_done: Callable[[int], Awaitable[None]] | None = None,
+                              logits: bool = True) -> ChunkResult:
+        """The single-process chunked prefill: each chunk of `self.planner` is submitted to
+        `self.batcher` after the previous one finished (and `on_chunk_done` ran), so it shares
+        a forward with other prompts' chunks of at most --max-prefill-tokens tokens in all;
+        a cancelled request stops between chunks (engine/prefill_batch.py). Each
+        `tandem.prefill.chunk` span carries the batch size and tokens of its forward.
+
+        Returns:
+            the last chunk's ChunkResult: hidden [hidden] of the last prompt token and, with
+            `logits`, its float32 logits [vocab] (computed in the forward's one lm_head call).
+        Raises:
+            ValueError: nothing to compute, a chunk the batcher refuses (it names why), or a
+                pipeline-parallel worker (its hidden states stay in the last stage).
+        """
         if self.pipeline is not None:
             raise ValueError("the last hidden state (MTP) is not served with --pp-size > 1")
         chunks = self._chunks(token_ids, start)
-        hidden = None
+        out: ChunkResult | None = None
         where = "remote" if self.role == discovery_pb2.ROLE_PREFILL else "local"
         began = time.perf_counter()
         with tracing.span("tandem.prefill", {"tandem.prefill.where": where, "tandem.prompt_tokens": len(token_ids),
                                              "tandem.prefill.cached_tokens": start,
                                              "tandem.prefill.chunk_size": self.opts.chunk_size,
+                                             "tandem.prefill.max_prefill_tokens": self.opts.max_prefill_tokens,
                                              "tandem.prefill.chunks": len(chunks)}):
             for i, (s, e) in enumerate(chunks):
+                work = PrefillInput(block_ids, token_ids, s, e, mtp, logits and i == len(chunks) - 1)
                 with tracing.span("tandem.prefill.chunk", {"tandem.chunk.index": i, "tandem.chunk.start": s,
-                                                           "tandem.chunk.tokens": e - s}):
-                    hidden = await self.run_model(self.runner.prefill_chunk, block_ids, token_ids, s, e, mtp)
+                                                           "tandem.chunk.tokens": e - s}) as span:
+                    out = await self.batcher.run_chunk(work)
+                    span.set_attributes({"tandem.prefill.batch_size": out.batch_size,
+                                         "tandem.prefill.batch_tokens": out.batch_tokens})
                 if on_chunk_done is not None:
                     await on_chunk_done(e)
         self.metrics.prefill_duration.labels(where).observe(time.perf_counter() - began)
-        return hidden
+        assert out is not None
+        return out
+
+    def _prefill_forward(self, batch: list[PrefillInput]) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        """The batcher's model-thread call: one forward (ModelRunner), or one chunk per forward
+        where the runner has no batched call (the EP engine)."""
+        batched = getattr(self.runner, "prefill_batch", None)
+        if batched is not None:
+            return batched(batch)
+        out = []
+        for w in batch:
+            hidden = self.runner.prefill_chunk(w.block_ids, w.token_ids, w.start, w.end, w.mtp)
+            out.append((hidden, self.runner.logits(hidden) if w.logits else None))
+        return out
+
+    def _observe_prefill_batch(self, chunks: int, tokens: int) -> None:
+        self.stats.prefill_forwards += 1
+        self.stats.prefill_chunks += chunks
+        self.metrics.prefill_batch_tokens.observe(tokens)
+        self.metrics.prefill_batch_chunks.observe(chunks)
 
     def seed_for(self, cache_salt: str) -> int:
         """The block-hash seed of a request with this cache salt (a tenant's, set by the router

@@ -1,8 +1,8 @@
 """A worker's Prometheus metrics (docs/observability.md, "Worker metrics").
 
 WorkerStats counters, the KV pool, the KV event log and the request counts are read at scrape
-time, on the worker's event loop, by one collector; the request path only observes two
-histograms (prefill duration, KV transfer duration).
+time, on the worker's event loop, by one collector; the request path only observes a few
+histograms (prefill duration, prefill batch tokens and chunks, KV transfer duration).
 
 To export a new WorkerStats field, add one line to WORKER_COUNTERS. A field whose value is a
 dict {backend: number} is exported with a `backend` label per key. Transfer counters come
@@ -31,6 +31,20 @@ WORKER_COUNTERS: dict[str, tuple[str, str, bool]] = {
     "prefix_hit_tokens": ("tandem_worker_prefix_cache_hit_tokens", "prompt tokens found in the prefix cache", False),
     "generated_tokens": ("tandem_worker_generated_tokens", "decode: tokens generated (first tokens included)", False),
     "retractions": ("tandem_worker_retractions", "decode: running requests retracted to free KV blocks", False),
+    "fenced_prefills": ("tandem_worker_fenced_prefills", "decode: prefill calls that ended unanswered; their "
+                        "destination blocks were held out of the pool until the prefill worker was done", False),
+    "fences_released_by_peer": ("tandem_worker_fences_released_by_peer", "decode: fenced blocks released once the "
+                                "prefill worker answered Abandon (no write of that request can come)", False),
+    "fences_released_peer_gone": ("tandem_worker_fences_released_peer_gone", "decode: fenced blocks released once "
+                                  "nothing listened at the prefill worker's address (dead, or done draining)", False),
+    "fences_expired": ("tandem_worker_fences_expired", "decode: fenced blocks released after 2 × "
+                       "(--prefill-timeout + --transfer-timeout) without an answer from the prefill worker", False),
+    "late_writes_refused": ("tandem_worker_kv_late_writes_refused", "prefill: KV writes not posted because the "
+                            "decode worker's call had already ended (its deadline passed, or it abandoned the request)", False),
+    "prefill_forwards": ("tandem_worker_prefill_forwards", "prefill forwards run (each packs the next chunks of "
+                         "concurrent prompts, up to --max-prefill-tokens)", False),
+    "prefill_chunks": ("tandem_worker_prefill_chunks", "prompt chunks computed by those forwards (chunks / forwards "
+                       "= the mean batch)", False),
     "spec_verify_steps": ("tandem_worker_spec_verify_steps", "decode: MTP verify steps", False),
     "spec_emitted_tokens": ("tandem_worker_spec_emitted_tokens", "decode: tokens emitted by MTP verify steps "
                             "(accept length = emitted / verify steps)", False),
@@ -50,6 +64,9 @@ TRANSFER_COUNTERS: dict[str, tuple[str, str]] = {
                         "prefill to the notification (the transfer time left after overlap)"),
 }
 
+TOKEN_BUCKETS = tuple(float(2 ** i) for i in range(4, 18))  # 16 .. 131072 tokens
+CHUNK_BUCKETS = (1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0, 24.0, 32.0, 48.0, 64.0, 128.0)
+
 
 class WorkerMetrics:
     """Owns one worker's registry; `running_fn` (decode: requests in the batch) is set by the role."""
@@ -60,6 +77,12 @@ class WorkerMetrics:
         self.prefill_duration = Histogram(
             "tandem_worker_prefill_duration_seconds", "chunked prefill of one prompt (compute only), by where: "
             "remote (a prefill worker) or local (a decode worker)", ["where"], buckets=LATENCY_BUCKETS,
+            registry=self.registry)
+        self.prefill_batch_tokens = Histogram(
+            "tandem_worker_prefill_batch_tokens", "tokens of one prefill forward (chunks of concurrent prompts "
+            "packed up to --max-prefill-tokens)", buckets=TOKEN_BUCKETS, registry=self.registry)
+        self.prefill_batch_chunks = Histogram(
+            "tandem_worker_prefill_batch_chunks", "prompt chunks in one prefill forward", buckets=CHUNK_BUCKETS,
             registry=self.registry)
         self.transfer_duration = Histogram(
             "tandem_worker_kv_transfer_duration_seconds", "prefill: one KV transfer, submission to completion",
@@ -101,13 +124,17 @@ class WorkerMetrics:
         yield gauge("tandem_worker_prefix_cache_hit_ratio", "prefix cache hit tokens / query tokens since start "
                     "(rate() of the two counters gives it over a window)",
                     getattr(rt.stats, "prefix_hit_tokens", 0) / query if query else 0.0)
-        running = self.running_fn() if self.running_fn is not None else rt.in_flight - rt.model_waiting
+        queued = rt.batcher.queued
+        running = (self.running_fn() if self.running_fn is not None
+                   else max(0, rt.in_flight - rt.model_waiting - queued))
         yield gauge("tandem_worker_requests_in_flight", "requests being served (RPCs in progress)", rt.in_flight)
         yield gauge("tandem_worker_running_requests", "decode: requests in the decode batch; prefill: requests not "
                     "waiting for the model thread", running)
         yield gauge("tandem_worker_queue_depth", "requests in flight and not running (waiting for KV, a batch "
                     "slot or the model thread)", max(0, rt.in_flight - running))
         yield gauge("tandem_worker_model_queue_depth", "model calls waiting for the model thread", rt.model_waiting)
+        yield gauge("tandem_worker_prefill_queued_chunks", "prefill chunks waiting for a batched forward "
+                    "(engine/prefill_batch.py)", queued)
         yield counter("tandem_worker_kv_event_batches", "KV event batches published", rt.events.last_event_id)
         yield gauge("tandem_worker_draining", "1 while draining after SIGTERM", 1.0 if rt.draining else 0.0)
         yield gauge("tandem_worker_engine_stalled", "1 while one model call has run over --stall-timeout",

@@ -7,6 +7,18 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class AbandonRequest(_message.Message):
+    __slots__ = ("request_id",)
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    def __init__(self, request_id: _Optional[str] = ...) -> None: ...
+
+class AbandonResponse(_message.Message):
+    __slots__ = ("notified",)
+    NOTIFIED_FIELD_NUMBER: _ClassVar[int]
+    notified: bool
+    def __init__(self, notified: _Optional[bool] = ...) -> None: ...
+
 class PrefillRequest(_message.Message):
     __slots__ = ("request_id", "token_ids", "sampling", "destination", "sampling_step_offset", "return_last_hidden", "cache_salt")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]

@@ -40,6 +40,11 @@ class PrefillServiceStub:
                 request_serializer=tandem_dot_v1_dot_prefill__pb2.PrefillRequest.SerializeToString,
                 response_deserializer=tandem_dot_v1_dot_prefill__pb2.PrefillResponse.FromString,
                 _registered_method=True)
+        self.Abandon = channel.unary_unary(
+                '/tandem.v1.PrefillService/Abandon',
+                request_serializer=tandem_dot_v1_dot_prefill__pb2.AbandonRequest.SerializeToString,
+                response_deserializer=tandem_dot_v1_dot_prefill__pb2.AbandonResponse.FromString,
+                _registered_method=True)
 
 
 class PrefillServiceServicer:
@@ -54,6 +59,17 @@ class PrefillServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Abandon(self, request, context):
+        """The caller stopped waiting for request_id's Prefill (its deadline passed or it
+        was cancelled) and holds that call's destination blocks out of its pool. Answered
+        once no KV write of that request can reach the caller any more: the writes of a
+        running call are stopped and awaited, and a call not yet started is refused
+        (ABORTED) when it arrives. The caller then returns the blocks to its pool.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PrefillServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -61,6 +77,11 @@ def add_PrefillServiceServicer_to_server(servicer, server):
                     servicer.Prefill,
                     request_deserializer=tandem_dot_v1_dot_prefill__pb2.PrefillRequest.FromString,
                     response_serializer=tandem_dot_v1_dot_prefill__pb2.PrefillResponse.SerializeToString,
+            ),
+            'Abandon': grpc.unary_unary_rpc_method_handler(
+                    servicer.Abandon,
+                    request_deserializer=tandem_dot_v1_dot_prefill__pb2.AbandonRequest.FromString,
+                    response_serializer=tandem_dot_v1_dot_prefill__pb2.AbandonResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -91,6 +112,33 @@ class PrefillService:
             '/tandem.v1.PrefillService/Prefill',
             tandem_dot_v1_dot_prefill__pb2.PrefillRequest.SerializeToString,
             tandem_dot_v1_dot_prefill__pb2.PrefillResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Abandon(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.v1.PrefillService/Abandon',
+            tandem_dot_v1_dot_prefill__pb2.AbandonRequest.SerializeToString,
+            tandem_dot_v1_dot_prefill__pb2.AbandonResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,49 @@
+"""IncrementalDetokenizer (common/tokenizer.py): the streamed deltas always add up to decoding
+every id, whatever the ids and however they are split into pushes, for both shipped tokenizers
+(byte-level BPE: Qwen2's and tandem-shakespeare's)."""
+
+from __future__ import annotations
+
+import functools
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from common.tokenizer import IncrementalDetokenizer, load_tokenizer
+from engine.model_source import SHIPPED, SHAKESPEARE
+
+
+@functools.cache
+def _tokenizers():
+    return [load_tokenizer(), load_tokenizer(SHIPPED[SHAKESPEARE])]
+
+
+def _check(tok, ids: list[int], cuts: list[int]) -> None:
+    detok = IncrementalDetokenizer(tok)
+    out, start = "", 0
+    for cut in sorted(set(c for c in cuts if 0 < c < len(ids))) + [len(ids)]:
+        final = cut == len(ids)
+        out += detok.push(ids[start:cut], final=final)
+        start = cut
+        if not final:  # what was sent is never taken back
+            assert tok.decode(ids[:cut]).startswith(out) or "\ufffd" in tok.decode(ids[:cut])
+    assert out == tok.decode(ids)
+
+
+@settings(max_examples=150, deadline=None)
+@given(which=st.integers(0, 1), data=st.data())
+def test_deltas_add_up_to_the_full_decode(which: int, data) -> None:
+    tok = _tokenizers()[which]
+    ids = data.draw(st.lists(st.integers(0, tok.vocab_size - 1), min_size=1, max_size=60))
+    cuts = data.draw(st.lists(st.integers(0, len(ids)), max_size=len(ids)))
+    _check(tok, ids, cuts)
+
+
+def test_multibyte_text_streamed_token_by_token() -> None:
+    for tok in _tokenizers():
+        ids = tok.encode("naïve café — 東京 🎭 ok")
+        _check(tok, ids, list(range(len(ids))))
+        detok = IncrementalDetokenizer(tok)
+        parts = [detok.push([i]) for i in ids]
+        assert "".join(parts) == tok.decode(ids)
+        assert all("\ufffd" not in p for p in parts)  # split characters were held back, not sent broken
