@@ -60,29 +60,34 @@ async def _one(stub: frontend_pb2_grpc.FrontendServiceStub, req: BenchRequest, t
     return res
 
 
-def _http_client(http_url: str, connections: int):
-    """An httpx client with a connection per request in flight, or a null context without http_url."""
+def _http_client(http_url: str, connections: int, api_key: str = ""):
+    """An httpx client with a connection per request in flight (sending `api_key` as a bearer
+    token), or a null context without http_url."""
     import contextlib
     if not http_url:
         return contextlib.nullcontext()
     import httpx
-    return httpx.AsyncClient(limits=httpx.Limits(max_connections=connections, max_keepalive_connections=connections))
+    return httpx.AsyncClient(limits=httpx.Limits(max_connections=connections, max_keepalive_connections=connections),
+                             headers={"Authorization": f"Bearer {api_key}"} if api_key else None)
 
 
 async def run_load(router: str, reqs: list[BenchRequest], speedup: float = 1.0, concurrency: int = 0,
                    timeout_s: float = 600.0, progress: bool = True, http_url: str = "",
-                   model: str = "", creds=None) -> tuple[list[RequestResult], float]:
+                   model: str = "", creds=None, api_key: str = "") -> tuple[list[RequestResult], float]:
     """Send every request; returns (results in request order, wall seconds of the run).
 
     With `http_url` (e.g. "http://127.0.0.1:8000") the requests go to that OpenAI-compatible
     API for `model` (bench/openai_client.py) instead of `router`'s gRPC API. `creds`
-    (common.tls.TlsCredentials): TLS to the router (default: this process's, common/tls.py)."""
+    (common.tls.TlsCredentials): TLS to the router (default: this process's, common/tls.py).
+    `api_key`: sent as a bearer token on both APIs (a router with --api-keys)."""
     from tqdm import tqdm
 
     # disable=None: tqdm turns itself off when stderr is not a terminal (logs stay readable)
     bar = tqdm(total=len(reqs), unit="req", disable=None if progress else True, dynamic_ncols=True)
     results: list[RequestResult | None] = [None] * len(reqs)
-    async with channel(router, creds) as ch, _http_client(http_url, concurrency or len(reqs)) as http:
+    from cli.client import bearer_token
+    async with channel(router, creds, bearer_token(api_key) if api_key else ()) as ch, \
+            _http_client(http_url, concurrency or len(reqs), api_key) as http:
         stub = frontend_pb2_grpc.FrontendServiceStub(ch)
         await ch.channel_ready()
         t0 = time.perf_counter()

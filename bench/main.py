@@ -53,6 +53,7 @@ class BenchOptions:
     tls_ca: str = ""  # the cluster CA: the router's certificate must chain to it (TLS); "" = plaintext
     tls_cert: str = ""  # optional client certificate (with --tls-key)
     tls_key: str = ""
+    api_key: str = ""  # bearer token for a router with --api-keys ("" = none)
 
     def __post_init__(self) -> None:
         if self.backend not in ("grpc", "openai"):
@@ -113,22 +114,28 @@ def _need(path: str, name: str) -> str:
     return path
 
 
-async def _model_info(router: str, wait_s: float = 180.0):
+async def _model_info(router: str, wait_s: float = 180.0, api_key: str = ""):
     """The router's model, once it answers and its set of decode workers has stopped growing
-    (so `tandem up --mocker N & tandem bench` works as one command)."""
+    (so `tandem up --mocker N & tandem bench` works as one command; with a key that is not an
+    admin's, ExplainRoute is refused and the model is taken as soon as the router answers)."""
     import grpc
 
-    from common.grpc_server import channel
-    from common.pb.tandem.v1 import frontend_pb2, frontend_pb2_grpc
+    from cli.client import frontend_stub
+    from common.pb.tandem.v1 import frontend_pb2
 
     deadline = time.monotonic() + wait_s
     seen, stable, said = -1, 0, False
-    async with channel(router) as ch:
-        stub = frontend_pb2_grpc.FrontendServiceStub(ch)
+    ch, stub = frontend_stub(router, api_key=api_key)
+    async with ch:
         while True:
             try:
                 model = (await stub.ListModels(frontend_pb2.ListModelsRequest(), timeout=5)).models[0]
-                resp = await stub.ExplainRoute(frontend_pb2.GenerateRequest(token_ids=[1]), timeout=5)
+                try:
+                    resp = await stub.ExplainRoute(frontend_pb2.GenerateRequest(token_ids=[1]), timeout=5)
+                except grpc.aio.AioRpcError as exc:
+                    if exc.code() == grpc.StatusCode.PERMISSION_DENIED:
+                        return model
+                    raise
                 n = sum(1 for c in resp.candidates if c.role == "decode")
                 stable = stable + 1 if n == seen else 0
                 seen = n
@@ -157,7 +164,7 @@ def write_results(path: Path, opts: dict, summary: dict, reqs: list[BenchRequest
 def run(opts: BenchOptions) -> dict:
     """Run the bench; returns the summary (also printed, and written with --out)."""
     load_requests(opts, 2)  # a bad --dataset fails now, not after waiting for the router
-    model = asyncio.run(_model_info(opts.router))
+    model = asyncio.run(_model_info(opts.router, api_key=opts.api_key))
     reqs = load_requests(opts, model.vocab_size)
     if opts.arrival == "concurrency":
         reqs = [replace(r, arrival_s=0.0) for r in reqs]
@@ -167,7 +174,7 @@ def run(opts: BenchOptions) -> dict:
           f"{model.block_size}), arrival {opts.arrival}, load {opts.load}, speedup {opts.speedup}", file=sys.stderr)
     results, wall = asyncio.run(run_load(opts.router, reqs, opts.speedup,
                                          opts.concurrency if opts.arrival == "concurrency" else 0, opts.timeout_s,
-                                         http_url=http_url, model=model.name))
+                                         http_url=http_url, model=model.name, api_key=opts.api_key))
     summary = summarize(reqs, results, wall, opts.speedup)
     if any(r.hash_ids for r in reqs):
         summary["oracle_block_hit_rate"] = traces.oracle_hit_rate(reqs)["block"]

@@ -71,6 +71,9 @@ class _Workers:
     def candidates(self, role: int, serving_only: bool = True) -> list[discovery_pb2.Instance]:
         return [i for i in self._instances if i.role == role]
 
+    def hash_seed_for(self, cache_salt: str) -> int:
+        return self.hash_seed  # one simulated tenant
+
     def instance_ids(self) -> list[str]:
         return [i.instance_id for i in self._instances]
 

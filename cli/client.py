@@ -60,10 +60,40 @@ async def generate(stub: frontend_pb2_grpc.FrontendServiceStub, text: str = "", 
     return out
 
 
-def frontend_stub(address: str, creds: TlsCredentials | None = None
+def _with_key(details: grpc.aio.ClientCallDetails, entry: tuple[str, str]) -> grpc.aio.ClientCallDetails:
+    return details._replace(metadata=grpc.aio.Metadata(*(details.metadata or ()), entry))
+
+
+class _UnaryKey(grpc.aio.UnaryUnaryClientInterceptor):
+    def __init__(self, entry: tuple[str, str]) -> None:
+        self.entry = entry
+
+    async def intercept_unary_unary(self, continuation, details, request):
+        return await continuation(_with_key(details, self.entry), request)
+
+
+class _StreamKey(grpc.aio.UnaryStreamClientInterceptor):
+    def __init__(self, entry: tuple[str, str]) -> None:
+        self.entry = entry
+
+    async def intercept_unary_stream(self, continuation, details, request):
+        return await continuation(_with_key(details, self.entry), request)
+
+
+def bearer_token(api_key: str) -> list[grpc.aio.ClientInterceptor]:
+    """Channel interceptors sending `authorization: Bearer <key>` with every call (the router's
+    --api-keys). Interceptors, not call credentials: gRPC sends those over TLS channels only,
+    and a key must also reach a plaintext (--insecure) router. Two objects: a channel files an
+    interceptor under one call kind only, so one class of both kinds would miss the streams."""
+    entry = ("authorization", f"Bearer {api_key}")
+    return [_UnaryKey(entry), _StreamKey(entry)]
+
+
+def frontend_stub(address: str, creds: TlsCredentials | None = None, api_key: str = ""
                   ) -> tuple[grpc.aio.Channel, frontend_pb2_grpc.FrontendServiceStub]:
-    """A channel to the router at `address`, over TLS with `creds` (plaintext without)."""
-    ch = channel(address, creds)
+    """A channel to the router at `address`, over TLS with `creds` (plaintext without),
+    sending `api_key` as a bearer token when given."""
+    ch = channel(address, creds, bearer_token(api_key) if api_key else ())
     return ch, frontend_pb2_grpc.FrontendServiceStub(ch)
 
 

@@ -40,6 +40,8 @@ class LocalCluster:
             certificate per process in log_dir/tls; `ca` issues more (tests), `client_tls`
             is a frontend client's (`cli.client.frontend_stub(address, cluster.client_tls)`).
             False: plaintext.
+        api_keys: the router's --api-keys file; it must hold an admin key (`admin_key`), which
+            the readiness check uses. "" = an open front.
     """
 
     def __init__(self, model: str = DEFAULT_MODEL, num_prefill: int = 1, num_decode: int = 1,
@@ -47,7 +49,8 @@ class LocalCluster:
                  worker_args: list[str] | None = None, router_args: list[str] | None = None,
                  log_dir: str | None = None,
                  ready_timeout_s: float = 120.0, metrics: bool = False, num_mocker: int = 0,
-                 mocker_args: list[str] | None = None, http_port: int = -1, tls: bool = True) -> None:
+                 mocker_args: list[str] | None = None, http_port: int = -1, tls: bool = True,
+                 api_keys: str = "") -> None:
         if num_mocker:
             from engine.model_source import MOCK
             model = MOCK if model in (DEFAULT_MODEL, "") else model
@@ -74,6 +77,8 @@ class LocalCluster:
         self.tls = tls
         self.ca = None  # common.certs.LocalCa once started with tls
         self.client_tls = None  # common.tls.TlsCredentials of a frontend client (role "client")
+        self.api_keys = str(Path(api_keys).resolve()) if api_keys else ""  # the children run in the repo root
+        self.admin_key = ""  # an admin key of api_keys, once started
 
     @property
     def etcd_endpoint(self) -> str:
@@ -109,12 +114,15 @@ class LocalCluster:
             from common.certs import LocalCa
             self.ca = LocalCa(self.log_dir / "tls")
             self.client_tls = self.ca.issue("client", ("client",)).load()
+        if self.api_keys:
+            from router.api_keys import admin_key
+            self.admin_key = admin_key(self.api_keys)  # a bad file fails before anything starts
         if not self._etcd_endpoint:
             self._etcd = EtcdServer()
             self._etcd.start()
             self._etcd_endpoint = self._etcd.endpoint
         self.spawn("router", "router", "--port", str(self.router_port), "--http-port", str(self.http_port),
-                   *self.router_args)
+                   *(["--api-keys", self.api_keys] if self.api_keys else []), *self.router_args)
         for i in range(self.num_prefill):
             self.spawn(f"prefill-{i}", "prefill", "--port", "0", *self.worker_args)
         for i in range(self.num_decode):
@@ -156,12 +164,12 @@ class LocalCluster:
         watch may lag the one above)."""
         import grpc
 
-        from common.grpc_server import channel
-        from common.pb.tandem.v1 import frontend_pb2, frontend_pb2_grpc
+        from cli.client import frontend_stub
+        from common.pb.tandem.v1 import frontend_pb2
 
         want = self.num_prefill + self.num_decode + self.num_mocker
-        async with channel(self.router_address, self.client_tls) as ch:
-            stub = frontend_pb2_grpc.FrontendServiceStub(ch)
+        ch, stub = frontend_stub(self.router_address, self.client_tls, self.admin_key)
+        async with ch:
             while True:
                 try:
                     resp = await stub.ExplainRoute(frontend_pb2.GenerateRequest(token_ids=[1]), timeout=5)

@@ -101,6 +101,9 @@ HELP = {
                 "(docs/security.md); with --tls-key and --tls-ca; none of the three = plaintext",
     "tls_key": "PEM private key of --tls-cert",
     "tls_ca": "PEM certificate of the cluster CA; peers' certificates must chain to it",
+    "api_keys": "router: TOML or JSON file of API keys (key -> tenant, admin, cache_group; docs/security.md): "
+                "clients must send `authorization: Bearer <key>`, tenants get separate prefix caches; "
+                "SIGHUP reloads it; empty = an open front",
     # tandem mocker / tandem bench (mocker/fleet.py, bench/main.py)
     "num_workers": "mocker: simulated decode workers (each its own gRPC server and etcd record)",
     "num_prefill": "mocker: simulated prefill workers",
@@ -127,6 +130,7 @@ HELP = {
     "timeout_s": "deadline of each request in seconds",
     "out": "JSON result file; plots are written beside it",
     "label": "name of the run in plots and JSON",
+    "api_key": "API key sent as `authorization: Bearer <key>` to a router started with --api-keys",
 }
 
 

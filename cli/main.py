@@ -59,7 +59,7 @@ def _up(args: argparse.Namespace) -> int:
                                router_port=args.port,
                                router_args=["--router-mode", args.router_mode] if args.router_mode else [],
                                metrics=args.metrics, num_mocker=args.mocker, http_port=args.http_port,
-                               tls=not args.insecure)
+                               tls=not args.insecure, api_keys=args.api_keys)
         if args.insecure:
             print("tandem up: WARNING: --insecure: every gRPC port of this cluster serves plaintext with no "
                   "authentication; any local process can call the workers directly", file=sys.stderr, flush=True)
@@ -109,7 +109,7 @@ def _generate(args: argparse.Namespace) -> int:
     creds = client_credentials(args)
 
     async def main() -> int:
-        ch, stub = frontend_stub(args.router, creds)
+        ch, stub = frontend_stub(args.router, creds, args.api_key)
         try:
             with tracing.span("tandem.client.generate"):
                 trace_id = tracing.trace_id_hex()
@@ -150,7 +150,7 @@ def _explain(args: argparse.Namespace) -> int:
     creds = client_credentials(args)
 
     async def main() -> int:
-        ch, stub = frontend_stub(args.router, creds)
+        ch, stub = frontend_stub(args.router, creds, args.api_key)
         try:
             resp = await stub.ExplainRoute(frontend_pb2.GenerateRequest(text=args.prompt), timeout=10)
         except grpc.aio.AioRpcError as exc:
@@ -174,10 +174,12 @@ def _arg(p: argparse.ArgumentParser, flag: str, default, help: str, kind=None, e
 
 
 def _client_tls_args(p: argparse.ArgumentParser) -> None:
-    """--tls-ca, --tls-cert, --tls-key of a client of the router (cli/client.py client_credentials)."""
+    """--tls-ca, --tls-cert, --tls-key of a client of the router (cli/client.py client_credentials),
+    and its --api-key (TANDEM_API_KEY)."""
     from cli.client import CLIENT_TLS_HELP
     for flag, text in CLIENT_TLS_HELP.items():
         _arg(p, flag, "", text)
+    _arg(p, "--api-key", "", "API key sent as `authorization: Bearer <key>` (a router started with --api-keys)")
 
 
 # Subcommands whose options come from modules that import torch or FastAPI: only the one being
@@ -249,6 +251,8 @@ def build_parser(command: str | None = None, full: bool = True) -> argparse.Argu
          "setting, from [router] in the config file or its default kv)")
     _arg(p, "--metrics", True, "serve /metrics from every process on a free port (--no-metrics: none)", kind=bool)
     _arg(p, "--mocker", 0, "simulated workers instead of real ones (tandem mocker; model tandem-mock)")
+    _arg(p, "--api-keys", "", "TOML or JSON file of API keys for the router (docs/security.md; it needs one "
+         "admin key, which tandem up uses to see the router ready); empty = an open front")
     _arg(p, "--insecure", False, "no TLS: every process serves and dials gRPC in plaintext, unauthenticated "
          "(default: mutual TLS with a throw-away CA made at start-up)", kind=bool)
     p.set_defaults(func=_up)

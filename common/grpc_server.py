@@ -70,20 +70,23 @@ class RunningServer:
 
 
 async def start_server(address: str, add_services: Sequence[Callable[[grpc.aio.Server], None]],
-                       service_names: Sequence[str], internal: bool = True) -> RunningServer:
+                       service_names: Sequence[str], internal: bool = True,
+                       interceptors: Sequence[grpc.aio.ServerInterceptor] = ()) -> RunningServer:
     """Bind `address` (host:port; port 0 picks a free one), add services, start serving.
 
     With TLS on (common/tls.py set_tls) an internal server (a worker's) takes only clients
     whose certificate chains to the cluster CA and names a role its services admit
     (tls.RoleCheck); `internal=False` (the router's frontend) serves TLS with client
-    certificates optional. With TLS off it serves plaintext.
+    certificates optional. With TLS off it serves plaintext. `interceptors` run after those
+    (the router's API key check, router/api_keys.py).
 
     Raises:
         RuntimeError: the address could not be bound.
     """
     creds = tls.TLS
     # Tracing interceptors exist only when tracing is on (common/tracing.py): off costs nothing.
-    interceptors = [*(tracing.server_interceptors() or ()), *([tls.RoleCheck()] if creds and internal else [])]
+    interceptors = [*(tracing.server_interceptors() or ()), *([tls.RoleCheck()] if creds and internal else []),
+                    *interceptors]
     server = grpc.aio.server(interceptors=interceptors or None,
                              options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                                       ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -144,9 +147,11 @@ def _bracketed(host: str) -> str:
         return host
 
 
-def channel(address: str, creds: tls.TlsCredentials | None = None) -> grpc.aio.Channel:
+def channel(address: str, creds: tls.TlsCredentials | None = None,
+            interceptors: Sequence[grpc.aio.ClientInterceptor] = ()) -> grpc.aio.Channel:
     """A client channel with Tandem's message size limits and keepalive (KEEPALIVE), over
-    mTLS with `creds` or else this process's (tls.TLS; None: plaintext)."""
+    mTLS with `creds` or else this process's (tls.TLS; None: plaintext); `interceptors` run
+    after tracing's (a frontend client's API key, cli/client.py)."""
     creds = creds or tls.TLS
     # A restarted peer at the same address is reachable again within ~1 s, not after gRPC's
     # default reconnect back-off of up to 120 s.
@@ -155,10 +160,10 @@ def channel(address: str, creds: tls.TlsCredentials | None = None) -> grpc.aio.C
                ("grpc.initial_reconnect_backoff_ms", 200),
                ("grpc.max_reconnect_backoff_ms", 1000),
                *KEEPALIVE.options()]
-    interceptors = tracing.client_interceptors() or None
+    chain = [*(tracing.client_interceptors() or ()), *interceptors] or None
     if creds is not None:
-        return grpc.aio.secure_channel(address, creds.channel(), interceptors=interceptors, options=options)
-    return grpc.aio.insecure_channel(address, interceptors=interceptors, options=options)
+        return grpc.aio.secure_channel(address, creds.channel(), interceptors=chain, options=options)
+    return grpc.aio.insecure_channel(address, interceptors=chain, options=options)
 
 
 def add_lenient_service(server: grpc.aio.Server, service: str, servicer: object,

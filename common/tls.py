@@ -24,20 +24,21 @@ import inspect
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Awaitable, Callable
 
 import grpc
 
 log = logging.getLogger(__name__)
 
 ROLE_URI = "tandem://role/"  # + role, a URI SAN of every Tandem certificate (common/certs.py issues them)
-ROLES = ("router", "prefill", "decode", "client")
+ROLES = ("router", "prefill", "decode", "client", "admin")
 # Which roles may call each internal service; a service not listed (health, reflection) takes
 # any known role. Must match who dials whom: router -> decode (Generate), router -> every worker
-# (KvEventService, health), decode -> prefill (Prefill).
+# (KvEventService, health), decode -> prefill (Prefill). KV events carry every cached block
+# hash, so besides the router only an operator's "admin" certificate may read them.
 SERVICE_ROLES = {"tandem.v1.PrefillService": frozenset({"decode"}),
                  "tandem.v1.DecodeService": frozenset({"router"}),
-                 "tandem.v1.KvEventService": frozenset({"router"})}
+                 "tandem.v1.KvEventService": frozenset({"router", "admin"})}
 
 
 @dataclass(frozen=True)
@@ -140,17 +141,20 @@ class RoleCheck(grpc.aio.ServerInterceptor):
             return None
         service = details.method.lstrip("/").split("/", 1)[0]
         allowed = SERVICE_ROLES.get(service, frozenset(ROLES))
-        return _guarded(handler, service, allowed)
+
+        async def check(context: grpc.aio.ServicerContext) -> None:
+            roles = peer_roles(context)
+            if not roles & allowed:
+                await context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                                    f"{service} accepts calls from {', '.join(sorted(allowed))} only; the client's "
+                                    f"certificate names {', '.join(sorted(roles)) or 'no Tandem role'}")
+        return guarded(handler, check)
 
 
-def _guarded(handler: grpc.RpcMethodHandler, service: str, allowed: frozenset[str]) -> grpc.RpcMethodHandler:
-    async def check(context: grpc.aio.ServicerContext) -> None:
-        roles = peer_roles(context)
-        if not roles & allowed:
-            await context.abort(grpc.StatusCode.PERMISSION_DENIED,
-                                f"{service} accepts calls from {', '.join(sorted(allowed))} only; the client's "
-                                f"certificate names {', '.join(sorted(roles)) or 'no Tandem role'}")
-
+def guarded(handler: grpc.RpcMethodHandler,
+            check: Callable[[grpc.aio.ServicerContext], Awaitable[None]]) -> grpc.RpcMethodHandler:
+    """`handler` with `await check(context)` run first, in the call's own task (so a contextvar
+    it sets is seen by the method); check ends the call with context.abort to refuse it."""
     if handler.unary_unary is not None:
         inner_uu = handler.unary_unary
 

@@ -45,6 +45,15 @@ def validate_request_id(request_id: str, internal: bool = False) -> None:
         raise InvalidArgument("request_id", f"{len(request_id)} characters; at most {limit}")
 
 
+MAX_CACHE_SALT_CHARS = 256  # a tenant's cache salt ("tenant:<name>" or "group:<name>", router/api_keys.py)
+
+
+def validate_cache_salt(cache_salt: str) -> None:
+    """Raises InvalidArgument naming cache_salt when it is longer than MAX_CACHE_SALT_CHARS."""
+    if len(cache_salt) > MAX_CACHE_SALT_CHARS:
+        raise InvalidArgument("cache_salt", f"{len(cache_salt)} characters; at most {MAX_CACHE_SALT_CHARS}")
+
+
 MIN_TEMPERATURE = 1e-3  # below this, logits / T overflows float32; use 0 for greedy
 
 

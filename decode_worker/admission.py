@@ -171,16 +171,18 @@ class Admission:
             kept.append((blocks, fut))
         self._queue = kept
 
-    async def allocate_prompt(self, tokens: list[int], busy: Callable[[], bool]) -> PromptBlocks:
+    async def allocate_prompt(self, tokens: list[int], busy: Callable[[], bool],
+                             seed: int | None = None) -> PromptBlocks:
         """The prompt's blocks, waiting for running requests to free some when the pool is
-        momentarily full (only possible when practical_fraction > 1 overcommits).
+        momentarily full (only possible when practical_fraction > 1 overcommits); `seed`: the
+        request's block-hash seed (KvPool.allocate_prompt).
 
         Raises:
             PoolExhausted: full while `busy()` is False (nothing running will free blocks).
         """
         while True:
             try:
-                return self.pool.allocate_prompt(tokens)
+                return self.pool.allocate_prompt(tokens, seed)
             except PoolExhausted:
                 if not busy():
                     raise

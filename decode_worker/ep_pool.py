@@ -130,13 +130,13 @@ class EpKvPool:
     def _global(self, rank: int, block_ids: list[BlockId]) -> list[BlockId]:
         return [BlockId(rank * self.rank_config.num_blocks + b) for b in block_ids]
 
-    def choose_rank(self, token_ids: list[int]) -> list[int]:
+    def choose_rank(self, token_ids: list[int], seed: int | None = None) -> list[int]:
         """Ranks in order of preference for a new prompt: lowest cost first, where cost =
         blocks to compute (not in that rank's prefix cache) + blocks in use there — the router's
         kv cost with prefill_weight 1 (DESIGN.md section 4), so requests spread over idle ranks
         and a shared prefix is reused where it is cached. Ties go to the lower rank."""
         bs = self.block_size
-        hashes = block_hashes(token_ids, bs, self.hash_seed)
+        hashes = block_hashes(token_ids, bs, self.hash_seed if seed is None else seed)
         need = self.blocks_for(len(token_ids))
         costs = []
         for r, pool in enumerate(self.ranks):
@@ -145,16 +145,17 @@ class EpKvPool:
             costs.append((need - overlap + in_use, r))
         return [r for _, r in sorted(costs)]
 
-    def allocate_prompt(self, token_ids: list[int]) -> PromptBlocks:
-        """Blocks for a prompt on the cheapest rank that has room (see `choose_rank`).
+    def allocate_prompt(self, token_ids: list[int], seed: int | None = None) -> PromptBlocks:
+        """Blocks for a prompt on the cheapest rank that has room (see `choose_rank`); `seed`
+        as KvPool.allocate_prompt's.
 
         Raises:
             PoolExhausted: no rank has enough free blocks (nothing is held then).
         """
         exc: PoolExhausted | None = None
-        for rank in self.choose_rank(token_ids):
+        for rank in self.choose_rank(token_ids, seed):
             try:
-                p = self.ranks[rank].allocate_prompt(token_ids)
+                p = self.ranks[rank].allocate_prompt(token_ids, seed)
             except PoolExhausted as e:
                 exc = e
                 continue

@@ -10,8 +10,10 @@ from common.pb.tandem.v1 import decode_pb2 as pb
 from common.pb.tandem.v1 import discovery_pb2
 from decode_worker.scheduler import DecodeScheduler
 from decode_worker.service import DecodeServicer
+from discovery.watcher import InstanceWatcher
 from engine.model_source import LoadedModel
 from worker.host import WorkerOptions, WorkerRuntime, serve_worker
+from worker.peers import PeerDirectory
 
 SERVICE = "tandem.v1.DecodeService"
 
@@ -28,7 +30,14 @@ async def run(opts: WorkerOptions, ready: Callable[[RunningServer, WorkerRuntime
     scheduler = DecodeScheduler(runtime)
     runtime.metrics.running_fn = lambda: min(len(scheduler.running), opts.max_running)
     runtime.scheduler = scheduler  # capacity: admission and retraction state, for tests and metrics
-    servicer = DecodeServicer(runtime, scheduler)
+    # The prefill workers in discovery are the only ones it dials (worker/peers.py); without
+    # --etcd there are none, and a request naming one is refused.
+    prefills = PeerDirectory(runtime.loaded.name, runtime.loaded.fingerprint)
+    watcher = None
+    if opts.etcd:
+        watcher = prefills.watcher = InstanceWatcher(opts.etcd, opts.namespace, prefills.on_change,
+                                                     component="prefill")
+    servicer = DecodeServicer(runtime, scheduler, prefills)
     methods = {"Generate": ("stream", pb.DecodeRequest, pb.DecodeResponse)}
     loop_task = asyncio.create_task(scheduler.run(), name="decode-loop")  # strong reference
     servers = []
@@ -45,8 +54,12 @@ async def run(opts: WorkerOptions, ready: Callable[[RunningServer, WorkerRuntime
             ready(srv, runtime)
 
     try:
+        if watcher is not None:
+            await watcher.start(timeout=None)
         await serve_worker(runtime, [lambda s: add_lenient_service(s, SERVICE, servicer, methods)], [SERVICE],
                            ready=on_ready, stop=stop)
     finally:
         loop_task.cancel()
+        if watcher is not None:
+            await watcher.stop()
         await servicer.close()

@@ -111,7 +111,7 @@ class Retractor:
             if not idle and own + self._need(self.sched.running, HEADROOM_STEPS) > pool.blocks.num_free:
                 return
             try:
-                prompt = pool.allocate_prompt(req.tokens[:-1])
+                prompt = pool.allocate_prompt(req.tokens[:-1], req.hash_seed)
             except PoolExhausted:
                 return  # blocks held by prompts being prefilled; a release wakes the scheduler
             self.waiting.popleft()

@@ -52,6 +52,7 @@ class RunningRequest:
     mtp_verify_steps: int = 0  # MTP: verify steps of this request (the decode span's attributes)
     mtp_accepted_tokens: int = 0  # MTP: draft tokens accepted (emitted minus the bonus token)
     ticket: Ticket | None = None  # capacity: its admission reservation, released when it finishes
+    hash_seed: int | None = None  # its block-hash seed (its tenant's cache salt); None = the pool's
 
     @property
     def generated(self) -> int:

@@ -1,6 +1,7 @@
 """DecodeService: take a request from the router, get its prompt KV, decode, stream tokens.
 
-Path of one call (DESIGN.md section 5, steps 2–4): validate → admission (wait in the worker's
+Path of one call (docs/architecture.md, steps 2–4): validate → check that the prefill worker
+named is one in discovery (else PERMISSION_DENIED, nothing dialled) → admission (wait in the worker's
 queue while the admitted requests' projected KV fills the practical share of the pool;
 RESOURCE_EXHAUSTED when the queue is full) → allocate the prompt's blocks (reusing this
 worker's prefix cache) → ask the
@@ -27,8 +28,8 @@ from common.pb.tandem.v1 import decode_pb2 as pb
 from common.pb.tandem.v1 import decode_pb2_grpc as pb_grpc
 from common.pb.tandem.v1 import prefill_pb2, prefill_pb2_grpc, sampling_pb2
 from common.sampling_params import SamplingParams
-from common.validation import (InvalidArgument, sampling_from_proto, validate_prompt_length, validate_request_id,
-                               validate_token_ids)
+from common.validation import (InvalidArgument, sampling_from_proto, validate_cache_salt, validate_prompt_length,
+                               validate_request_id, validate_token_ids)
 from decode_worker.admission import admit_or_abort
 from decode_worker.fence import PrefillFence, nothing_listens
 from decode_worker.scheduler import DecodeScheduler, RunningRequest
@@ -37,6 +38,7 @@ from engine.mtp import hidden_from_bytes
 from engine.sampling import sample
 from worker.host import WorkerRuntime
 from kv_transfer.base import TransferError
+from worker.peers import DISCOVERY_WAIT_S, PeerDirectory, PermissionDenied
 
 log = logging.getLogger(__name__)
 # Prefill call outcomes after which the prefill worker may still be writing: it never answered.
@@ -63,9 +65,10 @@ def _decode_span_attributes(span, running: RunningRequest) -> None:
 
 
 class DecodeServicer(pb_grpc.DecodeServiceServicer):
-    def __init__(self, runtime: WorkerRuntime, scheduler: DecodeScheduler) -> None:
+    def __init__(self, runtime: WorkerRuntime, scheduler: DecodeScheduler, prefills: PeerDirectory) -> None:
         self.rt = runtime
         self.scheduler = scheduler
+        self.prefills = prefills  # the prefill workers this worker may dial
         scheduler.admission.solo_wait_s = runtime.opts.solo_wait_s
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._metadata_sent: set[str] = set()  # prefill addresses that hold our agent metadata
@@ -89,7 +92,7 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
 
     async def _remote_prefill(self, address: str, request_id: str, tokens: list[int], prompt: PromptBlocks,
                               sampling: sampling_pb2.SamplingParams, timeout_s: float,
-                              step_offset: int = 0) -> Prefilled:
+                              step_offset: int = 0, cache_salt: str = "") -> Prefilled:
         """Have the prefill worker at `address` write our missing blocks; returns the first token
         (and, with MTP speculative decoding, the last prompt token's hidden state).
 
@@ -105,11 +108,11 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
             kv_cache_dtype=self.rt.pool.config.dtype_name, kv_cache_scale=self.rt.pool.config.scale)
         req = prefill_pb2.PrefillRequest(request_id=request_id, token_ids=tokens, sampling=sampling, destination=dst,
                                          sampling_step_offset=step_offset,
-                                         return_last_hidden=self.scheduler.spec is not None)
+                                         return_last_hidden=self.scheduler.spec is not None, cache_salt=cache_salt)
         # Agent metadata travels once per prefill worker; resent when it says it lacks it.
         for attempt in range(2):
             if address not in self._metadata_sent or attempt:
-                req.destination.agent_metadata = self.rt.agent.metadata()
+                req.destination.agent_metadata = self.rt.transfer_metadata  # the bytes discovery has the digest of
             try:
                 resp = await self._stub(address).Prefill(req, timeout=timeout_s)
                 break
@@ -132,24 +135,51 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
                 raise TransferError(f"prefill response unusable for MTP: {exc}") from None
         return Prefilled(resp.first_token_id, resp.first_token_logprob, hidden)
 
+    async def _prefill_address(self, request: pb.DecodeRequest, context: grpc.aio.ServicerContext) -> str:
+        """The prefill worker to dial: request.prefill_address when it is a prefill worker of this
+        model in discovery; "" (prefill here) when it left discovery lately (the router's view
+        may lag ours).
+
+        Raises:
+            PermissionDenied: prefill_address is not (and was not lately) a prefill worker in
+                discovery: nothing is dialled.
+        """
+        address = request.prefill_address
+        if not address:
+            return ""
+        remaining = context.time_remaining()
+        wait_s = DISCOVERY_WAIT_S if remaining is None else max(0.0, min(DISCOVERY_WAIT_S, remaining / 4))
+        try:
+            await self.prefills.find(lambda i: i.address == address, "prefill_address",
+                                     f"prefill worker {address!r}",
+                                     0.0 if self.prefills.recently_gone(address) else wait_s)
+        except PermissionDenied as exc:
+            if not self.prefills.recently_gone(address):
+                raise
+            self._failures.warning(address, "request %s: %s (left lately); prefilling locally",
+                                   request.request_id, exc)
+            return ""
+        return address
+
     async def _prefill(self, request: pb.DecodeRequest, request_id: str, prompt: PromptBlocks,
-                       params: SamplingParams, timeout_s: float) -> Prefilled:
+                       params: SamplingParams, timeout_s: float, prefill_address: str) -> Prefilled:
         tokens = list(request.token_ids)
-        if request.prefill_address:
+        if prefill_address:
             try:
-                first = await self._remote_prefill(request.prefill_address, request_id, tokens, prompt,
-                                                   request.sampling, timeout_s, request.sampling_step_offset)
+                first = await self._remote_prefill(prefill_address, request_id, tokens, prompt,
+                                                   request.sampling, timeout_s, request.sampling_step_offset,
+                                                   request.cache_salt)
                 self.rt.stats.remote_prefills += 1
                 return first
             except (grpc.aio.AioRpcError, TransferError) as exc:
                 detail = exc.details() if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
-                self._failures.warning(request.prefill_address, "request %s: prefill on %s failed (%s); prefilling "
-                                       "locally", request_id, request.prefill_address, detail)
+                self._failures.warning(prefill_address, "request %s: prefill on %s failed (%s); prefilling "
+                                       "locally", request_id, prefill_address, detail)
                 if isinstance(exc, grpc.aio.AioRpcError) and exc.code() in UNANSWERED:
-                    self._fence(request.prefill_address, request_id, prompt)
+                    self._fence(prefill_address, request_id, prompt)
             except asyncio.CancelledError:  # the request ended while the prefill worker had it
                 try:
-                    self._fence(request.prefill_address, request_id, prompt)
+                    self._fence(prefill_address, request_id, prompt)
                 except PoolExhausted:
                     pass  # nothing more to run for it: the fenced blocks are held all the same
                 raise
@@ -195,18 +225,25 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
             validate_request_id(request.request_id, internal=True)
             validate_token_ids(list(request.token_ids), self.rt.vocab_size)
             validate_prompt_length(len(request.token_ids), self.rt.context_length, "token_ids")
+            validate_cache_salt(request.cache_salt)
             params = sampling_from_proto(request.sampling, len(request.token_ids), self.rt.context_length)
+            prefill_address = await self._prefill_address(request, context)
         except InvalidArgument as exc:
             await abort_invalid(context, exc)
+        except PermissionDenied as exc:
+            self._failures.warning(request.prefill_address, "request %s refused: %s", request.request_id, exc)
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(exc))
         request_id = request.request_id or uuid.uuid4().hex
         tokens = list(request.token_ids)
+        seed = self.rt.seed_for(request.cache_salt)  # tenants share no cached prefix (docs/security.md)
         pool = self.rt.pool
         # capacity: wait for admission (RESOURCE_EXHAUSTED when the queue is full), then the blocks
         admission = self.scheduler.admission
         ticket = await admit_or_abort(admission, len(tokens), params.max_tokens, context)
         try:
             # fenced blocks come back too (decode_worker/fence.py): wait for them as for running requests
-            prompt = await admission.allocate_prompt(tokens, lambda: admission.admitted > 1 or self.fence.held_blocks > 0)
+            prompt = await admission.allocate_prompt(tokens, lambda: admission.admitted > 1 or self.fence.held_blocks > 0,
+                                                     seed)
             self.rt.count_prefix_lookup(len(tokens), prompt)
         except PoolExhausted as exc:
             admission.release(ticket)
@@ -228,7 +265,8 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
             if remaining is not None:
                 timeout_s = min(timeout_s, remaining / 2)
             try:
-                token, logprob, hidden = await self._prefill(request, request_id, prompt, params, timeout_s)
+                token, logprob, hidden = await self._prefill(request, request_id, prompt, params, timeout_s,
+                                                             prefill_address)
             except PoolExhausted:  # its prefill worker went silent and no fresh blocks are left here
                 await context.abort(grpc.StatusCode.UNAVAILABLE, "prefill worker did not answer and the KV pool has "
                                     "no free blocks for a local prefill")
@@ -245,7 +283,8 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
             if self.scheduler.failed is not None:
                 await context.abort(grpc.StatusCode.UNAVAILABLE, "decode loop is down on this worker")
             running = RunningRequest(request_id, tokens + [token], len(tokens), prompt.block_ids, params,
-                                     step_offset=request.sampling_step_offset, hidden=hidden, ticket=ticket)
+                                     step_offset=request.sampling_step_offset, hidden=hidden, ticket=ticket,
+                                     hash_seed=seed)
             self.scheduler.add(running)
             with tracing.span("tandem.decode") as span:
                 try:

@@ -103,17 +103,18 @@ class KvPool:
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.config.block_size)
 
-    def allocate_prompt(self, token_ids: list[int]) -> PromptBlocks:
+    def allocate_prompt(self, token_ids: list[int], seed: int | None = None) -> PromptBlocks:
         """Blocks for a whole prompt, reusing the longest cached prefix.
 
         At least one prompt token is always left to compute (its logits give the first
         token), and a cached block is never written: when every full block is cached, the
-        last one is recomputed into a fresh block.
+        last one is recomputed into a fresh block. `seed`: the request's block-hash seed (a
+        tenant's cache salt gives another one, so tenants share no prefix); None = hash_seed.
         Raises:
             PoolExhausted: not enough free blocks (nothing is held then).
         """
         bs = self.config.block_size
-        hashes = block_hashes(token_ids, bs, self.hash_seed)
+        hashes = block_hashes(token_ids, bs, self.hash_seed if seed is None else seed)
         cached = self.blocks.match_prefix(hashes)[: (len(token_ids) - 1) // bs]
         self.blocks.acquire(cached)
         try:

@@ -11,6 +11,7 @@ from common.pb.tandem.v1 import prefill_pb2 as pb
 from discovery.watcher import InstanceEvent, InstanceWatcher
 from engine.model_source import LoadedModel
 from worker.host import WorkerOptions, WorkerRuntime, serve_worker
+from worker.peers import PeerDirectory
 from prefill_worker.service import PrefillServicer
 
 SERVICE = "tandem.v1.PrefillService"
@@ -23,16 +24,19 @@ async def run(opts: WorkerOptions, ready: Callable[[RunningServer, WorkerRuntime
     if opts.ep_size != 1:  # expert parallelism is a decode-worker runtime (DESIGN.md section 8)
         raise ValueError(f"--ep-size {opts.ep_size}: expert parallelism applies to decode workers only")
     runtime = WorkerRuntime(discovery_pb2.ROLE_PREFILL, opts, loaded)
-    servicer = PrefillServicer(runtime)
     methods = {"Prefill": ("unary", pb.PrefillRequest, pb.PrefillResponse),
                "Abandon": ("unary", pb.AbandonRequest, pb.AbandonResponse)}
     watcher = None
+    # The decode workers in discovery are the only destinations it writes into (worker/peers.py);
+    # without --etcd there are none, and every Prefill call is refused.
     if opts.etcd:  # decode workers leaving discovery: drop their cached transfer metadata
         def on_change(event: InstanceEvent) -> None:
             if event.kind == "removed":
                 servicer.forget_peer(event.instance.transfer_agent_name)
 
         watcher = InstanceWatcher(opts.etcd, opts.namespace, on_change, component="decode")
+    servicer = PrefillServicer(runtime, PeerDirectory(runtime.loaded.name, runtime.loaded.fingerprint, watcher))
+    if watcher is not None:
         await watcher.start(timeout=None)
     try:
         await serve_worker(runtime, [lambda s: add_lenient_service(s, SERVICE, servicer, methods)], [SERVICE],

@@ -1,6 +1,7 @@
 """PrefillService: compute a prompt's KV in chunks and write it into the decode worker's pool.
 
-Path of one call (DESIGN.md section 5, step 3): validate → allocate blocks in this worker's
+Path of one call (docs/architecture.md, step 3): validate → authorise the destination (a
+decode worker in discovery; its metadata and block ids checked against its record) → allocate blocks in this worker's
 pool (reusing its prefix cache) → chunked prefill, each chunk's finished blocks written into
 the decode worker's pool while the next chunk computes (`chunk_sender.py`) → cache the
 prompt's full blocks → sample the first token → write the rest with the notification carrying
@@ -19,8 +20,8 @@ from common.ratelimit import RateLimitedLog
 from common.grpc_errors import abort_invalid, check_parsed
 from common.pb.tandem.v1 import prefill_pb2 as pb
 from common.pb.tandem.v1 import prefill_pb2_grpc as pb_grpc
-from common.validation import (InvalidArgument, sampling_from_proto, validate_prompt_length, validate_request_id,
-                               validate_token_ids)
+from common.validation import (InvalidArgument, sampling_from_proto, validate_cache_salt, validate_prompt_length,
+                               validate_request_id, validate_token_ids)
 from engine.mtp import hidden_to_bytes
 from engine.pipeline import PipelineError
 from engine.sampling import sample
@@ -29,21 +30,55 @@ from kv_transfer.base import RemoteBlocks, TransferError
 from kv_transfer.select import CHOICES
 from prefill_worker.calls import PrefillCalls
 from prefill_worker.chunk_sender import ChunkSender
+from worker.peers import DISCOVERY_WAIT_S, PeerDirectory, PermissionDenied, metadata_digest
 
 log = logging.getLogger(__name__)
 
 
 class PrefillServicer(pb_grpc.PrefillServiceServicer):
-    def __init__(self, runtime: WorkerRuntime) -> None:
+    def __init__(self, runtime: WorkerRuntime, decoders: PeerDirectory) -> None:
         self.rt = runtime
+        self.decoders = decoders  # the decode workers this worker may write into
+        self._peer_digests: dict[str, bytes] = {}  # agent name -> digest of the metadata loaded for it
         self._failures = RateLimitedLog(log)  # one line per decode agent per 5 s
         self.calls = PrefillCalls()  # running calls by request id, and the abandoned ids (calls.py)
 
     def forget_peer(self, agent_name: str) -> None:
         """Drop cached transfer metadata of a decode worker that left discovery."""
+        self._peer_digests.pop(agent_name, None)
         if agent_name and self.rt.agent.has_peer(agent_name):
             self.rt.agent.remove_peer(agent_name)
             log.info("decode worker's transfer agent %s left discovery: metadata dropped", agent_name)
+
+    async def _authorize(self, request: pb.PrefillRequest, context: grpc.aio.ServicerContext) -> None:
+        """The destination must be a decode worker of this model in discovery, its block ids in
+        that worker's advertised pool and its metadata the one the worker published (by
+        digest), so a caller can neither aim writes at another process's memory nor past the
+        pool. (Over mTLS, RoleCheck has already admitted only decode workers' certificates.)
+
+        Raises:
+            PermissionDenied: destination.agent_name not in discovery, or
+                destination.agent_metadata not the record's. InvalidArgument:
+                destination.block_ids past the record's kv_capacity_blocks.
+        """
+        dst = request.destination
+        remaining = context.time_remaining()
+        wait_s = DISCOVERY_WAIT_S if remaining is None else max(0.0, min(DISCOVERY_WAIT_S, remaining / 4))
+        record = await self.decoders.find(lambda i: i.transfer_agent_name == dst.agent_name,
+                                          "destination.agent_name", f"decode agent {dst.agent_name!r}", wait_s)
+        if dst.block_ids and max(dst.block_ids) >= record.kv_capacity_blocks:
+            raise InvalidArgument("destination.block_ids",
+                                  f"block id {max(dst.block_ids)} is outside {record.instance_id}'s pool of "
+                                  f"{record.kv_capacity_blocks} blocks")
+        if not record.transfer_metadata_sha256:
+            raise PermissionDenied("destination.agent_metadata",
+                                   f"{record.instance_id} publishes no transfer metadata digest in discovery")
+        if dst.agent_metadata and metadata_digest(dst.agent_metadata) != record.transfer_metadata_sha256:
+            raise PermissionDenied("destination.agent_metadata",
+                                   f"not the transfer metadata {record.instance_id} published in discovery "
+                                   "(only that worker may send it)")
+        if not dst.agent_metadata and self._peer_digests.get(dst.agent_name) != record.transfer_metadata_sha256:
+            self.forget_peer(dst.agent_name)  # loaded for an earlier record of that name: ask again
 
     def _validate(self, request: pb.PrefillRequest) -> None:
         """Every check that needs no compute runs before the prefill starts."""
@@ -53,6 +88,7 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
         validate_request_id(request.request_id, internal=True)
         validate_token_ids(list(request.token_ids), self.rt.vocab_size)
         validate_prompt_length(len(request.token_ids), self.rt.context_length, "token_ids")
+        validate_cache_salt(request.cache_salt)
         dst = request.destination
         if dst.backend not in CHOICES:  # the backend itself is chosen from both agents' metadata
             raise InvalidArgument("destination.backend", f"{dst.backend!r} is not one of {', '.join(CHOICES)}")
@@ -104,8 +140,13 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
         try:
             self._validate(request)
             params = sampling_from_proto(request.sampling, len(request.token_ids), self.rt.context_length)
+            await self._authorize(request, context)
         except InvalidArgument as exc:
             await abort_invalid(context, exc)
+        except PermissionDenied as exc:
+            self._failures.warning(request.destination.agent_name, "request %s refused: %s",
+                                   request.request_id, exc)
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(exc))
         if request.return_last_hidden and self.rt.pipeline is not None:  # hidden states stay in the last stage
             await context.abort(grpc.StatusCode.UNIMPLEMENTED,
                                 "return_last_hidden: not served by a pipeline-parallel prefill worker (--pp-size > 1)")
@@ -115,6 +156,7 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
                 self.rt.agent.add_peer(dst.agent_name, dst.agent_metadata)
             except (TransferError, ValueError) as exc:
                 await abort_invalid(context, InvalidArgument("destination.agent_metadata", str(exc)))
+            self._peer_digests[dst.agent_name] = metadata_digest(dst.agent_metadata)
         elif not self.rt.agent.has_peer(dst.agent_name):
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                 f"destination.agent_metadata: unknown agent {dst.agent_name!r}; send its metadata")
@@ -122,7 +164,7 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
             await _abort_abandoned(context)
         tokens = list(request.token_ids)
         pool = self.rt.pool
-        prompt = await self.rt.allocate_prompt(tokens, context)
+        prompt = await self.rt.allocate_prompt(tokens, context, self.rt.seed_for(request.cache_salt))
         remote = RemoteBlocks(dst.base_address, dst.block_stride_bytes, dst.device_id, list(dst.block_ids))
         # The deadline counts from this call's arrival here; a process stopped and resumed
         # mid-call finds it passed and posts nothing more (the decode worker gave up).

@@ -11,6 +11,11 @@ abort, time_remaining, code). Each request runs in its own task (`Generation`), 
 span; the HTTP side reads its responses from a queue and cancels the task when the client goes
 away, which cancels the decode call and frees the request's KV blocks on both workers.
 
+With --api-keys, the completions and models routes need `Authorization: Bearer <key>` (401
+with OpenAI's error object when it is missing or unknown) and /metrics an admin key (403 for
+another); /health stays open for probes. The key's tenant is set for the request's Generate
+(router/api_keys.py), so it gets that tenant's prefix cache only.
+
 uvicorn's server runs on the router's own event loop (`HttpServer`), on a socket bound here so
 that a taken port is an OSError naming --http-port.
 """
@@ -38,6 +43,7 @@ from common.pb.tandem.v1 import discovery_pb2
 from common.pb.tandem.v1 import frontend_pb2 as pb
 from common.validation import InvalidArgument
 from router.http_port import HTTP_OFF, validate_port  # noqa: F401 (re-exported)
+from router.api_keys import KeyRefused, KeyRing, current_tenant
 from router.chat_template import ChatTemplate, TemplateError
 from router.openai_protocol import (FINISH_REASONS, ChatCompletionRequest, CompletionRequest, ResponseShape,
                                     error_body, param_name, token_logprobs)
@@ -52,6 +58,8 @@ STATUS = {
     grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
     grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable_error"),
     grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout_error"),
+    grpc.StatusCode.UNAUTHENTICATED: (401, "invalid_request_error"),
+    grpc.StatusCode.PERMISSION_DENIED: (403, "permission_error"),
 }
 
 
@@ -216,8 +224,10 @@ class _GenerationStream(StreamingResponse):
 class OpenAIFrontend:
     """The routes' logic over one router's FrontendServicer."""
 
-    def __init__(self, servicer: Any, template: ChatTemplate, registry: CollectorRegistry | None) -> None:
+    def __init__(self, servicer: Any, template: ChatTemplate, registry: CollectorRegistry | None,
+                 keys: KeyRing | None = None) -> None:
         self.servicer = servicer
+        self.keys = keys  # None: an open front (no --api-keys)
         self.template = template
         self.registry = registry
         self.created = int(time.time())
@@ -229,6 +239,19 @@ class OpenAIFrontend:
     def error(status: int, message: str, type_: str, param: str | None = None, code: str | None = None,
               headers: dict[str, str] | None = None) -> JSONResponse:
         return JSONResponse(error_body(message, type_, param, code), status_code=status, headers=headers)
+
+    def authorize(self, request: Request, admin_only: bool = False) -> JSONResponse | None:
+        """None when the request may go on (its tenant set for this task), else the 401/403."""
+        if self.keys is None:
+            return None
+        try:
+            current_tenant.set(self.keys.authenticate(request.headers.get("authorization"), admin_only))
+        except KeyRefused as exc:
+            if exc.unauthenticated:
+                return self.error(401, str(exc), "invalid_request_error", None, "invalid_api_key",
+                                  headers={"WWW-Authenticate": "Bearer"})
+            return self.error(403, str(exc), "permission_error", None, "permission_denied")
+        return None
 
     def invalid(self, exc: InvalidArgument, req: Any, headers: dict[str, str]) -> JSONResponse:
         param = param_name(exc.field, req)
@@ -264,6 +287,9 @@ class OpenAIFrontend:
         return token_logprobs(chat, self._tokens_text(list(out.token_ids)), list(out.logprobs))
 
     async def generate(self, request: Request, req: CompletionRequest | ChatCompletionRequest, route: str) -> Response:
+        refused = self.authorize(request)  # before anything else: Generation's task inherits the tenant
+        if refused is not None:
+            return refused
         chat = isinstance(req, ChatCompletionRequest)
         request_id = request.headers.get("x-request-id", "")[:128] or uuid.uuid4().hex  # bounded: logs, spans
         headers = {"X-Request-Id": request_id}
@@ -406,11 +432,14 @@ def create_app(api: OpenAIFrontend) -> FastAPI:
         return await api.generate(request, req, "/v1/chat/completions")
 
     @app.get("/v1/models")
-    async def models() -> dict:
-        return api.models()
+    async def models(request: Request) -> Response:
+        return api.authorize(request) or JSONResponse(api.models())
 
     @app.get("/v1/models/{model:path}")
-    async def model(model: str) -> Response:
+    async def model(model: str, request: Request) -> Response:
+        refused = api.authorize(request)
+        if refused is not None:
+            return refused
         if model != api.servicer.workers.model:
             return api.error(404, f"model: unknown model {model!r}; this router serves {api.servicer.workers.model!r}",
                              "invalid_request_error", "model", "model_not_found")
@@ -421,8 +450,8 @@ def create_app(api: OpenAIFrontend) -> FastAPI:
         return api.health()
 
     @app.get("/metrics")
-    async def metrics() -> Response:
-        return await api.metrics()
+    async def metrics(request: Request) -> Response:  # the cluster's state: admin keys only
+        return api.authorize(request, admin_only=True) or await api.metrics()
 
     return app
 

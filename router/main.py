@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import signal
 import time
 import uuid
 from dataclasses import dataclass
@@ -22,6 +23,7 @@ from discovery.registration import Registration
 from discovery.watcher import InstanceWatcher
 from engine.model_source import DEFAULT_MODEL, load_config
 from common.version import VERSION
+from router.api_keys import ApiKeyCheck, KeyRing
 from router.approx_index import ApproxIndex, KvWithRecent
 from router.health import HealthTracker
 from router.http_port import HTTP_OFF
@@ -76,6 +78,7 @@ class RouterOptions:
     tls_cert: str = ""  # PEM certificate naming role "router" (common/tls.py); with --tls-key and --tls-ca
     tls_key: str = ""  # its private key
     tls_ca: str = ""  # the cluster CA: workers' certificates must chain to it
+    api_keys: str = ""  # TOML/JSON key file (router/api_keys.py): key -> tenant; "" = an open front
 
     @property
     def tls(self) -> TlsFiles:
@@ -192,10 +195,21 @@ async def drain(servicer: FrontendServicer, server: RunningServer, registration:
                     instance.instance_id, timeout_s, servicer.running)
 
 
+def _on_sighup(callback: Callable[[], object]) -> bool:
+    """Call `callback` on SIGHUP; False where that cannot be (not the main thread, e.g. a router
+    inside a test process, or no signals on this platform)."""
+    try:
+        asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, callback)
+    except (ValueError, RuntimeError, NotImplementedError, AttributeError):
+        return False
+    return True
+
+
 async def run(opts: RouterOptions, ready: Callable[[RunningServer, FrontendServicer], None] | None = None,
               stop: asyncio.Event | None = None) -> None:
     """Serve until SIGTERM/SIGINT or `stop`; `ready(server, servicer)` is called once serving."""
     name, config, ckpt = load_config(opts.model)
+    keys = KeyRing(opts.api_keys) if opts.api_keys else None  # a bad file fails here, naming --api-keys
     set_keepalive(Keepalive(opts.keepalive_time_s, opts.keepalive_timeout_s))
     watcher = InstanceWatcher(opts.etcd, opts.namespace)
     await watcher.start()
@@ -225,7 +239,8 @@ async def run(opts: RouterOptions, ready: Callable[[RunningServer, FrontendServi
                "ExplainRoute": ("unary", pb.GenerateRequest, pb.ExplainRouteResponse),
                "ClusterStatus": ("unary", pb.ClusterStatusRequest, pb.ClusterStatusResponse)}
     server = await start_server(f"{opts.host}:{opts.port}", [lambda s: add_lenient_service(s, SERVICE, servicer, methods)],
-                                [SERVICE], internal=False)  # clients are not cluster processes: certificates optional
+                                [SERVICE], internal=False,  # clients are not cluster processes: certificates optional
+                                interceptors=[ApiKeyCheck(keys)] if keys else ())
     address = f"{advertised_host(opts.host, opts.advertise_host)}:{server.port}"
     instance_id = f"router-{uuid.uuid4().hex[:12]}"
     index = overlap if isinstance(overlap, KvIndex) else None
@@ -242,7 +257,7 @@ async def run(opts: RouterOptions, ready: Callable[[RunningServer, FrontendServi
         from router.chat_template import load_chat_template  # the HTTP stack only when it is on
         from router.http_api import HttpServer, OpenAIFrontend, create_app
         try:
-            frontend = OpenAIFrontend(servicer, load_chat_template(ckpt), metrics.registry)
+            frontend = OpenAIFrontend(servicer, load_chat_template(ckpt), metrics.registry, keys)
             http_server = HttpServer(create_app(frontend), opts.host, opts.http_port)
             await http_server.start()
         except (OSError, ValueError):
@@ -262,6 +277,10 @@ async def run(opts: RouterOptions, ready: Callable[[RunningServer, FrontendServi
     await registration.start()
     stop = stop or asyncio.Event()
     restore_signals = install_stop_signals(stop)
+    reload_on_hup = keys is not None and _on_sighup(keys.reload)
+    if keys is not None:
+        log.info("router front needs API keys: %d loaded from %s%s", len(keys), opts.api_keys,
+                 " (SIGHUP reloads them)" if reload_on_hup else "")
     health.start()  # here, so that the finally below always stops it
     log.info("router serving %s on %s", name, address)
     if ready:
@@ -271,6 +290,8 @@ async def run(opts: RouterOptions, ready: Callable[[RunningServer, FrontendServi
         await drain(servicer, server, registration, instance, opts.drain_timeout_s)
     finally:
         restore_signals()
+        if reload_on_hup:
+            asyncio.get_running_loop().remove_signal_handler(signal.SIGHUP)
         log.info("%s", servicer.overhead_summary())
         if frontend is not None:
             log.info("%s", frontend.timings.summary())

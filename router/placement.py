@@ -62,11 +62,14 @@ class Placement:
                 + "; ".join(f"{inst.instance_id} at {inst.address} ({why})" for inst, why in refused[:5])
                 + (f"; and {len(refused) - 5} more" if len(refused) > 5 else ""))
 
-    def route(self, tokens: list[int], exclude: frozenset[str] = frozenset()) -> tuple[RouteDecision, list[int]]:
+    def route(self, tokens: list[int], exclude: frozenset[str] = frozenset(),
+              cache_salt: str = "") -> tuple[RouteDecision, list[int]]:
         """Choose the decode worker and the prefill worker (or local prefill) for a prompt.
 
         Args:
             exclude: decode instance ids not to choose (e.g. ones whose pool refused it).
+            cache_salt: the tenant's cache salt (router/api_keys.py): the prompt is hashed with
+                the seed the workers use for it, so only that tenant's cached blocks overlap.
 
         Returns:
             (the decision, the prompt's block hashes — empty in modes that ignore caches).
@@ -76,7 +79,7 @@ class Placement:
         start = time.perf_counter()
         bs = self.workers.block_size
         uses_overlap = self.decode_policy.uses_overlap
-        hashes = block_hashes(tokens, bs, self.workers.hash_seed) if uses_overlap else []
+        hashes = block_hashes(tokens, bs, self.workers.hash_seed_for(cache_salt)) if uses_overlap else []
         overlaps = self.overlap.overlaps(hashes) if hashes else {}
         blocks = len(tokens) // bs
         decodes = [d for d in self.workers.candidates(discovery_pb2.ROLE_DECODE) if d.instance_id not in exclude]

@@ -26,6 +26,7 @@ from common.pb.tandem.v1 import frontend_pb2_grpc as pb_grpc
 from common.tokenizer import IncrementalDetokenizer, TextTokenizer
 from common.validation import (InvalidArgument, validate_request_id, sampling_from_proto, sampling_to_proto, validate_prompt_length,
                                validate_token_ids)
+from router.api_keys import cache_salt
 from router.decision import RouteDecision
 from router.inflight import OpenCalls, WorkerLost, next_message
 from router.stall import StallRule
@@ -159,8 +160,8 @@ class FrontendServicer(pb_grpc.FrontendServiceServicer):
 
     async def _route(self, tokens: list[int], context: grpc.aio.ServicerContext,
                      exclude: frozenset[str] = frozenset()) -> tuple[RouteDecision, list[int]]:
-        try:
-            return self.placement.route(tokens, exclude)
+        try:  # the caller's tenant (router/api_keys.py): its own prefix cache only
+            return self.placement.route(tokens, exclude, cache_salt())
         except NoWorker as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
             raise
@@ -286,7 +287,7 @@ class FrontendServicer(pb_grpc.FrontendServiceServicer):
                     decode_pb2.DecodeRequest(request_id=f"{request_id}.{attempt}" if attempt else request_id,
                                              token_ids=prompt_now, sampling=sampling,
                                              prefill_address=prefill.address if prefill else "",
-                                             sampling_step_offset=len(generated)),
+                                             sampling_step_offset=len(generated), cache_salt=cache_salt()),
                     timeout=max(0.0, deadline - time.monotonic()))
                 if attempt == 0:
                     self.overhead_s.append(time.perf_counter() - arrived)

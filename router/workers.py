@@ -61,6 +61,13 @@ class WorkerSet:
         """The seed of the accepted workers' block hashes (the router's lookups use it)."""
         return self.seed_for(self.fingerprint)
 
+    def hash_seed_for(self, cache_salt: str) -> int:
+        """The seed of a request's block hashes with this tenant cache salt ("" = hash_seed).
+        Must match worker/host.py WorkerRuntime.seed_for."""
+        if not cache_salt:
+            return self.hash_seed
+        return block_hash.hash_seed(self.model, cache_salt=cache_salt, weights=self.fingerprint)
+
     def _accepted(self, view: dict[str, discovery_pb2.Instance]) -> str:
         votes: dict[str, tuple[int, float]] = {}  # fingerprint -> (-workers, earliest start)
         for i in view.values():

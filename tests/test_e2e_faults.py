@@ -13,8 +13,9 @@ import pytest
 
 from cli.client import frontend_stub, generate
 from cli.cluster import LocalCluster
-from common.pb.tandem.v1 import (decode_pb2, decode_pb2_grpc, frontend_pb2, frontend_pb2_grpc, prefill_pb2,
-                                 prefill_pb2_grpc, sampling_pb2)
+from common.pb.tandem.v1 import (decode_pb2, decode_pb2_grpc, discovery_pb2, frontend_pb2, frontend_pb2_grpc,
+                                 prefill_pb2, prefill_pb2_grpc, sampling_pb2)
+from discovery.registration import Registration
 from engine.model_source import TINY
 from engine.reference import reference_generate
 from harness import InProcessCluster
@@ -95,7 +96,6 @@ def prefill_request(cluster, **dest):
     (dict(block_stride_bytes=7), "destination.block_stride_bytes"),
     (dict(device_id=-7), "destination.device_id"),
     (dict(agent_name=""), "destination.agent_name"),
-    (dict(agent_metadata=b"garbage"), "destination.agent_metadata"),
     (dict(backend="carrier-pigeon"), "destination.backend"),
 ])
 def test_bad_prefill_destination_is_invalid_argument(cluster, dest, field):
@@ -117,26 +117,42 @@ def test_prefill_request_id_is_required(cluster):
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and e.value.details().startswith("request_id")
 
 
-def test_stalled_prefill_worker_falls_back_to_local_prefill_in_time(cluster, tiny_model):
-    # A listener that accepts connections and never answers: a SIGSTOPped prefill worker.
+def test_stalled_prefill_worker_falls_back_to_local_prefill_in_time(cluster, tiny_model, etcd_server):
+    # A listener that accepts connections and never answers: a SIGSTOPped prefill worker. It is
+    # in discovery (the decode worker dials no other), DRAINING so that the router avoids it.
     hole = socket.socket()
     hole.bind(("127.0.0.1", 0))
     hole.listen(16)
+    address = f"127.0.0.1:{hole.getsockname()[1]}"
+    record = discovery_pb2.Instance(instance_id="prefill-stalled", role=discovery_pb2.ROLE_PREFILL, address=address,
+                                    model=tiny_model.name, weights_fingerprint=tiny_model.fingerprint,
+                                    state=discovery_pb2.INSTANCE_STATE_DRAINING)
+
+    async def call() -> tuple[list, float]:
+        reg = Registration(etcd_server.endpoint, cluster.namespace, record, ttl_seconds=5)
+        await reg.start()
+        try:
+            def generate() -> tuple[list, float]:
+                with grpc.insecure_channel(cluster.decode.address) as ch:
+                    start = time.perf_counter()
+                    msgs = list(decode_pb2_grpc.DecodeServiceStub(ch).Generate(decode_pb2.DecodeRequest(
+                        request_id="stalled", token_ids=prompt, sampling=sampling_pb2.SamplingParams(max_tokens=4),
+                        prefill_address=address), timeout=30))
+                    return msgs, time.perf_counter() - start
+            return await asyncio.to_thread(generate)
+        finally:
+            await reg.stop()
+
+    prompt = [11, 12, 13, 14, 15]
     try:
-        with grpc.insecure_channel(cluster.decode.address) as ch:
-            prompt = [11, 12, 13, 14, 15]
-            start = time.perf_counter()
-            msgs = list(decode_pb2_grpc.DecodeServiceStub(ch).Generate(decode_pb2.DecodeRequest(
-                request_id="stalled", token_ids=prompt, sampling=sampling_pb2.SamplingParams(max_tokens=4),
-                prefill_address=f"127.0.0.1:{hole.getsockname()[1]}"), timeout=30))
-            elapsed = time.perf_counter() - start
+        msgs, elapsed = asyncio.run(call())
         # The unanswered call's destination block is fenced while the listener is open (it could
         # still write), and returns to the pool once nothing listens there (decode_worker/fence.py).
         stats = cluster.decode.runtime.stats
         assert stats.fenced_prefills >= 1 and stats.fences_released_peer_gone == 0
     finally:
         hole.close()
-    assert elapsed < 10  # prefill_timeout 2 s, then local prefill
+    assert elapsed < 12  # up to 2 s for the record to reach the decode worker, prefill_timeout 2 s, local prefill
     got = [t for m in msgs for t in m.token_ids]
     assert got == reference_generate(tiny_model.model, prompt, 4, tiny_model.config.eos_token_ids)
     total, blocks = cluster.worker_opts.num_blocks, cluster.decode.runtime.pool.blocks

@@ -94,7 +94,9 @@ WRONG_ROLE = [("prefill", discovery_pb2.ROLE_PREFILL, "prefill", "router", "deco
               ("prefill", discovery_pb2.ROLE_PREFILL, "kv_events", "decode", "router"),
               ("decode", discovery_pb2.ROLE_DECODE, "decode", "prefill", "router"),
               ("decode", discovery_pb2.ROLE_DECODE, "decode", "client", "router"),
-              ("decode", discovery_pb2.ROLE_DECODE, "kv_events", "prefill", "router")]
+              ("decode", discovery_pb2.ROLE_DECODE, "kv_events", "prefill", "router"),
+              ("decode", discovery_pb2.ROLE_DECODE, "kv_events", "client", "admin"),
+              ("prefill", discovery_pb2.ROLE_PREFILL, "kv_events", "client", "admin")]
 
 
 @pytest.mark.parametrize("worker,role,service,wrong,right", WRONG_ROLE,

@@ -73,7 +73,8 @@ def test_status_table():
     assert {c: s for c, (s, _) in STATUS.items()} == {
         grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.NOT_FOUND: 404,
         grpc.StatusCode.RESOURCE_EXHAUSTED: 429, grpc.StatusCode.UNAVAILABLE: 503,
-        grpc.StatusCode.DEADLINE_EXCEEDED: 504}
+        grpc.StatusCode.DEADLINE_EXCEEDED: 504, grpc.StatusCode.UNAUTHENTICATED: 401,
+        grpc.StatusCode.PERMISSION_DENIED: 403}
 
 
 def test_http_layer_timings_cover_every_streamed_event():

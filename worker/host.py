@@ -37,6 +37,7 @@ from engine.model_source import DEFAULT_MODEL, LoadedModel, load_model
 from engine.prefill_batch import ChunkResult, PrefillBatcher
 from engine.runner import ModelRunner, PrefillInput
 from worker.metrics import WorkerMetrics
+from worker.peers import metadata_digest
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -303,6 +304,9 @@ class WorkerRuntime:
                 self.engine.close()
             raise
         self.pool_desc = self.agent.register_pool(self.pool.kv)
+        # Read once: its digest goes into the discovery record, and a decode worker sends these
+        # very bytes to prefill workers, which compare them with the digest (worker/peers.py).
+        self.transfer_metadata = self.agent.metadata()
 
     @property
     def model_waiting(self) -> int:
@@ -452,10 +456,19 @@ class WorkerRuntime:
         self.metrics.prefill_batch_tokens.observe(tokens)
         self.metrics.prefill_batch_chunks.observe(chunks)
 
-    async def allocate_prompt(self, token_ids: list[int], context: grpc.aio.ServicerContext) -> PromptBlocks:
-        """The prompt's blocks in this worker's pool, or RESOURCE_EXHAUSTED when it is full."""
+    def seed_for(self, cache_salt: str) -> int:
+        """The block-hash seed of a request with this cache salt (a tenant's, set by the router
+        from its API key; "" = the pool's own seed). Must match router/workers.py seed_for."""
+        if not cache_salt:
+            return self.pool.hash_seed
+        return hash_seed(self.loaded.name, cache_salt=cache_salt, weights=self.loaded.fingerprint)
+
+    async def allocate_prompt(self, token_ids: list[int], context: grpc.aio.ServicerContext,
+                              seed: int | None = None) -> PromptBlocks:
+        """The prompt's blocks in this worker's pool (hashed with `seed`, default the pool's),
+        or RESOURCE_EXHAUSTED when it is full."""
         try:
-            prompt = self.pool.allocate_prompt(token_ids)
+            prompt = self.pool.allocate_prompt(token_ids, seed)
         except PoolExhausted as exc:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
             raise
@@ -509,7 +522,8 @@ class WorkerRuntime:
             kv_capacity_blocks=self.pool.config.num_blocks, transfer_agent_name=self.agent.name,
             state=discovery_pb2.INSTANCE_STATE_SERVING, start_time_unix=self.start_time, version=VERSION,
             metrics_address=self.metrics_address, incarnation=self.incarnation,
-            weights_fingerprint=self.loaded.fingerprint)
+            weights_fingerprint=self.loaded.fingerprint,
+            transfer_metadata_sha256=metadata_digest(self.transfer_metadata))
 
     def close(self) -> None:
         if self.engine is not None:  # stop the EP ranks from the model thread, between steps

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from common.pb.tandem.v1 import sampling_pb2 as tandem_dot_v1_dot_sampling__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16tandem/v1/decode.proto\x12\ttandem.v1\x1a\x18tandem/v1/sampling.proto\"\x9a\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\x17\n\x0fprefill_address\x18\x04 \x01(\t\x12\x1c\n\x14sampling_step_offset\x18\x05 \x01(\r\"\x93\x01\n\x0e\x44\x65\x63odeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12.\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x17.tandem.v1.FinishReason\x12\x15\n\rprompt_tokens\x18\x04 \x01(\r\x12\x15\n\rcached_tokens\x18\x05 \x01(\r2R\n\rDecodeService\x12\x41\n\x08Generate\x12\x18.tandem.v1.DecodeRequest\x1a\x19.tandem.v1.DecodeResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16tandem/v1/decode.proto\x12\ttandem.v1\x1a\x18tandem/v1/sampling.proto\"\xae\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\x17\n\x0fprefill_address\x18\x04 \x01(\t\x12\x1c\n\x14sampling_step_offset\x18\x05 \x01(\r\x12\x12\n\ncache_salt\x18\x06 \x01(\t\"\x93\x01\n\x0e\x44\x65\x63odeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12.\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x17.tandem.v1.FinishReason\x12\x15\n\rprompt_tokens\x18\x04 \x01(\r\x12\x15\n\rcached_tokens\x18\x05 \x01(\r2R\n\rDecodeService\x12\x41\n\x08Generate\x12\x18.tandem.v1.DecodeRequest\x1a\x19.tandem.v1.DecodeResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,9 +33,9 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'tandem.v1.decode_pb2', _glo
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_DECODEREQUEST']._serialized_start=64
-  _globals['_DECODEREQUEST']._serialized_end=218
-  _globals['_DECODERESPONSE']._serialized_start=221
-  _globals['_DECODERESPONSE']._serialized_end=368
-  _globals['_DECODESERVICE']._serialized_start=370
-  _globals['_DECODESERVICE']._serialized_end=452
+  _globals['_DECODEREQUEST']._serialized_end=238
+  _globals['_DECODERESPONSE']._serialized_start=241
+  _globals['_DECODERESPONSE']._serialized_end=388
+  _globals['_DECODESERVICE']._serialized_start=390
+  _globals['_DECODESERVICE']._serialized_end=472
 # @@protoc_insertion_point(module_scope)

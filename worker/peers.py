@@ -1,0 +1,100 @@
+"""Which peers a worker may act for: the discovery view of the other kind of worker.
+
+A prefill worker writes KV only into the pool of a decode worker in discovery, and a decode
+worker dials only prefill workers in discovery (docs/security.md). Both look the peer up in a
+`PeerDirectory`, a view over an `InstanceWatcher` of one component that keeps only records of
+this worker's model (name and weights fingerprint).
+
+A record may reach the peer's watcher a little after the router's (each has its own etcd
+watch), so an unknown peer is waited for briefly (`wait_s`) before it is refused.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import time
+from collections.abc import Callable
+
+from common.pb.tandem.v1 import discovery_pb2
+from discovery.watcher import InstanceEvent, InstanceWatcher
+
+DISCOVERY_WAIT_S = 2.0  # longest wait for a peer's record to reach this worker's watch
+RECENTLY_GONE_S = 30.0  # a peer that left this long ago or less is "gone", not "unknown"
+
+
+class PermissionDenied(Exception):
+    """A request asks for something its caller may not have; str(exc) starts with the field."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+def metadata_digest(metadata: bytes) -> bytes:
+    """SHA-256 of transfer agent metadata: published in the discovery record
+    (Instance.transfer_metadata_sha256) and compared with the metadata a request carries."""
+    return hashlib.sha256(metadata).digest()
+
+
+class PeerDirectory:
+    """Records of one component ("decode" or "prefill") of this worker's model.
+
+    Args:
+        model: this worker's model name. fingerprint: its weights fingerprint ("" = not compared).
+        watcher: a watcher of that component, set here or later (`watcher` attribute; it may
+            take `on_change` as its callback); None without --etcd: nothing is found.
+    """
+
+    def __init__(self, model: str, fingerprint: str, watcher: InstanceWatcher | None = None) -> None:
+        self.watcher = watcher
+        self._model = model
+        self._fingerprint = fingerprint
+        self._gone: dict[str, float] = {}  # address -> monotonic time its record left discovery
+
+    def on_change(self, event: InstanceEvent) -> None:
+        """Feed the watcher's events here: remembers addresses that left (see `recently_gone`)."""
+        now = time.monotonic()
+        if event.kind == "removed":
+            self._gone[event.instance.address] = now
+        else:
+            self._gone.pop(event.instance.address, None)
+        for address in [a for a, t in self._gone.items() if now - t > RECENTLY_GONE_S]:
+            del self._gone[address]
+
+    def recently_gone(self, address: str) -> bool:
+        """Whether a record with this address left discovery within RECENTLY_GONE_S."""
+        t = self._gone.get(address)
+        return t is not None and time.monotonic() - t <= RECENTLY_GONE_S
+
+    def _same_model(self, inst: discovery_pb2.Instance) -> bool:
+        return inst.model == self._model and (not self._fingerprint or not inst.weights_fingerprint
+                                              or inst.weights_fingerprint == self._fingerprint)
+
+    async def find(self, match: Callable[[discovery_pb2.Instance], bool], field: str, what: str,
+                   wait_s: float = DISCOVERY_WAIT_S) -> discovery_pb2.Instance:
+        """The record `match` picks, waiting up to wait_s seconds for it to appear.
+
+        Raises:
+            PermissionDenied: naming `field`, when no record matches (`what` describes the
+                value sought), or the only match is another model's.
+        """
+        if self.watcher is None:
+            raise PermissionDenied(field, f"{what} cannot be checked: this worker has no discovery (--etcd)")
+
+        def pick(view: dict[str, discovery_pb2.Instance]) -> discovery_pb2.Instance | None:
+            return next((i for i in view.values() if match(i)), None)
+
+        found = pick(self.watcher.instances())
+        if found is None and wait_s > 0:
+            try:
+                found = pick(await self.watcher.wait_for(lambda v: pick(v) is not None, wait_s))
+            except (TimeoutError, asyncio.TimeoutError):
+                found = None
+        if found is None:
+            raise PermissionDenied(field, f"{what} is not in discovery")
+        if not self._same_model(found):
+            raise PermissionDenied(field, f"{what} serves model {found.model!r} (fingerprint "
+                                          f"{found.weights_fingerprint[:12] or '-'}), not this worker's "
+                                          f"{self._model!r} ({self._fingerprint[:12] or '-'})")
+        return found
