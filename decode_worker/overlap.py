@@ -78,6 +78,7 @@ class OverlapLoop:
             batch = self._schedule()
             rt.events.publish()
             if not batch and self._inflight is None:
+                sched._last_step = None
                 sched._wake.clear()
                 await sched._wake.wait()
                 continue
@@ -95,7 +96,8 @@ class OverlapLoop:
                 for r, slot in zip(batch, slots):
                     r.tokens.append(self.fmap.placeholder(slot))
                 launched = (batch, slots, step)
-                sched.steps += 1
+                sched.count_step(len(batch))
+            rt.stats.decode_device_wait_seconds = self.runner.device_wait_s
             deferred = self._deferred
             self._inflight, self._deferred = launched, []
             if previous is not None:

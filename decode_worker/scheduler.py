@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import dataclass, field
 
 import grpc
@@ -66,6 +67,7 @@ class DecodeScheduler:
         self._wake = asyncio.Event()
         self.eos = runtime.loaded.config.eos_token_ids
         self.steps = 0
+        self._last_step: float | None = None  # perf_counter of the last launch (None after idling)
         self.failed: BaseException | None = None
         self.on_failure = None  # async callable: the worker marks itself NOT_SERVING
         k = runtime.opts.speculative_num_steps  # hook: MTP speculative steps (spec_step.py)
@@ -76,6 +78,19 @@ class DecodeScheduler:
         self.admission = Admission(runtime.pool, runtime.opts.practical_fraction, runtime.opts.max_queued)
         self.admission.on_release = self._wake.set
         self.retraction = Retractor(self, tokens_per_step=k + 1)  # an MTP step writes its drafts too
+
+    def count_step(self, rows: int) -> None:
+        """Count one launched decode step of `rows` requests, and the wall time since the previous
+        one when the loop did not idle in between (WorkerStats.decode_*: the step cadence)."""
+        now = time.perf_counter()
+        stats = self.rt.stats
+        if self._last_step is not None:
+            stats.decode_busy_steps += 1
+            stats.decode_step_seconds += now - self._last_step
+        self._last_step = now
+        stats.decode_steps += 1
+        stats.decode_step_rows += rows
+        self.steps += 1
 
     def add(self, req: RunningRequest) -> None:
         """Take ownership of req (its blocks are freed by the scheduler from now on)."""
@@ -143,15 +158,16 @@ class DecodeScheduler:
             batch = self._schedule()
             self.rt.events.publish()
             if not batch:
+                self._last_step = None
                 self._wake.clear()
                 await self._wake.wait()
                 continue
             if self.spec is not None:  # hook: one MTP draft + verify step instead
                 await self.spec.step(batch)
-                self.steps += 1
+                self.count_step(len(batch))
                 continue
             inputs = [DecodeInput(r.block_ids, len(r.tokens) - 1, r.tokens[-1]) for r in batch]
             sampling = [(r.params, r.step_offset + r.generated) for r in batch]
             tokens, logprobs = await self.rt.run_model(self.rt.runner.decode_tokens, inputs, sampling)
-            self.steps += 1
+            self.count_step(len(batch))
             self._postprocess(batch, tokens, logprobs)

@@ -12,6 +12,7 @@ completion at once, so the same code path works, sequentially.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -36,6 +37,7 @@ class OverlapRunner:
         if self.fmap.capacity < 2 * max_batch:  # two steps' placeholders are alive at once
             raise ValueError(f"future map of {self.fmap.capacity} slots is too small for batches of {max_batch}")
         self.cuda = self.device.type == "cuda"
+        self.device_wait_s = 0.0  # seconds collect spent waiting for the device, in total
 
     @torch.inference_mode()
     def launch(self, batch: list[DecodeInput], slots: list[int],
@@ -55,11 +57,13 @@ class OverlapRunner:
         event.record()
         return LaunchedStep(host, event)
 
-    @staticmethod
-    def collect(step: LaunchedStep) -> tuple[list[int], list[float]]:
-        """Wait for a launched step and return its tokens and log-probabilities."""
+    def collect(self, step: LaunchedStep) -> tuple[list[int], list[float]]:
+        """Wait for a launched step and return its tokens and log-probabilities (the wait's
+        seconds are added to `device_wait_s`: the host had nothing left to do but wait)."""
         if step.event is not None:
+            t0 = time.perf_counter()
             step.event.synchronize()
+            self.device_wait_s += time.perf_counter() - t0
         tokens, logprobs = step.host.tolist()
         return [int(t) for t in tokens], logprobs
 

@@ -42,6 +42,9 @@ def test_overlap_greedy_equals_reference_and_frees_blocks(tiny_model) -> None:
         ref = reference_generate(tiny_model.model, prompt, n, {eos})
         assert got[i] == (ref[:3] if i == 2 else ref)
     assert rt.pool.blocks.num_free == rt.opts.num_blocks
+    st = rt.stats  # the step cadence counters (tandem_worker_decode_*)
+    assert st.decode_steps > 0 and st.decode_step_rows > st.decode_steps  # several requests per step
+    assert 0 < st.decode_busy_steps < st.decode_steps and st.decode_step_seconds > 0
 
 
 def test_overlap_sampling_equals_plain_loop(tiny_model) -> None:

@@ -172,6 +172,11 @@ class WorkerStats:
     late_writes_refused: int = 0  # prefill: KV writes not posted: the decode worker's call had ended or abandoned them
     prefill_forwards: int = 0  # prefill forwards run by the batcher (engine/prefill_batch.py)
     prefill_chunks: int = 0  # prompt chunks those forwards computed (chunks / forwards = mean batch)
+    decode_steps: int = 0  # decode: steps launched
+    decode_step_rows: int = 0  # decode: requests in those steps (rows / steps = the mean batch)
+    decode_busy_steps: int = 0  # decode: steps launched right after another (the loop had work throughout)
+    decode_step_seconds: float = 0.0  # decode: wall time between those launches (/ busy steps = the cadence)
+    decode_device_wait_seconds: float = 0.0  # decode (overlap): host time spent waiting for a step's result
     transfer_by_backend: dict[str, BackendTransferStats] = field(default_factory=dict)
 
     def backend(self, name: str) -> BackendTransferStats:

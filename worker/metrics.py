@@ -45,6 +45,16 @@ WORKER_COUNTERS: dict[str, tuple[str, str, bool]] = {
                          "concurrent prompts, up to --max-prefill-tokens)", False),
     "prefill_chunks": ("tandem_worker_prefill_chunks", "prompt chunks computed by those forwards (chunks / forwards "
                        "= the mean batch)", False),
+    "decode_steps": ("tandem_worker_decode_steps", "decode: batched decode steps launched", False),
+    "decode_step_rows": ("tandem_worker_decode_step_rows", "decode: requests in those steps (rows / steps = the "
+                         "mean batch)", False),
+    "decode_busy_steps": ("tandem_worker_decode_busy_steps", "decode: steps launched right after the previous one, "
+                          "with no idle wait for work in between", False),
+    "decode_step_seconds": ("tandem_worker_decode_step_seconds", "decode: wall seconds between consecutive busy "
+                            "launches (/ busy steps = the step cadence a stream sees)", False),
+    "decode_device_wait_seconds": ("tandem_worker_decode_device_wait_seconds", "decode, overlap scheduler: host "
+                                   "seconds spent waiting for a step's result (near the cadence: device-bound; near "
+                                   "0: host-bound)", False),
     "spec_verify_steps": ("tandem_worker_spec_verify_steps", "decode: MTP verify steps", False),
     "spec_emitted_tokens": ("tandem_worker_spec_emitted_tokens", "decode: tokens emitted by MTP verify steps "
                             "(accept length = emitted / verify steps)", False),
