@@ -15,7 +15,9 @@ Consequences handled here:
 
 On a CPU the device is the calling thread: each launch computes at once and the steps run
 sequentially; the loop is then off by default (--disable-overlap-schedule has no effect there)
-and the plain loop runs. Speculative (MTP) steps run without overlap.
+and the plain loop runs. With MTP (`--speculative-num-steps k`) the loop is
+decode_worker/spec_overlap.py's, whose steps resolve a variable number of tokens per request
+on the device (`overlap_loop` picks the one for the scheduler).
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ log = logging.getLogger(__name__)
 
 
 def use_overlap(runtime, speculative: bool) -> bool:
-    """Whether the decode loop overlaps steps; the reason is logged either way."""
+    """Whether the decode loop overlaps steps (plain or MTP); the reason is logged either way."""
     if runtime.opts.disable_overlap_schedule:
         log.info("overlap scheduler: off (--disable-overlap-schedule)")
         return False
@@ -42,11 +44,22 @@ def use_overlap(runtime, speculative: bool) -> bool:
         log.info("overlap scheduler: off on %s (steps run synchronously there; schedule, run and "
                  "postprocess take turns)", runtime.pool.kv.device.type)
         return False
-    if speculative:
-        log.info("overlap scheduler: off with MTP speculative decoding (not overlapped yet)")
+    if speculative and not hasattr(runtime.runner, "spec_step"):
+        log.info("overlap scheduler: off with MTP speculative decoding on this runner (expert-parallel "
+                 "ranks run engine/spec_decode.py's host-side steps)")
         return False
-    log.info("overlap scheduler: on (future-token map, device sampling)")
+    log.info("overlap scheduler: on (%s, device sampling)",
+             "MTP steps with device-resident accept lengths" if speculative else "future-token map")
     return True
+
+
+def overlap_loop(scheduler: DecodeScheduler):
+    """The overlap loop for scheduler: MTP steps (decode_worker/spec_overlap.py) when it
+    decodes speculatively, one token per step otherwise."""
+    if scheduler.spec is not None:
+        from decode_worker.spec_overlap import SpecOverlapLoop
+        return SpecOverlapLoop(scheduler)
+    return OverlapLoop(scheduler)
 
 
 class OverlapLoop:
@@ -58,6 +71,11 @@ class OverlapLoop:
         self._inflight: tuple[list[RunningRequest], list[int], LaunchedStep] | None = None
         self._deferred: list[list] = []  # block lists to free once the step in flight is done
         scheduler.release = self._release  # hook: the scheduler frees blocks through us
+
+    @property
+    def idle(self) -> bool:
+        """No step in flight and no block waiting to be freed."""
+        return self._inflight is None and not self._deferred
 
     def _release(self, block_ids: list) -> None:
         if self._inflight is None:

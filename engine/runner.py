@@ -29,6 +29,7 @@ from engine.kv_cache_contiguous import ContiguousKvCache
 from engine.kv_pool import KvPool, PagedKvCache
 from engine.mtp import pool_has_mtp, prefill_mtp_rows
 from engine.sampling import SamplingParams, SamplingRows, sample_batch
+from engine.spec_batch import SpecResult, SpecRow, SpecSlots, spec_step
 from engine.spec_decode import SpecInput, SpecOutput, spec_forward
 
 log = logging.getLogger(__name__)
@@ -144,6 +145,11 @@ class ModelRunner:
     def spec_decode(self, batch: list[SpecInput]) -> list[SpecOutput]:
         """One MTP speculative step (draft, then verify) for every request; see engine/spec_decode.py."""
         return spec_forward(self.model, self.pool, batch)
+
+    def spec_step(self, slots: SpecSlots, rows: list[SpecRow]) -> SpecResult:
+        """One MTP speculative step with the requests' state on the device (engine/spec_batch.py):
+        the fast path's paged decode kernel on CUDA, the plain path elsewhere."""
+        return spec_step(self.model, self.pool, slots, rows, self.fast)
 
     @torch.inference_mode()
     def time_prefill(self, lengths: Sequence[int], repeats: int = 2) -> list[float]:
