@@ -50,12 +50,13 @@ class SpecOverlapLoop:
         self._pending: dict[RunningRequest, list[int]] = {}  # blocks granted to each step in flight
         self._inflight: tuple[list[RunningRequest], LaunchedSpecStep] | None = None
         self._deferred: list[list] = []  # block lists to free once the step in flight is done
+        self._settling = False  # a completed step's post-processing and frees are under way
         scheduler.release = self._release  # hook: the scheduler frees blocks through us
 
     @property
     def idle(self) -> bool:
         """No step in flight and no block waiting to be freed."""
-        return self._inflight is None and not self._deferred
+        return self._inflight is None and not self._deferred and not self._settling
 
     def _release(self, block_ids: list) -> None:
         if self._inflight is None:
@@ -124,11 +125,12 @@ class SpecOverlapLoop:
                 launched = (batch, step)
                 sched.steps += 1
             previous, deferred = self._inflight, self._deferred
-            self._inflight, self._deferred = launched, []
+            self._inflight, self._deferred, self._settling = launched, [], True
             if previous is not None:
                 await self._postprocess(*previous)
             for block_ids in deferred:  # their last reader (the previous step) has completed
                 rt.pool.free(block_ids)
+            self._settling = False
 
     async def _postprocess(self, batch: list[RunningRequest], step: LaunchedSpecStep) -> None:
         rt = self.sched.rt

@@ -116,53 +116,72 @@ class SpecResult:
     count: torch.Tensor
 
 
-class _Caches:
-    """The KvCache of each of a step's forwards: plain (PagedKvCache, host lengths) or fast
-    (AbsorbedDecodeKv over one query per row, lengths on the device)."""
+class _PlainForwards:
+    """The step's three forwards on the plain path: `PagedKvCache` with host lengths."""
 
-    def __init__(self, pool: KvPool, rows: list[SpecRow], n: torch.Tensor, c: torch.Tensor,
-                 fast: bool, attention=None) -> None:
-        self.pool, self.rows, self.fast, self.attention = pool, rows, fast, attention
-        if fast:
-            width = max(len(r.block_ids) for r in rows)
-            table = [r.block_ids + [r.block_ids[0]] * (width - len(r.block_ids)) for r in rows]
-            pin = pool.kv.device.type == "cuda"
-            self.tables = torch.tensor(table, dtype=torch.int32, pin_memory=pin).to(
-                pool.kv.device, non_blocking=True)  # [B, W]
-        else:  # the plain path's cache takes host lengths (free on a CPU)
-            self.n_host, self.c_host = n.tolist(), c.tolist()
+    def __init__(self, model: torch.nn.Module, pool: KvPool, rows: list[SpecRow], n: torch.Tensor,
+                 c: torch.Tensor, k1: int) -> None:
+        self.model, self.pool, self.rows, self.k1 = model, pool, rows, k1
+        self.n, self.c = n.tolist(), c.tolist()  # free on a CPU; a sync on CUDA (the reference run)
 
-    def _absorbed(self, positions: torch.Tensor, per_row: int):
-        # positions [B * per_row]: row r of request b sees context positions[r] + 1
+    def extend(self, hid: torch.Tensor, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        kv = PagedKvCache(self.pool, [(r.block_ids, n - c, self.k1) for r, n, c in zip(self.rows, self.n, self.c)])
+        return self.model.mtp_forward(MTP_MODULE, hid, ids, pos, [self.k1] * len(self.rows), kv)
+
+    def chain(self, prev: torch.Tensor, ids: torch.Tensor, pos: torch.Tensor, j: int) -> torch.Tensor:
+        kv = PagedKvCache(self.pool, [(r.block_ids, n + j, 1) for r, n in zip(self.rows, self.n)])
+        return self.model.mtp_forward(MTP_MODULE, prev, ids, pos, [1] * len(self.rows), kv)
+
+    def verify(self, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        kv = PagedKvCache(self.pool, [(r.block_ids, n, self.k1) for r, n in zip(self.rows, self.n)])
+        return self.model(ids, pos, [self.k1] * len(self.rows), kv)
+
+
+class FastForwards:
+    """The step's forwards on the fast path: every row one query of the paged MLA decode
+    kernel (`AbsorbedDecodeKv`), its context length on the device (position + 1).
+
+    Args:
+        tables: [B, W] int32 block tables on the device; rows of a request's k+1 queries share
+            its table. attention: overrides the kernel (tests: `mla_decode_reference` on a CPU).
+    """
+
+    def __init__(self, model: torch.nn.Module, pool: KvPool, tables: torch.Tensor, k1: int,
+                 attention=None) -> None:
+        self.model, self.pool, self.k1 = model, pool, k1
+        self.tables = tables
+        self.tables_rep = tables.repeat_interleave(k1, 0)  # [B * (k+1), W]
+        self.kw = {} if attention is None else {"attention": attention}
+
+    def _kv(self, tables: torch.Tensor, pos: torch.Tensor):
         from engine.decode_batch import AbsorbedDecodeKv
-        tables = self.tables if per_row == 1 else self.tables.repeat_interleave(per_row, 0)
-        kw = {} if self.attention is None else {"attention": self.attention}
-        return AbsorbedDecodeKv(self.pool, tables, (positions + 1).int(), **kw)
+        return AbsorbedDecodeKv(self.pool, tables, (pos + 1).int(), **self.kw)
 
-    def extend(self, positions: torch.Tensor, k1: int):
-        if self.fast:
-            return self._absorbed(positions, k1)
-        return PagedKvCache(self.pool, [(r.block_ids, n - c, k1)
-                                        for r, n, c in zip(self.rows, self.n_host, self.c_host)])
+    def extend(self, hid: torch.Tensor, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        return self.model.mtp_forward(MTP_MODULE, hid, ids, pos, [1] * ids.shape[0], self._kv(self.tables_rep, pos))
 
-    def chain(self, positions: torch.Tensor, j: int):
-        if self.fast:
-            return self._absorbed(positions, 1)
-        return PagedKvCache(self.pool, [(r.block_ids, n + j, 1) for r, n in zip(self.rows, self.n_host)])
+    def chain(self, prev: torch.Tensor, ids: torch.Tensor, pos: torch.Tensor, j: int) -> torch.Tensor:
+        return self.model.mtp_forward(MTP_MODULE, prev, ids, pos, [1] * ids.shape[0], self._kv(self.tables, pos))
 
-    def verify(self, positions: torch.Tensor, k1: int):
-        if self.fast:
-            return self._absorbed(positions, k1)
-        return PagedKvCache(self.pool, [(r.block_ids, n, k1) for r, n in zip(self.rows, self.n_host)])
+    def verify(self, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        return self.model(ids, pos, [1] * ids.shape[0], self._kv(self.tables_rep, pos))
+
+
+def block_tables(rows: list[SpecRow], device: torch.device) -> torch.Tensor:
+    """The rows' block tables as [B, W] int32 on device (padded with each row's first block)."""
+    width = max(len(r.block_ids) for r in rows)
+    table = [r.block_ids + [r.block_ids[0]] * (width - len(r.block_ids)) for r in rows]
+    return torch.tensor(table, dtype=torch.int32, pin_memory=device.type == "cuda").to(device, non_blocking=True)
 
 
 @torch.inference_mode()
 def spec_step(model: torch.nn.Module, pool: KvPool, slots: SpecSlots, rows: list[SpecRow],
-              fast: bool, attention=None) -> SpecResult:
+              fast: bool, attention=None, graphs=None) -> SpecResult:
     """One speculative step for rows (module docstring): reads and rewrites their slots.
 
     fast: the paged MLA decode kernel path (one query per row); attention overrides its kernel
-    (tests pass `mla_decode_reference` to run the fast path on a CPU).
+    (tests pass `mla_decode_reference` to run the fast path on a CPU); graphs: the runner's
+    `engine.spec_graphs.SpecGraphs`, replayed when they fit the batch (fast path only).
     """
     dev = pool.kv.device
     k = slots.k
@@ -173,13 +192,16 @@ def spec_step(model: torch.nn.Module, pool: KvPool, slots: SpecSlots, rows: list
     hid, ids = slots.hidden[idx], slots.ids[idx]  # [B, k+1, H], [B, k+1]
     ar = torch.arange(k1, device=dev)
     every = torch.arange(b, device=dev)
-    caches = _Caches(pool, rows, n, c, fast, attention)
-    q_rows = [1] * (b * k1) if fast else [k1] * b  # fast: every row its own query
-    q_one = [1] * b
+    if not fast:
+        fw = _PlainForwards(model, pool, rows, n, c, k1)
+    else:
+        tables = block_tables(rows, dev)
+        fw = FastForwards(model, pool, tables, k1, attention)
+        if graphs is not None and graphs.can_run(b, tables.shape[1]):
+            fw = graphs.bind(tables)
     # 1. MTP extend over the k+1 rows of each request; row c-1's output drafts d_1
     ext_pos = ((n - c)[:, None] + ar).reshape(-1)  # [B * (k+1)]
-    g = model.mtp_forward(MTP_MODULE, hid.reshape(b * k1, -1), ids.reshape(-1), ext_pos, q_rows,
-                          caches.extend(ext_pos, k1))
+    g = fw.extend(hid.reshape(b * k1, -1), ids.reshape(-1), ext_pos)
     prev = g.view(b, k1, -1)[every, c - 1]  # [B, H]
     # sampling rows: the token at position n + 1 + i has step n + 1 + i + shift
     base = n + 1 + torch.tensor([r.step_shift for r in rows], dtype=torch.long).to(dev, non_blocking=True)
@@ -190,13 +212,11 @@ def spec_step(model: torch.nn.Module, pool: KvPool, slots: SpecSlots, rows: list
         d, _ = sample_batch(model.mtp_logits(MTP_MODULE, prev), dataclasses.replace(one, step=base + j))
         drafts.append(d)
         if j + 1 < k:
-            pos = n + j
-            prev = model.mtp_forward(MTP_MODULE, prev, d, pos, q_one, caches.chain(pos, j))
+            prev = fw.chain(prev, d, n + j, j)
     d = torch.stack(drafts, 1)  # [B, k]
     # 3. verify [x_n, d_1..d_k] at positions n..n+k
     v_ids = torch.cat((ids[every, c - 1][:, None], d), 1).reshape(-1)  # [B * (k+1)]
-    v_pos = (n[:, None] + ar).reshape(-1)
-    hv = model(v_ids, v_pos, q_rows, caches.verify(v_pos, k1))  # [B * (k+1), H]
+    hv = fw.verify(v_ids, (n[:, None] + ar).reshape(-1))  # [B * (k+1), H]
     logits = model.logits(hv)
     t, lp = sample_batch(logits, dataclasses.replace(per, step=(base[:, None] + ar).reshape(-1)))
     t, lp = t.view(b, k1), lp.view(b, k1)
