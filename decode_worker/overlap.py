@@ -17,7 +17,8 @@ On a CPU the device is the calling thread: each launch computes at once and the 
 sequentially; the loop is then off by default (--disable-overlap-schedule has no effect there)
 and the plain loop runs. With MTP (`--speculative-num-steps k`) the loop is
 decode_worker/spec_overlap.py's, whose steps resolve a variable number of tokens per request
-on the device (`overlap_loop` picks the one for the scheduler).
+on the device (`decode_loop` picks the scheduler's loop; on the fast path MTP keeps that loop,
+in turn, with --disable-overlap-schedule).
 """
 
 from __future__ import annotations
@@ -53,13 +54,26 @@ def use_overlap(runtime, speculative: bool) -> bool:
     return True
 
 
-def overlap_loop(scheduler: DecodeScheduler):
+def overlap_loop(scheduler: DecodeScheduler, overlapped: bool = True):
     """The overlap loop for scheduler: MTP steps (decode_worker/spec_overlap.py) when it
-    decodes speculatively, one token per step otherwise."""
+    decodes speculatively, one token per step otherwise. overlapped=False (MTP only): the
+    same device-resident MTP steps, post-processed in turn."""
     if scheduler.spec is not None:
         from decode_worker.spec_overlap import SpecOverlapLoop
-        return SpecOverlapLoop(scheduler)
+        return SpecOverlapLoop(scheduler, overlapped)
+    assert overlapped, "the plain loop is the one-token loop without overlap"
     return OverlapLoop(scheduler)
+
+
+def decode_loop(scheduler: DecodeScheduler, runtime):
+    """The loop object the scheduler runs, or None for its own plain loop (logged by use_overlap):
+    the overlap loop where it is on; MTP on the fast path without overlap keeps the
+    device-resident MTP steps (fast forwards, CUDA graphs), post-processed in turn."""
+    if use_overlap(runtime, scheduler.spec is not None):
+        return overlap_loop(scheduler)
+    if scheduler.spec is not None and getattr(runtime.runner, "fast", False) and hasattr(runtime.runner, "spec_step"):
+        return overlap_loop(scheduler, overlapped=False)
+    return None
 
 
 class OverlapLoop:

@@ -36,8 +36,16 @@ log = logging.getLogger(__name__)
 
 
 class SpecOverlapLoop:
-    def __init__(self, scheduler: DecodeScheduler) -> None:
+    """The MTP decode loop with device-resident request state.
+
+    overlapped=False (`--disable-overlap-schedule` on the fast path) post-processes each step
+    right after launching it: the same steps, forwards and graphs, schedule → run → postprocess
+    in turn.
+    """
+
+    def __init__(self, scheduler: DecodeScheduler, overlapped: bool = True) -> None:
         self.sched = scheduler
+        self.overlapped = overlapped
         rt = scheduler.rt
         self.k = rt.opts.speculative_num_steps
         # a slot per request that has been in a batch and still runs: at most max_running (the
@@ -124,8 +132,11 @@ class SpecOverlapLoop:
                     self._pending[req].append(len(req.block_ids))
                 launched = (batch, step)
                 sched.steps += 1
-            previous, deferred = self._inflight, self._deferred
-            self._inflight, self._deferred, self._settling = launched, [], True
+            if self.overlapped:  # step i + 1 is in flight while step i is post-processed
+                previous, self._inflight = self._inflight, launched
+            else:  # in turn: post-process the step just launched (collect waits for it)
+                previous = launched
+            deferred, self._deferred, self._settling = self._deferred, [], True
             if previous is not None:
                 await self._postprocess(*previous)
             for block_ids in deferred:  # their last reader (the previous step) has completed

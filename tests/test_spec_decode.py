@@ -99,7 +99,7 @@ class _Recording:
 
 # ---- the decode loop ----------------------------------------------------------------------------
 
-@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("overlap", [False, True, "in turn"])
 @pytest.mark.parametrize("k", [1, 2, 3])
 def test_greedy_batch_equals_reference(shakespeare, k, overlap) -> None:
     tok = shakespeare.tokenizer()
@@ -130,7 +130,7 @@ def test_eos_inside_accepted_drafts_stops_there(tiny_model, overlap) -> None:
     assert rt.pool.blocks.num_free == rt.opts.num_blocks - (1 if overlap else 0)
 
 
-@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("overlap", [False, True, "in turn"])
 def test_seeded_sampling_equals_k0(shakespeare, overlap) -> None:
     # every emitted token is the one plain decoding draws with the same (seed, step) noise
     tok = shakespeare.tokenizer()
