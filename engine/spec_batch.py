@@ -16,7 +16,7 @@ One step (`spec_step`), every forward with a fixed k+1 (or 1) rows per request, 
 depends on an accept length:
 1. MTP extend over all k+1 rows (n-c+i, hidden[i], ids[i]); rows i >= c write provisional MTP
    KV at positions >= n that later steps overwrite; the output at row c-1 drafts d_1.
-2. k-1 chain forwards at positions n..n+k-2 (engine/spec_decode.py steps 2).
+2. k-1 chain forwards at positions n..n+k-2 (as engine/spec_decode.py's step 2).
 3. Verify [x_n, d_1..d_k] at positions n..n+k.
 4. Accept on the device: target tokens t_0..t_k drawn as plain decoding draws them
    (`sample_batch`, steps of positions n+1..n+k+1), a = the number of leading drafts equal
@@ -30,7 +30,11 @@ a CPU; a sync on CUDA, where the plain path is the reference run, not the served
 fast path (CUDA bf16) runs every row as its own query of the paged MLA decode kernel
 (`AbsorbedDecodeKv`): row i of a request sees context n+i+1 (causal), all of a layer's rows
 being stored before the kernel reads them, so the one-query-per-row kernel serves the k+1
-queries of a request unchanged, and nothing reads the host.
+queries of a request unchanged, and nothing reads the host. engine/spec_graphs.py replays
+the fast path's forwards from CUDA graphs.
+
+Errors: `SpecSlots.allocate` raises RuntimeError when every slot is taken (the loop sizes the
+slots for --max-running); shapes are the caller's invariants (asserted, not checked per step).
 """
 
 from __future__ import annotations
