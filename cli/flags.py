@@ -67,9 +67,11 @@ HELP = {
     "prefill_timeout_s": "decode: seconds to wait for a prefill worker (at most half the request's deadline) "
                          "before prefilling locally",
     "torch_threads": "intra-op threads for the model",
-    "speculative_num_steps": "decode: MTP draft tokens per verify step (0 = no speculative decoding)",
-    "disable_overlap_schedule": "decode: turn the overlap scheduler off (it runs on CUDA only; on a CPU "
-                                "steps always run in turn)",
+    "speculative_num_steps": "decode: MTP draft tokens per verify step (0 = no speculative decoding); "
+                             "output equals k = 0's; with the overlap scheduler the accept lengths stay "
+                             "on the GPU",
+    "disable_overlap_schedule": "decode: turn the overlap scheduler off, with or without MTP (it runs on "
+                                "CUDA only; on a CPU steps always run in turn)",
     "disable_cuda_graph": "decode on CUDA: run every step eagerly instead of replaying the decode step's "
                           "CUDA graph (captured at start-up for batch sizes up to --max-running)",
     "ep_size": "decode: expert-parallel ranks (processes) forming this worker; 1 = no expert parallelism",

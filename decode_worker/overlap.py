@@ -17,7 +17,10 @@ Consequences handled here:
 
 On a CPU the device is the calling thread: each launch computes at once and the steps run
 sequentially; the loop is then off by default (--disable-overlap-schedule has no effect there)
-and the plain loop runs. Speculative (MTP) steps run without overlap.
+and the plain loop runs. With MTP (`--speculative-num-steps k`) the loop is
+decode_worker/spec_overlap.py's, whose steps resolve a variable number of tokens per request
+on the device (`decode_loop` picks the scheduler's loop; on the fast path MTP keeps that loop,
+in turn, with --disable-overlap-schedule).
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ log = logging.getLogger(__name__)
 
 
 def use_overlap(runtime, speculative: bool) -> bool:
-    """Whether the decode loop overlaps steps; the reason is logged either way."""
+    """Whether the decode loop overlaps steps (plain or MTP); the reason is logged either way."""
     if runtime.opts.disable_overlap_schedule:
         log.info("overlap scheduler: off (--disable-overlap-schedule)")
         return False
@@ -45,11 +48,35 @@ def use_overlap(runtime, speculative: bool) -> bool:
         log.info("overlap scheduler: off on %s (steps run synchronously there; schedule, run and "
                  "postprocess take turns)", runtime.pool.kv.device.type)
         return False
-    if speculative:
-        log.info("overlap scheduler: off with MTP speculative decoding (not overlapped yet)")
+    if speculative and not hasattr(runtime.runner, "spec_step"):
+        log.info("overlap scheduler: off with MTP speculative decoding on this runner (expert-parallel "
+                 "ranks run engine/spec_decode.py's host-side steps)")
         return False
-    log.info("overlap scheduler: on (future-token map, device sampling)")
+    log.info("overlap scheduler: on (%s, device sampling)",
+             "MTP steps with device-resident accept lengths" if speculative else "future-token map")
     return True
+
+
+def overlap_loop(scheduler: DecodeScheduler, overlapped: bool = True):
+    """The overlap loop for scheduler: MTP steps (decode_worker/spec_overlap.py) when it
+    decodes speculatively, one token per step otherwise. overlapped=False (MTP only): the
+    same device-resident MTP steps, post-processed in turn."""
+    if scheduler.spec is not None:
+        from decode_worker.spec_overlap import SpecOverlapLoop
+        return SpecOverlapLoop(scheduler, overlapped)
+    assert overlapped, "the plain loop is the one-token loop without overlap"
+    return OverlapLoop(scheduler)
+
+
+def decode_loop(scheduler: DecodeScheduler, runtime):
+    """The loop object the scheduler runs, or None for its own plain loop (logged by use_overlap):
+    the overlap loop where it is on; MTP on the fast path without overlap keeps the
+    device-resident MTP steps (fast forwards, CUDA graphs), post-processed in turn."""
+    if use_overlap(runtime, scheduler.spec is not None):
+        return overlap_loop(scheduler)
+    if scheduler.spec is not None and getattr(runtime.runner, "fast", False) and hasattr(runtime.runner, "spec_step"):
+        return overlap_loop(scheduler, overlapped=False)
+    return None
 
 
 class OverlapLoop:
@@ -60,7 +87,13 @@ class OverlapLoop:
         self.fmap = self.runner.fmap
         self._inflight: tuple[list[RunningRequest], list[int], LaunchedStep] | None = None
         self._deferred: list[list] = []  # block lists to free once the step in flight is done
+        self._settling = False  # a completed step's post-processing and frees are under way
         scheduler.release = self._release  # hook: the scheduler frees blocks through us
+
+    @property
+    def idle(self) -> bool:
+        """No step in flight and no block waiting to be freed."""
+        return self._inflight is None and not self._deferred and not self._settling
 
     def _release(self, block_ids: list) -> None:
         if self._inflight is None:
@@ -99,11 +132,12 @@ class OverlapLoop:
                 sched.count_step(len(batch))
             rt.stats.decode_device_wait_seconds = self.runner.device_wait_s
             deferred = self._deferred
-            self._inflight, self._deferred = launched, []
+            self._inflight, self._deferred, self._settling = launched, [], True
             if previous is not None:
                 self._postprocess(previous[0], previous[1], *result)
             for block_ids in deferred:  # their last reader (the previous step) has completed
                 rt.pool.free(block_ids)
+            self._settling = False
 
     def _postprocess(self, batch: list[RunningRequest], slots: list[int], tokens: list[int],
                      logprobs: list[float]) -> None:

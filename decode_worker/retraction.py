@@ -83,7 +83,7 @@ class Retractor:
     def retract(self, req: RunningRequest) -> None:
         """Take req out of the batch, free its blocks, and queue it to resume."""
         self.sched.running.remove(req)
-        self.rt.pool.free(req.block_ids)
+        self.sched.release(req.block_ids)  # the overlap loops defer it past the step in flight
         held = len(req.block_ids)
         req.block_ids = []
         self.rt.stats.retractions += 1

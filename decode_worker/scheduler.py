@@ -23,7 +23,7 @@ from decode_worker.retraction import Retractor
 from engine.block_pool import BlockId
 from engine.runner import DecodeInput
 from worker.host import WorkerRuntime
-from decode_worker.overlap import OverlapLoop, use_overlap
+from decode_worker.overlap import decode_loop
 from decode_worker.spec_step import SpecDecoder
 
 log = logging.getLogger(__name__)
@@ -73,7 +73,7 @@ class DecodeScheduler:
         k = runtime.opts.speculative_num_steps  # hook: MTP speculative steps (spec_step.py)
         self.spec = SpecDecoder(self, k) if k else None
         self.release = runtime.pool.free  # how finished requests' blocks are freed (overlap defers it)
-        self.overlap = OverlapLoop(self) if use_overlap(runtime, self.spec is not None) else None  # hook
+        self.overlap = decode_loop(self, runtime)  # hook: overlap loop, device-resident MTP loop, or None
         # capacity: admission (used by the servicer) and retraction (decode_worker/admission.py, retraction.py)
         self.admission = Admission(runtime.pool, runtime.opts.practical_fraction, runtime.opts.max_queued)
         self.admission.on_release = self._wake.set

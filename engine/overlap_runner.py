@@ -73,3 +73,57 @@ class OverlapRunner:
         (the launched step, previous's tokens and log-probabilities)."""
         launched = self.launch(batch, slots, sampling) if batch else None
         return launched, (self.collect(previous) if previous is not None else None)
+
+
+@dataclass
+class LaunchedSpecStep:
+    """A speculative step in flight: `host` [B, 2(k+1) + 1] float64 (tokens, logprobs, count per
+    row) filled once `event` has completed."""
+
+    host: torch.Tensor
+    k: int
+    event: torch.cuda.Event | None  # None on CPU: already complete
+
+
+class SpecOverlapRunner:
+    """MTP speculative steps for the overlap scheduler (engine/spec_batch.py): each request's
+    next input ids and length are resolved on the device from its slot, so `launch` never
+    waits for the previous step; `collect` waits for one step's single device-to-host copy."""
+
+    def __init__(self, runner: ModelRunner, capacity: int, k: int) -> None:
+        from engine.spec_batch import SpecSlots
+        self.runner = runner
+        self.device = runner.device
+        cfg = runner.model.config
+        self.slots = SpecSlots(capacity, k, cfg.hidden_size, runner.model.dtype, self.device)
+        self.cuda = self.device.type == "cuda"
+
+    @torch.inference_mode()
+    def init(self, slot: int, hidden: torch.Tensor, tokens: list[int]) -> None:
+        """`SpecSlots.init` on the model thread (its copies are ordered behind steps in flight)."""
+        self.slots.init(slot, hidden, tokens)
+
+    @torch.inference_mode()
+    def launch(self, rows) -> LaunchedSpecStep:
+        """Start one speculative step for rows (engine.spec_batch.SpecRow)."""
+        res = self.runner.spec_step(self.slots, rows)
+        both = torch.cat((res.tokens.double(), res.logprobs.double(), res.count.double()[:, None]), 1)
+        if not self.cuda:
+            return LaunchedSpecStep(both, self.slots.k, None)
+        host = torch.empty(both.shape, dtype=both.dtype, pin_memory=True)
+        host.copy_(both, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return LaunchedSpecStep(host, self.slots.k, event)
+
+    @staticmethod
+    def collect(step: LaunchedSpecStep) -> list[list[tuple[int, float]]]:
+        """Wait for a launched step; per row, its emitted (token, logprob) pairs (1..k+1)."""
+        if step.event is not None:
+            step.event.synchronize()
+        k1 = step.k + 1
+        out = []
+        for row in step.host.tolist():
+            c = int(row[-1])
+            out.append([(int(t), lp) for t, lp in zip(row[:c], row[k1:k1 + c])])
+        return out

@@ -7,7 +7,9 @@ One runner, two modes, chosen once at construction (the log line says which):
 - CUDA with bf16/fp16 weights: the MoE layers run grouped GEMMs (engine/kernels/grouped_experts.py), a decode step is
   one batched forward with paged MLA decode attention on the latent pool
   (engine/decode_batch.py, engine/kernels/mla_decode.py), replayed from a CUDA graph when the
-  runner captured them (engine/graph_runner.py; off with --disable-cuda-graph).
+  runner captured them (engine/graph_runner.py; off with --disable-cuda-graph). An MTP step
+  (`spec_step`, engine/spec_batch.py) runs its draft and verify forwards the same way, every
+  verify query one row of the decode kernel (engine/spec_graphs.py for its graphs).
 `decode_step` samples on the device (engine/sampling.py) and returns device tensors, so a step
 needs no host sync; `decode_tokens` adds the step's one device-to-host copy. Input ids below 0
 are placeholders of the runner's FutureTokenMap (the overlap scheduler's tokens still on the
@@ -33,6 +35,7 @@ from engine.kv_cache_contiguous import ContiguousKvCache
 from engine.kv_pool import KvPool, PagedKvCache
 from engine.mtp import pool_has_mtp, prefill_mtp_rows
 from engine.sampling import SamplingParams, SamplingRows, sample_batch
+from engine.spec_batch import SpecResult, SpecRow, SpecSlots, spec_step
 from engine.spec_decode import SpecInput, SpecOutput, spec_forward
 
 log = logging.getLogger(__name__)
@@ -84,6 +87,7 @@ class ModelRunner:
                     and triton is not None)
         self.fast = fast
         self.graphs = None  # engine.graph_runner.DecodeGraphs once capture_graphs ran
+        self.spec_graphs = None  # engine.spec_graphs.SpecGraphs, when it captured MTP steps too
         if self.fast:
             from engine.kernels.grouped_experts import use_grouped_experts
             from engine.kernels.fused import use_fused_hot_path
@@ -92,10 +96,12 @@ class ModelRunner:
             log.info("model runner on %s: batched decode with paged MLA decode attention (triton), "
                      "grouped-GEMM experts in %d MoE layers", self.device, n)
 
-    def capture_graphs(self, max_batch: int, max_context: int, sizes: list[int] | None = None) -> None:
+    def capture_graphs(self, max_batch: int, max_context: int, sizes: list[int] | None = None,
+                       spec_k: int = 0) -> None:
         """Capture decode graphs for batches up to max_batch (buckets `sizes`, default
         engine.graph_runner.batch_sizes) and contexts up to max_context tokens (CUDA, fast mode
-        only). Reserves one pool block as the padding rows' scratch block."""
+        only), and with spec_k > 0 the MTP steps' forwards for k = spec_k drafts
+        (engine/spec_graphs.py). Reserves one pool block as the padding rows' scratch block."""
         from engine.decode_batch import BlockTables
         from engine.graph_runner import DecodeGraphs
         width = min(self.pool.blocks_for(max_context), self.pool.config.num_blocks)
@@ -103,6 +109,9 @@ class ModelRunner:
         # rows: a step's requests plus those absent from it for a while (overlap, retraction)
         self.tables = BlockTables(2 * max_batch + 1, width, self.device)
         self.graphs = DecodeGraphs(self.model, self.pool, self.tables, self.future, max_batch, scratch, sizes)
+        if spec_k:
+            from engine.spec_graphs import SpecGraphs
+            self.spec_graphs = SpecGraphs(self.model, self.pool, spec_k, max_batch, width, scratch, sizes)
 
     def prefill_chunk(self, block_ids: list[BlockId], token_ids: list[int], start: int, end: int,
                       mtp: bool = False) -> torch.Tensor:
@@ -230,6 +239,12 @@ class ModelRunner:
     def spec_decode(self, batch: list[SpecInput]) -> list[SpecOutput]:
         """One MTP speculative step (draft, then verify) for every request; see engine/spec_decode.py."""
         return spec_forward(self.model, self.pool, batch)
+
+    def spec_step(self, slots: SpecSlots, rows: list[SpecRow]) -> SpecResult:
+        """One MTP speculative step with the requests' state on the device (engine/spec_batch.py):
+        the fast path's paged decode kernel on CUDA (graph replays when captured), the plain
+        path elsewhere."""
+        return spec_step(self.model, self.pool, slots, rows, self.fast, graphs=self.spec_graphs)
 
     @torch.inference_mode()
     def time_prefill(self, lengths: Sequence[int], repeats: int = 2) -> list[float]:

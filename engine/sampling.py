@@ -23,22 +23,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import xxhash
-
 from common.sampling_params import SamplingParams
 
 __all__ = ["SamplingParams", "SamplingRows", "sample", "sample_batch", "sampling_logprobs"]
 
 _M32 = 0xFFFFFFFF
-
-
-def _generator(seed: int, step: int, stream: int = 0) -> torch.Generator:
-    # CPU generators of speculative decoding's draft, accept and resample draws (streams 1-3 of
-    # engine/spec_decode.py); the token draw itself uses the counter-based noise below
-    key = step.to_bytes(8, "little") + (stream.to_bytes(4, "little") if stream else b"")
-    g = torch.Generator()
-    g.manual_seed(xxhash.xxh3_64_intdigest(key, seed=seed) & ((1 << 63) - 1))
-    return g
 
 
 def _fmix32(x: torch.Tensor) -> torch.Tensor:

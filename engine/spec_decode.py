@@ -9,15 +9,19 @@ One speculative step for a batch (DESIGN.md section 8, "MTP"; SGLang's EAGLE/MTP
    MTP rows are provisional; the next step's extend overwrites them with main hidden states.
 3. *Verify*: one main forward over [x_n, d_1..d_k] at positions n..n+k (causal attention over
    the new positions in the paged pool) gives the target's logits for positions n+1..n+k+1.
-4. *Accept*: greedy — the longest prefix of drafts equal to the target's argmax, then the
-   target's token at the first mismatch (or after the last draft: the bonus token); with
-   temperature > 0 — rejection sampling (Leviathan et al. 2023, "Fast Inference from
-   Transformers via Speculative Decoding", Algorithm 1; Chen et al. 2023), so emitted tokens
-   follow the target distribution exactly.
+4. *Accept*: the target's token for each position n+1..n+k+1 is drawn exactly as plain
+   decoding draws it (`engine.sampling.sample`: greedy argmax, or Gumbel-max with the
+   counter-based noise of (seed, step)); drafts are accepted while they equal those tokens,
+   and the target's token at the first mismatch (or after the last draft: the bonus token)
+   ends the step. Drafts are drawn from the MTP logits with the same noise as the target's
+   token at that step (a coupled draw), so a seeded draft agrees with the target whenever the
+   two distributions put their Gumbel-max at the same token.
 
-Greedy output equals plain decoding (every emitted token is the target's argmax given the
-accepted prefix). Random draws use `engine.sampling`'s (seed, step) streams, with separate
-streams for draft, accept and resample draws, so a seeded request is reproducible.
+Every emitted token is the token plain decoding (k = 0) emits at that step, for greedy and
+seeded requests alike: the output does not depend on k (nor on the overlap scheduler,
+decode_worker/spec_overlap.py), and its distribution is the target's exactly. This replaces
+rejection sampling (Leviathan et al. 2023), which keeps the distribution but not the seeded
+tokens of k = 0, and which needs draws that depend on the draft's distribution.
 """
 
 from __future__ import annotations
@@ -30,9 +34,7 @@ from common.sampling_params import SamplingParams
 from engine.block_pool import BlockId
 from engine.kv_pool import KvPool, PagedKvCache
 from engine.mtp import MTP_MODULE
-from engine.sampling import _generator, sample, sampling_logprobs
-
-DRAFT_STREAM, ACCEPT_STREAM, RESAMPLE_STREAM = 1, 2, 3  # stream 0 = engine.sampling.sample
+from engine.sampling import sample
 
 
 @dataclass(frozen=True)
@@ -59,19 +61,14 @@ class SpecInput:
 @dataclass(frozen=True)
 class SpecOutput:
     drafts: list[int]  # d_1..d_k
-    draft_logp: torch.Tensor | None  # [k, vocab] draft log-probabilities (sampled requests only)
     target_logits: torch.Tensor  # [k + 1, vocab] float32, for positions n+1..n+k+1
     hidden: torch.Tensor  # [k + 1, hidden] main final-normed hidden at positions n..n+k
 
 
-def _draft(logits: torch.Tensor, params: SamplingParams, step: int
-           ) -> tuple[int, torch.Tensor | None]:
-    # logits: [vocab] MTP logits -> (draft token, its distribution's log-probs or None if greedy)
-    if params.greedy:
-        return int(torch.argmax(logits)), None
-    logp = sampling_logprobs(logits, params)
-    g = _generator(params.seed, step, DRAFT_STREAM)
-    return int(torch.multinomial(logp.exp().cpu(), 1, generator=g)), logp
+def _draft(logits: torch.Tensor, params: SamplingParams, step: int) -> int:
+    # logits: [vocab] MTP logits -> the draft for generated token `step`: the draw `sample`
+    # makes there (same noise as the target's token at that step, so the two are coupled)
+    return sample(logits, params, step)[0]
 
 
 def _idle_mtp(model: torch.nn.Module) -> None:
@@ -121,7 +118,6 @@ def spec_forward(model: torch.nn.Module, pool: KvPool, batch: list[SpecInput],
                           lt([t for b in batch for t in b.extend_ids]), ext_pos, q_lens, kv)
     last = torch.tensor(q_lens, device=device).cumsum(0) - 1
     drafts: list[list[int]] = [[] for _ in batch]
-    dlogp: list[list[torch.Tensor]] = [[] for _ in batch]
     active = [i for i, b in enumerate(batch) if b.num_drafts > 0]
     prev = g[last[active]]  # [active, hidden] MTP hidden predicting each request's n + 1
     for j in range(rounds):
@@ -129,10 +125,7 @@ def spec_forward(model: torch.nn.Module, pool: KvPool, batch: list[SpecInput],
         if active:
             logits = model.mtp_logits(MTP_MODULE, prev)  # [len(active), vocab]
             for row, i in enumerate(active):
-                tok, logp = _draft(logits[row], batch[i].params, batch[i].step + j)
-                drafts[i].append(tok)
-                if logp is not None:
-                    dlogp[i].append(logp)
+                drafts[i].append(_draft(logits[row], batch[i].params, batch[i].step + j))
         keep = [row for row, i in enumerate(active) if batch[i].num_drafts > j + 1]
         if j + 1 >= rounds or not (keep or lockstep):
             break
@@ -153,40 +146,20 @@ def spec_forward(model: torch.nn.Module, pool: KvPool, batch: list[SpecInput],
     logits = model.logits(hidden)
     out, start = [], 0
     for i, n in enumerate(v_lens):
-        out.append(SpecOutput(drafts[i], torch.stack(dlogp[i]) if dlogp[i] else None,
-                              logits[start:start + n], hidden[start:start + n]))
+        out.append(SpecOutput(drafts[i], logits[start:start + n], hidden[start:start + n]))
         start += n
     return out
 
 
 def accept(out: SpecOutput, params: SamplingParams, step: int) -> list[tuple[int, float]]:
-    """Step 4: the tokens to emit (1..k+1 of them) with the target's log-probabilities.
+    """Step 4: the tokens to emit (1..k+1 of them) with their log-probabilities (`sample`'s).
 
     step is the sampling step index of the first emitted token (position n + 1).
     """
-    k = len(out.drafts)
-    logits = out.target_logits
     emitted: list[tuple[int, float]] = []
-    for i in range(k):
-        d = out.drafts[i]
-        logp = sampling_logprobs(logits[i], params)  # [vocab]
-        if params.greedy:
-            target = int(torch.argmax(logits[i]))
-            if d != target:
-                return emitted + [(target, float(logp[target]))]
-            emitted.append((d, float(logp[d])))
-            continue
-        assert out.draft_logp is not None
-        p, q = logp.exp(), out.draft_logp[i].exp()
-        u = float(torch.rand(1, generator=_generator(params.seed, step + i, ACCEPT_STREAM)))
-        if u * float(q[d]) < float(p[d]):  # accept with probability min(1, p(d) / q(d))
-            emitted.append((d, float(logp[d])))
-            continue
-        residual = (p - q).clamp(min=0)  # resample from norm(max(0, p - q))
-        if float(residual.sum()) <= 0.0:
-            residual = p
-        g = _generator(params.seed, step + i, RESAMPLE_STREAM)
-        tok = int(torch.multinomial((residual / residual.sum()).cpu(), 1, generator=g))
-        return emitted + [(tok, float(logp[tok]))]
-    # every draft accepted: the bonus token, drawn exactly as plain decoding draws it
-    return emitted + [sample(logits[k], params, step + k)]
+    for i in range(len(out.drafts) + 1):
+        token, logprob = sample(out.target_logits[i], params, step + i)
+        emitted.append((token, logprob))
+        if i == len(out.drafts) or out.drafts[i] != token:
+            break
+    return emitted

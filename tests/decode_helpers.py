@@ -6,26 +6,27 @@ import asyncio
 
 from common.pb.tandem.v1 import discovery_pb2
 from common.sampling_params import SamplingParams
-from decode_worker.overlap import OverlapLoop
+from decode_worker.overlap import overlap_loop
 from decode_worker.scheduler import DecodeScheduler, RunningRequest
 from engine.sampling import sample
 from worker.host import WorkerOptions, WorkerRuntime
 
 
 async def generate(loaded, k: int, prompts: list[list[int]], params: list[SamplingParams],
-                   num_blocks: int = 256, overlap: bool = False, cancel: int | None = None,
+                   num_blocks: int = 256, overlap: bool | str = False, cancel: int | None = None,
                    **worker_options) -> tuple[list[list[int]], WorkerRuntime]:
     """Prefill each prompt locally, then decode all of them in one continuous batch with
-    --speculative-num-steps k (overlap: force the overlap loop, even on a CPU; otherwise the
-    scheduler decides, on with a CUDA model unless disable_overlap_schedule=True). Request
-    number `cancel` is cancelled after its third token. Returns (tokens per request, runtime)."""
+    --speculative-num-steps k (overlap: force the overlap loop, decode_worker/spec_overlap.py's
+    for k > 0, even on a CPU; otherwise the scheduler decides, on with a CUDA model unless
+    disable_overlap_schedule=True; "in turn": decode_worker/spec_overlap.py's loop without
+    overlap, as on the fast path with --disable-overlap-schedule). Request number `cancel` is cancelled after its third token. Returns (tokens per request, runtime)."""
     rt = WorkerRuntime(discovery_pb2.ROLE_DECODE,
                        WorkerOptions(model=loaded.name, num_blocks=num_blocks, speculative_num_steps=k,
                                      **worker_options),
                        loaded)
     sched = DecodeScheduler(rt)
-    if overlap:
-        sched.overlap = OverlapLoop(sched)
+    if overlap and sched.overlap is None:
+        sched.overlap = overlap_loop(sched, overlapped=overlap != "in turn")
     task = asyncio.create_task(sched.run())
     reqs, outs = [], []
     try:
@@ -54,7 +55,7 @@ async def generate(loaded, k: int, prompts: list[list[int]], params: list[Sampli
                     sched.cancel(req)
                     break
         for _ in range(100):  # the loop frees a cancelled request's blocks between steps
-            if not sched.running:
+            if not sched.running and (sched.overlap is None or sched.overlap.idle):
                 break
             await asyncio.sleep(0.01)
     finally:

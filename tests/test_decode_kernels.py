@@ -229,3 +229,25 @@ def test_bench_serving_script_smoke_on_cpu(tmp_path) -> None:
     (row,) = doc["rows"]
     assert row["served_tok_s"] > 0 and row["inprocess_tok_s"] > 0 and row["failed"] == 0
     assert doc["exactness"]["S"]["identical_token_share"] == 1.0
+
+
+def test_bench_serving_script_mtp_mode_smoke_on_cpu(tmp_path) -> None:
+    """tools/bench_serving_gpu.py --mtp on a CPU: MTP k = 1 served on the trained checkpoint
+    (one `tandem up`), tokens/s per user and the decode worker's accept length scraped from /metrics."""
+    import json
+    import socket
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parent.parent
+    out = tmp_path / "mtp.json"
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    r = subprocess.run([sys.executable, "tools/bench_serving_gpu.py", "--configs", "", "--mtp", "1",
+                        "--mtp-concurrency", "2", "--output-tokens", "8", "--device", "cpu", "--port", str(port),
+                        "--out", str(out)], cwd=root, capture_output=True, text=True, timeout=240)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    (row,) = json.loads(out.read_text())["mtp"]
+    assert row["k"] == 1 and row["failed"] == 0 and row["tok_s_per_user"] > 0
+    assert 1.0 <= row["accept_length"] <= 2.0  # at most k + 1 tokens per verify step

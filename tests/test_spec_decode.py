@@ -1,6 +1,7 @@
-"""MTP speculative decoding (engine/spec_decode.py, decode_worker/spec_step.py): the accept
-rule, rejection sampling's output distribution, the prompt's MTP KV rows, and the decode loop
-with k = 1, 2, 3 against reference_generate on the shipped trained checkpoint (whose MTP
+"""MTP speculative decoding (engine/spec_decode.py, decode_worker/spec_step.py, and with the
+overlap scheduler engine/spec_batch.py + decode_worker/spec_overlap.py): the accept rule, the
+prompt's MTP KV rows, and the decode loop with k = 1, 2, 3, overlap off and on, against
+reference_generate (greedy) and k = 0 (seeded) on the shipped trained checkpoint (whose MTP
 module drafts well, so accepted and rejected drafts both occur)."""
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from engine.kv_pool import KvPool, KvPoolConfig
 from engine.model_source import load_model
 from engine.reference import reference_generate
 from engine.runner import ModelRunner
+from engine.sampling import sample
 from engine.spec_decode import SpecOutput, accept
 from decode_helpers import generate as _generate
 
@@ -45,25 +47,20 @@ def _onehot_logits(tokens: list[int], vocab: int = 8) -> torch.Tensor:
     ([], [3], [3]),  # k = 0 is a plain decode step
 ])
 def test_greedy_accept_is_longest_matching_prefix(drafts, targets, emitted) -> None:
-    out = SpecOutput(drafts, None, _onehot_logits(targets), torch.zeros(len(targets), 4))
+    out = SpecOutput(drafts, _onehot_logits(targets), torch.zeros(len(targets), 4))
     assert [t for t, _ in accept(out, SamplingParams(), step=0)] == emitted
 
 
-def test_rejection_sampling_follows_the_target_distribution() -> None:
-    # Leviathan et al. 2023, Theorem 1: whatever the draft distribution q, the first emitted
-    # token is distributed as the target p. 3000 seeded trials, 4 tokens.
-    p = torch.tensor([0.5, 0.3, 0.15, 0.05])
-    q = torch.tensor([0.1, 0.2, 0.3, 0.4])
-    params = SamplingParams(temperature=1.0)
-    counts = torch.zeros(4)
-    n = 3000
-    for seed in range(n):
-        d = int(torch.multinomial(q, 1, generator=torch.Generator().manual_seed(seed + 10**6)))
-        out = SpecOutput([d], q.log()[None], torch.stack([p.log(), p.log()]), torch.zeros(2, 1))
-        first = accept(dataclasses.replace(out), dataclasses.replace(params, seed=seed), step=0)[0][0]
-        counts[first] += 1
-    # 4 standard deviations of a binomial proportion at n = 3000 is < 0.037
-    assert torch.allclose(counts / n, p, atol=0.037), counts / n
+def test_seeded_accept_emits_the_plain_draws() -> None:
+    # whatever the drafts, the emitted tokens are what `sample` draws at those steps (k = 0)
+    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(0))
+    params = SamplingParams(temperature=1.0, seed=7)
+    plain = [sample(logits[i], params, 10 + i)[0] for i in range(4)]
+    for drafts in ([0, 0, 0], plain[:3], [plain[0], (plain[1] + 1) % 50, plain[2]]):
+        out = SpecOutput(drafts, logits, torch.zeros(4, 1))
+        got = [t for t, _ in accept(out, params, step=10)]
+        n = next((i for i, d in enumerate(drafts) if d != plain[i]), 3)
+        assert got == plain[:n + 1]
 
 
 # ---- the prompt's MTP rows ----------------------------------------------------------------------
@@ -102,44 +99,64 @@ class _Recording:
 
 # ---- the decode loop ----------------------------------------------------------------------------
 
+@pytest.mark.parametrize("overlap", [False, True, "in turn"])
 @pytest.mark.parametrize("k", [1, 2, 3])
-def test_greedy_batch_equals_reference(shakespeare, k) -> None:
+def test_greedy_batch_equals_reference(shakespeare, k, overlap) -> None:
     tok = shakespeare.tokenizer()
     prompts = [tok.encode(t) for t in TEXTS]
     lens = [24, 5, 1, 17]  # max_tokens: short ones exercise the draft cap at max_tokens
     prompts.append(prompts[0][:16])  # a prompt of exactly one block (cached block reused)
     params = [SamplingParams(max_tokens=n) for n in lens]
-    got, rt = asyncio.run(_generate(shakespeare, k, prompts, params))
+    got, rt = asyncio.run(_generate(shakespeare, k, prompts, params, overlap=overlap))
     for prompt, n, out in zip(prompts, lens, got):
         assert out == reference_generate(shakespeare.model, prompt, n, shakespeare.config.eos_token_ids)
-    assert rt.pool.blocks.num_free == rt.opts.num_blocks  # no block leaked
+    # no block leaked (the MTP overlap loop keeps one scratch block for positions past max_tokens)
+    assert rt.pool.blocks.num_free == rt.opts.num_blocks - (1 if overlap else 0)
     # the trained MTP module drafts usefully: more than one token per verify step on average
     assert rt.stats.spec_verify_steps > 0
     assert rt.stats.spec_emitted_tokens / rt.stats.spec_verify_steps > 1.2
 
 
-def test_eos_inside_accepted_drafts_stops_there(tiny_model) -> None:
+@pytest.mark.parametrize("overlap", [False, True])
+def test_eos_inside_accepted_drafts_stops_there(tiny_model, overlap) -> None:
     # tiny seeded model: choose an "eos" that greedy decoding produces mid-sequence
     prompt = [(11 * i + 5) % 5000 for i in range(20)]
     plain = reference_generate(tiny_model.model, prompt, 12)
     eos = next(t for i, t in enumerate(plain) if i >= 4 and t not in plain[:i])
     cfg = dataclasses.replace(tiny_model.config, eos_token_id=(eos,))
     loaded = dataclasses.replace(tiny_model, config=cfg)
-    got, rt = asyncio.run(_generate(loaded, 3, [prompt], [SamplingParams(max_tokens=12)]))
+    got, rt = asyncio.run(_generate(loaded, 3, [prompt], [SamplingParams(max_tokens=12)], overlap=overlap))
     assert got[0] == plain[:plain.index(eos) + 1]
-    assert rt.pool.blocks.num_free == rt.opts.num_blocks
+    assert rt.pool.blocks.num_free == rt.opts.num_blocks - (1 if overlap else 0)
 
 
-def test_seeded_sampling_is_reproducible(shakespeare) -> None:
+@pytest.mark.parametrize("overlap", [False, True, "in turn"])
+def test_seeded_sampling_equals_k0(shakespeare, overlap) -> None:
+    # every emitted token is the one plain decoding draws with the same (seed, step) noise
     tok = shakespeare.tokenizer()
     prompts = [tok.encode(t) for t in TEXTS[:2]]
     params = [SamplingParams(max_tokens=20, temperature=0.8, top_p=0.95, seed=s) for s in (3, 4)]
-    a, rt = asyncio.run(_generate(shakespeare, 2, prompts, params))
-    b, _ = asyncio.run(_generate(shakespeare, 2, prompts, params))
-    assert a == b and all(len(x) == 20 for x in a)
+    base, _ = asyncio.run(_generate(shakespeare, 0, prompts, params))
+    a, rt = asyncio.run(_generate(shakespeare, 2, prompts, params, overlap=overlap))
+    assert a == base and all(len(x) == 20 for x in a)
     assert rt.stats.spec_emitted_tokens > rt.stats.spec_verify_steps  # some drafts accepted
-    c, _ = asyncio.run(_generate(shakespeare, 2, prompts, [dataclasses.replace(p, seed=9) for p in params]))
+    c, _ = asyncio.run(_generate(shakespeare, 2, prompts, [dataclasses.replace(p, seed=9) for p in params],
+                                 overlap=overlap))
     assert c != a
+
+
+def test_overlap_cancel_and_pool_pressure_free_every_block(shakespeare) -> None:
+    # a cancelled request, and a pool so small that requests are retracted and resume
+    tok = shakespeare.tokenizer()
+    prompts = [tok.encode(t) for t in TEXTS]
+    params = [SamplingParams(max_tokens=30) for _ in prompts]
+    got, rt = asyncio.run(_generate(shakespeare, 3, prompts, params, num_blocks=8, overlap=True,
+                                    cancel=1))
+    for i, (prompt, out) in enumerate(zip(prompts, got)):
+        ref = reference_generate(shakespeare.model, prompt, 30, shakespeare.config.eos_token_ids)
+        assert out == (ref[:3] if i == 1 else ref)
+    assert rt.stats.retractions > 0
+    assert rt.pool.blocks.num_free == rt.opts.num_blocks - 1
 
 
 def test_model_without_mtp_is_refused_by_name(tiny_model) -> None:

@@ -5,6 +5,8 @@ Usage (one H200; needs etcd on PATH and the project's packages importable):
     python tools/bench_serving_gpu.py --configs S --out docs/bench/serving_gpu.json
     python tools/bench_serving_gpu.py --configs S,M --contexts 1024,8192 --concurrency 1,8,64,256 ...
 CPU smoke run of the script itself (tiny sizes): --smoke --device cpu
+MTP on the trained checkpoint, served at batch 1 and 8, k = 0..3 (tokens/s per user, accept length):
+    python tools/bench_serving_gpu.py --configs '' --mtp 0,1,2,3 --out docs/bench/serving_gpu_mtp.json
 
 For each config (S = tools/bench_decode.py's ~490M model; M = a 16B-class DeepSeek-V2-Lite /
 Moonlight-shaped MoE with V3 routing) it
@@ -96,21 +98,46 @@ def _cli(*args: str) -> list[str]:
     return [sys.executable, "-m", "cli.main", *args]
 
 
+def _metrics_urls(up_log: str) -> list[str]:
+    """Every process's /metrics URL from `tandem up`'s "metrics: INSTANCE at URL" lines."""
+    return [line.rsplit(" at ", 1)[1].strip() for line in up_log.splitlines()
+            if line.strip().startswith("metrics: ") and " at http" in line]
+
+
+def _spec_counters(urls: list[str]) -> tuple[float, float]:
+    """(MTP verify steps, tokens they emitted) so far, summed over the processes (only a
+    speculative decode worker counts any)."""
+    import urllib.request
+    got = {"tandem_worker_spec_verify_steps": 0.0, "tandem_worker_spec_emitted_tokens": 0.0}
+    for url in urls:
+        text = urllib.request.urlopen(url, timeout=10).read().decode()  # noqa: S310 - loopback
+        for line in text.splitlines():
+            name = line.split("{", 1)[0].split(" ", 1)[0].removesuffix("_total")  # counters: NAME_total
+            if name in got:
+                got[name] += float(line.rsplit(" ", 1)[1])
+    return got["tandem_worker_spec_verify_steps"], got["tandem_worker_spec_emitted_tokens"]
+
+
 def serve_and_bench(model_dir: Path, contexts: list[int], concurrencies: list[int], output_tokens: int,
                     port: int, work: Path, env_extra: dict[str, str], runs: list[tuple[int, int]] | None = None,
                     prefix_len: Callable[[int, int], int] = lambda ctx, c: ctx // 2,
-                    num_requests: Callable[[int, int], int] | None = None) -> dict[tuple[int, int], dict]:
+                    num_requests: Callable[[int, int], int] | None = None, dataset: str = "synthetic-prefix",
+                    spec: bool = False) -> dict[tuple[int, int], dict]:
     """`tandem up` once, then `tandem bench` for every (context, concurrency) — the product of
     `contexts` and `concurrencies`, or the pairs `runs` — with prompts of `prefix_len(context, c)`
     tokens shared by 8 groups plus fresh ones, `num_requests(context, concurrency)` requests
-    (default 2c for short contexts, c for long, at least 4); summaries."""
+    (default 2c for short contexts, c for long, at least 4); summaries.
+
+    dataset: synthetic-prefix (prompts of `context` tokens) or a text dataset such as mt-bench
+    (its own prompts; context is then only a label). spec: also scrape the decode worker's MTP
+    counters around each bench, adding "accept_length" (emitted tokens / verify steps)."""
     env = {**os.environ, "TANDEM_MAX_RUNNING": str(max(concurrencies)),
            "TANDEM_MEM_FRACTION_STATIC": "0.4", "TANDEM_MAX_QUEUED": "4096", **env_extra}
     log = open(work / "up.log", "w")  # noqa: SIM115 - closed below
     # --http-port -1: the bench speaks gRPC; the router's default HTTP port 8000 would collide with
     # any other cluster on the machine (the --port option exists to avoid exactly that)
-    up = subprocess.Popen(_cli("up", "--model", str(model_dir), "--port", str(port), "--no-metrics", "--insecure",
-                               "--http-port", "-1"),
+    up = subprocess.Popen(_cli("up", "--model", str(model_dir), "--port", str(port),
+                               "--metrics" if spec else "--no-metrics", "--insecure", "--http-port", "-1"),
                           cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     out: dict[tuple[int, int], dict] = {}
     try:
@@ -121,6 +148,7 @@ def serve_and_bench(model_dir: Path, contexts: list[int], concurrencies: list[in
                 raise RuntimeError("tandem up did not become healthy: " + (work / "up.log").read_text()[-3000:])
             time.sleep(2)
         time.sleep(3)  # both workers registered with the router
+        metrics_urls = _metrics_urls((work / "up.log").read_text()) if spec else []
         for ctx, c in runs if runs is not None else [(x, y) for x in contexts for y in concurrencies]:
             if up.poll() is not None:
                 raise RuntimeError("tandem up exited: " + (work / "up.log").read_text()[-3000:])
@@ -128,13 +156,18 @@ def serve_and_bench(model_dir: Path, contexts: list[int], concurrencies: list[in
                  else max(4, 2 * c) if ctx <= 2048 else max(4, c))
             res = work / f"bench_{ctx}_{c}.json"
             shared = prefix_len(ctx, c)
-            cmd = _cli("bench", "--router", f"127.0.0.1:{port}", "--dataset", "synthetic-prefix",
-                       "--groups", "8", "--prefix-len", str(shared), "--suffix-len", str(ctx - shared),
+            shape = (["--groups", "8", "--prefix-len", str(shared), "--suffix-len", str(ctx - shared)]
+                     if dataset == "synthetic-prefix" else [])
+            cmd = _cli("bench", "--router", f"127.0.0.1:{port}", "--dataset", dataset, *shape,
                        "--arrival", "concurrency", "--concurrency", str(c), "--num-requests", str(n),
                        "--output-tokens", str(output_tokens), "--bench-seed", str(ctx + c), "--out", str(res))
             t0 = time.time()
+            steps0, emitted0 = _spec_counters(metrics_urls)
             r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
             summary = json.loads(res.read_text())["summary"] if res.exists() else {}
+            if spec:
+                steps1, emitted1 = _spec_counters(metrics_urls)
+                summary["accept_length"] = (emitted1 - emitted0) / (steps1 - steps0) if steps1 > steps0 else None
             out[(ctx, c)] = summary
             print(json.dumps({"served": [ctx, c], "rc": r.returncode, "wall_s": round(time.time() - t0, 1),
                               "output_throughput": summary.get("output_throughput"),
@@ -155,6 +188,35 @@ def serve_and_bench(model_dir: Path, contexts: list[int], concurrencies: list[in
             pass
         log.close()
     return out
+
+
+TRAINED = ROOT / "engine" / "assets" / "tandem-shakespeare"  # the shipped trained checkpoint (MTP module)
+
+
+def mtp_served(model_dir: Path, ks: list[int], concurrencies: list[int], output_tokens: int, port: int,
+               env_extra: dict[str, str]) -> list[dict[str, Any]]:
+    """MTP k = ks served (`tandem up` per k, `--speculative-num-steps k` through its variable) at
+    each concurrency on MT-Bench prompts, greedy: tokens/s per user (1000 / mean TPOT) and the
+    decode worker's accept length. Rows: {"k", "concurrency", "tok_s_per_user", "tpot_ms",
+    "output_tok_s", "accept_length", "speedup_vs_k0"}."""
+    rows: list[dict[str, Any]] = []
+    for k in ks:
+        with tempfile.TemporaryDirectory() as tmp:
+            served = serve_and_bench(model_dir, [0], concurrencies, output_tokens, port, Path(tmp),
+                                     {**env_extra, "TANDEM_SPECULATIVE_NUM_STEPS": str(k)},
+                                     dataset="mt-bench", spec=True)
+        for c in concurrencies:
+            s = served.get((0, c), {})
+            tpot = s.get("mean_tpot_ms")
+            rows.append({"k": k, "concurrency": c, "tpot_ms": tpot, "tok_s_per_user": 1e3 / tpot if tpot else None,
+                         "output_tok_s": s.get("output_throughput"),
+                         "accept_length": s.get("accept_length") if k else 1.0, "failed": s.get("failed")})
+    for r in rows:  # the served speed-up over k = 0 at the same concurrency
+        base = next((b for b in rows if b["k"] == 0 and b["concurrency"] == r["concurrency"]), None)
+        ok = base is not None and base["tok_s_per_user"] and r["tok_s_per_user"]
+        r["speedup_vs_k0"] = r["tok_s_per_user"] / base["tok_s_per_user"] if ok else None
+        print(json.dumps({"mtp": r}), flush=True)
+    return rows
 
 
 @torch.inference_mode()
@@ -224,6 +286,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--skip-served", action="store_true")
     p.add_argument("--skip-exactness", action="store_true")
     p.add_argument("--smoke", action="store_true", help="tiny model (a CPU check of the script)")
+    p.add_argument("--mtp", default="", help="comma list of k: MTP k served on --mtp-model at --mtp-concurrency "
+                   "(tokens/s per user, accept length); with --configs '' only this")
+    p.add_argument("--mtp-model", default=str(TRAINED), help="checkpoint folder with an MTP module")
+    p.add_argument("--mtp-concurrency", default="1,8")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
     device = torch.device(args.device)
@@ -237,7 +303,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                            "rows": [], "exactness": {}, "params": {}}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    for name in args.configs.split(","):
+    if args.mtp:
+        mtp_env = {"TANDEM_NUM_BLOCKS": "4000"} if device.type != "cuda" else {}  # GPU: --mem-fraction-static
+        doc["mtp"] = mtp_served(Path(args.mtp_model), [int(x) for x in args.mtp.split(",")],
+                                [int(x) for x in args.mtp_concurrency.split(",")], args.output_tokens,
+                                args.port, mtp_env)
+        out.write_text(json.dumps(doc, indent=1) + "\n")
+    for name in filter(None, args.configs.split(",")):
         cfg = smoke_config() if args.smoke else {"S": bench_config(False), "M": m_config()}[name]
         with tempfile.TemporaryDirectory() as tmp:
             work, model_dir = Path(tmp), Path(tmp) / "model"
@@ -300,6 +372,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(f"| {r['config']} | {r['context']} | {r['concurrency']} | {sv:.0f} | {r['served_decode_tok_s'] or 0:.0f} | "
               f"{ip:.0f} | {sv / ip if ip else 0:.2f} | {r['transformers_tok_s'] or 0:.0f} | {r['bound_tok_s']:.0f} | "
               f"{ip / r['bound_tok_s']:.2f} | {r['tpot_ms'] or 0:.2f} | {r['mean_ttft_ms'] or 0:.0f} |")
+    if doc.get("mtp"):
+        print("| k | concurrency | tokens/s per user | × k = 0 | accept length | TPOT ms |")
+        for r in doc["mtp"]:
+            print(f"| {r['k']} | {r['concurrency']} | {r['tok_s_per_user'] or 0:.1f} | {r['speedup_vs_k0'] or 0:.2f} | "
+                  f"{r['accept_length'] or 0:.2f} | {r['tpot_ms'] or 0:.2f} |")
     out.write_text(json.dumps(doc, indent=1) + "\n")
     return doc
 

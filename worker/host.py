@@ -34,6 +34,7 @@ from engine.kv_events import KvEventLog
 from engine.chunking import ChunkPlanner, make_planner, profile_lengths
 from engine.kv_pool import KV_CACHE_DTYPES, KvPool, KvPoolConfig, PoolExhausted, PromptBlocks, kv_cache_torch_dtype
 from engine.model_source import DEFAULT_MODEL, LoadedModel, load_model
+from engine.mtp import pool_has_mtp
 from engine.prefill_batch import ChunkResult, PrefillBatcher
 from engine.runner import ModelRunner, PrefillInput
 from worker.metrics import WorkerMetrics
@@ -245,7 +246,9 @@ class WorkerRuntime:
                                    scale=opts.kv_cache_scale)
         graphs = (role == discovery_pb2.ROLE_DECODE and engine is None and self.device.type == "cuda"
                   and not opts.disable_cuda_graph)
-        reserve = graph_reserve_bytes(cfg, opts.max_running) if graphs else 0
+        k = opts.speculative_num_steps  # MTP steps' graphs hold (k + 1) rows per request
+        reserve = (graph_reserve_bytes(cfg, opts.max_running)
+                   + (graph_reserve_bytes(cfg, opts.max_running * (k + 1)) if k else 0)) if graphs else 0
         pool_config = dataclasses.replace(pool_config, num_blocks=pool_blocks(opts, self.loaded, pool_config, reserve))
         self.engine = None
         if engine is None:
@@ -254,10 +257,12 @@ class WorkerRuntime:
             if self.runner.fast:  # compile the prefill forward's fused functions now, not in a request
                 log.info("prefill warm-up (torch.compile of the fused functions): %.1f s", self.runner.warm_up_prefill())
             if graphs and self.runner.fast:  # before any request: graph memory comes out of the reserve above
-                self.runner.capture_graphs(opts.max_running, self.context_length)
-                if self.runner.graphs.memory_bytes > reserve:
+                spec_k = k if pool_has_mtp(self.pool, self.loaded.model) else 0
+                self.runner.capture_graphs(opts.max_running, self.context_length, spec_k=spec_k)
+                used = self.runner.graphs.memory_bytes + (self.runner.spec_graphs.memory_bytes if spec_k else 0)
+                if used > reserve:
                     log.warning("CUDA graphs took %s, more than the %s reserved from --mem-fraction-static",
-                                format_bytes(self.runner.graphs.memory_bytes), format_bytes(reserve))
+                                format_bytes(used), format_bytes(reserve))
             elif role == discovery_pb2.ROLE_DECODE and self.device.type == "cuda" and opts.disable_cuda_graph:
                 log.info("decode on CUDA without graphs: --disable-cuda-graph")
         else:  # --- EP hook: the ranks' pools (num_blocks each) and lock-step runner (decode_worker/ep_ranks.py)

@@ -1,0 +1,185 @@
+"""The device-resident MTP step (engine/spec_batch.py) on its two attention paths: the plain
+path (`PagedKvCache`) and the fast path (every verify query one row of the paged MLA decode
+kernel, and on CUDA its graphs, engine/spec_graphs.py). On a CPU the fast path runs with the
+kernel's torch reference; the CUDA tests (skipped without a GPU) compare the Triton kernel and
+the graph replays with the plain path on the same bf16 weights, and the served MTP loop in
+float32 with reference_generate. Each takes seconds."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import dataclasses
+
+import pytest
+import torch
+
+from common.sampling_params import SamplingParams
+from engine.kernels.mla_decode import mla_decode_reference
+from engine.kv_pool import KvPool, KvPoolConfig
+from engine.model_source import load_model
+from engine.reference import reference_generate
+from engine.runner import ModelRunner
+from engine.spec_batch import SpecRow, SpecSlots, spec_step
+from engine.sampling import sample
+from decode_helpers import generate
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+cuda = pytest.mark.skipif(not torch.cuda.is_available(),
+                          reason="needs CUDA: the Triton MLA decode kernel and CUDA graphs (run on the lent H200)")
+TEXTS = ["ROMEO:\nBut soft, what light through yonder window breaks?\n",
+         "First Citizen:\nBefore we proceed any further, hear me speak.\n\nAll:\n",
+         "KING HENRY:\nOnce more unto the breach, dear friends, once more;\n"]
+K = 3
+
+
+@pytest.fixture(scope="module")
+def shakespeare():
+    return load_model("tandem-shakespeare")
+
+
+class _Batch:
+    """Prompts prefilled (with their MTP rows) into a pool, their slots started, and the rows of
+    a step with blocks for `steps` steps; `clone` copies pool and slots for another path."""
+
+    def __init__(self, model, texts, tok, params, steps: int, device) -> None:
+        c = model.config
+        self.model = model
+        self.pool = KvPool(KvPoolConfig(num_blocks=64, block_size=16, num_layers=c.num_kv_layers,
+                                        kv_dim=c.kv_dim, dtype=model.dtype), hash_seed=1, device=device)
+        runner = ModelRunner(model, self.pool, fast=False)
+        self.slots = SpecSlots(8, K, c.hidden_size, model.dtype, device)
+        self.rows = []
+        for i, (text, p) in enumerate(zip(texts, params)):
+            prompt = tok.encode(text)
+            blocks = self.pool.allocate_prompt(prompt).block_ids
+            hidden = runner.prefill_chunk(blocks, prompt, 0, len(prompt), mtp=True)
+            first, _ = sample(runner.logits(hidden), p, 0)
+            self.pool.grow(blocks, len(prompt) + steps * (K + 1) + 1)
+            self.slots.init(i, hidden[None], prompt + [first])
+            self.rows.append(SpecRow(i, blocks, p, -len(prompt)))
+
+    def clone(self) -> _Batch:
+        other = copy.copy(self)
+        other.pool = copy.copy(self.pool)
+        other.pool.kv = self.pool.kv.clone()
+        other.slots = copy.copy(self.slots)
+        for name in ("hidden", "ids", "count", "n"):
+            setattr(other.slots, name, getattr(self.slots, name).clone())
+        return other
+
+    def run(self, steps: int, **kw) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """Per step: (tokens [B, K+1], count [B], the verify's logits [B, K+1, vocab])."""
+        out = []
+        for _ in range(steps):
+            res = spec_step(self.model, self.pool, self.slots, self.rows, **kw)
+            idx = torch.tensor([r.slot for r in self.rows], device=self.pool.kv.device)
+            logits = self.model.logits(self.slots.hidden[idx])  # hidden of the verify just run
+            out.append((res.tokens.cpu(), res.count.cpu(), logits.float().cpu()))
+        return out
+
+
+def test_fast_path_step_equals_plain_on_cpu(shakespeare) -> None:
+    # float32: the absorbed one-query-per-row attention gives the plain path's tokens
+    tok = shakespeare.tokenizer()
+    params = [SamplingParams(), SamplingParams(temperature=0.8, seed=3), SamplingParams()]
+    batch = _Batch(shakespeare.model, TEXTS, tok, params, steps=4, device="cpu")
+    fast = batch.clone()
+    plain_out = batch.run(4, fast=False)
+    fast_out = fast.run(4, fast=True, attention=mla_decode_reference)
+    for (t0, c0, l0), (t1, c1, l1) in zip(plain_out, fast_out):
+        assert torch.equal(t0, t1) and torch.equal(c0, c1)
+        torch.testing.assert_close(l1, l0, atol=2e-4, rtol=0)
+    assert sum(int(c.sum()) for _, c, _ in plain_out) > 4 * len(TEXTS)  # drafts were accepted
+    torch.testing.assert_close(fast.slots.n, batch.slots.n, atol=0, rtol=0)
+
+
+def test_step_emits_the_plain_decoding_tokens(shakespeare) -> None:
+    # the emitted tokens of consecutive steps are reference_generate's greedy continuation
+    tok = shakespeare.tokenizer()
+    batch = _Batch(shakespeare.model, TEXTS[:2], tok, [SamplingParams()] * 2, steps=3, device="cpu")
+    got = [[] for _ in TEXTS[:2]]
+    for tokens, count, _ in batch.run(3, fast=False):
+        for i in range(len(got)):
+            got[i] += tokens[i, :int(count[i])].tolist()
+    for text, g in zip(TEXTS, got):
+        ref = reference_generate(shakespeare.model, tok.encode(text), 1 + len(g))
+        assert g == ref[1:]
+
+
+# ---- CUDA -----------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def bf16_cuda(shakespeare):
+    model = copy.deepcopy(shakespeare.model).to("cuda", torch.bfloat16)
+    runner = ModelRunner(model, KvPool(KvPoolConfig(num_blocks=4, block_size=16, num_layers=model.config.num_kv_layers,
+                                                    kv_dim=model.config.kv_dim, dtype=torch.bfloat16),
+                                       hash_seed=1, device="cuda"))
+    assert runner.fast, "bf16 on CUDA with triton takes the fast path"  # (grouped experts set up)
+    return model
+
+
+def _compare(plain_out, fast_out) -> float:
+    """Max logit difference relative to the logits' scale; asserts the tokens mostly agree."""
+    same = total = 0
+    worst = 0.0
+    for (t0, c0, l0), (t1, c1, l1) in zip(plain_out, fast_out):
+        same += int((t0 == t1).sum())
+        total += t0.numel()
+        worst = max(worst, float((l1 - l0).abs().max() / l0.abs().max()))
+        if not torch.equal(c0, c1):  # a different accept length: the paths part ways here
+            break
+    assert same >= 0.8 * total, f"{same}/{total} target tokens agree"
+    return worst
+
+
+@cuda
+def test_cuda_fast_step_and_graphs_match_plain_bf16(bf16_cuda) -> None:
+    from engine.spec_graphs import SpecGraphs
+    tok = load_model("tandem-shakespeare").tokenizer()
+    params = [SamplingParams(), SamplingParams(temperature=0.8, seed=3), SamplingParams()]
+    batch = _Batch(bf16_cuda, TEXTS, tok, params, steps=3, device="cuda")
+    fast, graphed = batch.clone(), batch.clone()
+    plain_out = batch.run(3, fast=False)
+    fast_out = fast.run(3, fast=True)
+    scratch = graphed.pool.blocks.allocate(1)[0]
+    graphs = SpecGraphs(bf16_cuda, graphed.pool, K, max_batch=4, width=8, scratch_block=scratch)
+    graph_out = graphed.run(3, fast=True, graphs=graphs)
+    assert _compare(plain_out, fast_out) < 0.05
+    assert _compare(plain_out, graph_out) < 0.05
+    for (t0, c0, _), (t1, c1, _) in zip(fast_out, graph_out):  # replay = the eager fast path
+        assert torch.equal(c0, c1) and torch.equal(t0, t1)
+
+
+@cuda
+def test_cuda_served_mtp_overlap_equals_reference_float32(shakespeare) -> None:
+    # float32 on CUDA: the plain path with the overlap loop (on by default there), exact
+    model = copy.deepcopy(shakespeare.model).to("cuda")
+    loaded = dataclasses.replace(shakespeare, model=model)
+    tok = shakespeare.tokenizer()
+    prompts = [tok.encode(t) for t in TEXTS]
+    params = [SamplingParams(max_tokens=20) for _ in prompts]
+    got, rt = asyncio.run(generate(loaded, 2, prompts, params))
+    assert rt.pool.kv.device.type == "cuda" and rt.stats.spec_verify_steps > 0
+    for prompt, out in zip(prompts, got):
+        assert out == reference_generate(model, prompt, 20, shakespeare.config.eos_token_ids)
+
+
+@cuda
+def test_cuda_served_mtp_bf16_graphs_agree_with_k0(shakespeare) -> None:
+    # bf16 fast path with graphs, overlap on: MTP k = 2 against k = 0 on the same weights
+    model = copy.deepcopy(shakespeare.model).to("cuda", torch.bfloat16)
+    loaded = dataclasses.replace(shakespeare, model=model)
+    tok = shakespeare.tokenizer()
+    prompts = [tok.encode(t) for t in TEXTS]
+    params = [SamplingParams(max_tokens=24) for _ in prompts]
+    base, _ = asyncio.run(generate(loaded, 0, prompts, params, max_running=4))
+    got, rt = asyncio.run(generate(loaded, 2, prompts, params, max_running=4))
+    assert rt.runner.spec_graphs is not None  # the MTP steps replayed their graphs
+    # --disable-overlap-schedule: the same device-resident steps, post-processed in turn
+    in_turn, rt2 = asyncio.run(generate(loaded, 2, prompts, params, max_running=4, disable_overlap_schedule=True))
+    assert rt2.stats.spec_verify_steps > 0
+    for other in (got, in_turn):
+        agree = sum(a == b for x, y in zip(base, other) for a, b in zip(x, y))
+        assert agree >= 0.8 * sum(len(x) for x in base), (base, other)
+    assert rt.stats.spec_emitted_tokens / rt.stats.spec_verify_steps > 1.2
