@@ -55,6 +55,7 @@ class DecodeGraphs:
                  max_batch: int, scratch_block: int, sizes: list[int] | None = None) -> None:
         dev = pool.kv.device
         self.model, self.pool, self.tables, self.future = model, pool, tables, future
+        self.scratch = scratch_block  # also where the MTP loop writes positions past a request's end
         self.width = tables.width
         self.sizes = sorted(sizes or batch_sizes(max_batch))
         n = self.sizes[-1]

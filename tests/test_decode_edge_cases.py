@@ -344,6 +344,7 @@ def test_graph_replay_inputs_padding_and_future_ids_on_cpu(tiny_model, monkeypat
         fast.tables = BlockTables(2 * 8 + 1, pool.blocks_for(64), pool.kv.device)
         fast.graphs = CpuGraphs(fast_model, pool, fast.tables, fast.future, 8, scratch, [2, 8])
         assert fast.graphs.bucket(5) == 8 and fast.graphs.bucket(9) is None
+        assert fast.graphs.scratch == scratch  # the MTP loop's sink block too (decode_worker/spec_overlap.py)
         for _ in range(2):  # twice: the second step finds its rows in the store (no upload)
             pool.kv.copy_(before)
             graphed = fast.decode(batch).clone()
