@@ -31,6 +31,7 @@ async def run(opts: WorkerOptions, ready: Callable[[RunningServer, WorkerRuntime
     # without --etcd there are none, and every Prefill call is refused.
     if opts.etcd:  # decode workers leaving discovery: drop their cached transfer metadata
         def on_change(event: InstanceEvent) -> None:
+            servicer.decoders.on_change(event)  # remembers who left (no discovery wait for them)
             if event.kind == "removed":
                 servicer.forget_peer(event.instance.transfer_agent_name)
 

@@ -64,6 +64,8 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
         dst = request.destination
         remaining = context.time_remaining()
         wait_s = DISCOVERY_WAIT_S if remaining is None else max(0.0, min(DISCOVERY_WAIT_S, remaining / 4))
+        if self.decoders.recently_gone_agent(dst.agent_name):
+            wait_s = 0.0
         record = await self.decoders.find(lambda i: i.transfer_agent_name == dst.agent_name,
                                           "destination.agent_name", f"decode agent {dst.agent_name!r}", wait_s)
         if dst.block_ids and max(dst.block_ids) >= record.kv_capacity_blocks:

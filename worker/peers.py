@@ -50,22 +50,33 @@ class PeerDirectory:
         self.watcher = watcher
         self._model = model
         self._fingerprint = fingerprint
-        self._gone: dict[str, float] = {}  # address -> monotonic time its record left discovery
+        self._gone: dict[str, float] = {}  # address / "agent:" name -> monotonic time its record left discovery
 
     def on_change(self, event: InstanceEvent) -> None:
         """Feed the watcher's events here: remembers addresses that left (see `recently_gone`)."""
         now = time.monotonic()
-        if event.kind == "removed":
-            self._gone[event.instance.address] = now
-        else:
-            self._gone.pop(event.instance.address, None)
-        for address in [a for a, t in self._gone.items() if now - t > RECENTLY_GONE_S]:
-            del self._gone[address]
+        keys = [event.instance.address]
+        if event.instance.transfer_agent_name:
+            keys.append("agent:" + event.instance.transfer_agent_name)
+        for key in keys:
+            if event.kind == "removed":
+                self._gone[key] = now
+            else:
+                self._gone.pop(key, None)
+        for key in [k for k, t in self._gone.items() if now - t > RECENTLY_GONE_S]:
+            del self._gone[key]
 
     def recently_gone(self, address: str) -> bool:
         """Whether a record with this address left discovery within RECENTLY_GONE_S."""
         t = self._gone.get(address)
         return t is not None and time.monotonic() - t <= RECENTLY_GONE_S
+
+    def recently_gone_agent(self, agent_name: str) -> bool:
+        """Whether a record with this transfer agent left discovery within RECENTLY_GONE_S (its
+        worker is not new, so there is no record on its way to wait for: refuse at once, and
+        the decode worker prefills locally without waiting; an etcd outage that expired its
+        lease must not add DISCOVERY_WAIT_S to every request until it registers again)."""
+        return self.recently_gone("agent:" + agent_name)
 
     def _same_model(self, inst: discovery_pb2.Instance) -> bool:
         return inst.model == self._model and (not self._fingerprint or not inst.weights_fingerprint
