@@ -138,13 +138,18 @@ def client_credentials(args) -> TlsCredentials | None:
     Raises:
         ValueError: naming the flag, for a missing flag or unreadable file.
     """
-    ca = args.tls_ca
-    if not ca and not args.tls_cert:
-        host, _, port = getattr(args, "router", "").rpartition(":")
-        if host in ("127.0.0.1", "localhost", "[::1]") and port.isdigit() and _private(local_ca_file(int(port))):
-            ca = str(local_ca_file(int(port)))
+    ca = args.tls_ca or ("" if args.tls_cert else local_ca_for(getattr(args, "router", "")))
     files = TlsFiles(args.tls_cert, args.tls_key, ca, client=True)
     return files.load() if files.enabled else None
+
+
+def local_ca_for(address: str) -> str:
+    """The CA file a running `tandem up` left for a loopback `address` (host:port) of its router,
+    when that file is private to this user (`_private`); "" otherwise."""
+    host, _, port = address.rpartition(":")
+    if host in ("127.0.0.1", "localhost", "[::1]") and port.isdigit() and _private(local_ca_file(int(port))):
+        return str(local_ca_file(int(port)))
+    return ""
 
 
 CLIENT_TLS_HELP = {

@@ -47,8 +47,12 @@ def check(address: str, service: str = "", timeout_s: float = 2.0, creds=None) -
 def run(args: argparse.Namespace) -> int:
     from common.tls import TlsFiles
 
+    from cli.client import local_ca_for
+
     address = args.address or f"127.0.0.1:{args.port}"
-    files = TlsFiles(args.tls_cert, args.tls_key, args.tls_ca, client=True)
+    # like tandem generate: a local `tandem up` router is checked over its cluster's TLS
+    ca = args.tls_ca or ("" if args.tls_cert else local_ca_for(address))
+    files = TlsFiles(args.tls_cert, args.tls_key, ca, client=True)
     ok, status = check(address, args.service, args.health_timeout_s, files.load() if files.enabled else None)
     print(f"{address}{' ' + args.service if args.service else ''}: {status}", file=sys.stdout if ok else sys.stderr)
     return 0 if ok else 1

@@ -41,8 +41,15 @@ from kv_transfer.base import TransferError
 from worker.peers import DISCOVERY_WAIT_S, PeerDirectory, PermissionDenied
 
 log = logging.getLogger(__name__)
-# Prefill call outcomes after which the prefill worker may still be writing: it never answered.
-UNANSWERED = (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED)
+# Prefill call outcomes the prefill worker's handler itself returns, refusing before any write or
+# after its writes were stopped and awaited (prefill_worker/service.py: the sender closes before
+# the status goes). Every other outcome may mean it never answered and may still write: a
+# deadline, a cancellation, and also UNAVAILABLE / UNKNOWN / INTERNAL, which a broken transport
+# (keepalive's ping timeout, a reset connection) gives as well as the handler; those are fenced.
+ANSWERED = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.PERMISSION_DENIED,
+            grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.RESOURCE_EXHAUSTED,
+            grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.ABORTED, grpc.StatusCode.UNAUTHENTICATED,
+            grpc.StatusCode.OUT_OF_RANGE, grpc.StatusCode.ALREADY_EXISTS, grpc.StatusCode.NOT_FOUND)
 FENCE_ATTEMPT_S = 1.0  # one Abandon attempt: a resumed prefill worker frees the fence within about this
 
 
@@ -175,7 +182,7 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
                 detail = exc.details() if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
                 self._failures.warning(prefill_address, "request %s: prefill on %s failed (%s); prefilling "
                                        "locally", request_id, prefill_address, detail)
-                if isinstance(exc, grpc.aio.AioRpcError) and exc.code() in UNANSWERED:
+                if isinstance(exc, grpc.aio.AioRpcError) and exc.code() not in ANSWERED:
                     self._fence(prefill_address, request_id, prompt)
             except asyncio.CancelledError:  # the request ended while the prefill worker had it
                 try:
