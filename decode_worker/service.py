@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import uuid
 from typing import NamedTuple
 
@@ -50,6 +51,7 @@ ANSWERED = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.PERMISSION_DENIED,
             grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.RESOURCE_EXHAUSTED,
             grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.ABORTED, grpc.StatusCode.UNAUTHENTICATED,
             grpc.StatusCode.OUT_OF_RANGE, grpc.StatusCode.ALREADY_EXISTS, grpc.StatusCode.NOT_FOUND)
+FENCE_WAIT_S = 10.0  # longest a new request waits for fenced blocks to come back before RESOURCE_EXHAUSTED
 FENCE_ATTEMPT_S = 1.0  # one Abandon attempt: a resumed prefill worker frees the fence within about this
 
 
@@ -248,9 +250,13 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
         admission = self.scheduler.admission
         ticket = await admit_or_abort(admission, len(tokens), params.max_tokens, context)
         try:
-            # fenced blocks come back too (decode_worker/fence.py): wait for them as for running requests
-            prompt = await admission.allocate_prompt(tokens, lambda: admission.admitted > 1 or self.fence.held_blocks > 0,
-                                                     seed)
+            # fenced blocks come back too (decode_worker/fence.py): wait for them as for running
+            # requests, but for FENCE_WAIT_S at most (a fence may last 2 × (prefill + transfer
+            # timeout)); then RESOURCE_EXHAUSTED, and the router tries another decode worker
+            began = time.monotonic()
+            prompt = await admission.allocate_prompt(
+                tokens, lambda: admission.admitted > 1 or (self.fence.held_blocks > 0
+                                                            and time.monotonic() - began < FENCE_WAIT_S), seed)
             self.rt.count_prefix_lookup(len(tokens), prompt)
         except PoolExhausted as exc:
             admission.release(ticket)
