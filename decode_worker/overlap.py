@@ -79,13 +79,13 @@ def decode_loop(scheduler: DecodeScheduler, runtime):
     return None
 
 
-class OverlapLoop:
+class DeferredFrees:
+    """What both overlap loops share: blocks released while a step is in flight are freed only
+    once it has completed (`_deferred`, freed by the loop after post-processing that step)."""
+
     def __init__(self, scheduler: DecodeScheduler) -> None:
         self.sched = scheduler
-        rt = scheduler.rt
-        self.runner = OverlapRunner(rt.runner, rt.opts.max_running)
-        self.fmap = self.runner.fmap
-        self._inflight: tuple[list[RunningRequest], list[int], LaunchedStep] | None = None
+        self._inflight = None  # the step in flight (its loop's own tuple), or None
         self._deferred: list[list] = []  # block lists to free once the step in flight is done
         self._settling = False  # a completed step's post-processing and frees are under way
         scheduler.release = self._release  # hook: the scheduler frees blocks through us
@@ -100,6 +100,15 @@ class OverlapLoop:
             self.sched.rt.pool.free(block_ids)
         else:
             self._deferred.append(block_ids)
+
+
+class OverlapLoop(DeferredFrees):
+    def __init__(self, scheduler: DecodeScheduler) -> None:
+        super().__init__(scheduler)
+        rt = scheduler.rt
+        self.runner = OverlapRunner(rt.runner, rt.opts.max_running)
+        self.fmap = self.runner.fmap
+        self._inflight: tuple[list[RunningRequest], list[int], LaunchedStep] | None = None
 
     def _schedule(self) -> list[RunningRequest]:
         # a request whose last allowed token is in flight waits for its post-processing

@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
+from decode_worker.overlap import DeferredFrees
 from engine.kv_pool import PoolExhausted
 from engine.overlap_runner import LaunchedSpecStep, SpecOverlapRunner
 from engine.spec_batch import SpecRow
@@ -35,7 +36,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-class SpecOverlapLoop:
+class SpecOverlapLoop(DeferredFrees):
     """The MTP decode loop with device-resident request state.
 
     overlapped=False (`--disable-overlap-schedule` on the fast path) post-processes each step
@@ -44,7 +45,7 @@ class SpecOverlapLoop:
     """
 
     def __init__(self, scheduler: DecodeScheduler, overlapped: bool = True) -> None:
-        self.sched = scheduler
+        super().__init__(scheduler)
         self.overlapped = overlapped
         rt = scheduler.rt
         self.k = rt.opts.speculative_num_steps
@@ -57,20 +58,6 @@ class SpecOverlapLoop:
         self._slot: dict[RunningRequest, int] = {}
         self._pending: dict[RunningRequest, list[int]] = {}  # blocks granted to each step in flight
         self._inflight: tuple[list[RunningRequest], LaunchedSpecStep] | None = None
-        self._deferred: list[list] = []  # block lists to free once the step in flight is done
-        self._settling = False  # a completed step's post-processing and frees are under way
-        scheduler.release = self._release  # hook: the scheduler frees blocks through us
-
-    @property
-    def idle(self) -> bool:
-        """No step in flight and no block waiting to be freed."""
-        return self._inflight is None and not self._deferred and not self._settling
-
-    def _release(self, block_ids: list) -> None:
-        if self._inflight is None:
-            self.sched.rt.pool.free(block_ids)
-        else:
-            self._deferred.append(block_ids)
 
     def _row(self, req: RunningRequest) -> SpecRow | None:
         """Grow req's blocks for its next step; None when they are not there (it waits)."""
