@@ -35,12 +35,24 @@ async def run_all(stub, prompts, max_tokens=6):
     return await asyncio.gather(*(one(p) for p in prompts))
 
 
+async def fences_released(cluster: LocalCluster, timeout_s: float = 60.0) -> None:
+    """Wait until the decode worker holds no block (the fenced ones returned)."""
+    from tests.test_e2e_stuck import scrape
+    decode = next(a for i, a in cluster.metrics_addresses().items() if i.startswith("decode"))
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while (used := (await asyncio.to_thread(scrape, decode))["tandem_worker_kv_used_blocks"]) > 0:
+        assert loop.time() < deadline, f"{used} decode blocks still held {timeout_s} s after the failures"
+        await asyncio.sleep(0.2)
+
+
 @pytest.mark.parametrize("chaos", ["kill-9", "sigstop"])
 def test_prefill_worker_failing_during_transfers(tiny_model, tmp_path, chaos):
     prompts = [prompt(i) for i in range(6)]
 
     async def main():
         cluster = LocalCluster(model=TINY, namespace=f"e2e-prefill-{chaos}", num_prefill=2, log_dir=str(tmp_path),
+                               metrics=True,
                                worker_args=["--num-blocks", str(BLOCKS), "--prefill-timeout", "3",
                                             "--transfer-timeout", "3"])
         async with cluster:
@@ -57,6 +69,9 @@ def test_prefill_worker_failing_during_transfers(tiny_model, tmp_path, chaos):
                     await asyncio.sleep(4)  # past the prefill and transfer deadlines
                     cluster.procs["prefill-0"].send_signal(signal.SIGCONT)
                     results += await run_all(stub, [prompt(50 + i) for i in range(4)])
+                # Blocks fenced after the failed calls come back once the failed worker answers
+                # Abandon or its port refuses (decode_worker/fence.py); then the pool is empty.
+                await fences_released(cluster)
                 # Nearly the whole decode pool: fits only if no block leaked.
                 big = prompt(99, n=(BLOCKS - 2) * 16 - 8)
                 tail = await run_all(stub, [big], max_tokens=4)
