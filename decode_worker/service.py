@@ -185,7 +185,10 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
                 self._failures.warning(prefill_address, "request %s: prefill on %s failed (%s); prefilling "
                                        "locally", request_id, prefill_address, detail)
                 if isinstance(exc, grpc.aio.AioRpcError) and exc.code() not in ANSWERED:
-                    self._fence(prefill_address, request_id, prompt)
+                    try:
+                        self._fence(prefill_address, request_id, prompt)
+                    except PoolExhausted as short:  # wait a little for blocks (the fenced ones too) to come back
+                        await self._refill(prompt, short.needed)
             except asyncio.CancelledError:  # the request ended while the prefill worker had it
                 try:
                     self._fence(prefill_address, request_id, prompt)
@@ -217,7 +220,25 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
             return resp.notified
 
         self.fence.hold(request_id, given, abandon, lambda: nothing_listens(address))
-        prompt.block_ids.extend(self.rt.pool.blocks.allocate(len(given)))
+        prompt.block_ids.extend(self.rt.pool.blocks.allocate(len(given)))  # PoolExhausted.needed: len(given)
+
+    async def _refill(self, prompt: PromptBlocks, n: int) -> None:
+        """Give the prompt its n fresh blocks, waiting up to FENCE_WAIT_S for the pool to free
+        some (a fence on a prefill worker that died is released within about two seconds: its
+        port refuses connections). Raises PoolExhausted when the wait ends first."""
+        deadline = time.monotonic() + FENCE_WAIT_S
+        while True:
+            try:
+                prompt.block_ids.extend(self.rt.pool.blocks.allocate(n))
+                return
+            except PoolExhausted:
+                if time.monotonic() >= deadline:
+                    raise
+            self.fence.released.clear()
+            try:  # a fence's release sets the event; other requests free blocks without it: poll too
+                await asyncio.wait_for(self.fence.released.wait(), 0.2)
+            except (TimeoutError, asyncio.TimeoutError):
+                pass
 
     async def Generate(self, request: pb.DecodeRequest, context: grpc.aio.ServicerContext):
         if self.rt.draining:  # the router retries on another decode worker
