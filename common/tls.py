@@ -155,42 +155,28 @@ def guarded(handler: grpc.RpcMethodHandler,
             check: Callable[[grpc.aio.ServicerContext], Awaitable[None]]) -> grpc.RpcMethodHandler:
     """`handler` with `await check(context)` run first, in the call's own task (so a contextvar
     it sets is seen by the method); check ends the call with context.abort to refuse it."""
-    if handler.unary_unary is not None:
-        inner_uu = handler.unary_unary
 
-        async def unary_unary(request, context):
+    def one_response(inner):  # unary_unary, stream_unary: one response (or a coroutine of it)
+        async def method(request, context):
             await check(context)
-            result = inner_uu(request, context)
+            result = inner(request, context)
             return await result if inspect.isawaitable(result) else result
-        return handler._replace(unary_unary=unary_unary)
-    if handler.unary_stream is not None:
-        inner_us = handler.unary_stream
+        return method
 
-        async def unary_stream(request, context):
+    def streamed(inner):  # unary_stream, stream_stream: an async generator, or a coroutine that writes
+        async def method(request, context):
             await check(context)
-            result = inner_us(request, context)
+            result = inner(request, context)
             if inspect.isasyncgen(result):
                 async for response in result:
                     yield response
             else:  # a coroutine that writes with context.write
                 await result
-        return handler._replace(unary_stream=unary_stream)
-    if handler.stream_unary is not None:
-        inner_su = handler.stream_unary
+        return method
 
-        async def stream_unary(request_iterator, context):
-            await check(context)
-            result = inner_su(request_iterator, context)
-            return await result if inspect.isawaitable(result) else result
-        return handler._replace(stream_unary=stream_unary)
-    inner_ss = handler.stream_stream
-
-    async def stream_stream(request_iterator, context):
-        await check(context)
-        result = inner_ss(request_iterator, context)
-        if inspect.isasyncgen(result):
-            async for response in result:
-                yield response
-        else:
-            await result
-    return handler._replace(stream_stream=stream_stream)
+    for kind, wrap in (("unary_unary", one_response), ("stream_unary", one_response),
+                       ("unary_stream", streamed), ("stream_stream", streamed)):
+        inner = getattr(handler, kind)
+        if inner is not None:
+            return handler._replace(**{kind: wrap(inner)})
+    return handler

@@ -68,11 +68,10 @@ class BlockTables:
                                  f"block tables ({self.store.shape[0]} × {self.width})")
             self._grow(max(len(lists), self.store.shape[0]), max(w, self.width))
         rows, changed = [], []
-        present = {id(lst) for lst in lists}
         for lst, n in zip(lists, need):
             r = self._row.get(id(lst))
             if r is None:
-                r = self._take(present)
+                r = self._take(lists)
                 self._row[id(lst)] = r
             head = lst[:n]
             if self._cached[r] != head:
@@ -86,8 +85,9 @@ class BlockTables:
             self.store[up[:, 0].long(), :wc] = up[:, 1:]
         return rows
 
-    def _take(self, present: set[int]) -> int:
+    def _take(self, lists: list[list[int]]) -> int:
         if not self._free:  # evict the rows of requests that are not in this step
+            present = {id(lst) for lst in lists}
             for key in [k for k in self._row if k not in present]:
                 r = self._row.pop(key)
                 self._cached[r] = None
