@@ -97,7 +97,8 @@ class PeerDirectory:
             return next((i for i in view.values() if match(i)), None)
 
         found = pick(self.watcher.instances())
-        if found is None and wait_s > 0:
+        # no record can arrive while the watch is down (an etcd outage): waiting would only delay
+        if found is None and wait_s > 0 and self.watcher.in_sync:
             try:
                 found = pick(await self.watcher.wait_for(lambda v: pick(v) is not None, wait_s))
             except (TimeoutError, asyncio.TimeoutError):
