@@ -162,6 +162,8 @@ def serve_and_bench(model_dir: Path, contexts: list[int], concurrencies: list[in
                        "--arrival", "concurrency", "--concurrency", str(c), "--num-requests", str(n),
                        "--output-tokens", str(output_tokens), "--bench-seed", str(ctx + c), "--out", str(res))
             t0 = time.time()
+            if spec and not metrics_urls:  # `tandem up` may print its metrics lines after health is SERVING
+                metrics_urls = _metrics_urls((work / "up.log").read_text())
             steps0, emitted0 = _spec_counters(metrics_urls)
             r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
             summary = json.loads(res.read_text())["summary"] if res.exists() else {}
