@@ -104,18 +104,32 @@ def _metrics_urls(up_log: str) -> list[str]:
             if line.strip().startswith("metrics: ") and " at http" in line]
 
 
-def _spec_counters(urls: list[str]) -> tuple[float, float]:
+def _spec_counters(urls: list[str], attempts: int = 10) -> tuple[float, float]:
     """(MTP verify steps, tokens they emitted) so far, summed over the processes (only a
-    speculative decode worker counts any)."""
+    speculative decode worker counts any). A worker whose loop does not answer a scrape in
+    time leaves its families out of that page (common/metrics.py); such a page is read again,
+    up to `attempts` times, rather than counted as zero. Raises RuntimeError if none has them."""
     import urllib.request
-    got = {"tandem_worker_spec_verify_steps": 0.0, "tandem_worker_spec_emitted_tokens": 0.0}
+    names = ("tandem_worker_spec_verify_steps", "tandem_worker_spec_emitted_tokens")
+    got = dict.fromkeys(names, 0.0)
+    seen = 0
     for url in urls:
-        text = urllib.request.urlopen(url, timeout=10).read().decode()  # noqa: S310 - loopback
-        for line in text.splitlines():
-            name = line.split("{", 1)[0].split(" ", 1)[0].removesuffix("_total")  # counters: NAME_total
-            if name in got:
-                got[name] += float(line.rsplit(" ", 1)[1])
-    return got["tandem_worker_spec_verify_steps"], got["tandem_worker_spec_emitted_tokens"]
+        for _ in range(attempts):
+            text = urllib.request.urlopen(url, timeout=10).read().decode()  # noqa: S310 - loopback
+            if "tandem_worker_" not in text:
+                break  # the router's page
+            if names[0] not in text:
+                time.sleep(0.5)  # a worker's scrape that skipped its counters: read it again
+                continue
+            for line in text.splitlines():
+                name = line.split("{", 1)[0].split(" ", 1)[0].removesuffix("_total")  # counters: NAME_total
+                if name in got:
+                    got[name] += float(line.rsplit(" ", 1)[1])
+                    seen += 1
+            break
+    if not seen:
+        raise RuntimeError(f"no MTP counters on any of {urls}")
+    return got[names[0]], got[names[1]]
 
 
 def serve_and_bench(model_dir: Path, contexts: list[int], concurrencies: list[int], output_tokens: int,
@@ -147,8 +161,16 @@ def serve_and_bench(model_dir: Path, contexts: list[int], concurrencies: list[in
             if up.poll() is not None or time.time() > deadline:
                 raise RuntimeError("tandem up did not become healthy: " + (work / "up.log").read_text()[-3000:])
             time.sleep(2)
+        # `tandem up` prints its metrics lines after the router answers health, and its "ready"
+        # line after them: wait for that line rather than reading a half-written log
+        while "tandem up: ready to serve" not in (work / "up.log").read_text():
+            if up.poll() is not None or time.time() > deadline:
+                raise RuntimeError("tandem up did not print its ready line: " + (work / "up.log").read_text()[-3000:])
+            time.sleep(0.5)
         time.sleep(3)  # both workers registered with the router
         metrics_urls = _metrics_urls((work / "up.log").read_text()) if spec else []
+        if spec and not metrics_urls:
+            raise RuntimeError("tandem up printed no metrics URLs: " + (work / "up.log").read_text()[-3000:])
         for ctx, c in runs if runs is not None else [(x, y) for x in contexts for y in concurrencies]:
             if up.poll() is not None:
                 raise RuntimeError("tandem up exited: " + (work / "up.log").read_text()[-3000:])
@@ -162,8 +184,6 @@ def serve_and_bench(model_dir: Path, contexts: list[int], concurrencies: list[in
                        "--arrival", "concurrency", "--concurrency", str(c), "--num-requests", str(n),
                        "--output-tokens", str(output_tokens), "--bench-seed", str(ctx + c), "--out", str(res))
             t0 = time.time()
-            if spec and not metrics_urls:  # `tandem up` may print its metrics lines after health is SERVING
-                metrics_urls = _metrics_urls((work / "up.log").read_text())
             steps0, emitted0 = _spec_counters(metrics_urls)
             r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
             summary = json.loads(res.read_text())["summary"] if res.exists() else {}
