@@ -184,7 +184,7 @@ def serve_and_bench(model_dir: Path, contexts: list[int], concurrencies: list[in
                        "--arrival", "concurrency", "--concurrency", str(c), "--num-requests", str(n),
                        "--output-tokens", str(output_tokens), "--bench-seed", str(ctx + c), "--out", str(res))
             t0 = time.time()
-            steps0, emitted0 = _spec_counters(metrics_urls)
+            steps0, emitted0 = _spec_counters(metrics_urls) if spec else (0.0, 0.0)
             r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
             summary = json.loads(res.read_text())["summary"] if res.exists() else {}
             if spec:
