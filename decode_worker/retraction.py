@@ -47,6 +47,8 @@ class Retractor:
         self.rt = scheduler.rt
         self.tokens_per_step = tokens_per_step
         self.waiting: deque[RunningRequest] = deque()  # retracted, to resume in this order
+        # requests that ran alone and yielded their turn: waiting in admission for the next one
+        self.yielded: dict[RunningRequest, asyncio.Future] = {}
         self._tasks: set[asyncio.Task] = set()  # re-prefills (strong references)
 
     def _tokens_after(self, req: RunningRequest, steps: int) -> int:
@@ -82,16 +84,54 @@ class Retractor:
 
     def retract(self, req: RunningRequest) -> None:
         """Take req out of the batch, free its blocks, and queue it to resume."""
-        self.sched.running.remove(req)
-        self.sched.release(req.block_ids)  # the overlap loops defer it past the step in flight
-        held = len(req.block_ids)
-        req.block_ids = []
+        held = self._take_out(req)
         self.rt.stats.retractions += 1
         self.waiting.append(req)
         self.sched.admission.hold()
         log.info("retracted request %s (%d generated, prompt %d tokens, %d blocks freed): KV pool full, "
                  "%d running, %d retracted", req.request_id, req.generated, req.prompt_len, held,
                  len(self.sched.running), len(self.waiting))
+
+    def yield_solo(self) -> None:
+        """The request that fits only alone has had its turn while requests within the budget
+        wait (Admission.overdue_solo, --solo-wait): retract it so that they are admitted; it
+        waits in admission for its next turn, ahead of later arrivals, then resumes like any
+        retracted request. Not while it is still prefilling (it is not running yet)."""
+        adm = self.sched.admission
+        ticket = adm.overdue_solo()
+        req = next((r for r in self.sched.running if r.ticket is ticket), None) if ticket else None
+        if req is None:
+            return
+        held = self._take_out(req)
+        self.rt.stats.solo_yields += 1
+        fut = adm.yield_turn(ticket)
+        self.yielded[req] = fut
+        fut.add_done_callback(lambda f, req=req: self._turn_again(req, f))
+        log.info("request %s runs alone (%d generated, %d blocks freed) and requests wait behind it: retracted "
+                 "for them (--solo-wait %g s); it resumes at its next turn", req.request_id, req.generated, held,
+                 adm.solo_wait_s)
+
+    def _turn_again(self, req: RunningRequest, fut: asyncio.Future) -> None:
+        """Admission gave a yielded request its next turn: resume it as a retracted one."""
+        if fut.cancelled() or self.yielded.pop(req, None) is None:
+            return  # cancelled meanwhile (cancel_turn has settled the ticket)
+        self.sched.admission.hold()
+        self.waiting.append(req)
+        self.sched._wake.set()
+
+    def _take_out(self, req: RunningRequest) -> int:
+        """Remove req from the batch and free its blocks; returns how many it held."""
+        self.sched.running.remove(req)
+        self.sched.release(req.block_ids)  # the overlap loops defer it past the step in flight
+        # The plain overlap loop may have a step in flight for req: its token is dropped at
+        # post-processing (req is no longer running), so its placeholder goes too. The request
+        # resumes from its last real token and samples the dropped one again (same step index:
+        # the same token); nothing was streamed for it.
+        while req.tokens and req.tokens[-1] < 0:
+            req.tokens.pop()
+        held = len(req.block_ids)
+        req.block_ids = []
+        return held
 
     def _drop(self, req: RunningRequest) -> None:
         self.sched.admission.unhold()
@@ -104,6 +144,8 @@ class Retractor:
         for req in [r for r in self.waiting if r.cancelled]:
             self.waiting.remove(req)
             self._drop(req)
+        for req in [r for r in self.yielded if r.cancelled]:
+            self.sched.admission.cancel_turn(self.yielded.pop(req))
         while self.waiting:
             req = self.waiting[0]
             own = pool.blocks_for(self._tokens_after(req, HEADROOM_STEPS))
@@ -156,6 +198,10 @@ class Retractor:
             req = self.waiting.popleft()
             req.out.put_nowait(_error(grpc.StatusCode.INTERNAL, error))
             self._drop(req)
+        for req, fut in list(self.yielded.items()):
+            del self.yielded[req]
+            req.out.put_nowait(_error(grpc.StatusCode.INTERNAL, error))
+            self.sched.admission.cancel_turn(fut)
 
 
 def _error(code: grpc.StatusCode, message: str):

@@ -85,3 +85,20 @@ def test_bad_boolean_env_names_the_variable(monkeypatch) -> None:
     args = parser.parse_args(["decode"])
     with pytest.raises(config.ConfigError, match="TANDEM_DISABLE_OVERLAP_SCHEDULE"):
         config.apply(parser, args)
+
+
+def test_overlap_retraction_loses_no_in_flight_token(tiny_model) -> None:
+    """A request retracted while its next token is in flight (the overlap loop launches step
+    i + 1 before it post-processes step i) resumes from its last real token: every stream,
+    greedy and seeded, equals the one of a pool large enough for all, no token lost or
+    repeated, no block left behind."""
+    prompts = [[(31 * i + 7 * j) % 9000 + 1 for i in range(16)] for j in range(4)]
+    params = [SamplingParams(max_tokens=40, ignore_eos=True) for _ in range(3)]
+    params.append(SamplingParams(max_tokens=40, ignore_eos=True, temperature=0.9, seed=3))
+    roomy, _ = asyncio.run(generate(tiny_model, 0, prompts, params))
+    # 9 blocks of 16 tokens: the four need 16 at full length, so the loop must retract
+    tight, rt = asyncio.run(generate(tiny_model, 0, prompts, params, num_blocks=9, overlap=True))
+    assert rt.stats.retractions > 0
+    assert tight == roomy
+    assert roomy[0] == reference_generate(tiny_model.model, prompts[0], 40)
+    assert rt.pool.blocks.num_free == 9
