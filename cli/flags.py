@@ -33,7 +33,8 @@ HELP = {
                           "this share of the pool (> 1 overcommits; retraction recovers)",
     "max_queued": "decode: requests that may wait for admission; beyond it RESOURCE_EXHAUSTED",
     "solo_wait_s": "decode: seconds a request whose prompt + max_tokens exceeds the admission budget (so it runs "
-                   "only alone) may wait for the worker to be free before RESOURCE_EXHAUSTED",
+                   "only alone) may wait for the worker to be free before RESOURCE_EXHAUSTED; also its turn once "
+                   "running, after which it is retracted if requests wait behind it (it resumes later)",
     "chunk_size": "prefill chunk size in tokens (the base chunk with dynamic chunking); alias --chunked-prefill-size",
     "max_prefill_tokens": "token budget of one prefill forward (a prefill worker's, or a decode worker's local "
                           "prefills); the next chunks of concurrent prompts "

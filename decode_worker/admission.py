@@ -12,7 +12,11 @@ than the whole pool gets RESOURCE_EXHAUSTED at once, naming the numbers (it woul
 the pool ran out and fail then, after holding every other request back). A request larger than
 the budget but within the pool fits only *alone*: it is admitted when nothing else is admitted,
 never holds the queue behind it (requests that fit go past it), and waits at most `solo_wait_s`
-seconds for its turn, then gets RESOURCE_EXHAUSTED.
+seconds for its turn, then gets RESOURCE_EXHAUSTED. Once running, it does not hold the queue
+for its whole run either: when it has run `solo_wait_s` (at least MIN_TURN_S) and a request
+within the budget has waited as long, the decode loop retracts it (`overdue_solo`,
+`yield_turn`; decode_worker/retraction.py), the waiting requests are admitted, and it waits for
+its turn again ahead of the requests that arrive after that, then resumes where it stopped.
 
 The projection is an upper bound on what a request can hold (shared prefix blocks are counted
 once per request), so with practical_fraction <= 1 the pool never runs out; > 1 overcommits
@@ -25,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import time
 from collections import deque
 from dataclasses import dataclass
 from typing import Callable
@@ -36,12 +41,28 @@ from engine.kv_pool import KvPool, PoolExhausted, PromptBlocks
 log = logging.getLogger(__name__)
 
 
+MIN_TURN_S = 1.0  # shortest turn of a request that runs alone before waiting requests go first
+
+
 @dataclass(eq=False)
 class Ticket:
-    """One admitted request's reservation: `blocks` projected KV blocks."""
+    """One admitted request's reservation: `blocks` projected KV blocks, granted at
+    `granted_at` (time.monotonic(); the start of its current turn)."""
 
     blocks: int
     released: bool = False
+    granted_at: float = 0.0
+
+
+@dataclass(eq=False)
+class _Waiter:
+    """A queued request: its projected blocks, its grant, when it queued (time.monotonic()),
+    and, for a request that yielded its turn (`yield_turn`), the ticket it gets back."""
+
+    blocks: int
+    fut: asyncio.Future[Ticket]
+    since: float
+    resumes: Ticket | None = None
 
 
 class Refused(Exception):
@@ -61,7 +82,8 @@ class Admission:
         self.admitted = 0  # admitted requests not yet released
         self.held = 0  # retracted requests waiting to resume: they go first
         self.waited = 0  # requests that had to queue (a counter, for metrics and tests)
-        self._queue: deque[tuple[int, asyncio.Future[Ticket]]] = deque()  # (projected blocks, grant)
+        self._queue: deque[_Waiter] = deque()
+        self._alone: Ticket | None = None  # the admitted request that fits only alone, if any
         self._freed = asyncio.Event()
         self.on_release: Callable[[], None] | None = None  # the scheduler's wake-up
 
@@ -80,10 +102,54 @@ class Admission:
         """Whether a request of `blocks` projected blocks fits only when nothing else runs."""
         return blocks > self.budget
 
-    def _grant(self, blocks: int) -> Ticket:
+    def _grant(self, blocks: int, ticket: Ticket | None = None) -> Ticket:
+        """Reserve `blocks` for a new ticket, or again for `ticket` (a turn given back)."""
         self.reserved += blocks
         self.admitted += 1
-        return Ticket(blocks)
+        ticket = ticket or Ticket(blocks)
+        ticket.granted_at = time.monotonic()
+        if self._solo(blocks):
+            self._alone = ticket
+        return ticket
+
+    def overdue_solo(self, now: float | None = None) -> Ticket | None:
+        """The ticket of the request running alone, when its turn is over: it has run
+        max(solo_wait_s, MIN_TURN_S) seconds and a request within the budget has waited
+        solo_wait_s behind it. None otherwise."""
+        t = self._alone
+        if t is None or self.held:
+            return None
+        now = time.monotonic() if now is None else now
+        if now - t.granted_at < max(self.solo_wait_s, MIN_TURN_S):
+            return None
+        oldest = next((w.since for w in self._queue
+                       if not w.fut.done() and w.resumes is None and not self._solo(w.blocks)), None)
+        return t if oldest is not None and now - oldest >= self.solo_wait_s else None
+
+    def yield_turn(self, ticket: Ticket) -> asyncio.Future[Ticket]:
+        """The request running alone gives its reservation back (the caller has retracted it)
+        and queues again, ahead of every request that arrives later; the waiting requests are
+        admitted now. Returns the future of its next grant (the same ticket); cancel it with
+        `cancel_turn`."""
+        self.reserved -= ticket.blocks
+        self.admitted -= 1
+        if self._alone is ticket:
+            self._alone = None
+        fut: asyncio.Future[Ticket] = asyncio.get_running_loop().create_future()
+        self._queue.append(_Waiter(ticket.blocks, fut, time.monotonic(), resumes=ticket))
+        self._pump()
+        return fut
+
+    def cancel_turn(self, fut: asyncio.Future[Ticket]) -> None:
+        """A request waiting for its turn again (`yield_turn`) went away: leave the queue, or
+        give the turn back if it was granted already."""
+        if fut.done() and not fut.cancelled():
+            self.release(fut.result())
+            return
+        waiter = next((w for w in self._queue if w.fut is fut), None)
+        if waiter is not None and waiter.resumes is not None:
+            waiter.resumes.released = True  # it reserves nothing while it waits
+        self._drop(fut)
 
     async def admit(self, prompt_tokens: int, max_tokens: int) -> Ticket:
         """Wait until the request fits, then reserve its projected blocks. Requests within the
@@ -100,7 +166,7 @@ class Admission:
                           f"{self.pool.block_size} tokens; this worker's whole pool has {self.capacity} blocks")
         blocks = self.projected_blocks(prompt_tokens, max_tokens)
         fut: asyncio.Future[Ticket] = asyncio.get_running_loop().create_future()
-        self._queue.append((blocks, fut))
+        self._queue.append(_Waiter(blocks, fut, time.monotonic()))
         self._pump()
         if fut.done():
             return fut.result()
@@ -130,7 +196,7 @@ class Admission:
 
     def _drop(self, fut: asyncio.Future[Ticket]) -> None:
         """Take a waiter out of the queue (it was refused or went away) and admit the rest."""
-        self._queue = deque(e for e in self._queue if e[1] is not fut)
+        self._queue = deque(w for w in self._queue if w.fut is not fut)
         fut.cancel()
         self._pump()
 
@@ -141,6 +207,8 @@ class Admission:
         ticket.released = True
         self.reserved -= ticket.blocks
         self.admitted -= 1
+        if self._alone is ticket:
+            self._alone = None
         self._freed.set()
         self._pump()
         if self.on_release is not None:
@@ -157,18 +225,20 @@ class Admission:
 
     def _pump(self) -> None:
         """Grant waiters in order: requests within the budget strictly FIFO; one that fits only
-        alone is granted when nothing is admitted, and otherwise skipped (it holds no one back)."""
-        kept: deque[tuple[int, asyncio.Future[Ticket]]] = deque()
+        alone is granted when nothing is admitted, and otherwise skipped (it holds no one back),
+        except one waiting for its turn again (`yield_turn`), which holds its place."""
+        kept: deque[_Waiter] = deque()
         blocked = False  # a request within the budget is waiting: those behind it wait too
         while self._queue:
-            blocks, fut = self._queue.popleft()
-            if fut.done():
+            w = self._queue.popleft()
+            if w.fut.done():
                 continue
-            if not (blocked and not self._solo(blocks)) and self._fits(blocks):
-                fut.set_result(self._grant(blocks))
+            holds_place = w.resumes is not None or not self._solo(w.blocks)
+            if not (blocked and holds_place) and self._fits(w.blocks):
+                w.fut.set_result(self._grant(w.blocks, w.resumes))
                 continue
-            blocked = blocked or not self._solo(blocks)
-            kept.append((blocks, fut))
+            blocked = blocked or holds_place
+            kept.append(w)
         self._queue = kept
 
     async def allocate_prompt(self, tokens: list[int], busy: Callable[[], bool],

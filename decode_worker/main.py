@@ -10,7 +10,7 @@ from common.pb.tandem.v1 import decode_pb2 as pb
 from common.pb.tandem.v1 import discovery_pb2
 from decode_worker.scheduler import DecodeScheduler
 from decode_worker.service import DecodeServicer
-from discovery.watcher import InstanceWatcher
+from discovery.watcher import InstanceEvent, InstanceWatcher
 from engine.model_source import LoadedModel
 from worker.host import WorkerOptions, WorkerRuntime, serve_worker
 from worker.peers import PeerDirectory
@@ -35,9 +35,14 @@ async def run(opts: WorkerOptions, ready: Callable[[RunningServer, WorkerRuntime
     prefills = PeerDirectory(runtime.loaded.name, runtime.loaded.fingerprint)
     watcher = None
     if opts.etcd:
-        watcher = prefills.watcher = InstanceWatcher(opts.etcd, opts.namespace, prefills.on_change,
-                                                     component="prefill")
+        def on_change(event: InstanceEvent) -> None:
+            prefills.on_change(event)  # remembers who left (no discovery wait for them)
+            if event.kind == "removed":  # no channel outlives its worker's record
+                servicer.forget_prefill(event.instance.address)
+
+        watcher = prefills.watcher = InstanceWatcher(opts.etcd, opts.namespace, on_change, component="prefill")
     servicer = DecodeServicer(runtime, scheduler, prefills)
+    runtime.metrics.prefill_channels_fn = servicer.channel_count
     methods = {"Generate": ("stream", pb.DecodeRequest, pb.DecodeResponse)}
     loop_task = asyncio.create_task(scheduler.run(), name="decode-loop")  # strong reference
     servers = []

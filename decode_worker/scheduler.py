@@ -111,6 +111,7 @@ class DecodeScheduler:
     def _schedule(self) -> list[RunningRequest]:
         for req in [r for r in self.running if r.cancelled]:
             self._finish(req, None)
+        self.retraction.yield_solo()  # capacity: one running alone lets waiting requests in after its turn
         self.retraction.resume_ready()  # capacity: retracted requests re-prefill when they fit
         batch = self.retraction.make_room(self.running[: self.rt.opts.max_running])  # capacity: retract if short
         for req in batch:

@@ -79,7 +79,8 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
         self.scheduler = scheduler
         self.prefills = prefills  # the prefill workers this worker may dial
         scheduler.admission.solo_wait_s = runtime.opts.solo_wait_s
-        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._channels: dict[str, grpc.aio.Channel] = {}  # prefill address -> its one channel
+        self._closing: set[asyncio.Task] = set()  # channels of departed prefill workers, closing
         self._metadata_sent: set[str] = set()  # prefill addresses that hold our agent metadata
         self._failures = RateLimitedLog(log)  # one line per prefill worker per 5 s
         # A prefill call that ended unanswered may still write: its blocks wait here (fence.py)
@@ -95,9 +96,30 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
         self.rt.events.publish()
 
     def _stub(self, address: str) -> prefill_pb2_grpc.PrefillServiceStub:
+        """A stub on the one channel to the prefill worker at `address` (opened at first use,
+        closed when its record leaves discovery: `forget_prefill`)."""
         if address not in self._channels:
             self._channels[address] = channel(address)
         return prefill_pb2_grpc.PrefillServiceStub(self._channels[address])
+
+    def channel_count(self) -> int:
+        """Open channels to prefill workers (tandem_worker_prefill_channels)."""
+        return len(self._channels)
+
+    def forget_prefill(self, address: str) -> None:
+        """The prefill worker at `address` left discovery: close its channel, so that nothing
+        dials the address again (gRPC reconnects a channel by itself), and forget that it held
+        our agent metadata. Calls still open on it get `--prefill-timeout` to end by
+        themselves; the next request that names the address is refused by the PeerDirectory."""
+        self._metadata_sent.discard(address)
+        ch = self._channels.pop(address, None)
+        if ch is None:
+            return
+        self.rt.stats.prefill_channels_closed += 1
+        task = asyncio.get_running_loop().create_task(ch.close(grace=self.rt.opts.prefill_timeout_s),
+                                                      name=f"close-prefill-channel-{address}")
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
 
     async def _remote_prefill(self, address: str, request_id: str, tokens: list[int], prompt: PromptBlocks,
                               sampling: sampling_pb2.SamplingParams, timeout_s: float,
@@ -215,8 +237,12 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
         prompt.block_ids[prompt.num_cached_blocks:] = []
 
         async def abandon(timeout_s: float) -> bool:
-            resp = await self._stub(address).Abandon(prefill_pb2.AbandonRequest(request_id=request_id),
-                                                     timeout=timeout_s)
+            # A channel of its own: the fence must reach a prefill worker whose record has left
+            # (stopped, its lease expired, it may resume and write), and must not put back the
+            # cached channel that forget_prefill closed. Attempts are rare (failed calls only).
+            async with channel(address) as ch:
+                resp = await prefill_pb2_grpc.PrefillServiceStub(ch).Abandon(
+                    prefill_pb2.AbandonRequest(request_id=request_id), timeout=timeout_s)
             return resp.notified
 
         self.fence.hold(request_id, given, abandon, lambda: nothing_listens(address))
@@ -354,3 +380,5 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
         await self.fence.close()
         for ch in self._channels.values():
             await ch.close()
+        for task in list(self._closing):
+            task.cancel()

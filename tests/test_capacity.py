@@ -184,6 +184,45 @@ def test_admission_a_request_that_fits_only_alone_holds_no_one_back_and_waits_a_
     asyncio.run(main())
 
 
+def test_admission_a_request_running_alone_yields_its_turn_to_waiting_requests():
+    from decode_worker.admission import MIN_TURN_S
+
+    async def main():
+        adm = Admission(pool(10), practical_fraction=0.5, max_queued=4, solo_wait_s=0.2)  # budget 5 blocks
+        alone = await adm.admit(8, 24)  # 8 blocks: runs alone
+        assert adm.overdue_solo(time.monotonic() + 60) is None  # nobody waits behind it
+        b = asyncio.create_task(adm.admit(4, 4))  # 2 blocks: waits for it
+        await asyncio.sleep(0)
+        assert adm.queued == 1
+        t0 = alone.granted_at
+        assert adm.overdue_solo(t0 + MIN_TURN_S / 2) is None  # its turn lasts at least MIN_TURN_S
+        assert adm.overdue_solo(t0 + MIN_TURN_S) is alone
+        turn = adm.yield_turn(alone)  # (the decode loop has retracted it)
+        got_b = await asyncio.wait_for(b, 1)  # admitted at once
+        late = asyncio.create_task(adm.admit(2, 2))  # arrives after: waits behind the yielded request
+        await asyncio.sleep(0)
+        assert not turn.done() and not late.done() and adm.queued == 2 and adm.reserved == 2
+        assert adm.overdue_solo(time.monotonic() + 60) is None  # nothing runs alone now
+        adm.release(got_b)
+        assert await asyncio.wait_for(turn, 1) is alone  # its next turn, with the same ticket
+        assert adm.admitted == 1 and adm.reserved == 8 and adm.queued == 1 and alone.granted_at > t0
+        adm.release(alone)
+        adm.release(await asyncio.wait_for(late, 1))
+        assert adm.reserved == 0 and adm.admitted == 0
+        # A request that goes away while it waits for its turn holds nothing.
+        alone = await adm.admit(8, 24)
+        c = asyncio.create_task(adm.admit(4, 4))
+        await asyncio.sleep(0)
+        turn = adm.yield_turn(alone)
+        got_c = await asyncio.wait_for(c, 1)
+        adm.cancel_turn(turn)
+        adm.release(alone)  # a no-op: its reservation went with its turn
+        adm.release(got_c)
+        assert adm.reserved == 0 and adm.admitted == 0 and adm.queued == 0 and turn.cancelled()
+
+    asyncio.run(main())
+
+
 @dataclass
 class R:
     name: str

@@ -1,5 +1,6 @@
 """The router against workers that misbehave without dying (issue 20), in one process with a
-real etcd and real gRPC over loopback: a departed worker's address is never dialled again; a
+real etcd and real gRPC over loopback: a departed worker's address is never dialled again (by
+the router, nor by a decode worker that dialled a prefill worker); a
 stream that goes silent past --token-stall-timeout moves to another worker, with the router's
 own deadline on every call when the client sets none; a request that cannot fit any decode
 pool is refused at once, naming the numbers, while other requests keep flowing."""
@@ -16,7 +17,8 @@ import pytest
 
 from common.block_hash import hash_seed
 from common.grpc_server import start_server
-from common.pb.tandem.v1 import decode_pb2, decode_pb2_grpc, discovery_pb2, frontend_pb2, frontend_pb2_grpc, sampling_pb2
+from common.pb.tandem.v1 import (decode_pb2, decode_pb2_grpc, discovery_pb2, frontend_pb2, frontend_pb2_grpc,
+                                 prefill_pb2_grpc, sampling_pb2)
 from discovery.registration import Registration
 from engine.reference import reference_generate
 from harness import InProcessCluster
@@ -48,9 +50,11 @@ def wait(cond, timeout: float, what: str) -> None:
         time.sleep(0.02)
 
 
-def test_departed_workers_address_gets_no_connection(cluster):
-    router = cluster.start("router", health_interval_s=HEALTH_S, health_timeout_s=HEALTH_S)
-    listener = socket.create_server(("127.0.0.1", 0))  # accepts TCP, speaks no HTTP/2: probes fail
+def counting_listener(port: int = 0) -> tuple[socket.socket, list[float]]:
+    """A TCP listener on `port` (0: a free one) that accepts and closes at once (it speaks no
+    HTTP/2, so every gRPC call or probe to it fails), and the monotonic times of the
+    connections it accepted."""
+    listener = socket.create_server(("127.0.0.1", port))
     accepts: list[float] = []
 
     def serve() -> None:
@@ -63,6 +67,12 @@ def test_departed_workers_address_gets_no_connection(cluster):
             conn.close()
 
     threading.Thread(target=serve, daemon=True).start()
+    return listener, accepts
+
+
+def test_departed_workers_address_gets_no_connection(cluster):
+    router = cluster.start("router", health_interval_s=HEALTH_S, health_timeout_s=HEALTH_S)
+    listener, accepts = counting_listener()
     reg = record(cluster, "decode-departs", f"127.0.0.1:{listener.getsockname()[1]}")
     try:
         cluster.call(reg.start())
@@ -77,6 +87,64 @@ def test_departed_workers_address_gets_no_connection(cluster):
     finally:
         listener.close()
         cluster.stop(router)
+
+
+class RefusingPrefill(prefill_pb2_grpc.PrefillServiceServicer):
+    """Answers every Prefill with RESOURCE_EXHAUSTED: an answer, so the decode worker fences
+    nothing (decode_worker/service.py ANSWERED) and prefills locally."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    async def Prefill(self, request, context):
+        self.calls += 1
+        await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "busy")
+
+
+def test_decode_workers_channel_to_a_departed_prefill_worker_is_closed(cluster, tiny_model):
+    """A decode worker keeps one channel per prefill worker in discovery and closes it once the
+    record is gone (with churn they would pile up); a later request naming the departed
+    address is prefilled locally without a connection to it."""
+    decode = cluster.start("decode")
+    fake = RefusingPrefill()
+    server = cluster.call(start_server("127.0.0.1:0", [lambda s: prefill_pb2_grpc.add_PrefillServiceServicer_to_server(
+        fake, s)], ["tandem.v1.PrefillService"]))
+    address = f"127.0.0.1:{server.port}"
+    inst = discovery_pb2.Instance(instance_id="prefill-departs", role=discovery_pb2.ROLE_PREFILL, address=address,
+                                  model=cluster.loaded.name, block_size=cluster.worker_opts.block_size,
+                                  weights_fingerprint=cluster.loaded.fingerprint,
+                                  state=discovery_pb2.INSTANCE_STATE_SERVING)
+    reg = Registration(cluster.etcd, cluster.namespace, inst, ttl_seconds=5)
+    prompt = [41, 42, 43, 44]
+    listener = None
+    try:
+        cluster.call(reg.start())
+        with grpc.insecure_channel(decode.address) as ch:
+            got = [t for m in decode_pb2_grpc.DecodeServiceStub(ch).Generate(decode_pb2.DecodeRequest(
+                request_id="dials-prefill", token_ids=prompt, sampling=sampling_pb2.SamplingParams(max_tokens=4),
+                prefill_address=address), timeout=60) for t in m.token_ids]
+        assert got == reference_generate(tiny_model.model, prompt, 4, tiny_model.config.eos_token_ids)
+        assert fake.calls == 1  # it was dialled, refused, and the decode worker prefilled locally
+        open_channels = decode.runtime.metrics.prefill_channels_fn
+        assert cluster.on_loop(open_channels) == 1
+        cluster.call(reg.stop())  # revokes the lease: the record is gone
+        wait(lambda: cluster.on_loop(open_channels) == 0, 10, "the channel to the departed prefill worker stayed open")
+        assert decode.runtime.stats.prefill_channels_closed == 1
+        # Nothing dials the port afterwards: a request naming it is prefilled locally, unconnected.
+        cluster.call(server.stop(0))
+        listener, accepts = counting_listener(server.port)
+        with grpc.insecure_channel(decode.address) as ch:
+            got = [t for m in decode_pb2_grpc.DecodeServiceStub(ch).Generate(decode_pb2.DecodeRequest(
+                request_id="dials-departed", token_ids=prompt, sampling=sampling_pb2.SamplingParams(max_tokens=4),
+                prefill_address=address), timeout=60) for t in m.token_ids]
+        assert got == reference_generate(tiny_model.model, prompt, 4, tiny_model.config.eos_token_ids)
+        time.sleep(1.0)
+        assert accepts == [], "the decode worker dialled a departed prefill worker's address"
+        assert cluster.on_loop(open_channels) == 0
+    finally:
+        if listener is not None:
+            listener.close()
+        cluster.stop(decode)
 
 
 class FakeDecode(decode_pb2_grpc.DecodeServiceServicer):

@@ -101,8 +101,10 @@ async def sigstop_trials(n: int) -> list[float]:
                     if stopped_at and not first_after:
                         first_after = time.perf_counter()
                     if count == 5:
-                        explain = await stub.ExplainRoute(explain_req, timeout=5)
-                        busy = max((c for c in explain.candidates if c.role == "decode"), key=lambda c: c.load)
+                        # the worker holding this stream: the router's own in-flight count (one
+                        # request in flight at a time), not ExplainRoute's load, which can tie
+                        status = await stub.ClusterStatus(frontend_pb2.ClusterStatusRequest(), timeout=5)
+                        (busy,) = [w for w in status.workers if w.role == "decode" and w.in_flight_requests]
                         pid = cluster.procs[names[busy.instance_id]].pid
                         os.kill(pid, signal.SIGSTOP)
                         stopped_at = time.perf_counter()

@@ -165,11 +165,13 @@ class WorkerStats:
     prefix_query_tokens: int = 0  # prompt tokens looked up in this worker's prefix cache
     prefix_hit_tokens: int = 0  # of those, tokens found there
     generated_tokens: int = 0  # decode: tokens streamed (first tokens included)
+    solo_yields: int = 0  # decode: requests running alone retracted after their turn so that waiting ones could run
     retractions: int = 0  # decode: running requests retracted for lack of KV blocks (re-prefilled later)
     fenced_prefills: int = 0  # decode: prefill calls unanswered: their blocks held until the prefill worker is done
     fences_released_by_peer: int = 0  # decode: of those, released on the prefill worker's Abandon answer
     fences_released_peer_gone: int = 0  # decode: of those, released once nothing listened at its address
     fences_expired: int = 0  # decode: of those, released at the fence's bound, without an answer
+    prefill_channels_closed: int = 0  # decode: channels to prefill workers closed as their records left discovery
     late_writes_refused: int = 0  # prefill: KV writes not posted: the decode worker's call had ended or abandoned them
     prefill_forwards: int = 0  # prefill forwards run by the batcher (engine/prefill_batch.py)
     prefill_chunks: int = 0  # prompt chunks those forwards computed (chunks / forwards = mean batch)

@@ -45,6 +45,8 @@ WORKER_COUNTERS: dict[str, tuple[str, str, bool]] = {
                          "concurrent prompts, up to --max-prefill-tokens)", False),
     "prefill_chunks": ("tandem_worker_prefill_chunks", "prompt chunks computed by those forwards (chunks / forwards "
                        "= the mean batch)", False),
+    "solo_yields": ("tandem_worker_solo_yields", "decode: requests that fit only alone, retracted after a turn of "
+                    "--solo-wait seconds so that requests waiting behind them could run (they resume later)", False),
     "decode_steps": ("tandem_worker_decode_steps", "decode: batched decode steps launched", False),
     "decode_step_rows": ("tandem_worker_decode_step_rows", "decode: requests in those steps (rows / steps = the "
                          "mean batch)", False),
@@ -79,7 +81,8 @@ CHUNK_BUCKETS = (1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0, 24.0, 32.0, 48.0, 64.
 
 
 class WorkerMetrics:
-    """Owns one worker's registry; `running_fn` (decode: requests in the batch) is set by the role."""
+    """Owns one worker's registry; `running_fn` (decode: requests in the batch) and
+    `prefill_channels_fn` (decode: open channels to prefill workers) are set by the role."""
 
     def __init__(self, runtime: Any) -> None:
         self.rt = runtime
@@ -98,6 +101,7 @@ class WorkerMetrics:
             "tandem_worker_kv_transfer_duration_seconds", "prefill: one KV transfer, submission to completion",
             ["backend"], buckets=LATENCY_BUCKETS, registry=self.registry)
         self.running_fn: Callable[[], int] | None = None
+        self.prefill_channels_fn: Callable[[], int] | None = None
         self.collector = FunctionCollector(self._collect)
         self.registry.register(self.collector)
 
@@ -145,6 +149,10 @@ class WorkerMetrics:
         yield gauge("tandem_worker_model_queue_depth", "model calls waiting for the model thread", rt.model_waiting)
         yield gauge("tandem_worker_prefill_queued_chunks", "prefill chunks waiting for a batched forward "
                     "(engine/prefill_batch.py)", queued)
+        if self.prefill_channels_fn is not None:
+            yield gauge("tandem_worker_prefill_channels", "decode: open channels to prefill workers (one per "
+                        "prefill worker in discovery it has called; closed when the record leaves)",
+                        self.prefill_channels_fn())
         yield counter("tandem_worker_kv_event_batches", "KV event batches published", rt.events.last_event_id)
         yield gauge("tandem_worker_draining", "1 while draining after SIGTERM", 1.0 if rt.draining else 0.0)
         yield gauge("tandem_worker_engine_stalled", "1 while one model call has run over --stall-timeout",
