@@ -38,8 +38,9 @@ class LocalCluster:
             `mocker_args` go to that process (e.g. ["--num-blocks", "256", "--speedup", "10"]).
         tls: mutual TLS between every process (common/tls.py): a throw-away CA and one
             certificate per process in log_dir/tls; `ca` issues more (tests), `client_tls`
-            is a frontend client's (`cli.client.frontend_stub(address, cluster.client_tls)`).
-            False: plaintext.
+            is a frontend client's (`cli.client.frontend_stub(address, cluster.client_tls)`;
+            it also reads etcd). The cluster's own etcd then serves TLS and takes only clients
+            with a certificate of that CA (`etcd_endpoint` is https://...). False: plaintext.
         api_keys: the router's --api-keys file; it must hold an admin key (`admin_key`), which
             the readiness check uses. "" = an open front.
     """
@@ -118,7 +119,9 @@ class LocalCluster:
             from router.api_keys import admin_key
             self.admin_key = admin_key(self.api_keys)  # a bad file fails before anything starts
         if not self._etcd_endpoint:
-            self._etcd = EtcdServer()
+            # with TLS, etcd takes only clients with a certificate of the cluster CA (every
+            # process here has one; --etcd is then https://...)
+            self._etcd = EtcdServer(tls=self.ca.issue("etcd", ("etcd",)) if self.ca is not None else None)
             self._etcd.start()
             self._etcd_endpoint = self._etcd.endpoint
         self.spawn("router", "router", "--port", str(self.router_port), "--http-port", str(self.http_port),
@@ -142,7 +145,7 @@ class LocalCluster:
         def ready(view: dict[str, discovery_pb2.Instance]) -> bool:
             return all(sum(1 for i in view.values() if i.role == r) >= n for r, n in want.items())
 
-        async with InstanceWatcher(self._etcd_endpoint, self.namespace) as watcher:
+        async with InstanceWatcher(self._etcd_endpoint, self.namespace, tls=self.client_tls) as watcher:
             deadline = time.monotonic() + self.ready_timeout_s
             while True:
                 dead = [n for n, p in self.procs.items() if p.poll() is not None]

@@ -8,7 +8,7 @@ import logging
 import os
 import sys
 
-from cli import config, config_show, health
+from cli import certs, config, config_show, health
 from cli.flags import add_flags, add_option, build
 from cli.top import add_parser as add_top_parser
 
@@ -274,6 +274,7 @@ def build_parser(command: str | None = None, full: bool = True) -> argparse.Argu
     _client_tls_args(p)
     p.set_defaults(func=_explain)
     health.add_parser(sub)
+    certs.add_parser(sub)
     add_top_parser(sub)
     p = sub.add_parser("config", help="print the effective configuration and where each value came from")
     p.add_argument("action", choices=["show"])

@@ -1,6 +1,7 @@
-"""A throw-away certificate authority for a local cluster (`tandem up`, the tests), with the
-`cryptography` package: one CA and one certificate per process, each naming its roles
-(common/tls.py ROLE_URI) and the loopback host names it is dialled at."""
+"""A certificate authority with the `cryptography` package: one CA and one certificate per
+process, each naming its roles (common/tls.py ROLE_URI) and the host names it is dialled at.
+Throw-away for a local cluster (`tandem up`, the tests: 7 days, loopback names), or kept for a
+deployment (`tandem certs`, cli/certs.py: the validity and hosts given)."""
 
 from __future__ import annotations
 
@@ -32,15 +33,23 @@ def _write(path: Path, data: bytes, private: bool = False) -> None:
 
 
 class LocalCa:
-    """A new CA whose files live in `folder` (ca.pem, ca-key.pem); `issue` writes NAME.pem
-    and NAME-key.pem beside them."""
+    """A CA whose files live in `folder` (ca.pem, ca-key.pem): a new one, or with `reuse` the
+    one already there (made by an earlier run); `issue` writes NAME.pem and NAME-key.pem beside
+    them, valid `days` days."""
 
-    def __init__(self, folder: str | Path, name: str = "tandem local CA") -> None:
+    def __init__(self, folder: str | Path, name: str = "tandem local CA", days: int = VALID_DAYS,
+                 reuse: bool = False) -> None:
         from cryptography import x509
         from cryptography.hazmat.primitives import hashes, serialization
         from cryptography.x509.oid import NameOID
 
         self.folder = Path(folder)
+        self.days = days
+        self.ca_path = self.folder / "ca.pem"
+        if reuse and self.ca_path.exists():
+            self._cert = x509.load_pem_x509_certificate(self.ca_path.read_bytes())
+            self._key = serialization.load_pem_private_key((self.folder / "ca-key.pem").read_bytes(), None)
+            return
         self.folder.mkdir(parents=True, exist_ok=True)
         self._key = _key()
         subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
@@ -48,14 +57,13 @@ class LocalCa:
         self._cert = (x509.CertificateBuilder().subject_name(subject).issuer_name(subject)
                       .public_key(self._key.public_key()).serial_number(x509.random_serial_number())
                       .not_valid_before(now - datetime.timedelta(minutes=5))
-                      .not_valid_after(now + datetime.timedelta(days=VALID_DAYS))
+                      .not_valid_after(now + datetime.timedelta(days=days))
                       .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
                       .add_extension(x509.KeyUsage(digital_signature=True, key_cert_sign=True, crl_sign=True,
                                                    content_commitment=False, key_encipherment=False,
                                                    data_encipherment=False, key_agreement=False,
                                                    encipher_only=False, decipher_only=False), critical=True)
                       .sign(self._key, hashes.SHA256()))
-        self.ca_path = self.folder / "ca.pem"
         _write(self.ca_path, self._cert.public_bytes(serialization.Encoding.PEM))
         _write(self.folder / "ca-key.pem", _pem_key(self._key), private=True)
 
@@ -79,7 +87,7 @@ class LocalCa:
                 .issuer_name(self._cert.subject).public_key(key.public_key())
                 .serial_number(x509.random_serial_number())
                 .not_valid_before(now - datetime.timedelta(minutes=5))
-                .not_valid_after(now + datetime.timedelta(days=VALID_DAYS))
+                .not_valid_after(min(now + datetime.timedelta(days=self.days), self._cert.not_valid_after_utc))
                 .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
                 .add_extension(x509.SubjectAlternativeName(sans), critical=False)
                 .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH,

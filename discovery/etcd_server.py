@@ -15,6 +15,7 @@ import os
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import tempfile
 import time
@@ -22,6 +23,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 from types import TracebackType
+
+from common.tls import TlsFiles
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +65,9 @@ class EtcdServer:
         binary: path of the etcd binary; default: `etcd` on PATH.
         startup_timeout: seconds to wait for etcd to answer `/health` after spawning it.
         stop_timeout: seconds to wait after SIGTERM before SIGKILL.
+        tls: etcd's certificate and key and the CA (common/certs.py issues them): serve clients
+            over TLS and take only clients with a certificate of that CA (--client-cert-auth);
+            `endpoint` is then "https://127.0.0.1:port". None: plaintext.
 
     Usable as a (sync or async) context manager, or through start()/stop().
     """
@@ -72,8 +78,10 @@ class EtcdServer:
         binary: str | None = None,
         startup_timeout: float = 20.0,
         stop_timeout: float = 5.0,
+        tls: TlsFiles | None = None,
     ) -> None:
         self._binary = binary
+        self._tls = tls
         self._startup_timeout = startup_timeout
         self._stop_timeout = stop_timeout
         self._root: Path | None = None  # temp folder holding data/ and etcd.log
@@ -85,10 +93,11 @@ class EtcdServer:
 
     @property
     def endpoint(self) -> str:
-        """The client endpoint, "127.0.0.1:port" (valid once started; kept across restart())."""
+        """The client endpoint, "127.0.0.1:port" or with tls "https://127.0.0.1:port" (valid
+        once started; kept across restart())."""
         if self._client_port is None:
             raise RuntimeError("EtcdServer has not been started")
-        return f"127.0.0.1:{self._client_port}"
+        return f"{'https://' if self._tls else ''}127.0.0.1:{self._client_port}"
 
     @property
     def data_dir(self) -> Path:
@@ -188,7 +197,7 @@ class EtcdServer:
 
     def _spawn(self, binary: str) -> None:
         assert self._root is not None
-        client_url = f"http://127.0.0.1:{self._client_port}"
+        client_url = f"{'https' if self._tls else 'http'}://127.0.0.1:{self._client_port}"
         peer_url = f"http://127.0.0.1:{self._peer_port}"
         name = "tandem"
         args = [
@@ -203,6 +212,9 @@ class EtcdServer:
             "--logger=zap",
             "--log-outputs=stderr",
         ]
+        if self._tls:  # clients over TLS with certificates of the cluster CA; peers stay on loopback
+            args += [f"--cert-file={self._tls.cert}", f"--key-file={self._tls.key}",
+                     f"--trusted-ca-file={self._tls.ca}", "--client-cert-auth"]
         with open(self._root / "etcd.log", "ab") as log:
             # Own session: stop() can kill the whole process group.
             self._proc = subprocess.Popen(
@@ -216,7 +228,11 @@ class EtcdServer:
 
     def _wait_ready(self) -> None:
         assert self._proc is not None
-        url = f"http://127.0.0.1:{self._client_port}/health"
+        url = f"{'https' if self._tls else 'http'}://127.0.0.1:{self._client_port}/health"
+        context = None
+        if self._tls:  # etcd's own certificate is a client one of the same CA too
+            context = ssl.create_default_context(cafile=self._tls.ca)
+            context.load_cert_chain(self._tls.cert, self._tls.key)
         deadline = time.monotonic() + self._startup_timeout
         while time.monotonic() < deadline:
             if self._proc.poll() is not None:
@@ -224,7 +240,7 @@ class EtcdServer:
                     f"etcd exited with status {self._proc.returncode}:\n{self._log_tail()}"
                 )
             try:
-                with urllib.request.urlopen(url, timeout=1.0) as resp:
+                with urllib.request.urlopen(url, timeout=1.0, context=context) as resp:
                     if json.loads(resp.read()).get("health") == "true":
                         return
             except (OSError, ValueError):

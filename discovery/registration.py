@@ -21,6 +21,7 @@ import aetcd
 import grpc
 from aetcd import rpc
 
+from common.tls import TlsCredentials
 from discovery.client_holder import ClientHolder
 from common.pb.tandem.v1 import discovery_pb2
 from discovery.backoff import Backoff
@@ -50,6 +51,7 @@ class Registration:
         client_factory: async callable returning a connected aetcd client (used for tests and to
             share connection settings); default `connect_first(endpoints)`.
         rpc_timeout: deadline in seconds of each etcd call.
+        tls: credentials for https:// endpoints (default: this process's, common/tls.py).
 
     Raises:
         ValueError: bad namespace/instance (see keys.instance_key), ttl_seconds <= 0, a
@@ -65,6 +67,7 @@ class Registration:
         *,
         client_factory: ClientFactory | None = None,
         rpc_timeout: float = 5.0,
+        tls: TlsCredentials | None = None,
     ) -> None:
         if ttl_seconds <= 0:
             raise ValueError(f"ttl_seconds must be > 0, got {ttl_seconds}")
@@ -75,7 +78,7 @@ class Registration:
             parsed = parse_endpoints(endpoints)  # a bad --etcd fails here, not in a retry loop
 
             async def client_factory() -> aetcd.Client:
-                return await connect_first(parsed, rpc_timeout=rpc_timeout)
+                return await connect_first(parsed, rpc_timeout=rpc_timeout, tls=tls)
 
         self._factory = client_factory
         self._namespace = namespace

@@ -23,6 +23,7 @@ from aetcd import rpc
 from aetcd.utils import prefix_range_end
 from google.protobuf.message import DecodeError
 
+from common.tls import TlsCredentials
 from discovery.client_holder import ClientHolder
 from common.pb.tandem.v1 import discovery_pb2
 from discovery.backoff import Backoff
@@ -63,6 +64,7 @@ class InstanceWatcher:
         client_factory: async callable returning an aetcd client; default
             `connect_first(endpoints)`.
         rpc_timeout: deadline in seconds of each unary etcd call.
+        tls: credentials for https:// endpoints (default: this process's, common/tls.py).
         max_backoff: longest wait in seconds between reconnection attempts.
 
     Raises:
@@ -79,6 +81,7 @@ class InstanceWatcher:
         component: str | None = None,
         client_factory: ClientFactory | None = None,
         rpc_timeout: float = 5.0,
+        tls: TlsCredentials | None = None,
         max_backoff: float = 2.0,
     ) -> None:
         if client_factory is None:
@@ -90,7 +93,7 @@ class InstanceWatcher:
             parsed = parse_endpoints(endpoints)  # a bad --etcd fails here, not in a retry loop
 
             async def client_factory() -> aetcd.Client:
-                return await connect_first(parsed, rpc_timeout=rpc_timeout)
+                return await connect_first(parsed, rpc_timeout=rpc_timeout, tls=tls)
 
         self._factory = client_factory
         self._namespace = namespace

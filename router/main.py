@@ -19,6 +19,7 @@ from common.pb.tandem.v1 import discovery_pb2
 from common.tls import TlsFiles
 from common.pb.tandem.v1 import frontend_pb2 as pb
 from common.tokenizer import load_tokenizer
+from discovery.endpoints import check_etcd_tls
 from discovery.registration import Registration
 from discovery.watcher import InstanceWatcher
 from engine.model_source import DEFAULT_MODEL, load_config
@@ -86,6 +87,7 @@ class RouterOptions:
 
     def __post_init__(self) -> None:
         metrics_http.validate_port(self.metrics_port)
+        check_etcd_tls(self.etcd, self.tls_cert)
         validate_http_port(self.http_port)
         if self.migration_limit < 0:
             raise ValueError(f"--migration-limit must be >= 0, got {self.migration_limit}")

@@ -104,12 +104,19 @@ def test_instance_key_rejects_bad_fields() -> None:
 
 
 def test_parse_endpoints() -> None:
-    assert parse_endpoints("127.0.0.1:2379, http://etcd-1:2380,[::1]:2381") == [
+    assert parse_endpoints("127.0.0.1:2379, http://etcd-1:2380,[::1]:2381,https://etcd-2:2379") == [
         Endpoint("127.0.0.1", 2379),
         Endpoint("etcd-1", 2380),
         Endpoint("::1", 2381),
+        Endpoint("etcd-2", 2379, tls=True),
     ]
-    for bad in ["", "host", "host:x", "host:0", "https://h:1", "a:1,:2"]:
+    assert str(Endpoint("etcd-2", 2379, tls=True)) == "https://etcd-2:2379"
+    from discovery.endpoints import check_etcd_tls
+    check_etcd_tls("127.0.0.1:2379", "")  # plaintext needs no certificate
+    check_etcd_tls("https://127.0.0.1:2379", "router.pem")
+    with pytest.raises(ValueError, match="--etcd https.*--tls-cert"):
+        check_etcd_tls("127.0.0.1:2379,https://10.0.0.5:2379", "")
+    for bad in ["", "host", "host:x", "host:0", "unix://h:1", "a:1,:2"]:
         with pytest.raises(ValueError, match="--etcd"):
             parse_endpoints(bad)
     with pytest.raises(ValueError, match="--etcd"):

@@ -74,7 +74,7 @@ def test_same_identity_restart_resets_the_router_index(tmp_path, monkeypatch):
                 try:
                     cluster.stop_process("decode-0", signal.SIGKILL)
                     cluster.spawn("decode-0b", "decode", "--port", "0", "--num-blocks", "256")
-                    async with InstanceWatcher(cluster.etcd_endpoint, cluster.namespace) as watcher:
+                    async with InstanceWatcher(cluster.etcd_endpoint, cluster.namespace, tls=cluster.client_tls) as watcher:
                         view = await watcher.wait_for(lambda v: WID in v and v[WID].incarnation != old.incarnation,
                                                       timeout=90)
                     new = view[WID]

@@ -64,7 +64,7 @@ def test_router_drains_twenty_streams_on_sigterm(tiny_model, tmp_path):
                 router = cluster.procs["router"]
                 router.send_signal(signal.SIGTERM)
                 signalled = time.monotonic()
-                async with InstanceWatcher(cluster.etcd_endpoint, cluster.namespace) as watcher:
+                async with InstanceWatcher(cluster.etcd_endpoint, cluster.namespace, tls=cluster.client_tls) as watcher:
                     while await _router_state(watcher) != discovery_pb2.INSTANCE_STATE_DRAINING:
                         assert time.monotonic() - signalled < 10, "router record never DRAINING"
                         await asyncio.sleep(0.02)

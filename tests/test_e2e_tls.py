@@ -144,3 +144,49 @@ def test_normal_path_over_mtls_gives_the_insecure_paths_tokens(clusters):
         return grpc.StatusCode.OK
 
     assert asyncio.run(plaintext()) == grpc.StatusCode.UNAVAILABLE  # the frontend serves TLS only
+
+
+def test_tandem_ups_own_etcd_takes_only_certificates_of_the_cluster_ca(tmp_path):
+    """`tandem up` without --etcd starts its own etcd with TLS and client-certificate
+    authentication: the cluster registers and serves through it, while a plaintext client, a
+    TLS client without a certificate and one with another CA's certificate can neither read
+    nor write discovery (nobody can register a fake worker)."""
+    from discovery.endpoints import ETCD_ERRORS, EtcdUnavailableError, _TlsClient, connect_first, parse_endpoint
+
+    cluster = LocalCluster(model=TINY, namespace="e2e-etcd-tls", tls=True, log_dir=str(tmp_path / "up"))
+
+    async def main():
+        async with cluster:
+            endpoint = cluster.etcd_endpoint
+            assert endpoint.startswith("https://127.0.0.1:")
+            ch, stub = frontend_stub(cluster.router_address, cluster.client_tls)
+            try:
+                served = await generate(stub, text=PROMPTS[0], max_tokens=4, timeout_s=120)
+            finally:
+                await ch.close()
+            plain = endpoint.removeprefix("https://")
+            with pytest.raises(EtcdUnavailableError):  # plaintext: the TLS listener does not answer it
+                await connect_first(plain, rpc_timeout=2.0)
+            ep = parse_endpoint(endpoint)
+            no_cert = _TlsClient(ep.host, ep.port, timeout=2, credentials=grpc.ssl_channel_credentials(
+                root_certificates=cluster.client_tls.ca))
+            try:
+                with pytest.raises(ETCD_ERRORS) as refused:  # the handshake fails: no client certificate
+                    await no_cert.put(b"/tandem/v1/e2e-etcd-tls/instances/decode/fake", b"x")
+                assert isinstance(refused.value, ETCD_ERRORS), repr(refused.value)
+            finally:
+                await no_cert.close()
+            other = LocalCa(tmp_path / "other-ca").issue("intruder", ("decode",)).load()
+            with pytest.raises(EtcdUnavailableError):
+                await connect_first(endpoint, rpc_timeout=2.0, tls=other)
+            with pytest.raises(ValueError, match="--tls-cert"):
+                await connect_first(endpoint, rpc_timeout=2.0, tls=TlsCredentials(b"", b"", cluster.client_tls.ca))
+            async with await connect_first(endpoint, tls=cluster.client_tls) as member:  # a cluster certificate
+                fake = await member.get(b"/tandem/v1/e2e-etcd-tls/instances/decode/fake")
+                records = [kv.key for kv in (await member.get_prefix(b"/tandem/v1/e2e-etcd-tls/instances/")).kvs]
+            return served, fake, records
+
+    served, fake, records = asyncio.run(main())
+    assert len(served.token_ids) == 4
+    assert fake is None  # the refused write left nothing
+    assert len(records) == 3  # the router and both workers registered through the TLS etcd

@@ -27,6 +27,7 @@ from common.lifecycle import install_stop_signals
 from common.grpc_server import RunningServer, advertised_host, start_server
 from common.pb.tandem.v1 import discovery_pb2, kv_events_pb2_grpc
 from common.tls import TlsFiles
+from discovery.endpoints import check_etcd_tls
 from worker.kv_event_service import KvEventServicer
 from engine.capacity import (device_memory_bytes, format_bytes, graph_reserve_bytes, module_bytes,
                              pool_blocks_from_memory)
@@ -98,6 +99,7 @@ class WorkerOptions:
 
     def __post_init__(self) -> None:
         metrics_http.validate_port(self.metrics_port)
+        check_etcd_tls(self.etcd, self.tls_cert)
         for name in ("block_size", "chunk_size", "max_prefill_tokens", "max_running", "torch_threads", "ep_size", "pp_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")

@@ -1,0 +1,67 @@
+"""`tandem certs FOLDER NAME:ROLE[+ROLE][@HOST[,HOST]] ...`: a cluster CA and one certificate
+per process, for a deployment's mutual TLS and its etcd (docs/security.md).
+
+Each certificate is for server and client use, names its roles as URI subject alternative
+names (tandem://role/ROLE; `etcd` for etcd's own) and, as DNS or IP names, the loopback names,
+every `--host` and the hosts after its `@`. The CA's files (ca.pem, ca-key.pem) are made on the
+first run and reused by later ones on the same folder, so a host added later gets a certificate
+of the same CA. Keys are written mode 0600: give each process its own pair and keep ca-key.pem
+off the serving hosts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+ROLES = ("router", "prefill", "decode", "client", "admin", "etcd")
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("certs", help="make a cluster CA and one certificate per process (mutual TLS, etcd)")
+    p.add_argument("folder", help="where ca.pem, ca-key.pem and NAME.pem / NAME-key.pem go (the CA is "
+                                  "reused if it is there)")
+    p.add_argument("processes", nargs="+", metavar="NAME:ROLE[+ROLE][@HOST[,HOST]]",
+                   help=f"one certificate per entry; roles: {', '.join(ROLES)}; e.g. decode-0:decode@10.0.0.7")
+    p.add_argument("--host", action="append", default=[],
+                   help="a DNS name or IP address every certificate names (repeat; loopback is always named)")
+    p.add_argument("--days", type=int, default=365, help="validity of new certificates (and of a new CA), days")
+    p.set_defaults(func=run)
+
+
+def parse_entry(text: str) -> tuple[str, tuple[str, ...], tuple[str, ...]]:
+    """"NAME:ROLE[+ROLE][@HOST[,HOST]]" -> (name, roles, hosts).
+
+    Raises:
+        ValueError: naming the entry, for a missing part, an unknown role, or a name that is
+            not a plain file name.
+    """
+    spec, _, hosts = text.partition("@")
+    name, sep, roles = spec.partition(":")
+    if not sep or not name or not roles:
+        raise ValueError(f"{text!r}: expected NAME:ROLE[+ROLE][@HOST[,HOST]]")
+    if not all(c.isalnum() or c in "-_." for c in name) or name.startswith(".") or name in ("ca", "ca-key"):
+        raise ValueError(f"{text!r}: NAME must be a plain file name other than ca (letters, digits, - _ .)")
+    unknown = [r for r in roles.split("+") if r not in ROLES]
+    if unknown:
+        raise ValueError(f"{text!r}: unknown role {unknown[0]!r}; roles: {', '.join(ROLES)}")
+    return name, tuple(roles.split("+")), tuple(h for h in hosts.split(",") if h)
+
+
+def run(args: argparse.Namespace) -> int:
+    from common.certs import LOOPBACK, LocalCa
+    try:
+        entries = [parse_entry(e) for e in args.processes]
+    except ValueError as exc:
+        print(f"tandem certs: {exc}", file=sys.stderr)
+        return 2
+    if args.days < 1:
+        print(f"tandem certs: --days must be >= 1, got {args.days}", file=sys.stderr)
+        return 2
+    ca = LocalCa(args.folder, name="tandem cluster CA", days=args.days, reuse=True)
+    for name, roles, hosts in entries:
+        names = tuple(dict.fromkeys((*LOOPBACK, *args.host, *hosts)))
+        files = ca.issue(name, roles, names)
+        print(f"{files.cert} (key {files.key}): roles {'+'.join(roles)}, hosts {', '.join(names)}")
+    print(f"CA: {ca.ca_path} (give it to every process as --tls-ca; keep {ca.folder / 'ca-key.pem'} safe)")
+    return 0
