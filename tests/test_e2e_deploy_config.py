@@ -1,7 +1,9 @@
 """The shipped deploy/systemd configuration runs a cluster: router, prefill and decode started the
 way the units start them (`tandem <role>` with no flags, TANDEM_CONFIG plus the instance's env
-file), on 0.0.0.0 with the advertised address, answering health checks and a request whose tokens
-match the reference, and a worker exits 0 after its drain on SIGTERM."""
+file), with the certificates `tandem certs` makes as docs/deploy.md says, mutual TLS between the
+processes and with an etcd that takes only certificates of the cluster CA (as
+tandem-etcd.service runs it), on 0.0.0.0 with the advertised address, answering health checks
+and a request whose tokens match the reference, and a worker exits 0 after its drain on SIGTERM."""
 
 from __future__ import annotations
 
@@ -19,6 +21,9 @@ import pytest
 
 from cli.client import frontend_stub, generate
 from cli.health import check
+from cli.main import main
+from common.tls import TlsFiles
+from discovery.etcd_server import EtcdServer
 from common.pb.tandem.v1 import frontend_pb2
 from discovery.watcher import InstanceWatcher
 from engine.reference import reference_generate
@@ -39,10 +44,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def local_config(etcd: str) -> str:
-    """The example config with only what a site must edit changed (and the test model)."""
+def local_config(etcd: str, tls_dir: Path) -> str:
+    """The example config with only what a site must edit changed (and the test model, and the
+    certificates' folder)."""
     text = (SYSTEMD / "tandem.toml").read_text()
-    for old, new in [('etcd = "127.0.0.1:2379"', f'etcd = "{etcd}"'),
+    for old, new in [('etcd = "https://127.0.0.1:2379"', f'etcd = "{etcd}"'),
+                     ('tls_ca = "/etc/tandem/tls/ca.pem"', f'tls_ca = "{tls_dir}/ca.pem"'),
                      ('advertise_host = "192.0.2.10"', 'advertise_host = "127.0.0.1"'),
                      ('model = "tandem-shakespeare"', 'model = "tandem-tiny"'),
                      ('namespace = "default"', 'namespace = "e2e-deploy"'),
@@ -52,14 +59,23 @@ def local_config(etcd: str) -> str:
     return text
 
 
-def test_units_configuration_runs_a_cluster(etcd_server, tiny_model, tmp_path):
-    (tmp_path / "tandem.toml").write_text(local_config(etcd_server.endpoint))
+def test_units_configuration_runs_a_cluster(tiny_model, tmp_path):
+    tls_dir = tmp_path / "tls"
+    assert main(["certs", str(tls_dir), "router-0:router", "prefill-0:prefill", "decode-0:decode", "etcd:etcd",
+                 "client:client"]) == 0
+    client = TlsFiles(str(tls_dir / "client.pem"), str(tls_dir / "client-key.pem"), str(tls_dir / "ca.pem")).load()
+    etcd = EtcdServer(tls=TlsFiles(str(tls_dir / "etcd.pem"), str(tls_dir / "etcd-key.pem"), str(tls_dir / "ca.pem")))
+    etcd.start()
+    assert etcd.endpoint.startswith("https://")
+    (tmp_path / "tandem.toml").write_text(local_config(etcd.endpoint, tls_dir))
     base = {k: v for k, v in os.environ.items() if not k.startswith("TANDEM_")}
     ports, procs = {}, {}
     try:
         for role in ("router", "prefill", "decode"):
             env = {**base, **env_file(SYSTEMD / "env" / f"{role}-0.env"), "PYTHONPATH": str(ROOT),
                    "PYTHONUNBUFFERED": "1", "TANDEM_CONFIG": str(tmp_path / "tandem.toml")}
+            for key in ("TANDEM_TLS_CERT", "TANDEM_TLS_KEY"):  # /etc/tandem/tls/... -> the test's folder
+                env[key] = env[key].replace("/etc/tandem/tls", str(tls_dir))
             env.pop("TANDEM_METRICS_PORT")  # fixed ports would collide with parallel runs
             assert env["TANDEM_PORT"].isdigit()  # each instance's port comes from its env file; here a free one
             env["TANDEM_PORT"] = str(free_port())
@@ -69,15 +85,15 @@ def test_units_configuration_runs_a_cluster(etcd_server, tiny_model, tmp_path):
                                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + 180
         for role, port in ports.items():
-            while check(f"127.0.0.1:{port}", timeout_s=1.0) != (True, "SERVING"):
+            while check(f"127.0.0.1:{port}", timeout_s=1.0, creds=client) != (True, "SERVING"):
                 assert procs[role].poll() is None, (tmp_path / f"{role}.log").read_text()[-3000:]
                 assert time.monotonic() < deadline, f"{role} not SERVING"
                 time.sleep(0.2)
 
         async def request() -> tuple[list, list[int], set[str]]:
-            async with InstanceWatcher(etcd_server.endpoint, "e2e-deploy") as watcher:
+            async with InstanceWatcher(etcd.endpoint, "e2e-deploy", tls=client) as watcher:
                 view = await watcher.wait_for(lambda v: len(v) >= 3, timeout=60)
-            ch, stub = frontend_stub(f"127.0.0.1:{ports['router']}")
+            ch, stub = frontend_stub(f"127.0.0.1:{ports['router']}", client)
             try:
                 while True:  # until the router's etcd view has both workers, at their advertised address
                     try:
@@ -111,3 +127,4 @@ def test_units_configuration_runs_a_cluster(etcd_server, tiny_model, tmp_path):
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+        etcd.stop()
