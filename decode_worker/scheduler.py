@@ -94,6 +94,7 @@ class DecodeScheduler:
 
     def add(self, req: RunningRequest) -> None:
         """Take ownership of req (its blocks are freed by the scheduler from now on)."""
+        self.admission.turn_starts(req.ticket)  # capacity: a lone request's turn is its decoding time
         self.running.append(req)
         self._wake.set()
 
