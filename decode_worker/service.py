@@ -299,11 +299,12 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
         try:
             # fenced blocks come back too (decode_worker/fence.py): wait for them as for running
             # requests, but for FENCE_WAIT_S at most (a fence may last 2 × (prefill + transfer
-            # timeout)); then RESOURCE_EXHAUSTED, and the router tries another decode worker
+            # timeout)); then RESOURCE_EXHAUSTED, and the router tries another decode worker. So
+            # do the blocks of a request that ended under the overlap loop (freed after its step).
             began = time.monotonic()
             prompt = await admission.allocate_prompt(
-                tokens, lambda: admission.admitted > 1 or (self.fence.held_blocks > 0
-                                                            and time.monotonic() - began < FENCE_WAIT_S), seed)
+                tokens, lambda: admission.admitted > 1 or self.scheduler.frees_pending()
+                or (self.fence.held_blocks > 0 and time.monotonic() - began < FENCE_WAIT_S), seed)
             self.rt.count_prefix_lookup(len(tokens), prompt)
         except PoolExhausted as exc:
             admission.release(ticket)
