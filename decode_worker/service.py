@@ -192,9 +192,24 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
             return ""
         return address
 
+    async def _still_in_discovery(self, address: str, request_id: str) -> bool:
+        """Whether the prefill worker checked by `_prefill_address` is still in discovery: the
+        request may have waited in admission since, and a record that left meanwhile had its
+        channel closed (`forget_prefill`); dialling it now would open one that nothing closes."""
+        try:
+            await self.prefills.find(lambda i: i.address == address, "prefill_address",
+                                     f"prefill worker {address!r}", 0.0)
+        except PermissionDenied as exc:
+            self._failures.warning(address, "request %s: %s (it left while the request waited); prefilling "
+                                   "locally", request_id, exc)
+            return False
+        return True
+
     async def _prefill(self, request: pb.DecodeRequest, request_id: str, prompt: PromptBlocks,
                        params: SamplingParams, timeout_s: float, prefill_address: str) -> Prefilled:
         tokens = list(request.token_ids)
+        if prefill_address and not await self._still_in_discovery(prefill_address, request_id):
+            prefill_address = ""
         if prefill_address:
             try:
                 first = await self._remote_prefill(prefill_address, request_id, tokens, prompt,
