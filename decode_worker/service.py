@@ -94,6 +94,7 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
     def _free_fenced(self, block_ids: list) -> None:
         self.rt.pool.free(block_ids)
         self.rt.events.publish()
+        self.scheduler._wake.set()  # a retracted request may be waiting for these blocks, the loop idle
 
     def _stub(self, address: str) -> prefill_pb2_grpc.PrefillServiceStub:
         """A stub on the one channel to the prefill worker at `address` (opened at first use,

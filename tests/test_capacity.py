@@ -356,3 +356,43 @@ def test_a_lone_requests_turn_counts_from_its_first_decode_step_not_its_prefill(
             rt.close()
 
     asyncio.run(main())
+
+
+def test_retracted_request_resumes_when_fenced_blocks_come_back(tiny_model):
+    """A retracted request (or a lone one back for its turn) whose re-prefill finds the pool
+    short only because of blocks fenced after an unanswered prefill call (decode_worker/fence.py)
+    resumes once the fence releases them: the idle decode loop is woken. Otherwise it waited for
+    an unrelated wake-up while admission held every new request behind it."""
+    from common.sampling_params import SamplingParams
+    from decode_worker.scheduler import RunningRequest
+    from decode_worker.service import DecodeServicer
+    from worker.peers import PeerDirectory
+
+    async def main():
+        rt, sched = decode_scheduler(tiny_model, num_blocks=8)
+        servicer = DecodeServicer(rt, sched, PeerDirectory(tiny_model.name, tiny_model.fingerprint))
+        adm = sched.admission
+        loop = asyncio.create_task(sched.run())
+        try:
+            prompt = [(13 * j) % 9000 + 1 for j in range(40)]
+            req = RunningRequest("retracted", prompt + [7, 9], len(prompt), [], SamplingParams(max_tokens=4),
+                                 ticket=await adm.admit(len(prompt), 4))
+            fenced = rt.pool.blocks.allocate(7)  # a fence holds them: the re-prefill's 3 blocks are not there
+            sched.retraction.waiting.append(req)  # as Retractor.retract leaves it
+            adm.hold()
+            sched._wake.set()
+            for _ in range(10):  # the loop tries, finds the pool short, and idles
+                await asyncio.sleep(0)
+            assert sched.retraction.waiting and not sched.running
+            servicer._free_fenced(fenced)  # the prefill worker answered Abandon
+            out = await asyncio.wait_for(req.out.get(), 10)
+            assert out.token is not None
+            while not (await asyncio.wait_for(req.out.get(), 10)).finish_reason:
+                pass
+            assert adm.held == 0 and adm.admitted == 0 and rt.pool.blocks.num_free == 8
+        finally:
+            loop.cancel()
+            await servicer.close()
+            rt.close()
+
+    asyncio.run(main())
