@@ -95,8 +95,9 @@ class DecodeScheduler:
     def frees_pending(self) -> bool:
         """Whether blocks already released will come back to the pool by themselves: the overlap
         loops free a finished, cancelled or retracted request's blocks only once the step in
-        flight has completed (its ticket is back at once, so the next request is admitted first)."""
-        return self.overlap is not None and not self.overlap.idle
+        flight has completed (its ticket is back at once, so the next request is admitted first).
+        Not once the loop has failed: then nothing completes."""
+        return self.overlap is not None and not self.overlap.idle and self.failed is None
 
     def add(self, req: RunningRequest) -> None:
         """Take ownership of req (its blocks are freed by the scheduler from now on)."""

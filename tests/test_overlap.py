@@ -164,6 +164,9 @@ def test_admitted_request_waits_for_blocks_the_overlap_loop_still_holds(tiny_mod
             assert len(msg.token_ids) == 1
             await gen.aclose()
             assert adm.admitted == 0 and rt.pool.blocks.num_free == 8
+            sched.overlap._inflight = ("a step that never completes",)
+            sched.failed = RuntimeError("decode loop failed")
+            assert not sched.frees_pending()  # a failed loop frees nothing: nobody waits for it
         finally:
             await servicer.close()
             rt.close()
