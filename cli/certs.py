@@ -12,9 +12,13 @@ off the serving hosts.
 from __future__ import annotations
 
 import argparse
+import ipaddress
+import re
 import sys
 
 ROLES = ("router", "prefill", "decode", "client", "admin", "etcd")
+MAX_DAYS = 36500  # a certificate's dates end at year 9999; a century is plenty
+_DNS_NAME = re.compile(r"(\*\.)?[A-Za-z0-9_]([A-Za-z0-9_-]*[A-Za-z0-9])?(\.[A-Za-z0-9_]([A-Za-z0-9_-]*[A-Za-z0-9])?)*\.?")
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -45,7 +49,33 @@ def parse_entry(text: str) -> tuple[str, tuple[str, ...], tuple[str, ...]]:
     unknown = [r for r in roles.split("+") if r not in ROLES]
     if unknown:
         raise ValueError(f"{text!r}: unknown role {unknown[0]!r}; roles: {', '.join(ROLES)}")
-    return name, tuple(roles.split("+")), tuple(h for h in hosts.split(",") if h)
+    names = tuple(h for h in hosts.split(",") if h)
+    bad = [h for h in names if not is_host(h)]
+    if bad:
+        raise ValueError(f"{text!r}: host {bad[0]!r} is neither an IP address nor a DNS name (ASCII letters, "
+                         "digits, - and .; an internationalised name in its xn-- form)")
+    return name, tuple(roles.split("+")), names
+
+
+def is_host(text: str) -> bool:
+    """Whether `text` can be a certificate's IP or DNS subject alternative name."""
+    try:
+        ipaddress.ip_address(text)
+        return True
+    except ValueError:
+        return len(text) <= 253 and _DNS_NAME.fullmatch(text) is not None
+
+
+def _clash(entries: list[str], parsed: list[tuple[str, tuple[str, ...], tuple[str, ...]]]) -> str | None:
+    """Why two entries' files would overwrite each other (NAME.pem, NAME-key.pem: "a-key"'s
+    certificate is "a"'s key), or None."""
+    owner: dict[str, str] = {}
+    for text, (name, _, _) in zip(entries, parsed):
+        for file in (f"{name}.pem", f"{name}-key.pem"):
+            if file in owner:
+                return f"{text!r}: its {file} would overwrite a file of {owner[file]!r}"
+            owner[file] = text
+    return None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -55,10 +85,19 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"tandem certs: {exc}", file=sys.stderr)
         return 2
-    if args.days < 1:
-        print(f"tandem certs: --days must be >= 1, got {args.days}", file=sys.stderr)
+    problem = _clash(args.processes, entries)
+    problem = problem or next((f"--host {h!r} is neither an IP address nor a DNS name" for h in args.host
+                               if not is_host(h)), None)
+    if not 1 <= args.days <= MAX_DAYS:
+        problem = problem or f"--days must be between 1 and {MAX_DAYS}, got {args.days}"
+    if problem:
+        print(f"tandem certs: {problem}", file=sys.stderr)
         return 2
-    ca = LocalCa(args.folder, name="tandem cluster CA", days=args.days, reuse=True)
+    try:
+        ca = LocalCa(args.folder, name="tandem cluster CA", days=args.days, reuse=True)
+    except ValueError as exc:  # the CA there cannot be used: nothing is issued
+        print(f"tandem certs: {exc}", file=sys.stderr)
+        return 2
     for name, roles, hosts in entries:
         names = tuple(dict.fromkeys((*LOOPBACK, *args.host, *hosts)))
         files = ca.issue(name, roles, names)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import datetime
 import ipaddress
+import os
 from pathlib import Path
 
 from common.tls import ROLE_URI, TlsFiles
@@ -27,9 +28,16 @@ def _pem_key(key) -> bytes:
 
 
 def _write(path: Path, data: bytes, private: bool = False) -> None:
-    path.write_bytes(data)
-    if private:
+    if not private:
+        path.write_bytes(data)
+        return
+    # created 0600, never readable by others in between (an existing file is narrowed first)
+    if path.exists():
         path.chmod(0o600)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+    path.chmod(0o600)
 
 
 class LocalCa:
@@ -47,8 +55,16 @@ class LocalCa:
         self.days = days
         self.ca_path = self.folder / "ca.pem"
         if reuse and self.ca_path.exists():
+            key_path = self.folder / "ca-key.pem"
+            if not key_path.exists():
+                raise ValueError(f"{key_path} is missing: put the CA's key back beside {self.ca_path} to issue "
+                                 "certificates of that CA (or use a new folder for a new CA)")
             self._cert = x509.load_pem_x509_certificate(self.ca_path.read_bytes())
-            self._key = serialization.load_pem_private_key((self.folder / "ca-key.pem").read_bytes(), None)
+            self._key = serialization.load_pem_private_key(key_path.read_bytes(), None)
+            pem = serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
+            if self._key.public_key().public_bytes(*pem) != self._cert.public_key().public_bytes(*pem):
+                raise ValueError(f"{key_path} is not the key of {self.ca_path}: certificates it signed would "
+                                 "not verify against that CA")
             return
         self.folder.mkdir(parents=True, exist_ok=True)
         self._key = _key()

@@ -13,7 +13,8 @@ the pool ran out and fail then, after holding every other request back). A reque
 the budget but within the pool fits only *alone*: it is admitted when nothing else is admitted,
 never holds the queue behind it (requests that fit go past it), and waits at most `solo_wait_s`
 seconds for its turn, then gets RESOURCE_EXHAUSTED. Once running, it does not hold the queue
-for its whole run either: when it has run `solo_wait_s` (at least MIN_TURN_S) and a request
+for its whole run either: when it has decoded `solo_wait_s` (at least MIN_TURN_S; its turn
+counts from its first decode step, not from the grant before its prefill) and a request
 within the budget has waited as long, the decode loop retracts it (`overdue_solo`,
 `yield_turn`; decode_worker/retraction.py), the waiting requests are admitted, and it waits for
 its turn again ahead of the requests that arrive after that, then resumes where it stopped.
@@ -46,8 +47,9 @@ MIN_TURN_S = 1.0  # shortest turn of a request that runs alone before waiting re
 
 @dataclass(eq=False)
 class Ticket:
-    """One admitted request's reservation: `blocks` projected KV blocks, granted at
-    `granted_at` (time.monotonic(); the start of its current turn)."""
+    """One admitted request's reservation: `blocks` projected KV blocks; `granted_at`
+    (time.monotonic()) is the start of its current turn: its grant, then (`turn_starts`) its
+    first decode step, so its prefill does not use up its turn."""
 
     blocks: int
     released: bool = False
@@ -111,6 +113,13 @@ class Admission:
         if self._solo(blocks):
             self._alone = ticket
         return ticket
+
+    def turn_starts(self, ticket: Ticket | None) -> None:
+        """The ticket's request joins the decode batch (after its prefill, or its re-prefill after
+        a yield): its turn counts from now. A long prompt's prefill may outlast --solo-wait; were
+        it counted, the request would be retracted before its first decode step, at every turn."""
+        if ticket is not None:
+            ticket.granted_at = time.monotonic()
 
     def overdue_solo(self, now: float | None = None) -> Ticket | None:
         """The ticket of the request running alone, when its turn is over: it has run

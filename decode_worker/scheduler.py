@@ -92,8 +92,16 @@ class DecodeScheduler:
         stats.decode_step_rows += rows
         self.steps += 1
 
+    def frees_pending(self) -> bool:
+        """Whether blocks already released will come back to the pool by themselves: the overlap
+        loops free a finished, cancelled or retracted request's blocks only once the step in
+        flight has completed (its ticket is back at once, so the next request is admitted first).
+        Not once the loop has failed: then nothing completes."""
+        return self.overlap is not None and not self.overlap.idle and self.failed is None
+
     def add(self, req: RunningRequest) -> None:
         """Take ownership of req (its blocks are freed by the scheduler from now on)."""
+        self.admission.turn_starts(req.ticket)  # capacity: a lone request's turn is its decoding time
         self.running.append(req)
         self._wake.set()
 

@@ -94,6 +94,7 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
     def _free_fenced(self, block_ids: list) -> None:
         self.rt.pool.free(block_ids)
         self.rt.events.publish()
+        self.scheduler._wake.set()  # a retracted request may be waiting for these blocks, the loop idle
 
     def _stub(self, address: str) -> prefill_pb2_grpc.PrefillServiceStub:
         """A stub on the one channel to the prefill worker at `address` (opened at first use,
@@ -192,9 +193,24 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
             return ""
         return address
 
+    async def _still_in_discovery(self, address: str, request_id: str) -> bool:
+        """Whether the prefill worker checked by `_prefill_address` is still in discovery: the
+        request may have waited in admission since, and a record that left meanwhile had its
+        channel closed (`forget_prefill`); dialling it now would open one that nothing closes."""
+        try:
+            await self.prefills.find(lambda i: i.address == address, "prefill_address",
+                                     f"prefill worker {address!r}", 0.0)
+        except PermissionDenied as exc:
+            self._failures.warning(address, "request %s: %s (it left while the request waited); prefilling "
+                                   "locally", request_id, exc)
+            return False
+        return True
+
     async def _prefill(self, request: pb.DecodeRequest, request_id: str, prompt: PromptBlocks,
                        params: SamplingParams, timeout_s: float, prefill_address: str) -> Prefilled:
         tokens = list(request.token_ids)
+        if prefill_address and not await self._still_in_discovery(prefill_address, request_id):
+            prefill_address = ""
         if prefill_address:
             try:
                 first = await self._remote_prefill(prefill_address, request_id, tokens, prompt,
@@ -299,11 +315,12 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
         try:
             # fenced blocks come back too (decode_worker/fence.py): wait for them as for running
             # requests, but for FENCE_WAIT_S at most (a fence may last 2 × (prefill + transfer
-            # timeout)); then RESOURCE_EXHAUSTED, and the router tries another decode worker
+            # timeout)); then RESOURCE_EXHAUSTED, and the router tries another decode worker. So
+            # do the blocks of a request that ended under the overlap loop (freed after its step).
             began = time.monotonic()
             prompt = await admission.allocate_prompt(
-                tokens, lambda: admission.admitted > 1 or (self.fence.held_blocks > 0
-                                                            and time.monotonic() - began < FENCE_WAIT_S), seed)
+                tokens, lambda: admission.admitted > 1 or self.scheduler.frees_pending()
+                or (self.fence.held_blocks > 0 and time.monotonic() - began < FENCE_WAIT_S), seed)
             self.rt.count_prefix_lookup(len(tokens), prompt)
         except PoolExhausted as exc:
             admission.release(ticket)

@@ -66,8 +66,9 @@ class EtcdServer:
         startup_timeout: seconds to wait for etcd to answer `/health` after spawning it.
         stop_timeout: seconds to wait after SIGTERM before SIGKILL.
         tls: etcd's certificate and key and the CA (common/certs.py issues them): serve clients
-            over TLS and take only clients with a certificate of that CA (--client-cert-auth);
-            `endpoint` is then "https://127.0.0.1:port". None: plaintext.
+            over TLS and take only clients with a certificate of that CA (--client-cert-auth),
+            on the peer port as well (etcd serves its client API there too); `endpoint` is then
+            "https://127.0.0.1:port". None: plaintext.
 
     Usable as a (sync or async) context manager, or through start()/stop().
     """
@@ -198,7 +199,7 @@ class EtcdServer:
     def _spawn(self, binary: str) -> None:
         assert self._root is not None
         client_url = f"{'https' if self._tls else 'http'}://127.0.0.1:{self._client_port}"
-        peer_url = f"http://127.0.0.1:{self._peer_port}"
+        peer_url = f"{'https' if self._tls else 'http'}://127.0.0.1:{self._peer_port}"
         name = "tandem"
         args = [
             binary,
@@ -212,9 +213,13 @@ class EtcdServer:
             "--logger=zap",
             "--log-outputs=stderr",
         ]
-        if self._tls:  # clients over TLS with certificates of the cluster CA; peers stay on loopback
+        if self._tls:  # clients over TLS with certificates of the cluster CA, on the peer port too:
+            # etcd serves its whole client API (gRPC) there as well, so a plaintext peer listener,
+            # even on loopback, would take any local process's writes
             args += [f"--cert-file={self._tls.cert}", f"--key-file={self._tls.key}",
-                     f"--trusted-ca-file={self._tls.ca}", "--client-cert-auth"]
+                     f"--trusted-ca-file={self._tls.ca}", "--client-cert-auth",
+                     f"--peer-cert-file={self._tls.cert}", f"--peer-key-file={self._tls.key}",
+                     f"--peer-trusted-ca-file={self._tls.ca}", "--peer-client-cert-auth"]
         with open(self._root / "etcd.log", "ab") as log:
             # Own session: stop() can kill the whole process group.
             self._proc = subprocess.Popen(

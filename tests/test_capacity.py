@@ -306,3 +306,93 @@ def test_make_room_ends_a_request_larger_than_the_pool():
 def test_plan_refuses_memory_that_leaves_no_pool():
     with pytest.raises(ValueError, match="--hbm .* leaves no KV pool"):
         build_plans(PlanOptions(hbm="32GiB", practical_fractions="0.9"))  # 0.75 × 32 GiB < 40 GiB of weights
+
+
+def decode_scheduler(loaded, **options):
+    """A real DecodeScheduler on the tiny model (its loop not started: tests drive it by hand)."""
+    from common.pb.tandem.v1 import discovery_pb2
+    from decode_worker.scheduler import DecodeScheduler
+    from worker.host import WorkerRuntime
+    rt = WorkerRuntime(discovery_pb2.ROLE_DECODE, WorkerOptions(model=loaded.name, **options), loaded)
+    sched = DecodeScheduler(rt)
+    sched.admission.solo_wait_s = rt.opts.solo_wait_s  # as DecodeServicer does
+    return rt, sched
+
+
+def test_a_lone_requests_turn_counts_from_its_first_decode_step_not_its_prefill(tiny_model):
+    """A request that fits only alone is granted its turn before its prefill (remote, or the
+    re-prefill after a yield, which for a long prompt can take longer than --solo-wait). Were the
+    turn counted from the grant, it would be retracted as soon as it joined the batch, without a
+    single decode step, at every turn while small requests keep arriving: it would never finish."""
+    from common.sampling_params import SamplingParams
+    from decode_worker.admission import MIN_TURN_S
+    from decode_worker.scheduler import RunningRequest
+
+    async def main():
+        rt, sched = decode_scheduler(tiny_model, num_blocks=16, practical_fraction=0.5, solo_wait_s=0.2)
+        adm = sched.admission
+        try:
+            prompt = [(7 * j) % 9000 + 1 for j in range(64)]
+            ticket = await adm.admit(len(prompt), 128)  # 12 blocks of 16 tokens, over the budget of 8: alone
+            small = asyncio.create_task(adm.admit(4, 4))
+            await asyncio.sleep(0)
+            assert adm.queued == 1
+            # Its prefill took 10 s, and the small request waited behind it all along.
+            ticket.granted_at -= 10
+            adm._queue[0].since -= 10
+            blocks = rt.pool.allocate_prompt(prompt)
+            req = RunningRequest("alone", prompt + [5], len(prompt), blocks.block_ids,
+                                 SamplingParams(max_tokens=128), ticket=ticket)
+            sched.add(req)  # it starts decoding now
+            sched.retraction.yield_solo()
+            assert req in sched.running and rt.stats.solo_yields == 0, "retracted before its first decode step"
+            ticket.granted_at -= max(adm.solo_wait_s, MIN_TURN_S)  # it has decoded for a whole turn
+            sched.retraction.yield_solo()
+            assert req not in sched.running and rt.stats.solo_yields == 1
+            adm.release(await asyncio.wait_for(small, 1))
+            adm.cancel_turn(sched.retraction.yielded.pop(req))
+            assert adm.reserved == 0 and adm.admitted == 0 and adm.queued == 0
+        finally:
+            rt.close()
+
+    asyncio.run(main())
+
+
+def test_retracted_request_resumes_when_fenced_blocks_come_back(tiny_model):
+    """A retracted request (or a lone one back for its turn) whose re-prefill finds the pool
+    short only because of blocks fenced after an unanswered prefill call (decode_worker/fence.py)
+    resumes once the fence releases them: the idle decode loop is woken. Otherwise it waited for
+    an unrelated wake-up while admission held every new request behind it."""
+    from common.sampling_params import SamplingParams
+    from decode_worker.scheduler import RunningRequest
+    from decode_worker.service import DecodeServicer
+    from worker.peers import PeerDirectory
+
+    async def main():
+        rt, sched = decode_scheduler(tiny_model, num_blocks=8)
+        servicer = DecodeServicer(rt, sched, PeerDirectory(tiny_model.name, tiny_model.fingerprint))
+        adm = sched.admission
+        loop = asyncio.create_task(sched.run())
+        try:
+            prompt = [(13 * j) % 9000 + 1 for j in range(40)]
+            req = RunningRequest("retracted", prompt + [7, 9], len(prompt), [], SamplingParams(max_tokens=4),
+                                 ticket=await adm.admit(len(prompt), 4))
+            fenced = rt.pool.blocks.allocate(7)  # a fence holds them: the re-prefill's 3 blocks are not there
+            sched.retraction.waiting.append(req)  # as Retractor.retract leaves it
+            adm.hold()
+            sched._wake.set()
+            for _ in range(10):  # the loop tries, finds the pool short, and idles
+                await asyncio.sleep(0)
+            assert sched.retraction.waiting and not sched.running
+            servicer._free_fenced(fenced)  # the prefill worker answered Abandon
+            out = await asyncio.wait_for(req.out.get(), 10)
+            assert out.token is not None
+            while not (await asyncio.wait_for(req.out.get(), 10)).finish_reason:
+                pass
+            assert adm.held == 0 and adm.admitted == 0 and rt.pool.blocks.num_free == 8
+        finally:
+            loop.cancel()
+            await servicer.close()
+            rt.close()
+
+    asyncio.run(main())

@@ -61,3 +61,64 @@ def test_bad_entries_are_refused_naming_them(entry, message, tmp_path, capsys):
     assert main(["certs", str(tmp_path / "tls"), entry]) == 2
     assert entry in capsys.readouterr().err
     assert not (tmp_path / "tls").exists()  # nothing made
+
+
+@pytest.mark.parametrize("entries,named", [
+    (["a:decode", "a-key:router"], "a-key"),  # a-key.pem would overwrite a's key
+    (["a-key:router", "a:decode"], "a-key"),
+    (["dup:decode", "dup:router"], "dup"),  # the second would replace the first
+    (["x:decode@h\u00e9llo"], "h\u00e9llo"),  # not a DNS name (an A-label) nor an IP address
+    (["x:decode@10.0.0.1 "], "10.0.0.1 "),
+])
+def test_entries_that_would_clash_or_cannot_be_named_are_refused_before_anything_is_made(entries, named,
+                                                                                          tmp_path, capsys):
+    assert main(["certs", str(tmp_path / "tls"), *entries]) == 2
+    assert named in capsys.readouterr().err
+    assert not (tmp_path / "tls").exists()
+
+
+@pytest.mark.parametrize("host", ["h\u00e9llo", "a b"])
+def test_a_bad_host_flag_is_refused_before_anything_is_made(host, tmp_path, capsys):
+    assert main(["certs", str(tmp_path / "tls"), "a:decode", "--host", host]) == 2
+    assert repr(host) in capsys.readouterr().err
+    assert not (tmp_path / "tls").exists()
+
+
+def test_days_beyond_what_a_certificate_can_say_are_refused(tmp_path, capsys):
+    assert main(["certs", str(tmp_path / "tls"), "a:decode", "--days", "99999999"]) == 2
+    assert "--days" in capsys.readouterr().err
+    assert not (tmp_path / "tls").exists()
+
+
+def test_a_reused_ca_whose_key_is_not_its_own_is_refused(tmp_path, capsys):
+    """docs/deploy.md moves ca-key.pem off the host and has it put back for a later run: the
+    wrong key back would sign certificates nobody accepts, so the run stops instead."""
+    out, other = tmp_path / "tls", tmp_path / "other"
+    assert main(["certs", str(out), "a:decode"]) == 0
+    assert main(["certs", str(other), "b:decode"]) == 0
+    (out / "ca-key.pem").write_bytes((other / "ca-key.pem").read_bytes())
+    capsys.readouterr()
+    assert main(["certs", str(out), "c:decode"]) == 2
+    assert "ca-key.pem" in capsys.readouterr().err
+    assert not (out / "c.pem").exists()
+    (out / "ca-key.pem").unlink()
+    assert main(["certs", str(out), "c:decode"]) == 2  # missing: named, no traceback
+    assert "ca-key.pem" in capsys.readouterr().err
+    assert not (out / "c.pem").exists()
+
+
+def test_keys_are_never_readable_by_others_not_even_while_written(tmp_path, monkeypatch):
+    """A key file is created mode 0600, not written with the umask's mode and narrowed after
+    (another local user could open it in between and read it from then on)."""
+    import os
+    from pathlib import Path
+
+    from common.certs import LocalCa
+    monkeypatch.setattr(Path, "chmod", lambda self, mode: None)  # only the mode it was created with
+    old = os.umask(0o022)
+    try:
+        LocalCa(tmp_path).issue("a", ("decode",))
+    finally:
+        os.umask(old)
+    for key in ("ca-key.pem", "a-key.pem"):
+        assert stat.S_IMODE((tmp_path / key).stat().st_mode) == 0o600, key

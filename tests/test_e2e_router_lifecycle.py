@@ -147,6 +147,58 @@ def test_decode_workers_channel_to_a_departed_prefill_worker_is_closed(cluster, 
         cluster.stop(decode)
 
 
+def test_request_queued_while_its_prefill_worker_leaves_does_not_dial_it(cluster, tiny_model):
+    """A request checked against discovery may then wait in admission (seconds, minutes). If
+    its prefill worker's record leaves meanwhile, the decode worker closes the channel; the
+    request, once admitted, must prefill locally, not open a new channel to the departed
+    address (one that would outlive the record: nothing would close it again)."""
+    decode = cluster.start("decode")
+    fake = RefusingPrefill()
+    server = cluster.call(start_server("127.0.0.1:0", [lambda s: prefill_pb2_grpc.add_PrefillServiceServicer_to_server(
+        fake, s)], ["tandem.v1.PrefillService"]))
+    address = f"127.0.0.1:{server.port}"
+    inst = discovery_pb2.Instance(instance_id="prefill-leaves-queued", role=discovery_pb2.ROLE_PREFILL,
+                                  address=address, model=cluster.loaded.name,
+                                  block_size=cluster.worker_opts.block_size,
+                                  weights_fingerprint=cluster.loaded.fingerprint,
+                                  state=discovery_pb2.INSTANCE_STATE_SERVING)
+    reg = Registration(cluster.etcd, cluster.namespace, inst, ttl_seconds=5)
+    prompt = [51, 52, 53, 54]
+    admission = decode.runtime.scheduler.admission
+    open_channels = decode.runtime.metrics.prefill_channels_fn
+    held = False
+
+    def generate(request_id: str) -> list[int]:
+        with grpc.insecure_channel(decode.address) as ch:
+            return [t for m in decode_pb2_grpc.DecodeServiceStub(ch).Generate(decode_pb2.DecodeRequest(
+                request_id=request_id, token_ids=prompt, sampling=sampling_pb2.SamplingParams(max_tokens=4),
+                prefill_address=address), timeout=60) for t in m.token_ids]
+
+    try:
+        cluster.call(reg.start())
+        want = reference_generate(tiny_model.model, prompt, 4, tiny_model.config.eos_token_ids)
+        assert generate("dials-it") == want and fake.calls == 1 and cluster.on_loop(open_channels) == 1
+        cluster.on_loop(admission.hold)  # the next request waits in admission
+        held = True
+        result: list = []
+        caller = threading.Thread(target=lambda: result.append(generate("queued")), daemon=True)
+        caller.start()
+        wait(lambda: cluster.on_loop(lambda: admission.queued) == 1, 10, "the request never queued")
+        cluster.call(reg.stop())  # the record leaves while it waits
+        wait(lambda: cluster.on_loop(open_channels) == 0, 10, "the channel to the departed prefill worker stayed open")
+        cluster.on_loop(admission.unhold)
+        held = False
+        caller.join(60)
+        assert result == [want]
+        assert fake.calls == 1, "the queued request dialled the departed prefill worker"
+        assert cluster.on_loop(open_channels) == 0, "a channel to the departed prefill worker was opened again"
+    finally:
+        if held:
+            cluster.on_loop(admission.unhold)
+        cluster.call(server.stop(0))
+        cluster.stop(decode)
+
+
 class FakeDecode(decode_pb2_grpc.DecodeServiceServicer):
     """Streams `tokens` from 1000 + sampling_step_offset on; after `hang_after` of them, goes silent."""
 

@@ -190,3 +190,33 @@ def test_tandem_ups_own_etcd_takes_only_certificates_of_the_cluster_ca(tmp_path)
     assert len(served.token_ids) == 4
     assert fake is None  # the refused write left nothing
     assert len(records) == 3  # the router and both workers registered through the TLS etcd
+
+
+def test_etcd_with_tls_serves_nothing_to_a_client_without_a_certificate_on_its_peer_port(tmp_path):
+    """etcd serves its whole client API (gRPC) on the peer port too. An EtcdServer with TLS
+    (`tandem up`'s) must not leave that port plaintext: a process without a certificate of the
+    cluster CA could otherwise put a fake worker's record there, bypassing --client-cert-auth."""
+    import aetcd
+
+    from discovery.endpoints import ETCD_ERRORS, connect_first
+    from discovery.etcd_server import EtcdServer
+
+    ca = LocalCa(tmp_path / "ca")
+    member = ca.issue("router", ("router",)).load()
+    key = b"/tandem/v1/e2e-etcd-peer/instances/decode/fake"
+
+    async def main():
+        intruder = aetcd.Client("127.0.0.1", etcd._peer_port, timeout=2)
+        try:
+            with pytest.raises(ETCD_ERRORS):
+                await asyncio.wait_for(intruder.put(key, b"x"), 5)
+        finally:
+            await intruder.close()
+        async with await connect_first(etcd.endpoint, tls=member) as client:  # the cluster's own clients work
+            await client.put(b"/tandem/v1/e2e-etcd-peer/probe", b"ok")
+            return await client.get(key)
+
+    with EtcdServer(tls=ca.issue("etcd", ("etcd",))) as etcd:
+        assert asyncio.run(main()) is None  # the intruder's write left nothing
+        etcd.restart()  # the same flags again, on the same data
+        assert asyncio.run(main()) is None

@@ -102,3 +102,73 @@ def test_overlap_retraction_loses_no_in_flight_token(tiny_model) -> None:
     assert tight == roomy
     assert roomy[0] == reference_generate(tiny_model.model, prompts[0], 40)
     assert rt.pool.blocks.num_free == 9
+
+
+class AbortedRpc(Exception):
+    pass
+
+
+class FakeContext:
+    """What DecodeServicer._generate asks of its gRPC context."""
+
+    def time_remaining(self):
+        return None
+
+    async def abort(self, code, details):
+        raise AbortedRpc(code, details)
+
+
+def test_admitted_request_waits_for_blocks_the_overlap_loop_still_holds(tiny_model) -> None:
+    """Under the overlap loop a request that ends (or a lone one that yields its turn) gives its
+    ticket back at once but its blocks only once the step in flight has completed. The request
+    admitted in its place must wait for those blocks, not be refused with RESOURCE_EXHAUSTED
+    because the pool is momentarily full while it is the only one admitted."""
+    from common.pb.tandem.v1 import decode_pb2, discovery_pb2
+    from common.pb.tandem.v1 import sampling_pb2 as spb
+    from decode_worker.scheduler import DecodeScheduler, RunningRequest
+    from decode_worker.overlap import overlap_loop
+    from decode_worker.service import DecodeServicer
+    from worker.host import WorkerOptions, WorkerRuntime
+    from worker.peers import PeerDirectory
+
+    async def main():
+        rt = WorkerRuntime(discovery_pb2.ROLE_DECODE, WorkerOptions(model=tiny_model.name, num_blocks=8),
+                           tiny_model)
+        sched = DecodeScheduler(rt)
+        sched.overlap = overlap_loop(sched)  # its release hook (the loop itself is not started)
+        servicer = DecodeServicer(rt, sched, PeerDirectory(tiny_model.name, tiny_model.fingerprint))
+        adm = sched.admission  # budget: 7 of 8 blocks
+        try:
+            ticket = await adm.admit(96, 16)  # 7 blocks projected
+            a = RunningRequest("a", list(range(1, 98)), 96, rt.pool.blocks.allocate(7), SamplingParams(max_tokens=16),
+                               ticket=ticket)
+            sched.running.append(a)
+            prompt = [(11 * j) % 9000 + 1 for j in range(40)]  # 3 blocks: waits behind a
+            gen = servicer._generate(decode_pb2.DecodeRequest(request_id="b", token_ids=prompt,
+                                                              sampling=spb.SamplingParams(max_tokens=1)), FakeContext())
+            first = asyncio.ensure_future(gen.__anext__())
+            for _ in range(3):
+                await asyncio.sleep(0)
+            assert adm.queued == 1
+            sched.overlap._inflight = ("a step that reads a's blocks",)
+            sched._finish(a, None)  # a ends: its ticket goes now, its blocks after that step
+            assert adm.queued == 0 and adm.admitted == 1 and rt.pool.blocks.num_free == 1
+            for _ in range(5):  # b runs: the pool is short by a's blocks
+                await asyncio.sleep(0)
+            assert not first.done(), first.exception()
+            sched.overlap._inflight = None  # the step completes: the loop frees a's blocks
+            for block_ids in sched.overlap._deferred:
+                rt.pool.free(block_ids)
+            sched.overlap._deferred = []
+            msg = await asyncio.wait_for(first, 30)
+            assert len(msg.token_ids) == 1
+            await gen.aclose()
+            assert adm.admitted == 0 and rt.pool.blocks.num_free == 8
+            sched.overlap._inflight = ("a step that never completes",)
+            sched.failed = RuntimeError("decode loop failed")
+            assert not sched.frees_pending()  # a failed loop frees nothing: nobody waits for it
+        finally:
+            await servicer.close()
+            rt.close()
+
+    asyncio.run(main())
