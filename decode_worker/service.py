@@ -141,17 +141,23 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
         req = prefill_pb2.PrefillRequest(request_id=request_id, token_ids=tokens, sampling=sampling, destination=dst,
                                          sampling_step_offset=step_offset,
                                          return_last_hidden=self.scheduler.spec is not None, cache_salt=cache_salt)
-        # Agent metadata travels once per prefill worker; resent when it says it lacks it.
+        # Agent metadata travels once per prefill worker; resent when it says it lacks it. One
+        # stub for both attempts: the retry must not reopen a channel that forget_prefill closed
+        # in between (the record left), and a worker forgotten meanwhile is not marked as holding it.
+        stub = self._stub(address)
         for attempt in range(2):
             if address not in self._metadata_sent or attempt:
                 req.destination.agent_metadata = self.rt.transfer_metadata  # the bytes discovery has the digest of
+            if attempt and address not in self._channels:  # it answered, then its record left
+                raise TransferError(f"prefill worker at {address} left discovery")
             try:
-                resp = await self._stub(address).Prefill(req, timeout=timeout_s)
+                resp = await stub.Prefill(req, timeout=timeout_s)
                 break
             except grpc.aio.AioRpcError as exc:
                 if exc.code() != grpc.StatusCode.FAILED_PRECONDITION or attempt:
                     raise
-        self._metadata_sent.add(address)
+        if address in self._channels:
+            self._metadata_sent.add(address)
         with tracing.span("tandem.kv_receive", {"tandem.transfer.backend": self.rt.opts.transfer_backend,
                                                 "tandem.transfer.blocks": len(dst.block_ids),
                                                 "tandem.transfer.bytes": resp.transfer_bytes,

@@ -19,6 +19,7 @@ from common.block_hash import hash_seed
 from common.grpc_server import RunningServer, add_lenient_service, start_server
 from common.lifecycle import install_stop_signals
 from common.tls import TlsFiles
+from discovery.endpoints import check_etcd_tls
 from common.pb.tandem.v1 import decode_pb2, discovery_pb2, kv_events_pb2_grpc, prefill_pb2
 from worker.kv_event_service import KvEventServicer
 from engine.model_source import MOCK, load_config
@@ -61,6 +62,7 @@ class MockerOptions:
 
     def __post_init__(self) -> None:
         TlsFiles(self.tls_cert, self.tls_key, self.tls_ca)  # fails naming the flags when only some are set
+        check_etcd_tls(self.etcd, self.tls_cert)
         for name in ("num_workers", "block_size", "num_blocks", "chunk_size", "max_running"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
