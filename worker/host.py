@@ -551,6 +551,25 @@ class WorkerRuntime:
         self.agent.close()
 
 
+async def _unless_stopped(coro, stop: asyncio.Event) -> bool:
+    """Await `coro`; True when it finished, False (it is cancelled) when `stop` is set first.
+
+    Raises:
+        whatever `coro` raises.
+    """
+    task, stopped = asyncio.ensure_future(coro), asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait({task, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        if task.done():
+            task.result()
+            return True
+        return False
+    finally:
+        for t in (task, stopped):
+            if not t.done():
+                t.cancel()
+
+
 async def serve_worker(runtime: WorkerRuntime, add_services: Sequence[Callable[[grpc.aio.Server], None]],
                        service_names: Sequence[str], ready: Callable[[RunningServer], None] | None = None,
                        stop: asyncio.Event | None = None) -> None:
@@ -580,7 +599,19 @@ async def serve_worker(runtime: WorkerRuntime, add_services: Sequence[Callable[[
     registration = None
     if opts.etcd:
         registration = Registration(opts.etcd, opts.namespace, runtime.instance(address), ttl_seconds=opts.lease_ttl_s)
-        await registration.start()
+        registered = False
+        try:  # a signal while etcd does not answer yet stops the start-up (its handler only sets `stop`)
+            registered = await _unless_stopped(registration.start(), stop)
+        finally:
+            if not registered:  # stopped or failed: nothing was served yet; leave nothing behind
+                restore_signals()
+                await server.stop(0)
+                if metrics_server is not None:
+                    await asyncio.to_thread(metrics_server.close)
+                runtime.close()
+        if not registered:
+            log.info("%s stopped before it was registered in etcd", runtime.instance_id)
+            return
     log.info("%s serving on %s (model %s)", runtime.instance_id, address, runtime.loaded.name)
     if ready:
         ready(server)
