@@ -28,8 +28,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("processes", nargs="+", metavar="NAME:ROLE[+ROLE][@HOST[,HOST]]",
                    help=f"one certificate per entry; roles: {', '.join(ROLES)}; e.g. decode-0:decode@10.0.0.7")
     p.add_argument("--host", action="append", default=[],
-                   help="a DNS name or IP address every certificate names (repeat; loopback is always named)")
-    p.add_argument("--days", type=int, default=365, help="validity of new certificates (and of a new CA), days")
+                   help="a DNS name or IP address every certificate names (repeat; default: none beyond "
+                        "loopback, which is always named)")
+    p.add_argument("--days", type=int, default=365,
+                   help="validity of new certificates (and of a new CA), days (default 365)")
     p.set_defaults(func=run)
 
 
@@ -40,7 +42,9 @@ def parse_entry(text: str) -> tuple[str, tuple[str, ...], tuple[str, ...]]:
         ValueError: naming the entry, for a missing part, an unknown role, or a name that is
             not a plain file name.
     """
-    spec, _, hosts = text.partition("@")
+    spec, at, hosts = text.partition("@")
+    if at and not all(hosts.split(",")):
+        raise ValueError(f"{text!r}: an empty host after '@' (give HOST[,HOST], or leave out the '@')")
     name, sep, roles = spec.partition(":")
     if not sep or not name or not roles:
         raise ValueError(f"{text!r}: expected NAME:ROLE[+ROLE][@HOST[,HOST]]")

@@ -54,7 +54,12 @@ def run(args: argparse.Namespace) -> int:
     ca = args.tls_ca or ("" if args.tls_cert else local_ca_for(address))
     files = TlsFiles(args.tls_cert, args.tls_key, ca, client=True)
     ok, status = check(address, args.service, args.health_timeout_s, files.load() if files.enabled else None)
-    print(f"{address}{' ' + args.service if args.service else ''}: {status}", file=sys.stdout if ok else sys.stderr)
+    hint = ""
+    if not ok and status.startswith("UNAVAILABLE") and not files.enabled:
+        hint = ("\n(checked in plaintext; a server that serves TLS answers nothing to it: pass --tls-ca, and for a "
+                "worker's port --tls-cert and --tls-key too)")
+    print(f"{address}{' ' + args.service if args.service else ''}: {status}{hint}",
+          file=sys.stdout if ok else sys.stderr)
     return 0 if ok else 1
 
 

@@ -136,10 +136,13 @@ def no_router_hint(exc, router: str, tls: bool = True) -> str:
     import grpc
     if exc.code() != grpc.StatusCode.UNAVAILABLE or "connect" not in (exc.details() or "").lower():
         return ""
+    if not tls:
+        return (f"\nno router answered at {router} in plaintext. If one serves TLS there (`tandem up`'s does, and "
+                f"any router given --tls-cert), pass --tls-ca with its cluster CA (or TANDEM_TLS_CA; `tandem up` "
+                f"prints the export line); otherwise start a local cluster with `tandem up`, or pass --router "
+                f"(or TANDEM_ROUTER) with the address of yours")
     return (f"\nno router at {router}: start a local cluster with `tandem up`, or pass --router "
-            f"(or TANDEM_ROUTER) with the address of yours"
-            + ("" if tls else "; a router of `tandem up` serves TLS: run the `export TANDEM_TLS_CA=...` line "
-               "it printed (or pass --tls-ca)"))
+            f"(or TANDEM_ROUTER) with the address of yours")
 
 
 def _explain(args: argparse.Namespace) -> int:

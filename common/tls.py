@@ -86,7 +86,31 @@ class TlsFiles:
             if b"-----BEGIN " not in data:
                 raise ValueError(f"{flag} {path}: not a PEM file")
             return data
-        return TlsCredentials(read("--tls-cert", self.cert), read("--tls-key", self.key), read("--tls-ca", self.ca))
+        ca = read("--tls-ca", self.ca)
+        _check_ca(self.ca, ca)
+        return TlsCredentials(read("--tls-cert", self.cert), read("--tls-key", self.key), ca)
+
+
+def _check_ca(path: str, data: bytes) -> None:
+    """--tls-ca must hold a CA certificate: a process's own certificate given there by mistake
+    (it would trust only that one peer, and chains to nothing) is refused naming the flag.
+
+    Raises:
+        ValueError: no certificate in the file is a CA's (basic constraints CA:TRUE).
+    """
+    from cryptography import x509
+    try:
+        certs = x509.load_pem_x509_certificates(data)
+    except ValueError as exc:
+        raise ValueError(f"--tls-ca {path}: not a PEM certificate ({exc})") from None
+    for cert in certs:
+        try:
+            if cert.extensions.get_extension_for_class(x509.BasicConstraints).value.ca:
+                return
+        except x509.ExtensionNotFound:
+            continue
+    raise ValueError(f"--tls-ca {path}: holds no CA certificate (it looks like a process's own certificate; "
+                     "give the cluster CA's, ca.pem from `tandem certs`)")
 
 
 @dataclass(frozen=True)

@@ -54,6 +54,8 @@ def test_certs_for_a_deployment_and_a_later_host(tmp_path, capsys):
     ("decode-0:wizard", "unknown role 'wizard'"),
     ("../x:decode", "plain file name"),
     ("ca:router", "plain file name"),
+    ("x:decode@", "empty host"),
+    ("x:decode@10.0.0.7,", "empty host"),
 ])
 def test_bad_entries_are_refused_naming_them(entry, message, tmp_path, capsys):
     with pytest.raises(ValueError, match=message):

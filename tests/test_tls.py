@@ -123,3 +123,10 @@ def test_local_clients_find_the_ca_of_tandem_up(tmp_path):
     finally:
         path.unlink()
     assert client_credentials(args(f"127.0.0.1:{port}")) is None
+
+
+def test_a_process_certificate_given_as_the_ca_is_refused_naming_the_flag(tmp_path):
+    files = LocalCa(tmp_path).issue("router-0", ("router",))
+    with pytest.raises(ValueError, match=r"--tls-ca .*router-0.pem: holds no CA certificate"):
+        TlsFiles("", "", files.cert, client=True).load()
+    assert TlsFiles("", "", files.ca, client=True).load().ca  # the CA's own file is fine
