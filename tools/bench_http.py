@@ -121,10 +121,22 @@ async def measure(args: argparse.Namespace) -> dict:
     out["router_idle_cpu_per_s"] = idle
     from router.http_api import HTTP_PARSER
     out["http_parser"] = HTTP_PARSER
-    out["options"] = vars(args)
-    out["machine"] = {"platform": platform.platform(), "python": platform.python_version(), "cpus": os.cpu_count()}
-    out["date"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    out.update(provenance(args))
     return out
+
+
+def write_result(path: str, result: dict) -> None:
+    """The result as JSON at `path` ("" = nowhere), saying so on stderr."""
+    if path:
+        Path(path).write_text(json.dumps(result, indent=1) + "\n")
+        print(f"wrote {path}", file=sys.stderr)
+
+
+def provenance(args: argparse.Namespace) -> dict:
+    """What a result file records besides its figures: the options, the machine, the date (UTC)."""
+    return {"options": vars(args),
+            "machine": {"platform": platform.platform(), "python": platform.python_version(), "cpus": os.cpu_count()},
+            "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
 
 
 def main() -> int:
@@ -150,9 +162,7 @@ def main() -> int:
     for r in rows:
         print(f"{r[0]:<28}{r[1]:>12}{r[2]:>12}{r[3]:>14}")
     print(f"in the router: {result['http_layer_in_router']}")
-    if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
-        print(f"wrote {args.out}", file=sys.stderr)
+    write_result(args.out, result)
     return 0
 
 

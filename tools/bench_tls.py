@@ -21,9 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -33,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from cli.cluster import LocalCluster  # noqa: E402
 from cli.demo import load_questions, send_all  # noqa: E402
-from tools.bench_http import cpu_seconds, idle_cpu_rate  # noqa: E402
+from tools.bench_http import cpu_seconds, idle_cpu_rate, provenance, write_result  # noqa: E402
 
 MODES = ("mtls", "insecure")
 
@@ -83,9 +81,7 @@ async def measure(args: argparse.Namespace) -> dict:
     out["mtls_minus_insecure"] = {k: out["mtls"][k] - out["insecure"][k]
                                   for k in ("ttft_p50_ms", "ttft_p99_ms", "round_wall_s", "router_cpu_per_request_us")}
     out["same_tokens"] = sum(a == b for a, b in zip(tokens["mtls"], tokens["insecure"]))
-    out["options"] = vars(args)
-    out["machine"] = {"platform": platform.platform(), "python": platform.python_version(), "cpus": os.cpu_count()}
-    out["date"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    out.update(provenance(args))
     return out
 
 
@@ -109,9 +105,7 @@ def main() -> int:
     for m in MODES:
         print(f"{m}: {result[m]['router_overhead']}")
     print(f"same tokens on both: {result['same_tokens']}/{result['mtls']['requests'] // args.rounds}")
-    if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
-        print(f"wrote {args.out}", file=sys.stderr)
+    write_result(args.out, result)
     return 0
 
 
