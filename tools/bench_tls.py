@@ -98,7 +98,7 @@ def main() -> int:
     result = asyncio.run(measure(args))
     print(f"{'':<30}{'mTLS':>12}{'insecure':>12}{'difference':>14}")
     for key, label in (("ttft_p50_ms", "TTFT p50 (ms)"), ("ttft_p99_ms", "TTFT p99 (ms)"),
-                       ("round_wall_s", "80 questions, wall (s)"),
+                       ("round_wall_s", "one round, wall (s)"),
                        ("router_cpu_per_request_us", "router CPU / request (µs)")):
         print(f"{label:<30}{result['mtls'][key]:>12.2f}{result['insecure'][key]:>12.2f}"
               f"{result['mtls_minus_insecure'][key]:>+14.2f}")
