@@ -304,3 +304,33 @@ def test_request_beyond_every_pool_is_refused_at_once_while_others_flow(cluster,
     finally:
         cluster.stop(small)
         cluster.stop(router)
+
+
+def test_a_worker_stopped_while_it_registers_returns_and_leaves_nothing(tiny_model):
+    """SIGTERM's handler only sets the stop event; a worker whose etcd does not answer yet (a
+    listener that never speaks) stops at it, without an error, instead of waiting out its
+    registration attempt."""
+    from worker.host import WorkerOptions, WorkerRuntime, serve_worker
+
+    silent = socket.create_server(("127.0.0.1", 0))  # accepts, never answers: each etcd call times out
+    held: list[socket.socket] = []
+    threading.Thread(target=lambda: held.extend(iter(lambda: silent.accept()[0], None)), daemon=True).start()
+
+    async def main() -> float:
+        rt = WorkerRuntime(discovery_pb2.ROLE_DECODE, WorkerOptions(
+            model=tiny_model.name, num_blocks=8, etcd=f"127.0.0.1:{silent.getsockname()[1]}", port=0), tiny_model)
+        stop = asyncio.Event()
+        ports: list[int] = []
+        task = asyncio.create_task(serve_worker(rt, [], [], ready=lambda s: ports.append(s.port), stop=stop))
+        await asyncio.sleep(1.0)  # the server is up, the registration waits for etcd
+        assert not task.done() and not ports  # not ready: not registered
+        t0 = time.monotonic()
+        stop.set()
+        await asyncio.wait_for(task, 10)  # returns: no error
+        return time.monotonic() - t0
+
+    try:
+        took = asyncio.run(main())
+    finally:
+        silent.close()
+    assert took < 3, f"stopping took {took:.1f} s (the registration's etcd timeout is 5 s per attempt)"
