@@ -140,6 +140,10 @@ class _TlsClient(aetcd.Client):
         await plain.close()  # never used: gRPC channels connect at their first call
 
 
+NEEDS_CERT = ("--etcd https://...: dialling etcd over TLS needs --tls-cert, --tls-key and --tls-ca (a certificate "
+              "of the cluster CA, which etcd's --client-cert-auth checks)")
+
+
 def check_etcd_tls(etcd: str, tls_cert: str) -> None:
     """Options check: an https:// `--etcd` endpoint needs this process's certificate.
 
@@ -147,16 +151,14 @@ def check_etcd_tls(etcd: str, tls_cert: str) -> None:
         ValueError: naming --etcd and --tls-cert (or a malformed --etcd).
     """
     if etcd and not tls_cert and any(e.tls for e in parse_endpoints(etcd)):
-        raise ValueError("--etcd https://...: dialling etcd over TLS needs --tls-cert, --tls-key and --tls-ca "
-                         "(a certificate of the cluster CA, which etcd's --client-cert-auth checks)")
+        raise ValueError(NEEDS_CERT)
 
 
 def _credentials(tls: TlsCredentials | None) -> grpc.ChannelCredentials:
     from common import tls as process_tls
     creds = tls or process_tls.TLS
     if creds is None or not creds.cert:
-        raise ValueError("--etcd https://...: dialling etcd over TLS needs --tls-cert, --tls-key and --tls-ca "
-                         "(a certificate of the cluster CA, which etcd's --client-cert-auth checks)")
+        raise ValueError(NEEDS_CERT)
     return creds.channel()
 
 

@@ -125,6 +125,15 @@ async def measure(args: argparse.Namespace) -> dict:
     return out
 
 
+def print_comparison(result: dict, a: tuple[str, str], b: tuple[str, str], diff: str,
+                     rows: tuple[tuple[str, str], ...]) -> None:
+    """A table of result[a[0]][key] and result[b[0]][key] with result[diff][key] (b − a), one
+    row per (key, label); a[1] and b[1] head the columns."""
+    print(f"{'':<30}{a[1]:>12}{b[1]:>12}{b[1] + ' − ' + a[1]:>18}")
+    for key, label in rows:
+        print(f"{label:<30}{result[a[0]][key]:>12.2f}{result[b[0]][key]:>12.2f}{result[diff][key]:>+18.2f}")
+
+
 def write_result(path: str, result: dict) -> None:
     """The result as JSON at `path` ("" = nowhere), saying so on stderr."""
     if path:
@@ -153,14 +162,10 @@ def main() -> int:
         p.error("--requests must be >= --block >= 2, and 1 <= --short < --long")
     os.environ.setdefault("TANDEM_DEVICE", "cpu")
     result = asyncio.run(measure(args))
-    rows = [("", "gRPC", "HTTP", "HTTP − gRPC")]
-    for key, label in (("ttft_p50_ms", "TTFT p50 (ms)"), ("duration_p50_ms", "request p50 (ms)"),
-                       ("router_cpu_per_request_us", "router CPU / request (µs)"),
-                       ("router_cpu_per_token_us", "router CPU / token (µs)")):
-        rows.append((label, f"{result['grpc'][key]:.2f}", f"{result['openai'][key]:.2f}",
-                     f"{result['http_minus_grpc'][key]:+.2f}"))
-    for r in rows:
-        print(f"{r[0]:<28}{r[1]:>12}{r[2]:>12}{r[3]:>14}")
+    print_comparison(result, ("grpc", "gRPC"), ("openai", "HTTP"), "http_minus_grpc",
+                     (("ttft_p50_ms", "TTFT p50 (ms)"), ("duration_p50_ms", "request p50 (ms)"),
+                      ("router_cpu_per_request_us", "router CPU / request (µs)"),
+                      ("router_cpu_per_token_us", "router CPU / token (µs)")))
     print(f"in the router: {result['http_layer_in_router']}")
     write_result(args.out, result)
     return 0

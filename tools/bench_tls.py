@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from cli.cluster import LocalCluster  # noqa: E402
 from cli.demo import load_questions, send_all  # noqa: E402
-from tools.bench_http import cpu_seconds, idle_cpu_rate, provenance, write_result  # noqa: E402
+from tools.bench_http import cpu_seconds, idle_cpu_rate, print_comparison, provenance, write_result  # noqa: E402
 
 MODES = ("mtls", "insecure")
 
@@ -96,12 +96,10 @@ def main() -> int:
     args = p.parse_args()
     os.environ.setdefault("TANDEM_DEVICE", "cpu")
     result = asyncio.run(measure(args))
-    print(f"{'':<30}{'mTLS':>12}{'insecure':>12}{'difference':>14}")
-    for key, label in (("ttft_p50_ms", "TTFT p50 (ms)"), ("ttft_p99_ms", "TTFT p99 (ms)"),
-                       ("round_wall_s", "one round, wall (s)"),
-                       ("router_cpu_per_request_us", "router CPU / request (µs)")):
-        print(f"{label:<30}{result['mtls'][key]:>12.2f}{result['insecure'][key]:>12.2f}"
-              f"{result['mtls_minus_insecure'][key]:>+14.2f}")
+    print_comparison(result, ("insecure", "insecure"), ("mtls", "mTLS"), "mtls_minus_insecure",
+                     (("ttft_p50_ms", "TTFT p50 (ms)"), ("ttft_p99_ms", "TTFT p99 (ms)"),
+                      ("round_wall_s", "one round, wall (s)"),
+                      ("router_cpu_per_request_us", "router CPU / request (µs)")))
     for m in MODES:
         print(f"{m}: {result[m]['router_overhead']}")
     print(f"same tokens on both: {result['same_tokens']}/{result['mtls']['requests'] // args.rounds}")
