@@ -35,6 +35,10 @@ HELP = {
     "solo_wait_s": "decode: seconds a request whose prompt + max_tokens exceeds the admission budget (so it runs "
                    "only alone) may wait for the worker to be free before RESOURCE_EXHAUSTED; also its turn once "
                    "running, after which it is retracted if requests wait behind it (it resumes later)",
+    "stream_interval": "decode: a running request's generated tokens are streamed in messages of this many (the "
+                       "first token and the last message go at once); at high concurrency on a GPU, 2-8 cut the "
+                       "per-token messages the worker, the router and the client handle, for burstier streams "
+                       "(SGLang's --stream-interval)",
     "chunk_size": "prefill chunk size in tokens (the base chunk with dynamic chunking); alias --chunked-prefill-size",
     "max_prefill_tokens": "token budget of one prefill forward (a prefill worker's, or a decode worker's local "
                           "prefills); the next chunks of concurrent prompts "

@@ -140,6 +140,7 @@ class OverlapLoop(DeferredFrees):
                 launched = (batch, slots, step)
                 sched.count_step(len(batch))
             rt.stats.decode_device_wait_seconds = self.runner.device_wait_s
+            rt.stats.decode_device_busy_seconds = self.runner.device_busy_s
             deferred = self._deferred
             self._inflight, self._deferred, self._settling = launched, [], True
             if previous is not None:
@@ -164,7 +165,7 @@ class OverlapLoop(DeferredFrees):
                 reason = sampling_pb2.FINISH_REASON_EOS
             elif generated >= req.params.max_tokens:
                 reason = sampling_pb2.FINISH_REASON_LENGTH
-            req.out.put_nowait(TokenOut(token, logprob))
+            req.send(TokenOut(token, logprob), self.sched.stream_interval)
             if reason != sampling_pb2.FINISH_REASON_UNSPECIFIED:
                 del req.tokens[idx + 1:]  # a placeholder of the step now in flight, if any
                 self.sched._finish(req, TokenOut(finish_reason=reason))

@@ -58,8 +58,11 @@ class Retractor:
 
     def _need(self, reqs: Iterable[RunningRequest], steps: int) -> int:
         """New blocks reqs need so that `steps` more steps fit."""
-        pool = self.rt.pool
-        return sum(max(0, pool.blocks_for(self._tokens_after(r, steps)) - len(r.block_ids)) for r in reqs)
+        return sum(self._need_one(r, steps) for r in reqs)
+
+    def _need_one(self, req: RunningRequest, steps: int) -> int:
+        """New blocks req needs so that `steps` more steps fit."""
+        return max(0, self.rt.pool.blocks_for(self._tokens_after(req, steps)) - len(req.block_ids))
 
     def make_room(self, batch: list[RunningRequest]) -> list[RunningRequest]:
         """Retract until the batch's next step fits; returns the requests still in the batch.
@@ -67,11 +70,16 @@ class Retractor:
         A request that alone needs more blocks than the whole pool ends with RESOURCE_EXHAUSTED.
         """
         pool = self.rt.pool
-        for req in [r for r in batch if self._need([r], 1) + len(r.block_ids) > pool.config.num_blocks]:
-            batch.remove(req)
-            self.sched._finish(req, _exhausted(f"request needs {self._need([req], 1) + len(req.block_ids)} KV "
-                                               f"blocks; the pool has {pool.config.num_blocks}"))
-        if self._need(batch, 1) <= pool.blocks.num_free:
+        total = 0  # the next step's new blocks (computed once: this runs before every step)
+        for req in list(batch):
+            need = self._need_one(req, 1)
+            if need + len(req.block_ids) > pool.config.num_blocks:
+                batch.remove(req)
+                self.sched._finish(req, _exhausted(f"request needs {need + len(req.block_ids)} KV "
+                                                   f"blocks; the pool has {pool.config.num_blocks}"))
+            else:
+                total += need
+        if total <= pool.blocks.num_free:
             return batch
         while batch and self._need(batch, HEADROOM_STEPS) > pool.blocks.num_free:
             if len(self.sched.running) == 1 and self._need(batch, 1) <= pool.blocks.num_free:
@@ -122,6 +130,7 @@ class Retractor:
     def _take_out(self, req: RunningRequest) -> int:
         """Remove req from the batch and free its blocks; returns how many it held."""
         self.sched.running.remove(req)
+        req.flush()  # its stream pauses until it resumes: what it generated goes out now
         self.sched.release(req.block_ids)  # the overlap loops defer it past the step in flight
         # The plain overlap loop may have a step in flight for req: its token is dropped at
         # post-processing (req is no longer running), so its placeholder goes too. The request

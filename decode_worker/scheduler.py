@@ -54,10 +54,24 @@ class RunningRequest:
     mtp_accepted_tokens: int = 0  # MTP: draft tokens accepted (emitted minus the bonus token)
     ticket: Ticket | None = None  # capacity: its admission reservation, released when it finishes
     hash_seed: int | None = None  # its block-hash seed (its tenant's cache salt); None = the pool's
+    held: list[TokenOut] = field(default_factory=list)  # tokens not yet handed to the stream (--stream-interval)
 
     @property
     def generated(self) -> int:
         return len(self.tokens) - self.prompt_len
+
+    def send(self, out: TokenOut, interval: int) -> None:
+        """Hand one generated token to the RPC's stream once `interval` tokens are held (the
+        stream sends what it finds queued as one message, so each hand-over is one message)."""
+        self.held.append(out)
+        if len(self.held) >= interval:
+            self.flush()
+
+    def flush(self) -> None:
+        """Hand every held token to the stream now (at the end, or before the request pauses)."""
+        for out in self.held:
+            self.out.put_nowait(out)
+        self.held.clear()
 
 
 class DecodeScheduler:
@@ -67,6 +81,7 @@ class DecodeScheduler:
         self._wake = asyncio.Event()
         self.eos = runtime.loaded.config.eos_token_ids
         self.steps = 0
+        self.stream_interval = runtime.opts.stream_interval  # tokens per stream message (--stream-interval)
         self._last_step: float | None = None  # perf_counter of the last launch (None after idling)
         self.failed: BaseException | None = None
         self.on_failure = None  # async callable: the worker marks itself NOT_SERVING
@@ -110,6 +125,7 @@ class DecodeScheduler:
         self._wake.set()
 
     def _finish(self, req: RunningRequest, out: TokenOut | None) -> None:
+        req.flush()
         self.running.remove(req)
         self.release(req.block_ids)
         self.admission.release(req.ticket)  # capacity
@@ -139,7 +155,7 @@ class DecodeScheduler:
             reason = sampling_pb2.FINISH_REASON_EOS
         elif req.generated >= req.params.max_tokens:
             reason = sampling_pb2.FINISH_REASON_LENGTH
-        req.out.put_nowait(TokenOut(token, logprob))
+        req.send(TokenOut(token, logprob), self.stream_interval)
         if reason != sampling_pb2.FINISH_REASON_UNSPECIFIED:
             self._finish(req, TokenOut(finish_reason=reason))
             return True

@@ -32,8 +32,9 @@ class FutureTokenMap:
 
     def reserve(self, n: int) -> list[int]:
         """n consecutive ring slots (wrapping) for one step's tokens."""
-        slots = [(self._next + i) % self.capacity for i in range(n)]
-        self._next = (self._next + n) % self.capacity
+        cap, start = self.capacity, self._next
+        slots = [(start + i) % cap for i in range(n)]
+        self._next = (start + n) % cap
         return slots
 
     @staticmethod

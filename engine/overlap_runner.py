@@ -27,6 +27,7 @@ class LaunchedStep:
 
     host: torch.Tensor
     event: torch.cuda.Event | None  # None on CPU: already complete
+    began: torch.cuda.Event | None = None  # recorded before the step's first kernel (timing on)
 
 
 class OverlapRunner:
@@ -38,6 +39,9 @@ class OverlapRunner:
             raise ValueError(f"future map of {self.fmap.capacity} slots is too small for batches of {max_batch}")
         self.cuda = self.device.type == "cuda"
         self.device_wait_s = 0.0  # seconds collect spent waiting for the device, in total
+        # device seconds the collected steps ran, from CUDA events around each step (so the
+        # device's busy share of wall time tells a host-bound loop from a device-bound one)
+        self.device_busy_s = 0.0
 
     @torch.inference_mode()
     def launch(self, batch: list[DecodeInput], slots: list[int],
@@ -46,6 +50,10 @@ class OverlapRunner:
 
         sampling[i] = (params, step index) of the token batch[i] generates.
         """
+        began = None
+        if self.cuda:
+            began = torch.cuda.Event(enable_timing=True)
+            began.record()
         tokens, logprobs = self.runner.decode_step(batch, sampling, slots)
         # float64 holds every token id exactly (integers up to 2^53): one copy for both
         both = torch.stack((tokens.double(), logprobs.double()))
@@ -53,9 +61,9 @@ class OverlapRunner:
             return LaunchedStep(both, None)
         host = torch.empty(both.shape, dtype=both.dtype, pin_memory=True)
         host.copy_(both, non_blocking=True)
-        event = torch.cuda.Event()
+        event = torch.cuda.Event(enable_timing=True)
         event.record()
-        return LaunchedStep(host, event)
+        return LaunchedStep(host, event, began)
 
     def collect(self, step: LaunchedStep) -> tuple[list[int], list[float]]:
         """Wait for a launched step and return its tokens and log-probabilities (the wait's
@@ -64,6 +72,9 @@ class OverlapRunner:
             t0 = time.perf_counter()
             step.event.synchronize()
             self.device_wait_s += time.perf_counter() - t0
+            # the step's kernels queue behind the previous step's: its device time starts at
+            # `began` (reached once the stream got there) and ends at `event`
+            self.device_busy_s += step.began.elapsed_time(step.event) / 1e3
         tokens, logprobs = step.host.tolist()
         return [int(t) for t in tokens], logprobs
 

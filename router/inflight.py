@@ -11,7 +11,7 @@ ends them itself, and migrates each request exactly as it does after a broken st
   router/stall.py sets it from the worker's observed inter-token latency).
 
 `OpenCalls.evict(worker, reason)` resolves each open call's `lost` future; the call's reader,
-`next_message`, races every read against it and raises `WorkerLost`. Single-threaded: use
+`next_message`, has its read interrupted by it and raises `WorkerLost`. Single-threaded: use
 from the router's event loop.
 """
 
@@ -82,10 +82,34 @@ async def next_message(call: grpc.aio.UnaryStreamCall, lost: asyncio.Future[str]
     """
     if lost.done():
         raise WorkerLost(instance_id, lost.result())
-    read = asyncio.ensure_future(call.read())
-    done, _ = await asyncio.wait((read, lost), timeout=stall_s, return_when=asyncio.FIRST_COMPLETED)
-    if read in done:
-        return read.result()
-    read.cancel()  # the caller cancels the call itself
-    raise WorkerLost(instance_id, lost.result() if lost.done() else f"no response for {stall_s:.3g} s on a running "
-                     "stream (max(--token-stall-timeout, --token-stall-itl-factor × the worker's ITL))")
+    # The read runs in the caller's task, interrupted by cancelling it (a stall, or `lost`): the
+    # router reads one message per streamed token or so, and a task plus asyncio.wait for each
+    # read was a large share of its CPU time at high token rates.
+    task = asyncio.current_task()
+    assert task is not None
+    why: list[str] = []  # the interruption's reason; empty while none
+    active = True  # false once this read is over: a late callback must not cancel a later await
+
+    def interrupt(reason: str) -> None:
+        if active and not why:
+            why.append(reason)
+            task.cancel()
+
+    def on_lost(fut: asyncio.Future[str]) -> None:
+        interrupt(fut.result())
+
+    lost.add_done_callback(on_lost)
+    timer = None if stall_s is None else asyncio.get_running_loop().call_later(
+        stall_s, interrupt, f"no response for {stall_s:.3g} s on a running stream (max(--token-stall-timeout, "
+        "--token-stall-itl-factor × the worker's ITL))")
+    try:
+        return await call.read()  # a cancelled read cancels the call (grpc.aio), as the caller would
+    except asyncio.CancelledError:
+        if not why or task.uncancel() > 0:
+            raise  # cancelled from outside (the client went away), perhaps as well as by us
+        raise WorkerLost(instance_id, why[0]) from None
+    finally:
+        active = False
+        if timer is not None:
+            timer.cancel()
+        lost.remove_done_callback(on_lost)

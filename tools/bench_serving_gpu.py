@@ -104,13 +104,18 @@ def _metrics_urls(up_log: str) -> list[str]:
             if line.strip().startswith("metrics: ") and " at http" in line]
 
 
-def _spec_counters(urls: list[str], attempts: int = 10) -> tuple[float, float]:
-    """(MTP verify steps, tokens they emitted) so far, summed over the processes (only a
-    speculative decode worker counts any). A worker whose loop does not answer a scrape in
-    time leaves its families out of that page (common/metrics.py); such a page is read again,
-    up to `attempts` times, rather than counted as zero. Raises RuntimeError if none has them."""
+SPEC_COUNTERS = ("tandem_worker_spec_verify_steps", "tandem_worker_spec_emitted_tokens")
+# the decode loop's cadence counters (docs/observability.md): steps, rows, wall and device seconds
+DECODE_COUNTERS = ("tandem_worker_decode_steps", "tandem_worker_decode_step_rows", "tandem_worker_decode_busy_steps",
+                   "tandem_worker_decode_step_seconds", "tandem_worker_decode_device_busy_seconds")
+
+
+def _worker_counters(urls: list[str], names: tuple[str, ...], attempts: int = 10) -> dict[str, float]:
+    """Counters `names` (without _total) so far, summed over the processes (only a decode
+    worker counts these). A worker whose loop does not answer a scrape in time leaves its
+    families out of that page (common/metrics.py); such a page is read again, up to `attempts`
+    times, rather than counted as zero. Raises RuntimeError if no page has names[0]."""
     import urllib.request
-    names = ("tandem_worker_spec_verify_steps", "tandem_worker_spec_emitted_tokens")
     got = dict.fromkeys(names, 0.0)
     seen = 0
     for url in urls:
@@ -128,8 +133,19 @@ def _spec_counters(urls: list[str], attempts: int = 10) -> tuple[float, float]:
                     seen += 1
             break
     if not seen:
-        raise RuntimeError(f"no MTP counters on any of {urls}")
-    return got[names[0]], got[names[1]]
+        raise RuntimeError(f"no {names[0]} on any of {urls}")
+    return got
+
+
+def _decode_figures(before: dict[str, float], after: dict[str, float]) -> dict[str, float | None]:
+    """The decode worker's own view of one bench: its mean batch, the wall time between busy
+    steps (the cadence) and the device time of a step (CUDA events; 0 off the overlap loop)."""
+    d = {k.removeprefix("tandem_worker_decode_"): after[k] - before[k] for k in DECODE_COUNTERS}
+    if not d["steps"]:
+        return {"decode_mean_batch": None, "decode_cadence_ms": None, "decode_device_ms_per_step": None}
+    return {"decode_mean_batch": d["step_rows"] / d["steps"],
+            "decode_cadence_ms": 1e3 * d["step_seconds"] / d["busy_steps"] if d["busy_steps"] else None,
+            "decode_device_ms_per_step": 1e3 * d["device_busy_seconds"] / d["steps"]}
 
 
 def serve_and_bench(model_dir: Path, contexts: list[int], concurrencies: list[int], output_tokens: int,
@@ -144,14 +160,15 @@ def serve_and_bench(model_dir: Path, contexts: list[int], concurrencies: list[in
 
     dataset: synthetic-prefix (prompts of `context` tokens) or a text dataset such as mt-bench
     (its own prompts; context is then only a label). spec: also scrape the decode worker's MTP
-    counters around each bench, adding "accept_length" (emitted tokens / verify steps)."""
+    counters around each bench, adding "accept_length" (emitted tokens / verify steps). Each
+    summary also gets the decode worker's own figures of the bench (`_decode_figures`)."""
     env = {**os.environ, "TANDEM_MAX_RUNNING": str(max(concurrencies)),
            "TANDEM_MEM_FRACTION_STATIC": "0.4", "TANDEM_MAX_QUEUED": "4096", **env_extra}
     log = open(work / "up.log", "w")  # noqa: SIM115 - closed below
     # --http-port -1: the bench speaks gRPC; the router's default HTTP port 8000 would collide with
     # any other cluster on the machine (the --port option exists to avoid exactly that)
     up = subprocess.Popen(_cli("up", "--model", str(model_dir), "--port", str(port),
-                               "--metrics" if spec else "--no-metrics", "--insecure", "--http-port", "-1"),
+                               "--metrics", "--insecure", "--http-port", "-1"),
                           cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     out: dict[tuple[int, int], dict] = {}
     try:
@@ -168,8 +185,8 @@ def serve_and_bench(model_dir: Path, contexts: list[int], concurrencies: list[in
                 raise RuntimeError("tandem up did not print its ready line: " + (work / "up.log").read_text()[-3000:])
             time.sleep(0.5)
         time.sleep(3)  # both workers registered with the router
-        metrics_urls = _metrics_urls((work / "up.log").read_text()) if spec else []
-        if spec and not metrics_urls:
+        metrics_urls = _metrics_urls((work / "up.log").read_text())
+        if not metrics_urls:
             raise RuntimeError("tandem up printed no metrics URLs: " + (work / "up.log").read_text()[-3000:])
         for ctx, c in runs if runs is not None else [(x, y) for x in contexts for y in concurrencies]:
             if up.poll() is not None:
@@ -184,18 +201,22 @@ def serve_and_bench(model_dir: Path, contexts: list[int], concurrencies: list[in
                        "--arrival", "concurrency", "--concurrency", str(c), "--num-requests", str(n),
                        "--output-tokens", str(output_tokens), "--bench-seed", str(ctx + c), "--out", str(res))
             t0 = time.time()
-            steps0, emitted0 = _spec_counters(metrics_urls) if spec else (0.0, 0.0)
+            spec0 = _worker_counters(metrics_urls, SPEC_COUNTERS) if spec else {}
+            decode0 = _worker_counters(metrics_urls, DECODE_COUNTERS)
             r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
             summary = json.loads(res.read_text())["summary"] if res.exists() else {}
+            summary.update(_decode_figures(decode0, _worker_counters(metrics_urls, DECODE_COUNTERS)))
             if spec:
-                steps1, emitted1 = _spec_counters(metrics_urls)
-                summary["accept_length"] = (emitted1 - emitted0) / (steps1 - steps0) if steps1 > steps0 else None
+                spec1 = _worker_counters(metrics_urls, SPEC_COUNTERS)
+                steps, emitted = (spec1[n] - spec0[n] for n in SPEC_COUNTERS)
+                summary["accept_length"] = emitted / steps if steps > 0 else None
             out[(ctx, c)] = summary
             print(json.dumps({"served": [ctx, c], "rc": r.returncode, "wall_s": round(time.time() - t0, 1),
                               "output_throughput": summary.get("output_throughput"),
                               "mean_tpot_ms": summary.get("mean_tpot_ms"),
                               "mean_ttft_ms": summary.get("mean_ttft_ms"),
-                              "failed": summary.get("failed")}), flush=True)
+                              "failed": summary.get("failed"),
+                              **{k: v for k, v in summary.items() if k.startswith("decode_")}}), flush=True)
             if r.returncode != 0:
                 print(r.stdout[-2000:], r.stderr[-2000:], flush=True)
             for png in work.glob("*.png"):
@@ -312,6 +333,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                    "(tokens/s per user, accept length); with --configs '' only this")
     p.add_argument("--mtp-model", default=str(TRAINED), help="checkpoint folder with an MTP module")
     p.add_argument("--mtp-concurrency", default="1,8")
+    p.add_argument("--stream-interval", default="1", help="comma list: the decode worker's --stream-interval "
+                   "(tokens per stream message); one `tandem up` each, a row per value")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
     device = torch.device(args.device)
@@ -340,8 +363,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             print(json.dumps({"config": name, "params": doc["params"][name], "checkpoint_s": time.time() - t0}),
                   flush=True)
             pool_env = {"TANDEM_NUM_BLOCKS": "4000"} if args.smoke else {}  # GPU: --mem-fraction-static
-            served = {} if args.skip_served else serve_and_bench(model_dir, contexts, concs, args.output_tokens,
-                                                                  args.port, work, pool_env)
+            intervals = [int(x) for x in args.stream_interval.split(",")]
+            served = {} if args.skip_served else {
+                n: serve_and_bench(model_dir, contexts, concs, args.output_tokens, args.port, work,
+                                   {**pool_env, "TANDEM_STREAM_INTERVAL": str(n)}) for n in intervals}
             dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
             model, _ = load_checkpoint(model_dir, dtype=dtype, device=device)
             elem = torch.empty((), dtype=dtype).element_size()
@@ -353,17 +378,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     except torch.cuda.OutOfMemoryError as exc:
                         ip = {"tokens_per_s": 0.0, "ms_per_step": 0.0, "mode": f"OOM {exc}"[:80]}
                     bound_s = bytes_per_step(cfg, model, c, ctx, elem) / (args.hbm_tbps * 1e12)
-                    s = served.get((ctx, c), {})
-                    row = {"config": name, "context": ctx, "concurrency": c,
-                           "served_tok_s": s.get("output_throughput"), "inprocess_tok_s": ip["tokens_per_s"],
-                           "transformers_tok_s": None, "bound_tok_s": c / bound_s,
-                           "tpot_ms": s.get("mean_tpot_ms"), "median_tpot_ms": s.get("median_tpot_ms"),
-                           # the decode phase alone: concurrency / mean TPOT (output tok/s counts TTFT too)
-                           "served_decode_tok_s": c * 1e3 / s["mean_tpot_ms"] if s.get("mean_tpot_ms") else None,
-                           "mean_ttft_ms": s.get("mean_ttft_ms"), "inprocess_ms_per_step": ip["ms_per_step"],
-                           "bound_ms_per_step": 1e3 * bound_s, "failed": s.get("failed")}
-                    doc["rows"].append(row)
-                    print(json.dumps(row), flush=True)
+                    for n in intervals:
+                        s = served.get(n, {}).get((ctx, c), {})
+                        row = {"config": name, "context": ctx, "concurrency": c, "stream_interval": n,
+                               "served_tok_s": s.get("output_throughput"), "inprocess_tok_s": ip["tokens_per_s"],
+                               "transformers_tok_s": None, "bound_tok_s": c / bound_s,
+                               "tpot_ms": s.get("mean_tpot_ms"), "median_tpot_ms": s.get("median_tpot_ms"),
+                               # the decode phase alone: concurrency / mean TPOT (output tok/s counts TTFT too)
+                               "served_decode_tok_s": c * 1e3 / s["mean_tpot_ms"] if s.get("mean_tpot_ms") else None,
+                               "mean_ttft_ms": s.get("mean_ttft_ms"), "inprocess_ms_per_step": ip["ms_per_step"],
+                               "bound_ms_per_step": 1e3 * bound_s, "failed": s.get("failed"),
+                               **{k: v for k, v in s.items() if k.startswith("decode_")}}
+                        doc["rows"].append(row)
+                        print(json.dumps(row), flush=True)
                     if device.type == "cuda":
                         torch.cuda.empty_cache()
             if not args.skip_exactness and name == "S":
@@ -387,12 +414,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             if device.type == "cuda":
                 torch.cuda.empty_cache()
         out.write_text(json.dumps(doc, indent=1) + "\n")
-    print("| config | context | concurrency | served tok/s | served decode tok/s (c / TPOT) | in-process tok/s | "
-          "served/in-process | transformers tok/s | bound tok/s | in-process/bound | TPOT ms | TTFT ms |")
+    print("| config | context | concurrency | stream interval | served tok/s | served decode tok/s (c / TPOT) | "
+          "in-process tok/s | served decode / in-process | worker's mean batch | transformers tok/s | bound tok/s | "
+          "in-process/bound | TPOT ms | TTFT ms |")
     for r in doc["rows"]:
-        sv, ip = r["served_tok_s"] or 0.0, r["inprocess_tok_s"] or 0.0
-        print(f"| {r['config']} | {r['context']} | {r['concurrency']} | {sv:.0f} | {r['served_decode_tok_s'] or 0:.0f} | "
-              f"{ip:.0f} | {sv / ip if ip else 0:.2f} | {r['transformers_tok_s'] or 0:.0f} | {r['bound_tok_s']:.0f} | "
+        sv, sd, ip = r["served_tok_s"] or 0.0, r["served_decode_tok_s"] or 0.0, r["inprocess_tok_s"] or 0.0
+        print(f"| {r['config']} | {r['context']} | {r['concurrency']} | {r['stream_interval']} | {sv:.0f} | {sd:.0f} | "
+              f"{ip:.0f} | {sd / ip if ip else 0:.2f} | {r.get('decode_mean_batch') or 0:.1f} | "
+              f"{r['transformers_tok_s'] or 0:.0f} | {r['bound_tok_s']:.0f} | "
               f"{ip / r['bound_tok_s']:.2f} | {r['tpot_ms'] or 0:.2f} | {r['mean_ttft_ms'] or 0:.0f} |")
     if doc.get("mtp"):
         print("| k | concurrency | tokens/s per user | × k = 0 | accept length | TPOT ms |")

@@ -60,6 +60,7 @@ class WorkerOptions:
     practical_fraction: float = 0.9  # decode admission: admitted requests' projected KV <= this share of the pool
     max_queued: int = 256  # decode: requests waiting for admission; one more gets RESOURCE_EXHAUSTED
     solo_wait_s: float = 5.0  # decode: seconds a request that fits only alone may wait for admission
+    stream_interval: int = 1  # decode: generated tokens per stream message (SGLang's --stream-interval)
     chunk_size: int = 256  # prefill chunk in tokens (dynamic chunking: the base chunk); alias --chunked-prefill-size
     max_prefill_tokens: int = 16384  # token budget of one prefill forward (chunks of concurrent prompts packed)
     enable_dynamic_chunking: bool = False  # chunks shrink as the prefix grows (DESIGN.md section 7)
@@ -106,6 +107,8 @@ class WorkerOptions:
         for name in ("num_blocks", "device_memory_bytes", "max_queued"):
             if getattr(self, name) < 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
+        if self.stream_interval < 1:
+            raise ValueError(f"--stream-interval must be >= 1 token, got {self.stream_interval}")
         if self.solo_wait_s < 0:
             raise ValueError(f"--solo-wait must be >= 0 seconds, got {self.solo_wait_s}")
         if not 0 <= self.mem_fraction_static <= 1:
@@ -182,6 +185,7 @@ class WorkerStats:
     decode_busy_steps: int = 0  # decode: steps launched right after another (the loop had work throughout)
     decode_step_seconds: float = 0.0  # decode: wall time between those launches (/ busy steps = the cadence)
     decode_device_wait_seconds: float = 0.0  # decode (overlap): host time spent waiting for a step's result
+    decode_device_busy_seconds: float = 0.0  # decode (overlap, CUDA): device time the steps ran (CUDA events)
     transfer_by_backend: dict[str, BackendTransferStats] = field(default_factory=dict)
 
     def backend(self, name: str) -> BackendTransferStats:
