@@ -17,6 +17,7 @@ import torch
 
 from engine.kernels.mla_decode import mla_decode
 from engine.kv_pool import FP8, KvPool
+from engine.upload import upload
 
 
 class BlockTables:
@@ -80,8 +81,7 @@ class BlockTables:
             rows.append(r)
         if changed:
             wc = max(len(h) for _, h in changed)
-            up = torch.tensor([[r, *h, *([h[0]] * (wc - len(h)))] for r, h in changed], dtype=torch.int32,
-                              pin_memory=self.store.is_cuda).to(self.store.device, non_blocking=True)
+            up = upload([[r, *h, *([h[0]] * (wc - len(h)))] for r, h in changed], torch.int32, self.store.device)
             self.store[up[:, 0].long(), :wc] = up[:, 1:]
         return rows
 
@@ -148,12 +148,11 @@ class DecodePlan:
         need = [-(-(b.num_computed + 1) // block_size) for b in batch]
         rows = tables.rows_for([b.block_ids for b in batch], need)
         pad = max(0, pad_to - len(batch))
-        ints = torch.tensor([[b.input_token for b in batch] + [0] * pad,
-                             [b.num_computed for b in batch] + [0] * pad,
-                             [b.num_computed + 1 for b in batch] + [1] * pad,
-                             rows + [pad_row] * pad,
-                             (slots if slots is not None else [-1] * len(batch)) + [-1] * pad],
-                            dtype=torch.long, pin_memory=device.type == "cuda").to(device, non_blocking=True)
+        ints = upload([[b.input_token for b in batch] + [0] * pad,
+                       [b.num_computed for b in batch] + [0] * pad,
+                       [b.num_computed + 1 for b in batch] + [1] * pad,
+                       rows + [pad_row] * pad,
+                       (slots if slots is not None else [-1] * len(batch)) + [-1] * pad], torch.long, device)
         return DecodePlan(ints, tables.store, len(batch), max(need))
 
 

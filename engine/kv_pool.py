@@ -21,6 +21,7 @@ import torch
 
 from common.block_hash import BlockHash, block_hashes
 from engine.block_pool import BlockId, BlockPool, PoolExhausted
+from engine.upload import upload
 
 __all__ = ["KV_CACHE_DTYPES", "KvPoolConfig", "KvPool", "PromptBlocks", "PagedKvCache", "PoolExhausted",
            "kv_cache_torch_dtype"]
@@ -160,16 +161,22 @@ class PagedKvCache:
         device = pool.kv.device
         w_blk: list[int] = []
         w_off: list[int] = []
-        self._reads: list[tuple[torch.Tensor, int]] = []
+        tables: list[int] = []  # every sequence's block table, one after the other
+        spans: list[tuple[int, int, int]] = []  # (table start, table length, context tokens)
         for block_ids, start, q_len in seqs:
             for pos in range(start, start + q_len):
                 w_blk.append(block_ids[pos // bs])
                 w_off.append(pos % bs)
             ctx = start + q_len
-            table = torch.tensor(block_ids[: -(-ctx // bs)], dtype=torch.long, device=device)
-            self._reads.append((table, ctx))
-        self._w_blk = torch.tensor(w_blk, dtype=torch.long, device=device)
-        self._w_off = torch.tensor(w_off, dtype=torch.long, device=device)
+            n = -(-ctx // bs)
+            spans.append((len(tables), n, ctx))
+            tables.extend(block_ids[:n])
+        # one upload for the write slots and every table (engine/upload.py: no stream sync)
+        t = len(w_blk)
+        ints = upload(w_blk + w_off + tables, torch.long, device)
+        self._w_blk, self._w_off = ints[:t], ints[t:2 * t]
+        self._reads: list[tuple[torch.Tensor, int]] = [(ints[2 * t + lo: 2 * t + lo + n], ctx)
+                                                       for lo, n, ctx in spans]
 
     def update(self, layer: int, latent: torch.Tensor) -> list[torch.Tensor]:
         # latent: [T, kv_dim] -> written to (block, layer, offset) slots

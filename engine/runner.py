@@ -37,6 +37,7 @@ from engine.mtp import pool_has_mtp, prefill_mtp_rows
 from engine.sampling import SamplingParams, SamplingRows, sample_batch
 from engine.spec_batch import SpecResult, SpecRow, SpecSlots, spec_step
 from engine.spec_decode import SpecInput, SpecOutput, spec_forward
+from engine.upload import upload
 
 log = logging.getLogger(__name__)
 
@@ -158,15 +159,17 @@ class ModelRunner:
             raise ValueError(f"prefill_batch needs chunks with end > start, got "
                              f"{[(b.start, b.end) for b in batch]}")
         q_lens = [b.end - b.start for b in batch]
-        ids = torch.tensor([t for b in batch for t in b.token_ids[b.start:b.end]], dtype=torch.long,
-                           device=self.device)
-        positions = torch.cat([torch.arange(b.start, b.end, dtype=torch.long) for b in batch]).to(self.device)
+        t = sum(q_lens)
+        # ids and positions in one upload (engine/upload.py: the host does not wait for the device)
+        ints = upload([x for b in batch for x in b.token_ids[b.start:b.end]]
+                      + [p for b in batch for p in range(b.start, b.end)], torch.long, self.device)
+        ids, positions = ints[:t], ints[t:]
         kv = PagedKvCache(self.pool, [(b.block_ids, b.start, n) for b, n in zip(batch, q_lens)])
         hidden = self.model.forward(ids, positions, q_lens, kv)  # [T, hidden]
         offsets = [0]
         for n in q_lens:
             offsets.append(offsets[-1] + n)
-        last = hidden[torch.tensor(offsets[1:], device=self.device) - 1]  # [B, hidden]
+        last = hidden[upload([o - 1 for o in offsets[1:]], torch.long, self.device)]  # [B, hidden]
         if any(b.mtp for b in batch) and pool_has_mtp(self.pool, self.model):
             for b, lo, hi in zip(batch, offsets, offsets[1:]):
                 if b.mtp:  # MTP rows of the chunk (engine/mtp.py)

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 from common.sampling_params import SamplingParams
+from engine.upload import upload
 
 __all__ = ["SamplingParams", "SamplingRows", "sample", "sample_batch", "sampling_logprobs"]
 
@@ -86,12 +87,9 @@ class SamplingRows:
         if not any_sampled:
             z = _zeros(len(rows), device)
             return SamplingRows(z, z, z, z, False, False)
-        pin = device.type == "cuda"
-        floats = torch.tensor([[p.temperature for p, _ in rows], [p.top_p for p, _ in rows]],
-                              dtype=torch.float32, pin_memory=pin).to(device, non_blocking=True)
+        floats = upload([[p.temperature for p, _ in rows], [p.top_p for p, _ in rows]], torch.float32, device)
         seeds = [p.seed - (1 << 64) if p.seed >= (1 << 63) else p.seed for p, _ in rows]  # uint64 as int64
-        ints = torch.tensor([seeds, [s for _, s in rows]], dtype=torch.int64,
-                            pin_memory=pin).to(device, non_blocking=True)
+        ints = upload([seeds, [s for _, s in rows]], torch.int64, device)
         return SamplingRows(floats[0], floats[1], ints[0], ints[1], True,
                             any(not p.greedy and p.top_p < 1.0 for p, _ in rows))
 

@@ -1,0 +1,22 @@
+"""Host values to a device tensor without a stream synchronize.
+
+`torch.tensor(values, device="cuda")` copies from pageable memory, and PyTorch follows such a
+copy with a stream synchronize: the host waits until every kernel queued so far has run, so it
+cannot queue the next ones meanwhile (a prefill forward had one such wait per sequence). A
+pinned staging tensor and a non-blocking copy avoid it: the copy is ordered on the current
+stream behind the queued work, and PyTorch's caching host allocator keeps the pinned block
+until the copy has run. On a CPU it is a plain tensor.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+def upload(data: Any, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """`torch.tensor(data, dtype=dtype)` on `device`, copied without waiting for the device."""
+    if device.type != "cuda":
+        return torch.tensor(data, dtype=dtype, device=device)
+    return torch.tensor(data, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
