@@ -2,8 +2,9 @@
 per process, for a deployment's mutual TLS and its etcd (docs/security.md).
 
 Each certificate is for server and client use, names its roles as URI subject alternative
-names (tandem://role/ROLE; `etcd` for etcd's own) and, as DNS or IP names, the loopback names,
-every `--host` and the hosts after its `@`. The CA's files (ca.pem, ca-key.pem) are made on the
+names (tandem://role/ROLE; `etcd` for etcd's own), its instance (tandem://instance/NAME: a
+worker holding it registers under instance id NAME, so give each process its own) and, as DNS
+or IP names, the loopback names, every `--host` and the hosts after its `@`. The CA's files (ca.pem, ca-key.pem) are made on the
 first run and reused by later ones on the same folder, so a host added later gets a certificate
 of the same CA. Keys are written mode 0600: give each process its own pair and keep ca-key.pem
 off the serving hosts.
@@ -26,7 +27,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("folder", help="where ca.pem, ca-key.pem and NAME.pem / NAME-key.pem go (the CA is "
                                   "reused if it is there)")
     p.add_argument("processes", nargs="+", metavar="NAME:ROLE[+ROLE][@HOST[,HOST]]",
-                   help=f"one certificate per entry; roles: {', '.join(ROLES)}; e.g. decode-0:decode@10.0.0.7")
+                   help=f"one certificate per entry (NAME: its file name and a worker's instance id); roles: "
+                        f"{', '.join(ROLES)}; e.g. decode-0:decode@10.0.0.7")
     p.add_argument("--host", action="append", default=[],
                    help="a DNS name or IP address every certificate names (repeat; default: none beyond "
                         "loopback, which is always named)")

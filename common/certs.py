@@ -10,7 +10,7 @@ import ipaddress
 import os
 from pathlib import Path
 
-from common.tls import ROLE_URI, TlsFiles
+from common.tls import INSTANCE_URI, ROLE_URI, TlsFiles
 
 LOOPBACK = ("localhost", "127.0.0.1", "::1")
 VALID_DAYS = 7  # a local cluster's certificates; each `tandem up` makes new ones
@@ -84,14 +84,16 @@ class LocalCa:
         _write(self.folder / "ca-key.pem", _pem_key(self._key), private=True)
 
     def issue(self, name: str, roles: tuple[str, ...], hosts: tuple[str, ...] = LOOPBACK) -> TlsFiles:
-        """A certificate for one process (server and client use), CN = name, a URI SAN per role
-        and a DNS or IP SAN per host; returns its files with the CA's."""
+        """A certificate for one process (server and client use), CN = name, a URI SAN per role,
+        one for its instance (INSTANCE_URI + name: a worker holding it registers as instance
+        `name`) and a DNS or IP SAN per host; returns its files with the CA's."""
         from cryptography import x509
         from cryptography.hazmat.primitives import hashes, serialization
         from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
         key = _key()
         sans: list[x509.GeneralName] = [x509.UniformResourceIdentifier(ROLE_URI + r) for r in roles]
+        sans.append(x509.UniformResourceIdentifier(INSTANCE_URI + name))
         for h in hosts:
             try:
                 sans.append(x509.IPAddress(ipaddress.ip_address(h)))

@@ -31,6 +31,9 @@ import grpc
 log = logging.getLogger(__name__)
 
 ROLE_URI = "tandem://role/"  # + role, a URI SAN of every Tandem certificate (common/certs.py issues them)
+# + the certificate's name: the one instance id a worker holding it registers and serves under,
+# so a peer can tell which record's process it is talking to (INSTANCE_URI + name, a URI SAN)
+INSTANCE_URI = "tandem://instance/"
 ROLES = ("router", "prefill", "decode", "client", "admin")
 # Which roles may call each internal service; a service not listed (health, reflection) takes
 # any known role. Must match who dials whom: router -> decode (Generate), router -> every worker
@@ -121,6 +124,21 @@ class TlsCredentials:
     key: bytes
     ca: bytes
 
+    @property
+    def instance(self) -> str | None:
+        """The instance name this process's certificate carries (INSTANCE_URI), or None
+        (no certificate, or one made before certificates named their instance)."""
+        if not self.cert:
+            return None
+        from cryptography import x509
+        cert = x509.load_pem_x509_certificates(self.cert)[0]
+        try:
+            uris = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value.get_values_for_type(
+                x509.UniformResourceIdentifier)
+        except x509.ExtensionNotFound:
+            return None
+        return next((u.removeprefix(INSTANCE_URI) for u in uris if u.startswith(INSTANCE_URI)), None)
+
     def server(self, require_client_auth: bool) -> grpc.ServerCredentials:
         return grpc.ssl_server_credentials([(self.key, self.cert)], root_certificates=self.ca,
                                            require_client_auth=require_client_auth)
@@ -152,6 +170,13 @@ def peer_roles(context: grpc.aio.ServicerContext) -> frozenset[str]:
     roles = {n.decode(errors="replace").removeprefix(ROLE_URI) for n in names
              if n.startswith(ROLE_URI.encode())}
     return frozenset(roles & set(ROLES))
+
+
+def peer_instances(context: grpc.aio.ServicerContext) -> frozenset[str]:
+    """The instance names the calling peer's verified certificate carries (empty without one)."""
+    names = context.auth_context().get("x509_subject_alternative_name", [])
+    return frozenset(n.decode(errors="replace").removeprefix(INSTANCE_URI) for n in names
+                     if n.startswith(INSTANCE_URI.encode()))
 
 
 class RoleCheck(grpc.aio.ServerInterceptor):

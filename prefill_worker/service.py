@@ -15,7 +15,7 @@ import time
 
 import grpc
 
-from common import logs, tracing
+from common import logs, tls, tracing
 from common.ratelimit import RateLimitedLog
 from common.grpc_errors import abort_invalid, check_parsed
 from common.pb.tandem.v1 import prefill_pb2 as pb
@@ -54,10 +54,14 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
         """The destination must be a decode worker of this model in discovery, its block ids in
         that worker's advertised pool and its metadata the one the worker published (by
         digest), so a caller can neither aim writes at another process's memory nor past the
-        pool. (Over mTLS, RoleCheck has already admitted only decode workers' certificates.)
+        pool. Over mTLS (where RoleCheck has already admitted only decode workers'
+        certificates) the destination must also be the caller's own: its record's instance id
+        is the instance name the caller's certificate carries, so one decode worker cannot have
+        writes aimed at another's pool, not even with the metadata this worker still holds
+        from the other's own calls.
 
         Raises:
-            PermissionDenied: destination.agent_name not in discovery, or
+            PermissionDenied: destination.agent_name not in discovery or not the caller's, or
                 destination.agent_metadata not the record's. InvalidArgument:
                 destination.block_ids past the record's kv_capacity_blocks.
         """
@@ -68,6 +72,13 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
             wait_s = 0.0
         record = await self.decoders.find(lambda i: i.transfer_agent_name == dst.agent_name,
                                           "destination.agent_name", f"decode agent {dst.agent_name!r}", wait_s)
+        if tls.TLS is not None:
+            callers = tls.peer_instances(context)
+            if record.instance_id not in callers:
+                raise PermissionDenied("destination.agent_name",
+                                       f"decode agent {dst.agent_name!r} is {record.instance_id}'s, and the caller's "
+                                       f"certificate names instance {', '.join(sorted(callers)) or '(none)'}: a "
+                                       "decode worker may ask only for writes into its own pool")
         if dst.block_ids and max(dst.block_ids) >= record.kv_capacity_blocks:
             raise InvalidArgument("destination.block_ids",
                                   f"block id {max(dst.block_ids)} is outside {record.instance_id}'s pool of "

@@ -12,7 +12,7 @@ from cryptography import x509
 
 from cli.certs import parse_entry
 from cli.main import main
-from common.tls import ROLE_URI, TlsFiles
+from common.tls import INSTANCE_URI, ROLE_URI, TlsFiles
 
 
 def sans(path) -> tuple[set[str], set[str]]:
@@ -30,9 +30,9 @@ def test_certs_for_a_deployment_and_a_later_host(tmp_path, capsys):
     assert "router-0.pem" in capsys.readouterr().out
     ca = (out / "ca.pem").read_bytes()
     uris, hosts = sans(out / "decode-0.pem")
-    assert uris == {ROLE_URI + "decode"}
+    assert uris == {ROLE_URI + "decode", INSTANCE_URI + "decode-0"}  # NAME is the worker's instance id
     assert {"10.0.0.7", "decode-a.internal", "192.0.2.10", "127.0.0.1", "localhost"} <= hosts
-    assert sans(out / "mock.pem")[0] == {ROLE_URI + "decode", ROLE_URI + "prefill"}
+    assert sans(out / "mock.pem")[0] == {ROLE_URI + "decode", ROLE_URI + "prefill", INSTANCE_URI + "mock"}
     assert "10.0.0.7" not in sans(out / "router-0.pem")[1]  # an entry's own hosts are its own
     for key in ("ca-key.pem", "decode-0-key.pem", "etcd-key.pem"):
         assert stat.S_IMODE((out / key).stat().st_mode) == 0o600

@@ -14,7 +14,7 @@ from cli import config
 from cli.cluster import LocalCluster
 from cli.main import build_parser
 from common.certs import LocalCa
-from common.tls import ROLE_URI, TlsFiles
+from common.tls import INSTANCE_URI, ROLE_URI, TlsFiles
 from mocker.fleet import MockerOptions
 from router.main import RouterOptions
 from worker.host import WorkerOptions
@@ -68,7 +68,9 @@ def test_issued_certificates_name_roles_and_loopback_and_chain_to_the_ca(tmp_pat
     files = ca.issue("mocker", ("decode", "prefill"))
     cert = x509.load_pem_x509_certificate(Path(files.cert).read_bytes())
     san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
-    assert san.get_values_for_type(x509.UniformResourceIdentifier) == [ROLE_URI + "decode", ROLE_URI + "prefill"]
+    assert san.get_values_for_type(x509.UniformResourceIdentifier) == [ROLE_URI + "decode", ROLE_URI + "prefill",
+                                                                       INSTANCE_URI + "mocker"]
+    assert files.load().instance == "mocker"  # the instance id a worker holding it registers under
     assert "localhost" in san.get_values_for_type(x509.DNSName)
     assert cert.issuer == x509.load_pem_x509_certificate(Path(files.ca).read_bytes()).subject
     assert oct(os.stat(files.key).st_mode & 0o777) == "0o600"

@@ -20,7 +20,7 @@ import grpc
 import torch
 
 from common import metrics as metrics_http
-from common import tracing
+from common import tls, tracing
 from common.block_hash import hash_seed
 from common.env import TEST_INSTANCE_ID_VAR, read_env
 from common.lifecycle import install_stop_signals
@@ -233,7 +233,9 @@ class WorkerRuntime:
         torch.set_num_threads(opts.torch_threads)
         self.role = role
         self.opts = opts
-        self.instance_id = (read_env(TEST_INSTANCE_ID_VAR, str)
+        # Over mTLS the instance id is the certificate's instance name, so that a peer can check
+        # that the process it talks to is the one of the record (prefill_worker/service.py).
+        self.instance_id = (read_env(TEST_INSTANCE_ID_VAR, str) or (tls.TLS.instance if tls.TLS else None)
                             or f"{discovery_pb2.Role.Name(role).removeprefix('ROLE_').lower()}-{uuid.uuid4().hex[:12]}")
         # New at every start, so a restart under the same instance id is told apart (records, KV events).
         self.incarnation = secrets.randbits(64) | 1
