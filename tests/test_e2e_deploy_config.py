@@ -77,6 +77,8 @@ def test_units_configuration_runs_a_cluster(tiny_model, tmp_path):
             for key in ("TANDEM_TLS_CERT", "TANDEM_TLS_KEY"):  # /etc/tandem/tls/... -> the test's folder
                 env[key] = env[key].replace("/etc/tandem/tls", str(tls_dir))
             env.pop("TANDEM_METRICS_PORT")  # fixed ports would collide with parallel runs
+            if "TANDEM_HTTP_PORT" in env:  # the router's HTTP API: 8000 in its env file
+                env["TANDEM_HTTP_PORT"] = str(free_port())
             assert env["TANDEM_PORT"].isdigit()  # each instance's port comes from its env file; here a free one
             env["TANDEM_PORT"] = str(free_port())
             ports[role] = int(env["TANDEM_PORT"])
