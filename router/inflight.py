@@ -101,7 +101,7 @@ async def next_message(call: grpc.aio.UnaryStreamCall, lost: asyncio.Future[str]
     lost.add_done_callback(on_lost)
     timer = None if stall_s is None else asyncio.get_running_loop().call_later(
         stall_s, interrupt, f"no response for {stall_s:.3g} s on a running stream (max(--token-stall-timeout, "
-        "--token-stall-itl-factor × the worker's ITL))")
+        "--token-stall-itl-factor × the worker's ITL × tokens per message))")
     try:
         return await call.read()  # a cancelled read cancels the call (grpc.aio), as the caller would
     except asyncio.CancelledError:
