@@ -10,7 +10,7 @@ import ipaddress
 import os
 from pathlib import Path
 
-from common.tls import INSTANCE_URI, ROLE_URI, TlsFiles
+from common.tls import INSTANCE_DNS, INSTANCE_URI, ROLE_URI, TlsFiles
 
 LOOPBACK = ("localhost", "127.0.0.1", "::1")
 VALID_DAYS = 7  # a local cluster's certificates; each `tandem up` makes new ones
@@ -86,7 +86,8 @@ class LocalCa:
     def issue(self, name: str, roles: tuple[str, ...], hosts: tuple[str, ...] = LOOPBACK) -> TlsFiles:
         """A certificate for one process (server and client use), CN = name, a URI SAN per role,
         one for its instance (INSTANCE_URI + name: a worker holding it registers as instance
-        `name`) and a DNS or IP SAN per host; returns its files with the CA's."""
+        `name`; also as the DNS names name + INSTANCE_DNS and *.name + INSTANCE_DNS, which
+        clients check) and a DNS or IP SAN per host; returns its files with the CA's."""
         from cryptography import x509
         from cryptography.hazmat.primitives import hashes, serialization
         from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
@@ -94,6 +95,8 @@ class LocalCa:
         key = _key()
         sans: list[x509.GeneralName] = [x509.UniformResourceIdentifier(ROLE_URI + r) for r in roles]
         sans.append(x509.UniformResourceIdentifier(INSTANCE_URI + name))
+        # the same instance as DNS names, checked by clients dialling its record (tls.instance_server_name)
+        sans += [x509.DNSName(name + INSTANCE_DNS), x509.DNSName("*." + name + INSTANCE_DNS)]
         for h in hosts:
             try:
                 sans.append(x509.IPAddress(ipaddress.ip_address(h)))

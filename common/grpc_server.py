@@ -151,10 +151,12 @@ def _bracketed(host: str) -> str:
 
 
 def channel(address: str, creds: tls.TlsCredentials | None = None,
-            interceptors: Sequence[grpc.aio.ClientInterceptor] = ()) -> grpc.aio.Channel:
+            interceptors: Sequence[grpc.aio.ClientInterceptor] = (), server_name: str | None = None) -> grpc.aio.Channel:
     """A client channel with Tandem's message size limits and keepalive (KEEPALIVE), over
     mTLS with `creds` or else this process's (tls.TLS; None: plaintext); `interceptors` run
-    after tracing's (a frontend client's API key, cli/client.py)."""
+    after tracing's (a frontend client's API key, cli/client.py). With TLS and `server_name`
+    the server's certificate is checked against that name instead of the address's host (a
+    discovery record's instance: tls.instance_server_name)."""
     creds = creds or tls.TLS
     # A restarted peer at the same address is reachable again within ~1 s, not after gRPC's
     # default reconnect back-off of up to 120 s.
@@ -164,6 +166,8 @@ def channel(address: str, creds: tls.TlsCredentials | None = None,
                ("grpc.max_reconnect_backoff_ms", 1000),
                *KEEPALIVE.options()]
     chain = [*(tracing.client_interceptors() or ()), *interceptors] or None
+    if creds is not None and server_name:
+        options.append(("grpc.ssl_target_name_override", server_name))
     if creds is not None:
         return grpc.aio.secure_channel(address, creds.channel(), interceptors=chain, options=options)
     return grpc.aio.insecure_channel(address, interceptors=chain, options=options)

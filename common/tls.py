@@ -11,8 +11,11 @@ plays several roles, such as `tandem mocker`, has one such name per role), and t
 - The router's frontend serves TLS with client certificates optional (clients are not
   cluster processes; a certificate they present must still chain to the CA).
 - Every channel a process opens presents its certificate and verifies the server's against
-  the CA, including the host name it dials (a server certificate names the hosts and IPs
-  peers reach it at: its --advertise-host).
+  the CA, including a name: the instance of the discovery record it dials
+  (`instance_server_name`), or else the host name it dials (a server certificate names the
+  hosts and IPs peers reach it at: its --advertise-host).
+- A worker's instance id is its certificate's instance name (INSTANCE_URI), and a prefill
+  worker writes only into its caller's own pool (`peer_instances`).
 
 The files are read once at start-up: rotating a certificate means restarting the process with
 the new files. Without --tls-cert/--tls-key/--tls-ca a process serves and dials in plaintext.
@@ -34,6 +37,11 @@ ROLE_URI = "tandem://role/"  # + role, a URI SAN of every Tandem certificate (co
 # + the certificate's name: the one instance id a worker holding it registers and serves under,
 # so a peer can tell which record's process it is talking to (INSTANCE_URI + name, a URI SAN)
 INSTANCE_URI = "tandem://instance/"
+# ... and as DNS names NAME + INSTANCE_DNS and *.NAME + INSTANCE_DNS (.invalid is reserved: no
+# real host has it), so that a client dialling the record of instance I checks, with gRPC's own
+# host name check, that the server holds I's certificate (`instance_server_name`). A process
+# serving several simulated instances (`tandem mocker`) names them SIM.NAME.
+INSTANCE_DNS = ".instance.tandem.invalid"
 ROLES = ("router", "prefill", "decode", "client", "admin")
 # Which roles may call each internal service; a service not listed (health, reflection) takes
 # any known role. Must match who dials whom: router -> decode (Generate), router -> every worker
@@ -170,6 +178,15 @@ def peer_roles(context: grpc.aio.ServicerContext) -> frozenset[str]:
     roles = {n.decode(errors="replace").removeprefix(ROLE_URI) for n in names
              if n.startswith(ROLE_URI.encode())}
     return frozenset(roles & set(ROLES))
+
+
+def instance_server_name(instance_id: str | None) -> str | None:
+    """The host name to check a server's certificate against when dialling the record of
+    `instance_id` (gRPC's ssl_target_name_override), so that only the process holding that
+    instance's certificate passes; None without TLS (or without an instance id)."""
+    if TLS is None or not instance_id:
+        return None
+    return instance_id + INSTANCE_DNS
 
 
 def peer_instances(context: grpc.aio.ServicerContext) -> frozenset[str]:

@@ -21,7 +21,7 @@ from typing import NamedTuple
 import grpc
 import torch
 
-from common import logs, tracing
+from common import logs, tls, tracing
 from common.grpc_errors import abort_invalid, check_parsed
 from common.grpc_server import channel
 from common.ratelimit import RateLimitedLog
@@ -80,6 +80,11 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
         self.prefills = prefills  # the prefill workers this worker may dial
         scheduler.admission.solo_wait_s = runtime.opts.solo_wait_s
         self._channels: dict[str, grpc.aio.Channel] = {}  # prefill address -> its one channel
+        # prefill address -> the instance id of its record when last checked (over mTLS a
+        # channel checks that the server holds that instance's certificate: it gets our
+        # transfer metadata), and the server name each open channel checks
+        self._prefill_ids: dict[str, str] = {}
+        self._channel_names: dict[str, str | None] = {}
         self._closing: set[asyncio.Task] = set()  # channels of departed prefill workers, closing
         self._metadata_sent: set[str] = set()  # prefill addresses that hold our agent metadata
         self._failures = RateLimitedLog(log)  # one line per prefill worker per 5 s
@@ -99,8 +104,12 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
     def _stub(self, address: str) -> prefill_pb2_grpc.PrefillServiceStub:
         """A stub on the one channel to the prefill worker at `address` (opened at first use,
         closed when its record leaves discovery: `forget_prefill`)."""
+        name = tls.instance_server_name(self._prefill_ids.get(address))
+        if address in self._channels and self._channel_names.get(address) != name:
+            self.forget_prefill(address)  # another instance serves the address now
         if address not in self._channels:
-            self._channels[address] = channel(address)
+            self._channels[address] = channel(address, server_name=name)
+            self._channel_names[address] = name
         return prefill_pb2_grpc.PrefillServiceStub(self._channels[address])
 
     def channel_count(self) -> int:
@@ -113,6 +122,7 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
         our agent metadata. Calls still open on it get `--prefill-timeout` to end by
         themselves; the next request that names the address is refused by the PeerDirectory."""
         self._metadata_sent.discard(address)
+        self._channel_names.pop(address, None)
         ch = self._channels.pop(address, None)
         if ch is None:
             return
@@ -188,9 +198,10 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
         remaining = context.time_remaining()
         wait_s = DISCOVERY_WAIT_S if remaining is None else max(0.0, min(DISCOVERY_WAIT_S, remaining / 4))
         try:
-            await self.prefills.find(lambda i: i.address == address, "prefill_address",
-                                     f"prefill worker {address!r}",
-                                     0.0 if self.prefills.recently_gone(address) else wait_s)
+            record = await self.prefills.find(lambda i: i.address == address, "prefill_address",
+                                              f"prefill worker {address!r}",
+                                              0.0 if self.prefills.recently_gone(address) else wait_s)
+            self._prefill_ids[address] = record.instance_id
         except PermissionDenied as exc:
             if not self.prefills.recently_gone(address):
                 raise
@@ -204,8 +215,9 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
         request may have waited in admission since, and a record that left meanwhile had its
         channel closed (`forget_prefill`); dialling it now would open one that nothing closes."""
         try:
-            await self.prefills.find(lambda i: i.address == address, "prefill_address",
-                                     f"prefill worker {address!r}", 0.0)
+            record = await self.prefills.find(lambda i: i.address == address, "prefill_address",
+                                              f"prefill worker {address!r}", 0.0)
+            self._prefill_ids[address] = record.instance_id
         except PermissionDenied as exc:
             self._failures.warning(address, "request %s: %s (it left while the request waited); prefilling "
                                    "locally", request_id, exc)
@@ -257,12 +269,13 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
         """
         given = prompt.block_ids[prompt.num_cached_blocks:]
         prompt.block_ids[prompt.num_cached_blocks:] = []
+        name = tls.instance_server_name(self._prefill_ids.get(address))  # the instance the call went to
 
         async def abandon(timeout_s: float) -> bool:
             # A channel of its own: the fence must reach a prefill worker whose record has left
             # (stopped, its lease expired, it may resume and write), and must not put back the
             # cached channel that forget_prefill closed. Attempts are rare (failed calls only).
-            async with channel(address) as ch:
+            async with channel(address, server_name=name) as ch:
                 resp = await prefill_pb2_grpc.PrefillServiceStub(ch).Abandon(
                     prefill_pb2.AbandonRequest(request_id=request_id), timeout=timeout_s)
             return resp.notified

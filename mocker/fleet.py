@@ -15,6 +15,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Callable
 
+from common import tls
 from common.block_hash import hash_seed
 from common.grpc_server import RunningServer, add_lenient_service, start_server
 from common.lifecycle import install_stop_signals
@@ -100,6 +101,8 @@ def _build(opts: MockerOptions, role: int, index: int, model: str, vocab: int, c
            timing: TimingModel) -> SimWorker:
     kind = "decode" if role == discovery_pb2.ROLE_DECODE else "prefill"
     iid = f"{kind}-mock{index:03d}-{uuid.uuid4().hex[:6]}"
+    if tls.TLS is not None and tls.TLS.instance:  # SIM.NAME: covered by the certificate's *.NAME name
+        iid = f"{iid}.{tls.TLS.instance}"
     engine = MockEngine(opts.num_blocks, opts.block_size, hash_seed(model), timing, opts.chunk_size, opts.max_running)
     driver = RealTimeDriver(engine, timing.speedup, opts.tick_s)
     if role == discovery_pb2.ROLE_DECODE:

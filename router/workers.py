@@ -14,7 +14,7 @@ import time
 
 import grpc
 
-from common import block_hash
+from common import block_hash, tls
 from common.grpc_server import channel
 from common.pb.tandem.v1 import discovery_pb2
 
@@ -153,7 +153,8 @@ class WorkerSet:
         if entry is not None:
             log.info("worker %s moved from %s to %s: new channel", instance_id, entry[0], address)
             self._close(entry[1])
-        ch = channel(address)
+        # over mTLS only the process holding this instance's certificate passes the handshake
+        ch = channel(address, server_name=tls.instance_server_name(instance_id))
         self._channels[instance_id] = (address, ch)
         return ch
 
