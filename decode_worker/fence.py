@@ -72,22 +72,26 @@ class PrefillFence:
         self.held_blocks = 0
         self.released = asyncio.Event()  # set at every release; a waiter clears it before waiting
 
-    def hold(self, request_id: str, block_ids: list[BlockId], abandon: AbandonCall, gone: GoneCheck) -> None:
+    def hold(self, request_id: str, block_ids: list[BlockId], abandon: AbandonCall, gone: GoneCheck,
+             message: bytes | None = None) -> None:
         """Hold `block_ids` until `abandon` is answered, `gone` holds (see the module docstring)
-        or bound_s passes. Call from the loop."""
+        or bound_s passes. `message`: the call's transfer notification (default: the request id
+        alone), consumed when the prefill worker says it sent it. Call from the loop."""
         if not block_ids:
             return
         self._stats.fenced_prefills += 1
         self.held_blocks += len(block_ids)
-        task = asyncio.get_running_loop().create_task(self._release(request_id, list(block_ids), abandon, gone),
+        message = request_id.encode() if message is None else message
+        task = asyncio.get_running_loop().create_task(self._release(request_id, list(block_ids), abandon, gone,
+                                                                    message),
                                                       name=f"fence-{request_id}")
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
     async def _release(self, request_id: str, block_ids: list[BlockId], abandon: AbandonCall,
-                       gone: GoneCheck) -> None:
+                       gone: GoneCheck, message: bytes) -> None:
         try:
-            outcome = await self._abandon(request_id, abandon, gone)
+            outcome = await self._abandon(message, abandon, gone)
             if outcome == "answered":
                 self._stats.fences_released_by_peer += 1
             elif outcome == "gone":
@@ -101,7 +105,7 @@ class PrefillFence:
             self._free(block_ids)
             self.released.set()
 
-    async def _abandon(self, request_id: str, abandon: AbandonCall,
+    async def _abandon(self, message: bytes, abandon: AbandonCall,
                        gone: GoneCheck) -> Literal["answered", "gone", "expired"]:
         """"answered" once the prefill worker answered, "gone" once nothing listens at its
         address, "expired" at the bound."""
@@ -129,7 +133,7 @@ class PrefillFence:
                 continue
             if notified:  # its transfer had completed late: consume the notification it sent
                 try:
-                    await self._agent.wait_notification(request_id.encode(), max(0.1, min(self.attempt_s, left)))
+                    await self._agent.wait_notification(message, max(0.1, min(self.attempt_s, left)))
                 except (TransferError, RuntimeError):
                     pass  # the transfer is over either way; an unclaimed notification ages out
             return "answered"

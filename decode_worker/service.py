@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import time
 import uuid
 from typing import NamedTuple
@@ -38,7 +39,7 @@ from engine.kv_pool import PoolExhausted, PromptBlocks
 from engine.mtp import hidden_from_bytes
 from engine.sampling import sample
 from worker.host import WorkerRuntime
-from kv_transfer.base import TransferError
+from kv_transfer.base import TransferError, notification
 from worker.peers import DISCOVERY_WAIT_S, PeerDirectory, PermissionDenied
 
 log = logging.getLogger(__name__)
@@ -134,7 +135,7 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
 
     async def _remote_prefill(self, address: str, request_id: str, tokens: list[int], prompt: PromptBlocks,
                               sampling: sampling_pb2.SamplingParams, timeout_s: float,
-                              step_offset: int = 0, cache_salt: str = "") -> Prefilled:
+                              step_offset: int = 0, cache_salt: str = "", token: bytes = b"") -> Prefilled:
         """Have the prefill worker at `address` write our missing blocks; returns the first token
         (and, with MTP speculative decoding, the last prompt token's hidden state).
 
@@ -150,7 +151,8 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
             kv_cache_dtype=self.rt.pool.config.dtype_name, kv_cache_scale=self.rt.pool.config.scale)
         req = prefill_pb2.PrefillRequest(request_id=request_id, token_ids=tokens, sampling=sampling, destination=dst,
                                          sampling_step_offset=step_offset,
-                                         return_last_hidden=self.scheduler.spec is not None, cache_salt=cache_salt)
+                                         return_last_hidden=self.scheduler.spec is not None, cache_salt=cache_salt,
+                                         notification_token=token)
         # Agent metadata travels once per prefill worker; resent when it says it lacks it. One
         # stub for both attempts: the retry must not reopen a channel that forget_prefill closed
         # in between (the record left), and a worker forgotten meanwhile is not marked as holding it.
@@ -172,7 +174,7 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
                                                 "tandem.transfer.blocks": len(dst.block_ids),
                                                 "tandem.transfer.bytes": resp.transfer_bytes,
                                                 "tandem.transfer.seconds": resp.transfer_seconds}):
-            await self.rt.agent.wait_notification(request_id.encode(), self.rt.opts.transfer_timeout_s)
+            await self.rt.agent.wait_notification(notification(request_id, token), self.rt.opts.transfer_timeout_s)
         hidden = None
         if self.scheduler.spec is not None:
             cfg = self.rt.loaded.config
@@ -230,10 +232,12 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
         if prefill_address and not await self._still_in_discovery(prefill_address, request_id):
             prefill_address = ""
         if prefill_address:
+            # the call's secret: only the prefill worker it reaches can announce its KV as written
+            secret = secrets.token_bytes(16)
             try:
                 first = await self._remote_prefill(prefill_address, request_id, tokens, prompt,
                                                    request.sampling, timeout_s, request.sampling_step_offset,
-                                                   request.cache_salt)
+                                                   request.cache_salt, secret)
                 self.rt.stats.remote_prefills += 1
                 return first
             except (grpc.aio.AioRpcError, TransferError) as exc:
@@ -242,12 +246,12 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
                                        "locally", request_id, prefill_address, detail)
                 if isinstance(exc, grpc.aio.AioRpcError) and exc.code() not in ANSWERED:
                     try:
-                        self._fence(prefill_address, request_id, prompt)
+                        self._fence(prefill_address, request_id, prompt, secret)
                     except PoolExhausted as short:  # wait a little for blocks (the fenced ones too) to come back
                         await self._refill(prompt, short.needed)
             except asyncio.CancelledError:  # the request ended while the prefill worker had it
                 try:
-                    self._fence(prefill_address, request_id, prompt)
+                    self._fence(prefill_address, request_id, prompt, secret)
                 except PoolExhausted:
                     pass  # nothing more to run for it: the fenced blocks are held all the same
                 raise
@@ -259,7 +263,7 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
         token, logprob = sample(out.logits, params, step=request.sampling_step_offset)
         return Prefilled(token, logprob, hidden[None] if spec else None)
 
-    def _fence(self, address: str, request_id: str, prompt: PromptBlocks) -> None:
+    def _fence(self, address: str, request_id: str, prompt: PromptBlocks, secret: bytes = b"") -> None:
         """Swap the blocks the prefill worker at `address` was given for fresh ones (the prompt
         then holds only blocks no late write can reach) and fence the old ones until it
         answers Abandon (decode_worker/fence.py).
@@ -280,7 +284,8 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
                     prefill_pb2.AbandonRequest(request_id=request_id), timeout=timeout_s)
             return resp.notified
 
-        self.fence.hold(request_id, given, abandon, lambda: nothing_listens(address))
+        self.fence.hold(request_id, given, abandon, lambda: nothing_listens(address),
+                        notification(request_id, secret))
         prompt.block_ids.extend(self.rt.pool.blocks.allocate(len(given)))  # PoolExhausted.needed: len(given)
 
     async def _refill(self, prompt: PromptBlocks, n: int) -> None:

@@ -162,6 +162,16 @@ def plan_write(pool: PoolDescriptor | None, src_block_ids: Sequence[int], dst: R
     return merge_runs(src_block_ids, dst.block_ids, pool.block_stride_bytes)
 
 
+MAX_NOTIFICATION_TOKEN_BYTES = 64  # PrefillRequest.notification_token
+
+
+def notification(request_id: str, token: bytes = b"") -> bytes:
+    """The message that announces request `request_id`'s KV as written: its id, and after a '#'
+    the decode worker's secret for the call in hex (PrefillRequest.notification_token; none
+    when empty), so a message from anyone who did not get the call matches no waiter."""
+    return request_id.encode() + (b"#" + token.hex().encode() if token else b"")
+
+
 class KvTransferAgent(abc.ABC):
     """One worker's endpoint for KV block transfers (DESIGN.md section 5).
 

@@ -26,7 +26,7 @@ from engine.mtp import hidden_to_bytes
 from engine.pipeline import PipelineError
 from engine.sampling import sample
 from worker.host import WorkerRuntime
-from kv_transfer.base import RemoteBlocks, TransferError
+from kv_transfer.base import MAX_NOTIFICATION_TOKEN_BYTES, RemoteBlocks, TransferError, notification
 from kv_transfer.select import CHOICES
 from prefill_worker.calls import PrefillCalls
 from prefill_worker.chunk_sender import ChunkSender
@@ -102,6 +102,9 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
         validate_token_ids(list(request.token_ids), self.rt.vocab_size)
         validate_prompt_length(len(request.token_ids), self.rt.context_length, "token_ids")
         validate_cache_salt(request.cache_salt)
+        if len(request.notification_token) > MAX_NOTIFICATION_TOKEN_BYTES:
+            raise InvalidArgument("notification_token", f"{len(request.notification_token)} bytes, at most "
+                                  f"{MAX_NOTIFICATION_TOKEN_BYTES}")
         dst = request.destination
         if dst.backend not in CHOICES:  # the backend itself is chosen from both agents' metadata
             raise InvalidArgument("destination.backend", f"{dst.backend!r} is not one of {', '.join(CHOICES)}")
@@ -214,7 +217,7 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
                 with tracing.span("tandem.kv_transfer", {"tandem.transfer.backend": backend,
                                                          "tandem.transfer.blocks": len(dst.block_ids),
                                                          "tandem.transfer.peer": dst.agent_name}) as span:
-                    result = await sender.finish(request.request_id.encode())
+                    result = await sender.finish(notification(request.request_id, request.notification_token))
                     span.set_attributes({"tandem.transfer.backend": result.backend,
                                          "tandem.transfer.bytes": result.bytes,
                                          "tandem.transfer.seconds": result.seconds,

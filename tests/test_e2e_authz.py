@@ -165,3 +165,40 @@ def test_decode_worker_dials_no_prefill_worker_of_another_model(cluster, listene
     assert err.code() == grpc.StatusCode.PERMISSION_DENIED, err.details()
     assert err.details().startswith("prefill_address") and "another-model" in err.details(), err.details()
     assert not _dialled(listener)
+
+
+def test_a_notification_token_over_its_limit_is_invalid_argument(cluster):
+    attacker = Attacker(cluster, "token-sender")
+    try:
+        req = attacker.request("evil-token")
+        req.notification_token = b"x" * 65
+        err = prefill_refusal(cluster, req)
+        assert err.code() == grpc.StatusCode.INVALID_ARGUMENT, err.details()
+        assert err.details().startswith("notification_token") and "64" in err.details(), err.details()
+    finally:
+        attacker.close()
+
+
+def test_the_kv_is_announced_only_by_a_notification_with_the_calls_secret(cluster):
+    # A decode worker waits for request id + its secret for the call (PrefillRequest.
+    # notification_token, sent only to the prefill worker over the call): a peer that knows the
+    # request id alone announces nothing.
+    from kv_transfer.base import RemoteBlocks, TransferTimeout, notification
+    victim, forger = Attacker(cluster, "victim-agent"), Attacker(cluster, "forger-agent")
+    try:
+        forger.agent.add_peer(victim.agent.name, victim.agent.metadata())
+        nowhere = RemoteBlocks(victim.desc.base_address, victim.desc.block_stride_bytes, -1, [])
+        secret = b"\x01" * 16
+
+        async def run() -> str:
+            await forger.agent.write_blocks(victim.agent.name, [], nowhere, b"req-7", 5.0)  # the id alone
+            with pytest.raises(TransferTimeout):
+                await victim.agent.wait_notification(notification("req-7", secret), 0.5)
+            await forger.agent.write_blocks(victim.agent.name, [], nowhere, notification("req-7", secret), 5.0)
+            return await victim.agent.wait_notification(notification("req-7", secret), 5.0)
+
+        assert asyncio.run(run()) == forger.agent.name
+        assert notification("req-7", secret) == b"req-7#" + secret.hex().encode() and notification("r") == b"r"
+    finally:
+        victim.close()
+        forger.close()

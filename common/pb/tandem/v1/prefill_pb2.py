@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from common.pb.tandem.v1 import sampling_pb2 as tandem_dot_v1_dot_sampling__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17tandem/v1/prefill.proto\x12\ttandem.v1\x1a\x18tandem/v1/sampling.proto\"$\n\x0e\x41\x62\x61ndonRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"#\n\x0f\x41\x62\x61ndonResponse\x12\x10\n\x08notified\x18\x01 \x01(\x08\"\xe1\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12-\n\x0b\x64\x65stination\x18\x04 \x01(\x0b\x32\x18.tandem.v1.KvDestination\x12\x1c\n\x14sampling_step_offset\x18\x05 \x01(\r\x12\x1a\n\x12return_last_hidden\x18\x06 \x01(\x08\x12\x12\n\ncache_salt\x18\x07 \x01(\t\"\xef\x01\n\rKvDestination\x12\x0f\n\x07\x62\x61\x63kend\x18\x01 \x01(\t\x12\x12\n\nagent_name\x18\x02 \x01(\t\x12\x16\n\x0e\x61gent_metadata\x18\x03 \x01(\x0c\x12\x14\n\x0c\x62\x61se_address\x18\x04 \x01(\x04\x12\x1a\n\x12\x62lock_stride_bytes\x18\x05 \x01(\x04\x12\x11\n\tdevice_id\x18\x06 \x01(\x05\x12\x19\n\x11\x66irst_block_index\x18\x07 \x01(\r\x12\x11\n\tblock_ids\x18\x08 \x03(\r\x12\x16\n\x0ekv_cache_dtype\x18\t \x01(\t\x12\x16\n\x0ekv_cache_scale\x18\n \x01(\x02\"\xa4\x01\n\x0fPrefillResponse\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\x05\x12\x1b\n\x13\x66irst_token_logprob\x18\x02 \x01(\x02\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\x12\x16\n\x0etransfer_bytes\x18\x04 \x01(\x04\x12\x18\n\x10transfer_seconds\x18\x05 \x01(\x01\x12\x13\n\x0blast_hidden\x18\x06 \x01(\x0c\x32\x94\x01\n\x0ePrefillService\x12@\n\x07Prefill\x12\x19.tandem.v1.PrefillRequest\x1a\x1a.tandem.v1.PrefillResponse\x12@\n\x07\x41\x62\x61ndon\x12\x19.tandem.v1.AbandonRequest\x1a\x1a.tandem.v1.AbandonResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17tandem/v1/prefill.proto\x12\ttandem.v1\x1a\x18tandem/v1/sampling.proto\"$\n\x0e\x41\x62\x61ndonRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"#\n\x0f\x41\x62\x61ndonResponse\x12\x10\n\x08notified\x18\x01 \x01(\x08\"\xfd\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12-\n\x0b\x64\x65stination\x18\x04 \x01(\x0b\x32\x18.tandem.v1.KvDestination\x12\x1c\n\x14sampling_step_offset\x18\x05 \x01(\r\x12\x1a\n\x12return_last_hidden\x18\x06 \x01(\x08\x12\x12\n\ncache_salt\x18\x07 \x01(\t\x12\x1a\n\x12notification_token\x18\x08 \x01(\x0c\"\xef\x01\n\rKvDestination\x12\x0f\n\x07\x62\x61\x63kend\x18\x01 \x01(\t\x12\x12\n\nagent_name\x18\x02 \x01(\t\x12\x16\n\x0e\x61gent_metadata\x18\x03 \x01(\x0c\x12\x14\n\x0c\x62\x61se_address\x18\x04 \x01(\x04\x12\x1a\n\x12\x62lock_stride_bytes\x18\x05 \x01(\x04\x12\x11\n\tdevice_id\x18\x06 \x01(\x05\x12\x19\n\x11\x66irst_block_index\x18\x07 \x01(\r\x12\x11\n\tblock_ids\x18\x08 \x03(\r\x12\x16\n\x0ekv_cache_dtype\x18\t \x01(\t\x12\x16\n\x0ekv_cache_scale\x18\n \x01(\x02\"\xa4\x01\n\x0fPrefillResponse\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\x05\x12\x1b\n\x13\x66irst_token_logprob\x18\x02 \x01(\x02\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\x12\x16\n\x0etransfer_bytes\x18\x04 \x01(\x04\x12\x18\n\x10transfer_seconds\x18\x05 \x01(\x01\x12\x13\n\x0blast_hidden\x18\x06 \x01(\x0c\x32\x94\x01\n\x0ePrefillService\x12@\n\x07Prefill\x12\x19.tandem.v1.PrefillRequest\x1a\x1a.tandem.v1.PrefillResponse\x12@\n\x07\x41\x62\x61ndon\x12\x19.tandem.v1.AbandonRequest\x1a\x1a.tandem.v1.AbandonResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,11 +37,11 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_ABANDONRESPONSE']._serialized_start=102
   _globals['_ABANDONRESPONSE']._serialized_end=137
   _globals['_PREFILLREQUEST']._serialized_start=140
-  _globals['_PREFILLREQUEST']._serialized_end=365
-  _globals['_KVDESTINATION']._serialized_start=368
-  _globals['_KVDESTINATION']._serialized_end=607
-  _globals['_PREFILLRESPONSE']._serialized_start=610
-  _globals['_PREFILLRESPONSE']._serialized_end=774
-  _globals['_PREFILLSERVICE']._serialized_start=777
-  _globals['_PREFILLSERVICE']._serialized_end=925
+  _globals['_PREFILLREQUEST']._serialized_end=393
+  _globals['_KVDESTINATION']._serialized_start=396
+  _globals['_KVDESTINATION']._serialized_end=635
+  _globals['_PREFILLRESPONSE']._serialized_start=638
+  _globals['_PREFILLRESPONSE']._serialized_end=802
+  _globals['_PREFILLSERVICE']._serialized_start=805
+  _globals['_PREFILLSERVICE']._serialized_end=953
 # @@protoc_insertion_point(module_scope)

@@ -20,7 +20,7 @@ class AbandonResponse(_message.Message):
     def __init__(self, notified: _Optional[bool] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "token_ids", "sampling", "destination", "sampling_step_offset", "return_last_hidden", "cache_salt")
+    __slots__ = ("request_id", "token_ids", "sampling", "destination", "sampling_step_offset", "return_last_hidden", "cache_salt", "notification_token")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -28,6 +28,7 @@ class PrefillRequest(_message.Message):
     SAMPLING_STEP_OFFSET_FIELD_NUMBER: _ClassVar[int]
     RETURN_LAST_HIDDEN_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    NOTIFICATION_TOKEN_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _sampling_pb2.SamplingParams
@@ -35,7 +36,8 @@ class PrefillRequest(_message.Message):
     sampling_step_offset: int
     return_last_hidden: bool
     cache_salt: str
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_sampling_pb2.SamplingParams, _Mapping]] = ..., destination: _Optional[_Union[KvDestination, _Mapping]] = ..., sampling_step_offset: _Optional[int] = ..., return_last_hidden: _Optional[bool] = ..., cache_salt: _Optional[str] = ...) -> None: ...
+    notification_token: bytes
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_sampling_pb2.SamplingParams, _Mapping]] = ..., destination: _Optional[_Union[KvDestination, _Mapping]] = ..., sampling_step_offset: _Optional[int] = ..., return_last_hidden: _Optional[bool] = ..., cache_salt: _Optional[str] = ..., notification_token: _Optional[bytes] = ...) -> None: ...
 
 class KvDestination(_message.Message):
     __slots__ = ("backend", "agent_name", "agent_metadata", "base_address", "block_stride_bytes", "device_id", "first_block_index", "block_ids", "kv_cache_dtype", "kv_cache_scale")
