@@ -138,6 +138,14 @@ class LocalCluster:
             await self.stop()
             raise
 
+    def _last_line(self, name: str) -> str:
+        """The last line a process wrote to its log (its one-line start-up error, if it had one)."""
+        try:
+            lines = (self.log_dir / f"{name}.log").read_text(errors="replace").strip().splitlines()
+        except OSError:
+            return "no log"
+        return lines[-1][-300:] if lines else "no output"
+
     async def _wait_ready(self) -> None:
         want = {discovery_pb2.ROLE_ROUTER: 1, discovery_pb2.ROLE_PREFILL: self.num_prefill,
                 discovery_pb2.ROLE_DECODE: self.num_decode + self.num_mocker}
@@ -150,7 +158,8 @@ class LocalCluster:
             while True:
                 dead = [n for n, p in self.procs.items() if p.poll() is not None]
                 if dead:
-                    raise RuntimeError(f"{', '.join(dead)} exited during start-up; see logs in {self.log_dir}")
+                    why = "; ".join(f"{n}: {self._last_line(n)}" for n in dead)
+                    raise RuntimeError(f"{', '.join(dead)} exited during start-up ({why}); see logs in {self.log_dir}")
                 try:
                     view = await watcher.wait_for(ready, timeout=1.0)
                     break

@@ -75,8 +75,12 @@ def _up(args: argparse.Namespace) -> int:
         if cluster.ca is not None:
             # clients on this machine (generate, explain, bench) find it there for this port
             write_local_ca(router_port, Path(cluster.ca.ca_path).read_bytes())
-            print(f"  mutual TLS: CA and certificates in {cluster.ca.folder}; local clients of port {router_port} "
-                  f"use it by themselves, others: export TANDEM_TLS_CA={cluster.ca.ca_path}", flush=True)
+            # every certificate is issued: the throw-away CA's key would only let whoever reads
+            # the log folder mint certificates this cluster trusts, so it goes now
+            (Path(cluster.ca.folder) / "ca-key.pem").unlink(missing_ok=True)
+            print(f"  mutual TLS: CA and certificates in {cluster.ca.folder} (the CA's key is deleted); local "
+                  f"clients of port {router_port} use it by themselves, others: export "
+                  f"TANDEM_TLS_CA={cluster.ca.ca_path}", flush=True)
         if cluster.http_address:
             print(f"  OpenAI-compatible HTTP API at http://{cluster.http_address}/v1", flush=True)
         for name, addr in cluster.metrics_addresses().items():

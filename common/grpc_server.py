@@ -84,7 +84,8 @@ async def start_server(address: str, add_services: Sequence[Callable[[grpc.aio.S
     (the router's API key check, router/api_keys.py).
 
     Raises:
-        RuntimeError: the address could not be bound.
+        OSError: the address could not be bound, naming --port and the OS's reason (a port in
+            use, an address not of this machine).
     """
     creds = tls.TLS
     # Tracing interceptors exist only when tracing is on (common/tracing.py): off costs nothing.
@@ -105,13 +106,36 @@ async def start_server(address: str, add_services: Sequence[Callable[[grpc.aio.S
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-    port = server.add_secure_port(address, creds.server(internal)) if creds else server.add_insecure_port(address)
+    try:
+        port = server.add_secure_port(address, creds.server(internal)) if creds else server.add_insecure_port(address)
+    except RuntimeError:  # grpc says only "Failed to bind"; the OS says why
+        port = 0
     if port == 0:
-        raise RuntimeError(f"could not bind gRPC server to {address}")
+        raise _bind_error(address)
     await server.start()
     running = RunningServer(server, port, health_servicer, tuple(service_names))
     await running.set_serving(True)
     return running
+
+
+def _bind_error(address: str) -> OSError:
+    """Why `address` (host:port) cannot be bound, from a plain socket bind, naming --port."""
+    import errno
+    import socket
+    host, _, port = address.rpartition(":")
+    host = host.strip("[]")
+    reason = "gRPC could not bind it"
+    code = errno.EADDRNOTAVAIL
+    try:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            s.bind((host, int(port)))
+    except OSError as exc:
+        code, reason = exc.errno or code, exc.strerror or str(exc)
+    except ValueError:
+        pass
+    return OSError(code, f"--port {port}: cannot listen on {address}: {reason} (another process has it? pick "
+                         "another --port, or 0 for any free one)")
 
 
 WILDCARDS = ("0.0.0.0", "::", "[::]", "")

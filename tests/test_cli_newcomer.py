@@ -172,6 +172,20 @@ def test_taken_http_port_is_one_line_naming_the_flag(etcd_server):
     assert re.search(r"^tandem router: .*--http-port \d+: cannot listen on", r.stderr, re.M), r.stderr
 
 
+def test_taken_grpc_port_is_one_line_naming_the_flag_and_tandem_up_shows_it(etcd_server, tmp_path):
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = str(taken.getsockname()[1])
+        r = tandem("router", "--etcd", etcd_server.endpoint, "--namespace", "cli-taken-grpc", "--model", "tandem-tiny",
+                   "--port", port, "--http-port", "-1", timeout=120)
+        assert r.returncode == 1 and "Traceback" not in r.stderr
+        assert re.search(rf"^tandem router: .*--port {port}: cannot listen on 127.0.0.1:{port}: .*in use", r.stderr,
+                         re.M), r.stderr
+        # tandem up names the process and its reason, not only "see logs"
+        up = tandem("up", "--model", "tandem-tiny", "--port", port, "--http-port", "-1", "--insecure", timeout=180)
+    assert up.returncode == 1 and "Traceback" not in up.stderr
+    assert re.search(rf"router exited during start-up \(router: .*--port {port}: cannot listen", up.stderr), up.stderr
+
+
 def test_bench_compare_usage_and_header_first():
     r = subprocess.run([PY, "-m", "bench.compare", "--help"], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert r.stdout.startswith("usage: python -m bench.compare")
