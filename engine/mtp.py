@@ -24,6 +24,7 @@ import torch
 
 from engine.block_pool import BlockId
 from engine.kv_pool import KvPool, PagedKvCache
+from engine.upload import upload
 
 MTP_MODULE = 0  # the module chained for every draft step
 
@@ -49,7 +50,7 @@ def prefill_mtp_rows(model: torch.nn.Module, pool: KvPool, block_ids: list[Block
         return False
     n = stop - start
     device = hidden.device
-    next_ids = torch.tensor(token_ids[start + 1:stop + 1], dtype=torch.long, device=device)
+    next_ids = upload(token_ids[start + 1:stop + 1], torch.long, device)
     positions = torch.arange(start, stop, dtype=torch.long, device=device)
     kv = PagedKvCache(pool, [(block_ids, start, n)])
     model.mtp_forward(MTP_MODULE, hidden[:n], next_ids, positions, [n], kv)

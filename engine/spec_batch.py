@@ -49,6 +49,7 @@ from engine.block_pool import BlockId
 from engine.kv_pool import KvPool, PagedKvCache
 from engine.mtp import MTP_MODULE
 from engine.sampling import SamplingRows, sample_batch
+from engine.upload import upload
 
 
 class SpecSlots:
@@ -94,7 +95,7 @@ class SpecSlots:
         n = len(tokens) - 1
         ids = tokens[n - r + 1:] + [0] * (self.k + 1 - r)
         self.hidden[slot, :r] = hidden.to(self.hidden.dtype)
-        self.ids[slot] = torch.tensor(ids, dtype=torch.long).to(self.ids.device, non_blocking=True)
+        self.ids[slot] = upload(ids, torch.long, self.ids.device)
         self.count[slot] = r
         self.n[slot] = n
 
@@ -175,7 +176,7 @@ def block_tables(rows: list[SpecRow], device: torch.device) -> torch.Tensor:
     """The rows' block tables as [B, W] int32 on device (padded with each row's first block)."""
     width = max(len(r.block_ids) for r in rows)
     table = [r.block_ids + [r.block_ids[0]] * (width - len(r.block_ids)) for r in rows]
-    return torch.tensor(table, dtype=torch.int32, pin_memory=device.type == "cuda").to(device, non_blocking=True)
+    return upload(table, torch.int32, device)
 
 
 @torch.inference_mode()
@@ -190,8 +191,8 @@ def spec_step(model: torch.nn.Module, pool: KvPool, slots: SpecSlots, rows: list
     dev = pool.kv.device
     k = slots.k
     k1, b = k + 1, len(rows)
-    idx = torch.tensor([r.slot for r in rows], dtype=torch.long, pin_memory=dev.type == "cuda").to(
-        dev, non_blocking=True)
+    # (engine/upload.py: no host copy here waits for the step in flight, so steps overlap)
+    idx = upload([r.slot for r in rows], torch.long, dev)
     n, c = slots.n[idx], slots.count[idx]  # [B]
     hid, ids = slots.hidden[idx], slots.ids[idx]  # [B, k+1, H], [B, k+1]
     ar = torch.arange(k1, device=dev)
@@ -208,7 +209,7 @@ def spec_step(model: torch.nn.Module, pool: KvPool, slots: SpecSlots, rows: list
     g = fw.extend(hid.reshape(b * k1, -1), ids.reshape(-1), ext_pos)
     prev = g.view(b, k1, -1)[every, c - 1]  # [B, H]
     # sampling rows: the token at position n + 1 + i has step n + 1 + i + shift
-    base = n + 1 + torch.tensor([r.step_shift for r in rows], dtype=torch.long).to(dev, non_blocking=True)
+    base = n + 1 + upload([r.step_shift for r in rows], torch.long, dev)
     one = SamplingRows.build([(r.params, 0) for r in rows], dev)
     per = SamplingRows.build([(r.params, 0) for r in rows for _ in range(k1)], dev)
     drafts = []
