@@ -4,10 +4,10 @@ per process, for a deployment's mutual TLS and its etcd (docs/security.md).
 Each certificate is for server and client use, names its roles as URI subject alternative
 names (tandem://role/ROLE; `etcd` for etcd's own), its instance (tandem://instance/NAME: a
 worker holding it registers under instance id NAME, so give each process its own) and, as DNS
-or IP names, the loopback names, every `--host` and the hosts after its `@`. The CA's files (ca.pem, ca-key.pem) are made on the
-first run and reused by later ones on the same folder, so a host added later gets a certificate
-of the same CA. Keys are written mode 0600: give each process its own pair and keep ca-key.pem
-off the serving hosts.
+or IP names, the loopback names, every `--host` and the hosts after its `@`. The CA's files
+(ca.pem, ca-key.pem) are made on the first run and reused by later ones on the same folder, so
+a host added later gets a certificate of the same CA. Keys are written mode 0600: give each
+process its own pair and keep ca-key.pem off the serving hosts.
 """
 
 from __future__ import annotations

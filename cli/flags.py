@@ -91,8 +91,8 @@ HELP = {
     "migration_limit": "router: decode-worker failures one request may survive (retry or migrate elsewhere)",
     "default_deadline_s": "router: deadline in seconds of router → worker calls when the client sets none",
     "token_stall_timeout_s": "router: floor in seconds of the stall timeout: a running stream silent for "
-                             "max(this, --token-stall-itl-factor × its worker's observed ITL × tokens per message) counts its worker "
-                             "as failed and the request migrates (0 = off)",
+                             "max(this, --token-stall-itl-factor × its worker's observed ITL × tokens per message) "
+                             "counts its worker as failed and the request migrates (0 = off)",
     "token_stall_itl_factor": "router: N of the stall timeout's N × the worker's observed inter-token latency "
                               "× the tokens its messages carry (EWMAs over its streams; 0 = the floor alone)",
     "keepalive_time_s": "router: seconds between HTTP/2 keepalive PINGs on each channel to a worker (>= 1)",

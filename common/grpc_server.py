@@ -175,7 +175,8 @@ def _bracketed(host: str) -> str:
 
 
 def channel(address: str, creds: tls.TlsCredentials | None = None,
-            interceptors: Sequence[grpc.aio.ClientInterceptor] = (), server_name: str | None = None) -> grpc.aio.Channel:
+            interceptors: Sequence[grpc.aio.ClientInterceptor] = (),
+            server_name: str | None = None) -> grpc.aio.Channel:
     """A client channel with Tandem's message size limits and keepalive (KEEPALIVE), over
     mTLS with `creds` or else this process's (tls.TLS; None: plaintext); `interceptors` run
     after tracing's (a frontend client's API key, cli/client.py). With TLS and `server_name`

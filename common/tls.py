@@ -23,6 +23,7 @@ the new files. Without --tls-cert/--tls-key/--tls-ca a process serves and dials 
 
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
 from dataclasses import dataclass
@@ -132,10 +133,10 @@ class TlsCredentials:
     key: bytes
     ca: bytes
 
-    @property
+    @functools.cached_property
     def instance(self) -> str | None:
         """The instance name this process's certificate carries (INSTANCE_URI), or None
-        (no certificate, or one made before certificates named their instance)."""
+        (no certificate, or one made before certificates named their instance); parsed once."""
         if not self.cert:
             return None
         from cryptography import x509

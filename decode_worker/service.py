@@ -81,10 +81,8 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
         self.prefills = prefills  # the prefill workers this worker may dial
         scheduler.admission.solo_wait_s = runtime.opts.solo_wait_s
         self._channels: dict[str, grpc.aio.Channel] = {}  # prefill address -> its one channel
-        # prefill address -> the instance id of its record when last checked (over mTLS a
-        # channel checks that the server holds that instance's certificate: it gets our
-        # transfer metadata), and the server name each open channel checks
-        self._prefill_ids: dict[str, str] = {}
+        # prefill address -> the TLS name its channel checks (over mTLS, the instance of the
+        # record it was opened for: only that process gets our transfer metadata)
         self._channel_names: dict[str, str | None] = {}
         self._closing: set[asyncio.Task] = set()  # channels of departed prefill workers, closing
         self._metadata_sent: set[str] = set()  # prefill addresses that hold our agent metadata
@@ -102,10 +100,10 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
         self.rt.events.publish()
         self.scheduler._wake.set()  # a retracted request may be waiting for these blocks, the loop idle
 
-    def _stub(self, address: str) -> prefill_pb2_grpc.PrefillServiceStub:
-        """A stub on the one channel to the prefill worker at `address` (opened at first use,
-        closed when its record leaves discovery: `forget_prefill`)."""
-        name = tls.instance_server_name(self._prefill_ids.get(address))
+    def _stub(self, address: str, instance_id: str) -> prefill_pb2_grpc.PrefillServiceStub:
+        """A stub on the one channel to the prefill worker `instance_id` at `address` (opened at
+        first use, closed when its record leaves discovery: `forget_prefill`)."""
+        name = tls.instance_server_name(instance_id)
         if address in self._channels and self._channel_names.get(address) != name:
             self.forget_prefill(address)  # another instance serves the address now
         if address not in self._channels:
@@ -133,11 +131,12 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
         self._closing.add(task)
         task.add_done_callback(self._closing.discard)
 
-    async def _remote_prefill(self, address: str, request_id: str, tokens: list[int], prompt: PromptBlocks,
-                              sampling: sampling_pb2.SamplingParams, timeout_s: float,
-                              step_offset: int = 0, cache_salt: str = "", token: bytes = b"") -> Prefilled:
-        """Have the prefill worker at `address` write our missing blocks; returns the first token
-        (and, with MTP speculative decoding, the last prompt token's hidden state).
+    async def _remote_prefill(self, address: str, instance_id: str, request_id: str, tokens: list[int],
+                              prompt: PromptBlocks, sampling: sampling_pb2.SamplingParams, timeout_s: float,
+                              step_offset: int, cache_salt: str, secret: bytes) -> Prefilled:
+        """Have the prefill worker `instance_id` at `address` write our missing blocks; returns
+        the first token (and, with MTP speculative decoding, the last prompt token's hidden
+        state). `secret`: the call's, which its transfer notification must carry.
 
         Raises:
             grpc.aio.AioRpcError: the prefill worker failed or refused.
@@ -152,11 +151,11 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
         req = prefill_pb2.PrefillRequest(request_id=request_id, token_ids=tokens, sampling=sampling, destination=dst,
                                          sampling_step_offset=step_offset,
                                          return_last_hidden=self.scheduler.spec is not None, cache_salt=cache_salt,
-                                         notification_token=token)
+                                         notification_token=secret)
         # Agent metadata travels once per prefill worker; resent when it says it lacks it. One
         # stub for both attempts: the retry must not reopen a channel that forget_prefill closed
         # in between (the record left), and a worker forgotten meanwhile is not marked as holding it.
-        stub = self._stub(address)
+        stub = self._stub(address, instance_id)
         for attempt in range(2):
             if address not in self._metadata_sent or attempt:
                 req.destination.agent_metadata = self.rt.transfer_metadata  # the bytes discovery has the digest of
@@ -174,7 +173,7 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
                                                 "tandem.transfer.blocks": len(dst.block_ids),
                                                 "tandem.transfer.bytes": resp.transfer_bytes,
                                                 "tandem.transfer.seconds": resp.transfer_seconds}):
-            await self.rt.agent.wait_notification(notification(request_id, token), self.rt.opts.transfer_timeout_s)
+            await self.rt.agent.wait_notification(notification(request_id, secret), self.rt.opts.transfer_timeout_s)
         hidden = None
         if self.scheduler.spec is not None:
             cfg = self.rt.loaded.config
@@ -200,10 +199,9 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
         remaining = context.time_remaining()
         wait_s = DISCOVERY_WAIT_S if remaining is None else max(0.0, min(DISCOVERY_WAIT_S, remaining / 4))
         try:
-            record = await self.prefills.find(lambda i: i.address == address, "prefill_address",
-                                              f"prefill worker {address!r}",
-                                              0.0 if self.prefills.recently_gone(address) else wait_s)
-            self._prefill_ids[address] = record.instance_id
+            await self.prefills.find(lambda i: i.address == address, "prefill_address",
+                                     f"prefill worker {address!r}",
+                                     0.0 if self.prefills.recently_gone(address) else wait_s)
         except PermissionDenied as exc:
             if not self.prefills.recently_gone(address):
                 raise
@@ -212,30 +210,29 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
             return ""
         return address
 
-    async def _still_in_discovery(self, address: str, request_id: str) -> bool:
-        """Whether the prefill worker checked by `_prefill_address` is still in discovery: the
-        request may have waited in admission since, and a record that left meanwhile had its
-        channel closed (`forget_prefill`); dialling it now would open one that nothing closes."""
+    async def _still_in_discovery(self, address: str, request_id: str) -> str | None:
+        """The instance id of the prefill worker checked by `_prefill_address` if it is still in
+        discovery, else None: the request may have waited in admission since, and a record that
+        left meanwhile had its channel closed (`forget_prefill`); dialling it now would open one
+        that nothing closes. The id is the one the call's channel checks over mTLS."""
         try:
             record = await self.prefills.find(lambda i: i.address == address, "prefill_address",
                                               f"prefill worker {address!r}", 0.0)
-            self._prefill_ids[address] = record.instance_id
         except PermissionDenied as exc:
             self._failures.warning(address, "request %s: %s (it left while the request waited); prefilling "
                                    "locally", request_id, exc)
-            return False
-        return True
+            return None
+        return record.instance_id
 
     async def _prefill(self, request: pb.DecodeRequest, request_id: str, prompt: PromptBlocks,
                        params: SamplingParams, timeout_s: float, prefill_address: str) -> Prefilled:
         tokens = list(request.token_ids)
-        if prefill_address and not await self._still_in_discovery(prefill_address, request_id):
-            prefill_address = ""
-        if prefill_address:
+        instance = await self._still_in_discovery(prefill_address, request_id) if prefill_address else None
+        if instance is not None:
             # the call's secret: only the prefill worker it reaches can announce its KV as written
             secret = secrets.token_bytes(16)
             try:
-                first = await self._remote_prefill(prefill_address, request_id, tokens, prompt,
+                first = await self._remote_prefill(prefill_address, instance, request_id, tokens, prompt,
                                                    request.sampling, timeout_s, request.sampling_step_offset,
                                                    request.cache_salt, secret)
                 self.rt.stats.remote_prefills += 1
@@ -246,12 +243,12 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
                                        "locally", request_id, prefill_address, detail)
                 if isinstance(exc, grpc.aio.AioRpcError) and exc.code() not in ANSWERED:
                     try:
-                        self._fence(prefill_address, request_id, prompt, secret)
+                        self._fence(prefill_address, instance, request_id, prompt, secret)
                     except PoolExhausted as short:  # wait a little for blocks (the fenced ones too) to come back
                         await self._refill(prompt, short.needed)
             except asyncio.CancelledError:  # the request ended while the prefill worker had it
                 try:
-                    self._fence(prefill_address, request_id, prompt, secret)
+                    self._fence(prefill_address, instance, request_id, prompt, secret)
                 except PoolExhausted:
                     pass  # nothing more to run for it: the fenced blocks are held all the same
                 raise
@@ -263,7 +260,7 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
         token, logprob = sample(out.logits, params, step=request.sampling_step_offset)
         return Prefilled(token, logprob, hidden[None] if spec else None)
 
-    def _fence(self, address: str, request_id: str, prompt: PromptBlocks, secret: bytes = b"") -> None:
+    def _fence(self, address: str, instance_id: str, request_id: str, prompt: PromptBlocks, secret: bytes) -> None:
         """Swap the blocks the prefill worker at `address` was given for fresh ones (the prompt
         then holds only blocks no late write can reach) and fence the old ones until it
         answers Abandon (decode_worker/fence.py).
@@ -273,7 +270,7 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
         """
         given = prompt.block_ids[prompt.num_cached_blocks:]
         prompt.block_ids[prompt.num_cached_blocks:] = []
-        name = tls.instance_server_name(self._prefill_ids.get(address))  # the instance the call went to
+        name = tls.instance_server_name(instance_id)  # the instance the call went to
 
         async def abandon(timeout_s: float) -> bool:
             # A channel of its own: the fence must reach a prefill worker whose record has left

@@ -71,7 +71,8 @@ def test_each_pod_has_its_own_certificate_naming_its_role_and_instance(name, tan
     assert attrs["csi.cert-manager.io/issuer-name"] == "tandem-ca"
     assert attrs["csi.cert-manager.io/issuer-kind"] == "Issuer"
     # the worker registers under its certificate's instance name: one per pod (docs/security.md)
-    assert attrs["csi.cert-manager.io/uri-sans"].split(",") == [f"tandem://role/{role}", "tandem://instance/${POD_NAME}"]
+    want = [f"tandem://role/{role}", "tandem://instance/${POD_NAME}"]
+    assert attrs["csi.cert-manager.io/uri-sans"].split(",") == want
     dns = attrs["csi.cert-manager.io/dns-names"].split(",")
     assert {"${POD_NAME}.instance.tandem.invalid", "*.${POD_NAME}.instance.tandem.invalid"} <= set(dns)
     assert "127.0.0.1" in attrs["csi.cert-manager.io/ip-sans"].split(",")  # the exec probes dial it

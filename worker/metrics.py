@@ -57,9 +57,10 @@ WORKER_COUNTERS: dict[str, tuple[str, str, bool]] = {
     "decode_device_wait_seconds": ("tandem_worker_decode_device_wait_seconds", "decode, overlap scheduler: host "
                                    "seconds spent waiting for a step's result (near the cadence: device-bound; near "
                                    "0: host-bound)", False),
-    "decode_device_busy_seconds": ("tandem_worker_decode_device_busy_seconds", "decode, overlap scheduler on CUDA: "
-                                   "device seconds the steps ran, from CUDA events around each step (/ wall time = "
-                                   "the device's busy share; / steps = the device time of a step)", False),
+    "decode_device_busy_seconds": ("tandem_worker_decode_device_busy_seconds", "decode, overlap scheduler on CUDA "
+                                   "(one-token steps; MTP steps are not timed): device seconds the steps ran, from "
+                                   "CUDA events around each step (/ wall time = the device's busy share; / steps = "
+                                   "the device time of a step)", False),
     "spec_verify_steps": ("tandem_worker_spec_verify_steps", "decode: MTP verify steps", False),
     "spec_emitted_tokens": ("tandem_worker_spec_emitted_tokens", "decode: tokens emitted by MTP verify steps "
                             "(accept length = emitted / verify steps)", False),
