@@ -51,6 +51,7 @@ def _offline(reqs, mode: str, args) -> tuple[list, dict, float]:
     res = replay(reqs, SimConfig(mode=mode, num_workers=args.workers, num_blocks=args.num_blocks,
                                  block_size=args.block_size, chunk_size=args.chunk_size,
                                  prefill_weight=args.prefill_weight, kv_recent_s=args.kv_recent, seed=args.seed,
+                                 replicas=args.replicas,
                                  timing=_timing(args)))
     summary = summarize(reqs, res.results, res.duration_s)
     summary["max_requests_per_worker"] = max(res.per_worker_requests.values())
@@ -94,9 +95,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--num-blocks", type=int, default=2048, help="KV capacity per worker, in blocks")
     ap.add_argument("--block-size", type=int, default=512)
     ap.add_argument("--chunk-size", type=int, default=8192)
-    ap.add_argument("--prefill-weight", type=float, default=1.0)
+    ap.add_argument("--prefill-weight", type=float, default=0.0,
+                    help="kv/approx: the router's --prefill-weight (0 = derived from the timing model and the mean "
+                         "output length, the router's default)")
     ap.add_argument("--timing", default="", help="timing model JSON (mocker/timing.py fields); default: the defaults")
     ap.add_argument("--kv-recent", type=float, default=0.0, help="kv mode: the router's --kv-recent (seconds)")
+    ap.add_argument("--replicas", type=int, default=1,
+                    help="offline kv mode: routers sharing the traffic, each counting only its own load")
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--live", action="store_true", help="through gRPC against tandem up --mocker N (real time)")
@@ -122,7 +127,9 @@ def main(argv: list[str] | None = None) -> int:
         load_before = os.getloadavg()
         results, summary, wall = (_live if args.live else _offline)(reqs, mode, args)
         label = f"{mode} --kv-recent {args.kv_recent:g}" if mode == "kv" and args.kv_recent > 0 else mode
-        if args.prefill_weight != 1.0 and mode in ("kv", "approx"):
+        if args.replicas > 1:
+            label += f", {args.replicas} replicas"
+        if args.prefill_weight > 0 and mode in ("kv", "approx"):
             label += f" --prefill-weight {args.prefill_weight:g}"
         rows.append({"mode": label, **summary, "wall_s": wall, "loadavg_before": load_before})
         runs.append((label, reqs, results, args.speedup if args.live else 1.0))

@@ -42,9 +42,11 @@ class SimConfig:
     block_size: int = 512
     chunk_size: int = 8192
     max_running: int = 256
-    prefill_weight: float = 1.0
+    prefill_weight: float = 0.0  # 0 = derived (router/cost_weight.py)
     approx_ttl_s: float = 120.0
     kv_recent_s: float = 0.0  # kv mode: also count prefixes routed in the last this many seconds
+    replicas: int = 1  # kv mode: routers sharing the traffic (request i to replica i % replicas), each with
+    # only its own load accounting (router/load.py) over one KV index (every replica sees every KV event)
     seed: int = 0
     timing: TimingModel = TimingModel()
 
@@ -91,6 +93,7 @@ class _Track:
     sim: SimRequest
     load: RequestLoad | None
     result: RequestResult
+    tracker: LoadTracker | None = None  # the replica's LoadTracker that counted it
     sent: int = 0
 
 
@@ -109,12 +112,17 @@ def replay(reqs: list[BenchRequest], cfg: SimConfig) -> SimResult:
     seed = hash_seed(MOCK)
     instances = [discovery_pb2.Instance(instance_id=f"decode-sim{i:03d}", role=discovery_pb2.ROLE_DECODE,
                                         address=f"sim:{i}", model=MOCK, block_size=cfg.block_size, hash_seed=seed,
-                                        kv_capacity_blocks=cfg.num_blocks) for i in range(cfg.num_workers)]
+                                        kv_capacity_blocks=cfg.num_blocks,
+                                        prefill_seconds_per_token=cfg.timing.prefill_per_token,
+                                        decode_seconds_per_kv_token=cfg.timing.decode_per_kv_token)
+                 for i in range(cfg.num_workers)]
     engines = {i.instance_id: MockEngine(cfg.num_blocks, cfg.block_size, seed, cfg.timing, cfg.chunk_size,
                                          cfg.max_running) for i in instances}
     pending: dict[str, _Pending | None] = dict.fromkeys(engines)
     applied: dict[str, int] = dict.fromkeys(engines, 0)
-    load = LoadTracker(cfg.block_size)
+    if cfg.replicas < 1 or (cfg.replicas > 1 and (cfg.mode != "kv" or cfg.kv_recent_s > 0)):
+        raise ValueError(f"replicas must be 1, or > 1 in kv mode without kv_recent_s; got {cfg.replicas}")
+    loads = [LoadTracker(cfg.block_size) for _ in range(cfg.replicas)]
     index = KvIndex() if cfg.mode == "kv" else None
     approx = _Approx(cfg.approx_ttl_s) if cfg.mode == "approx" else None
     recent, clock = None, 0.0
@@ -124,8 +132,9 @@ def replay(reqs: list[BenchRequest], cfg: SimConfig) -> SimResult:
         for wid in engines:
             index.add_worker(wid)
     overlap = next((o for o in (recent, index, approx) if o is not None), NoOverlap())
-    placement = Placement(_Workers(instances, cfg.block_size, seed), load, overlap,
-                          PlacementOptions(cfg.mode, cfg.prefill_weight, seed=cfg.seed))
+    placements = [Placement(_Workers(instances, cfg.block_size, seed), load, overlap,
+                            PlacementOptions(cfg.mode, cfg.prefill_weight, seed=cfg.seed + k))
+                  for k, load in enumerate(loads)]
     tracks: dict[str, _Track] = {}
     decisions: list[str] = []
 
@@ -150,15 +159,16 @@ def replay(reqs: list[BenchRequest], cfg: SimConfig) -> SimResult:
             if new > 0:
                 if tr.sent == 0:
                     res.ttft_s = p.end - res.start_s
+                    tr.tracker.prefill_finished(tr.load)
                 res.chunks.append((p.end, new))
-                load.grow(tr.load, tr.sent, sim.generated)
+                tr.tracker.grow(tr.load, tr.sent, sim.generated)
                 tr.sent = sim.generated
             if sim.state is State.DONE:
                 res.end_s = p.end
                 res.prompt_tokens = len(sim.token_ids)
                 res.completion_tokens = sim.generated
                 res.cached_tokens = sim.cached_tokens
-                load.finish(tr.load)
+                tr.tracker.finish(tr.load)
                 sim.token_ids, sim.prompt = [], None  # a full trace's prompts would not fit in memory
 
     def advance(wid: str, t: float) -> None:
@@ -184,6 +194,8 @@ def replay(reqs: list[BenchRequest], cfg: SimConfig) -> SimResult:
         if approx is not None:
             approx.now = t
         tokens = r.prompt_tokens()
+        placement = placements[r.index % cfg.replicas]
+        load = placement.load
         decision, hashes = placement.route(tokens)
         wid = decision.decode.instance_id
         decisions.append(wid)
@@ -203,7 +215,9 @@ def replay(reqs: list[BenchRequest], cfg: SimConfig) -> SimResult:
             res.end_s = t
             tracks[sim.request_id] = _Track(r, sim, None, res)
             continue
-        tracks[sim.request_id] = _Track(r, sim, load.start(wid, None, len(tokens), 0), res)
+        uncached = len(tokens) - decision.decode.overlap_blocks * cfg.block_size
+        tracks[sim.request_id] = _Track(r, sim, load.start(wid, None, len(tokens), uncached, hashes,
+                                                           local_prefill=True), res, load)
     for wid in engines:
         advance(wid, math.inf)
     results = [tracks[str(r.index)].result for r in reqs]

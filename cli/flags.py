@@ -85,7 +85,8 @@ HELP = {
     "ep_placement": "decode: JSON file placing experts (and redundant copies of hot ones) on EP ranks, as "
                     "written by tools/bench_ep.py --plan-out; empty = expert e on rank e // (experts / ep-size)",
     "router_mode": "placement: kv | approx | round-robin | random | least-loaded",
-    "prefill_weight": "kv/approx cost of one uncached block relative to one active decode block",
+    "prefill_weight": "kv/approx cost of one uncached block relative to one active decode block; 0 = derived from "
+                      "the workers' announced prefill and decode timings and the mean output length (docs/routing.md)",
     "router_temperature": "kv/approx: 0 picks the lowest cost; > 0 samples by cost",
     "local_prefill_threshold": "prefill on the decode worker when its uncached part is below this many tokens",
     "migration_limit": "router: decode-worker failures one request may survive (retry or migrate elsewhere)",

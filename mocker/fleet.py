@@ -130,7 +130,9 @@ async def _start(w: SimWorker, opts: MockerOptions, model: str, port: int) -> No
             instance_id=w.instance_id, role=w.role, address=f"{opts.host}:{w.server.port}", model=model,
             block_size=opts.block_size, hash_seed=hash_seed(model), kv_capacity_blocks=opts.num_blocks,
             transfer_agent_name=w.instance_id, state=discovery_pb2.INSTANCE_STATE_SERVING,
-            start_time_unix=time.time(), version=VERSION)
+            start_time_unix=time.time(), version=VERSION,
+            prefill_seconds_per_token=w.engine.timing.prefill_per_token,
+            decode_seconds_per_kv_token=w.engine.timing.decode_per_kv_token)
         w.registration = Registration(opts.etcd, opts.namespace, inst, ttl_seconds=opts.lease_ttl_s)
         await w.registration.start()
 

@@ -11,9 +11,11 @@ class Candidate:
     instance_id: str
     address: str
     role: str  # "prefill" | "decode"
-    overlap_blocks: int  # leading prompt blocks the worker holds (index or approximation)
+    overlap_blocks: int  # leading prompt blocks the worker holds or has in flight (kv/approx)
     load: float  # decode: active blocks; prefill: queued prefill blocks; other modes: in-flight requests
     cost: float  # lower is better; see router/policy.py for the formula of each mode
+    queued_blocks: float = 0.0  # kv/approx: prefill work queued on the worker, in blocks
+    shared_blocks: int = 0  # kv/approx decode: prompt blocks already active there (counted once)
 
 
 @dataclass(frozen=True)
@@ -26,15 +28,18 @@ class RouteDecision:
     local_prefill_reason: str = ""  # why prefill runs on the decode worker, when it does
     candidates: tuple[Candidate, ...] = field(default=())
     seconds: float = 0.0  # time to decide (hash + lookup + scoring)
+    prefill_weight: float = 0.0  # kv/approx: the weight the costs used (router/cost_weight.py)
 
     def explain(self) -> str:
         """A human-readable table of the candidates and the choice."""
         lines = [f"mode={self.mode} prompt={self.prompt_tokens} tokens ({self.prompt_blocks} full blocks) "
-                 f"decided in {self.seconds * 1e6:.0f} us"]
-        lines.append(f"{'role':8} {'instance':28} {'overlap':>8} {'load':>8} {'cost':>9}  chosen")
+                 f"decided in {self.seconds * 1e6:.0f} us"
+                 + (f" prefill_weight={self.prefill_weight:.3g}" if self.prefill_weight else "")]
+        lines.append(f"{'role':8} {'instance':28} {'overlap':>8} {'queued':>8} {'load':>8} {'shared':>7} {'cost':>9}  chosen")
         chosen = {self.decode.instance_id} | ({self.prefill.instance_id} if self.prefill else set())
         for c in sorted(self.candidates, key=lambda c: (c.role, c.cost)):
             mark = "*" if c.instance_id in chosen else ""
-            lines.append(f"{c.role:8} {c.instance_id:28} {c.overlap_blocks:8d} {c.load:8.1f} {c.cost:9.2f}  {mark}")
+            lines.append(f"{c.role:8} {c.instance_id:28} {c.overlap_blocks:8d} {c.queued_blocks:8.1f} {c.load:8.1f} "
+                         f"{c.shared_blocks:7d} {c.cost:9.2f}  {mark}")
         lines.append("prefill: " + (self.prefill.instance_id if self.prefill else f"local ({self.local_prefill_reason})"))
         return "\n".join(lines)

@@ -1,15 +1,27 @@
 """The router's own account of the load it has placed on each worker.
 
-Every replica counts only what it routed itself (replicas do not coordinate; DESIGN.md
-section 4): in-flight requests, active decode blocks (prompt blocks plus one block per
-`block_size` generated tokens), and queued prefill tokens (uncached prompt tokens sent to a
-prefill worker and not yet answered with a first token).
+Every replica counts only what it routed itself (replicas do not coordinate; docs/routing.md):
+- in-flight requests per worker;
+- active decode blocks per decode worker, de-duplicated: a full prompt block shared by several
+  in-flight requests on one worker (a system prompt, a conversation's history) counts once, as
+  it is held once in the worker's pool; each request's partial last prompt block and its
+  generated blocks (one per `block_size` tokens) count on their own;
+- queued prefill tokens per worker that prefills: uncached prompt tokens routed to it and not
+  yet answered with a first token (a prefill worker, or a decode worker prefilling locally);
+- the prompt blocks of in-flight requests per decode worker (`inflight_prefix`): prefixes routed
+  there whose KV may not be stored yet, so a second request with that prefix follows the first;
+- the mean output length of finished requests (an EWMA), which scales the default prefill weight
+  (router/cost_weight.py).
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Sequence
+
+OUTPUT_PRIOR_TOKENS = 256.0  # mean output length assumed before any request has finished
+OUTPUT_EWMA = 0.02  # weight of each finished request in the mean output length
 
 
 @dataclass
@@ -17,9 +29,11 @@ class RequestLoad:
     """What one routed request adds; released exactly once through LoadTracker."""
 
     decode_id: str
-    prefill_id: str | None
-    decode_blocks: int
+    prefill_id: str | None  # the worker that prefills it: a prefill worker, or decode_id when local
+    decode_blocks: int  # the request's own blocks: prompt blocks + generated blocks
     prefill_tokens: int
+    hashes: tuple[int, ...] = field(default=(), repr=False)  # its full prompt blocks (shared accounting)
+    generated: int = 0
     prefill_done: bool = False
     released: bool = False
 
@@ -28,27 +42,62 @@ class LoadTracker:
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size
         self.in_flight: defaultdict[str, int] = defaultdict(int)
-        self.active_blocks: defaultdict[str, int] = defaultdict(int)  # decode workers
-        self.prefill_tokens: defaultdict[str, int] = defaultdict(int)  # prefill workers
+        self.active_blocks: defaultdict[str, int] = defaultdict(int)  # decode workers, de-duplicated
+        self.prefill_tokens: defaultdict[str, int] = defaultdict(int)  # queued on the worker that prefills
+        self._refs: defaultdict[str, dict[int, int]] = defaultdict(dict)  # decode worker -> hash -> requests
+        self.mean_output_tokens = OUTPUT_PRIOR_TOKENS
 
-    def start(self, decode_id: str, prefill_id: str | None, prompt_tokens: int, uncached_tokens: int) -> RequestLoad:
-        load = RequestLoad(decode_id, prefill_id, -(-prompt_tokens // self.block_size),
-                           uncached_tokens if prefill_id else 0)
+    def start(self, decode_id: str, prefill_id: str | None, prompt_tokens: int, uncached_tokens: int,
+              hashes: Sequence[int] = (), local_prefill: bool = False) -> RequestLoad:
+        """Count a routed request.
+
+        Args:
+            prefill_id: the prefill worker, or None when the decode worker prefills.
+            uncached_tokens: prompt tokens the prefilling worker computes.
+            hashes: the prompt's full-block hashes (router/placement.py); de-duplicates the
+                request's prompt blocks against other in-flight requests on decode_id.
+            local_prefill: count uncached_tokens as queued prefill on decode_id (prefill_id None).
+        """
+        on = prefill_id or (decode_id if local_prefill else None)
+        load = RequestLoad(decode_id, on, -(-prompt_tokens // self.block_size),
+                           uncached_tokens if on else 0, tuple(hashes))
         self.in_flight[decode_id] += 1
-        self.active_blocks[decode_id] += load.decode_blocks
+        refs = self._refs[decode_id]
+        new = 0
+        for h in load.hashes:
+            n = refs.get(h, 0)
+            refs[h] = n + 1
+            new += n == 0
+        self.active_blocks[decode_id] += new + load.decode_blocks - len(load.hashes)
         if prefill_id:
             self.in_flight[prefill_id] += 1
-            self.prefill_tokens[prefill_id] += load.prefill_tokens
+        if on:
+            self.prefill_tokens[on] += load.prefill_tokens
         return load
+
+    def inflight_prefix(self, decode_id: str, hashes: Sequence[int]) -> int:
+        """Leading blocks of `hashes` that requests in flight on decode_id also have (chained
+        hashes: a block matches only after the same prefix)."""
+        refs = self._refs.get(decode_id)
+        if not refs:
+            return 0
+        n = 0
+        for h in hashes:
+            if h not in refs:
+                break
+            n += 1
+        return n
 
     def prefill_finished(self, load: RequestLoad) -> None:
         if load.prefill_id and not load.prefill_done:
             load.prefill_done = True
-            self.in_flight[load.prefill_id] -= 1
+            if load.prefill_id != load.decode_id:
+                self.in_flight[load.prefill_id] -= 1
             self.prefill_tokens[load.prefill_id] -= load.prefill_tokens
 
     def grow(self, load: RequestLoad, generated_before: int, generated_now: int) -> None:
         """Account one more decode block for every block_size tokens generated."""
+        load.generated = max(load.generated, generated_now)
         added = generated_now // self.block_size - generated_before // self.block_size
         if added and not load.released:
             load.decode_blocks += added
@@ -60,4 +109,15 @@ class LoadTracker:
         self.prefill_finished(load)
         load.released = True
         self.in_flight[load.decode_id] -= 1
-        self.active_blocks[load.decode_id] -= load.decode_blocks
+        refs = self._refs[load.decode_id]
+        gone = 0
+        for h in load.hashes:
+            n = refs[h] - 1
+            if n:
+                refs[h] = n
+            else:
+                del refs[h]
+                gone += 1
+        self.active_blocks[load.decode_id] -= gone + load.decode_blocks - len(load.hashes)
+        if load.generated:
+            self.mean_output_tokens += OUTPUT_EWMA * (load.generated - self.mean_output_tokens)

@@ -57,7 +57,7 @@ class RouterOptions:
     namespace: str = "default"
     lease_ttl_s: float = 10.0
     router_mode: str = "kv"  # kv | approx | round-robin | random | least-loaded
-    prefill_weight: float = 1.0  # cost of one uncached block relative to one active decode block
+    prefill_weight: float = 0.0  # cost of one uncached block relative to one active decode block; 0 = derived
     router_temperature: float = 0.0  # 0 = lowest cost always wins
     local_prefill_threshold: int = 0  # tokens: prefill on the decode worker below this (0 = off)
     approx_ttl_s: float = 120.0  # approx mode: how long a routed block is assumed cached

@@ -1,6 +1,6 @@
 """route(): hash → look up overlaps → score decode → local or remote prefill → score prefill.
 
-The KV-aware placement of DESIGN.md section 4, including conditional disaggregation: the
+The KV-aware placement of docs/routing.md, including conditional disaggregation: the
 decode worker prefills locally when no prefill worker is available or when the part of the
 prompt it does not hold is shorter than `local_prefill_threshold` tokens.
 """
@@ -15,6 +15,7 @@ from typing import Protocol, Sequence
 from common.block_hash import block_hashes
 from common.pb.tandem.v1 import discovery_pb2
 from router.decision import RouteDecision
+from router import cost_weight
 from router.load import LoadTracker
 from router.policy import make_policy
 from router.workers import WorkerSet
@@ -36,7 +37,7 @@ class NoWorker(Exception):
 @dataclass(frozen=True)
 class PlacementOptions:
     mode: str = "kv"  # kv | approx | round-robin | random | least-loaded
-    prefill_weight: float = 1.0  # cost of one uncached block relative to one active block
+    prefill_weight: float = 0.0  # cost of one uncached block relative to one active block; 0 = derived
     temperature: float = 0.0  # 0 = always the lowest cost
     local_prefill_threshold: int = 0  # tokens; prefill on the decode worker below this (0 = never by size)
     seed: int | None = None  # seeds random choices (random mode, temperature > 0); None = unseeded
@@ -50,8 +51,15 @@ class Placement:
         self.overlap = overlap
         self.opts = opts
         rng = (lambda k: random.Random(opts.seed + k)) if opts.seed is not None else (lambda k: None)
-        self.decode_policy = make_policy(opts.mode, opts.prefill_weight, opts.temperature, rng(0))
-        self.prefill_policy = make_policy(opts.mode, opts.prefill_weight, opts.temperature, rng(1))
+        self.decode_policy = make_policy(opts.mode, opts.temperature, rng(0))
+        self.prefill_policy = make_policy(opts.mode, opts.temperature, rng(1))
+
+    def weight(self, instances: Sequence[discovery_pb2.Instance]) -> float:
+        """The prefill weight of this decision: --prefill-weight, or derived (router/cost_weight.py)
+        from what `instances` announce and the mean output length so far."""
+        if self.opts.prefill_weight > 0:
+            return self.opts.prefill_weight
+        return cost_weight.prefill_weight(*cost_weight.announced(instances), self.load.mean_output_tokens)
 
     def _refused_note(self) -> str:
         """For the UNAVAILABLE message: the decode workers in discovery this router refuses, and why."""
@@ -86,19 +94,22 @@ class Placement:
         if not decodes:
             raise NoWorker("no healthy decode worker" + (f" other than {', '.join(sorted(exclude))}" if exclude else "")
                            + self._refused_note())
-        scored = self.decode_policy.score(discovery_pb2.ROLE_DECODE, decodes, overlaps, blocks, self.load)
+        prefills = self.workers.candidates(discovery_pb2.ROLE_PREFILL)
+        weight = self.weight(decodes + prefills) if uses_overlap else 0.0
+        scored = self.decode_policy.score(discovery_pb2.ROLE_DECODE, decodes, overlaps, blocks, self.load, hashes,
+                                          weight)
         decode = self.decode_policy.pick(scored)
         prefill, reason = None, ""
         uncached = len(tokens) - decode.overlap_blocks * bs
-        prefills = self.workers.candidates(discovery_pb2.ROLE_PREFILL)
         if not prefills:
             reason = "no prefill worker"
         elif uncached < self.opts.local_prefill_threshold:
             reason = f"uncached part {uncached} < threshold {self.opts.local_prefill_threshold} tokens"
         else:
-            p_scored = self.prefill_policy.score(discovery_pb2.ROLE_PREFILL, prefills, overlaps, blocks, self.load)
+            p_scored = self.prefill_policy.score(discovery_pb2.ROLE_PREFILL, prefills, overlaps, blocks, self.load,
+                                                 hashes, weight)
             prefill = self.prefill_policy.pick(p_scored)
             scored += p_scored
         decision = RouteDecision(self.opts.mode, len(tokens), blocks, decode, prefill, reason, tuple(scored),
-                                 time.perf_counter() - start)
+                                 time.perf_counter() - start, weight)
         return decision, hashes

@@ -54,6 +54,9 @@ def route_span_attributes(d: RouteDecision, attempt: int) -> dict:
         "tandem.route.candidates.overlap_blocks": [x.overlap_blocks for x in c],
         "tandem.route.candidates.load": [float(x.load) for x in c],
         "tandem.route.candidates.cost": [float(x.cost) for x in c],
+        "tandem.route.candidates.queued_blocks": [float(x.queued_blocks) for x in c],
+        "tandem.route.candidates.shared_blocks": [x.shared_blocks for x in c],
+        "tandem.route.prefill_weight": d.prefill_weight,
         "tandem.route.decode_instance": d.decode.instance_id,
         "tandem.route.prefill_instance": d.prefill.instance_id if d.prefill else "",
         "tandem.route.local_prefill": d.prefill is None,
@@ -66,10 +69,12 @@ def decision_to_proto(d: RouteDecision) -> pb.ExplainRouteResponse:
     return pb.ExplainRouteResponse(
         mode=d.mode, prompt_tokens=d.prompt_tokens, prompt_blocks=d.prompt_blocks,
         candidates=[pb.RouteCandidate(instance_id=c.instance_id, role=c.role, overlap_blocks=c.overlap_blocks,
-                                      load=c.load, cost=c.cost, chosen=c.instance_id in chosen)
+                                      load=c.load, cost=c.cost, chosen=c.instance_id in chosen,
+                                      queued_blocks=c.queued_blocks, shared_blocks=c.shared_blocks)
                     for c in d.candidates],
         decode_instance_id=d.decode.instance_id, prefill_instance_id=d.prefill.instance_id if d.prefill else "",
-        local_prefill_reason=d.local_prefill_reason, decision_seconds=d.seconds, text=d.explain())
+        local_prefill_reason=d.local_prefill_reason, decision_seconds=d.seconds, text=d.explain(),
+        prefill_weight=d.prefill_weight)
 
 
 class FrontendServicer(pb_grpc.FrontendServiceServicer):
@@ -274,9 +279,9 @@ class FrontendServicer(pb_grpc.FrontendServiceServicer):
                     self.on_routed(decision, hashes)
                 prefill = decision.prefill
                 prompt_now = tokens + generated
-                uncached = len(prompt_now) - (prefill.overlap_blocks * self.workers.block_size if prefill else 0)
+                uncached = len(prompt_now) - (prefill or decision.decode).overlap_blocks * self.workers.block_size
                 load = self.load.start(decision.decode.instance_id, prefill.instance_id if prefill else None,
-                                       len(prompt_now), uncached)
+                                       len(prompt_now), uncached, hashes, local_prefill=prefill is None)
                 sampling = sampling_to_proto(replace(params, max_tokens=params.max_tokens - len(generated)))
                 worker = decision.decode.instance_id
                 try:

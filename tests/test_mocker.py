@@ -145,6 +145,20 @@ def test_offline_replay_is_deterministic():
     assert other.decisions != a.decisions  # the seed is what fixes them
 
 
+def test_offline_replay_with_router_replicas():
+    from bench import traces
+    from bench.sim import SimConfig, replay
+
+    reqs = traces.load_mooncake(traces.DEFAULT_TRACE, 151646, limit=300)
+    one = replay(reqs, SimConfig(mode="kv", num_workers=8, num_blocks=512))
+    two = replay(reqs, SimConfig(mode="kv", num_workers=8, num_blocks=512, replicas=2))
+    assert all(not r.error and r.completion_tokens == q.output_len for r, q in zip(two.results, reqs))
+    assert two.decisions != one.decisions  # each replica balances only the load it placed
+    assert sum(r.cached_tokens for r in two.results) > 0
+    with pytest.raises(ValueError, match="replicas"):
+        replay(reqs, SimConfig(mode="approx", replicas=2))
+
+
 def test_kv_recent_counts_a_routed_prefix_until_its_events_arrive():
     from router.approx_index import KvWithRecent
     from router.kv_index import KvIndex

@@ -81,8 +81,9 @@ def test_costs_follow_the_formula():
     index.apply_stored("d0", None, block_hashes(prompt, BS, SEED)[:4])
     p.load.active_blocks["d0"] = 7
     d, _ = p.route(prompt)
-    assert d.decode.overlap_blocks == 4 and d.decode.cost == 2.0 * (10 - 4) + 7
-    assert d.prefill.cost == 2.0 * 10 and "d0" in d.explain()
+    # decode: W × uncached + active + the blocks it adds; prefill: W × uncached (nothing queued)
+    assert d.decode.overlap_blocks == 4 and d.decode.cost == 2.0 * (10 - 4) + 7 + 10
+    assert d.prefill.cost == 2.0 * 10 and "d0" in d.explain() and d.prefill_weight == 2.0
 
 
 def test_conditional_disaggregation_and_no_prefill_worker():
@@ -129,3 +130,71 @@ def test_temperature_samples_by_cost():
     assert picks.count("a") > picks.count("b") > 0
     with pytest.raises(ValueError, match="--router-mode"):
         make_policy("fastest")
+
+
+def test_shared_prompt_blocks_count_once_and_release_exactly():
+    load = LoadTracker(BS)
+    a = block_hashes(doc(64, salt=5), BS, SEED)  # 4 full blocks
+    b = a[:3] + block_hashes(doc(64, salt=6), BS, SEED)[3:]  # not chained to a's 3rd: only a[:3] shared
+    la = load.start("d0", None, 64 + 5, 0, a)  # 4 full blocks + a partial one
+    assert load.active_blocks["d0"] == 5
+    lb = load.start("d0", None, 64, 0, b)
+    assert load.active_blocks["d0"] == 5 + 1  # b adds its 4th block only
+    assert load.inflight_prefix("d0", a) == 4 and load.inflight_prefix("d0", b) == 4
+    assert load.inflight_prefix("d1", a) == 0
+    load.grow(la, 0, BS)  # a generated block of its own
+    assert load.active_blocks["d0"] == 7
+    load.finish(la)
+    assert load.active_blocks["d0"] == 4 and load.inflight_prefix("d0", a) == 3
+    load.finish(lb)
+    load.finish(lb)  # a second release changes nothing
+    assert load.active_blocks["d0"] == 0 and load.in_flight["d0"] == 0 and load.inflight_prefix("d0", b) == 0
+
+
+def test_prefix_in_flight_but_not_stored_draws_the_next_request():
+    p, _ = placement(n_prefill=0, n_decode=2, prefill_weight=4.0)
+    prompt = doc(320, salt=7)  # 20 blocks, stored nowhere yet
+    first, hashes = p.route(prompt)
+    p.load.start(first.decode.instance_id, None, len(prompt), len(prompt), hashes, local_prefill=True)
+    p.load.prefill_finished(p.load.start("dx", None, 0, 0))  # unrelated bookkeeping stays apart
+    second, _ = p.route(prompt + [9, 9])
+    assert second.decode.instance_id == first.decode.instance_id
+    chosen = next(c for c in second.candidates if c.instance_id == first.decode.instance_id)
+    assert chosen.overlap_blocks == 20 and chosen.shared_blocks == 20 and chosen.queued_blocks == 20
+
+
+def test_local_prefill_queue_counts_on_the_decode_worker():
+    p, _ = placement(n_prefill=0, n_decode=2, prefill_weight=4.0)
+    load = p.load.start("d0", None, 40 * BS, 40 * BS, (), local_prefill=True)
+    assert p.load.prefill_tokens["d0"] == 40 * BS and p.load.in_flight["d0"] == 1
+    d, _ = p.route(doc(64, salt=8))
+    assert d.decode.instance_id == "d1"  # d0's 40 queued blocks weigh W / (1 + 0.5) each
+    queued = next(c for c in d.candidates if c.instance_id == "d0")
+    assert queued.queued_blocks == 40 and queued.cost == pytest.approx(4.0 * (4 + 40 / 1.5) + 40 + 4)
+    p.load.prefill_finished(load)
+    assert p.load.prefill_tokens["d0"] == 0 and p.load.in_flight["d0"] == 1
+    p.load.finish(load)
+    assert p.load.in_flight["d0"] == 0 and p.load.active_blocks["d0"] == 0
+
+
+def test_default_weight_comes_from_announced_timings_and_output_length():
+    from router import cost_weight
+
+    timed = [inst(f"d{i}", discovery_pb2.ROLE_DECODE, prefill_seconds_per_token=4e-5,
+                  decode_seconds_per_kv_token=1e-8) for i in range(2)]
+    p, _ = placement(n_prefill=0, n_decode=0, extra=timed)
+    d, _ = p.route(doc(64))
+    assert d.prefill_weight == pytest.approx(4e-5 / (1e-8 * 256))  # the output-length prior
+    for n in range(400):  # requests of 50 output tokens finish: the mean moves toward 50
+        load = p.load.start("d0", None, 16, 0)
+        p.load.grow(load, 0, 50)
+        p.load.finish(load)
+    assert 50 <= p.load.mean_output_tokens < 52
+    assert p.route(doc(64))[0].prefill_weight == pytest.approx(4e-5 / (1e-8 * p.load.mean_output_tokens))
+    unannounced, _ = placement(n_prefill=0)
+    assert unannounced.route(doc(64))[0].prefill_weight == pytest.approx(
+        cost_weight.DEFAULT_PREFILL_S_PER_TOKEN / (cost_weight.DEFAULT_DECODE_S_PER_KV_TOKEN * 256))
+    assert cost_weight.prefill_weight(1.0, 1.0, 1e9) == cost_weight.MIN_WEIGHT
+    assert cost_weight.prefill_weight(1.0, 1e-12, 1.0) == cost_weight.MAX_WEIGHT
+    fixed, _ = placement(n_prefill=0, n_decode=0, extra=timed, prefill_weight=3.0)
+    assert fixed.route(doc(64))[0].prefill_weight == 3.0

@@ -70,7 +70,7 @@ class ModelInfo(_message.Message):
     def __init__(self, name: _Optional[str] = ..., context_length: _Optional[int] = ..., vocab_size: _Optional[int] = ..., block_size: _Optional[int] = ...) -> None: ...
 
 class ExplainRouteResponse(_message.Message):
-    __slots__ = ("mode", "prompt_tokens", "prompt_blocks", "candidates", "decode_instance_id", "prefill_instance_id", "local_prefill_reason", "decision_seconds", "text")
+    __slots__ = ("mode", "prompt_tokens", "prompt_blocks", "candidates", "decode_instance_id", "prefill_instance_id", "local_prefill_reason", "decision_seconds", "text", "prefill_weight")
     MODE_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -80,6 +80,7 @@ class ExplainRouteResponse(_message.Message):
     LOCAL_PREFILL_REASON_FIELD_NUMBER: _ClassVar[int]
     DECISION_SECONDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_WEIGHT_FIELD_NUMBER: _ClassVar[int]
     mode: str
     prompt_tokens: int
     prompt_blocks: int
@@ -89,23 +90,28 @@ class ExplainRouteResponse(_message.Message):
     local_prefill_reason: str
     decision_seconds: float
     text: str
-    def __init__(self, mode: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., prompt_blocks: _Optional[int] = ..., candidates: _Optional[_Iterable[_Union[RouteCandidate, _Mapping]]] = ..., decode_instance_id: _Optional[str] = ..., prefill_instance_id: _Optional[str] = ..., local_prefill_reason: _Optional[str] = ..., decision_seconds: _Optional[float] = ..., text: _Optional[str] = ...) -> None: ...
+    prefill_weight: float
+    def __init__(self, mode: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., prompt_blocks: _Optional[int] = ..., candidates: _Optional[_Iterable[_Union[RouteCandidate, _Mapping]]] = ..., decode_instance_id: _Optional[str] = ..., prefill_instance_id: _Optional[str] = ..., local_prefill_reason: _Optional[str] = ..., decision_seconds: _Optional[float] = ..., text: _Optional[str] = ..., prefill_weight: _Optional[float] = ...) -> None: ...
 
 class RouteCandidate(_message.Message):
-    __slots__ = ("instance_id", "role", "overlap_blocks", "load", "cost", "chosen")
+    __slots__ = ("instance_id", "role", "overlap_blocks", "load", "cost", "chosen", "queued_blocks", "shared_blocks")
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     OVERLAP_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     LOAD_FIELD_NUMBER: _ClassVar[int]
     COST_FIELD_NUMBER: _ClassVar[int]
     CHOSEN_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    SHARED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
     role: str
     overlap_blocks: int
     load: float
     cost: float
     chosen: bool
-    def __init__(self, instance_id: _Optional[str] = ..., role: _Optional[str] = ..., overlap_blocks: _Optional[int] = ..., load: _Optional[float] = ..., cost: _Optional[float] = ..., chosen: _Optional[bool] = ...) -> None: ...
+    queued_blocks: float
+    shared_blocks: int
+    def __init__(self, instance_id: _Optional[str] = ..., role: _Optional[str] = ..., overlap_blocks: _Optional[int] = ..., load: _Optional[float] = ..., cost: _Optional[float] = ..., chosen: _Optional[bool] = ..., queued_blocks: _Optional[float] = ..., shared_blocks: _Optional[int] = ...) -> None: ...
 
 class ClusterStatusRequest(_message.Message):
     __slots__ = ()

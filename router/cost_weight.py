@@ -1,0 +1,43 @@
+"""The default prefill weight W of the kv/approx cost (router/policy.py), from the workers' own
+timings and the requests' mean output length, so the default is not a constant fitted to a trace.
+
+W prices one uncached prompt block in units of one active decode block:
+- computing a block of bs tokens takes about bs · p seconds of a worker, p = prefill seconds per
+  token (the linear layers; mocker/timing.py `prefill_per_token`);
+- a block held by a running request lengthens each decode step of its worker by bs · d seconds
+  (d = decode seconds per KV token read, `decode_per_kv_token`), for the L steps the request
+  decodes on average (L = the mean output length the router observes, router/load.py);
+so one uncached block costs as much worker time as W = (bs · p) / (bs · d · L) = p / (d · L)
+active blocks. Both sides delay the other requests on that worker alike (a prefill chunk and a
+decode step share the worker's iterations), so that factor cancels.
+
+Workers announce p and d in discovery (Instance.prefill_seconds_per_token and
+decode_seconds_per_kv_token; the mocker from its timing model). Where no candidate announces
+them, the defaults of mocker/timing.py TimingModel stand in (the order of one H200 serving a
+DeepSeek-V3-shaped model: p = 50 µs, d = 9 ns, so W ≈ 5,556 / L: 21.7 at L = 256, 16.2 at the
+Mooncake conversation trace's L = 343). W is clipped to [MIN_WEIGHT, MAX_WEIGHT].
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import Iterable
+
+from common.pb.tandem.v1 import discovery_pb2
+
+DEFAULT_PREFILL_S_PER_TOKEN = 5.0e-5  # mocker/timing.py TimingModel.prefill_per_token
+DEFAULT_DECODE_S_PER_KV_TOKEN = 9.0e-9  # mocker/timing.py TimingModel.decode_per_kv_token
+MIN_WEIGHT, MAX_WEIGHT = 1.0, 1024.0
+
+
+def announced(instances: Iterable[discovery_pb2.Instance]) -> tuple[float, float]:
+    """(p, d): the medians of what the instances announce (each > 0), or the defaults."""
+    p = [i.prefill_seconds_per_token for i in instances if i.prefill_seconds_per_token > 0]
+    d = [i.decode_seconds_per_kv_token for i in instances if i.decode_seconds_per_kv_token > 0]
+    return (statistics.median(p) if p else DEFAULT_PREFILL_S_PER_TOKEN,
+            statistics.median(d) if d else DEFAULT_DECODE_S_PER_KV_TOKEN)
+
+
+def prefill_weight(p: float, d: float, mean_output_tokens: float) -> float:
+    """W = p / (d · L), clipped to [MIN_WEIGHT, MAX_WEIGHT] (L at least 1 token)."""
+    return min(MAX_WEIGHT, max(MIN_WEIGHT, p / (d * max(1.0, mean_output_tokens))))
