@@ -51,7 +51,7 @@ def _offline(reqs, mode: str, args) -> tuple[list, dict, float]:
     res = replay(reqs, SimConfig(mode=mode, num_workers=args.workers, num_blocks=args.num_blocks,
                                  block_size=args.block_size, chunk_size=args.chunk_size,
                                  prefill_weight=args.prefill_weight, kv_recent_s=args.kv_recent, seed=args.seed,
-                                 replicas=args.replicas,
+                                 replicas=args.replicas, load_report_s=args.load_report,
                                  timing=_timing(args)))
     summary = summarize(reqs, res.results, res.duration_s)
     summary["max_requests_per_worker"] = max(res.per_worker_requests.values())
@@ -102,6 +102,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kv-recent", type=float, default=0.0, help="kv mode: the router's --kv-recent (seconds)")
     ap.add_argument("--replicas", type=int, default=1,
                     help="offline kv mode: routers sharing the traffic, each counting only its own load")
+    ap.add_argument("--load-report", type=float, default=0.1,
+                    help="offline: seconds between the workers' load reports (the router's default --load-reports; "
+                         "< 0 = none: each router counts only its own placements)")
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--live", action="store_true", help="through gRPC against tandem up --mocker N (real time)")

@@ -46,7 +46,9 @@ class SimConfig:
     approx_ttl_s: float = 120.0
     kv_recent_s: float = 0.0  # kv mode: also count prefixes routed in the last this many seconds
     replicas: int = 1  # kv mode: routers sharing the traffic (request i to replica i % replicas), each with
-    # only its own load accounting (router/load.py) over one KV index (every replica sees every KV event)
+    # its own load accounting (router/load.py) over one KV index (every replica sees every KV event)
+    load_report_s: float = 0.1  # workers report their load (WatchLoad) every this many simulated seconds,
+    # seen at the next arrival after it is due (< 0: no reports, each router counts only its own placements)
     seed: int = 0
     timing: TimingModel = TimingModel()
 
@@ -186,10 +188,16 @@ def replay(reqs: list[BenchRequest], cfg: SimConfig) -> SimResult:
             pending[wid] = _Pending(eng.now, eng.events.last_event_id, eng.take_changed())
 
     ordered = sorted(reqs, key=lambda r: (r.arrival_s, r.index))
+    reported_at = dict.fromkeys(engines, -math.inf)
     for r in ordered:
         t = r.arrival_s
         for wid in engines:
             advance(wid, t)
+            if cfg.load_report_s >= 0 and t - reported_at[wid] >= cfg.load_report_s:
+                reported_at[wid] = t
+                requests, held, queued = engines[wid].load()
+                for ld in loads:
+                    ld.report(wid, requests, held, queued)
         clock = t
         if approx is not None:
             approx.now = t

@@ -85,6 +85,9 @@ HELP = {
     "ep_placement": "decode: JSON file placing experts (and redundant copies of hot ones) on EP ranks, as "
                     "written by tools/bench_ep.py --plan-out; empty = expert e on rank e // (experts / ep-size)",
     "router_mode": "placement: kv | approx | round-robin | random | least-loaded",
+    "load_reports": "kv/approx: score workers on the load they report (requests, KV blocks held, prompt tokens "
+                    "not yet prefilled; KvEventService.WatchLoad) plus what this router placed since, so several "
+                    "routers share one view; off: each router counts only what it placed itself",
     "prefill_weight": "kv/approx cost of one uncached block relative to one active decode block; 0 = derived from "
                       "the workers' announced prefill and decode timings and the mean output length (docs/routing.md)",
     "router_temperature": "kv/approx: 0 picks the lowest cost; > 0 samples by cost",

@@ -153,6 +153,14 @@ class MockEngine:
         req.state = State.DONE
         self.events.publish()
 
+    def load(self) -> tuple[int, int, int]:
+        """(requests, KV blocks they hold, prompt tokens not yet computed): what a worker
+        reports to routers (KvEventService.WatchLoad)."""
+        requests = len(self.waiting) + len(self.prefilling) + len(self.running) + len(self.await_kv)
+        held = self.pool.config.num_blocks - self.pool.blocks.num_free
+        queued = sum(len(r.token_ids) - r.computed for q in (self.waiting, self.prefilling) for r in q)
+        return requests, held, queued
+
     # -- the iteration --------------------------------------------------------------------------
 
     def has_work(self) -> bool:

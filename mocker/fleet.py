@@ -21,7 +21,7 @@ from common.grpc_server import RunningServer, add_lenient_service, start_server
 from common.lifecycle import install_stop_signals
 from common.tls import TlsFiles
 from discovery.endpoints import check_etcd_tls
-from common.pb.tandem.v1 import decode_pb2, discovery_pb2, kv_events_pb2_grpc, prefill_pb2
+from common.pb.tandem.v1 import decode_pb2, discovery_pb2, kv_events_pb2, kv_events_pb2_grpc, prefill_pb2
 from worker.kv_event_service import KvEventServicer
 from engine.model_source import MOCK, load_config
 from worker.host import VERSION
@@ -117,7 +117,11 @@ async def _start(w: SimWorker, opts: MockerOptions, model: str, port: int) -> No
         name, methods = DECODE, {"Generate": ("stream", decode_pb2.DecodeRequest, decode_pb2.DecodeResponse)}
     else:
         name, methods = PREFILL, {"Prefill": ("unary", prefill_pb2.PrefillRequest, prefill_pb2.PrefillResponse)}
-    events = KvEventServicer(w.engine.events)
+    def load() -> kv_events_pb2.WorkerLoad:
+        requests, held, queued = w.engine.load()
+        return kv_events_pb2.WorkerLoad(requests=requests, active_blocks=held, queued_prefill_tokens=queued)
+
+    events = KvEventServicer(w.engine.events, load)
     w.server = await start_server(
         f"{opts.host}:{port}",
         [lambda s: add_lenient_service(s, name, w.servicer, methods),

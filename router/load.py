@@ -12,6 +12,12 @@ Every replica counts only what it routed itself (replicas do not coordinate; doc
   there whose KV may not be stored yet, so a second request with that prefix follows the first;
 - the mean output length of finished requests (an EWMA), which scales the default prefill weight
   (router/cost_weight.py).
+
+With load reported by the workers (KvEventService.WatchLoad, router/load_watcher.py), the
+placement reads a worker's requests, active blocks and queued prefill tokens as its last
+report plus what this router placed there since that report (`requests`, `active`,
+`queued_tokens`), so several routers place on one view; a worker that reports nothing is
+scored on this router's own counts.
 """
 
 from __future__ import annotations
@@ -46,6 +52,39 @@ class LoadTracker:
         self.prefill_tokens: defaultdict[str, int] = defaultdict(int)  # queued on the worker that prefills
         self._refs: defaultdict[str, dict[int, int]] = defaultdict(dict)  # decode worker -> hash -> requests
         self.mean_output_tokens = OUTPUT_PRIOR_TOKENS
+        # worker -> [requests, active blocks, queued prefill tokens]: its last report, and what
+        # this router placed there since (added at start, reset by the next report).
+        self.reported: dict[str, list[int]] = {}
+        self._since: dict[str, list[int]] = {}
+
+    def report(self, worker: str, requests: int, active_blocks: int, queued_prefill_tokens: int) -> None:
+        """A worker's own account of its load (router/load_watcher.py)."""
+        self.reported[worker] = [requests, active_blocks, queued_prefill_tokens]
+        self._since[worker] = [0, 0, 0]
+
+    def forget(self, worker: str) -> None:
+        """The worker stopped reporting: score it on this router's own counts again."""
+        self.reported.pop(worker, None)
+        self._since.pop(worker, None)
+
+    def _placed(self, worker: str, requests: int, blocks: int, tokens: int) -> None:
+        since = self._since.get(worker)
+        if since is not None:
+            since[0] += requests
+            since[1] += blocks
+            since[2] += tokens
+
+    def requests(self, worker: str) -> float:
+        r = self.reported.get(worker)
+        return float(r[0] + self._since[worker][0]) if r is not None else float(self.in_flight.get(worker, 0))
+
+    def active(self, worker: str) -> float:
+        r = self.reported.get(worker)
+        return float(r[1] + self._since[worker][1]) if r is not None else float(self.active_blocks.get(worker, 0))
+
+    def queued_tokens(self, worker: str) -> float:
+        r = self.reported.get(worker)
+        return float(r[2] + self._since[worker][2]) if r is not None else float(self.prefill_tokens.get(worker, 0))
 
     def start(self, decode_id: str, prefill_id: str | None, prompt_tokens: int, uncached_tokens: int,
               hashes: Sequence[int] = (), local_prefill: bool = False) -> RequestLoad:
@@ -69,10 +108,13 @@ class LoadTracker:
             refs[h] = n + 1
             new += n == 0
         self.active_blocks[decode_id] += new + load.decode_blocks - len(load.hashes)
+        self._placed(decode_id, 1, new + load.decode_blocks - len(load.hashes), 0)
         if prefill_id:
             self.in_flight[prefill_id] += 1
+            self._placed(prefill_id, 1, 0, 0)
         if on:
             self.prefill_tokens[on] += load.prefill_tokens
+            self._placed(on, 0, 0, load.prefill_tokens)
         return load
 
     def inflight_prefix(self, decode_id: str, hashes: Sequence[int]) -> int:

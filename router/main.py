@@ -31,6 +31,7 @@ from router.http_port import HTTP_OFF
 from router.http_port import validate_port as validate_http_port
 from router.kv_index import KvIndex
 from router.kv_subscriber import KvEventSubscriber
+from router.load_watcher import LoadWatcher
 from router.load import LoadTracker
 from router.metrics import RouterMetrics
 from router.placement import NoOverlap, Placement, PlacementOptions
@@ -62,6 +63,7 @@ class RouterOptions:
     local_prefill_threshold: int = 0  # tokens: prefill on the decode worker below this (0 = off)
     approx_ttl_s: float = 120.0  # approx mode: how long a routed block is assumed cached
     kv_recent_s: float = 0.0  # kv mode: also count prefixes routed in the last this many seconds (0 = off)
+    load_reports: bool = True  # kv/approx: score workers on the load they report (WatchLoad), shared by replicas
     migration_limit: int = 3  # decode-worker failures one request may survive (retries and migrations)
     health_interval_s: float = 1.0  # seconds between grpc.health.v1 probes of each worker
     health_timeout_s: float = 0.5  # seconds one probe may take
@@ -220,6 +222,7 @@ async def run(opts: RouterOptions, ready: Callable[[RunningServer, FrontendServi
                                             opts.health_failure_threshold)
     load = LoadTracker(opts.block_size)
     overlap, on_routed, on_membership, subscriber = overlap_source(opts, workers)
+    load_watcher = LoadWatcher(load, workers) if opts.load_reports and opts.router_mode in ("kv", "approx") else None
     placement = Placement(workers, load, overlap, PlacementOptions(
         opts.router_mode, opts.prefill_weight, opts.router_temperature, opts.local_prefill_threshold))
     metrics = RouterMetrics()
@@ -233,6 +236,8 @@ async def run(opts: RouterOptions, ready: Callable[[RunningServer, FrontendServi
     def on_change() -> None:
         if on_membership is not None:
             on_membership()  # KV subscriptions first: a departed worker's stream ends before its channel closes
+        if load_watcher is not None:
+            load_watcher.sync()
         servicer.on_membership()
 
     membership = asyncio.create_task(_follow_membership(watcher, on_change), name="membership")  # strong ref
@@ -308,5 +313,7 @@ async def run(opts: RouterOptions, ready: Callable[[RunningServer, FrontendServi
         await health.stop()
         if subscriber is not None:
             await subscriber.close()
+        if load_watcher is not None:
+            await load_watcher.close()
         await workers.close()
         await watcher.stop()

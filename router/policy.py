@@ -75,15 +75,15 @@ class KvPolicy(Policy):
         decode = role == discovery_pb2.ROLE_DECODE
         # Queued work ahead delays only this request; its own uncached blocks also hold up the
         # requests running on that worker (b per worker on average): the queue counts 1/(1 + b).
-        running = sum(load.in_flight.get(i.instance_id, 0) for i in candidates) / max(1, len(candidates))
+        running = sum(load.requests(i.instance_id) for i in candidates) / max(1, len(candidates))
         queue_share = 1.0 / (1.0 + running)
         for inst in candidates:
             wid = inst.instance_id
-            queued = load.prefill_tokens.get(wid, 0) / load.block_size
+            queued = load.queued_tokens(wid) / load.block_size
             if decode:
                 shared = load.inflight_prefix(wid, hashes)
                 overlap = max(overlaps.get(wid, 0), shared)
-                active = float(load.active_blocks.get(wid, 0))
+                active = load.active(wid)
                 cost = weight * (blocks - overlap + queue_share * queued) + active + (blocks - shared)
                 out.append(Candidate(wid, inst.address, "decode", overlap, active, cost, queued, shared))
             else:

@@ -198,3 +198,20 @@ def test_default_weight_comes_from_announced_timings_and_output_length():
     assert cost_weight.prefill_weight(1.0, 1e-12, 1.0) == cost_weight.MAX_WEIGHT
     fixed, _ = placement(n_prefill=0, n_decode=0, extra=timed, prefill_weight=3.0)
     assert fixed.route(doc(64))[0].prefill_weight == 3.0
+
+
+def test_reported_load_plus_what_this_router_placed_since():
+    load = LoadTracker(BS)
+    assert load.requests("d0") == 0 and load.active("d0") == 0 and load.queued_tokens("d0") == 0
+    mine = load.start("d0", None, 4 * BS, 4 * BS, (), local_prefill=True)
+    assert (load.requests("d0"), load.active("d0"), load.queued_tokens("d0")) == (1, 4, 4 * BS)  # own counts
+    load.report("d0", 3, 40, 100)  # the worker: 3 requests (mine and two of another router), 40 blocks
+    assert (load.requests("d0"), load.active("d0"), load.queued_tokens("d0")) == (3, 40, 100)
+    load.start("d0", None, 2 * BS, BS, (), local_prefill=True)  # placed after the report: added to it
+    assert (load.requests("d0"), load.active("d0"), load.queued_tokens("d0")) == (4, 42, 100 + BS)
+    load.finish(mine)  # a finish shows in the next report, not before
+    assert load.requests("d0") == 4
+    load.report("d0", 1, 2, 0)
+    assert (load.requests("d0"), load.active("d0"), load.queued_tokens("d0")) == (1, 2, 0)
+    load.forget("d0")  # stopped reporting: own counts again
+    assert (load.requests("d0"), load.active("d0"), load.queued_tokens("d0")) == (1, 2, BS)

@@ -25,7 +25,7 @@ from common.block_hash import hash_seed
 from common.env import TEST_INSTANCE_ID_VAR, read_env
 from common.lifecycle import install_stop_signals
 from common.grpc_server import RunningServer, advertised_host, start_server
-from common.pb.tandem.v1 import discovery_pb2, kv_events_pb2_grpc
+from common.pb.tandem.v1 import discovery_pb2, kv_events_pb2, kv_events_pb2_grpc
 from common.tls import TlsFiles
 from discovery.endpoints import check_etcd_tls
 from worker.kv_event_service import KvEventServicer
@@ -299,6 +299,7 @@ class WorkerRuntime:
         self.busy_since: float | None = None  # monotonic start of the model call now running
         self.draining = False  # set on SIGTERM: new requests are refused with UNAVAILABLE
         self.in_flight = 0  # requests being served (prefill: including their transfers)
+        self.prefill_queued_tokens = 0  # prompt tokens submitted for prefill here and not yet computed
         # Model calls submitted (written on the loop thread only) and started (model thread only).
         self.model_calls_submitted = 0
         self.model_calls_started = 0
@@ -327,6 +328,13 @@ class WorkerRuntime:
         # Read once: its digest goes into the discovery record, and a decode worker sends these
         # very bytes to prefill workers, which compare them with the digest (worker/peers.py).
         self.transfer_metadata = self.agent.metadata()
+
+    def load(self) -> kv_events_pb2.WorkerLoad:
+        """The load this worker reports to routers (KvEventService.WatchLoad): requests served,
+        KV blocks they hold, prompt tokens not yet prefilled."""
+        held = self.pool.config.num_blocks - self.pool.blocks.num_free
+        return kv_events_pb2.WorkerLoad(requests=self.in_flight, active_blocks=held,
+                                        queued_prefill_tokens=max(0, self.prefill_queued_tokens))
 
     @property
     def model_waiting(self) -> int:
@@ -392,11 +400,17 @@ class WorkerRuntime:
             return out.logits
         chunks = self._chunks(token_ids, start)
         began = time.perf_counter()
-        with tracing.span("tandem.prefill", {"tandem.prefill.where": "remote", "tandem.prompt_tokens": len(token_ids),
-                                             "tandem.prefill.cached_tokens": start,
-                                             "tandem.prefill.chunks": len(chunks),
-                                             "tandem.prefill.pp_size": self.opts.pp_size}):
-            logits = await self.pipeline.prefill(self, block_ids, token_ids, chunks, on_chunk_done)
+        queued = len(token_ids) - start
+        self.prefill_queued_tokens += queued
+        try:
+            with tracing.span("tandem.prefill", {"tandem.prefill.where": "remote",
+                                                 "tandem.prompt_tokens": len(token_ids),
+                                                 "tandem.prefill.cached_tokens": start,
+                                                 "tandem.prefill.chunks": len(chunks),
+                                                 "tandem.prefill.pp_size": self.opts.pp_size}):
+                logits = await self.pipeline.prefill(self, block_ids, token_ids, chunks, on_chunk_done)
+        finally:
+            self.prefill_queued_tokens -= queued
         self.metrics.prefill_duration.labels("remote").observe(time.perf_counter() - began)
         return logits
 
@@ -440,20 +454,27 @@ class WorkerRuntime:
         out: ChunkResult | None = None
         where = "remote" if self.role == discovery_pb2.ROLE_PREFILL else "local"
         began = time.perf_counter()
-        with tracing.span("tandem.prefill", {"tandem.prefill.where": where, "tandem.prompt_tokens": len(token_ids),
-                                             "tandem.prefill.cached_tokens": start,
-                                             "tandem.prefill.chunk_size": self.opts.chunk_size,
-                                             "tandem.prefill.max_prefill_tokens": self.opts.max_prefill_tokens,
-                                             "tandem.prefill.chunks": len(chunks)}):
-            for i, (s, e) in enumerate(chunks):
-                work = PrefillInput(block_ids, token_ids, s, e, mtp, logits and i == len(chunks) - 1)
-                with tracing.span("tandem.prefill.chunk", {"tandem.chunk.index": i, "tandem.chunk.start": s,
-                                                           "tandem.chunk.tokens": e - s}) as span:
-                    out = await self.batcher.run_chunk(work)
-                    span.set_attributes({"tandem.prefill.batch_size": out.batch_size,
-                                         "tandem.prefill.batch_tokens": out.batch_tokens})
-                if on_chunk_done is not None:
-                    await on_chunk_done(e)
+        left = len(token_ids) - start  # in the load routers see (WatchLoad) until computed
+        self.prefill_queued_tokens += left
+        try:
+            with tracing.span("tandem.prefill", {"tandem.prefill.where": where, "tandem.prompt_tokens": len(token_ids),
+                                                 "tandem.prefill.cached_tokens": start,
+                                                 "tandem.prefill.chunk_size": self.opts.chunk_size,
+                                                 "tandem.prefill.max_prefill_tokens": self.opts.max_prefill_tokens,
+                                                 "tandem.prefill.chunks": len(chunks)}):
+                for i, (s, e) in enumerate(chunks):
+                    work = PrefillInput(block_ids, token_ids, s, e, mtp, logits and i == len(chunks) - 1)
+                    with tracing.span("tandem.prefill.chunk", {"tandem.chunk.index": i, "tandem.chunk.start": s,
+                                                               "tandem.chunk.tokens": e - s}) as span:
+                        out = await self.batcher.run_chunk(work)
+                        span.set_attributes({"tandem.prefill.batch_size": out.batch_size,
+                                             "tandem.prefill.batch_tokens": out.batch_tokens})
+                    self.prefill_queued_tokens -= e - s
+                    left -= e - s
+                    if on_chunk_done is not None:
+                        await on_chunk_done(e)
+        finally:
+            self.prefill_queued_tokens -= left  # what a failure or cancellation left uncomputed
         self.metrics.prefill_duration.labels(where).observe(time.perf_counter() - began)
         assert out is not None
         return out
@@ -586,7 +607,7 @@ async def serve_worker(runtime: WorkerRuntime, add_services: Sequence[Callable[[
     from discovery.registration import Registration
 
     opts = runtime.opts
-    events = KvEventServicer(runtime.events)
+    events = KvEventServicer(runtime.events, runtime.load)
     server = await start_server(
         f"{opts.host}:{opts.port}",
         [*add_services, lambda s: kv_events_pb2_grpc.add_KvEventServiceServicer_to_server(events, s)],

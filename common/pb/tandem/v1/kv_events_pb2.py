@@ -24,25 +24,29 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19tandem/v1/kv_events.proto\x12\ttandem.v1\">\n\x10SubscribeRequest\x12\x15\n\rfrom_event_id\x18\x01 \x01(\x04\x12\x13\n\x0bincarnation\x18\x02 \x01(\x04\"k\n\x0cKvEventBatch\x12\x10\n\x08\x65vent_id\x18\x01 \x01(\x04\x12\x10\n\x08snapshot\x18\x02 \x01(\x08\x12\"\n\x06\x65vents\x18\x03 \x03(\x0b\x32\x12.tandem.v1.KvEvent\x12\x13\n\x0bincarnation\x18\x04 \x01(\x04\"\x98\x01\n\x07KvEvent\x12(\n\x06stored\x18\x01 \x01(\x0b\x32\x16.tandem.v1.BlockStoredH\x00\x12*\n\x07removed\x18\x02 \x01(\x0b\x32\x17.tandem.v1.BlockRemovedH\x00\x12.\n\x07\x63leared\x18\x03 \x01(\x0b\x32\x1b.tandem.v1.AllBlocksClearedH\x00\x42\x07\n\x05\x65vent\"M\n\x0b\x42lockStored\x12\x18\n\x0bparent_hash\x18\x01 \x01(\x04H\x00\x88\x01\x01\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x03(\x04\x42\x0e\n\x0c_parent_hash\"$\n\x0c\x42lockRemoved\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x04\"\x12\n\x10\x41llBlocksCleared2U\n\x0eKvEventService\x12\x43\n\tSubscribe\x12\x1b.tandem.v1.SubscribeRequest\x1a\x17.tandem.v1.KvEventBatch0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19tandem/v1/kv_events.proto\x12\ttandem.v1\"\'\n\x10WatchLoadRequest\x12\x13\n\x0binterval_ms\x18\x01 \x01(\r\"T\n\nWorkerLoad\x12\x10\n\x08requests\x18\x01 \x01(\r\x12\x15\n\ractive_blocks\x18\x02 \x01(\x04\x12\x1d\n\x15queued_prefill_tokens\x18\x03 \x01(\x04\">\n\x10SubscribeRequest\x12\x15\n\rfrom_event_id\x18\x01 \x01(\x04\x12\x13\n\x0bincarnation\x18\x02 \x01(\x04\"k\n\x0cKvEventBatch\x12\x10\n\x08\x65vent_id\x18\x01 \x01(\x04\x12\x10\n\x08snapshot\x18\x02 \x01(\x08\x12\"\n\x06\x65vents\x18\x03 \x03(\x0b\x32\x12.tandem.v1.KvEvent\x12\x13\n\x0bincarnation\x18\x04 \x01(\x04\"\x98\x01\n\x07KvEvent\x12(\n\x06stored\x18\x01 \x01(\x0b\x32\x16.tandem.v1.BlockStoredH\x00\x12*\n\x07removed\x18\x02 \x01(\x0b\x32\x17.tandem.v1.BlockRemovedH\x00\x12.\n\x07\x63leared\x18\x03 \x01(\x0b\x32\x1b.tandem.v1.AllBlocksClearedH\x00\x42\x07\n\x05\x65vent\"M\n\x0b\x42lockStored\x12\x18\n\x0bparent_hash\x18\x01 \x01(\x04H\x00\x88\x01\x01\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x03(\x04\x42\x0e\n\x0c_parent_hash\"$\n\x0c\x42lockRemoved\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x04\"\x12\n\x10\x41llBlocksCleared2\x98\x01\n\x0eKvEventService\x12\x43\n\tSubscribe\x12\x1b.tandem.v1.SubscribeRequest\x1a\x17.tandem.v1.KvEventBatch0\x01\x12\x41\n\tWatchLoad\x12\x1b.tandem.v1.WatchLoadRequest\x1a\x15.tandem.v1.WorkerLoad0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'tandem.v1.kv_events_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_SUBSCRIBEREQUEST']._serialized_start=40
-  _globals['_SUBSCRIBEREQUEST']._serialized_end=102
-  _globals['_KVEVENTBATCH']._serialized_start=104
-  _globals['_KVEVENTBATCH']._serialized_end=211
-  _globals['_KVEVENT']._serialized_start=214
-  _globals['_KVEVENT']._serialized_end=366
-  _globals['_BLOCKSTORED']._serialized_start=368
-  _globals['_BLOCKSTORED']._serialized_end=445
-  _globals['_BLOCKREMOVED']._serialized_start=447
-  _globals['_BLOCKREMOVED']._serialized_end=483
-  _globals['_ALLBLOCKSCLEARED']._serialized_start=485
-  _globals['_ALLBLOCKSCLEARED']._serialized_end=503
-  _globals['_KVEVENTSERVICE']._serialized_start=505
-  _globals['_KVEVENTSERVICE']._serialized_end=590
+  _globals['_WATCHLOADREQUEST']._serialized_start=40
+  _globals['_WATCHLOADREQUEST']._serialized_end=79
+  _globals['_WORKERLOAD']._serialized_start=81
+  _globals['_WORKERLOAD']._serialized_end=165
+  _globals['_SUBSCRIBEREQUEST']._serialized_start=167
+  _globals['_SUBSCRIBEREQUEST']._serialized_end=229
+  _globals['_KVEVENTBATCH']._serialized_start=231
+  _globals['_KVEVENTBATCH']._serialized_end=338
+  _globals['_KVEVENT']._serialized_start=341
+  _globals['_KVEVENT']._serialized_end=493
+  _globals['_BLOCKSTORED']._serialized_start=495
+  _globals['_BLOCKSTORED']._serialized_end=572
+  _globals['_BLOCKREMOVED']._serialized_start=574
+  _globals['_BLOCKREMOVED']._serialized_end=610
+  _globals['_ALLBLOCKSCLEARED']._serialized_start=612
+  _globals['_ALLBLOCKSCLEARED']._serialized_end=630
+  _globals['_KVEVENTSERVICE']._serialized_start=633
+  _globals['_KVEVENTSERVICE']._serialized_end=785
 # @@protoc_insertion_point(module_scope)

@@ -6,6 +6,22 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class WatchLoadRequest(_message.Message):
+    __slots__ = ("interval_ms",)
+    INTERVAL_MS_FIELD_NUMBER: _ClassVar[int]
+    interval_ms: int
+    def __init__(self, interval_ms: _Optional[int] = ...) -> None: ...
+
+class WorkerLoad(_message.Message):
+    __slots__ = ("requests", "active_blocks", "queued_prefill_tokens")
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    ACTIVE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    requests: int
+    active_blocks: int
+    queued_prefill_tokens: int
+    def __init__(self, requests: _Optional[int] = ..., active_blocks: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ...) -> None: ...
+
 class SubscribeRequest(_message.Message):
     __slots__ = ("from_event_id", "incarnation")
     FROM_EVENT_ID_FIELD_NUMBER: _ClassVar[int]

@@ -40,6 +40,11 @@ class KvEventServiceStub:
                 request_serializer=tandem_dot_v1_dot_kv__events__pb2.SubscribeRequest.SerializeToString,
                 response_deserializer=tandem_dot_v1_dot_kv__events__pb2.KvEventBatch.FromString,
                 _registered_method=True)
+        self.WatchLoad = channel.unary_stream(
+                '/tandem.v1.KvEventService/WatchLoad',
+                request_serializer=tandem_dot_v1_dot_kv__events__pb2.WatchLoadRequest.SerializeToString,
+                response_deserializer=tandem_dot_v1_dot_kv__events__pb2.WorkerLoad.FromString,
+                _registered_method=True)
 
 
 class KvEventServiceServicer:
@@ -55,6 +60,14 @@ class KvEventServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def WatchLoad(self, request, context):
+        """The worker's load: one message at once, then one whenever it changes (checked every
+        interval_ms), so that several routers place requests on one view of it (docs/routing.md).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KvEventServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -62,6 +75,11 @@ def add_KvEventServiceServicer_to_server(servicer, server):
                     servicer.Subscribe,
                     request_deserializer=tandem_dot_v1_dot_kv__events__pb2.SubscribeRequest.FromString,
                     response_serializer=tandem_dot_v1_dot_kv__events__pb2.KvEventBatch.SerializeToString,
+            ),
+            'WatchLoad': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchLoad,
+                    request_deserializer=tandem_dot_v1_dot_kv__events__pb2.WatchLoadRequest.FromString,
+                    response_serializer=tandem_dot_v1_dot_kv__events__pb2.WorkerLoad.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -92,6 +110,33 @@ class KvEventService:
             '/tandem.v1.KvEventService/Subscribe',
             tandem_dot_v1_dot_kv__events__pb2.SubscribeRequest.SerializeToString,
             tandem_dot_v1_dot_kv__events__pb2.KvEventBatch.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WatchLoad(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/tandem.v1.KvEventService/WatchLoad',
+            tandem_dot_v1_dot_kv__events__pb2.WatchLoadRequest.SerializeToString,
+            tandem_dot_v1_dot_kv__events__pb2.WorkerLoad.FromString,
             options,
             channel_credentials,
             insecure,
