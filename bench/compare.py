@@ -113,6 +113,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="", help="JSON results; a markdown table and plots are written beside it")
     ap.add_argument("--plots", default="", help="plot path prefix (default: --out without .json)")
     args = ap.parse_args(argv)
+    if args.replicas < 1:
+        ap.error(f"--replicas must be >= 1, got {args.replicas}")
+    if args.replicas > 1 and (args.live or set(args.modes.split(",")) != {"kv"} or args.kv_recent > 0):
+        ap.error("--replicas > 1 runs offline in kv mode only: give --modes kv, without --live or --kv-recent")
     name, _, path = args.dataset.partition(":")
     if name != "mooncake":
         ap.error("--dataset must be mooncake[:PATH]")

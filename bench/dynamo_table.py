@@ -119,7 +119,9 @@ def _dynamo(py: str, path: Path, workers: int, blocks: int, load: float, repeats
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.dynamo_table", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+                                 formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 epilog="Defaults: --dynamo-repeats 3, --dynamo-scales 4,8,16,32,64,128, "
+                                        "--jobs min(4, CPUs).")
     ap.add_argument("--trace", default=str(REPO.parent / "shared/datasets/mooncake/conversation_trace.jsonl"),
                     help="a Mooncake trace (JSON lines with timestamp, input_length, output_length, hash_ids)")
     ap.add_argument("--dynamo-python", default="", help="python of a Dynamo 1.6.1 venv; empty = recorded figures")
@@ -129,6 +131,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="", help="JSON results; the markdown table is written beside it")
     args = ap.parse_args(argv)
     trace = Path(args.trace)
+    if args.jobs < 1:
+        ap.error(f"--jobs must be >= 1, got {args.jobs}")
+    if not args.dynamo_python and trace.name != "conversation_trace.jsonl":
+        ap.error("the recorded Dynamo figures are for the Mooncake conversation trace: give --dynamo-python to "
+                 f"measure Dynamo on {trace}")
     if not trace.is_file():
         ap.error(f"--trace {trace}: no such file (the Mooncake traces are in shared/datasets/mooncake/)")
     with tempfile.TemporaryDirectory() as tmp:

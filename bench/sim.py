@@ -116,7 +116,8 @@ def replay(reqs: list[BenchRequest], cfg: SimConfig) -> SimResult:
                                         address=f"sim:{i}", model=MOCK, block_size=cfg.block_size, hash_seed=seed,
                                         kv_capacity_blocks=cfg.num_blocks,
                                         prefill_seconds_per_token=cfg.timing.prefill_per_token,
-                                        decode_seconds_per_kv_token=cfg.timing.decode_per_kv_token)
+                                        decode_seconds_per_kv_token=cfg.timing.decode_per_kv_token,
+                                        decode_seconds_per_request=cfg.timing.decode_per_request)
                  for i in range(cfg.num_workers)]
     engines = {i.instance_id: MockEngine(cfg.num_blocks, cfg.block_size, seed, cfg.timing, cfg.chunk_size,
                                          cfg.max_running) for i in instances}
@@ -171,6 +172,7 @@ def replay(reqs: list[BenchRequest], cfg: SimConfig) -> SimResult:
                 res.completion_tokens = sim.generated
                 res.cached_tokens = sim.cached_tokens
                 tr.tracker.finish(tr.load)
+                tr.tracker.request_finished(sim.generated)
                 sim.token_ids, sim.prompt = [], None  # a full trace's prompts would not fit in memory
 
     def advance(wid: str, t: float) -> None:

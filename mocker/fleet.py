@@ -136,7 +136,8 @@ async def _start(w: SimWorker, opts: MockerOptions, model: str, port: int) -> No
             transfer_agent_name=w.instance_id, state=discovery_pb2.INSTANCE_STATE_SERVING,
             start_time_unix=time.time(), version=VERSION,
             prefill_seconds_per_token=w.engine.timing.prefill_per_token,
-            decode_seconds_per_kv_token=w.engine.timing.decode_per_kv_token)
+            decode_seconds_per_kv_token=w.engine.timing.decode_per_kv_token,
+            decode_seconds_per_request=w.engine.timing.decode_per_request)
         w.registration = Registration(opts.etcd, opts.namespace, inst, ttl_seconds=opts.lease_ttl_s)
         await w.registration.start()
 

@@ -12,14 +12,16 @@ active blocks. Both sides delay the other requests on that worker alike (a prefi
 decode step share the worker's iterations), so that factor cancels.
 
 Workers announce p and d in discovery (Instance.prefill_seconds_per_token and
-decode_seconds_per_kv_token; the mocker from its timing model). Where no candidate announces
-them, the defaults of mocker/timing.py TimingModel stand in (the order of one H200 serving a
+decode_seconds_per_kv_token; the mocker from its timing model); each candidate gives its own W
+and the router uses their lower median. What a worker does not announce, the defaults of
+mocker/timing.py TimingModel stand in for (the order of one H200 serving a
 DeepSeek-V3-shaped model: p = 50 µs, d = 9 ns, so W ≈ 5,556 / L: 21.7 at L = 256, 16.2 at the
 Mooncake conversation trace's L = 343). W is clipped to [MIN_WEIGHT, MAX_WEIGHT].
 """
 
 from __future__ import annotations
 
+import math
 import statistics
 from typing import Iterable
 
@@ -27,17 +29,34 @@ from common.pb.tandem.v1 import discovery_pb2
 
 DEFAULT_PREFILL_S_PER_TOKEN = 5.0e-5  # mocker/timing.py TimingModel.prefill_per_token
 DEFAULT_DECODE_S_PER_KV_TOKEN = 9.0e-9  # mocker/timing.py TimingModel.decode_per_kv_token
+DEFAULT_DECODE_S_PER_REQUEST = 1.0e-4  # mocker/timing.py TimingModel.decode_per_request
 MIN_WEIGHT, MAX_WEIGHT = 1.0, 1024.0
 
 
-def announced(instances: Iterable[discovery_pb2.Instance]) -> tuple[float, float]:
-    """(p, d): the medians of what the instances announce (each > 0), or the defaults."""
-    p = [i.prefill_seconds_per_token for i in instances if i.prefill_seconds_per_token > 0]
-    d = [i.decode_seconds_per_kv_token for i in instances if i.decode_seconds_per_kv_token > 0]
-    return (statistics.median(p) if p else DEFAULT_PREFILL_S_PER_TOKEN,
-            statistics.median(d) if d else DEFAULT_DECODE_S_PER_KV_TOKEN)
+def _announced(value: float, default: float) -> float:
+    return value if math.isfinite(value) and value > 0 else default
+
+
+def derived_weight(instances: Iterable[discovery_pb2.Instance], mean_output_tokens: float) -> float:
+    """W for these candidates: each instance's own p / (d · L) (what it does not announce, or
+    announces as 0, negative, NaN or infinite, taken from the defaults), clipped, then the lower
+    median over the instances, so that a minority announcing odd timings cannot move it."""
+    ws = [prefill_weight(_announced(i.prefill_seconds_per_token, DEFAULT_PREFILL_S_PER_TOKEN),
+                         _announced(i.decode_seconds_per_kv_token, DEFAULT_DECODE_S_PER_KV_TOKEN), mean_output_tokens)
+          for i in instances]
+    return statistics.median_low(ws) if ws else prefill_weight(
+        DEFAULT_PREFILL_S_PER_TOKEN, DEFAULT_DECODE_S_PER_KV_TOKEN, mean_output_tokens)
 
 
 def prefill_weight(p: float, d: float, mean_output_tokens: float) -> float:
     """W = p / (d · L), clipped to [MIN_WEIGHT, MAX_WEIGHT] (L at least 1 token)."""
     return min(MAX_WEIGHT, max(MIN_WEIGHT, p / (d * max(1.0, mean_output_tokens))))
+
+
+def request_blocks(instances: Iterable[discovery_pb2.Instance], block_size: int) -> float:
+    """R: one more request in a decode batch, in active blocks: each decode step takes r seconds
+    more per request (decode_seconds_per_request) and bs · d more per block, so R = r / (bs · d)
+    (the lower median over the instances' own announcements; defaults where absent)."""
+    rs = [_announced(i.decode_seconds_per_request, DEFAULT_DECODE_S_PER_REQUEST)
+          / (block_size * _announced(i.decode_seconds_per_kv_token, DEFAULT_DECODE_S_PER_KV_TOKEN)) for i in instances]
+    return statistics.median_low(rs) if rs else DEFAULT_DECODE_S_PER_REQUEST / (block_size * DEFAULT_DECODE_S_PER_KV_TOKEN)

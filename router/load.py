@@ -8,16 +8,20 @@ Every replica counts only what it routed itself (replicas do not coordinate; doc
   generated blocks (one per `block_size` tokens) count on their own;
 - queued prefill tokens per worker that prefills: uncached prompt tokens routed to it and not
   yet answered with a first token (a prefill worker, or a decode worker prefilling locally);
-- the prompt blocks of in-flight requests per decode worker (`inflight_prefix`): prefixes routed
-  there whose KV may not be stored yet, so a second request with that prefix follows the first;
-- the mean output length of finished requests (an EWMA), which scales the default prefill weight
-  (router/cost_weight.py).
+- the prompt blocks of in-flight requests per decode worker, and of prompts being prefilled per
+  prefill worker (`inflight_prefix`): prefixes routed there whose KV may not be stored yet, so a
+  second request with that prefix follows the first;
+- the mean output length of requests that finished with a finish reason (an EWMA; cancelled
+  calls and the attempts of a migrated request are not samples), which scales the default
+  prefill weight (router/cost_weight.py).
 
 With load reported by the workers (KvEventService.WatchLoad, router/load_watcher.py), the
 placement reads a worker's requests, active blocks and queued prefill tokens as its last
-report plus what this router placed there since that report (`requests`, `active`,
-`queued_tokens`), so several routers place on one view; a worker that reports nothing is
-scored on this router's own counts.
+report plus every change this router made there since that report (requests it placed, and
+those that finished or got their first token since, which the report still counts) —
+`requests`, `active`, `queued_tokens` — so several routers place on one view, and a worker that
+just finished this router's request does not look busy until its next report. A worker that
+reports nothing is scored on this router's own counts.
 """
 
 from __future__ import annotations
@@ -39,7 +43,6 @@ class RequestLoad:
     decode_blocks: int  # the request's own blocks: prompt blocks + generated blocks
     prefill_tokens: int
     hashes: tuple[int, ...] = field(default=(), repr=False)  # its full prompt blocks (shared accounting)
-    generated: int = 0
     prefill_done: bool = False
     released: bool = False
 
@@ -52,8 +55,8 @@ class LoadTracker:
         self.prefill_tokens: defaultdict[str, int] = defaultdict(int)  # queued on the worker that prefills
         self._refs: defaultdict[str, dict[int, int]] = defaultdict(dict)  # decode worker -> hash -> requests
         self.mean_output_tokens = OUTPUT_PRIOR_TOKENS
-        # worker -> [requests, active blocks, queued prefill tokens]: its last report, and what
-        # this router placed there since (added at start, reset by the next report).
+        # worker -> [requests, active blocks, queued prefill tokens]: its last report, and the
+        # changes this router made there since (starts, growth, first tokens and finishes).
         self.reported: dict[str, list[int]] = {}
         self._since: dict[str, list[int]] = {}
 
@@ -67,24 +70,29 @@ class LoadTracker:
         self.reported.pop(worker, None)
         self._since.pop(worker, None)
 
-    def _placed(self, worker: str, requests: int, blocks: int, tokens: int) -> None:
+    def _changed(self, worker: str, requests: int, blocks: int, tokens: int) -> None:
+        """Apply a change to this router's own counts of `worker`, and since its last report."""
+        self.in_flight[worker] += requests
+        self.active_blocks[worker] += blocks
+        self.prefill_tokens[worker] += tokens
         since = self._since.get(worker)
         if since is not None:
             since[0] += requests
             since[1] += blocks
             since[2] += tokens
 
-    def requests(self, worker: str) -> float:
+    def _view(self, worker: str, i: int, own: dict[str, int]) -> float:
         r = self.reported.get(worker)
-        return float(r[0] + self._since[worker][0]) if r is not None else float(self.in_flight.get(worker, 0))
+        return float(max(0, r[i] + self._since[worker][i])) if r is not None else float(own.get(worker, 0))
+
+    def requests(self, worker: str) -> float:
+        return self._view(worker, 0, self.in_flight)
 
     def active(self, worker: str) -> float:
-        r = self.reported.get(worker)
-        return float(r[1] + self._since[worker][1]) if r is not None else float(self.active_blocks.get(worker, 0))
+        return self._view(worker, 1, self.active_blocks)
 
     def queued_tokens(self, worker: str) -> float:
-        r = self.reported.get(worker)
-        return float(r[2] + self._since[worker][2]) if r is not None else float(self.prefill_tokens.get(worker, 0))
+        return self._view(worker, 2, self.prefill_tokens)
 
     def start(self, decode_id: str, prefill_id: str | None, prompt_tokens: int, uncached_tokens: int,
               hashes: Sequence[int] = (), local_prefill: bool = False) -> RequestLoad:
@@ -100,27 +108,44 @@ class LoadTracker:
         on = prefill_id or (decode_id if local_prefill else None)
         load = RequestLoad(decode_id, on, -(-prompt_tokens // self.block_size),
                            uncached_tokens if on else 0, tuple(hashes))
-        self.in_flight[decode_id] += 1
-        refs = self._refs[decode_id]
+        new = self._ref(decode_id, load.hashes)
+        self._changed(decode_id, 1, new + load.decode_blocks - len(load.hashes), 0)
+        if prefill_id:
+            self._changed(prefill_id, 1, 0, 0)
+            self._ref(prefill_id, load.hashes)
+        if on:
+            self._changed(on, 0, 0, load.prefill_tokens)
+        return load
+
+    def _ref(self, worker: str, hashes: tuple[int, ...]) -> int:
+        """Reference `hashes` on `worker`; returns how many were not referenced there yet."""
+        refs = self._refs[worker]
         new = 0
-        for h in load.hashes:
+        for h in hashes:
             n = refs.get(h, 0)
             refs[h] = n + 1
             new += n == 0
-        self.active_blocks[decode_id] += new + load.decode_blocks - len(load.hashes)
-        self._placed(decode_id, 1, new + load.decode_blocks - len(load.hashes), 0)
-        if prefill_id:
-            self.in_flight[prefill_id] += 1
-            self._placed(prefill_id, 1, 0, 0)
-        if on:
-            self.prefill_tokens[on] += load.prefill_tokens
-            self._placed(on, 0, 0, load.prefill_tokens)
-        return load
+        return new
 
-    def inflight_prefix(self, decode_id: str, hashes: Sequence[int]) -> int:
-        """Leading blocks of `hashes` that requests in flight on decode_id also have (chained
+    def _unref(self, worker: str, hashes: tuple[int, ...]) -> int:
+        """Drop one reference of each of `hashes` on `worker`; returns how many left it."""
+        refs = self._refs[worker]
+        gone = 0
+        for h in hashes:
+            n = refs[h] - 1
+            if n:
+                refs[h] = n
+            else:
+                del refs[h]
+                gone += 1
+        if not refs:
+            del self._refs[worker]
+        return gone
+
+    def inflight_prefix(self, worker: str, hashes: Sequence[int]) -> int:
+        """Leading blocks of `hashes` that requests in flight on `worker` also have (chained
         hashes: a block matches only after the same prefix)."""
-        refs = self._refs.get(decode_id)
+        refs = self._refs.get(worker)
         if not refs:
             return 0
         n = 0
@@ -133,33 +158,36 @@ class LoadTracker:
     def prefill_finished(self, load: RequestLoad) -> None:
         if load.prefill_id and not load.prefill_done:
             load.prefill_done = True
-            if load.prefill_id != load.decode_id:
-                self.in_flight[load.prefill_id] -= 1
-            self.prefill_tokens[load.prefill_id] -= load.prefill_tokens
+            remote = load.prefill_id != load.decode_id
+            if remote:
+                self._unref(load.prefill_id, load.hashes)
+            self._changed(load.prefill_id, -1 if remote else 0, 0, -load.prefill_tokens)
+            if remote:
+                self._prune(load.prefill_id)
 
     def grow(self, load: RequestLoad, generated_before: int, generated_now: int) -> None:
         """Account one more decode block for every block_size tokens generated."""
-        load.generated = max(load.generated, generated_now)
         added = generated_now // self.block_size - generated_before // self.block_size
         if added and not load.released:
             load.decode_blocks += added
-            self.active_blocks[load.decode_id] += added
+            self._changed(load.decode_id, 0, added, 0)
 
     def finish(self, load: RequestLoad) -> None:
         if load.released:
             return
         self.prefill_finished(load)
         load.released = True
-        self.in_flight[load.decode_id] -= 1
-        refs = self._refs[load.decode_id]
-        gone = 0
-        for h in load.hashes:
-            n = refs[h] - 1
-            if n:
-                refs[h] = n
-            else:
-                del refs[h]
-                gone += 1
-        self.active_blocks[load.decode_id] -= gone + load.decode_blocks - len(load.hashes)
-        if load.generated:
-            self.mean_output_tokens += OUTPUT_EWMA * (load.generated - self.mean_output_tokens)
+        gone = self._unref(load.decode_id, load.hashes)
+        self._changed(load.decode_id, -1, -(gone + load.decode_blocks - len(load.hashes)), 0)
+        self._prune(load.decode_id)
+
+    def _prune(self, worker: str) -> None:
+        """Drop a worker's counters once they are all zero (workers come and go)."""
+        if not (self.in_flight.get(worker) or self.active_blocks.get(worker) or self.prefill_tokens.get(worker)):
+            for d in (self.in_flight, self.active_blocks, self.prefill_tokens):
+                d.pop(worker, None)
+
+    def request_finished(self, output_tokens: int) -> None:
+        """A request ended with a finish reason after `output_tokens` generated tokens (all its
+        attempts): one sample of the mean output length."""
+        self.mean_output_tokens += OUTPUT_EWMA * (output_tokens - self.mean_output_tokens)

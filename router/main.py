@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import signal
 import time
 import uuid
@@ -95,6 +96,9 @@ class RouterOptions:
             raise ValueError(f"--migration-limit must be >= 0, got {self.migration_limit}")
         if self.router_mode not in MODES:
             raise ValueError(f"--router-mode must be one of {', '.join(MODES)}; got {self.router_mode!r}")
+        if not (math.isfinite(self.prefill_weight) and math.isfinite(self.router_temperature)):
+            raise ValueError(f"--prefill-weight and --router-temperature must be finite numbers, got "
+                             f"{self.prefill_weight} and {self.router_temperature}")
         if self.prefill_weight < 0 or self.router_temperature < 0 or self.local_prefill_threshold < 0:
             raise ValueError("--prefill-weight, --router-temperature and --local-prefill-threshold must be >= 0")
         if self.kv_recent_s < 0:

@@ -120,9 +120,16 @@ class RouterMetrics:
             "in_flight": GaugeMetricFamily("tandem_router_worker_in_flight_requests", "requests this router has in "
                                            "flight on the worker", labels=labels),
             "active": GaugeMetricFamily("tandem_router_worker_active_blocks", "decode: KV blocks of this router's "
-                                        "requests on the worker", labels=labels),
-            "queued": GaugeMetricFamily("tandem_router_worker_queued_prefill_tokens", "prefill: uncached prompt "
-                                        "tokens sent and not yet answered", labels=labels),
+                                        "requests on the worker (a block shared by several counted once)",
+                                        labels=labels),
+            "queued": GaugeMetricFamily("tandem_router_worker_queued_prefill_tokens", "uncached prompt tokens this "
+                                        "router sent the worker to prefill (a prefill worker, or a decode worker "
+                                        "prefilling locally) and not yet answered", labels=labels),
+            "reported_active": GaugeMetricFamily("tandem_router_worker_reported_active_blocks", "KV blocks the "
+                                                 "worker last reported holding (WatchLoad); absent when it reports "
+                                                 "none", labels=labels),
+            "reported_queued": GaugeMetricFamily("tandem_router_worker_reported_queued_prefill_tokens", "prompt "
+                                                 "tokens the worker last reported not yet prefilled", labels=labels),
             "indexed": GaugeMetricFamily("tandem_router_worker_indexed_blocks", "blocks the KV index holds for the "
                                          "worker (kv mode)", labels=labels),
             "capacity": GaugeMetricFamily("tandem_router_worker_kv_capacity_blocks", "KV pool capacity announced "
@@ -149,6 +156,10 @@ class RouterMetrics:
             fams["in_flight"].add_metric(lv, in_flight.get(wid, 0))
             fams["active"].add_metric(lv, active.get(wid, 0))
             fams["queued"].add_metric(lv, queued.get(wid, 0))
+            rep = load.reported.get(wid)
+            if rep is not None:
+                fams["reported_active"].add_metric(lv, rep[1])
+                fams["reported_queued"].add_metric(lv, rep[2])
             if index is not None:
                 fams["indexed"].add_metric(lv, index.num_blocks(wid) if wid in index else 0)
             fams["capacity"].add_metric(lv, inst.kv_capacity_blocks)
@@ -158,6 +169,9 @@ class RouterMetrics:
             fams["prompt_blocks"].add_metric(lv, routes.prompt_blocks.get(wid, 0))
             fams["overlap_blocks"].add_metric(lv, routes.overlap_blocks.get(wid, 0))
         yield from fams.values()
+        yield GaugeMetricFamily("tandem_router_prefill_weight", "kv/approx: the prefill weight W of the last "
+                                "decision (--prefill-weight, or derived; docs/routing.md)",
+                                value=getattr(getattr(s["servicer"], "placement", None), "last_weight", 0.0))
         yield counter("tandem_router_refused_workers", "workers refused for another model, block size, weights or hash seed",
                       workers.refused_workers)
 

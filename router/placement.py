@@ -51,6 +51,7 @@ class Placement:
         self.overlap = overlap
         self.opts = opts
         rng = (lambda k: random.Random(opts.seed + k)) if opts.seed is not None else (lambda k: None)
+        self.last_weight = 0.0  # the prefill weight of the last decision (router metrics)
         self.decode_policy = make_policy(opts.mode, opts.temperature, rng(0))
         self.prefill_policy = make_policy(opts.mode, opts.temperature, rng(1))
 
@@ -59,7 +60,7 @@ class Placement:
         from what `instances` announce and the mean output length so far."""
         if self.opts.prefill_weight > 0:
             return self.opts.prefill_weight
-        return cost_weight.prefill_weight(*cost_weight.announced(instances), self.load.mean_output_tokens)
+        return cost_weight.derived_weight(instances, self.load.mean_output_tokens)
 
     def _refused_note(self) -> str:
         """For the UNAVAILABLE message: the decode workers in discovery this router refuses, and why."""
@@ -96,11 +97,16 @@ class Placement:
                            + self._refused_note())
         prefills = self.workers.candidates(discovery_pb2.ROLE_PREFILL)
         weight = self.weight(decodes + prefills) if uses_overlap else 0.0
+        self.last_weight = weight
+        request_blocks = cost_weight.request_blocks(decodes, bs) if uses_overlap else 0.0
         scored = self.decode_policy.score(discovery_pb2.ROLE_DECODE, decodes, overlaps, blocks, self.load, hashes,
-                                          weight)
+                                          weight, prefills_here=not prefills, request_blocks=request_blocks,
+                                          capacity={d.instance_id: d.kv_capacity_blocks for d in decodes})
         decode = self.decode_policy.pick(scored)
+        queue_share = self.decode_policy.queue_share
         prefill, reason = None, ""
-        uncached = len(tokens) - decode.overlap_blocks * bs
+        # What the decode worker holds now (a prefix still in flight there is not in its pool yet).
+        uncached = len(tokens) - min(decode.overlap_blocks, overlaps.get(decode.instance_id, 0)) * bs
         if not prefills:
             reason = "no prefill worker"
         elif uncached < self.opts.local_prefill_threshold:
@@ -111,5 +117,5 @@ class Placement:
             prefill = self.prefill_policy.pick(p_scored)
             scored += p_scored
         decision = RouteDecision(self.opts.mode, len(tokens), blocks, decode, prefill, reason, tuple(scored),
-                                 time.perf_counter() - start, weight)
+                                 time.perf_counter() - start, weight, queue_share, request_blocks)
         return decision, hashes

@@ -1,8 +1,9 @@
 """Worker choice per role, one class per router mode (`--router-mode`).
 
 kv / approx (docs/routing.md), in units of one active decode block:
-    decode:  cost_w = W × (B − overlap_w + queued_w / (1 + b)) + active_w + (B − shared_w)
-    prefill: cost_w = W × (B − overlap_w + queued_w / (1 + b))
+    decode:  cost_w = W_u × (B − overlap_w) + W × queued_w / (1 + b) + active_w + R × n_w
+                      + (B − shared_w) + W × overflow_w
+    prefill: cost_w = W × (B − overlap_w) + W × queued_w / (1 + b)
 with B the prompt's full blocks; overlap_w the leading blocks worker w holds (the KV index) or
 has in flight (prompt blocks of requests this router routed there and that are not finished:
 their KV may not be stored yet); queued_w the uncached prompt blocks routed to w and not yet
@@ -12,7 +13,13 @@ shared_w the leading blocks of this prompt already active on w (they add no new 
 b the mean in-flight requests per candidate of the role (queued work ahead delays only this
 request, while its own uncached blocks also hold up the b requests running there);
 W the prefill weight (router/cost_weight.py: derived from the workers' announced timings and
-the mean output length unless --prefill-weight is given). Lowest cost wins; ties rotate; with
+the mean output length unless --prefill-weight is given); W_u = W where the decode worker
+computes what it lacks (no prefill worker), else TRANSFER_WEIGHT (those blocks are transferred
+into it by the prefill worker, which computes them). Prefill workers count in-flight prefixes
+too (prompts they are prefilling now). n_w the requests on w and R one request's cost in active
+blocks (a decode step's per-request time over its per-block time, router/cost_weight.py);
+overflow_w the blocks by which w's active blocks, this request's new ones and its expected
+output (mean output length / block size) exceed w's kv_capacity_blocks (they would wait). Lowest cost wins; ties rotate; with
 temperature T > 0 a worker is drawn with
     p_w ∝ exp(−(c_w − c_min) / ((c_max − c_min) · T)).
 round-robin, random, least-loaded ignore the KV caches (least-loaded: fewest in-flight requests).
@@ -30,6 +37,7 @@ from router.decision import Candidate
 from router.load import LoadTracker
 
 MODES = ("kv", "approx", "round-robin", "random", "least-loaded")
+TRANSFER_WEIGHT = 1.0  # decode worker with prefill workers present: an uncached block costs one active block
 _ROLE = {discovery_pb2.ROLE_PREFILL: "prefill", discovery_pb2.ROLE_DECODE: "decode"}
 
 
@@ -39,21 +47,29 @@ class Policy:
     uses_overlap = False
 
     def __init__(self, rng: random.Random | None = None) -> None:
-        self._tick = itertools.count()
         self._rng = rng or random.Random()
+        # Ties rotate from a random start: router replicas (separate processes) must not all
+        # send their first tied requests to the same worker.
+        self._tick = itertools.count(self._rng.randrange(1 << 30))
 
     def load_of(self, role: int, inst: discovery_pb2.Instance, load: LoadTracker) -> float:
         return float(load.in_flight.get(inst.instance_id, 0))
 
     def score(self, role: int, candidates: Sequence[discovery_pb2.Instance], overlaps: Mapping[str, int],
-              blocks: int, load: LoadTracker, hashes: Sequence[int] = (), weight: float = 1.0) -> list[Candidate]:
-        """One Candidate per instance; `hashes` (the prompt's block hashes) and `weight` (the
-        prefill weight) are for the kv/approx cost."""
+              blocks: int, load: LoadTracker, hashes: Sequence[int] = (), weight: float = 1.0,
+              prefills_here: bool = True, request_blocks: float = 0.0,
+              capacity: Mapping[str, int] | None = None) -> list[Candidate]:
+        """One Candidate per instance. The rest is for the kv/approx cost: `hashes` (the prompt's
+        block hashes), `weight` (W), `prefills_here` (decode: no prefill worker exists, so the
+        decode worker computes what it lacks), `request_blocks` (R) and `capacity` (decode
+        instance id -> kv_capacity_blocks; 0 = unknown)."""
         out = []
         for inst in candidates:
             w = self.load_of(role, inst, load)
             out.append(Candidate(inst.instance_id, inst.address, _ROLE[role], overlaps.get(inst.instance_id, 0), w, w))
         return out
+
+    queue_share = 0.0  # kv/approx: the last score()'s 1 / (1 + b), for explain
 
     def pick(self, scored: Sequence[Candidate]) -> Candidate:
         """Lowest cost; ties rotate so equal workers share the load."""
@@ -70,26 +86,34 @@ class KvPolicy(Policy):
         self.temperature = temperature
 
     def score(self, role: int, candidates: Sequence[discovery_pb2.Instance], overlaps: Mapping[str, int],
-              blocks: int, load: LoadTracker, hashes: Sequence[int] = (), weight: float = 1.0) -> list[Candidate]:
+              blocks: int, load: LoadTracker, hashes: Sequence[int] = (), weight: float = 1.0,
+              prefills_here: bool = True, request_blocks: float = 0.0,
+              capacity: Mapping[str, int] | None = None) -> list[Candidate]:
         out = []
+        output_blocks = load.mean_output_tokens / load.block_size  # what this request will add as it decodes
         decode = role == discovery_pb2.ROLE_DECODE
         # Queued work ahead delays only this request; its own uncached blocks also hold up the
         # requests running on that worker (b per worker on average): the queue counts 1/(1 + b).
-        running = sum(load.requests(i.instance_id) for i in candidates) / max(1, len(candidates))
-        queue_share = 1.0 / (1.0 + running)
+        self.queue_share = 1.0 / (1.0 + sum(load.requests(i.instance_id) for i in candidates) / max(1, len(candidates)))
+        # A decode worker computes the blocks it lacks only when no prefill worker does; otherwise
+        # they are transferred into it, and cost what they will hold there.
+        uncached_weight = weight if (prefills_here or not decode) else TRANSFER_WEIGHT
         for inst in candidates:
             wid = inst.instance_id
             queued = load.queued_tokens(wid) / load.block_size
+            inflight = load.inflight_prefix(wid, hashes)
+            overlap = max(overlaps.get(wid, 0), inflight)
+            prefill_cost = uncached_weight * (blocks - overlap) + weight * self.queue_share * queued
             if decode:
-                shared = load.inflight_prefix(wid, hashes)
-                overlap = max(overlaps.get(wid, 0), shared)
                 active = load.active(wid)
-                cost = weight * (blocks - overlap + queue_share * queued) + active + (blocks - shared)
-                out.append(Candidate(wid, inst.address, "decode", overlap, active, cost, queued, shared))
+                adds = blocks - inflight + output_blocks
+                room = (capacity or {}).get(wid, 0)
+                overflow = max(0.0, active + adds - room) if room else 0.0
+                cost = (prefill_cost + active + request_blocks * load.requests(wid) + (blocks - inflight)
+                        + weight * overflow)
+                out.append(Candidate(wid, inst.address, "decode", overlap, active, cost, queued, inflight))
             else:
-                overlap = overlaps.get(wid, 0)
-                out.append(Candidate(wid, inst.address, "prefill", overlap, queued,
-                                     weight * (blocks - overlap + queue_share * queued), queued))
+                out.append(Candidate(wid, inst.address, "prefill", overlap, queued, prefill_cost, queued, inflight))
         return out
 
     def pick(self, scored: Sequence[Candidate]) -> Candidate:

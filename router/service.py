@@ -325,6 +325,7 @@ class FrontendServicer(pb_grpc.FrontendServiceServicer):
                             out = pb.GenerateResponse(request_id=request_id, token_ids=msg.token_ids[:used], text=text,
                                                       logprobs=msg.logprobs[:used], finish_reason=reason)
                             if reason:
+                                self.load.request_finished(len(generated))
                                 if not stopped:
                                     out.text += stops.flush()
                                 out.usage.CopyFrom(pb.Usage(prompt_tokens=len(tokens), completion_tokens=len(generated),

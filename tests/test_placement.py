@@ -81,9 +81,14 @@ def test_costs_follow_the_formula():
     index.apply_stored("d0", None, block_hashes(prompt, BS, SEED)[:4])
     p.load.active_blocks["d0"] = 7
     d, _ = p.route(prompt)
-    # decode: W × uncached + active + the blocks it adds; prefill: W × uncached (nothing queued)
-    assert d.decode.overlap_blocks == 4 and d.decode.cost == 2.0 * (10 - 4) + 7 + 10
+    # decode (a prefill worker computes the prompt): its uncached blocks are transferred into it,
+    # at one active block each, + active + the blocks it adds; prefill: W × uncached (nothing queued)
+    assert d.decode.overlap_blocks == 4 and d.decode.cost == 1.0 * (10 - 4) + 7 + 10
     assert d.prefill.cost == 2.0 * 10 and "d0" in d.explain() and d.prefill_weight == 2.0
+    alone, index = placement(n_prefill=0, n_decode=1, prefill_weight=2.0)  # the decode worker computes them
+    index.apply_stored("d0", None, block_hashes(prompt, BS, SEED)[:4])
+    alone.load.active_blocks["d0"] = 7
+    assert alone.route(prompt)[0].decode.cost == 2.0 * (10 - 4) + 7 + 10
 
 
 def test_conditional_disaggregation_and_no_prefill_worker():
@@ -152,15 +157,15 @@ def test_shared_prompt_blocks_count_once_and_release_exactly():
 
 
 def test_prefix_in_flight_but_not_stored_draws_the_next_request():
-    p, _ = placement(n_prefill=0, n_decode=2, prefill_weight=4.0)
-    prompt = doc(320, salt=7)  # 20 blocks, stored nowhere yet
+    p, _ = placement(n_prefill=0, n_decode=2, prefill_weight=8.0)
+    prompt = doc(2048, salt=7)  # 128 blocks, stored nowhere yet
     first, hashes = p.route(prompt)
-    p.load.start(first.decode.instance_id, None, len(prompt), len(prompt), hashes, local_prefill=True)
-    p.load.prefill_finished(p.load.start("dx", None, 0, 0))  # unrelated bookkeeping stays apart
+    load = p.load.start(first.decode.instance_id, None, len(prompt), len(prompt), hashes, local_prefill=True)
+    p.load.prefill_finished(load)  # prefilled and decoding; its KV events have not reached the index
     second, _ = p.route(prompt + [9, 9])
     assert second.decode.instance_id == first.decode.instance_id
     chosen = next(c for c in second.candidates if c.instance_id == first.decode.instance_id)
-    assert chosen.overlap_blocks == 20 and chosen.shared_blocks == 20 and chosen.queued_blocks == 20
+    assert chosen.overlap_blocks == 128 and chosen.shared_blocks == 128 and chosen.queued_blocks == 0
 
 
 def test_local_prefill_queue_counts_on_the_decode_worker():
@@ -170,7 +175,9 @@ def test_local_prefill_queue_counts_on_the_decode_worker():
     d, _ = p.route(doc(64, salt=8))
     assert d.decode.instance_id == "d1"  # d0's 40 queued blocks weigh W / (1 + 0.5) each
     queued = next(c for c in d.candidates if c.instance_id == "d0")
-    assert queued.queued_blocks == 40 and queued.cost == pytest.approx(4.0 * (4 + 40 / 1.5) + 40 + 4)
+    r = d.request_blocks  # one request, in active blocks (router/cost_weight.py)
+    assert r == pytest.approx(1e-4 / (BS * 9e-9))
+    assert queued.queued_blocks == 40 and queued.cost == pytest.approx(4.0 * (4 + 40 / 1.5) + 40 + r * 1 + 4)
     p.load.prefill_finished(load)
     assert p.load.prefill_tokens["d0"] == 0 and p.load.in_flight["d0"] == 1
     p.load.finish(load)
@@ -189,6 +196,11 @@ def test_default_weight_comes_from_announced_timings_and_output_length():
         load = p.load.start("d0", None, 16, 0)
         p.load.grow(load, 0, 50)
         p.load.finish(load)
+        p.load.request_finished(50)
+    assert 50 <= p.load.mean_output_tokens < 52
+    cancelled = p.load.start("d0", None, 16, 0)
+    p.load.grow(cancelled, 0, 3000)
+    p.load.finish(cancelled)  # released without a finish reason: not a sample
     assert 50 <= p.load.mean_output_tokens < 52
     assert p.route(doc(64))[0].prefill_weight == pytest.approx(4e-5 / (1e-8 * p.load.mean_output_tokens))
     unannounced, _ = placement(n_prefill=0)
@@ -209,9 +221,77 @@ def test_reported_load_plus_what_this_router_placed_since():
     assert (load.requests("d0"), load.active("d0"), load.queued_tokens("d0")) == (3, 40, 100)
     load.start("d0", None, 2 * BS, BS, (), local_prefill=True)  # placed after the report: added to it
     assert (load.requests("d0"), load.active("d0"), load.queued_tokens("d0")) == (4, 42, 100 + BS)
-    load.finish(mine)  # a finish shows in the next report, not before
-    assert load.requests("d0") == 4
+    load.prefill_finished(mine)  # the report counted its queued tokens: they leave at once
+    assert load.queued_tokens("d0") == 100 - 4 * BS + BS
+    load.finish(mine)  # so does a finish: a worker that just served this router's request is not busy
+    assert (load.requests("d0"), load.active("d0")) == (3, 38)
     load.report("d0", 1, 2, 0)
     assert (load.requests("d0"), load.active("d0"), load.queued_tokens("d0")) == (1, 2, 0)
     load.forget("d0")  # stopped reporting: own counts again
     assert (load.requests("d0"), load.active("d0"), load.queued_tokens("d0")) == (1, 2, BS)
+    load.report("d0", 0, 0, 0)
+    other = load.start("d1", None, BS, 0)
+    load.finish(other)
+    load.finish(load.start("d0", None, BS, 0))
+    assert load.requests("d0") == 0  # never below zero
+
+
+def test_disaggregated_requests_sharing_a_prefix_spread_over_decode_workers():
+    p, index = placement(n_prefill=1, n_decode=3)  # the derived weight (about 22)
+    prompt = doc(320, salt=9)  # 20 blocks
+    index.apply_stored("d0", None, block_hashes(prompt, BS, SEED)[:10])
+    placed = []
+    for i in range(30):
+        d, hashes = p.route(prompt + [i, i + 1])
+        p.load.start(d.decode.instance_id, d.prefill.instance_id, len(prompt) + 2, len(prompt) + 2, hashes)
+        placed.append(d.decode.instance_id)
+    assert min(placed.count(w) for w in ("d0", "d1", "d2")) >= 5, placed
+
+
+def test_prefill_worker_counts_prompts_it_is_prefilling_and_threshold_uses_held_blocks():
+    p, _ = placement(n_prefill=2, n_decode=2, prefill_weight=4.0, local_prefill_threshold=BS * 4)
+    prompt = doc(1024, salt=10)  # 64 blocks, stored nowhere
+    first, hashes = p.route(prompt)
+    load = p.load.start(first.decode.instance_id, first.prefill.instance_id, 1024, 1024, hashes)
+    second, _ = p.route(prompt + [1])
+    assert second.prefill is not None, second.local_prefill_reason  # the decode worker holds nothing yet
+    assert second.prefill.instance_id == first.prefill.instance_id and second.prefill.overlap_blocks == 64
+    p.load.prefill_finished(load)  # prefilled: its refs leave the prefill worker
+    assert p.load.inflight_prefix(first.prefill.instance_id, hashes) == 0
+    p.load.finish(load)
+    assert p.load.in_flight == {} and p.load.active_blocks == {} and p.load.prefill_tokens == {}
+
+
+def test_derived_weight_ignores_a_minority_of_odd_announcements():
+    from router import cost_weight
+
+    good = [inst(f"d{i}", discovery_pb2.ROLE_DECODE, prefill_seconds_per_token=4e-5,
+                 decode_seconds_per_kv_token=1e-8) for i in range(2)]
+    odd = [inst("dx", discovery_pb2.ROLE_DECODE, prefill_seconds_per_token=float("inf"), decode_seconds_per_kv_token=9e-9),
+           inst("dy", discovery_pb2.ROLE_DECODE, prefill_seconds_per_token=1e3, decode_seconds_per_kv_token=1e-8)]
+    w = cost_weight.derived_weight(good + odd, 256)
+    assert w == pytest.approx(4e-5 / (1e-8 * 256))
+    nan = inst("dz", discovery_pb2.ROLE_DECODE, prefill_seconds_per_token=float("nan"))
+    assert cost_weight.derived_weight([nan], 256) == pytest.approx(
+        cost_weight.DEFAULT_PREFILL_S_PER_TOKEN / (cost_weight.DEFAULT_DECODE_S_PER_KV_TOKEN * 256))
+
+
+@pytest.mark.parametrize("bad", [float("inf"), float("nan")])
+def test_router_refuses_a_weight_that_is_not_finite(bad):
+    from router.main import RouterOptions
+
+    with pytest.raises(ValueError, match="--prefill-weight"):
+        RouterOptions(etcd="127.0.0.1:2379", prefill_weight=bad)
+
+
+def test_a_worker_without_room_loses_by_the_blocks_that_would_wait():
+    small = [inst("d0", discovery_pb2.ROLE_DECODE, kv_capacity_blocks=10),
+             inst("d1", discovery_pb2.ROLE_DECODE, kv_capacity_blocks=1000)]
+    p, index = placement(n_prefill=0, n_decode=0, extra=small, prefill_weight=2.0)
+    prompt = doc(160, salt=11)  # 10 blocks, all cached on the small worker
+    index.apply_stored("d0", None, block_hashes(prompt, BS, SEED))
+    d, _ = p.route(prompt)
+    assert d.decode.instance_id == "d1"  # 10 + 16 expected output blocks do not fit d0's 10
+    by_id = {c.instance_id: c for c in d.candidates}
+    over = 0 + 10 + 256 / BS - 10  # active + the blocks it adds + its expected output - capacity
+    assert by_id["d0"].cost == pytest.approx(0 + 10 + 2.0 * over)  # nothing uncached or queued, no request there
