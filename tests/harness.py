@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from typing import Any, Coroutine
@@ -144,3 +145,11 @@ def decode_locally(address: str, prompts: list[list[int]], max_tokens: int) -> l
 
         with ThreadPoolExecutor(len(prompts)) as pool:
             return list(pool.map(one, prompts))
+
+
+def wait_until(cond, what: str, timeout: float = 15.0) -> None:
+    """Poll `cond()` every 20 ms until it is true; fail with `what` after `timeout` seconds."""
+    deadline = time.time() + timeout
+    while not cond():
+        assert time.time() < deadline, what
+        time.sleep(0.02)

@@ -9,16 +9,10 @@ import grpc
 import pytest
 
 from common.pb.tandem.v1 import frontend_pb2, frontend_pb2_grpc, kv_events_pb2, kv_events_pb2_grpc, sampling_pb2
-from harness import InProcessCluster
+from harness import InProcessCluster, wait_until
 
 pytestmark = pytest.mark.e2e
 
-
-def _wait(cond, what: str, timeout: float = 15.0) -> None:
-    deadline = time.time() + timeout
-    while not cond():
-        assert time.time() < deadline, what
-        time.sleep(0.02)
 
 
 def test_a_replica_sees_the_load_another_placed(etcd_server, tiny_model):
@@ -29,7 +23,7 @@ def test_a_replica_sees_the_load_another_placed(etcd_server, tiny_model):
         c.wait_roles(a, 0, 1)
         c.wait_roles(b, 0, 1)
         wid = worker.runtime.instance_id
-        _wait(lambda: wid in b.servicer.load.reported, "router b has no load report from the worker")
+        wait_until(lambda: wid in b.servicer.load.reported, "router b has no load report from the worker")
         assert b.servicer.load.requests(wid) == 0 and b.servicer.load.active(wid) == 0
 
         # The worker's own stream: a first message at once, with nothing running.
@@ -44,16 +38,16 @@ def test_a_replica_sees_the_load_another_placed(etcd_server, tiny_model):
             timeout=120)
         next(stream)  # running on the worker now
         # Router b placed nothing, yet it sees the request and its KV blocks (100 prompt tokens).
-        _wait(lambda: b.servicer.load.requests(wid) == 1 and b.servicer.load.active(wid) >= 100 // 16,
+        wait_until(lambda: b.servicer.load.requests(wid) == 1 and b.servicer.load.active(wid) >= 100 // 16,
               "router b does not see the request router a placed")
         assert b.servicer.load.in_flight.get(wid, 0) == 0  # its own count stays its own
         assert a.servicer.load.in_flight[wid] == 1
         stream.cancel()
-        _wait(lambda: b.servicer.load.requests(wid) == 0 and b.servicer.load.active(wid) == 0
+        wait_until(lambda: b.servicer.load.requests(wid) == 0 and b.servicer.load.active(wid) == 0
               and a.servicer.load.requests(wid) == 0, "the cancelled request's load does not leave both views")
         ch.close()
         c.stop(worker)
-        _wait(lambda: wid not in a.servicer.load.reported and wid not in b.servicer.load.reported,
+        wait_until(lambda: wid not in a.servicer.load.reported and wid not in b.servicer.load.reported,
               "a departed worker's report is kept")
     finally:
         c.close()

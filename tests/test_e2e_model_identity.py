@@ -3,7 +3,6 @@ name with other weights (tandem-tiny with another --seed) are never used togethe
 
 from __future__ import annotations
 
-import time
 
 import grpc
 import pytest
@@ -11,16 +10,10 @@ import pytest
 from common.pb.tandem.v1 import discovery_pb2, frontend_pb2, frontend_pb2_grpc, sampling_pb2
 from engine.model_source import TINY, load_model
 from engine.reference import reference_generate
-from harness import InProcessCluster
+from harness import InProcessCluster, wait_until
 
 pytestmark = pytest.mark.e2e
 
-
-def _wait(cond, what: str, timeout: float = 15.0) -> None:
-    deadline = time.time() + timeout
-    while not cond():
-        assert time.time() < deadline, what
-        time.sleep(0.02)
 
 
 def test_worker_with_other_weights_is_refused(etcd_server, tiny_model, caplog):
@@ -33,11 +26,11 @@ def test_worker_with_other_weights_is_refused(etcd_server, tiny_model, caplog):
         c.wait_roles(router, 0, 1)
         c.loaded = other  # the next worker serves "tandem-tiny" with seed-1 weights
         bad = c.start("decode")
-        _wait(lambda: bad.runtime.instance_id in router.workers.instance_ids(), "second worker not in discovery")
+        wait_until(lambda: bad.runtime.instance_id in router.workers.instance_ids(), "second worker not in discovery")
         assert [i.instance_id for i in router.workers.candidates(discovery_pb2.ROLE_DECODE)] == [good.runtime.instance_id]
         # The router's own loop may have met the record first: it logs the refusal once, from
         # its thread, so wait for the line instead of reading the records at once.
-        _wait(lambda: any("refusing worker " + bad.runtime.instance_id in r.getMessage()
+        wait_until(lambda: any("refusing worker " + bad.runtime.instance_id in r.getMessage()
                           and "weights fingerprint" in r.getMessage() for r in caplog.records),
               "no 'refusing worker' warning for the worker with other weights")
         assert router.workers.hash_seed == good.runtime.pool.hash_seed != bad.runtime.pool.hash_seed
@@ -70,7 +63,7 @@ def test_router_with_only_mismatched_decode_workers_says_so(etcd_server, tiny_mo
         c.wait_roles(router, 1, 0)
         c.loaded = load_model(TINY, seed=1)
         bad = c.start("decode")
-        _wait(lambda: bad.runtime.instance_id in router.workers.instance_ids(), "decode worker not in discovery")
+        wait_until(lambda: bad.runtime.instance_id in router.workers.instance_ids(), "decode worker not in discovery")
         ch = grpc.insecure_channel(router.address)
         stub = frontend_pb2_grpc.FrontendServiceStub(ch)
         req = frontend_pb2.GenerateRequest(token_ids=[1, 2, 3], sampling=sampling_pb2.SamplingParams(max_tokens=2))
