@@ -131,8 +131,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="", help="JSON results; the markdown table is written beside it")
     args = ap.parse_args(argv)
     trace = Path(args.trace)
-    if args.jobs < 1:
-        ap.error(f"--jobs must be >= 1, got {args.jobs}")
+    if args.jobs < 1 or args.dynamo_repeats < 1:
+        ap.error(f"--jobs and --dynamo-repeats must be >= 1, got {args.jobs} and {args.dynamo_repeats}")
+    try:
+        if not all(float(x) > 0 for x in args.dynamo_scales.split(",")):
+            raise ValueError
+    except ValueError:
+        ap.error(f"--dynamo-scales must be positive numbers separated by commas, got {args.dynamo_scales!r}")
     if not args.dynamo_python and trace.name != "conversation_trace.jsonl":
         ap.error("the recorded Dynamo figures are for the Mooncake conversation trace: give --dynamo-python to "
                  f"measure Dynamo on {trace}")

@@ -158,7 +158,8 @@ class MockEngine:
         reports to routers (KvEventService.WatchLoad)."""
         requests = len(self.waiting) + len(self.prefilling) + len(self.running) + len(self.await_kv)
         held = self.pool.config.num_blocks - self.pool.blocks.num_free
-        queued = sum(len(r.token_ids) - r.computed for q in (self.waiting, self.prefilling) for r in q)
+        queued = sum(len(r.token_ids) - r.computed for q in (self.waiting, self.prefilling) for r in q
+                     if r.kind is not Kind.REMOTE_KV)  # a prefill worker computes those
         return requests, held, queued
 
     # -- the iteration --------------------------------------------------------------------------

@@ -13,7 +13,7 @@ decode step share the worker's iterations), so that factor cancels.
 
 Workers announce p and d in discovery (Instance.prefill_seconds_per_token and
 decode_seconds_per_kv_token; the mocker from its timing model); each candidate gives its own W
-and the router uses their lower median. What a worker does not announce, the defaults of
+and the router uses their median. What a worker does not announce, the defaults of
 mocker/timing.py TimingModel stand in for (the order of one H200 serving a
 DeepSeek-V3-shaped model: p = 50 µs, d = 9 ns, so W ≈ 5,556 / L: 21.7 at L = 256, 16.2 at the
 Mooncake conversation trace's L = 343). W is clipped to [MIN_WEIGHT, MAX_WEIGHT].
@@ -33,8 +33,12 @@ DEFAULT_DECODE_S_PER_REQUEST = 1.0e-4  # mocker/timing.py TimingModel.decode_per
 MIN_WEIGHT, MAX_WEIGHT = 1.0, 1024.0
 
 
+MIN_ANNOUNCED_S, MAX_ANNOUNCED_S = 1e-15, 1.0  # outside: not a timing of a decode step or a prompt token
+MAX_REQUEST_BLOCKS = 1e6
+
+
 def _announced(value: float, default: float) -> float:
-    return value if math.isfinite(value) and value > 0 else default
+    return value if math.isfinite(value) and MIN_ANNOUNCED_S <= value <= MAX_ANNOUNCED_S else default
 
 
 def derived_weight(instances: Iterable[discovery_pb2.Instance], mean_output_tokens: float) -> float:
@@ -44,7 +48,7 @@ def derived_weight(instances: Iterable[discovery_pb2.Instance], mean_output_toke
     ws = [prefill_weight(_announced(i.prefill_seconds_per_token, DEFAULT_PREFILL_S_PER_TOKEN),
                          _announced(i.decode_seconds_per_kv_token, DEFAULT_DECODE_S_PER_KV_TOKEN), mean_output_tokens)
           for i in instances]
-    return statistics.median_low(ws) if ws else prefill_weight(
+    return statistics.median(ws) if ws else prefill_weight(
         DEFAULT_PREFILL_S_PER_TOKEN, DEFAULT_DECODE_S_PER_KV_TOKEN, mean_output_tokens)
 
 
@@ -56,7 +60,9 @@ def prefill_weight(p: float, d: float, mean_output_tokens: float) -> float:
 def request_blocks(instances: Iterable[discovery_pb2.Instance], block_size: int) -> float:
     """R: one more request in a decode batch, in active blocks: each decode step takes r seconds
     more per request (decode_seconds_per_request) and bs · d more per block, so R = r / (bs · d)
-    (the lower median over the instances' own announcements; defaults where absent)."""
-    rs = [_announced(i.decode_seconds_per_request, DEFAULT_DECODE_S_PER_REQUEST)
-          / (block_size * _announced(i.decode_seconds_per_kv_token, DEFAULT_DECODE_S_PER_KV_TOKEN)) for i in instances]
-    return statistics.median_low(rs) if rs else DEFAULT_DECODE_S_PER_REQUEST / (block_size * DEFAULT_DECODE_S_PER_KV_TOKEN)
+    (the median over the instances' own announcements, clipped to MAX_REQUEST_BLOCKS; defaults
+    where absent)."""
+    rs = [min(MAX_REQUEST_BLOCKS, _announced(i.decode_seconds_per_request, DEFAULT_DECODE_S_PER_REQUEST)
+              / (block_size * _announced(i.decode_seconds_per_kv_token, DEFAULT_DECODE_S_PER_KV_TOKEN)))
+          for i in instances]
+    return statistics.median(rs) if rs else DEFAULT_DECODE_S_PER_REQUEST / (block_size * DEFAULT_DECODE_S_PER_KV_TOKEN)

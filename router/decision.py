@@ -31,13 +31,16 @@ class RouteDecision:
     prefill_weight: float = 0.0  # kv/approx: the weight the costs used (router/cost_weight.py)
     queue_share: float = 0.0  # kv/approx decode: 1 / (1 + b), the weight of queued prefill (router/policy.py)
     request_blocks: float = 0.0  # kv/approx decode: R, one request's cost in active blocks
+    prefill_queue_share: float = 0.0  # kv/approx: the prefill workers' 1 / (1 + b)
 
     def explain(self) -> str:
         """A human-readable table of the candidates and the choice."""
         lines = [f"mode={self.mode} prompt={self.prompt_tokens} tokens ({self.prompt_blocks} full blocks) "
                  f"decided in {self.seconds * 1e6:.0f} us"
                  + (f" prefill_weight={self.prefill_weight:.3g} queue_share={self.queue_share:.3g}"
-                    f" request_blocks={self.request_blocks:.3g}" if self.prefill_weight else "")]
+                    f" request_blocks={self.request_blocks:.3g}"
+                    + (f" prefill_queue_share={self.prefill_queue_share:.3g}" if self.prefill else "")
+                    if self.prefill_weight else "")]
         lines.append(f"{'role':8} {'instance':28} {'overlap':>8} {'queued':>8} {'load':>8} {'shared':>7} {'cost':>9}  chosen")
         chosen = {self.decode.instance_id} | ({self.prefill.instance_id} if self.prefill else set())
         for c in sorted(self.candidates, key=lambda c: (c.role, c.cost)):

@@ -19,8 +19,9 @@ With load reported by the workers (KvEventService.WatchLoad, router/load_watcher
 placement reads a worker's requests, active blocks and queued prefill tokens as its last
 report plus every change this router made there since that report (requests it placed, and
 those that finished or got their first token since, which the report still counts) —
-`requests`, `active`, `queued_tokens` — so several routers place on one view, and a worker that
-just finished this router's request does not look busy until its next report. A worker that
+`requests`, `active`, `queued_tokens`, never below this router's own counts — so several routers
+place on one view, a worker that just finished this router's request does not look busy until
+its next report, and a report built before this router's newest call arrived does not hide it. A worker that
 reports nothing is scored on this router's own counts.
 """
 
@@ -82,8 +83,11 @@ class LoadTracker:
             since[2] += tokens
 
     def _view(self, worker: str, i: int, own: dict[str, int]) -> float:
+        # Never below this router's own count: a report the worker built before this router's
+        # newest call reached it does not hold that call, and the reset would hide it.
+        mine = own.get(worker, 0)
         r = self.reported.get(worker)
-        return float(max(0, r[i] + self._since[worker][i])) if r is not None else float(own.get(worker, 0))
+        return float(max(mine, r[i] + self._since[worker][i])) if r is not None else float(mine)
 
     def requests(self, worker: str) -> float:
         return self._view(worker, 0, self.in_flight)

@@ -117,5 +117,6 @@ class Placement:
             prefill = self.prefill_policy.pick(p_scored)
             scored += p_scored
         decision = RouteDecision(self.opts.mode, len(tokens), blocks, decode, prefill, reason, tuple(scored),
-                                 time.perf_counter() - start, weight, queue_share, request_blocks)
+                                 time.perf_counter() - start, weight, queue_share, request_blocks,
+                                 self.prefill_policy.queue_share if prefill else 0.0)
         return decision, hashes

@@ -75,6 +75,8 @@ class Policy:
         """Lowest cost; ties rotate so equal workers share the load."""
         best = min(c.cost for c in scored)
         tied = sorted((c for c in scored if c.cost == best), key=lambda c: c.instance_id)
+        if not tied:  # a NaN cost (it compares false with everything): rotate over all, never fail
+            tied = sorted(scored, key=lambda c: c.instance_id)
         return tied[next(self._tick) % len(tied)]
 
 
@@ -108,7 +110,7 @@ class KvPolicy(Policy):
                 active = load.active(wid)
                 adds = blocks - inflight + output_blocks
                 room = (capacity or {}).get(wid, 0)
-                overflow = max(0.0, active + adds - room) if room else 0.0
+                overflow = max(0.0, active + adds - room) if room > 0 else 0.0
                 cost = (prefill_cost + active + request_blocks * load.requests(wid) + (blocks - inflight)
                         + weight * overflow)
                 out.append(Candidate(wid, inst.address, "decode", overlap, active, cost, queued, inflight))

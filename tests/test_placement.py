@@ -225,15 +225,16 @@ def test_reported_load_plus_what_this_router_placed_since():
     assert load.queued_tokens("d0") == 100 - 4 * BS + BS
     load.finish(mine)  # so does a finish: a worker that just served this router's request is not busy
     assert (load.requests("d0"), load.active("d0")) == (3, 38)
-    load.report("d0", 1, 2, 0)
-    assert (load.requests("d0"), load.active("d0"), load.queued_tokens("d0")) == (1, 2, 0)
+    load.report("d0", 1, 2, 0)  # it says nothing queued: this router's own queued request is the floor
+    assert (load.requests("d0"), load.active("d0"), load.queued_tokens("d0")) == (1, 2, BS)
     load.forget("d0")  # stopped reporting: own counts again
     assert (load.requests("d0"), load.active("d0"), load.queued_tokens("d0")) == (1, 2, BS)
-    load.report("d0", 0, 0, 0)
-    other = load.start("d1", None, BS, 0)
-    load.finish(other)
-    load.finish(load.start("d0", None, BS, 0))
-    assert load.requests("d0") == 0  # never below zero
+    fresh = LoadTracker(BS)
+    early = fresh.start("d0", None, BS, 0)
+    fresh.report("d0", 0, 0, 0)  # built before the request reached the worker
+    assert fresh.requests("d0") == 1  # not hidden: this router's own count is the floor
+    fresh.finish(early)
+    assert fresh.requests("d0") == 0 and fresh.active("d0") == 0  # and never below zero
 
 
 def test_disaggregated_requests_sharing_a_prefix_spread_over_decode_workers():
@@ -267,10 +268,14 @@ def test_derived_weight_ignores_a_minority_of_odd_announcements():
 
     good = [inst(f"d{i}", discovery_pb2.ROLE_DECODE, prefill_seconds_per_token=4e-5,
                  decode_seconds_per_kv_token=1e-8) for i in range(2)]
-    odd = [inst("dx", discovery_pb2.ROLE_DECODE, prefill_seconds_per_token=float("inf"), decode_seconds_per_kv_token=9e-9),
-           inst("dy", discovery_pb2.ROLE_DECODE, prefill_seconds_per_token=1e3, decode_seconds_per_kv_token=1e-8)]
-    w = cost_weight.derived_weight(good + odd, 256)
+    odd = [inst("dx", discovery_pb2.ROLE_DECODE, prefill_seconds_per_token=0.5, decode_seconds_per_kv_token=1e-8),
+           inst("dy", discovery_pb2.ROLE_DECODE, prefill_seconds_per_token=1e-14, decode_seconds_per_kv_token=1e-8)]
+    w = cost_weight.derived_weight(good + odd, 256)  # one clipped high, one clipped low: the median holds
     assert w == pytest.approx(4e-5 / (1e-8 * 256))
+    tiny = inst("dt", discovery_pb2.ROLE_DECODE, decode_seconds_per_kv_token=1e-320, decode_seconds_per_request=1e308)
+    assert cost_weight.request_blocks([tiny], BS) == pytest.approx(1e-4 / (BS * 9e-9))  # not timings: defaults
+    p, _ = placement(n_prefill=0, n_decode=0, extra=[tiny, inst("d9", discovery_pb2.ROLE_DECODE)])
+    assert p.route(doc(64))[0].decode.instance_id in ("dt", "d9")  # routes, whatever was announced
     nan = inst("dz", discovery_pb2.ROLE_DECODE, prefill_seconds_per_token=float("nan"))
     assert cost_weight.derived_weight([nan], 256) == pytest.approx(
         cost_weight.DEFAULT_PREFILL_S_PER_TOKEN / (cost_weight.DEFAULT_DECODE_S_PER_KV_TOKEN * 256))
