@@ -225,9 +225,8 @@ def replay(reqs: list[BenchRequest], cfg: SimConfig) -> SimResult:
             res.end_s = t
             tracks[sim.request_id] = _Track(r, sim, None, res)
             continue
-        uncached = len(tokens) - decision.decode.overlap_blocks * cfg.block_size
-        tracks[sim.request_id] = _Track(r, sim, load.start(wid, None, len(tokens), uncached, hashes,
-                                                           local_prefill=True), res, load)
+        tracks[sim.request_id] = _Track(r, sim, load.start(wid, None, len(tokens), decision.uncached_tokens(cfg.block_size),
+                                                           hashes, local_prefill=True), res, load)
     for wid in engines:
         advance(wid, math.inf)
     results = [tracks[str(r.index)].result for r in reqs]

@@ -31,8 +31,6 @@ DEFAULT_PREFILL_S_PER_TOKEN = 5.0e-5  # mocker/timing.py TimingModel.prefill_per
 DEFAULT_DECODE_S_PER_KV_TOKEN = 9.0e-9  # mocker/timing.py TimingModel.decode_per_kv_token
 DEFAULT_DECODE_S_PER_REQUEST = 1.0e-4  # mocker/timing.py TimingModel.decode_per_request
 MIN_WEIGHT, MAX_WEIGHT = 1.0, 1024.0
-
-
 MIN_ANNOUNCED_S, MAX_ANNOUNCED_S = 1e-15, 1.0  # outside: not a timing of a decode step or a prompt token
 MAX_REQUEST_BLOCKS = 1e6
 
@@ -43,8 +41,9 @@ def _announced(value: float, default: float) -> float:
 
 def derived_weight(instances: Iterable[discovery_pb2.Instance], mean_output_tokens: float) -> float:
     """W for these candidates: each instance's own p / (d · L) (what it does not announce, or
-    announces as 0, negative, NaN or infinite, taken from the defaults), clipped, then the lower
-    median over the instances, so that a minority announcing odd timings cannot move it."""
+    announces outside [MIN_ANNOUNCED_S, MAX_ANNOUNCED_S], taken from the defaults), clipped,
+    then their median, so that fewer than half announcing odd timings cannot move it past the
+    others' range."""
     ws = [prefill_weight(_announced(i.prefill_seconds_per_token, DEFAULT_PREFILL_S_PER_TOKEN),
                          _announced(i.decode_seconds_per_kv_token, DEFAULT_DECODE_S_PER_KV_TOKEN), mean_output_tokens)
           for i in instances]

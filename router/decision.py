@@ -33,6 +33,11 @@ class RouteDecision:
     request_blocks: float = 0.0  # kv/approx decode: R, one request's cost in active blocks
     prefill_queue_share: float = 0.0  # kv/approx: the prefill workers' 1 / (1 + b)
 
+    def uncached_tokens(self, block_size: int) -> int:
+        """Prompt tokens the prefilling worker (the prefill worker, else the decode worker) is
+        expected to compute: those past its overlap (held or in flight there)."""
+        return self.prompt_tokens - (self.prefill or self.decode).overlap_blocks * block_size
+
     def explain(self) -> str:
         """A human-readable table of the candidates and the choice."""
         lines = [f"mode={self.mode} prompt={self.prompt_tokens} tokens ({self.prompt_blocks} full blocks) "

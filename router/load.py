@@ -1,6 +1,6 @@
 """The router's own account of the load it has placed on each worker.
 
-Every replica counts only what it routed itself (replicas do not coordinate; docs/routing.md):
+What this router placed on each worker (docs/routing.md):
 - in-flight requests per worker;
 - active decode blocks per decode worker, de-duplicated: a full prompt block shared by several
   in-flight requests on one worker (a system prompt, a conversation's history) counts once, as
@@ -54,7 +54,9 @@ class LoadTracker:
         self.in_flight: defaultdict[str, int] = defaultdict(int)
         self.active_blocks: defaultdict[str, int] = defaultdict(int)  # decode workers, de-duplicated
         self.prefill_tokens: defaultdict[str, int] = defaultdict(int)  # queued on the worker that prefills
-        self._refs: defaultdict[str, dict[int, int]] = defaultdict(dict)  # decode worker -> hash -> requests
+        # worker -> prompt block hash -> in-flight requests with it (decode workers: until they
+        # finish; prefill workers: until their first token)
+        self._refs: defaultdict[str, dict[int, int]] = defaultdict(dict)
         self.mean_output_tokens = OUTPUT_PRIOR_TOKENS
         # worker -> [requests, active blocks, queued prefill tokens]: its last report, and the
         # changes this router made there since (starts, growth, first tokens and finishes).

@@ -100,13 +100,12 @@ class Placement:
         self.last_weight = weight
         request_blocks = cost_weight.request_blocks(decodes, bs) if uses_overlap else 0.0
         scored = self.decode_policy.score(discovery_pb2.ROLE_DECODE, decodes, overlaps, blocks, self.load, hashes,
-                                          weight, prefills_here=not prefills, request_blocks=request_blocks,
-                                          capacity={d.instance_id: d.kv_capacity_blocks for d in decodes})
+                                          weight, prefills_here=not prefills, request_blocks=request_blocks)
         decode = self.decode_policy.pick(scored)
         queue_share = self.decode_policy.queue_share
         prefill, reason = None, ""
         # What the decode worker holds now (a prefix still in flight there is not in its pool yet).
-        uncached = len(tokens) - min(decode.overlap_blocks, overlaps.get(decode.instance_id, 0)) * bs
+        uncached = len(tokens) - overlaps.get(decode.instance_id, 0) * bs
         if not prefills:
             reason = "no prefill worker"
         elif uncached < self.opts.local_prefill_threshold:

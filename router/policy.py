@@ -57,12 +57,11 @@ class Policy:
 
     def score(self, role: int, candidates: Sequence[discovery_pb2.Instance], overlaps: Mapping[str, int],
               blocks: int, load: LoadTracker, hashes: Sequence[int] = (), weight: float = 1.0,
-              prefills_here: bool = True, request_blocks: float = 0.0,
-              capacity: Mapping[str, int] | None = None) -> list[Candidate]:
+              prefills_here: bool = True, request_blocks: float = 0.0) -> list[Candidate]:
         """One Candidate per instance. The rest is for the kv/approx cost: `hashes` (the prompt's
         block hashes), `weight` (W), `prefills_here` (decode: no prefill worker exists, so the
-        decode worker computes what it lacks), `request_blocks` (R) and `capacity` (decode
-        instance id -> kv_capacity_blocks; 0 = unknown)."""
+        decode worker computes what it lacks) and `request_blocks` (R); a decode instance's
+        kv_capacity_blocks (0 = unknown) bounds the blocks it has room for."""
         out = []
         for inst in candidates:
             w = self.load_of(role, inst, load)
@@ -89,8 +88,7 @@ class KvPolicy(Policy):
 
     def score(self, role: int, candidates: Sequence[discovery_pb2.Instance], overlaps: Mapping[str, int],
               blocks: int, load: LoadTracker, hashes: Sequence[int] = (), weight: float = 1.0,
-              prefills_here: bool = True, request_blocks: float = 0.0,
-              capacity: Mapping[str, int] | None = None) -> list[Candidate]:
+              prefills_here: bool = True, request_blocks: float = 0.0) -> list[Candidate]:
         out = []
         output_blocks = load.mean_output_tokens / load.block_size  # what this request will add as it decodes
         decode = role == discovery_pb2.ROLE_DECODE
@@ -109,7 +107,7 @@ class KvPolicy(Policy):
             if decode:
                 active = load.active(wid)
                 adds = blocks - inflight + output_blocks
-                room = (capacity or {}).get(wid, 0)
+                room = inst.kv_capacity_blocks
                 overflow = max(0.0, active + adds - room) if room > 0 else 0.0
                 cost = (prefill_cost + active + request_blocks * load.requests(wid) + (blocks - inflight)
                         + weight * overflow)

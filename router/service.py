@@ -279,9 +279,9 @@ class FrontendServicer(pb_grpc.FrontendServiceServicer):
                     self.on_routed(decision, hashes)
                 prefill = decision.prefill
                 prompt_now = tokens + generated
-                uncached = len(prompt_now) - (prefill or decision.decode).overlap_blocks * self.workers.block_size
                 load = self.load.start(decision.decode.instance_id, prefill.instance_id if prefill else None,
-                                       len(prompt_now), uncached, hashes, local_prefill=prefill is None)
+                                       len(prompt_now), decision.uncached_tokens(self.workers.block_size), hashes,
+                                       local_prefill=prefill is None)
                 sampling = sampling_to_proto(replace(params, max_tokens=params.max_tokens - len(generated)))
                 worker = decision.decode.instance_id
                 try:
