@@ -248,11 +248,12 @@ def route(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor,
     t, e, g = x.shape[0], c.n_routed_experts, c.n_group
     scores = F.linear(x.float(), gate_weight.float()).sigmoid()  # [T, E]
     choice = scores + bias.float()[None, :]  # [T, E]
-    group_scores = choice.view(t, g, e // g).topk(2, dim=-1).values.sum(-1)  # [T, G]
-    group_idx = group_scores.topk(c.topk_group, dim=-1, sorted=False).indices  # [T, topk_group]
-    group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, group_idx, True)
-    expert_mask = group_mask[:, :, None].expand(t, g, e // g).reshape(t, e)  # [T, E]
-    choice = choice.masked_fill(~expert_mask, float("-inf"))
+    if c.topk_group < g:  # keeping every group masks nothing (M's n_group 1): two top-ks fewer
+        group_scores = choice.view(t, g, e // g).topk(2, dim=-1).values.sum(-1)  # [T, G]
+        group_idx = group_scores.topk(c.topk_group, dim=-1, sorted=False).indices  # [T, topk_group]
+        group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, group_idx, True)
+        expert_mask = group_mask[:, :, None].expand(t, g, e // g).reshape(t, e)  # [T, E]
+        choice = choice.masked_fill(~expert_mask, float("-inf"))
     ids = choice.topk(c.num_experts_per_tok, dim=-1, sorted=False).indices  # [T, k]
     weights = scores.gather(1, ids)  # [T, k]
     if c.norm_topk_prob:
@@ -288,7 +289,7 @@ class MoE(nn.Module):
             MLP(c.hidden_size, c.moe_intermediate_size) for _ in range(c.n_routed_experts))
         self.shared_experts = (MLP(c.hidden_size, c.moe_intermediate_size * c.n_shared_experts)
                                if c.n_shared_experts > 0 else None)
-        # the grouped-GEMM form of the routed experts (engine/kernels/grouped_experts.py), set by
+        # the stacked form of the routed experts (engine/kernels/grouped_experts.py: Triton fused MoE), set by
         # use_grouped_experts on GPU workers; None runs the per-expert loop below (the reference)
         self.grouped = None
 

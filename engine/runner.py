@@ -4,7 +4,8 @@ One runner, two modes, chosen once at construction (the log line says which):
 - CPU (the exactness contract): every forward is the plain model path (per-sequence attention
   over the expanded latents, the per-expert MoE loop), so greedy tokens equal
   `reference_generate` in float32.
-- CUDA with bf16/fp16 weights: the MoE layers run grouped GEMMs (engine/kernels/grouped_experts.py), a decode step is
+- CUDA with bf16/fp16 weights: the MoE layers run Triton fused MoE kernels
+  (engine/kernels/fused_moe.py), a decode step is
   one batched forward with paged MLA decode attention on the latent pool
   (engine/decode_batch.py, engine/kernels/mla_decode.py), replayed from a CUDA graph when the
   runner captured them (engine/graph_runner.py; off with --disable-cuda-graph). An MTP step
@@ -95,7 +96,7 @@ class ModelRunner:
             n = use_grouped_experts(model)
             use_fused_hot_path()
             log.info("model runner on %s: batched decode with paged MLA decode attention (triton), "
-                     "grouped-GEMM experts in %d MoE layers", self.device, n)
+                     "fused MoE experts (triton) in %d MoE layers", self.device, n)
 
     def capture_graphs(self, max_batch: int, max_context: int, sizes: list[int] | None = None,
                        spec_k: int = 0) -> None:

@@ -1,10 +1,12 @@
 """The GPU decode path's parts against their references.
 
 CPU (float32): the absorbed decode step (`AbsorbedDecodeKv` with the reference attention) and
-the grouped-GEMM experts against the plain model path; the batched sampler's properties.
+the fused experts' torch twin against the plain model path; the pair alignment's properties;
+the batched sampler's properties.
 CUDA (skipped without; run on the lent H200): the Triton MLA decode kernel against
-`mla_decode_reference` over shapes, splits and FP8; grouped experts in bf16; the captured graph
-against the eager fast step; sampling on the GPU against the CPU for the same logits.
+`mla_decode_reference` over shapes, splits and FP8; the Triton pair alignment against its torch
+twin; the fused MoE kernels in bf16 against the loop; the captured graph against the eager fast
+step; sampling on the GPU against the CPU for the same logits.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import torch
 
 from common.sampling_params import SamplingParams
 from engine.decode_batch import AbsorbedDecodeKv
+from engine.kernels.fused_moe import align, block_m_for
 from engine.kernels.grouped_experts import use_grouped_experts
 from engine.kernels.mla_decode import mla_decode_reference
 from engine.kv_pool import FP8, KvPool, KvPoolConfig, PagedKvCache
@@ -68,6 +71,41 @@ def test_grouped_experts_match_loop(tiny_model, tokens: int) -> None:
     got = moe.experts_forward(x, ids, w)
     torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
     assert moe.experts[0].gate_proj.weight.data_ptr() == moe.grouped.gate_up.data_ptr()  # views, no copy
+
+
+def _skewed_ids(pairs: int, experts: int, seed: int, device: str = "cpu") -> torch.Tensor:
+    g = torch.Generator(device=device).manual_seed(seed)
+    ids = torch.randint(0, experts, (pairs,), generator=g, device=device)
+    ids[: pairs // 3] = experts // 2  # one expert takes a third of the pairs
+    return ids
+
+
+@pytest.mark.parametrize("pairs,experts,block_m", [(1, 64, 16), (6, 64, 16), (5, 4, 16), (384, 64, 16),
+                                                    (1536, 64, 32), (12288, 64, 128), (1000, 256, 64)])
+def test_align_groups_every_pair_once_by_expert(pairs: int, experts: int, block_m: int) -> None:
+    ids = _skewed_ids(pairs, experts, pairs)
+    rows, block_expert = align(ids, experts, block_m)
+    nb = block_expert.numel()
+    assert rows.numel() == nb * block_m and nb == -(-(pairs + min(experts, pairs) * (block_m - 1)) // block_m)
+    real = rows[rows < pairs]
+    assert sorted(real.tolist()) == list(range(pairs))  # every pair exactly once, padding = pairs
+    used = block_expert < experts
+    assert bool((block_expert[used][1:] >= block_expert[used][:-1]).all())  # expert order
+    assert not used[used.sum():].any()  # the blocks past the last used one, and only those, are E
+    for b in range(nb):
+        r = rows[b * block_m:(b + 1) * block_m]
+        r = r[r < pairs]
+        if used[b]:
+            assert r.numel() and bool((ids[r.long()] == block_expert[b]).all())
+            assert bool((r[1:] > r[:-1]).all())  # one expert's pairs in their own order
+        else:
+            assert r.numel() == 0
+    counts = torch.bincount(ids, minlength=experts)
+    assert int(used.sum()) == int(((counts + block_m - 1) // block_m).sum())  # no block wasted
+
+
+def test_block_m_grows_with_the_rows_per_expert() -> None:
+    assert [block_m_for(p, 64) for p in (1, 384, 1024, 2048, 6144, 12288)] == [16, 16, 16, 32, 64, 128]
 
 
 def test_sample_batch_rows_do_not_depend_on_the_batch() -> None:
@@ -135,14 +173,27 @@ def test_grouped_experts_bf16_match_loop_on_cuda() -> None:
                             topk_group=1, hidden_size=256, moe_intermediate_size=128)
     model = build_model(c, seed=2, dtype=torch.bfloat16, device="cuda")
     moe = next(m for m in model.modules() if isinstance(m, MoE))
-    for t in (1, 64, 2048):
+    for t in (1, 7, 64, 300, 2048):
         x = torch.randn(t, c.hidden_size, device="cuda", dtype=torch.bfloat16)
         ids, w = moe.gate(x)
+        if t == 300:  # skewed: a third of the pairs on one expert (bigger blocks, many empty experts)
+            ids = _skewed_ids(t * 6, 64, t, "cuda").view(t, 6)
         moe.grouped = None
         want = moe.experts_forward(x, ids, w).float()
         use_grouped_experts(model)
         got = moe.experts_forward(x, ids, w).float()
-        assert (got - want).norm() / want.norm() < 1e-2
+        assert (got - want).norm() / want.norm() < 1e-2, t
+
+
+@cuda
+@pytest.mark.parametrize("experts", [4, 64, 256])
+def test_align_kernel_equals_torch_align(experts: int) -> None:
+    from engine.kernels.fused_moe import align_triton
+    for pairs in (1, 5, 6, 48, 384, 1000, 1536, 12288, 49152):
+        for block_m in (16, 32, 64, 128):
+            ids = _skewed_ids(pairs, experts, pairs + block_m, "cuda")
+            want, got = align(ids, experts, block_m), align_triton(ids, experts, block_m)
+            assert torch.equal(want[0], got[0]) and torch.equal(want[1], got[1]), (pairs, block_m)
 
 
 @cuda

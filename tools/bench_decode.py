@@ -13,7 +13,7 @@ Parts, each written to OUT (JSON) and OUT with .md (tables):
    both). For batch B and context C the KV pool is filled with random latents (decode speed
    does not depend on their values, and it spares a B × C-token prefill), then greedy decode
    steps run through the worker's own step, `ModelRunner.decode_step` (host plan, the CUDA
-   graph of engine/graph_runner.py with the Triton paged MLA decode kernel and grouped-GEMM
+   graph of engine/graph_runner.py with the Triton paged MLA decode kernel and fused MoE
    experts, device sampling). tokens/s = B × steps / seconds.
    The plain engine path (per-sequence attention, per-expert loop) is timed at C = 1K too.
 2. transformers: `generate` on the same weights with a real C-token prompt; decode tokens/s =

@@ -277,7 +277,7 @@ def exactness(model: torch.nn.Module, cfg: ModelConfig, device: torch.device, pr
     grouped = {m: m.grouped for m in model.modules() if isinstance(m, MoE)}
     fused = dict(vars(HOT))
     for mode in ("plain", "fast"):
-        for m, gr in grouped.items():  # plain: the per-expert loop; fast: the grouped GEMMs
+        for m, gr in grouped.items():  # plain: the per-expert loop; fast: the fused MoE kernels
             m.grouped = None if mode == "plain" else gr
         if mode == "plain":
             HOT.reset()  # plain: the uncompiled functions too

@@ -3,6 +3,8 @@ computes (tests compare the two over shapes):
 
 - `mla_decode.py`: paged MLA decode attention over the compressed latent pool (Triton, split-KV
   flash-decoding; reference: `mla_decode_reference`).
-- `grouped_experts.py`: a MoE layer's routed experts as grouped GEMMs over the step's tokens
-  sorted by expert (`torch.nn.functional.grouped_mm`; reference: `MoE.experts_forward`'s loop).
+- `fused_moe.py`: a MoE layer's routed experts as two Triton GEMMs over the step's (token,
+  expert) pairs aligned by expert in one Triton program (reference: `MoE.experts_forward`'s
+  loop; torch twins `align` and `fused_experts_reference`); `grouped_experts.py` stacks each
+  layer's expert weights for it.
 """

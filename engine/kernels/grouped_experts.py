@@ -1,20 +1,24 @@
-"""A MoE layer's routed experts as two grouped GEMMs (DESIGN.md section 12, "Grouped GEMM").
+"""A MoE layer's routed experts with their weights stacked per expert (DESIGN.md section 12).
 
-The step's (token, expert) pairs are sorted by expert on the device; each expert's rows form
-one group of `torch.nn.functional.grouped_mm`, which reads each touched expert's weights once
-(a dense all-experts product would read all E and do E/k times the work). No host sync: group
-offsets come from a scatter-add count, so the whole layer can be captured in a CUDA graph.
-The sum over a token's k experts runs in a fixed order (un-permute, then sum over k), so the
-result does not depend on thread scheduling (no atomics).
+`GroupedExperts` holds one layer's experts as two stacked tensors (the experts' own nn.Linear
+weights become views of them: no second copy) and runs the routed experts of a step through
+the Triton fused MoE kernels on CUDA (engine/kernels/fused_moe.py: the (token, expert) pairs
+sorted by expert on the device, each touched expert's weights read once, no host sync, so the
+layer can be captured in a CUDA graph). The sum over a token's k experts runs in a fixed order,
+so a row's result does not depend on the other rows of the step.
 
-Reference: `engine.model.MoE.experts_forward` (a Python loop over experts); the two agree up to
-float summation order (tests/test_decode_kernels.py).
+Off CUDA (tests of the fast mode's host code on a CPU; serving never runs the fast mode there)
+the same computation runs in torch (`fused_moe.fused_experts_reference`).
+
+Reference: `engine.model.MoE.experts_forward`'s loop over experts (tests/test_decode_kernels.py
+and tests/test_decode_edge_cases.py compare the two).
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
+
+from engine.kernels.fused_moe import fused_experts, fused_experts_reference
 
 
 class GroupedExperts:
@@ -47,22 +51,9 @@ class GroupedExperts:
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x [T, hidden], ids [T, k] int64 expert ids, weights [T, k] float32 -> [T, hidden]
         (x's dtype; the weighted sum over k accumulates in float32, as the reference)."""
-        t, k = ids.shape
-        if t == 0:  # (a shape known on the host: no sync) the reference loop's empty result
-            return torch.zeros_like(x)
-        flat = ids.reshape(-1)  # [T * k]
-        order = torch.argsort(flat, stable=True)  # pairs grouped by expert
-        counts = torch.zeros(self.num_experts, dtype=torch.int32, device=x.device)
-        counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
-        offs = torch.cumsum(counts, 0, dtype=torch.int32)  # [E] end row of each expert's group
-        xs = x[order // k]  # [T * k, hidden] rows sorted by expert
-        gu = F.grouped_mm(xs, self.gate_up.transpose(1, 2), offs=offs)  # [T * k, 2I]
-        g, u = gu.split(self.intermediate, dim=-1)
-        y = F.grouped_mm(F.silu(g) * u, self.down.transpose(1, 2), offs=offs)  # [T * k, hidden]
-        unsorted = torch.empty_like(y)
-        unsorted[order] = y  # back to (token, slot) order
-        out = (unsorted.view(t, k, -1).float() * weights[:, :, None].float()).sum(1)
-        return out.to(x.dtype)
+        if x.is_cuda:
+            return fused_experts(x, ids, weights, self.gate_up, self.down)
+        return fused_experts_reference(x, ids, weights, self.gate_up, self.down)
 
 
 def use_grouped_experts(model: torch.nn.Module) -> int:

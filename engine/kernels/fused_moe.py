@@ -1,0 +1,257 @@
+"""A MoE layer's routed experts as two Triton GEMMs over (token, expert) pairs sorted by expert.
+
+The step's T × k (token, expert) pairs are grouped by expert on the device and each expert's
+group is padded to a multiple of BLOCK_M rows (`align`: sorted pair indices, padding marked by
+the value T × k, and the expert of each BLOCK_M-row block). One program computes a BLOCK_M ×
+BLOCK_N tile of one expert's output, reading that expert's weight tile once for all of the
+block's rows; a block past the last one used exits at once. So an expert no pair chose costs
+nothing, and a decode step of a few rows per expert reads each touched expert's weights once
+spread over many programs (the memory-bound regime of decode).
+
+- `gate_up`: for each pair, h = silu(x W_gate^T) * (x W_up^T), both projections in one program
+  (two accumulators over the same input tile), written at the pair's own row: [T × k, I].
+- `down`: y = h W_down^T scaled by the pair's routing weight, written at the pair's row in
+  float32: [T × k, hidden]; the caller sums over k in a fixed order (no atomics), so a row's
+  result does not depend on which other rows share the step (seeded sampling stays
+  reproducible across batches and migration).
+
+No host sync: the padded sizes are upper bounds known from the shapes, so the layer can be
+captured in a CUDA graph. The design is that of the fused MoE kernels of SGLang and vLLM
+(`fused_moe_kernel` with `moe_align_block_size`); the code is this project's own.
+
+Reference: `engine.model.MoE.experts_forward`'s loop over experts (tests/test_decode_kernels.py
+compares the two).
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:  # the GPU machine has triton; CPU-only installs need not
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - depends on the machine
+    triton = None
+
+
+def block_m_for(pairs: int, num_experts: int) -> int:
+    """BLOCK_M for `pairs` (token, expert) pairs over `num_experts`: the mean rows per expert
+    rounded up to 16, 32, 64 or 128 (fewer padded rows for decode, bigger tiles for prefill)."""
+    mean = pairs / max(1, num_experts)
+    return 16 if mean <= 16 else 32 if mean <= 32 else 64 if mean <= 96 else 128
+
+
+def align(flat_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pairs grouped by expert, each group padded to a multiple of block_m.
+
+    Args:
+        flat_ids: [P] int64 expert id of each pair (P = T × k, pair p = token p // k, slot p % k).
+        num_experts: E.
+        block_m: rows per block.
+    Returns:
+        rows [NB × block_m] int32: pair indices, each expert's group contiguous in expert order
+            (pairs of one expert in their own order), padding = P;
+        block_expert [NB] int32: the expert of each block, E for a block past the last used.
+        NB = ceil((P + min(E, P) × (block_m − 1)) / block_m), an upper bound known on the host.
+    """
+    p = flat_ids.numel()
+    dev = flat_ids.device
+    nb = -(-(p + min(num_experts, p) * (block_m - 1)) // block_m)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=dev)
+    counts.scatter_add_(0, flat_ids, torch.ones_like(flat_ids))
+    padded = (counts + block_m - 1) // block_m * block_m
+    pend = torch.cumsum(padded, 0)
+    cstart = torch.cumsum(counts, 0) - counts
+    order = torch.argsort(flat_ids, stable=True)  # pair indices sorted by expert
+    sorted_e = flat_ids[order]
+    dest = (pend - padded)[sorted_e] + torch.arange(p, device=dev) - cstart[sorted_e]
+    rows = torch.full((nb * block_m,), p, dtype=torch.int32, device=dev)
+    rows[dest] = order.to(torch.int32)
+    starts = torch.arange(nb, device=dev) * block_m
+    block_expert = torch.searchsorted(pend, starts, right=True).to(torch.int32)  # E past the end
+    return rows, block_expert
+
+
+if triton is not None:
+    @triton.jit
+    def _align_kernel(ids_ptr, rows_ptr, bexp_ptr, P, E, NB,
+                      BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr):
+        """`align` in one program: counts per expert, their padded prefix sums, each block's
+        expert, then every pair's slot = its expert's padded start + the pairs of that expert
+        before it (an exclusive cumsum of the one-hot [pairs, experts] tile, chunk by chunk)."""
+        offs_e = tl.arange(0, BLOCK_E)
+        counts = tl.zeros((BLOCK_E,), dtype=tl.int32)
+        for p0 in range(0, P, BLOCK_P):
+            offs_p = p0 + tl.arange(0, BLOCK_P)
+            e = tl.load(ids_ptr + offs_p, mask=offs_p < P, other=BLOCK_E).to(tl.int32)
+            counts += tl.sum((e[:, None] == offs_e[None, :]).to(tl.int32), axis=0)
+        padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+        pend = tl.cumsum(padded, axis=0)
+        pstart = pend - padded
+        for b0 in range(0, NB, BLOCK_P):  # block b's expert: the experts ending at or before it
+            offs_b = b0 + tl.arange(0, BLOCK_P)
+            ends = (pend[None, :] <= offs_b[:, None] * BLOCK_M) & (offs_e[None, :] < E)
+            tl.store(bexp_ptr + offs_b, tl.sum(ends.to(tl.int32), axis=1), mask=offs_b < NB)
+        for r0 in range(0, NB * BLOCK_M, BLOCK_P):
+            offs_r = r0 + tl.arange(0, BLOCK_P)
+            tl.store(rows_ptr + offs_r, tl.zeros((BLOCK_P,), dtype=tl.int32) + P, mask=offs_r < NB * BLOCK_M)
+        tl.debug_barrier()  # the padding is written before any pair's slot
+        seen = tl.zeros((BLOCK_E,), dtype=tl.int32)
+        for p0 in range(0, P, BLOCK_P):
+            offs_p = p0 + tl.arange(0, BLOCK_P)
+            valid = offs_p < P
+            e = tl.load(ids_ptr + offs_p, mask=valid, other=BLOCK_E).to(tl.int32)
+            onehot = (e[:, None] == offs_e[None, :]).to(tl.int32)  # [BLOCK_P, BLOCK_E]
+            before = tl.cumsum(onehot, axis=0) - onehot  # earlier pairs of the chunk, same expert
+            dest = tl.sum(onehot * (before + (pstart + seen)[None, :]), axis=1)
+            tl.store(rows_ptr + dest, offs_p, mask=valid)
+            seen += tl.sum(onehot, axis=0)
+
+    @triton.jit
+    def _gate_up_kernel(x_ptr, w_ptr, out_ptr, rows_ptr, bexp_ptr, P, E, K, I, TOP_K,
+                        stride_x, stride_we, stride_wn, stride_o,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        pid_m = tl.program_id(0)
+        pid_n = tl.program_id(1)
+        e = tl.load(bexp_ptr + pid_m)
+        if e >= E:
+            return
+        rows = tl.load(rows_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+        valid = rows < P
+        tok = rows // TOP_K
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_k = tl.arange(0, BLOCK_K)
+        nmask = offs_n < I
+        x_ptrs = x_ptr + tok[:, None].to(tl.int64) * stride_x + offs_k[None, :]
+        w_base = w_ptr + e.to(tl.int64) * stride_we + offs_k[:, None]
+        g_ptrs = w_base + offs_n[None, :] * stride_wn  # [BLOCK_K, BLOCK_N] of W_gate^T
+        u_ptrs = w_base + (offs_n[None, :] + I) * stride_wn  # W_up rows follow W_gate's
+        acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            kmask = offs_k < K - k0
+            a = tl.load(x_ptrs, mask=valid[:, None] & kmask[None, :], other=0.0)
+            wg = tl.load(g_ptrs, mask=kmask[:, None] & nmask[None, :], other=0.0)
+            wu = tl.load(u_ptrs, mask=kmask[:, None] & nmask[None, :], other=0.0)
+            acc_g = tl.dot(a, wg, acc_g)
+            acc_u = tl.dot(a, wu, acc_u)
+            x_ptrs += BLOCK_K
+            g_ptrs += BLOCK_K
+            u_ptrs += BLOCK_K
+        # the reference rounds each projection to the model dtype before silu(g) * u
+        g = acc_g.to(out_ptr.dtype.element_ty).to(tl.float32)
+        u = acc_u.to(out_ptr.dtype.element_ty).to(tl.float32)
+        h = (g / (1.0 + tl.exp(-g))).to(out_ptr.dtype.element_ty).to(tl.float32) * u
+        o_ptrs = out_ptr + rows[:, None].to(tl.int64) * stride_o + offs_n[None, :]
+        tl.store(o_ptrs, h.to(out_ptr.dtype.element_ty), mask=valid[:, None] & nmask[None, :])
+
+    @triton.jit
+    def _down_kernel(h_ptr, w_ptr, out_ptr, rows_ptr, bexp_ptr, scale_ptr, P, E, K, N,
+                     stride_h, stride_we, stride_wn, stride_o,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        pid_m = tl.program_id(0)
+        pid_n = tl.program_id(1)
+        e = tl.load(bexp_ptr + pid_m)
+        if e >= E:
+            return
+        rows = tl.load(rows_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+        valid = rows < P
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_k = tl.arange(0, BLOCK_K)
+        nmask = offs_n < N
+        h_ptrs = h_ptr + rows[:, None].to(tl.int64) * stride_h + offs_k[None, :]
+        w_ptrs = w_ptr + e.to(tl.int64) * stride_we + offs_k[:, None] + offs_n[None, :] * stride_wn
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            kmask = offs_k < K - k0
+            a = tl.load(h_ptrs, mask=valid[:, None] & kmask[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=kmask[:, None] & nmask[None, :], other=0.0)
+            acc = tl.dot(a, w, acc)
+            h_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K
+        scale = tl.load(scale_ptr + rows, mask=valid, other=0.0)
+        # the expert's output in the model dtype (as the reference's expert(x)), then weighted
+        y = acc.to(h_ptr.dtype.element_ty).to(tl.float32) * scale[:, None]
+        o_ptrs = out_ptr + rows[:, None].to(tl.int64) * stride_o + offs_n[None, :]
+        tl.store(o_ptrs, y, mask=valid[:, None] & nmask[None, :])
+
+
+# (BLOCK_N, BLOCK_K, num_warps, num_stages) per BLOCK_M: the fastest of a sweep on one H200 over
+# the 16B config's experts (hidden 2048, I 1408, 64 experts top-6) at 1 to 8,192 tokens
+# (docs/benchmarks.md); within 5 % of the best at every size measured
+TILES = {16: (32, 128, 4, 4), 32: (64, 64, 4, 4), 64: (128, 64, 4, 4), 128: (128, 64, 8, 3)}
+
+
+def align_triton(flat_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`align` as one Triton program (CUDA): the same rows and block experts (pairs of one
+    expert in their own order), one launch instead of about a dozen."""
+    p = flat_ids.numel()
+    nb = -(-(p + min(num_experts, p) * (block_m - 1)) // block_m)
+    rows = torch.empty(nb * block_m, dtype=torch.int32, device=flat_ids.device)
+    bexp = torch.empty(nb, dtype=torch.int32, device=flat_ids.device)
+    block_e = triton.next_power_of_2(num_experts)
+    block_p = max(16, min(128, 8192 // block_e))
+    _align_kernel[(1,)](flat_ids, rows, bexp, p, num_experts, nb, BLOCK_M=block_m, BLOCK_P=block_p,
+                        BLOCK_E=block_e, num_warps=8 if block_e > 64 else 4)
+    return rows, bexp
+
+
+def fused_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
+                  down: torch.Tensor, tiles: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
+    """Routed experts of one MoE layer (Triton, CUDA only).
+
+    Args:
+        x: [T, hidden] activations (bf16 / fp16 / fp32), contiguous.
+        ids: [T, k] int64 expert ids; weights: [T, k] routing weights (any float dtype).
+        gate_up: [E, 2I, hidden] gate_proj rows then up_proj rows of each expert.
+        down: [E, hidden, I].
+        tiles: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) instead of the defaults (tuning).
+    Returns:
+        [T, hidden] in x's dtype: sum over k of weight × expert(x), the sum in float32 in slot order.
+    Raises:
+        RuntimeError when triton is missing.
+    """
+    if triton is None:
+        raise RuntimeError("fused_experts needs triton (a CUDA machine)")
+    t, k = ids.shape
+    if t == 0:
+        return torch.zeros_like(x)
+    e, two_i, hidden = gate_up.shape
+    inter = two_i // 2
+    p = t * k
+    bm = block_m_for(p, e)
+    bm, bn, bk, warps, stages = tiles or (bm, *TILES[bm])
+    rows, bexp = align_triton(ids.reshape(-1), e, bm)
+    nb = bexp.numel()
+    h = torch.empty((p, inter), dtype=x.dtype, device=x.device)
+    _gate_up_kernel[(nb, triton.cdiv(inter, bn))](
+        x, gate_up, h, rows, bexp, p, e, hidden, inter, k,
+        x.stride(0), gate_up.stride(0), gate_up.stride(1), h.stride(0),
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
+    y = torch.empty((p, hidden), dtype=torch.float32, device=x.device)
+    _down_kernel[(nb, triton.cdiv(hidden, bn))](
+        h, down, y, rows, bexp, weights.reshape(-1).float(), p, e, inter, hidden,
+        h.stride(0), down.stride(0), down.stride(1), y.stride(0),
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
+    return y.view(t, k, hidden).sum(1).to(x.dtype)
+
+
+def fused_experts_reference(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
+                            down: torch.Tensor) -> torch.Tensor:
+    """What `fused_experts` computes, in torch (any device): per pair, the expert's SwiGLU with
+    each projection rounded to x's dtype, the output scaled by the routing weight in float32,
+    summed over k in slot order. Same arguments and result as `fused_experts`."""
+    t, k = ids.shape
+    if t == 0:
+        return torch.zeros_like(x)
+    inter = gate_up.shape[1] // 2
+    flat = ids.reshape(-1)
+    xs = x.repeat_interleave(k, 0)  # [T × k, hidden]: pair p is token p // k
+    y = torch.empty((t * k, x.shape[1]), dtype=torch.float32, device=x.device)
+    scale = weights.reshape(-1).float()
+    for e in torch.unique(flat).tolist():
+        sel = torch.nonzero(flat == e)[:, 0]
+        g, u = xs[sel] @ gate_up[e, :inter].T, xs[sel] @ gate_up[e, inter:].T
+        h = torch.nn.functional.silu(g) * u
+        y[sel] = (h @ down[e].T).float() * scale[sel, None]
+    return y.view(t, k, -1).sum(1).to(x.dtype)
