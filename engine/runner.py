@@ -126,10 +126,13 @@ class ModelRunner:
         return self.prefill_batch([PrefillInput(block_ids, token_ids, start, end, mtp)])[0][0]
 
     def warm_up_prefill(self) -> float:
-        """Run two small batched prefill forwards (fast mode): torch.compile compiles the fused
-        functions on their first call of each shape class, several seconds on a GPU, which would
-        otherwise land on the first requests' TTFT. Blocks are borrowed and freed. Returns seconds."""
+        """Run the fused MoE kernels at every tile size, then two small batched prefill forwards
+        (fast mode): Triton and torch.compile compile on a kernel's first call of each shape
+        class, several seconds on a GPU, which would otherwise land on the first requests'
+        TTFT. Blocks are borrowed and freed. Returns seconds."""
         t0 = time.perf_counter()
+        from engine.kernels.grouped_experts import warm_up_fused_experts
+        warm_up_fused_experts(self.model)  # the fused MoE kernels of every tile size
         bs = self.pool.config.block_size
         for lens in ((2 * bs + 3, 5), (bs + 1, 2, 7)):  # two totals: static, then dynamic shapes
             tables = [self.pool.blocks.allocate(self.pool.blocks_for(n)) for n in lens]

@@ -104,6 +104,17 @@ def test_align_groups_every_pair_once_by_expert(pairs: int, experts: int, block_
     assert int(used.sum()) == int(((counts + block_m - 1) // block_m).sum())  # no block wasted
 
 
+def test_warm_up_compiles_every_tile_size(tiny_model) -> None:
+    from engine.kernels.fused_moe import TILES
+    from engine.kernels.grouped_experts import warm_up_fused_experts, warm_up_token_counts
+    for experts, k in ((64, 6), (256, 8), (4, 2)):
+        assert sorted(block_m_for(t * k, experts) for t in warm_up_token_counts(experts, k)) == sorted(TILES)
+    model = build_model(tiny_model.config, seed=1)
+    assert warm_up_fused_experts(model) == 0  # nothing stacked yet: nothing to warm up
+    use_grouped_experts(model)
+    assert warm_up_fused_experts(model) == len(TILES)  # (the torch twin on a CPU)
+
+
 def test_block_m_grows_with_the_rows_per_expert() -> None:
     assert [block_m_for(p, 64) for p in (1, 384, 1024, 2048, 6144, 12288)] == [16, 16, 16, 32, 64, 128]
 

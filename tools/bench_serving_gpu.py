@@ -163,7 +163,7 @@ def serve_and_bench(model_dir: Path, contexts: list[int], concurrencies: list[in
     counters around each bench, adding "accept_length" (emitted tokens / verify steps). Each
     summary also gets the decode worker's own figures of the bench (`_decode_figures`)."""
     env = {**os.environ, "TANDEM_MAX_RUNNING": str(max(concurrencies)),
-           "TANDEM_MEM_FRACTION_STATIC": "0.4", "TANDEM_MAX_QUEUED": "4096", **env_extra}
+           "TANDEM_MEM_FRACTION_STATIC": os.environ.get("TANDEM_MEM_FRACTION_STATIC", "0.4"), "TANDEM_MAX_QUEUED": "4096", **env_extra}
     log = open(work / "up.log", "w")  # noqa: SIM115 - closed below
     # --http-port -1: the bench speaks gRPC; the router's default HTTP port 8000 would collide with
     # any other cluster on the machine (the --port option exists to avoid exactly that)

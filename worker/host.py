@@ -265,7 +265,8 @@ class WorkerRuntime:
             self.pool = KvPool(pool_config, hash_seed(self.loaded.name, weights=self.loaded.fingerprint), device=self.device)
             self.runner = ModelRunner(self.loaded.model, self.pool, future_capacity=4 * opts.max_running + 16)
             if self.runner.fast:  # compile the prefill forward's fused functions now, not in a request
-                log.info("prefill warm-up (torch.compile of the fused functions): %.1f s", self.runner.warm_up_prefill())
+                log.info("start-up warm-up (fused MoE kernels, torch.compile of the fused functions): %.1f s",
+                         self.runner.warm_up_prefill())
             if graphs and self.runner.fast:  # before any request: graph memory comes out of the reserve above
                 spec_k = k if pool_has_mtp(self.pool, self.loaded.model) else 0
                 self.runner.capture_graphs(opts.max_running, self.context_length, spec_k=spec_k)

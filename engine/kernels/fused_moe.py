@@ -73,7 +73,9 @@ def align(flat_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch
 
 
 if triton is not None:
-    @triton.jit
+    # P and NB (pairs, blocks) change with every batch: not specialised on, so one compile per
+    # BLOCK_M serves every step (a warm-up pass compiles them all at start-up)
+    @triton.jit(do_not_specialize=["P", "NB"])
     def _align_kernel(ids_ptr, rows_ptr, bexp_ptr, P, E, NB,
                       BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr):
         """`align` in one program: counts per expert, their padded prefix sums, each block's
@@ -107,7 +109,7 @@ if triton is not None:
             tl.store(rows_ptr + dest, offs_p, mask=valid)
             seen += tl.sum(onehot, axis=0)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["P"])
     def _gate_up_kernel(x_ptr, w_ptr, out_ptr, rows_ptr, bexp_ptr, P, E, K, I, TOP_K,
                         stride_x, stride_we, stride_wn, stride_o,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
@@ -145,7 +147,7 @@ if triton is not None:
         o_ptrs = out_ptr + rows[:, None].to(tl.int64) * stride_o + offs_n[None, :]
         tl.store(o_ptrs, h.to(out_ptr.dtype.element_ty), mask=valid[:, None] & nmask[None, :])
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["P"])
     def _down_kernel(h_ptr, w_ptr, out_ptr, rows_ptr, bexp_ptr, scale_ptr, P, E, K, N,
                      stride_h, stride_we, stride_wn, stride_o,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):

@@ -57,12 +57,48 @@ class GroupedExperts:
 
 
 def use_grouped_experts(model: torch.nn.Module) -> int:
-    """Switch every MoE layer of model to the grouped forward; returns the number switched."""
+    """Switch every MoE layer of model to the grouped forward; returns the number switched.
+
+    On CUDA the experts' former weights (freed, but of per-expert sizes the stacks cannot
+    reuse) are handed back to the device at the end: kept in this process's allocator cache
+    they would be device memory that the other workers on the GPU cannot have (on the 16B
+    config, 29 GB per process: two workers on one H200 then ran out of memory at start-up)."""
     from engine.model import MoE
 
     n = 0
+    on_cuda = False
     for moe in model.modules():
         if isinstance(moe, MoE) and moe.grouped is None:
             moe.grouped = GroupedExperts.install(moe)
+            on_cuda = on_cuda or moe.grouped.gate_up.is_cuda
             n += 1
+    if on_cuda:
+        torch.cuda.empty_cache()
     return n
+
+
+def warm_up_token_counts(num_experts: int, top_k: int) -> list[int]:
+    """Token counts whose T × top_k pairs pick each BLOCK_M of the fused kernels once
+    (`fused_moe.block_m_for`), so that a start-up pass compiles every kernel variant."""
+    return [-(-num_experts * rows // top_k) for rows in (8, 24, 64, 128)]
+
+
+@torch.inference_mode()
+def warm_up_fused_experts(model: torch.nn.Module) -> int:
+    """Run one MoE layer's routed experts at `warm_up_token_counts` (random inputs and routing),
+    compiling the Triton kernels of every BLOCK_M before a request needs them (several
+    seconds in all, which would otherwise land on the first requests' TTFT). Returns the number
+    of calls (0 without a grouped MoE layer)."""
+    from engine.model import MoE
+
+    moe = next((m for m in model.modules() if isinstance(m, MoE) and m.grouped is not None), None)
+    if moe is None:
+        return 0
+    g = moe.grouped
+    counts = warm_up_token_counts(g.num_experts, moe.gate.c.num_experts_per_tok)
+    gen = torch.Generator(device=g.gate_up.device).manual_seed(0)
+    for t in counts:
+        x = torch.randn(t, g.gate_up.shape[2], device=g.gate_up.device, dtype=g.gate_up.dtype, generator=gen)
+        ids = torch.randint(0, g.num_experts, (t, moe.gate.c.num_experts_per_tok), device=x.device, generator=gen)
+        g.forward(x, ids, torch.ones(ids.shape, device=x.device))
+    return len(counts)
