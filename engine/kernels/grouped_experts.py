@@ -59,21 +59,21 @@ class GroupedExperts:
 def use_grouped_experts(model: torch.nn.Module) -> int:
     """Switch every MoE layer of model to the grouped forward; returns the number switched.
 
-    On CUDA the experts' former weights (freed, but of per-expert sizes the stacks cannot
-    reuse) are handed back to the device at the end: kept in this process's allocator cache
-    they would be device memory that the other workers on the GPU cannot have (on the 16B
-    config, 29 GB per process: two workers on one H200 then ran out of memory at start-up)."""
+    On CUDA each layer's former expert weights (freed, but in per-expert blocks the next
+    layer's stacks cannot reuse) are handed back to the device before the next layer is
+    stacked: kept in this process's allocator cache they would be device memory that the other
+    workers on the GPU cannot have (on the 16B config, 29 GB per process at the end of the
+    loop: two workers on one H200 then ran out of memory at start-up). The peak stays one
+    layer's stacks above the weights."""
     from engine.model import MoE
 
     n = 0
-    on_cuda = False
     for moe in model.modules():
         if isinstance(moe, MoE) and moe.grouped is None:
             moe.grouped = GroupedExperts.install(moe)
-            on_cuda = on_cuda or moe.grouped.gate_up.is_cuda
+            if moe.grouped.gate_up.is_cuda:
+                torch.cuda.empty_cache()
             n += 1
-    if on_cuda:
-        torch.cuda.empty_cache()
     return n
 
 
