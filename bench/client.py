@@ -9,6 +9,7 @@ trace time by `speedup`). Token-id prompts are sent as token ids, text prompts a
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from dataclasses import dataclass, field
 
@@ -73,28 +74,33 @@ def _http_client(http_url: str, connections: int, api_key: str = ""):
 
 async def run_load(router: str, reqs: list[BenchRequest], speedup: float = 1.0, concurrency: int = 0,
                    timeout_s: float = 600.0, progress: bool = True, http_url: str = "",
-                   model: str = "", creds=None, api_key: str = "") -> tuple[list[RequestResult], float]:
+                   model: str = "", creds=None, api_key: str = "", connections: int = 1
+                   ) -> tuple[list[RequestResult], float]:
     """Send every request; returns (results in request order, wall seconds of the run).
 
     With `http_url` (e.g. "http://127.0.0.1:8000") the requests go to that OpenAI-compatible
     API for `model` (bench/openai_client.py) instead of `router`'s gRPC API. `creds`
     (common.tls.TlsCredentials): TLS to the router (default: this process's, common/tls.py).
-    `api_key`: sent as a bearer token on both APIs (a router with --api-keys)."""
+    `api_key`: sent as a bearer token on both APIs (a router with --api-keys). `connections`:
+    gRPC channels of their own TCP connection, request i on channel i mod connections (router
+    replicas sharing one port each take some of the connections)."""
     from tqdm import tqdm
 
     # disable=None: tqdm turns itself off when stderr is not a terminal (logs stay readable)
     bar = tqdm(total=len(reqs), unit="req", disable=None if progress else True, dynamic_ncols=True)
     results: list[RequestResult | None] = [None] * len(reqs)
     from cli.client import bearer_token
-    async with channel(router, creds, bearer_token(api_key) if api_key else ()) as ch, \
-            _http_client(http_url, concurrency or len(reqs), api_key) as http:
-        stub = frontend_pb2_grpc.FrontendServiceStub(ch)
-        await ch.channel_ready()
+    token = bearer_token(api_key) if api_key else ()
+    async with contextlib.AsyncExitStack() as stack, _http_client(http_url, concurrency or len(reqs), api_key) as http:
+        chans = [await stack.enter_async_context(channel(router, creds, token, own_connection=connections > 1))
+                 for _ in range(connections)]
+        stubs = [frontend_pb2_grpc.FrontendServiceStub(ch) for ch in chans]
+        await asyncio.gather(*(ch.channel_ready() for ch in chans))
         t0 = time.perf_counter()
 
-        def send(req: BenchRequest):
+        def send(i: int, req: BenchRequest):
             if http is None:
-                return _one(stub, req, t0, timeout_s)
+                return _one(stubs[i % len(stubs)], req, t0, timeout_s)
             from bench.openai_client import one_openai
             return one_openai(http, http_url, model, req, t0, timeout_s)
         slots = asyncio.Semaphore(concurrency) if concurrency > 0 else None
@@ -104,10 +110,10 @@ async def run_load(router: str, reqs: list[BenchRequest], speedup: float = 1.0, 
                 delay = req.arrival_s / speedup - (time.perf_counter() - t0)
                 if delay > 0:
                     await asyncio.sleep(delay)
-                results[i] = await send(req)
+                results[i] = await send(i, req)
             else:
                 async with slots:
-                    results[i] = await send(req)
+                    results[i] = await send(i, req)
             bar.update(1)
             if not results[i].ok:
                 bar.set_postfix(failed=sum(1 for r in results if r is not None and not r.ok))

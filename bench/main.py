@@ -39,6 +39,7 @@ class BenchOptions:
     arrival: str = "trace"  # trace | poisson | concurrency
     rate: float = 1.0  # poisson: requests/second (trace time)
     concurrency: int = 8  # concurrency: requests in flight
+    connections: int = 1  # grpc: TCP connections to the router, requests spread round-robin (router replicas)
     load: float = 1.0  # trace: arrival rate multiplier (2 = timestamps halved)
     speedup: float = 1.0  # the mocker's speedup: arrivals compressed, latencies reported ×speedup
     output_tokens: int = 128  # generated tokens for datasets without lengths (text prompts, synthetic)
@@ -66,6 +67,8 @@ class BenchOptions:
             raise ValueError("--speedup, --load and --rate must be > 0")
         if min(self.num_requests, self.skip, self.max_output_len) < 0 or self.output_tokens < 1 or self.concurrency < 1:
             raise ValueError("--num-requests, --skip, --max-output-len must be >= 0; --output-tokens, --concurrency >= 1")
+        if self.connections < 1:
+            raise ValueError(f"--connections must be >= 1, got {self.connections}")
         name = self.dataset.split(":", 1)[0]
         if name not in ("mooncake", "azure", "sharegpt", "mt-bench", "synthetic-prefix"):
             raise ValueError(f"--dataset must be one of {', '.join(DATASETS)}; got {self.dataset!r}")
@@ -174,7 +177,8 @@ def run(opts: BenchOptions) -> dict:
           f"{model.block_size}), arrival {opts.arrival}, load {opts.load}, speedup {opts.speedup}", file=sys.stderr)
     results, wall = asyncio.run(run_load(opts.router, reqs, opts.speedup,
                                          opts.concurrency if opts.arrival == "concurrency" else 0, opts.timeout_s,
-                                         http_url=http_url, model=model.name, api_key=opts.api_key))
+                                         http_url=http_url, model=model.name, api_key=opts.api_key,
+                                         connections=opts.connections))
     summary = summarize(reqs, results, wall, opts.speedup)
     if any(r.hash_ids for r in reqs):
         summary["oracle_block_hit_rate"] = traces.oracle_hit_rate(reqs)["block"]

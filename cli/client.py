@@ -89,11 +89,11 @@ def bearer_token(api_key: str) -> list[grpc.aio.ClientInterceptor]:
     return [_UnaryKey(entry), _StreamKey(entry)]
 
 
-def frontend_stub(address: str, creds: TlsCredentials | None = None, api_key: str = ""
-                  ) -> tuple[grpc.aio.Channel, frontend_pb2_grpc.FrontendServiceStub]:
+def frontend_stub(address: str, creds: TlsCredentials | None = None, api_key: str = "",
+                  own_connection: bool = False) -> tuple[grpc.aio.Channel, frontend_pb2_grpc.FrontendServiceStub]:
     """A channel to the router at `address`, over TLS with `creds` (plaintext without),
-    sending `api_key` as a bearer token when given."""
-    ch = channel(address, creds, bearer_token(api_key) if api_key else ())
+    sending `api_key` as a bearer token when given; `own_connection`: see common.grpc_server.channel."""
+    ch = channel(address, creds, bearer_token(api_key) if api_key else (), own_connection=own_connection)
     return ch, frontend_pb2_grpc.FrontendServiceStub(ch)
 
 

@@ -8,6 +8,7 @@ import asyncio
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -20,6 +21,17 @@ from discovery.watcher import InstanceWatcher
 from engine.model_source import DEFAULT_MODEL
 
 log = logging.getLogger(__name__)
+
+
+def _hold_port(held: list[socket.socket]) -> int:
+    """A free loopback port, held by a bound (not listening) SO_REUSEPORT socket appended to
+    `held` until the caller closes it: router replicas bind it with SO_REUSEPORT meanwhile,
+    and no other program can take it in between."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind(("127.0.0.1", 0))
+    held.append(sock)
+    return sock.getsockname()[1]
 
 
 class LocalCluster:
@@ -43,6 +55,10 @@ class LocalCluster:
             with a certificate of that CA (`etcd_endpoint` is https://...). False: plaintext.
         api_keys: the router's --api-keys file; it must hold an admin key (`admin_key`), which
             the readiness check uses. "" = an open front.
+        num_routers: router processes (replicas) on the one router port and HTTP port
+            (`--reuse-port`: the kernel spreads clients' connections over them; a client that
+            opens several connections uses them all). Ready once every one of them can place a
+            request on every worker. Processes "router", "router-1", ...
     """
 
     def __init__(self, model: str = DEFAULT_MODEL, num_prefill: int = 1, num_decode: int = 1,
@@ -51,12 +67,15 @@ class LocalCluster:
                  log_dir: str | None = None,
                  ready_timeout_s: float = 120.0, metrics: bool = False, num_mocker: int = 0,
                  mocker_args: list[str] | None = None, http_port: int = -1, tls: bool = True,
-                 api_keys: str = "") -> None:
+                 api_keys: str = "", num_routers: int = 1) -> None:
+        if num_routers < 1:
+            raise ValueError(f"--routers must be at least 1, got {num_routers}")
         if num_mocker:
             from engine.model_source import MOCK
             model = MOCK if model in (DEFAULT_MODEL, "") else model
             num_prefill = num_decode = 0
         self.num_mocker = num_mocker
+        self.num_routers = num_routers
         self.mocker_args = mocker_args or []
         self.model = model
         self.num_prefill = num_prefill
@@ -124,19 +143,35 @@ class LocalCluster:
             self._etcd = EtcdServer(tls=self.ca.issue("etcd", ("etcd",)) if self.ca is not None else None)
             self._etcd.start()
             self._etcd_endpoint = self._etcd.endpoint
-        self.spawn("router", "router", "--port", str(self.router_port), "--http-port", str(self.http_port),
-                   *(["--api-keys", self.api_keys] if self.api_keys else []), *self.router_args)
+        held = []  # replicas: ports picked here are held (SO_REUSEPORT, not listening) until they bind
+        router_port, http_port = self.router_port, self.http_port
+        if self.num_routers > 1:
+            if router_port == 0:
+                router_port = _hold_port(held)
+            if http_port == 0:
+                http_port = _hold_port(held)
+        try:
+            for i in range(self.num_routers):
+                self.spawn("router" if i == 0 else f"router-{i}", "router", "--port", str(router_port),
+                           "--http-port", str(http_port), *(["--reuse-port"] if self.num_routers > 1 else []),
+                           *(["--api-keys", self.api_keys] if self.api_keys else []), *self.router_args)
+            self._spawn_workers()
+            try:
+                await self._wait_ready()
+            except BaseException:
+                await self.stop()
+                raise
+        finally:
+            for sock in held:
+                sock.close()
+
+    def _spawn_workers(self) -> None:
         for i in range(self.num_prefill):
             self.spawn(f"prefill-{i}", "prefill", "--port", "0", *self.worker_args)
         for i in range(self.num_decode):
             self.spawn(f"decode-{i}", "decode", "--port", "0", *self.worker_args)
         if self.num_mocker:
             self.spawn("mocker", "mocker", "--port", "0", "--num-workers", str(self.num_mocker), *self.mocker_args)
-        try:
-            await self._wait_ready()
-        except BaseException:
-            await self.stop()
-            raise
 
     def _last_line(self, name: str) -> str:
         """The last line a process wrote to its log (its one-line start-up error, if it had one)."""
@@ -147,7 +182,7 @@ class LocalCluster:
         return lines[-1][-300:] if lines else "no output"
 
     async def _wait_ready(self) -> None:
-        want = {discovery_pb2.ROLE_ROUTER: 1, discovery_pb2.ROLE_PREFILL: self.num_prefill,
+        want = {discovery_pb2.ROLE_ROUTER: self.num_routers, discovery_pb2.ROLE_PREFILL: self.num_prefill,
                 discovery_pb2.ROLE_DECODE: self.num_decode + self.num_mocker}
 
         def ready(view: dict[str, discovery_pb2.Instance]) -> bool:
@@ -167,31 +202,39 @@ class LocalCluster:
                     if time.monotonic() > deadline:
                         raise TimeoutError(f"cluster not ready in {self.ready_timeout_s} s; logs in {self.log_dir}")
         self.instances = dict(view)
-        router = next(i for i in view.values() if i.role == discovery_pb2.ROLE_ROUTER)
-        self.router_address, self.http_address = router.address, router.http_address
-        await self._wait_router_sees_workers(deadline)
+        routers = [i for i in view.values() if i.role == discovery_pb2.ROLE_ROUTER]
+        self.router_address, self.http_address = routers[0].address, routers[0].http_address
+        await self._wait_routers_see_workers({i.instance_id for i in routers}, deadline)
 
-    async def _wait_router_sees_workers(self, deadline: float) -> None:
-        """Ready means the router itself can place a request on every worker (its own etcd
-        watch may lag the one above)."""
+    async def _wait_routers_see_workers(self, routers: set[str], deadline: float) -> None:
+        """Ready means every router itself can place a request on every worker (its own etcd
+        watch may lag the one above). Each attempt opens a connection of its own, so that
+        replicas on one port (SO_REUSEPORT) are reached in turn; a connection's router is the
+        one its ClusterStatus names."""
         import grpc
 
         from cli.client import frontend_stub
         from common.pb.tandem.v1 import frontend_pb2
 
         want = self.num_prefill + self.num_decode + self.num_mocker
-        ch, stub = frontend_stub(self.router_address, self.client_tls, self.admin_key)
-        async with ch:
-            while True:
+        seen: set[str] = set()
+        while True:
+            ch, stub = frontend_stub(self.router_address, self.client_tls, self.admin_key,
+                                     own_connection=len(routers) > 1)
+            async with ch:
                 try:
+                    status = await stub.ClusterStatus(frontend_pb2.ClusterStatusRequest(), timeout=5)
                     resp = await stub.ExplainRoute(frontend_pb2.GenerateRequest(token_ids=[1]), timeout=5)
                     if len(resp.candidates) >= want:
-                        return
+                        seen.add(status.router_instance_id)
                 except grpc.aio.AioRpcError:
                     pass  # no decode worker in its view yet
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"router does not see all {want} workers; logs in {self.log_dir}")
-                await asyncio.sleep(0.05)
+            if routers <= seen:
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{len(routers - seen)} of {len(routers)} routers do not see all {want} "
+                                   f"workers; logs in {self.log_dir}")
+            await asyncio.sleep(0.05 if not seen else 0.0)
 
     def metrics_addresses(self) -> dict[str, str]:
         """instance id -> host:port of its /metrics (the processes that serve one), router first."""
@@ -224,7 +267,7 @@ class LocalCluster:
 
     async def stop(self) -> None:
         """SIGTERM every process (workers first, then the router), then stop etcd."""
-        names = sorted(self.procs, key=lambda n: n == "router")
+        names = sorted(self.procs, key=lambda n: n.startswith("router"))
         for name in names:
             if self.procs[name].poll() is None:
                 self.procs[name].send_signal(signal.SIGTERM)

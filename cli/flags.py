@@ -103,6 +103,9 @@ HELP = {
     "keepalive_timeout_s": "router: seconds a keepalive PING may go unanswered before the channel's calls fail "
                            "(a stopped or unreachable worker)",
     "approx_ttl_s": "approx mode: seconds a routed block is assumed cached",
+    "reuse_port": "router: share --port and --http-port with other router processes of this host "
+                  "(SO_REUSEPORT; the kernel spreads clients' connections over them; each places on the "
+                  "load the workers report, so they place alike); `tandem up --routers N` starts N so",
     "http_port": "router: OpenAI-compatible HTTP API port (/v1/completions, /v1/chat/completions, /v1/models, "
                  "/health, /metrics; -1 = off, 0 = any free port, announced in discovery)",
     "metrics_port": "Prometheus /metrics port (-1 = off, 0 = any free port, announced in discovery)",
@@ -131,6 +134,8 @@ HELP = {
     "arrival": "trace (timestamps) | poisson (--rate) | concurrency (--concurrency in flight)",
     "rate": "poisson arrivals: requests per second of trace time",
     "concurrency": "arrival concurrency: requests in flight",
+    "connections": "gRPC connections to the router, each request on the next in turn: with router replicas on "
+                   "one port (tandem up --routers N) the kernel gives each connection to one of them",
     "load": "trace arrivals: rate multiplier (2 = timestamps halved)",
     "output_tokens": "bench: generated tokens where the dataset has no lengths",
     "max_output_len": "cap on generated tokens (0 = the trace's)",

@@ -59,13 +59,17 @@ def _up(args: argparse.Namespace) -> int:
                                router_port=args.port,
                                router_args=["--router-mode", args.router_mode] if args.router_mode else [],
                                metrics=args.metrics, num_mocker=args.mocker, http_port=args.http_port,
-                               tls=not args.insecure, api_keys=args.api_keys)
+                               tls=not args.insecure, api_keys=args.api_keys, num_routers=args.routers)
         if args.insecure:
             print("tandem up: WARNING: --insecure: every gRPC port of this cluster serves plaintext with no "
                   "authentication; any local process can call the workers directly", file=sys.stderr, flush=True)
         await cluster.start()
-        print(f"tandem up: router at {cluster.router_address}, etcd at {cluster.etcd_endpoint}, "
+        routers = f"{args.routers} routers" if args.routers > 1 else "router"
+        print(f"tandem up: {routers} at {cluster.router_address}, etcd at {cluster.etcd_endpoint}, "
               f"logs in {cluster.log_dir}; Ctrl-C stops everything", flush=True)
+        if args.routers > 1:
+            print(f"  the {args.routers} routers share the port; the kernel spreads connections over them, so a "
+                  "client uses them all when it opens several (tandem bench --connections N)", flush=True)
         from pathlib import Path
 
         from cli.client import local_ca_file, write_local_ca
@@ -254,6 +258,8 @@ def build_parser(command: str | None = None, full: bool = True) -> argparse.Argu
     _arg(p, "--http-port", 8000, "router's OpenAI-compatible HTTP API port (-1 = off, 0 = any free port)")
     _arg(p, "--prefill", 1, "prefill workers")
     _arg(p, "--decode", 1, "decode workers")
+    _arg(p, "--routers", 1, "router processes sharing --port and --http-port (router --reuse-port): clients' "
+         "connections are spread over them; each places on the load the workers report")
     _arg(p, "--router-mode", "", "kv | approx | round-robin | random | least-loaded (empty: the router's own "
          "setting, from [router] in the config file or its default kv)")
     _arg(p, "--metrics", True, "serve /metrics from every process on a free port (--no-metrics: none)", kind=bool)

@@ -74,14 +74,17 @@ class RunningServer:
 
 async def start_server(address: str, add_services: Sequence[Callable[[grpc.aio.Server], None]],
                        service_names: Sequence[str], internal: bool = True,
-                       interceptors: Sequence[grpc.aio.ServerInterceptor] = ()) -> RunningServer:
+                       interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+                       reuse_port: bool = False) -> RunningServer:
     """Bind `address` (host:port; port 0 picks a free one), add services, start serving.
 
     With TLS on (common/tls.py set_tls) an internal server (a worker's) takes only clients
     whose certificate chains to the cluster CA and names a role its services admit
     (tls.RoleCheck); `internal=False` (the router's frontend) serves TLS with client
     certificates optional. With TLS off it serves plaintext. `interceptors` run after those
-    (the router's API key check, router/api_keys.py).
+    (the router's API key check, router/api_keys.py). `reuse_port`: bind with SO_REUSEPORT, so
+    that several processes of this host serve one port and the kernel spreads new connections
+    over them (router replicas: `tandem router --reuse-port`).
 
     Raises:
         OSError: the address could not be bound, naming --port and the OS's reason (a port in
@@ -94,7 +97,7 @@ async def start_server(address: str, add_services: Sequence[Callable[[grpc.aio.S
     server = grpc.aio.server(interceptors=interceptors or None,
                              options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                                       ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-                                      ("grpc.so_reuseport", 0),
+                                      ("grpc.so_reuseport", 1 if reuse_port else 0),
                                       # Answer clients' keepalive PINGs (Keepalive) instead of
                                       # closing the connection with "too many pings".
                                       ("grpc.keepalive_permit_without_calls", 1),
@@ -176,12 +179,15 @@ def _bracketed(host: str) -> str:
 
 def channel(address: str, creds: tls.TlsCredentials | None = None,
             interceptors: Sequence[grpc.aio.ClientInterceptor] = (),
-            server_name: str | None = None) -> grpc.aio.Channel:
+            server_name: str | None = None, own_connection: bool = False) -> grpc.aio.Channel:
     """A client channel with Tandem's message size limits and keepalive (KEEPALIVE), over
     mTLS with `creds` or else this process's (tls.TLS; None: plaintext); `interceptors` run
     after tracing's (a frontend client's API key, cli/client.py). With TLS and `server_name`
     the server's certificate is checked against that name instead of the address's host (a
-    discovery record's instance: tls.instance_server_name)."""
+    discovery record's instance: tls.instance_server_name). `own_connection`: a TCP connection
+    of this channel's own, not one shared with this process's other channels to the same
+    address (gRPC's global subchannel pool): router replicas on one port (SO_REUSEPORT) are
+    reached by opening several."""
     creds = creds or tls.TLS
     # A restarted peer at the same address is reachable again within ~1 s, not after gRPC's
     # default reconnect back-off of up to 120 s.
@@ -189,7 +195,8 @@ def channel(address: str, creds: tls.TlsCredentials | None = None,
                ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                ("grpc.initial_reconnect_backoff_ms", 200),
                ("grpc.max_reconnect_backoff_ms", 1000),
-               *KEEPALIVE.options()]
+               *KEEPALIVE.options(),
+               *([("grpc.use_local_subchannel_pool", 1)] if own_connection else [])]
     chain = [*(tracing.client_interceptors() or ()), *interceptors] or None
     if creds is not None and server_name:
         options.append(("grpc.ssl_target_name_override", server_name))

@@ -456,7 +456,7 @@ def create_app(api: OpenAIFrontend) -> FastAPI:
     return app
 
 
-def _listen(host: str, port: int) -> socket.socket:
+def _listen(host: str, port: int, reuse_port: bool = False) -> socket.socket:
     """A listening TCP socket. proto must be IPPROTO_TCP (socket.create_server leaves it 0):
     asyncio sets TCP_NODELAY only on accepted sockets of that proto, and without it a
     keep-alive connection's first streamed events wait ~40 ms for the client's delayed ACK."""
@@ -464,6 +464,8 @@ def _listen(host: str, port: int) -> socket.socket:
     sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if reuse_port:  # router replicas of this host on one port (--reuse-port)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         sock.bind((host, port))
         sock.listen(2048)
     except OSError:
@@ -477,11 +479,11 @@ class HttpServer:
     the router owns both). `await start()`, then `address`; `await stop()` lets requests in
     flight finish for up to `grace_s`, then cancels them."""
 
-    def __init__(self, app: FastAPI, host: str, port: int, grace_s: float = 2.0) -> None:
+    def __init__(self, app: FastAPI, host: str, port: int, grace_s: float = 2.0, reuse_port: bool = False) -> None:
         self.config = uvicorn.Config(_stamp_arrival(app), host=host, port=port, lifespan="off", log_config=None, access_log=False,
                                      timeout_graceful_shutdown=grace_s, log_level="warning", http=HTTP_PARSER)
         self.server = uvicorn.Server(self.config)
-        self.host, self.port = host, port
+        self.host, self.port, self.reuse_port = host, port, reuse_port
         self._sock: socket.socket | None = None
         self._ticks: asyncio.Task | None = None
         self.address = ""  # host:port once started
@@ -490,7 +492,7 @@ class HttpServer:
         """Raises:
             OSError: the port could not be bound (the message names --http-port)."""
         try:
-            self._sock = _listen(self.host, self.port)
+            self._sock = _listen(self.host, self.port, self.reuse_port)
         except OSError as exc:
             raise OSError(exc.errno, f"--http-port {self.port}: cannot listen on {self.host}:{self.port}: "
                                      f"{exc.strerror}") from None

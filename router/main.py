@@ -78,6 +78,7 @@ class RouterOptions:
     keepalive_time_s: float = 10.0  # seconds between HTTP/2 keepalive PINGs on every channel to a worker
     keepalive_timeout_s: float = 5.0  # seconds a PING may go unanswered before the channel's calls fail
     http_port: int = -1  # OpenAI-compatible HTTP API (router/http_api.py): -1 = off, 0 = any free port
+    reuse_port: bool = False  # share --port and --http-port with other routers of this host (SO_REUSEPORT)
     drain_timeout_s: float = 30.0  # on SIGTERM: let in-flight streams finish for at most this long
     tls_cert: str = ""  # PEM certificate naming role "router" (common/tls.py); with --tls-key and --tls-ca
     tls_key: str = ""  # its private key
@@ -92,6 +93,9 @@ class RouterOptions:
         metrics_http.validate_port(self.metrics_port)
         check_etcd_tls(self.etcd, self.tls_cert)
         validate_http_port(self.http_port)
+        if self.reuse_port and (self.port == 0 or self.http_port == 0):
+            raise ValueError("--reuse-port shares a port with other routers: give a fixed --port and "
+                             f"--http-port (or --http-port -1), got --port {self.port} --http-port {self.http_port}")
         if self.migration_limit < 0:
             raise ValueError(f"--migration-limit must be >= 0, got {self.migration_limit}")
         if self.router_mode not in MODES:
@@ -251,7 +255,7 @@ async def run(opts: RouterOptions, ready: Callable[[RunningServer, FrontendServi
                "ClusterStatus": ("unary", pb.ClusterStatusRequest, pb.ClusterStatusResponse)}
     server = await start_server(f"{opts.host}:{opts.port}", [lambda s: add_lenient_service(s, SERVICE, servicer, methods)],
                                 [SERVICE], internal=False,  # clients are not cluster processes: certificates optional
-                                interceptors=[ApiKeyCheck(keys)] if keys else ())
+                                interceptors=[ApiKeyCheck(keys)] if keys else (), reuse_port=opts.reuse_port)
     address = f"{advertised_host(opts.host, opts.advertise_host)}:{server.port}"
     instance_id = f"router-{uuid.uuid4().hex[:12]}"
     index = overlap if isinstance(overlap, KvIndex) else None
@@ -269,7 +273,7 @@ async def run(opts: RouterOptions, ready: Callable[[RunningServer, FrontendServi
         from router.http_api import HttpServer, OpenAIFrontend, create_app
         try:
             frontend = OpenAIFrontend(servicer, load_chat_template(ckpt), metrics.registry, keys)
-            http_server = HttpServer(create_app(frontend), opts.host, opts.http_port)
+            http_server = HttpServer(create_app(frontend), opts.host, opts.http_port, reuse_port=opts.reuse_port)
             await http_server.start()
         except (OSError, ValueError):
             await server.stop(0)  # as for --metrics-port: leave no server behind

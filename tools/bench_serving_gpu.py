@@ -152,7 +152,7 @@ def serve_and_bench(model_dir: Path, contexts: list[int], concurrencies: list[in
                     port: int, work: Path, env_extra: dict[str, str], runs: list[tuple[int, int]] | None = None,
                     prefix_len: Callable[[int, int], int] = lambda ctx, c: ctx // 2,
                     num_requests: Callable[[int, int], int] | None = None, dataset: str = "synthetic-prefix",
-                    spec: bool = False) -> dict[tuple[int, int], dict]:
+                    spec: bool = False, routers: int = 1, connections: int = 1) -> dict[tuple[int, int], dict]:
     """`tandem up` once, then `tandem bench` for every (context, concurrency) — the product of
     `contexts` and `concurrencies`, or the pairs `runs` — with prompts of `prefix_len(context, c)`
     tokens shared by 8 groups plus fresh ones, `num_requests(context, concurrency)` requests
@@ -161,14 +161,16 @@ def serve_and_bench(model_dir: Path, contexts: list[int], concurrencies: list[in
     dataset: synthetic-prefix (prompts of `context` tokens) or a text dataset such as mt-bench
     (its own prompts; context is then only a label). spec: also scrape the decode worker's MTP
     counters around each bench, adding "accept_length" (emitted tokens / verify steps). Each
-    summary also gets the decode worker's own figures of the bench (`_decode_figures`)."""
+    summary also gets the decode worker's own figures of the bench (`_decode_figures`).
+    routers: router processes on the one port (`tandem up --routers`); connections: the bench's
+    gRPC connections (`tandem bench --connections`), which the kernel spreads over them."""
     env = {**os.environ, "TANDEM_MAX_RUNNING": str(max(concurrencies)),
            "TANDEM_MEM_FRACTION_STATIC": os.environ.get("TANDEM_MEM_FRACTION_STATIC", "0.4"), "TANDEM_MAX_QUEUED": "4096", **env_extra}
     log = open(work / "up.log", "w")  # noqa: SIM115 - closed below
     # --http-port -1: the bench speaks gRPC; the router's default HTTP port 8000 would collide with
     # any other cluster on the machine (the --port option exists to avoid exactly that)
     up = subprocess.Popen(_cli("up", "--model", str(model_dir), "--port", str(port),
-                               "--metrics", "--insecure", "--http-port", "-1"),
+                               "--metrics", "--insecure", "--http-port", "-1", "--routers", str(routers)),
                           cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     out: dict[tuple[int, int], dict] = {}
     try:
@@ -199,7 +201,8 @@ def serve_and_bench(model_dir: Path, contexts: list[int], concurrencies: list[in
                      if dataset == "synthetic-prefix" else [])
             cmd = _cli("bench", "--router", f"127.0.0.1:{port}", "--dataset", dataset, *shape,
                        "--arrival", "concurrency", "--concurrency", str(c), "--num-requests", str(n),
-                       "--output-tokens", str(output_tokens), "--bench-seed", str(ctx + c), "--out", str(res))
+                       "--output-tokens", str(output_tokens), "--bench-seed", str(ctx + c), "--out", str(res),
+                       "--connections", str(connections))
             t0 = time.time()
             spec0 = _worker_counters(metrics_urls, SPEC_COUNTERS) if spec else {}
             decode0 = _worker_counters(metrics_urls, DECODE_COUNTERS)
@@ -335,6 +338,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--mtp-concurrency", default="1,8")
     p.add_argument("--stream-interval", default="1", help="comma list: the decode worker's --stream-interval "
                    "(tokens per stream message); one `tandem up` each, a row per value")
+    p.add_argument("--routers", type=int, default=1, help="router processes on one port (tandem up --routers)")
+    p.add_argument("--connections", type=int, default=1, help="the bench's gRPC connections (tandem bench "
+                   "--connections; with --routers N > 1, use several so that every router gets some)")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
     device = torch.device(args.device)
@@ -366,7 +372,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             intervals = [int(x) for x in args.stream_interval.split(",")]
             served = {} if args.skip_served else {
                 n: serve_and_bench(model_dir, contexts, concs, args.output_tokens, args.port, work,
-                                   {**pool_env, "TANDEM_STREAM_INTERVAL": str(n)}) for n in intervals}
+                                   {**pool_env, "TANDEM_STREAM_INTERVAL": str(n)}, routers=args.routers,
+                                   connections=args.connections) for n in intervals}
             dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
             model, _ = load_checkpoint(model_dir, dtype=dtype, device=device)
             elem = torch.empty((), dtype=dtype).element_size()
