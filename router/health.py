@@ -5,7 +5,11 @@ each prefill and decode worker the router's WorkerSet knows (whatever its discov
 over the router's own channel to it, each probe bounded by `timeout_s`. NOT_SERVING, a
 transport error and a timeout are failures; `failure_threshold` consecutive failures make a
 worker unhealthy and one successful probe makes it healthy again. The request path adds
-transport failures with `record_transport_failure` (a decode worker refusing a call).
+transport failures with `record_transport_failure` (a decode worker refusing a call). A probe
+that cannot connect at all (nothing listens at the worker's address: its process is gone) makes
+the worker unhealthy at once, and a stream to the worker that breaks (its KV events, its load
+reports) asks for such a probe now (`probe_soon`), not at the next round: a killed worker
+process is out of routing within milliseconds instead of `failure_threshold` rounds.
 Client errors (INVALID_ARGUMENT, over-long prompts...) never count: `counts_against_worker`.
 
 Unknown and new workers are healthy. A worker that leaves discovery is forgotten. Health does
@@ -41,6 +45,13 @@ CLIENT_CODES = frozenset({
 })
 
 
+def refused_connection(exc: grpc.aio.AioRpcError) -> bool:
+    """Whether a call failed because no connection to the address could be made (gRPC core's
+    "failed to connect to all addresses": refused, unreachable, a failed TLS handshake), as
+    against a call that reached a server and failed there."""
+    return exc.code() == grpc.StatusCode.UNAVAILABLE and "failed to connect" in (exc.details() or "").lower()
+
+
 def counts_against_worker(code: grpc.StatusCode) -> bool:
     """Whether an error answered by a worker on the request path is a worker failure."""
     return code not in CLIENT_CODES
@@ -74,6 +85,7 @@ class HealthTracker:
         self.failure_threshold = failure_threshold
         self._state: dict[str, WorkerHealth] = {}
         self._task: asyncio.Task | None = None  # strong reference
+        self._soon: dict[str, asyncio.Task] = {}  # probe_soon's probes in flight (strong references)
         self.rounds = 0
         # Called with (instance id, reason) when a worker turns unhealthy: the router takes its
         # open calls away (router/inflight.py) instead of waiting on a worker that may never answer.
@@ -109,9 +121,11 @@ class HealthTracker:
             st.since = time.monotonic()
             log.info("worker %s at %s is healthy again (unhealthy for %.1f s)", instance_id, st.address, down)
 
-    def record_failure(self, instance_id: str, reason: str) -> None:
+    def record_failure(self, instance_id: str, reason: str, conclusive: bool = False) -> None:
+        """One failure; `conclusive` (nothing could connect) counts as `failure_threshold` of them."""
         st = self._entry(instance_id)
-        st.consecutive_failures += 1
+        st.consecutive_failures = (max(st.consecutive_failures + 1, self.failure_threshold) if conclusive
+                                   else st.consecutive_failures + 1)
         st.last_error = reason
         if st.healthy and st.consecutive_failures >= self.failure_threshold:
             st.healthy = False
@@ -135,10 +149,12 @@ class HealthTracker:
         st.address = inst.address
         st.probes += 1
         stub = health_pb2_grpc.HealthStub(self.workers.channel(inst))
+        conclusive = False
         try:
             reply = await stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=self.timeout_s)
         except grpc.aio.AioRpcError as exc:
             reason = f"{exc.code().name}: {exc.details()}"
+            conclusive = refused_connection(exc)
         except Exception as exc:  # noqa: BLE001 - a probe never kills the tracker
             reason = f"{type(exc).__name__}: {exc}"
         else:
@@ -147,7 +163,18 @@ class HealthTracker:
                 return
             reason = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
         st.probe_failures += 1
-        self.record_failure(inst.instance_id, reason)
+        self.record_failure(inst.instance_id, reason, conclusive)
+
+    def probe_soon(self, instance_id: str) -> None:
+        """Probe this worker now, in a task of its own (at most one at a time per worker): a
+        stream to it broke, and if its process is gone the probe cannot connect (conclusive).
+        A worker not in the view, or with a probe already on the way, is left alone."""
+        inst = self._current().get(instance_id)
+        if inst is None or instance_id in self._soon:
+            return
+        task = asyncio.get_running_loop().create_task(self.probe(inst), name=f"probe-soon-{instance_id}")
+        self._soon[instance_id] = task
+        task.add_done_callback(lambda _t, wid=instance_id: self._soon.pop(wid, None))
 
     def _current(self) -> dict[str, discovery_pb2.Instance]:
         return {i.instance_id: i for role in ROLES for i in self.workers.candidates(role, serving_only=False)}
@@ -179,6 +206,11 @@ class HealthTracker:
 
     async def stop(self) -> None:
         task, self._task = self._task, None
+        soon = list(self._soon.values())
+        for t in soon:
+            t.cancel()
         if task is not None:
             task.cancel()
-            await asyncio.wait([task])  # not `await task`: a cancellation of stop() itself still propagates
+        if task is not None or soon:
+            # not `await task`: a cancellation of stop() itself still propagates
+            await asyncio.wait([*([task] if task is not None else []), *soon])

@@ -111,6 +111,7 @@ class KvEventSubscriber:
                     backoff = 0.05
             except grpc.aio.AioRpcError as exc:
                 self.counters.stream_errors += 1
+                self.workers.stream_broke(wid, exc)
                 log.debug("KV events from %s: %s", wid, exc.code().name)
             except LookupError:
                 return  # left discovery between the two looks

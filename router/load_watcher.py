@@ -61,6 +61,7 @@ class LoadWatcher:
                     backoff = 0.05
             except grpc.aio.AioRpcError as exc:
                 self.load.forget(wid)
+                self.workers.stream_broke(wid, exc)
                 if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
                     log.info("worker %s reports no load: scored on this router's own counts", wid)
                     return

@@ -129,6 +129,13 @@ class WorkerSet:
         if self.health is not None:
             self.health.record_transport_failure(instance_id, "refused a call")
 
+    def stream_broke(self, instance_id: str, exc: grpc.aio.AioRpcError) -> None:
+        """A stream from this worker (KV events, load reports) ended with `exc`: when the
+        transport failed (UNAVAILABLE), health probes the worker now (router/health.py
+        probe_soon), so a worker whose process died leaves routing at once."""
+        if self.health is not None and exc.code() == grpc.StatusCode.UNAVAILABLE:
+            self.health.probe_soon(instance_id)
+
     def instance(self, instance_id: str) -> discovery_pb2.Instance | None:
         """The instance's record in discovery now, or None once it left."""
         return self._watcher.instances().get(instance_id)

@@ -19,7 +19,7 @@ import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from common.pb.tandem.v1 import discovery_pb2, frontend_pb2, frontend_pb2_grpc, sampling_pb2
-from router.health import HealthTracker, counts_against_worker
+from router.health import HealthTracker, counts_against_worker, refused_connection
 from router.workers import WorkerSet
 
 DECODE, PREFILL = discovery_pb2.ROLE_DECODE, discovery_pb2.ROLE_PREFILL
@@ -159,6 +159,65 @@ def test_stopped_server_and_timeouts_are_failures():
         finally:
             await workers.close()
             await slow.stop(None)
+
+    run(body)
+
+
+def test_a_refused_connection_is_conclusive_a_timeout_is_not():
+    async def body() -> None:
+        gone, _, gone_address = await health_server()
+        slow, slow_servicer, slow_address = await health_server()
+        workers, tracker, _ = tracker_for(gone_address, slow_address, threshold=3, timeout_s=0.2)
+        try:
+            await tracker.probe_all()
+            await gone.stop(None)  # nothing listens there any more
+            slow_servicer.delay_s = 1.0
+            await tracker.probe_all()
+            assert not tracker.healthy("w0")  # one round: nothing could connect
+            assert tracker.healthy("w1") and tracker.stats("w1").consecutive_failures == 1  # a timeout: 1 of 3
+            assert "failed to connect" in tracker.stats("w0").last_error.lower()
+        finally:
+            await workers.close()
+            await slow.stop(None)
+
+    run(body)
+
+
+def _rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
+
+
+def test_refused_connection_reads_grpc_cores_connect_failure():
+    assert refused_connection(_rpc_error(grpc.StatusCode.UNAVAILABLE, "failed to connect to all addresses; last "
+                                         "error: UNKNOWN: ipv4:127.0.0.1:1: Connection refused"))
+    assert not refused_connection(_rpc_error(grpc.StatusCode.UNAVAILABLE, "Socket closed"))
+    assert not refused_connection(_rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, "failed to connect"))
+
+
+def test_a_broken_stream_probes_the_worker_at_once():
+    async def body() -> None:
+        gone, _, gone_address = await health_server()
+        live, _, live_address = await health_server()
+        workers, tracker, _ = tracker_for(gone_address, live_address, threshold=3)
+        try:  # the tracker's rounds are not running: only stream_broke probes
+            await gone.stop(None)
+            workers.stream_broke("w1", _rpc_error(grpc.StatusCode.UNAVAILABLE, "Socket closed"))
+            workers.stream_broke("w0", _rpc_error(grpc.StatusCode.CANCELLED, "cancelled"))  # not a transport failure
+            await asyncio.sleep(0.3)
+            assert tracker.healthy("w0") and tracker.stats("w0") is None  # not probed
+            assert tracker.healthy("w1") and tracker.stats("w1").probes == 1  # probed, answered
+            start = time.monotonic()
+            workers.stream_broke("w0", _rpc_error(grpc.StatusCode.UNAVAILABLE, "Socket closed"))
+            workers.stream_broke("w0", _rpc_error(grpc.StatusCode.UNAVAILABLE, "Socket closed"))  # one probe at a time
+            while tracker.healthy("w0"):
+                assert time.monotonic() - start < 2.0, "a dead worker's broken stream did not make it unhealthy"
+                await asyncio.sleep(0.01)
+            assert tracker.stats("w0").probes == 1
+            assert ids(workers.candidates(DECODE)) == ["w1"]
+        finally:
+            await tracker.stop()
+            await workers.close()
+            await live.stop(None)
 
     run(body)
 
