@@ -131,8 +131,9 @@ class HealthTracker:
             st.healthy = False
             st.state_changes += 1
             st.since = time.monotonic()
-            log.warning("worker %s at %s is unhealthy after %d consecutive failures (last: %s): no new requests "
-                        "until it recovers", instance_id, st.address, st.consecutive_failures, reason)
+            why = "nothing could connect" if conclusive else f"{st.consecutive_failures} consecutive failures"
+            log.warning("worker %s at %s is unhealthy after %s (last: %s): no new requests until it recovers",
+                        instance_id, st.address, why, reason)
             if self.on_unhealthy is not None:
                 self.on_unhealthy(instance_id, f"unhealthy ({reason})")
 
