@@ -45,9 +45,12 @@ class LocalCluster:
         metrics: every process serves Prometheus /metrics on a free port (`metrics_addresses()`).
         http_port: the router's OpenAI-compatible HTTP API (-1 = off, 0 = a free port); its
             address is `http_address` once started.
-        num_mocker: simulated decode workers (one `tandem mocker` process) instead of real
-            workers; the model becomes tandem-mock unless another was given, and
-            `mocker_args` go to that process (e.g. ["--num-blocks", "256", "--speedup", "10"]).
+        num_mocker: simulated decode workers (`tandem mocker`) instead of real workers; the
+            model becomes tandem-mock unless another was given, and `mocker_args` go to every
+            mocker process (e.g. ["--num-blocks", "256", "--speedup", "10"]).
+        mocker_processes: how many `tandem mocker` processes host the num_mocker workers
+            (split as evenly as possible; processes "mocker", "mocker-1", ...): a fleet of
+            1,000 simulated workers needs several, and killing one is a host failure.
         tls: mutual TLS between every process (common/tls.py): a throw-away CA and one
             certificate per process in log_dir/tls; `ca` issues more (tests), `client_tls`
             is a frontend client's (`cli.client.frontend_stub(address, cluster.client_tls)`;
@@ -67,14 +70,18 @@ class LocalCluster:
                  log_dir: str | None = None,
                  ready_timeout_s: float = 120.0, metrics: bool = False, num_mocker: int = 0,
                  mocker_args: list[str] | None = None, http_port: int = -1, tls: bool = True,
-                 api_keys: str = "", num_routers: int = 1) -> None:
+                 api_keys: str = "", num_routers: int = 1, mocker_processes: int = 1) -> None:
         if num_routers < 1:
             raise ValueError(f"--routers must be at least 1, got {num_routers}")
+        if num_mocker and not 1 <= mocker_processes <= num_mocker:
+            raise ValueError(f"--mocker-processes must be between 1 and --mocker ({num_mocker}), got "
+                             f"{mocker_processes}")
         if num_mocker:
             from engine.model_source import MOCK
             model = MOCK if model in (DEFAULT_MODEL, "") else model
             num_prefill = num_decode = 0
         self.num_mocker = num_mocker
+        self.mocker_processes = mocker_processes
         self.num_routers = num_routers
         self.mocker_args = mocker_args or []
         self.model = model
@@ -171,7 +178,10 @@ class LocalCluster:
         for i in range(self.num_decode):
             self.spawn(f"decode-{i}", "decode", "--port", "0", *self.worker_args)
         if self.num_mocker:
-            self.spawn("mocker", "mocker", "--port", "0", "--num-workers", str(self.num_mocker), *self.mocker_args)
+            per, extra = divmod(self.num_mocker, self.mocker_processes)
+            for i in range(self.mocker_processes):
+                self.spawn("mocker" if i == 0 else f"mocker-{i}", "mocker", "--port", "0",
+                           "--num-workers", str(per + (i < extra)), *self.mocker_args)
 
     def _last_line(self, name: str) -> str:
         """The last line a process wrote to its log (its one-line start-up error, if it had one)."""

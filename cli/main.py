@@ -59,7 +59,8 @@ def _up(args: argparse.Namespace) -> int:
                                router_port=args.port,
                                router_args=["--router-mode", args.router_mode] if args.router_mode else [],
                                metrics=args.metrics, num_mocker=args.mocker, http_port=args.http_port,
-                               tls=not args.insecure, api_keys=args.api_keys, num_routers=args.routers)
+                               tls=not args.insecure, api_keys=args.api_keys, num_routers=args.routers,
+                               mocker_processes=args.mocker_processes)
         if args.insecure:
             print("tandem up: WARNING: --insecure: every gRPC port of this cluster serves plaintext with no "
                   "authentication; any local process can call the workers directly", file=sys.stderr, flush=True)
@@ -264,6 +265,8 @@ def build_parser(command: str | None = None, full: bool = True) -> argparse.Argu
          "setting, from [router] in the config file or its default kv)")
     _arg(p, "--metrics", True, "serve /metrics from every process on a free port (--no-metrics: none)", kind=bool)
     _arg(p, "--mocker", 0, "simulated workers instead of real ones (tandem mocker; model tandem-mock)")
+    _arg(p, "--mocker-processes", 1, "tandem mocker processes that host the --mocker workers between them "
+         "(a fleet of hundreds needs several)")
     _arg(p, "--api-keys", "", "TOML or JSON file of API keys for the router (docs/security.md; it needs one "
          "admin key, which tandem up uses to see the router ready); empty = an open front")
     _arg(p, "--insecure", False, "no TLS: every process serves and dials gRPC in plaintext, unauthenticated "

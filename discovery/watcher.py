@@ -106,6 +106,9 @@ class InstanceWatcher:
         self._max_backoff = max_backoff
         self._view: dict[bytes, discovery_pb2.Instance] = {}  # etcd key -> record
         self._revision = 0
+        # Bumped whenever the view changes: a reader may keep what it derived from instances()
+        # until this moves (the router's candidate lists at 1,000 workers).
+        self.generation = 0
         self._in_sync = False
         self._synced = asyncio.Event()  # set after the first full listing
         self._changed = asyncio.Condition()
@@ -301,6 +304,8 @@ class InstanceWatcher:
                 events.append(InstanceEvent("updated", _copy(new)))
             # else: the same record put again (e.g. a re-registration): nothing to tell.
         self._revision = revision
+        if events:
+            self.generation += 1
         for event in events:
             await self._emit(event)
         async with self._changed:

@@ -84,6 +84,7 @@ class HealthTracker:
         self.timeout_s = timeout_s
         self.failure_threshold = failure_threshold
         self._state: dict[str, WorkerHealth] = {}
+        self.generation = 0  # bumped whenever healthy() changes for some worker (WorkerSet caches on it)
         self._task: asyncio.Task | None = None  # strong reference
         self._soon: dict[str, asyncio.Task] = {}  # probe_soon's probes in flight (strong references)
         self.rounds = 0
@@ -116,6 +117,7 @@ class HealthTracker:
         st.consecutive_failures = 0
         if not st.healthy:
             st.healthy = True
+            self.generation += 1
             st.state_changes += 1
             down = time.monotonic() - st.since
             st.since = time.monotonic()
@@ -129,6 +131,7 @@ class HealthTracker:
         st.last_error = reason
         if st.healthy and st.consecutive_failures >= self.failure_threshold:
             st.healthy = False
+            self.generation += 1
             st.state_changes += 1
             st.since = time.monotonic()
             why = "nothing could connect" if conclusive else f"{st.consecutive_failures} consecutive failures"
@@ -185,7 +188,7 @@ class HealthTracker:
         current = self._current()
         for wid in list(self._state):
             if wid not in current:
-                del self._state[wid]
+                self.generation += not self._state.pop(wid).healthy
         await asyncio.gather(*(self.probe(i) for i in current.values()))
         self.rounds += 1
 
