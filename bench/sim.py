@@ -71,9 +71,13 @@ class _Workers:
         self.block_size = block_size
         self.hash_seed = seed
         self.model = MOCK
+        self._by_role: dict[int, list[discovery_pb2.Instance]] = {}
 
     def candidates(self, role: int, serving_only: bool = True) -> list[discovery_pb2.Instance]:
-        return [i for i in self._instances if i.role == role]
+        # one list object per role, as WorkerSet hands out while nothing changes
+        if role not in self._by_role:
+            self._by_role[role] = [i for i in self._instances if i.role == role]
+        return self._by_role[role]
 
     def hash_seed_for(self, cache_salt: str) -> int:
         return self.hash_seed  # one simulated tenant

@@ -44,11 +44,26 @@ def derived_weight(instances: Iterable[discovery_pb2.Instance], mean_output_toke
     announces outside [MIN_ANNOUNCED_S, MAX_ANNOUNCED_S], taken from the defaults), clipped,
     then their median, so that fewer than half announcing odd timings cannot move it past the
     others' range."""
-    ws = [prefill_weight(_announced(i.prefill_seconds_per_token, DEFAULT_PREFILL_S_PER_TOKEN),
-                         _announced(i.decode_seconds_per_kv_token, DEFAULT_DECODE_S_PER_KV_TOKEN), mean_output_tokens)
-          for i in instances]
-    return statistics.median(ws) if ws else prefill_weight(
-        DEFAULT_PREFILL_S_PER_TOKEN, DEFAULT_DECODE_S_PER_KV_TOKEN, mean_output_tokens)
+    return Announced(instances).weight(mean_output_tokens)
+
+
+class Announced:
+    """The instances' announced timings, read once (the router keeps one per candidate list):
+    `weight(L)` is derived_weight's W and `request_blocks` R, without a pass over 1,000
+    instances per request. W's median needs only the middle instances by p / d: p / (d · L),
+    clipped, keeps their order for every L."""
+
+    def __init__(self, instances: Iterable[discovery_pb2.Instance]) -> None:
+        pd = sorted(((_announced(i.prefill_seconds_per_token, DEFAULT_PREFILL_S_PER_TOKEN),
+                      _announced(i.decode_seconds_per_kv_token, DEFAULT_DECODE_S_PER_KV_TOKEN)) for i in instances),
+                    key=lambda x: x[0] / x[1])
+        n = len(pd)
+        self._middle = pd[(n - 1) // 2:n // 2 + 1]  # the one or two median instances (none without any)
+
+    def weight(self, mean_output_tokens: float) -> float:
+        if not self._middle:
+            return prefill_weight(DEFAULT_PREFILL_S_PER_TOKEN, DEFAULT_DECODE_S_PER_KV_TOKEN, mean_output_tokens)
+        return statistics.median([prefill_weight(p, d, mean_output_tokens) for p, d in self._middle])
 
 
 def prefill_weight(p: float, d: float, mean_output_tokens: float) -> float:

@@ -4,6 +4,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Iterator, Sequence
+
+import numpy as np
 
 
 @dataclass(frozen=True)
@@ -19,6 +22,46 @@ class Candidate:
 
 
 @dataclass(frozen=True)
+class Scores:
+    """One role's candidates as arrays, index-aligned with `instances` (router/policy.py
+    scores them so; Candidate objects are built only when asked: explain, spans, tests).
+    Arrays are float64 of length len(instances): overlap_blocks, load, cost, queued_blocks,
+    shared_blocks as in Candidate."""
+
+    role: str  # "prefill" | "decode"
+    instances: Sequence  # discovery_pb2.Instance
+    overlap: np.ndarray
+    load: np.ndarray
+    cost: np.ndarray
+    queued: np.ndarray
+    shared: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.instances)
+
+    def candidate(self, i: int) -> Candidate:
+        inst = self.instances[i]
+        return Candidate(inst.instance_id, inst.address, self.role, int(self.overlap[i]), float(self.load[i]),
+                         float(self.cost[i]), float(self.queued[i]), int(self.shared[i]))
+
+    def candidates(self) -> Iterator[Candidate]:
+        return (self.candidate(i) for i in range(len(self.instances)))
+
+    @classmethod
+    def of(cls, role: str, cands: Sequence[Candidate]) -> "Scores":
+        """From Candidate objects (their instance_id and address stand in for the instances)."""
+        col = lambda f: np.array([float(getattr(c, f)) for c in cands])  # noqa: E731
+        return cls(role, [_Named(c.instance_id, c.address) for c in cands], col("overlap_blocks"), col("load"),
+                   col("cost"), col("queued_blocks"), col("shared_blocks"))
+
+
+@dataclass(frozen=True)
+class _Named:
+    instance_id: str
+    address: str
+
+
+@dataclass(frozen=True)
 class RouteDecision:
     mode: str
     prompt_tokens: int
@@ -26,12 +69,19 @@ class RouteDecision:
     decode: Candidate
     prefill: Candidate | None  # None: the decode worker prefills locally
     local_prefill_reason: str = ""  # why prefill runs on the decode worker, when it does
-    candidates: tuple[Candidate, ...] = field(default=())
+    scored: tuple[Candidate | Scores, ...] = field(default=())  # every candidate (Scores: one role's, lazily)
     seconds: float = 0.0  # time to decide (hash + lookup + scoring)
     prefill_weight: float = 0.0  # kv/approx: the weight the costs used (router/cost_weight.py)
     queue_share: float = 0.0  # kv/approx decode: 1 / (1 + b), the weight of queued prefill (router/policy.py)
     request_blocks: float = 0.0  # kv/approx decode: R, one request's cost in active blocks
     prefill_queue_share: float = 0.0  # kv/approx: the prefill workers' 1 / (1 + b)
+    hash_seconds: float = 0.0  # of `seconds`, hashing the prompt's blocks (grows with the prompt, not the fleet)
+
+    @property
+    def candidates(self) -> tuple[Candidate, ...]:
+        """Every candidate scored for this decision, each role's in discovery order."""
+        return tuple(c for item in self.scored
+                     for c in (item.candidates() if isinstance(item, Scores) else (item,)))
 
     def uncached_tokens(self, block_size: int) -> int:
         """Prompt tokens the prefilling worker (the prefill worker, else the decode worker) is

@@ -31,6 +31,8 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Sequence
 
+import numpy as np
+
 OUTPUT_PRIOR_TOKENS = 256.0  # mean output length assumed before any request has finished
 OUTPUT_EWMA = 0.02  # weight of each finished request in the mean output length
 
@@ -58,47 +60,85 @@ class LoadTracker:
         # finish; prefill workers: until their first token)
         self._refs: defaultdict[str, dict[int, int]] = defaultdict(dict)
         self.mean_output_tokens = OUTPUT_PRIOR_TOKENS
-        # worker -> [requests, active blocks, queued prefill tokens]: its last report, and the
-        # changes this router made there since (starts, growth, first tokens and finishes).
+        # prompt block hash -> workers with an in-flight request holding it (inflight_prefix's
+        # candidates: only workers that share a prompt's first block can have a prefix of it)
+        self._holders: dict[int, set[str]] = {}
+        # worker -> [requests, active blocks, queued prefill tokens]: its last report.
         self.reported: dict[str, list[int]] = {}
-        self._since: dict[str, list[int]] = {}
+        # The placement's view as arrays by worker slot (`slots`), so that scoring 1,000 workers
+        # is a few vector operations: rows requests, active blocks, queued prefill tokens of
+        # this router's own counts (_own), and of the last report plus every change this router
+        # made there since (_rep; -inf for a worker that reports nothing).
+        self._slot: dict[str, int] = {}
+        self._own = np.zeros((3, 64))
+        self._rep = np.full((3, 64), -np.inf)
+
+    def slot(self, worker: str) -> int:
+        """The worker's column in the view arrays (assigned on first sight, kept for good)."""
+        s = self._slot.get(worker)
+        if s is None:
+            s = self._slot[worker] = len(self._slot)
+            if s >= self._own.shape[1]:
+                grow = self._own.shape[1]
+                self._own = np.concatenate([self._own, np.zeros((3, grow))], axis=1)
+                self._rep = np.concatenate([self._rep, np.full((3, grow), -np.inf)], axis=1)
+        return s
+
+    def slots(self, workers: Sequence[str]) -> np.ndarray:
+        """The workers' slots, for `views`."""
+        return np.fromiter((self.slot(w) for w in workers), dtype=np.intp, count=len(workers))
+
+    def views(self, slots: np.ndarray) -> np.ndarray:
+        """[3, n] float64: requests, active blocks and queued prefill tokens of the workers at
+        `slots` as the placement sees them (`requests`, `active`, `queued_tokens`)."""
+        return np.maximum(self._own[:, slots], self._rep[:, slots])
+
+    def own_requests(self, slots: np.ndarray) -> np.ndarray:
+        """This router's own in-flight requests on the workers at `slots` (float64)."""
+        return self._own[0, slots]
 
     def report(self, worker: str, requests: int, active_blocks: int, queued_prefill_tokens: int) -> None:
         """A worker's own account of its load (router/load_watcher.py)."""
         self.reported[worker] = [requests, active_blocks, queued_prefill_tokens]
-        self._since[worker] = [0, 0, 0]
+        s = self.slot(worker)  # before reading self._rep: a new slot may grow the arrays
+        self._rep[:, s] = (requests, active_blocks, queued_prefill_tokens)
 
     def forget(self, worker: str) -> None:
         """The worker stopped reporting: score it on this router's own counts again."""
-        self.reported.pop(worker, None)
-        self._since.pop(worker, None)
+        if self.reported.pop(worker, None) is not None:
+            self._rep[:, self._slot[worker]] = -np.inf
+
+    def add(self, worker: str, requests: int = 0, blocks: int = 0, tokens: int = 0) -> None:
+        """Count load on `worker` outside a RequestLoad (tests, what-if scoring)."""
+        self._changed(worker, requests, blocks, tokens)
 
     def _changed(self, worker: str, requests: int, blocks: int, tokens: int) -> None:
-        """Apply a change to this router's own counts of `worker`, and since its last report."""
+        """Apply a change to this router's own counts of `worker`, and since its last report.
+        The dicts are the counts' public form; the view arrays follow them here only: change
+        them through this."""
         self.in_flight[worker] += requests
         self.active_blocks[worker] += blocks
         self.prefill_tokens[worker] += tokens
-        since = self._since.get(worker)
-        if since is not None:
-            since[0] += requests
-            since[1] += blocks
-            since[2] += tokens
+        s = self.slot(worker)
+        change = (requests, blocks, tokens)
+        self._own[:, s] += change
+        if worker in self.reported:
+            self._rep[:, s] += change
 
-    def _view(self, worker: str, i: int, own: dict[str, int]) -> float:
+    def _view(self, worker: str, i: int) -> float:
         # Never below this router's own count: a report the worker built before this router's
         # newest call reached it does not hold that call, and the reset would hide it.
-        mine = own.get(worker, 0)
-        r = self.reported.get(worker)
-        return float(max(mine, r[i] + self._since[worker][i])) if r is not None else float(mine)
+        s = self._slot.get(worker)
+        return 0.0 if s is None else float(max(self._own[i, s], self._rep[i, s]))
 
     def requests(self, worker: str) -> float:
-        return self._view(worker, 0, self.in_flight)
+        return self._view(worker, 0)
 
     def active(self, worker: str) -> float:
-        return self._view(worker, 1, self.active_blocks)
+        return self._view(worker, 1)
 
     def queued_tokens(self, worker: str) -> float:
-        return self._view(worker, 2, self.prefill_tokens)
+        return self._view(worker, 2)
 
     def start(self, decode_id: str, prefill_id: str | None, prompt_tokens: int, uncached_tokens: int,
               hashes: Sequence[int] = (), local_prefill: bool = False) -> RequestLoad:
@@ -130,7 +170,9 @@ class LoadTracker:
         for h in hashes:
             n = refs.get(h, 0)
             refs[h] = n + 1
-            new += n == 0
+            if not n:
+                new += 1
+                self._holders.setdefault(h, set()).add(worker)
         return new
 
     def _unref(self, worker: str, hashes: tuple[int, ...]) -> int:
@@ -144,6 +186,10 @@ class LoadTracker:
             else:
                 del refs[h]
                 gone += 1
+                holders = self._holders[h]
+                holders.discard(worker)
+                if not holders:
+                    del self._holders[h]
         if not refs:
             del self._refs[worker]
         return gone
@@ -160,6 +206,12 @@ class LoadTracker:
                 break
             n += 1
         return n
+
+    def inflight_prefixes(self, hashes: Sequence[int]) -> dict[str, int]:
+        """`inflight_prefix` of every worker where it is not 0."""
+        if not hashes:
+            return {}
+        return {w: self.inflight_prefix(w, hashes) for w in self._holders.get(hashes[0], ())}
 
     def prefill_finished(self, load: RequestLoad) -> None:
         if load.prefill_id and not load.prefill_done:

@@ -52,8 +52,19 @@ class Placement:
         self.opts = opts
         rng = (lambda k: random.Random(opts.seed + k)) if opts.seed is not None else (lambda k: None)
         self.last_weight = 0.0  # the prefill weight of the last decision (router metrics)
+        self._kept: tuple | None = None  # (decodes, prefills, Announced, R) of the last candidate lists
         self.decode_policy = make_policy(opts.mode, opts.temperature, rng(0))
         self.prefill_policy = make_policy(opts.mode, opts.temperature, rng(1))
+
+    def _announced(self, decodes: list[discovery_pb2.Instance],
+                   prefills: list[discovery_pb2.Instance]) -> tuple[cost_weight.Announced, float]:
+        """What the candidates announce (for W) and R, kept while the candidate lists are the
+        same objects (router/workers.py)."""
+        kept = self._kept
+        if kept is None or kept[0] is not decodes or kept[1] is not prefills:
+            kept = self._kept = (decodes, prefills, cost_weight.Announced(decodes + prefills),
+                                 cost_weight.request_blocks(decodes, self.workers.block_size))
+        return kept[2], kept[3]
 
     def weight(self, instances: Sequence[discovery_pb2.Instance]) -> float:
         """The prefill weight of this decision: --prefill-weight, or derived (router/cost_weight.py)
@@ -89,16 +100,22 @@ class Placement:
         bs = self.workers.block_size
         uses_overlap = self.decode_policy.uses_overlap
         hashes = block_hashes(tokens, bs, self.workers.hash_seed_for(cache_salt)) if uses_overlap else []
+        hashed = time.perf_counter()
         overlaps = self.overlap.overlaps(hashes) if hashes else {}
         blocks = len(tokens) // bs
-        decodes = [d for d in self.workers.candidates(discovery_pb2.ROLE_DECODE) if d.instance_id not in exclude]
+        decodes = self.workers.candidates(discovery_pb2.ROLE_DECODE)
+        if exclude:
+            decodes = [d for d in decodes if d.instance_id not in exclude]
         if not decodes:
             raise NoWorker("no healthy decode worker" + (f" other than {', '.join(sorted(exclude))}" if exclude else "")
                            + self._refused_note())
         prefills = self.workers.candidates(discovery_pb2.ROLE_PREFILL)
-        weight = self.weight(decodes + prefills) if uses_overlap else 0.0
+        weight, request_blocks = 0.0, 0.0
+        if uses_overlap:
+            announced, request_blocks = self._announced(decodes, prefills)
+            weight = self.opts.prefill_weight if self.opts.prefill_weight > 0 else \
+                announced.weight(self.load.mean_output_tokens)
         self.last_weight = weight
-        request_blocks = cost_weight.request_blocks(decodes, bs) if uses_overlap else 0.0
         scored = self.decode_policy.score(discovery_pb2.ROLE_DECODE, decodes, overlaps, blocks, self.load, hashes,
                                           weight, prefills_here=not prefills, request_blocks=request_blocks)
         decode = self.decode_policy.pick(scored)
@@ -114,8 +131,8 @@ class Placement:
             p_scored = self.prefill_policy.score(discovery_pb2.ROLE_PREFILL, prefills, overlaps, blocks, self.load,
                                                  hashes, weight)
             prefill = self.prefill_policy.pick(p_scored)
-            scored += p_scored
-        decision = RouteDecision(self.opts.mode, len(tokens), blocks, decode, prefill, reason, tuple(scored),
+        decision = RouteDecision(self.opts.mode, len(tokens), blocks, decode, prefill, reason,
+                                 (scored, p_scored) if prefill else (scored,),
                                  time.perf_counter() - start, weight, queue_share, request_blocks,
-                                 self.prefill_policy.queue_share if prefill else 0.0)
+                                 self.prefill_policy.queue_share if prefill else 0.0, hashed - start)
         return decision, hashes

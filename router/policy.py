@@ -32,13 +32,39 @@ import math
 import random
 from typing import Mapping, Sequence
 
+import numpy as np
+
 from common.pb.tandem.v1 import discovery_pb2
-from router.decision import Candidate
+from router.decision import Candidate, Scores
 from router.load import LoadTracker
 
 MODES = ("kv", "approx", "round-robin", "random", "least-loaded")
 TRANSFER_WEIGHT = 1.0  # decode worker with prefill workers present: an uncached block costs one active block
 _ROLE = {discovery_pb2.ROLE_PREFILL: "prefill", discovery_pb2.ROLE_DECODE: "decode"}
+
+
+class _Columns:
+    """What scoring derives from one candidate list and keeps while WorkerSet hands out the same
+    list object (router/workers.py): ids, their position, LoadTracker slots, tie order, pools."""
+
+    def __init__(self, candidates: Sequence[discovery_pb2.Instance], load: LoadTracker) -> None:
+        self.candidates, self.load = candidates, load
+        self.ids = [i.instance_id for i in candidates]
+        self.pos = {wid: j for j, wid in enumerate(self.ids)}
+        self.slots = load.slots(self.ids)
+        rank = np.empty(len(self.ids), dtype=np.intp)
+        rank[sorted(range(len(self.ids)), key=self.ids.__getitem__)] = np.arange(len(self.ids))
+        self.rank = rank  # position in instance id order (ties rotate in that order)
+        self.room = np.array([float(i.kv_capacity_blocks) for i in candidates])
+
+    def sparse(self, values: Mapping[str, int]) -> np.ndarray:
+        """A {instance id: n} map as a column (0 where absent, ids not among the candidates ignored)."""
+        col = np.zeros(len(self.ids))
+        for wid, n in values.items():
+            j = self.pos.get(wid)
+            if j is not None:
+                col[j] = n
+        return col
 
 
 class Policy:
@@ -51,32 +77,46 @@ class Policy:
         # Ties rotate from a random start: router replicas (separate processes) must not all
         # send their first tied requests to the same worker.
         self._tick = itertools.count(self._rng.randrange(1 << 30))
+        self._cols: _Columns | None = None
 
-    def load_of(self, role: int, inst: discovery_pb2.Instance, load: LoadTracker) -> float:
-        return float(load.in_flight.get(inst.instance_id, 0))
+    def columns(self, candidates: Sequence[discovery_pb2.Instance], load: LoadTracker) -> _Columns:
+        cols = self._cols
+        if cols is None or cols.candidates is not candidates or cols.load is not load:
+            cols = self._cols = _Columns(candidates, load)
+        return cols
 
     def score(self, role: int, candidates: Sequence[discovery_pb2.Instance], overlaps: Mapping[str, int],
               blocks: int, load: LoadTracker, hashes: Sequence[int] = (), weight: float = 1.0,
-              prefills_here: bool = True, request_blocks: float = 0.0) -> list[Candidate]:
-        """One Candidate per instance. The rest is for the kv/approx cost: `hashes` (the prompt's
-        block hashes), `weight` (W), `prefills_here` (decode: no prefill worker exists, so the
-        decode worker computes what it lacks) and `request_blocks` (R); a decode instance's
-        kv_capacity_blocks (0 = unknown) bounds the blocks it has room for."""
-        out = []
-        for inst in candidates:
-            w = self.load_of(role, inst, load)
-            out.append(Candidate(inst.instance_id, inst.address, _ROLE[role], overlaps.get(inst.instance_id, 0), w, w))
-        return out
+              prefills_here: bool = True, request_blocks: float = 0.0) -> Scores:
+        """Every candidate's cost (Scores, aligned with `candidates`). The rest is for the
+        kv/approx cost: `hashes` (the prompt's block hashes), `weight` (W), `prefills_here`
+        (decode: no prefill worker exists, so the decode worker computes what it lacks) and
+        `request_blocks` (R); a decode instance's kv_capacity_blocks (0 = unknown) bounds the
+        blocks it has room for. Here (round-robin, random, least-loaded): this router's own
+        in-flight requests."""
+        cols = self.columns(candidates, load)
+        n = load.own_requests(cols.slots)
+        zero = np.zeros(len(candidates))
+        return Scores(_ROLE[role], candidates, cols.sparse(overlaps), n, n, zero, zero)
 
     queue_share = 0.0  # kv/approx: the last score()'s 1 / (1 + b), for explain
 
-    def pick(self, scored: Sequence[Candidate]) -> Candidate:
-        """Lowest cost; ties rotate so equal workers share the load."""
-        best = min(c.cost for c in scored)
-        tied = sorted((c for c in scored if c.cost == best), key=lambda c: c.instance_id)
-        if not tied:  # a NaN cost (it compares false with everything): rotate over all, never fail
-            tied = sorted(scored, key=lambda c: c.instance_id)
-        return tied[next(self._tick) % len(tied)]
+    def pick(self, scored: Scores) -> Candidate:
+        """Lowest cost; ties rotate (in instance id order) so equal workers share the load; a
+        NaN cost never wins (all NaN: rotate over all)."""
+        cost = scored.cost
+        ok = ~np.isnan(cost)
+        idx = np.flatnonzero(cost == cost[ok].min()) if ok.any() else np.arange(len(cost))
+        if len(idx) > 1:
+            idx = self._ordered(scored, idx)
+        return scored.candidate(int(idx[next(self._tick) % len(idx)]))
+
+    def _ordered(self, scored: Scores, idx: np.ndarray) -> np.ndarray:
+        """idx in instance id order."""
+        cols = self._cols
+        if cols is not None and cols.candidates is scored.instances:
+            return idx[np.argsort(cols.rank[idx], kind="stable")]
+        return np.array(sorted(idx, key=lambda j: scored.instances[j].instance_id), dtype=np.intp)
 
 
 class KvPolicy(Policy):
@@ -88,54 +128,49 @@ class KvPolicy(Policy):
 
     def score(self, role: int, candidates: Sequence[discovery_pb2.Instance], overlaps: Mapping[str, int],
               blocks: int, load: LoadTracker, hashes: Sequence[int] = (), weight: float = 1.0,
-              prefills_here: bool = True, request_blocks: float = 0.0) -> list[Candidate]:
-        out = []
+              prefills_here: bool = True, request_blocks: float = 0.0) -> Scores:
+        cols = self.columns(candidates, load)
         output_blocks = load.mean_output_tokens / load.block_size  # what this request will add as it decodes
         decode = role == discovery_pb2.ROLE_DECODE
+        requests, active, queued_tokens = load.views(cols.slots)
         # Queued work ahead delays only this request; its own uncached blocks also hold up the
         # requests running on that worker (b per worker on average): the queue counts 1/(1 + b).
-        self.queue_share = 1.0 / (1.0 + sum(load.requests(i.instance_id) for i in candidates) / max(1, len(candidates)))
+        self.queue_share = 1.0 / (1.0 + float(requests.sum()) / max(1, len(candidates)))
         # A decode worker computes the blocks it lacks only when no prefill worker does; otherwise
         # they are transferred into it, and cost what they will hold there.
         uncached_weight = weight if (prefills_here or not decode) else TRANSFER_WEIGHT
-        for inst in candidates:
-            wid = inst.instance_id
-            queued = load.queued_tokens(wid) / load.block_size
-            inflight = load.inflight_prefix(wid, hashes)
-            overlap = max(overlaps.get(wid, 0), inflight)
-            prefill_cost = uncached_weight * (blocks - overlap) + weight * self.queue_share * queued
-            if decode:
-                active = load.active(wid)
-                adds = blocks - inflight + output_blocks
-                room = inst.kv_capacity_blocks
-                overflow = max(0.0, active + adds - room) if room > 0 else 0.0
-                cost = (prefill_cost + active + request_blocks * load.requests(wid) + (blocks - inflight)
-                        + weight * overflow)
-                out.append(Candidate(wid, inst.address, "decode", overlap, active, cost, queued, inflight))
-            else:
-                out.append(Candidate(wid, inst.address, "prefill", overlap, queued, prefill_cost, queued, inflight))
-        return out
+        queued = queued_tokens / load.block_size
+        inflight = cols.sparse(load.inflight_prefixes(hashes))
+        overlap = np.maximum(cols.sparse(overlaps), inflight)
+        prefill_cost = uncached_weight * (blocks - overlap) + weight * self.queue_share * queued
+        if not decode:
+            return Scores("prefill", candidates, overlap, queued, prefill_cost, queued, inflight)
+        adds = blocks - inflight + output_blocks
+        room = cols.room
+        overflow = np.where(room > 0, np.maximum(0.0, active + adds - room), 0.0)
+        cost = prefill_cost + active + request_blocks * requests + (blocks - inflight) + weight * overflow
+        return Scores("decode", candidates, overlap, active, cost, queued, inflight)
 
-    def pick(self, scored: Sequence[Candidate]) -> Candidate:
+    def pick(self, scored: Scores) -> Candidate:
         if self.temperature <= 0 or len(scored) == 1:
             return super().pick(scored)
-        lo = min(c.cost for c in scored)
-        span = max(c.cost for c in scored) - lo
-        if span == 0:
+        cost = scored.cost
+        lo, span = float(cost.min()), float(cost.max() - cost.min())
+        if span == 0 or math.isnan(span):
             return super().pick(scored)
-        weights = [math.exp(-(c.cost - lo) / (span * self.temperature)) for c in scored]
-        return self._rng.choices(list(scored), weights=weights)[0]
+        weights = np.exp(-(cost - lo) / (span * self.temperature))
+        return scored.candidate(self._rng.choices(range(len(cost)), weights=weights.tolist())[0])
 
 
 class RoundRobin(Policy):
-    def pick(self, scored: Sequence[Candidate]) -> Candidate:
-        ordered = sorted(scored, key=lambda c: c.instance_id)
-        return ordered[next(self._tick) % len(ordered)]
+    def pick(self, scored: Scores) -> Candidate:
+        order = self._ordered(scored, np.arange(len(scored)))
+        return scored.candidate(int(order[next(self._tick) % len(order)]))
 
 
 class RandomChoice(Policy):
-    def pick(self, scored: Sequence[Candidate]) -> Candidate:
-        return self._rng.choice(list(scored))
+    def pick(self, scored: Scores) -> Candidate:
+        return scored.candidate(self._rng.randrange(len(scored)))
 
 
 class LeastLoaded(Policy):

@@ -106,6 +106,8 @@ class FrontendServicer(pb_grpc.FrontendServiceServicer):
         self.overhead_s: deque[float] = deque(maxlen=100_000)
         self.overhead_cpu_s: deque[float] = deque(maxlen=100_000)
         self.decision_s: deque[float] = deque(maxlen=100_000)  # hash + index lookup + scoring only
+        self.decision_hash_s: deque[float] = deque(maxlen=100_000)  # of which hashing the prompt's blocks
+        self.decision_score_s: deque[float] = deque(maxlen=100_000)  # the rest: look-up and scoring
 
     def overhead_summary(self) -> str:
         if not self.overhead_s:
@@ -116,7 +118,8 @@ class FrontendServicer(pb_grpc.FrontendServiceServicer):
             return f"mean_us={sum(xs) / len(xs) * 1e6:.0f} p50_us={pick(0.5):.0f} p99_us={pick(0.99):.0f}"
 
         return (f"router overhead: n={len(self.overhead_s)} decision (hash, look up, score) "
-                f"{stats(self.decision_s)}; whole request up to the decode call: wall {stats(self.overhead_s)}, "
+                f"{stats(self.decision_s)} (hashing {stats(self.decision_hash_s)}; look up and score "
+                f"{stats(self.decision_score_s)}); whole request up to the decode call: wall {stats(self.overhead_s)}, "
                 f"cpu {stats(self.overhead_cpu_s)}")
 
     def _prompt(self, request: pb.GenerateRequest) -> list[int]:
@@ -273,6 +276,8 @@ class FrontendServicer(pb_grpc.FrontendServiceServicer):
                 decision, hashes = await self._traced_route(tokens + generated, context, attempt,
                                                             frozenset(refused_by))
                 self.decision_s.append(decision.seconds)
+                self.decision_hash_s.append(decision.hash_seconds)
+                self.decision_score_s.append(decision.seconds - decision.hash_seconds)
                 if log.isEnabledFor(logging.DEBUG):
                     log.debug("request %s routed:\n%s", request_id, decision.explain())
                 if self.on_routed is not None:

@@ -57,9 +57,9 @@ def test_overloaded_holder_loses_past_the_cost_balance():
     p, index = placement()
     prompt = doc(320, salt=2)  # 20 blocks
     index.apply_stored("p1", None, block_hashes(prompt, BS, SEED))
-    p.load.prefill_tokens["p1"] = 19 * BS  # queued work just under the 20-block saving
+    p.load.add("p1", tokens=19 * BS)  # queued work just under the 20-block saving
     assert p.route(prompt)[0].prefill.instance_id == "p1"
-    p.load.prefill_tokens["p1"] = 21 * BS  # now past it
+    p.load.add("p1", tokens=2 * BS)  # now past it (21 blocks)
     assert p.route(prompt)[0].prefill.instance_id == "p0"
 
 
@@ -79,7 +79,7 @@ def test_costs_follow_the_formula():
     p, index = placement(n_prefill=1, n_decode=1, prefill_weight=2.0)
     prompt = doc(160, salt=3)  # 10 blocks
     index.apply_stored("d0", None, block_hashes(prompt, BS, SEED)[:4])
-    p.load.active_blocks["d0"] = 7
+    p.load.add("d0", blocks=7)
     d, _ = p.route(prompt)
     # decode (a prefill worker computes the prompt): its uncached blocks are transferred into it,
     # at one active block each, + active + the blocks it adds; prefill: W × uncached (nothing queued)
@@ -87,7 +87,7 @@ def test_costs_follow_the_formula():
     assert d.prefill.cost == 2.0 * 10 and "d0" in d.explain() and d.prefill_weight == 2.0
     alone, index = placement(n_prefill=0, n_decode=1, prefill_weight=2.0)  # the decode worker computes them
     index.apply_stored("d0", None, block_hashes(prompt, BS, SEED)[:4])
-    alone.load.active_blocks["d0"] = 7
+    alone.load.add("d0", blocks=7)
     assert alone.route(prompt)[0].decode.cost == 2.0 * (10 - 4) + 7 + 10
 
 
@@ -129,9 +129,9 @@ def test_other_modes_route(mode):
 
 def test_temperature_samples_by_cost():
     pol = make_policy("kv", temperature=1.0)
-    from router.decision import Candidate
+    from router.decision import Candidate, Scores
     cands = [Candidate("a", "", "decode", 0, 0, 0.0), Candidate("b", "", "decode", 0, 0, 10.0)]
-    picks = [pol.pick(cands).instance_id for _ in range(400)]
+    picks = [pol.pick(Scores.of("decode", cands)).instance_id for _ in range(400)]
     assert picks.count("a") > picks.count("b") > 0
     with pytest.raises(ValueError, match="--router-mode"):
         make_policy("fastest")
