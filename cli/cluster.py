@@ -23,13 +23,28 @@ from engine.model_source import DEFAULT_MODEL
 log = logging.getLogger(__name__)
 
 
-def _hold_port(held: list[socket.socket]) -> int:
-    """A free loopback port, held by a bound (not listening) SO_REUSEPORT socket appended to
-    `held` until the caller closes it: router replicas bind it with SO_REUSEPORT meanwhile,
-    and no other program can take it in between."""
+def _hold_port(held: list[socket.socket], port: int = 0, flag: str = "--port") -> int:
+    """A loopback port (0: a free one), held by a bound (not listening) SO_REUSEPORT socket
+    appended to `held` until the caller closes it: router replicas bind it with SO_REUSEPORT
+    meanwhile, and no other program can take it in between.
+
+    Raises:
+        OSError: naming `flag`, when something already uses a fixed `port`: replicas bind with
+            SO_REUSEPORT, so they would otherwise join the listener there (another `tandem
+            up --routers N`, say) and share its clients instead of failing.
+    """
+    if port:
+        probe = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            probe.bind(("127.0.0.1", port))  # without SO_REUSEPORT: fails while anything holds the port
+        except OSError as exc:
+            raise OSError(exc.errno, f"{flag} {port} is in use ({exc.strerror}): another tandem up or router "
+                          "may be serving there; stop it or choose another port") from None
+        finally:
+            probe.close()
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-    sock.bind(("127.0.0.1", 0))
+    sock.bind(("127.0.0.1", port))
     held.append(sock)
     return sock.getsockname()[1]
 
@@ -144,20 +159,19 @@ class LocalCluster:
         if self.api_keys:
             from router.api_keys import admin_key
             self.admin_key = admin_key(self.api_keys)  # a bad file fails before anything starts
-        if not self._etcd_endpoint:
-            # with TLS, etcd takes only clients with a certificate of the cluster CA (every
-            # process here has one; --etcd is then https://...)
-            self._etcd = EtcdServer(tls=self.ca.issue("etcd", ("etcd",)) if self.ca is not None else None)
-            self._etcd.start()
-            self._etcd_endpoint = self._etcd.endpoint
-        held = []  # replicas: ports picked here are held (SO_REUSEPORT, not listening) until they bind
+        held: list[socket.socket] = []  # replicas: their ports are held (SO_REUSEPORT, not listening) until they bind
         router_port, http_port = self.router_port, self.http_port
-        if self.num_routers > 1:
-            if router_port == 0:
-                router_port = _hold_port(held)
-            if http_port == 0:
-                http_port = _hold_port(held)
         try:
+            if self.num_routers > 1:  # before anything starts: a port in use fails here
+                router_port = _hold_port(held, router_port, "--port")
+                if http_port >= 0:
+                    http_port = _hold_port(held, http_port, "--http-port")
+            if not self._etcd_endpoint:
+                # with TLS, etcd takes only clients with a certificate of the cluster CA (every
+                # process here has one; --etcd is then https://...)
+                self._etcd = EtcdServer(tls=self.ca.issue("etcd", ("etcd",)) if self.ca is not None else None)
+                self._etcd.start()
+                self._etcd_endpoint = self._etcd.endpoint
             for i in range(self.num_routers):
                 self.spawn("router" if i == 0 else f"router-{i}", "router", "--port", str(router_port),
                            "--http-port", str(http_port), *(["--reuse-port"] if self.num_routers > 1 else []),

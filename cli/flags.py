@@ -88,6 +88,9 @@ HELP = {
     "load_reports": "kv/approx: score workers on the load they report (requests, KV blocks held, prompt tokens "
                     "not yet prefilled; KvEventService.WatchLoad) plus what this router placed since, so several "
                     "routers share one view; off: each router counts only what it placed itself",
+    "load_report_interval_s": "seconds between a worker's load reports (--load-reports): each router gets one "
+                              "message per worker per interval while its load changes; a fleet of 1,000 workers "
+                              "wants about 1 s",
     "prefill_weight": "kv/approx cost of one uncached block relative to one active decode block; 0 = derived from "
                       "the workers' announced prefill and decode timings and the mean output length (docs/routing.md)",
     "router_temperature": "kv/approx: 0 picks the lowest cost; > 0 samples by cost",

@@ -75,6 +75,7 @@ class RouteDecision:
     queue_share: float = 0.0  # kv/approx decode: 1 / (1 + b), the weight of queued prefill (router/policy.py)
     request_blocks: float = 0.0  # kv/approx decode: R, one request's cost in active blocks
     prefill_queue_share: float = 0.0  # kv/approx: the prefill workers' 1 / (1 + b)
+    cpu_seconds: float = 0.0  # the router thread's CPU time for it (wall time less any wait for a core)
     hash_seconds: float = 0.0  # of `seconds`, hashing the prompt's blocks (grows with the prompt, not the fleet)
 
     @property

@@ -149,10 +149,14 @@ class HealthTracker:
 
     async def probe(self, inst: discovery_pb2.Instance) -> None:
         """One Health/Check of `inst`, recorded."""
+        try:
+            channel = self.workers.channel(inst)
+        except LookupError:  # it left discovery since the probe was asked for: nothing to probe
+            return
         st = self._entry(inst.instance_id)
         st.address = inst.address
         st.probes += 1
-        stub = health_pb2_grpc.HealthStub(self.workers.channel(inst))
+        stub = health_pb2_grpc.HealthStub(channel)
         conclusive = False
         try:
             reply = await stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=self.timeout_s)

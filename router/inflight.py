@@ -7,11 +7,11 @@ ends them itself, and migrates each request exactly as it does after a broken st
 
 - when health probes turn the worker unhealthy (router/health.py: `on_unhealthy`),
 - when the worker leaves discovery (router/main.py: membership changes),
-- when a running stream has produced no response for `stall_s` seconds (`next_message`;
+- when a running stream has produced no response for `stall_s` seconds (`CallReader`;
   router/stall.py sets it from the worker's observed inter-token latency).
 
 `OpenCalls.evict(worker, reason)` resolves each open call's `lost` future; the call's reader,
-`next_message`, has its read interrupted by it and raises `WorkerLost`. Single-threaded: use
+`CallReader`, has its read interrupted by it and raises `WorkerLost`. Single-threaded: use
 from the router's event loop.
 """
 
@@ -70,46 +70,71 @@ class OpenCalls:
         return len(self._by_worker.get(instance_id, ()))
 
 
-async def next_message(call: grpc.aio.UnaryStreamCall, lost: asyncio.Future[str], instance_id: str,
-                       stall_s: float | None):
-    """The call's next response (grpc.aio.EOF at its end).
+class CallReader:
+    """Reads one open call's responses, each read bounded by a stall timeout and interrupted
+    when the call is evicted (`lost`). Reads run in the caller's task, interrupted by
+    cancelling it: at high token rates a task plus asyncio.wait per read, or even a timer and
+    a done-callback per read, were a large share of the router's CPU time; here one timer per
+    call is re-armed only when it fires early, and the `lost` callback is added once.
+    Use from the router's event loop; `close()` when done with the call."""
 
-    Args:
-        stall_s: seconds to wait for it (None = no bound).
-    Raises:
-        WorkerLost: the call was evicted, or nothing arrived within stall_s seconds.
-        grpc.aio.AioRpcError: the call failed.
-    """
-    if lost.done():
-        raise WorkerLost(instance_id, lost.result())
-    # The read runs in the caller's task, interrupted by cancelling it (a stall, or `lost`): the
-    # router reads one message per streamed token or so, and a task plus asyncio.wait for each
-    # read was a large share of its CPU time at high token rates.
-    task = asyncio.current_task()
-    assert task is not None
-    why: list[str] = []  # the interruption's reason; empty while none
-    active = True  # false once this read is over: a late callback must not cancel a later await
+    def __init__(self, call: grpc.aio.UnaryStreamCall, lost: asyncio.Future[str], instance_id: str) -> None:
+        self.call, self.lost, self.instance_id = call, lost, instance_id
+        self._loop = asyncio.get_running_loop()
+        self._task: asyncio.Task | None = None  # the reading task while a read is in progress
+        self._why: list[str] = []  # the interruption's reason; empty while none
+        self._deadline = 0.0  # loop time by which the current read must end (with a stall bound)
+        self._stall_s: float | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        lost.add_done_callback(self._on_lost)
 
-    def interrupt(reason: str) -> None:
-        if active and not why:
-            why.append(reason)
-            task.cancel()
+    def _interrupt(self, reason: str) -> None:
+        if self._task is not None and not self._why:
+            self._why.append(reason)
+            self._task.cancel()
 
-    def on_lost(fut: asyncio.Future[str]) -> None:
-        interrupt(fut.result())
+    def _on_lost(self, fut: asyncio.Future[str]) -> None:
+        self._interrupt(fut.result())
 
-    lost.add_done_callback(on_lost)
-    timer = None if stall_s is None else asyncio.get_running_loop().call_later(
-        stall_s, interrupt, f"no response for {stall_s:.3g} s on a running stream (max(--token-stall-timeout, "
-        "--token-stall-itl-factor × the worker's ITL × tokens per message))")
-    try:
-        return await call.read()  # a cancelled read cancels the call (grpc.aio), as the caller would
-    except asyncio.CancelledError:
-        if not why or task.uncancel() > 0:
-            raise  # cancelled from outside (the client went away), perhaps as well as by us
-        raise WorkerLost(instance_id, why[0]) from None
-    finally:
-        active = False
-        if timer is not None:
-            timer.cancel()
-        lost.remove_done_callback(on_lost)
+    def _check(self) -> None:
+        self._timer = None
+        if self._task is None or self._stall_s is None:
+            return  # no read in progress (the next one re-arms), or it has no bound
+        if self._loop.time() >= self._deadline:
+            self._interrupt(f"no response for {self._stall_s:.3g} s on a running stream (max(--token-stall-timeout, "
+                            "--token-stall-itl-factor × the worker's ITL × tokens per message))")
+        else:
+            self._timer = self._loop.call_at(self._deadline, self._check)
+
+    async def next(self, stall_s: float | None):
+        """The call's next response (grpc.aio.EOF at its end).
+
+        Args:
+            stall_s: seconds to wait for it (None = no bound).
+        Raises:
+            WorkerLost: the call was evicted, or nothing arrived within stall_s seconds.
+            grpc.aio.AioRpcError: the call failed.
+        """
+        if self.lost.done():
+            raise WorkerLost(self.instance_id, self.lost.result())
+        task = asyncio.current_task()
+        assert task is not None
+        self._task, self._stall_s = task, stall_s
+        if stall_s is not None:
+            self._deadline = self._loop.time() + stall_s
+            if self._timer is None:
+                self._timer = self._loop.call_at(self._deadline, self._check)
+        try:
+            return await self.call.read()  # a cancelled read cancels the call (grpc.aio), as the caller would
+        except asyncio.CancelledError:
+            if not self._why or task.uncancel() > 0:
+                raise  # cancelled from outside (the client went away), perhaps as well as by us
+            raise WorkerLost(self.instance_id, self._why[0]) from None
+        finally:
+            self._task = None
+
+    def close(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self.lost.remove_done_callback(self._on_lost)

@@ -65,6 +65,7 @@ class RouterOptions:
     approx_ttl_s: float = 120.0  # approx mode: how long a routed block is assumed cached
     kv_recent_s: float = 0.0  # kv mode: also count prefixes routed in the last this many seconds (0 = off)
     load_reports: bool = True  # kv/approx: score workers on the load they report (WatchLoad), shared by replicas
+    load_report_interval_s: float = 0.1  # how often each worker reports (a fleet of 1,000 workers: 1 s)
     migration_limit: int = 3  # decode-worker failures one request may survive (retries and migrations)
     health_interval_s: float = 1.0  # seconds between grpc.health.v1 probes of each worker
     health_timeout_s: float = 0.5  # seconds one probe may take
@@ -107,6 +108,9 @@ class RouterOptions:
             raise ValueError("--prefill-weight, --router-temperature and --local-prefill-threshold must be >= 0")
         if self.kv_recent_s < 0:
             raise ValueError(f"--kv-recent must be >= 0 seconds, got {self.kv_recent_s}")
+        if not 0.01 <= self.load_report_interval_s <= 3600:
+            raise ValueError(f"--load-report-interval must be between 0.01 and 3600 seconds, got "
+                             f"{self.load_report_interval_s}")
         if self.approx_ttl_s <= 0:
             raise ValueError(f"--approx-ttl must be > 0 seconds, got {self.approx_ttl_s}")
         if self.health_interval_s <= 0 or self.health_timeout_s <= 0:
@@ -230,7 +234,8 @@ async def run(opts: RouterOptions, ready: Callable[[RunningServer, FrontendServi
                                             opts.health_failure_threshold)
     load = LoadTracker(opts.block_size)
     overlap, on_routed, on_membership, subscriber = overlap_source(opts, workers)
-    load_watcher = LoadWatcher(load, workers) if opts.load_reports and opts.router_mode in ("kv", "approx") else None
+    load_watcher = LoadWatcher(load, workers, interval_ms=round(opts.load_report_interval_s * 1000)) \
+        if opts.load_reports and opts.router_mode in ("kv", "approx") else None
     placement = Placement(workers, load, overlap, PlacementOptions(
         opts.router_mode, opts.prefill_weight, opts.router_temperature, opts.local_prefill_threshold))
     metrics = RouterMetrics()

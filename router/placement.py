@@ -96,7 +96,7 @@ class Placement:
         Raises:
             NoWorker: no decode worker.
         """
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.thread_time()
         bs = self.workers.block_size
         uses_overlap = self.decode_policy.uses_overlap
         hashes = block_hashes(tokens, bs, self.workers.hash_seed_for(cache_salt)) if uses_overlap else []
@@ -134,5 +134,6 @@ class Placement:
         decision = RouteDecision(self.opts.mode, len(tokens), blocks, decode, prefill, reason,
                                  (scored, p_scored) if prefill else (scored,),
                                  time.perf_counter() - start, weight, queue_share, request_blocks,
-                                 self.prefill_policy.queue_share if prefill else 0.0, hashed - start)
+                                 self.prefill_policy.queue_share if prefill else 0.0,
+                                 time.thread_time() - start_cpu, hashed - start)
         return decision, hashes

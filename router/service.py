@@ -28,7 +28,7 @@ from common.validation import (InvalidArgument, validate_request_id, sampling_fr
                                validate_token_ids)
 from router.api_keys import cache_salt
 from router.decision import RouteDecision
-from router.inflight import OpenCalls, WorkerLost, next_message
+from router.inflight import CallReader, OpenCalls, WorkerLost
 from router.stall import StallRule
 from router.load import LoadTracker
 from router.metrics import RouterMetrics
@@ -106,6 +106,7 @@ class FrontendServicer(pb_grpc.FrontendServiceServicer):
         self.overhead_s: deque[float] = deque(maxlen=100_000)
         self.overhead_cpu_s: deque[float] = deque(maxlen=100_000)
         self.decision_s: deque[float] = deque(maxlen=100_000)  # hash + index lookup + scoring only
+        self.decision_cpu_s: deque[float] = deque(maxlen=100_000)  # its CPU time (no waiting for a core)
         self.decision_hash_s: deque[float] = deque(maxlen=100_000)  # of which hashing the prompt's blocks
         self.decision_score_s: deque[float] = deque(maxlen=100_000)  # the rest: look-up and scoring
 
@@ -119,7 +120,7 @@ class FrontendServicer(pb_grpc.FrontendServiceServicer):
 
         return (f"router overhead: n={len(self.overhead_s)} decision (hash, look up, score) "
                 f"{stats(self.decision_s)} (hashing {stats(self.decision_hash_s)}; look up and score "
-                f"{stats(self.decision_score_s)}); whole request up to the decode call: wall {stats(self.overhead_s)}, "
+                f"{stats(self.decision_score_s)}; cpu {stats(self.decision_cpu_s)}); whole request up to the decode call: wall {stats(self.overhead_s)}, "
                 f"cpu {stats(self.overhead_cpu_s)}")
 
     def _prompt(self, request: pb.GenerateRequest) -> list[int]:
@@ -276,6 +277,7 @@ class FrontendServicer(pb_grpc.FrontendServiceServicer):
                 decision, hashes = await self._traced_route(tokens + generated, context, attempt,
                                                             frozenset(refused_by))
                 self.decision_s.append(decision.seconds)
+                self.decision_cpu_s.append(decision.cpu_seconds)
                 self.decision_hash_s.append(decision.hash_seconds)
                 self.decision_score_s.append(decision.seconds - decision.hash_seconds)
                 if log.isEnabledFor(logging.DEBUG):
@@ -305,14 +307,15 @@ class FrontendServicer(pb_grpc.FrontendServiceServicer):
                 streamed = len(generated)
                 last_at = 0.0  # when this call's previous message arrived (ITL samples for the stall rule)
                 with self.open_calls.open(worker) as lost:
+                    reader = None
                     try:
                         if call is None:
                             raise WorkerLost(worker, lookup_error)
+                        reader = CallReader(call, lost, worker)
                         while True:
                             # The stall bound starts once the stream runs (before its first token the
                             # worker may be prefilling a long prompt; health covers that stretch).
-                            msg = await next_message(call, lost, worker, self.stall.timeout_s(worker)
-                                                     if len(generated) > streamed else None)
+                            msg = await reader.next(self.stall.timeout_s(worker) if len(generated) > streamed else None)
                             if msg is grpc.aio.EOF:
                                 break
                             now = time.monotonic()
@@ -364,6 +367,8 @@ class FrontendServicer(pb_grpc.FrontendServiceServicer):
                             continue
                         await context.abort(exc.code(), exc.details() or "decode worker failed")
                     finally:
+                        if reader is not None:
+                            reader.close()
                         if call is not None:
                             call.cancel()
                         self.load.finish(load)

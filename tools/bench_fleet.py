@@ -105,8 +105,12 @@ async def main() -> int:
     ap.add_argument("--block-size", type=int, default=512, help="tokens per block (the trace's hash blocks: 512)")
     ap.add_argument("--tick", type=float, default=0.2, help="the mocker's --tick (token streaming granularity)")
     ap.add_argument("--kill-at", type=float, default=60.0, help="seconds into the bench; 0 = kill nothing")
+    ap.add_argument("--load-report-interval", type=float, default=1.0, help="the router's --load-report-interval (s)")
     ap.add_argument("--health-interval", type=float, default=5.0)
     ap.add_argument("--health-timeout", type=float, default=5.0)
+    ap.add_argument("--lease-ttl", type=float, default=30.0,
+                    help="the simulated workers' etcd lease TTL (s): 1,024 leases renewed every TTL / 3 on 2 cores "
+                         "starve etcd at the default 10 s")
     ap.add_argument("--connections", type=int, default=4, help="the bench's gRPC connections to the router")
     ap.add_argument("--insecure", action="store_true", help="plaintext gRPC (default: mutual TLS, as tandem up)")
     ap.add_argument("--out", default="")
@@ -119,8 +123,10 @@ async def main() -> int:
     cluster = LocalCluster(
         num_mocker=args.workers, mocker_processes=args.processes, metrics=True, tls=not args.insecure,
         log_dir=log_dir, ready_timeout_s=600.0,
-        mocker_args=["--num-blocks", str(args.num_blocks), "--speedup", str(args.speedup), "--tick", str(args.tick)],
-        router_args=["--health-interval", str(args.health_interval), "--health-timeout", str(args.health_timeout)])
+        mocker_args=["--num-blocks", str(args.num_blocks), "--speedup", str(args.speedup), "--tick", str(args.tick),
+                     "--lease-ttl", str(args.lease_ttl)],
+        router_args=["--health-interval", str(args.health_interval), "--health-timeout", str(args.health_timeout),
+                     "--load-report-interval", str(args.load_report_interval)])
     t_up = time.perf_counter()
     await cluster.start()
     up_s = time.perf_counter() - t_up
@@ -159,7 +165,8 @@ async def main() -> int:
     rss_end_kib, hwm_kib = _kib(router.pid, "VmRSS"), _kib(router.pid, "VmHWM")
     await cluster.stop()
     router_log = (Path(log_dir) / "router.log").read_text(errors="replace")
-    m = re.search(r"decision \(hash, look up, score\) mean_us=(\d+) p50_us=(\d+) p99_us=(\d+)", router_log)
+    stat = r"mean_us=(\d+) p50_us=(\d+) p99_us=(\d+)"
+    m = re.search(rf"decision \(hash, look up, score\) {stat} \(hashing {stat}; look up and score {stat}; cpu {stat}\)", router_log)
     data = json.loads(result_path.read_text()) if result_path.exists() else {}
     summary = data.get("summary", {})
     # The bench's request records are real seconds since its start; it starts its clock once it
@@ -177,7 +184,8 @@ async def main() -> int:
         "block_hit_rate": summary.get("block_hit_rate"),
         "router_retries": end.get("tandem_router_retries_total"),
         "router_migrations": end.get("tandem_router_migrations_total"),
-        "decision_us": {"mean": int(m.group(1)), "p50": int(m.group(2)), "p99": int(m.group(3))} if m else None,
+        "decision_us": {part: {"mean": int(m.group(3 * k + 1)), "p50": int(m.group(3 * k + 2)), "p99": int(m.group(3 * k + 3))}
+                        for k, part in enumerate(("whole", "hashing", "look_up_and_score", "cpu"))} if m else None,
         "router_rss_mib": {"after_start": rss_start_kib / 1024, "end": rss_end_kib / 1024, "peak": hwm_kib / 1024},
         "index_entries_end": end.get("tandem_router_worker_indexed_blocks"),
         **gaps,
