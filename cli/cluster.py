@@ -35,8 +35,11 @@ def _hold_port(held: list[socket.socket], port: int = 0, flag: str = "--port") -
     """
     if port:
         probe = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        # SO_REUSEADDR: connections of a stopped router left in TIME_WAIT do not count (the
+        # routers bind with it too); without SO_REUSEPORT: fails while a socket listens there.
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
-            probe.bind(("127.0.0.1", port))  # without SO_REUSEPORT: fails while anything holds the port
+            probe.bind(("127.0.0.1", port))
         except OSError as exc:
             raise OSError(exc.errno, f"{flag} {port} is in use ({exc.strerror}): another tandem up or router "
                           "may be serving there; stop it or choose another port") from None
@@ -44,6 +47,8 @@ def _hold_port(held: list[socket.socket], port: int = 0, flag: str = "--port") -
             probe.close()
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    if port:  # a fixed port may still have a stopped router's connections in TIME_WAIT
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", port))
     held.append(sock)
     return sock.getsockname()[1]

@@ -122,6 +122,11 @@ class CallReader:
         self._task, self._stall_s = task, stall_s
         if stall_s is not None:
             self._deadline = self._loop.time() + stall_s
+            # A pending timer that fires early re-arms itself (_check); one that would fire
+            # late (the bound shrank since it was set) is replaced.
+            if self._timer is not None and self._timer.when() > self._deadline:
+                self._timer.cancel()
+                self._timer = None
             if self._timer is None:
                 self._timer = self._loop.call_at(self._deadline, self._check)
         try:

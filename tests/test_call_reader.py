@@ -89,3 +89,16 @@ def test_eviction_interrupts_a_read_and_outside_cancellation_propagates():
         with pytest.raises(asyncio.CancelledError):
             await task
     asyncio.run(main())
+
+
+def test_a_bound_that_shrinks_between_reads_is_honoured():
+    async def main():
+        loop = asyncio.get_running_loop()
+        reader = CallReader(Stream([0.0, None]), loop.create_future(), "w")
+        assert await reader.next(3.0) == 1  # leaves a timer due in 3 s
+        start = loop.time()
+        with pytest.raises(WorkerLost, match="no response for 0.1 s"):
+            await reader.next(0.1)
+        reader.close()
+        return loop.time() - start
+    assert asyncio.run(main()) < 1.0

@@ -66,3 +66,25 @@ def test_replicas_refuse_a_port_something_already_serves(tmp_path):
         other.close()
         for s in held:
             s.close()
+
+
+def test_a_port_left_in_time_wait_is_not_in_use():
+    """A stopped router's connections linger in TIME_WAIT on its port for a minute: tandem up
+    on the same port right after must not call that in use (the routers bind with SO_REUSEADDR)."""
+    server = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    server.bind(("127.0.0.1", 0))
+    server.listen()
+    port = server.getsockname()[1]
+    client = socket.create_connection(("127.0.0.1", port))
+    conn, _ = server.accept()
+    conn.close()  # the server side closes first: its end of the connection stays in TIME_WAIT
+    client.recv(1)
+    client.close()
+    server.close()
+    held: list[socket.socket] = []
+    try:
+        assert _hold_port(held, port) == port
+    finally:
+        for s in held:
+            s.close()
