@@ -8,8 +8,9 @@ The seam with the gRPC API is `FrontendServicer.Generate` itself: a request is m
 validation, tokenization, routing, retry and migration, stop strings, metrics and spans — with
 `HttpCallContext` standing in for the gRPC servicer context (the three methods Generate uses:
 abort, time_remaining, code). Each request runs in its own task (`Generation`), inside a SERVER
-span; the HTTP side reads its responses from a queue and cancels the task when the client goes
-away, which cancels the decode call and frees the request's KV blocks on both workers.
+span; the HTTP side reads its first response (an error before it is a status), then the task
+writes each later one as a server-sent event itself; the client going away cancels the task,
+which cancels the decode call and frees the request's KV blocks on both workers.
 
 With --api-keys, the completions and models routes need `Authorization: Bearer <key>` (401
 with OpenAI's error object when it is missing or unknown) and /metrics an admin key (403 for
@@ -29,13 +30,13 @@ import socket
 import time
 import uuid
 from collections import deque
-from typing import Any, AsyncIterator
+from typing import Any, Awaitable, Callable
 
 import grpc
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from common import tracing
@@ -67,8 +68,8 @@ class HttpTimings:
     """Wall time the HTTP layer adds around FrontendServicer.Generate, for the last 100,000
     requests: `before` from the request's arrival (uvicorn hands it over) to Generate's start
     (parsing, validation, chat template, the request's task); `first` and `token` from a
-    GenerateResponse leaving Generate to its server-sent event written to the socket (queue,
-    event, Starlette and uvicorn), for the first response and for each later one."""
+    GenerateResponse leaving Generate to its server-sent event written to the socket (the
+    event's JSON and uvicorn's write), for the first response and for each later one."""
 
     def __init__(self) -> None:
         self.before_s: deque[float] = deque(maxlen=100_000)
@@ -85,17 +86,12 @@ class HttpTimings:
                 f"later events {stats(self.token_s)}")
 
 
-class _Marks:
-    """When the event being streamed left Generate (set by the body, read by the send)."""
-
-    pending: float | None = None
-    first = True
-
-
 def _stamp_arrival(app):
-    """ASGI wrapper: the request's arrival time in its scope (HttpTimings.before_s)."""
+    """ASGI wrapper: the request's arrival time (HttpTimings.before_s) and uvicorn's own send
+    (_EventStream writes its events through it) in its scope."""
     async def asgi(scope, receive, send):
         scope["tandem.arrived"] = time.perf_counter()
+        scope["tandem.send"] = send
         await app(scope, receive, send)
     return asgi
 
@@ -129,29 +125,39 @@ class HttpCallContext:
 
 class Generation:
     """One Generate call in its own task (so that its spans nest and it can be cancelled
-    from the HTTP side whatever that is doing); `next()` gives its responses in order."""
+    from the HTTP side whatever that is doing). Its items — (response, perf_counter() when
+    it left Generate), then None at the end or an Aborted — go to a queue that `next()` reads,
+    until `stream_to(sink)`: from then on the task hands each item to the sink itself, with
+    no queue and no second task in between (one event per streamed token)."""
 
     def __init__(self, servicer: Any, request: pb.GenerateRequest, span_name: str, headers: dict[str, str]) -> None:
         self._queue: asyncio.Queue = asyncio.Queue()
+        self._sink: Callable[[Any], Awaitable[None]] | None = None
         self.started = 0.0  # perf_counter() when Generate was called
         self.last_put = 0.0  # perf_counter() when the response last returned by next() left Generate
         self.task = asyncio.create_task(self._run(servicer, request, span_name, headers),
                                         name=f"http {request.request_id}")
 
+    async def _deliver(self, item: Any) -> None:
+        if self._sink is not None:
+            await self._sink(item)
+        else:
+            self._queue.put_nowait(item)
+
     async def _run(self, servicer: Any, request: pb.GenerateRequest, span_name: str, headers: dict[str, str]) -> None:
-        put = self._queue.put_nowait
         self.started = time.perf_counter()
         try:
             with tracing.server_span(span_name, headers, {"http.route": span_name.split(" ", 1)[1],
                                                           "tandem.request_id": request.request_id}):
                 async for out in servicer.Generate(request, HttpCallContext()):
-                    put((out, time.perf_counter()))
-            put(None)
+                    await self._deliver((out, time.perf_counter()))
+            end: Any = None
         except Aborted as exc:
-            put(exc)
+            end = exc
         except Exception as exc:  # a bug: the client gets a 500 with its repr, the log the traceback
             log.exception("request %s failed", request.request_id)
-            put(Aborted(grpc.StatusCode.INTERNAL, f"internal error: {exc!r}"))
+            end = Aborted(grpc.StatusCode.INTERNAL, f"internal error: {exc!r}")
+        await self._deliver(end)
 
     async def next(self) -> pb.GenerateResponse | None:
         """The next response; None after the last one.
@@ -166,6 +172,14 @@ class Generation:
             return None
         out, self.last_put = item
         return out
+
+    async def stream_to(self, sink: Callable[[Any], Awaitable[None]]) -> None:
+        """Hand every item not read yet to `sink` (those queued first, in order), then return
+        when the call's task has ended."""
+        while not self._queue.empty():
+            await sink(self._queue.get_nowait())
+        self._sink = sink  # the queue is empty and nothing awaited since: no item can slip between
+        await asyncio.shield(self.task)  # a cancelled response leaves the task to its own cancel
 
     def cancel(self) -> None:
         self.task.cancel()
@@ -197,28 +211,76 @@ def _sse(obj: dict) -> bytes:
     return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
 
 
-class _GenerationStream(StreamingResponse):
-    """Server-sent events that cancel their Generation however the response ends (a
-    disconnect cancels the body iterator, which may be suspended outside it)."""
+DONE = b"data: [DONE]\n\n"
 
-    def __init__(self, body: AsyncIterator[bytes], generation: Generation, headers: dict[str, str],
-                 marks: _Marks, timings: HttpTimings) -> None:
-        super().__init__(body, media_type="text/event-stream", headers={"Cache-Control": "no-cache", **headers})
-        self.generation = generation
-        self.marks, self.timings = marks, timings
+
+class _EventStream(Response):
+    """Server-sent events of one Generation, written by the Generation's own task as each
+    response leaves Generate (`Generation.stream_to`), through uvicorn's own send (the
+    middlewares' send wrappers only watch for the response's start, which goes through
+    them). The client leaving cancels the Generation, as does any other end of the response."""
+
+    def __init__(self, api: "OpenAIFrontend", generation: Generation, first: pb.GenerateResponse | None,
+                 shape: ResponseShape, req: Any, headers: dict[str, str]) -> None:
+        # no Response.__init__: its headers would carry a Content-Length (the body is chunked)
+        self.status_code, self.background, self.body = 200, None, b""
+        self.raw_headers = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
+                            *((k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in headers.items())]
+        self.api, self.generation, self.first, self.shape, self.req = api, generation, first, shape, req
+        self._first_event, self._closed = True, False
 
     async def __call__(self, scope, receive, send) -> None:
-        marks, timings = self.marks, self.timings
+        raw_send = scope.get("tandem.send", send)
+        timings = self.api.timings
 
-        async def timed_send(message) -> None:
-            await send(message)
-            if marks.pending is not None and message["type"] == "http.response.body" and message.get("body"):
-                (timings.first_s if marks.first else timings.token_s).append(time.perf_counter() - marks.pending)
-                marks.pending, marks.first = None, False
+        async def event(body: bytes, left_generate: float | None = None) -> None:
+            await raw_send({"type": "http.response.body", "body": body, "more_body": True})
+            if left_generate is not None:
+                (timings.first_s if self._first_event else timings.token_s).append(time.perf_counter() - left_generate)
+
+        async def item(it: Any) -> None:  # one item of the Generation (see Generation)
+            if self._closed:
+                return
+            if it is None or isinstance(it, Aborted):
+                if it is not None:  # after the 200 went out: the error as one more event
+                    await event(_sse(self.api.aborted_body(it, self.req)))
+                self._closed = True
+                await event(DONE)
+                return
+            out, left = it
+            finish = FINISH_REASONS.get(out.finish_reason)
+            if out.text or finish or self._first_event or self.req.want_logprobs:
+                lp = self.api._logprobs(self.shape.chat, out) if self.req.want_logprobs else None
+                await event(_sse(self.shape.chunk(out.text, finish, lp, first=self._first_event)), left)
+                self._first_event = False
+            if finish:
+                if self.req.include_usage:
+                    await event(_sse(self.shape.usage_chunk(out.usage)))
+                self._closed = True
+                await event(DONE)
+
+        gen = self.generation
+        watch = asyncio.ensure_future(_until_gone(receive))
+        streaming: asyncio.Future | None = None
         try:
-            await super().__call__(scope, receive, timed_send)
+            await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+            await item((self.first, gen.last_put) if self.first is not None else None)
+            streaming = asyncio.ensure_future(gen.stream_to(item))
+            await asyncio.wait({streaming, watch}, return_when=asyncio.FIRST_COMPLETED)
+            if not watch.done():  # the stream ended, not the client: finish the response
+                streaming.result()  # a failed write raises here
+                await raw_send({"type": "http.response.body", "body": b"", "more_body": False})
         finally:
-            self.generation.cancel()
+            watch.cancel()
+            if streaming is not None:
+                streaming.cancel()
+            gen.cancel()
+
+
+async def _until_gone(receive) -> None:
+    """Returns once the client has disconnected (a streaming request's body is already read)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
 
 
 class OpenAIFrontend:
@@ -317,8 +379,7 @@ class OpenAIFrontend:
         self.timings.before_s.append(gen.started - request.scope.get("tandem.arrived", gen.started))
         shape = ResponseShape(chat, request_id, self.servicer.workers.model)
         if req.stream:
-            marks = _Marks()
-            return _GenerationStream(self._events(gen, first, shape, req, marks), gen, headers, marks, self.timings)
+            return _EventStream(self, gen, first, shape, req, headers)
         try:
             return JSONResponse(await unless_disconnected(request, self._collect(gen, first, shape, req)),
                                 headers=headers)
@@ -343,28 +404,6 @@ class OpenAIFrontend:
         assert out is not None and out.finish_reason, "Generate ended without a finish reason"
         logprobs = token_logprobs(shape.chat, self._tokens_text(ids), lps) if req.want_logprobs else None
         return shape.final("".join(text), FINISH_REASONS[out.finish_reason], out.usage, logprobs)
-
-    async def _events(self, gen: Generation, out: pb.GenerateResponse | None, shape: ResponseShape,
-                      req, marks: _Marks) -> AsyncIterator[bytes]:
-        first = True
-        try:
-            while out is not None:
-                finish = FINISH_REASONS.get(out.finish_reason)
-                if out.text or finish or first or req.want_logprobs:
-                    lp = self._logprobs(shape.chat, out) if req.want_logprobs else None
-                    marks.pending = gen.last_put
-                    yield _sse(shape.chunk(out.text, finish, lp, first=first))
-                    first = False
-                if finish:
-                    if req.include_usage:
-                        yield _sse(shape.usage_chunk(out.usage))
-                    break
-                out = await gen.next()
-        except Aborted as exc:  # after the 200 went out: the error as one more event
-            yield _sse(self.aborted_body(exc, req))
-        finally:
-            gen.cancel()
-        yield b"data: [DONE]\n\n"
 
     # -- the rest ----------------------------------------------------------------------------
     def models(self) -> dict:
