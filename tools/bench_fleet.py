@@ -20,8 +20,11 @@ What it reports (JSON at --out, a summary on stdout):
   and its peak; the KV index's (worker, block) entries at the end (/metrics).
 
 Usage:
-  python tools/bench_fleet.py --workers 1024 --processes 4 --requests 10000 --kill-at 60 \\
-      --out docs/bench/fleet_1024.json
+  python tools/bench_fleet.py --workers 1024 --processes 4 --requests 10000 --speedup 2 \\
+      --kill-at 150 --out docs/bench/fleet_1024.json
+
+On 2 cores, faster than 2 x real time is more than the router, 4 mockers and the client can
+serve together (at 10 x, most requests waited tens of seconds; docs/bench/mock.md).
 """
 
 from __future__ import annotations
@@ -99,12 +102,12 @@ async def main() -> int:
     ap.add_argument("--processes", type=int, default=4, help="mocker processes (the one killed is mocker-1)")
     ap.add_argument("--requests", type=int, default=10000)
     ap.add_argument("--trace", default=str(TRACE))
-    ap.add_argument("--speedup", type=float, default=10.0, help="simulated seconds per real second")
+    ap.add_argument("--speedup", type=float, default=2.0, help="simulated seconds per real second")
     ap.add_argument("--load", type=float, default=4.0, help="the trace's arrival rate multiplied by this")
     ap.add_argument("--num-blocks", type=int, default=8192, help="KV blocks per simulated worker")
     ap.add_argument("--block-size", type=int, default=512, help="tokens per block (the trace's hash blocks: 512)")
     ap.add_argument("--tick", type=float, default=0.2, help="the mocker's --tick (token streaming granularity)")
-    ap.add_argument("--kill-at", type=float, default=60.0, help="seconds into the bench; 0 = kill nothing")
+    ap.add_argument("--kill-at", type=float, default=150.0, help="seconds into the bench; 0 = kill nothing")
     ap.add_argument("--load-report-interval", type=float, default=1.0, help="the router's --load-report-interval (s)")
     ap.add_argument("--health-interval", type=float, default=5.0)
     ap.add_argument("--health-timeout", type=float, default=5.0)
