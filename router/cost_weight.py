@@ -49,8 +49,7 @@ def derived_weight(instances: Iterable[discovery_pb2.Instance], mean_output_toke
 
 class Announced:
     """The instances' announced timings, read once (the router keeps one per candidate list):
-    `weight(L)` is derived_weight's W and `request_blocks` R, without a pass over 1,000
-    instances per request. W's median needs only the middle instances by p / d: p / (d · L),
+    `weight(L)` is derived_weight's W without a pass over 1,000 instances per request. W's median needs only the middle instances by p / d: p / (d · L),
     clipped, keeps their order for every L."""
 
     def __init__(self, instances: Iterable[discovery_pb2.Instance]) -> None:

@@ -69,7 +69,7 @@ class RouteDecision:
     decode: Candidate
     prefill: Candidate | None  # None: the decode worker prefills locally
     local_prefill_reason: str = ""  # why prefill runs on the decode worker, when it does
-    scored: tuple[Candidate | Scores, ...] = field(default=())  # every candidate (Scores: one role's, lazily)
+    scored: tuple[Scores, ...] = field(default=())  # each role's candidates (Candidate objects built when asked)
     seconds: float = 0.0  # time to decide (hash + lookup + scoring)
     prefill_weight: float = 0.0  # kv/approx: the weight the costs used (router/cost_weight.py)
     queue_share: float = 0.0  # kv/approx decode: 1 / (1 + b), the weight of queued prefill (router/policy.py)
@@ -81,8 +81,7 @@ class RouteDecision:
     @property
     def candidates(self) -> tuple[Candidate, ...]:
         """Every candidate scored for this decision, each role's in discovery order."""
-        return tuple(c for item in self.scored
-                     for c in (item.candidates() if isinstance(item, Scores) else (item,)))
+        return tuple(c for scores in self.scored for c in scores.candidates())
 
     def uncached_tokens(self, block_size: int) -> int:
         """Prompt tokens the prefilling worker (the prefill worker, else the decode worker) is

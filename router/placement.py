@@ -66,13 +66,6 @@ class Placement:
                                  cost_weight.request_blocks(decodes, self.workers.block_size))
         return kept[2], kept[3]
 
-    def weight(self, instances: Sequence[discovery_pb2.Instance]) -> float:
-        """The prefill weight of this decision: --prefill-weight, or derived (router/cost_weight.py)
-        from what `instances` announce and the mean output length so far."""
-        if self.opts.prefill_weight > 0:
-            return self.opts.prefill_weight
-        return cost_weight.derived_weight(instances, self.load.mean_output_tokens)
-
     def _refused_note(self) -> str:
         """For the UNAVAILABLE message: the decode workers in discovery this router refuses, and why."""
         refused = self.workers.refused(discovery_pb2.ROLE_DECODE)

@@ -108,19 +108,18 @@ class FrontendServicer(pb_grpc.FrontendServiceServicer):
         self.decision_s: deque[float] = deque(maxlen=100_000)  # hash + index lookup + scoring only
         self.decision_cpu_s: deque[float] = deque(maxlen=100_000)  # its CPU time (no waiting for a core)
         self.decision_hash_s: deque[float] = deque(maxlen=100_000)  # of which hashing the prompt's blocks
-        self.decision_score_s: deque[float] = deque(maxlen=100_000)  # the rest: look-up and scoring
 
     def overhead_summary(self) -> str:
         if not self.overhead_s:
             return "router overhead: no requests"
-        def stats(samples: deque[float]) -> str:
+        def stats(samples) -> str:
             xs = sorted(samples)
             pick = lambda q: xs[min(len(xs) - 1, int(q * len(xs)))] * 1e6  # noqa: E731
             return f"mean_us={sum(xs) / len(xs) * 1e6:.0f} p50_us={pick(0.5):.0f} p99_us={pick(0.99):.0f}"
 
         return (f"router overhead: n={len(self.overhead_s)} decision (hash, look up, score) "
                 f"{stats(self.decision_s)} (hashing {stats(self.decision_hash_s)}; look up and score "
-                f"{stats(self.decision_score_s)}; cpu {stats(self.decision_cpu_s)}); whole request up to the decode call: wall {stats(self.overhead_s)}, "
+                f"{stats(d - h for d, h in zip(self.decision_s, self.decision_hash_s))}; cpu {stats(self.decision_cpu_s)}); whole request up to the decode call: wall {stats(self.overhead_s)}, "
                 f"cpu {stats(self.overhead_cpu_s)}")
 
     def _prompt(self, request: pb.GenerateRequest) -> list[int]:
@@ -279,7 +278,6 @@ class FrontendServicer(pb_grpc.FrontendServiceServicer):
                 self.decision_s.append(decision.seconds)
                 self.decision_cpu_s.append(decision.cpu_seconds)
                 self.decision_hash_s.append(decision.hash_seconds)
-                self.decision_score_s.append(decision.seconds - decision.hash_seconds)
                 if log.isEnabledFor(logging.DEBUG):
                     log.debug("request %s routed:\n%s", request_id, decision.explain())
                 if self.on_routed is not None:

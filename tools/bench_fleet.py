@@ -46,6 +46,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+
 from cli.cluster import LocalCluster  # noqa: E402
 
 TRACE = ROOT.parent / "shared" / "datasets" / "mooncake" / "conversation_trace.jsonl"
@@ -60,14 +62,12 @@ def _kib(pid: int, field: str) -> int:
 
 
 def _metrics(addr: str) -> dict[str, float]:
-    """Sum of each un-bucketed sample name of a Prometheus text page (labels summed over)."""
+    """Each sample name of a /metrics page with its values summed over labels."""
     text = urllib.request.urlopen(f"http://{addr}/metrics", timeout=10).read().decode()
     out: dict[str, float] = {}
-    for line in text.splitlines():
-        if line.startswith("#") or not line.strip():
-            continue
-        name, value = re.split(r"(?:\{.*\})?\s+", line, maxsplit=1)
-        out[name] = out.get(name, 0.0) + float(value.split()[0])
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            out[sample.name] = out.get(sample.name, 0.0) + sample.value
     return out
 
 

@@ -33,7 +33,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
 from common import logs, tracing  # noqa: E402
-from router.decision import Candidate, RouteDecision  # noqa: E402
+from router.decision import Candidate, RouteDecision, Scores  # noqa: E402
 from router.metrics import RouterMetrics  # noqa: E402
 
 
@@ -78,7 +78,7 @@ def main() -> int:
 
     m = RouterMetrics()
     c = Candidate("decode-1", "127.0.0.1:1", "decode", 3, 10.0, 12.0)
-    decision = RouteDecision("kv", 64, 4, c, None, "no prefill worker", (c,), 2e-5)
+    decision = RouteDecision("kv", 64, 4, c, None, "no prefill worker", (Scores.of("decode", [c]),), 2e-5)
     res["decision_observe_ns"] = per_call_ns(lambda: m.observe_decision(decision), n)
     tokens = args.tokens
 
