@@ -55,7 +55,18 @@ def _offline(reqs, mode: str, args) -> tuple[list, dict, float]:
                                  timing=_timing(args)))
     summary = summarize(reqs, res.results, res.duration_s)
     summary["max_requests_per_worker"] = max(res.per_worker_requests.values())
+    summary["decision_us"] = _decision_us(res.decision_s)
     return res.results, summary, res.wall_s
+
+
+def _decision_us(samples: list[tuple[float, float]]) -> dict:
+    """p50 / p99 in µs (real time) of the whole decision, of hashing the prompt, and of the rest
+    (the KV index look-up and scoring every candidate)."""
+    def q(xs: list[float]) -> dict:
+        xs = sorted(xs)
+        return {"p50": xs[len(xs) // 2] * 1e6, "p99": xs[min(len(xs) - 1, int(0.99 * len(xs)))] * 1e6} if xs else {}
+    return {"whole": q([w for w, _ in samples]), "hashing": q([h for _, h in samples]),
+            "look_up_and_score": q([w - h for w, h in samples])}
 
 
 def _live(reqs, mode: str, args) -> tuple[list, dict, float]:
@@ -141,6 +152,10 @@ def main(argv: list[str] | None = None) -> int:
         rows.append({"mode": label, **summary, "wall_s": wall, "loadavg_before": load_before})
         runs.append((label, reqs, results, args.speedup if args.live else 1.0))
         print(markdown(rows[-1:]).splitlines()[-1], file=sys.stderr, flush=True)
+        if "decision_us" in summary:
+            print("  decision (real time, µs): " + "; ".join(
+                f"{part} p50 {d['p50']:.0f} p99 {d['p99']:.0f}" for part, d in summary["decision_us"].items() if d),
+                file=sys.stderr, flush=True)
     table = markdown(rows)
     print(table)
     if args.out:

@@ -61,6 +61,8 @@ class SimResult:
     duration_s: float  # simulated seconds from the first arrival to the last finish
     wall_s: float  # real seconds the replay took
     per_worker_requests: dict[str, int] = field(default_factory=dict)
+    # real time of each decision (router/placement.py route()): whole, and of it hashing the prompt
+    decision_s: list[tuple[float, float]] = field(default_factory=list)
 
 
 class _Workers:
@@ -144,6 +146,7 @@ def replay(reqs: list[BenchRequest], cfg: SimConfig) -> SimResult:
                   for k, load in enumerate(loads)]
     tracks: dict[str, _Track] = {}
     decisions: list[str] = []
+    decision_s: list[tuple[float, float]] = []
 
     def deliver(wid: str, p: _Pending) -> None:
         eng = engines[wid]
@@ -211,6 +214,7 @@ def replay(reqs: list[BenchRequest], cfg: SimConfig) -> SimResult:
         placement = placements[r.index % cfg.replicas]
         load = placement.load
         decision, hashes = placement.route(tokens)
+        decision_s.append((decision.seconds, decision.hash_seconds))
         wid = decision.decode.instance_id
         decisions.append(wid)
         if approx is not None and hashes:
@@ -239,4 +243,4 @@ def replay(reqs: list[BenchRequest], cfg: SimConfig) -> SimResult:
     counts: dict[str, int] = {}
     for wid in decisions:
         counts[wid] = counts.get(wid, 0) + 1
-    return SimResult(cfg, results, decisions, last - first, time.perf_counter() - started, counts)
+    return SimResult(cfg, results, decisions, last - first, time.perf_counter() - started, counts, decision_s)
