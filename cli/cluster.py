@@ -93,6 +93,8 @@ class LocalCluster:
                  api_keys: str = "", num_routers: int = 1, mocker_processes: int = 1) -> None:
         if num_routers < 1:
             raise ValueError(f"--routers must be at least 1, got {num_routers}")
+        if not ready_timeout_s > 0:
+            raise ValueError(f"--ready-timeout must be > 0 seconds, got {ready_timeout_s}")
         if num_mocker and not 1 <= mocker_processes <= num_mocker:
             raise ValueError(f"--mocker-processes must be between 1 and --mocker ({num_mocker}), got "
                              f"{mocker_processes}")

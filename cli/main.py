@@ -60,7 +60,7 @@ def _up(args: argparse.Namespace) -> int:
                                router_args=["--router-mode", args.router_mode] if args.router_mode else [],
                                metrics=args.metrics, num_mocker=args.mocker, http_port=args.http_port,
                                tls=not args.insecure, api_keys=args.api_keys, num_routers=args.routers,
-                               mocker_processes=args.mocker_processes)
+                               mocker_processes=args.mocker_processes, ready_timeout_s=args.ready_timeout)
         if args.insecure:
             print("tandem up: WARNING: --insecure: every gRPC port of this cluster serves plaintext with no "
                   "authentication; any local process can call the workers directly", file=sys.stderr, flush=True)
@@ -271,6 +271,8 @@ def build_parser(command: str | None = None, full: bool = True) -> argparse.Argu
          "admin key, which tandem up uses to see the router ready); empty = an open front")
     _arg(p, "--insecure", False, "no TLS: every process serves and dials gRPC in plaintext, unauthenticated "
          "(default: mutual TLS with a throw-away CA made at start-up)", kind=bool)
+    _arg(p, "--ready-timeout", 120.0, "seconds to wait for every process to be ready before giving up (a "
+         "16B-class checkpoint on a GPU loads, captures its graphs and compiles its kernels in a few minutes)")
     p.set_defaults(func=_up)
     p = sub.add_parser("generate", help="send one prompt to a router and stream the answer")
     p.add_argument("prompt", help="prompt text")

@@ -43,6 +43,7 @@ from common import tracing
 from common.pb.tandem.v1 import discovery_pb2
 from common.pb.tandem.v1 import frontend_pb2 as pb
 from common.validation import InvalidArgument
+from router.http_front import Front, validation_error
 from router.http_port import HTTP_OFF, validate_port  # noqa: F401 (re-exported)
 from router.api_keys import KeyRefused, KeyRing, current_tenant
 from router.chat_template import ChatTemplate, TemplateError
@@ -86,16 +87,6 @@ class HttpTimings:
                 f"later events {stats(self.token_s)}")
 
 
-def _stamp_arrival(app):
-    """ASGI wrapper: the request's arrival time (HttpTimings.before_s) and uvicorn's own send
-    (_EventStream writes its events through it) in its scope."""
-    async def asgi(scope, receive, send):
-        scope["tandem.arrived"] = time.perf_counter()
-        scope["tandem.send"] = send
-        await app(scope, receive, send)
-    return asgi
-
-
 class Aborted(Exception):
     """Generate ended the call with a gRPC status (context.abort)."""
 
@@ -123,20 +114,45 @@ class HttpCallContext:
         return self._code
 
 
+class ClientGone(Exception):
+    """The client closed the connection before the response was ready."""
+
+
+_GONE = object()  # Generation's last item when its task was cancelled (the client went away)
+
+
 class Generation:
     """One Generate call in its own task (so that its spans nest and it can be cancelled
     from the HTTP side whatever that is doing). Its items — (response, perf_counter() when
     it left Generate), then None at the end or an Aborted — go to a queue that `next()` reads,
     until `stream_to(sink)`: from then on the task hands each item to the sink itself, with
-    no queue and no second task in between (one event per streamed token)."""
+    no queue and no second task in between (one event per streamed token).
+
+    `watch(receive)` starts the request's one disconnect watch: the client going away cancels
+    the task (which cancels the decode call and frees its KV blocks on both workers), and a
+    reader waiting in `next()` gets ClientGone."""
 
     def __init__(self, servicer: Any, request: pb.GenerateRequest, span_name: str, headers: dict[str, str]) -> None:
         self._queue: asyncio.Queue = asyncio.Queue()
         self._sink: Callable[[Any], Awaitable[None]] | None = None
+        self._watch: asyncio.Task | None = None
         self.started = 0.0  # perf_counter() when Generate was called
         self.last_put = 0.0  # perf_counter() when the response last returned by next() left Generate
         self.task = asyncio.create_task(self._run(servicer, request, span_name, headers),
                                         name=f"http {request.request_id}")
+        # cancelled (also before its first step, when _run could not see it): a reader in
+        # next() must not wait for ever
+        self.task.add_done_callback(lambda t: t.cancelled() and self._queue.put_nowait(_GONE))
+
+    def watch(self, receive: Callable[[], Awaitable[dict]]) -> None:
+        """Cancel the call once ASGI `receive` says the client disconnected (see the class
+        docstring). uvicorn also answers `http.disconnect` once the response is complete; by
+        then the call has ended and the cancel does nothing."""
+        async def until_gone() -> None:
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            self.task.cancel()
+        self._watch = asyncio.create_task(until_gone(), name=f"{self.task.get_name()} watch")
 
     async def _deliver(self, item: Any) -> None:
         if self._sink is not None:
@@ -164,10 +180,13 @@ class Generation:
 
         Raises:
             Aborted: the call ended with an error status.
+            ClientGone: the call was cancelled (the client disconnected).
         """
         item = await self._queue.get()
         if isinstance(item, Aborted):
             raise item
+        if item is _GONE:
+            raise ClientGone
         if item is None:
             return None
         out, self.last_put = item
@@ -175,40 +194,45 @@ class Generation:
 
     async def stream_to(self, sink: Callable[[Any], Awaitable[None]]) -> None:
         """Hand every item not read yet to `sink` (those queued first, in order), then return
-        when the call's task has ended."""
+        when the call's task has ended, also when it was cancelled (the client went away)."""
         while not self._queue.empty():
-            await sink(self._queue.get_nowait())
+            item = self._queue.get_nowait()
+            if item is _GONE:
+                return
+            await sink(item)
         self._sink = sink  # the queue is empty and nothing awaited since: no item can slip between
-        await asyncio.shield(self.task)  # a cancelled response leaves the task to its own cancel
+        try:
+            await asyncio.shield(self.task)  # a cancelled response leaves the task to its own cancel
+        except asyncio.CancelledError:
+            if not self.task.cancelled() or asyncio.current_task().cancelling():
+                raise  # this coroutine itself was cancelled, not only the call
 
     def cancel(self) -> None:
         self.task.cancel()
+        if self._watch is not None:
+            self._watch.cancel()
 
 
-class ClientGone(Exception):
-    """The client closed the connection before the response was ready."""
-
-
-async def _until_disconnect(request: Request) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
-async def unless_disconnected(request: Request, coro):
-    """Await `coro`, or raise ClientGone (cancelling it) if the client disconnects first."""
-    task, watch = asyncio.ensure_future(coro), asyncio.ensure_future(_until_disconnect(request))
-    try:
-        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
-        if task.done():
-            return task.result()
-        raise ClientGone
-    finally:
-        task.cancel()
-        watch.cancel()
+_JSON = json.JSONEncoder(separators=(",", ":"))  # json.dumps with arguments builds an encoder per call
+_MARK = "\x00"  # never in a response's id or model (HTTP headers and model names carry no NUL)
 
 
 def _sse(obj: dict) -> bytes:
-    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+    return b"data: " + _JSON.encode(obj).encode() + b"\n\n"
+
+
+class TextEvents:
+    """The server-sent event of a chunk that carries only text (no finish reason, no logprobs,
+    not the first): the chunk's bytes around its text are the same for every token of a
+    response, so they are encoded once and each event is prefix + the text as a JSON string +
+    suffix, byte for byte what `_sse(shape.chunk(text, None, None))` gives."""
+
+    def __init__(self, shape: ResponseShape) -> None:
+        whole = _sse(shape.chunk(_MARK, None, None))
+        self.prefix, self.suffix = whole.split(_JSON.encode(_MARK).encode())
+
+    def __call__(self, text: str) -> bytes:
+        return self.prefix + _JSON.encode(text).encode() + self.suffix
 
 
 DONE = b"data: [DONE]\n\n"
@@ -218,7 +242,8 @@ class _EventStream(Response):
     """Server-sent events of one Generation, written by the Generation's own task as each
     response leaves Generate (`Generation.stream_to`), through uvicorn's own send (the
     middlewares' send wrappers only watch for the response's start, which goes through
-    them). The client leaving cancels the Generation, as does any other end of the response."""
+    them). The client leaving cancels the Generation (`Generation.watch`), as does any other end
+    of the response."""
 
     def __init__(self, api: "OpenAIFrontend", generation: Generation, first: pb.GenerateResponse | None,
                  shape: ResponseShape, req: Any, headers: dict[str, str]) -> None:
@@ -228,6 +253,7 @@ class _EventStream(Response):
                             *((k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in headers.items())]
         self.api, self.generation, self.first, self.shape, self.req = api, generation, first, shape, req
         self._first_event, self._closed = True, False
+        self._text = TextEvents(shape)
 
     async def __call__(self, scope, receive, send) -> None:
         raw_send = scope.get("tandem.send", send)
@@ -249,7 +275,9 @@ class _EventStream(Response):
                 return
             out, left = it
             finish = FINISH_REASONS.get(out.finish_reason)
-            if out.text or finish or self._first_event or self.req.want_logprobs:
+            if out.text and not (finish or self._first_event or self.req.want_logprobs):
+                await event(self._text(out.text), left)  # most events: text only
+            elif out.text or finish or self._first_event or self.req.want_logprobs:
                 lp = self.api._logprobs(self.shape.chat, out) if self.req.want_logprobs else None
                 await event(_sse(self.shape.chunk(out.text, finish, lp, first=self._first_event)), left)
                 self._first_event = False
@@ -260,27 +288,13 @@ class _EventStream(Response):
                 await event(DONE)
 
         gen = self.generation
-        watch = asyncio.ensure_future(_until_gone(receive))
-        streaming: asyncio.Future | None = None
         try:
             await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
             await item((self.first, gen.last_put) if self.first is not None else None)
-            streaming = asyncio.ensure_future(gen.stream_to(item))
-            await asyncio.wait({streaming, watch}, return_when=asyncio.FIRST_COMPLETED)
-            if not watch.done():  # the stream ended, not the client: finish the response
-                streaming.result()  # a failed write raises here
-                await raw_send({"type": "http.response.body", "body": b"", "more_body": False})
+            await gen.stream_to(item)  # returns at the call's end, or once the client went away
+            await raw_send({"type": "http.response.body", "body": b"", "more_body": False})
         finally:
-            watch.cancel()
-            if streaming is not None:
-                streaming.cancel()
             gen.cancel()
-
-
-async def _until_gone(receive) -> None:
-    """Returns once the client has disconnected (a streaming request's body is already read)."""
-    while (await receive())["type"] != "http.disconnect":
-        pass
 
 
 class OpenAIFrontend:
@@ -366,12 +380,13 @@ class OpenAIFrontend:
         except TemplateError as exc:
             return self.error(400, f"messages: {exc}", "invalid_request_error", "messages", headers=headers)
         gen = Generation(self.servicer, grpc_req, f"POST {route}", dict(request.headers))
+        gen.watch(request.receive)
         try:
-            first = await unless_disconnected(request, gen.next())  # errors before any token: a status
+            first = await gen.next()  # errors before any token: a status
         except Aborted as exc:
+            gen.cancel()  # the watch
             return self.aborted(exc, req, headers)
-        except ClientGone:  # e.g. during a long prefill: cancel it, as a disconnect mid-stream does
-            gen.cancel()
+        except ClientGone:  # e.g. during a long prefill: cancelled, as a disconnect mid-stream is
             return Response(status_code=499)
         except BaseException:
             gen.cancel()
@@ -381,8 +396,7 @@ class OpenAIFrontend:
         if req.stream:
             return _EventStream(self, gen, first, shape, req, headers)
         try:
-            return JSONResponse(await unless_disconnected(request, self._collect(gen, first, shape, req)),
-                                headers=headers)
+            return JSONResponse(await self._collect(gen, first, shape, req), headers=headers)
         except Aborted as exc:
             return self.aborted(exc, req, headers)
         except ClientGone:
@@ -428,18 +442,9 @@ class OpenAIFrontend:
         return Response(data, media_type=CONTENT_TYPE_LATEST)
 
 
-def _loc(loc: tuple) -> str:
-    """pydantic's ("body", "messages", 0, "content") → "messages[0].content"."""
-    out = ""
-    for part in loc[1:] if loc and loc[0] == "body" else loc:
-        if isinstance(part, int):
-            out += f"[{part}]"
-        elif not part.startswith(("function-", "str", "list[", "int")):  # union member tags
-            out += ("." if out else "") + part
-    return out
-
-
-def create_app(api: OpenAIFrontend) -> FastAPI:
+def create_app(api: OpenAIFrontend) -> Front:
+    """The HTTP API as one ASGI app: router/http_front.py serves the generation routes, this
+    FastAPI app the rest."""
     # FastAPI's own OpenTelemetry spans are off: Generation opens the request's SERVER span,
     # named and nested like the gRPC path's (docs/observability.md).
     app = FastAPI(title="Tandem OpenAI-compatible API", docs_url=None, redoc_url=None, openapi_url=None,
@@ -447,12 +452,7 @@ def create_app(api: OpenAIFrontend) -> FastAPI:
 
     @app.exception_handler(RequestValidationError)
     async def bad_request(request: Request, exc: RequestValidationError) -> JSONResponse:
-        err = exc.errors()[0]
-        if err.get("type") == "json_invalid":
-            return api.error(400, f"request body is not valid JSON: {err.get('msg', '')}", "invalid_request_error")
-        param = _loc(tuple(err.get("loc", ()))) or None
-        return api.error(400, f"{param}: {err.get('msg', 'invalid')}" if param else err.get("msg", "invalid request"),
-                         "invalid_request_error", param)
+        return validation_error(exc.errors())
 
     @app.exception_handler(404)
     async def not_found(request: Request, exc: Exception) -> JSONResponse:
@@ -461,14 +461,6 @@ def create_app(api: OpenAIFrontend) -> FastAPI:
     @app.exception_handler(405)
     async def not_allowed(request: Request, exc: Exception) -> JSONResponse:
         return api.error(405, f"{request.method} not allowed on {request.url.path}", "invalid_request_error")
-
-    @app.post("/v1/completions")
-    async def completions(req: CompletionRequest, request: Request) -> Response:
-        return await api.generate(request, req, "/v1/completions")
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(req: ChatCompletionRequest, request: Request) -> Response:
-        return await api.generate(request, req, "/v1/chat/completions")
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
@@ -492,7 +484,7 @@ def create_app(api: OpenAIFrontend) -> FastAPI:
     async def metrics(request: Request) -> Response:  # the cluster's state: admin keys only
         return api.authorize(request, admin_only=True) or await api.metrics()
 
-    return app
+    return Front(api, app)
 
 
 def _listen(host: str, port: int, reuse_port: bool = False) -> socket.socket:
@@ -518,8 +510,8 @@ class HttpServer:
     the router owns both). `await start()`, then `address`; `await stop()` lets requests in
     flight finish for up to `grace_s`, then cancels them."""
 
-    def __init__(self, app: FastAPI, host: str, port: int, grace_s: float = 2.0, reuse_port: bool = False) -> None:
-        self.config = uvicorn.Config(_stamp_arrival(app), host=host, port=port, lifespan="off", log_config=None, access_log=False,
+    def __init__(self, app: Front, host: str, port: int, grace_s: float = 2.0, reuse_port: bool = False) -> None:
+        self.config = uvicorn.Config(app, host=host, port=port, lifespan="off", log_config=None, access_log=False,
                                      timeout_graceful_shutdown=grace_s, log_level="warning", http=HTTP_PARSER)
         self.server = uvicorn.Server(self.config)
         self.host, self.port, self.reuse_port = host, port, reuse_port

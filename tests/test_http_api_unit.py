@@ -1,5 +1,7 @@
 """Pieces of the HTTP API that need no cluster: the listening socket, the mapping of gRPC-side
-field names and pydantic locations onto OpenAI parameters, the gRPC status → HTTP status table."""
+field names and pydantic locations onto OpenAI parameters, the gRPC status → HTTP status table,
+the generation routes' own ASGI entry (router/http_front.py) over a real uvicorn server with a
+stand-in servicer."""
 
 from __future__ import annotations
 
@@ -9,7 +11,8 @@ import socket
 import grpc
 import pytest
 
-from router.http_api import STATUS, _listen, _loc, validate_port
+from router.http_api import STATUS, _listen, validate_port
+from router.http_front import loc_name as _loc
 from router.openai_protocol import ChatCompletionRequest, CompletionRequest, param_name
 
 
@@ -128,3 +131,141 @@ def test_bench_backend_options_name_the_flag(kw, flag):
     with pytest.raises(ValueError, match=flag):
         BenchOptions(**kw)
     assert BenchOptions(backend="openai").http_url == "http://127.0.0.1:8000"
+
+
+class _Workers:
+    model = "m"
+
+
+class _StandIn:
+    """A servicer whose Generate yields `n` responses, `delay_s` apart; records its calls."""
+
+    def __init__(self, n: int = 4, delay_s: float = 0.0) -> None:
+        from common.tokenizer import load_tokenizer
+        self.workers, self.context_length, self.tokenizer = _Workers(), 4096, load_tokenizer(None)
+        self.n, self.delay_s, self.calls, self.cancelled = n, delay_s, [], 0
+
+    async def Generate(self, req, ctx):
+        from common.pb.tandem.v1 import frontend_pb2 as pb
+        from common.pb.tandem.v1 import sampling_pb2
+        self.calls.append(req)
+        try:
+            for i in range(self.n):
+                await asyncio.sleep(self.delay_s)
+                last = i == self.n - 1
+                yield pb.GenerateResponse(token_ids=[100 + i], text=f"t{i}", finish_reason=(
+                    sampling_pb2.FINISH_REASON_LENGTH if last else 0), usage=pb.Usage(completion_tokens=i + 1))
+        except asyncio.CancelledError:
+            self.cancelled += 1
+            raise
+
+
+def _serve(servicer, fn):
+    """Run `fn(base_url)` (async) against a real uvicorn server of the HTTP API."""
+    from router.chat_template import load_chat_template
+    from router.http_api import HttpServer, OpenAIFrontend, create_app
+
+    async def main():
+        server = HttpServer(create_app(OpenAIFrontend(servicer, load_chat_template(None), None)), "127.0.0.1", 0)
+        await server.start()
+        try:
+            return await fn(f"http://{server.address}")
+        finally:
+            await server.stop()
+    return asyncio.run(main())
+
+
+def test_generation_routes_refuse_bad_bodies_by_name():
+    """The generation routes' own entry answers like the FastAPI routes: 400 naming the field or
+    saying the JSON is invalid, 413 over the body limit, 405 for another method; nothing of it
+    reaches Generate, and a body sent without a JSON Content-Type is still read as JSON."""
+    import httpx
+
+    from router.http_front import MAX_BODY
+    servicer = _StandIn()
+
+    async def fn(base):
+        async with httpx.AsyncClient(base_url=base) as c:
+            r = [await c.post("/v1/completions", json={"prompt": "x", "max_tokens": "many"}),
+                 await c.post("/v1/chat/completions", json={"messages": [{"content": "hi"}]}),
+                 await c.post("/v1/completions", content=b"{not json"),
+                 await c.post("/v1/completions", content=b"[1, 2]"),
+                 await c.post("/v1/completions", content=b" " * (MAX_BODY + 1)),
+                 await c.get("/v1/completions")]
+            ok = await c.post("/v1/completions", content=b'{"prompt": [1, 2], "max_tokens": 4}',
+                              headers={"content-type": "application/x-www-form-urlencoded"})
+            return r, ok
+
+    (bad_int, missing, not_json, not_object, too_big, get), ok = _serve(servicer, fn)
+    assert bad_int.status_code == 400 and bad_int.json()["error"]["param"] == "max_tokens"
+    assert missing.status_code == 400 and missing.json()["error"]["param"] == "messages[0].role"
+    assert not_json.status_code == 400 and "not valid JSON" in not_json.json()["error"]["message"]
+    assert not_object.status_code == 400 and not_object.json()["error"]["type"] == "invalid_request_error"
+    assert too_big.status_code == 413 and str(MAX_BODY) in too_big.json()["error"]["message"]
+    assert get.status_code == 405 and "GET not allowed" in get.json()["error"]["message"]
+    assert ok.status_code == 200 and ok.json()["choices"][0]["text"] == "t0t1t2t3", ok.text
+    assert len(servicer.calls) == 1 and list(servicer.calls[0].token_ids) == [1, 2]
+
+
+def test_disconnect_at_once_cancels_the_call_and_answers_nothing():
+    """A client whose disconnect is the next ASGI message after its body (before the first
+    response) cancels the call; the route answers 499 to nobody instead of waiting for ever."""
+    from router.chat_template import load_chat_template
+    from router.http_api import OpenAIFrontend, create_app
+
+    servicer = _StandIn(n=4, delay_s=0.05)
+    app = create_app(OpenAIFrontend(servicer, load_chat_template(None), None))
+    body = b'{"prompt": [1, 2, 3], "stream": true}'
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
+             "path": "/v1/completions", "raw_path": b"/v1/completions", "query_string": b"", "root_path": "",
+             "headers": [(b"host", b"x")], "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 2)}
+    messages = [{"type": "http.request", "body": body, "more_body": False}, {"type": "http.disconnect"}]
+    sent = []
+
+    async def receive():
+        return messages.pop(0) if messages else {"type": "http.disconnect"}
+
+    async def send(msg):
+        sent.append(msg)
+
+    async def main():
+        await asyncio.wait_for(app(scope, receive, send), 5)
+        await asyncio.sleep(0.1)  # the call's task finishes its cancellation
+
+    asyncio.run(main())
+    assert sent and sent[0]["status"] == 499 and all(m.get("more_body") is not True for m in sent)
+    assert len(servicer.calls) <= 1 and servicer.cancelled == len(servicer.calls)
+
+
+def test_client_leaving_mid_stream_cancels_the_call():
+    """Over a real server: the client closes a streamed response after its first event; the
+    call's Generate is cancelled (the decode call and its KV blocks go with it)."""
+    import httpx
+
+    servicer = _StandIn(n=50, delay_s=0.02)
+
+    async def fn(base):
+        async with httpx.AsyncClient(base_url=base) as c:
+            async with c.stream("POST", "/v1/completions", json={"prompt": [1], "stream": True}) as r:
+                async for line in r.aiter_lines():
+                    if line.startswith("data: "):
+                        break
+        for _ in range(100):
+            if servicer.cancelled:
+                return
+            await asyncio.sleep(0.02)
+
+    _serve(servicer, fn)
+    assert servicer.cancelled == 1
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_text_events_equal_the_encoded_chunk(chat):
+    """The per-token event built from cached bytes is byte for byte the chunk object's event."""
+    from router.http_api import TextEvents, _sse
+    from router.openai_protocol import ResponseShape
+
+    shape = ResponseShape(chat, 'req-"1"\\', "tandem-tiny")
+    events = TextEvents(shape)
+    for text in ["x", " the", '"quoted" \\ back', "line\nbreak\t", "é ü 漢字 🙂", "\x01\x1f", "null"]:
+        assert events(text) == _sse(shape.chunk(text, None, None)), text

@@ -109,11 +109,18 @@ def bytes_per_step(cfg: ModelConfig, model: torch.nn.Module, batch: int, context
     return weights + kv
 
 
+def row_tokens(batch: int, vocab: int) -> list[int]:
+    """`batch` distinct token ids spread over the vocabulary (ids 0 and 1 left out)."""
+    return [2 + (i * 7919) % (vocab - 2) for i in range(batch)]
+
+
 def bench_engine(model, cfg: ModelConfig, device: torch.device, dtype: torch.dtype, batch: int,
                  context: int, steps: int, block_size: int, graphs: bool) -> dict[str, Any]:
     """Greedy decode tokens/s of the worker's decode step (`ModelRunner.decode_step`: host plan,
     graph replay or eager batched forward, device sampling) for `batch` sequences at `context`
-    cached tokens. Input tokens are fixed (speed does not depend on them), so no step syncs."""
+    cached tokens. Each row's input token is fixed, so no step syncs; the rows' tokens differ
+    (`row_tokens`), so an MoE layer routes them to different experts as real traffic does (the
+    same token in every row would touch only the experts of that one token)."""
     width = -(-(context + steps + 8) // block_size)
     pool = KvPool(KvPoolConfig(num_blocks=2 + batch * width, block_size=block_size,
                                num_layers=cfg.num_hidden_layers, kv_dim=cfg.kv_dim, dtype=dtype), 1, device)
@@ -126,8 +133,10 @@ def bench_engine(model, cfg: ModelConfig, device: torch.device, dtype: torch.dty
     tables = [pool.blocks.allocate(width) for _ in range(batch)]
     params = [(SamplingParams(max_tokens=1 << 20), 0)] * batch
 
+    tokens = row_tokens(batch, cfg.vocab_size)
+
     def step(n: int) -> torch.Tensor:
-        return runner.decode_step([DecodeInput(t, n, 3) for t in tables], params)[0]
+        return runner.decode_step([DecodeInput(t, n, x) for t, x in zip(tables, tokens)], params)[0]
 
     for i in range(3):  # warm-up (positions advance as in real decoding)
         step(context + i)

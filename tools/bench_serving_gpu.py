@@ -94,6 +94,22 @@ def write_checkpoint(cfg: ModelConfig, directory: Path, device: torch.device, se
     return n
 
 
+UP_TIMEOUT_S = 600  # config M: two workers load 31 GB each, capture graphs and compile kernels
+
+
+def _up_failure(what: str, work: Path) -> RuntimeError:
+    """`what`, the end of tandem up's output and of every process log in the folder it named."""
+    text = (work / "up.log").read_text()
+    parts = [f"{what}: {text[-3000:]}"]
+    for line in text.splitlines():
+        if "logs in " in line:
+            folder = Path(line.split("logs in ", 1)[1].split(";", 1)[0].strip())
+            for f in sorted(folder.glob("*.log")) if folder.is_dir() else []:
+                parts.append(f"--- {f.name}: " + f.read_text(errors="replace")[-2000:])
+            break
+    return RuntimeError("\n".join(parts))
+
+
 def _cli(*args: str) -> list[str]:
     return [sys.executable, "-m", "cli.main", *args]
 
@@ -170,21 +186,22 @@ def serve_and_bench(model_dir: Path, contexts: list[int], concurrencies: list[in
     # --http-port -1: the bench speaks gRPC; the router's default HTTP port 8000 would collide with
     # any other cluster on the machine (the --port option exists to avoid exactly that)
     up = subprocess.Popen(_cli("up", "--model", str(model_dir), "--port", str(port),
-                               "--metrics", "--insecure", "--http-port", "-1", "--routers", str(routers)),
+                               "--metrics", "--insecure", "--http-port", "-1", "--routers", str(routers),
+                               "--ready-timeout", str(UP_TIMEOUT_S)),
                           cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     out: dict[tuple[int, int], dict] = {}
     try:
-        deadline = time.time() + 300
+        deadline = time.time() + UP_TIMEOUT_S + 30
         while subprocess.run(_cli("health", f"127.0.0.1:{port}"), cwd=ROOT, env=env,
                              capture_output=True).returncode != 0:
             if up.poll() is not None or time.time() > deadline:
-                raise RuntimeError("tandem up did not become healthy: " + (work / "up.log").read_text()[-3000:])
+                raise _up_failure("tandem up did not become healthy", work)
             time.sleep(2)
         # `tandem up` prints its metrics lines after the router answers health, and its "ready"
         # line after them: wait for that line rather than reading a half-written log
         while "tandem up: ready to serve" not in (work / "up.log").read_text():
             if up.poll() is not None or time.time() > deadline:
-                raise RuntimeError("tandem up did not print its ready line: " + (work / "up.log").read_text()[-3000:])
+                raise _up_failure("tandem up did not print its ready line", work)
             time.sleep(0.5)
         time.sleep(3)  # both workers registered with the router
         metrics_urls = _metrics_urls((work / "up.log").read_text())

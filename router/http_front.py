@@ -1,0 +1,125 @@
+"""The HTTP API's ASGI entry: the two generation routes served without FastAPI's request layer.
+
+`POST /v1/completions` and `POST /v1/chat/completions` are the routes on every request's path,
+so this entry serves them itself: it reads the body (at most `max_body` bytes, else 413),
+validates it with the route's pydantic model in one `model_validate_json` call (400 naming the
+parameter, as the FastAPI app's handler does for every other route) and hands it to
+`OpenAIFrontend.generate`; another method on these paths is a 405 here. Everything else — the
+other routes and unknown paths (404) — goes to the FastAPI app unchanged.
+
+Why: FastAPI's path for one request (its middleware stack, dependency solving, body parsing
+into a dict and then the model) cost about 200 µs of the 400 µs the HTTP layer spent before
+`Generate` on an idle loop (2-core machine, cProfile of in-process ASGI calls); the request's
+time in the router is what the HTTP frontend adds to every request's TTFT (docs/benchmarks.md).
+
+The body is parsed as JSON whatever its Content-Type says (a `curl -d` without `-H` works).
+Both paths stamp the request's arrival (`scope["tandem.arrived"]`, HttpTimings.before_s) and
+uvicorn's own send (`scope["tandem.send"]`, through which the streamed events are written).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from pydantic import ValidationError
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+
+from router.openai_protocol import ChatCompletionRequest, CompletionRequest, error_body
+
+log = logging.getLogger(__name__)
+MAX_BODY = 32 << 20  # bytes; a 128K-token prompt is about 0.5 MB as text, 1 MB as a token list
+ROUTES = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest}
+
+
+def loc_name(loc: tuple) -> str:
+    """pydantic's ("body", "messages", 0, "content") or ("messages", 0, "content") →
+    "messages[0].content" (FastAPI prefixes "body"; model_validate_json does not)."""
+    out = ""
+    for part in loc[1:] if loc and loc[0] == "body" else loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif not part.startswith(("function-", "str", "list[", "int")):  # union member tags
+            out += ("." if out else "") + part
+    return out
+
+
+def validation_error(errors: list[dict]) -> JSONResponse:
+    """The 400 for a body pydantic refused: its first error, the parameter named."""
+    err = errors[0]
+    if err.get("type") == "json_invalid":
+        return _error(400, f"request body is not valid JSON: {err.get('msg', '')}")
+    param = loc_name(tuple(err.get("loc", ()))) or None
+    msg = err.get("msg", "invalid")
+    return _error(400, f"{param}: {msg}" if param else msg, param)
+
+
+def _error(status: int, message: str, param: str | None = None, type_: str = "invalid_request_error",
+           code: str | None = None) -> JSONResponse:
+    return JSONResponse(error_body(message, type_, param, code), status_code=status)
+
+
+class BodyTooLarge(Exception):
+    pass
+
+
+async def read_body(receive, limit: int) -> bytes:
+    """The request body from ASGI `receive` messages.
+
+    Raises:
+        BodyTooLarge: more than `limit` bytes (the rest is not read).
+        ConnectionError: the client went away before the body was whole.
+    """
+    parts: list[bytes] = []
+    size = 0
+    while True:
+        msg = await receive()
+        if msg["type"] == "http.disconnect":
+            raise ConnectionError("client disconnected before its request body was whole")
+        chunk = msg.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            raise BodyTooLarge
+        parts.append(chunk)
+        if not msg.get("more_body", False):
+            return parts[0] if len(parts) == 1 else b"".join(parts)
+
+
+class Front:
+    """ASGI app: the generation routes served directly (see the module docstring), the rest by
+    `app` (the FastAPI app of router/http_api.py:create_app)."""
+
+    def __init__(self, api: Any, app: Any, max_body: int = MAX_BODY) -> None:
+        self.api, self.app, self.max_body = api, app, max_body
+
+    async def __call__(self, scope, receive, send) -> None:
+        scope["tandem.arrived"] = time.perf_counter()
+        scope["tandem.send"] = send
+        model = ROUTES.get(scope.get("path", "")) if scope["type"] == "http" else None
+        if model is None:
+            await self.app(scope, receive, send)
+            return
+        if scope["method"] != "POST":
+            await _error(405, f"{scope['method']} not allowed on {scope['path']}")(scope, receive, send)
+            return
+        try:
+            response = await self._generate(scope, receive, model)
+        except ConnectionError:
+            return  # nobody to answer
+        except Exception as exc:  # a bug: the client gets a 500 with its repr, the log the traceback
+            log.exception("%s %s failed", scope["method"], scope["path"])
+            response = _error(500, f"internal error: {exc!r}", type_="internal_error")
+        await response(scope, receive, send)
+
+    async def _generate(self, scope, receive, model) -> Any:
+        try:
+            body = await read_body(receive, self.max_body)
+        except BodyTooLarge:
+            return _error(413, f"request body exceeds {self.max_body} bytes")
+        try:
+            req = model.model_validate_json(body)
+        except ValidationError as exc:
+            return validation_error(exc.errors(include_url=False))
+        return await self.api.generate(Request(scope, receive), req, scope["path"])
