@@ -7,10 +7,11 @@ carry its tokens, so each one is timed with its exact token count, as gRPC messa
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 
-import httpx
+import aiohttp
 
 from bench.client import RequestResult
 from bench.traces import BenchRequest
@@ -23,18 +24,23 @@ def completion_body(req: BenchRequest, model: str) -> dict:
             "stream_options": {"include_usage": True}}
 
 
-async def one_openai(http: httpx.AsyncClient, base_url: str, model: str, req: BenchRequest, t0: float,
+async def one_openai(http: aiohttp.ClientSession, base_url: str, model: str, req: BenchRequest, t0: float,
                      timeout_s: float) -> RequestResult:
     res = RequestResult(req.index, start_s=time.perf_counter() - t0)
     begin = time.perf_counter()
     try:
-        async with http.stream("POST", f"{base_url}/v1/completions", json=completion_body(req, model),
-                               headers={"X-Request-Id": f"bench-{req.index}"}, timeout=timeout_s) as r:
-            if r.status_code != 200:
-                err = json.loads(await r.aread()).get("error", {})
-                res.error = f"HTTP {r.status_code}: {err.get('message', '')}"
+        async with http.post(f"{base_url}/v1/completions", json=completion_body(req, model),
+                             headers={"X-Request-Id": f"bench-{req.index}"},
+                             timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:
+            if r.status != 200:
+                try:
+                    err = json.loads(await r.read()).get("error", {})
+                except ValueError:
+                    err = {}
+                res.error = f"HTTP {r.status}: {err.get('message', '')}"
             else:
-                async for line in r.aiter_lines():
+                async for raw in r.content:  # one line per iteration
+                    line = raw.decode().rstrip("\r\n")
                     if not line.startswith("data: ") or line == "data: [DONE]":
                         continue
                     now = time.perf_counter()
@@ -52,7 +58,7 @@ async def one_openai(http: httpx.AsyncClient, base_url: str, model: str, req: Be
                             if res.ttft_s is None:
                                 res.ttft_s = now - begin
                             res.chunks.append((now - t0, n))
-    except httpx.HTTPError as exc:
+    except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
         res.error = f"{type(exc).__name__}: {exc}"
     res.end_s = time.perf_counter() - t0
     return res

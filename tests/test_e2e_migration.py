@@ -66,3 +66,22 @@ def test_decode_worker_lost_mid_stream_every_stream_completes_exactly(tiny_model
         else:
             ref = reference_generate(tiny_model.model, prompts[i], MAX_TOKENS)
         assert got == ref, f"stream {i} differs"
+
+
+def test_migration_trial_script_on_cpu_is_exact(tmp_path):
+    """tools/bench_migration_gpu.py (the GPU exactness trial) on a CPU in float32: runs B and C
+    (decode-0 killed, its streams migrated) give run A's tokens exactly, greedy and seeded."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+    out = tmp_path / "migration.json"
+    r = subprocess.run([sys.executable, "tools/bench_migration_gpu.py", "--device", "cpu", "--model", "tandem-tiny",
+                        "--streams", "8", "--max-tokens", "16", "--kill-after", "4", "--out", str(out)],
+                       cwd=Path(__file__).resolve().parent.parent, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    res = json.loads(out.read_text())
+    assert res["lengths_ok"] and res["migrated_streams"] >= 1
+    for run in ("B_vs_A", "C_vs_A"):
+        for kind in ("greedy", "seeded"):
+            assert res[run][kind]["identical_stream_share"] == 1.0, (run, kind, res[run][kind])

@@ -17,6 +17,10 @@ POST /v1/completions (`tandem bench --backend openai`'s client). It reports per 
   for 5 s before) times each block's wall time is subtracted.
 
     python tools/bench_http.py --requests 100 --out /tmp/http_overhead.json
+    python tools/bench_http.py --mocker --requests 400 --out /tmp/http_overhead_mocker.json
+
+With --mocker the workers are simulated (`tandem mocker`: real gRPC, real router, simulated
+engine timing), so the two cores of a small machine are the router's and the client's.
 """
 
 from __future__ import annotations
@@ -79,8 +83,12 @@ async def run_blocks(cluster: LocalCluster, backend: str, req: BenchRequest, n: 
 
 
 async def measure(args: argparse.Namespace) -> dict:
-    cluster = LocalCluster(model=args.model, num_prefill=1, num_decode=1, router_port=0, http_port=0,
-                           worker_args=["--num-blocks", "1024"])
+    if args.mocker:  # one process of simulated workers (1 prefill, 1 decode): almost no CPU of their own
+        cluster = LocalCluster(num_prefill=0, num_decode=0, num_mocker=1, router_port=0, http_port=0,
+                               mocker_args=["--num-prefill", "1", "--num-blocks", "1024", "--speedup", str(args.speedup)])
+    else:
+        cluster = LocalCluster(model=args.model, num_prefill=1, num_decode=1, router_port=0, http_port=0,
+                               worker_args=["--num-blocks", "1024"])
     await cluster.start()
     prompt = tuple((1000 + 7 * i) % 4000 for i in range(args.prompt_len))
     lengths = (args.short, args.long)
@@ -151,6 +159,10 @@ def provenance(args: argparse.Namespace) -> dict:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="tandem-tiny", help="served model (default tandem-tiny)")
+    p.add_argument("--mocker", action="store_true",
+                   help="simulated workers (tandem mocker, model tandem-mock) instead of --model's: on a machine "
+                        "of few cores the real workers' CPU blurs the router's figures")
+    p.add_argument("--speedup", type=float, default=20.0, help="with --mocker: simulated seconds per real second")
     p.add_argument("--requests", type=int, default=100, help="requests per backend and output length")
     p.add_argument("--block", type=int, default=20, help="requests per block (backends and lengths alternate)")
     p.add_argument("--prompt-len", type=int, default=64, help="prompt tokens")
