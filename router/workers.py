@@ -152,7 +152,10 @@ class WorkerSet:
         """Route nothing new to a worker that refused a connection, for `seconds` (default
         set_aside_s): long enough for its lease to expire if it died. Counts as a transport
         failure for health."""
-        self._aside[instance_id] = time.monotonic() + (self.set_aside_s if seconds is None else seconds)
+        now = time.monotonic()
+        # drop the expired ones (workers that came back, or left for good) so the map stays small
+        self._aside = {k: t for k, t in self._aside.items() if t > now}
+        self._aside[instance_id] = now + (self.set_aside_s if seconds is None else seconds)
         self._aside_generation += 1
         if self.health is not None:
             self.health.record_transport_failure(instance_id, "refused a call")

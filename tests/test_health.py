@@ -340,3 +340,13 @@ def test_not_serving_decode_worker_stops_being_chosen_while_registered(etcd_serv
         if ch is not None:
             ch.close()
         c.close()
+
+
+def test_set_aside_keeps_only_running_set_asides():
+    """A set-aside that has expired is dropped when the next one is made: the map does not grow
+    with every worker ever set aside."""
+    workers = WorkerSet(StaticWatcher(), "m", 16, 7)
+    for n in range(50):
+        workers.set_aside(f"gone-{n}", seconds=0.0)
+    workers.set_aside("w-now", seconds=60.0)
+    assert list(workers._aside) == ["w-now"]
