@@ -118,6 +118,7 @@ class ClientGone(Exception):
     """The client closed the connection before the response was ready."""
 
 
+TRANSPORT_POLL_S = 0.25  # how often a request checks that its connection is still open (Generation.watch)
 _GONE = object()  # Generation's last item when its task was cancelled (the client went away)
 
 
@@ -136,6 +137,7 @@ class Generation:
         self._queue: asyncio.Queue = asyncio.Queue()
         self._sink: Callable[[Any], Awaitable[None]] | None = None
         self._watch: asyncio.Task | None = None
+        self._timer: asyncio.TimerHandle | None = None
         self.started = 0.0  # perf_counter() when Generate was called
         self.last_put = 0.0  # perf_counter() when the response last returned by next() left Generate
         self.task = asyncio.create_task(self._run(servicer, request, span_name, headers),
@@ -144,15 +146,28 @@ class Generation:
         # next() must not wait for ever
         self.task.add_done_callback(lambda t: t.cancelled() and self._queue.put_nowait(_GONE))
 
-    def watch(self, receive: Callable[[], Awaitable[dict]]) -> None:
+    def watch(self, receive: Callable[[], Awaitable[dict]], transport: asyncio.BaseTransport | None = None) -> None:
         """Cancel the call once ASGI `receive` says the client disconnected (see the class
-        docstring). uvicorn also answers `http.disconnect` once the response is complete; by
-        then the call has ended and the cancel does nothing."""
+        docstring), or once `transport` (the connection, when the server exposes it) is closing.
+        uvicorn also answers `http.disconnect` once the response is complete; by then the call
+        has ended and the cancel does nothing. The transport is polled because uvicorn tells a
+        disconnect only to the connection's last request: a client that pipelined a second
+        request and went away would otherwise leave this one running to its max_tokens."""
         async def until_gone() -> None:
             while (await receive())["type"] != "http.disconnect":
                 pass
             self.task.cancel()
         self._watch = asyncio.create_task(until_gone(), name=f"{self.task.get_name()} watch")
+        if transport is not None:
+            self._poll(transport)
+
+    def _poll(self, transport: asyncio.BaseTransport) -> None:
+        if self.task.done():
+            return
+        if transport.is_closing():
+            self.task.cancel()
+            return
+        self._timer = asyncio.get_running_loop().call_later(TRANSPORT_POLL_S, self._poll, transport)
 
     async def _deliver(self, item: Any) -> None:
         if self._sink is not None:
@@ -211,6 +226,8 @@ class Generation:
         self.task.cancel()
         if self._watch is not None:
             self._watch.cancel()
+        if self._timer is not None:
+            self._timer.cancel()
 
 
 _JSON = json.JSONEncoder(separators=(",", ":"))  # json.dumps with arguments builds an encoder per call
@@ -380,7 +397,9 @@ class OpenAIFrontend:
         except TemplateError as exc:
             return self.error(400, f"messages: {exc}", "invalid_request_error", "messages", headers=headers)
         gen = Generation(self.servicer, grpc_req, f"POST {route}", dict(request.headers))
-        gen.watch(request.receive)
+        # uvicorn's send is its request cycle's bound method; the cycle holds the connection
+        cycle = getattr(request.scope.get("tandem.send"), "__self__", None)
+        gen.watch(request.receive, getattr(cycle, "transport", None))
         try:
             first = await gen.next()  # errors before any token: a status
         except Aborted as exc:

@@ -1,7 +1,8 @@
 """The HTTP API's ASGI entry: the two generation routes served without FastAPI's request layer.
 
 `POST /v1/completions` and `POST /v1/chat/completions` are the routes on every request's path,
-so this entry serves them itself: it reads the body (at most `max_body` bytes, else 413),
+so this entry serves them itself: it reads the body (at most `max_body` bytes, else 413 and the
+connection closed; a Content-Length over it is refused before reading),
 validates it with the route's pydantic model in one `model_validate_json` call (400 naming the
 parameter, as the FastAPI app's handler does for every other route) and hands it to
 `OpenAIFrontend.generate`; another method on these paths is a 405 here. Everything else — the
@@ -19,6 +20,7 @@ uvicorn's own send (`scope["tandem.send"]`, through which the streamed events ar
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from typing import Any
@@ -30,8 +32,10 @@ from starlette.responses import JSONResponse
 from router.openai_protocol import ChatCompletionRequest, CompletionRequest, error_body
 
 log = logging.getLogger(__name__)
-MAX_BODY = 32 << 20  # bytes; a 128K-token prompt is about 0.5 MB as text, 1 MB as a token list
+MAX_BODY = 8 << 20  # bytes; a 128K-token prompt is about 0.5 MB as text, 1 MB as a token list
 ROUTES = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest}
+UNION_TAGS = {"str", "int", "float", "bool", "none"}  # pydantic's names of a union's members in an error's loc
+THREAD_BODY = 1 << 20  # bytes; a body this large is validated off the event loop (seconds at MAX_BODY)
 
 
 def loc_name(loc: tuple) -> str:
@@ -41,7 +45,7 @@ def loc_name(loc: tuple) -> str:
     for part in loc[1:] if loc and loc[0] == "body" else loc:
         if isinstance(part, int):
             out += f"[{part}]"
-        elif not part.startswith(("function-", "str", "list[", "int")):  # union member tags
+        elif part not in UNION_TAGS and not part.startswith(("function-", "list[", "dict[")):  # union member tags
             out += ("." if out else "") + part
     return out
 
@@ -57,8 +61,13 @@ def validation_error(errors: list[dict]) -> JSONResponse:
 
 
 def _error(status: int, message: str, param: str | None = None, type_: str = "invalid_request_error",
-           code: str | None = None) -> JSONResponse:
-    return JSONResponse(error_body(message, type_, param, code), status_code=status)
+           code: str | None = None, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(error_body(message, type_, param, code), status_code=status, headers=headers)
+
+
+def _too_large(limit: int) -> JSONResponse:
+    # connection: close — uvicorn closes the connection after it, so the rest of the body is never read
+    return _error(413, f"request body exceeds {limit} bytes", headers={"Connection": "close"})
 
 
 class BodyTooLarge(Exception):
@@ -102,7 +111,8 @@ class Front:
             await self.app(scope, receive, send)
             return
         if scope["method"] != "POST":
-            await _error(405, f"{scope['method']} not allowed on {scope['path']}")(scope, receive, send)
+            await _error(405, f"{scope['method']} not allowed on {scope['path']}",
+                         headers={"Allow": "POST"})(scope, receive, send)
             return
         try:
             response = await self._generate(scope, receive, model)
@@ -114,12 +124,17 @@ class Front:
         await response(scope, receive, send)
 
     async def _generate(self, scope, receive, model) -> Any:
+        declared = next((v for k, v in scope["headers"] if k == b"content-length"), b"0")
+        if declared.isdigit() and int(declared) > self.max_body:
+            return _too_large(self.max_body)  # refused from the header, before reading anything
         try:
             body = await read_body(receive, self.max_body)
         except BodyTooLarge:
-            return _error(413, f"request body exceeds {self.max_body} bytes")
+            return _too_large(self.max_body)
         try:
-            req = model.model_validate_json(body)
+            # a large body takes seconds to validate: off the loop, so other requests keep streaming
+            req = (model.model_validate_json(body) if len(body) < THREAD_BODY
+                   else await asyncio.to_thread(model.model_validate_json, body))
         except ValidationError as exc:
             return validation_error(exc.errors(include_url=False))
         return await self.api.generate(Request(scope, receive), req, scope["path"])

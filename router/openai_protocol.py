@@ -22,6 +22,8 @@ from common.pb.tandem.v1 import frontend_pb2 as pb
 from common.pb.tandem.v1 import sampling_pb2
 from common.validation import InvalidArgument
 
+INT32_MIN, INT32_MAX = -2 ** 31, 2 ** 31 - 1  # the gRPC request's int32 fields
+
 FINISH_REASONS = {sampling_pb2.FINISH_REASON_LENGTH: "length", sampling_pb2.FINISH_REASON_STOP: "stop",
                   sampling_pb2.FINISH_REASON_EOS: "stop"}
 
@@ -65,6 +67,8 @@ class _Common(BaseModel):
     def _sampling(self, max_tokens: int | None) -> sampling_pb2.SamplingParams:
         s = sampling_pb2.SamplingParams(ignore_eos=self.ignore_eos)
         if max_tokens is not None:
+            if not INT32_MIN <= max_tokens <= INT32_MAX:  # the proto's int32 would raise (a 500)
+                raise InvalidArgument("sampling.max_tokens", f"must be at most {INT32_MAX}, got {max_tokens}")
             s.max_tokens = max_tokens
         if self.temperature is not None:
             s.temperature = self.temperature
@@ -116,6 +120,9 @@ class CompletionRequest(_Common):
         if isinstance(prompt, str):
             req.text = prompt
         else:
+            bad = next((i for i, t in enumerate(prompt) if not INT32_MIN <= t <= INT32_MAX), None)
+            if bad is not None:  # the proto's int32 would raise (a 500); in range, validation checks the vocabulary
+                raise InvalidArgument(f"token_ids[{bad}]", f"not a token id: {prompt[bad]}")
             req.token_ids.extend(prompt)
         return req
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import time
 
 import grpc
 import pytest
@@ -177,8 +178,10 @@ def _serve(servicer, fn):
 
 def test_generation_routes_refuse_bad_bodies_by_name():
     """The generation routes' own entry answers like the FastAPI routes: 400 naming the field or
-    saying the JSON is invalid, 413 over the body limit, 405 for another method; nothing of it
-    reaches Generate, and a body sent without a JSON Content-Type is still read as JSON."""
+    saying the JSON is invalid (also for numbers outside the gRPC request's int32 fields), 413
+    over the body limit with the connection closed (from the Content-Length header, or once a
+    chunked body passes the limit), 405 with Allow for another method; nothing of it reaches
+    Generate, and a body sent without a JSON Content-Type is still read as JSON."""
     import httpx
 
     from router.http_front import MAX_BODY
@@ -190,19 +193,47 @@ def test_generation_routes_refuse_bad_bodies_by_name():
                  await c.post("/v1/chat/completions", json={"messages": [{"content": "hi"}]}),
                  await c.post("/v1/completions", content=b"{not json"),
                  await c.post("/v1/completions", content=b"[1, 2]"),
-                 await c.post("/v1/completions", content=b" " * (MAX_BODY + 1)),
-                 await c.get("/v1/completions")]
+                 await raw(base, b"Content-Length: %d\r\n\r\n" % (MAX_BODY + 1)),  # refused from the header
+                 await raw(base, b"Transfer-Encoding: chunked\r\n\r\n"  # refused once over the limit
+                           + b"%x\r\n" % (MAX_BODY + 1) + b" " * (MAX_BODY + 1) + b"\r\n0\r\n\r\n"),
+                 await c.get("/v1/completions"),
+                 await c.post("/v1/completions", json={"prompt": "x", "max_tokens": 2 ** 31}),
+                 await c.post("/v1/completions", json={"prompt": [5, 2 ** 31]}),
+                 await c.post("/v1/completions", json={"prompt": "x", "stream": "x"}),
+                 await c.post("/v1/completions", json={"prompt": "x", "stream": True,
+                                                       "stream_options": {"include_usage": "maybe"}})]
             ok = await c.post("/v1/completions", content=b'{"prompt": [1, 2], "max_tokens": 4}',
                               headers={"content-type": "application/x-www-form-urlencoded"})
             return r, ok
 
-    (bad_int, missing, not_json, not_object, too_big, get), ok = _serve(servicer, fn)
+    async def raw(base, rest: bytes):
+        """POST /v1/completions over a socket of its own: (status, whether the server then closed it)."""
+        host, port = base.removeprefix("http://").split(":")
+        reader, writer = await asyncio.open_connection(host, int(port))
+        writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n" + rest)
+        try:
+            await writer.drain()
+        except ConnectionError:
+            pass  # the server closed while the body was still going out
+        data = await reader.read()  # until the server closes the connection
+        writer.close()
+        return int(data.split(b" ", 2)[1]), data.split(b"\r\n\r\n", 1)[1]
+
+    (bad_int, missing, not_json, not_object, too_big, too_big_chunked, get, huge_max, huge_id, stream,
+     stream_opt), ok = _serve(servicer, fn)
     assert bad_int.status_code == 400 and bad_int.json()["error"]["param"] == "max_tokens"
     assert missing.status_code == 400 and missing.json()["error"]["param"] == "messages[0].role"
     assert not_json.status_code == 400 and "not valid JSON" in not_json.json()["error"]["message"]
     assert not_object.status_code == 400 and not_object.json()["error"]["type"] == "invalid_request_error"
-    assert too_big.status_code == 413 and str(MAX_BODY) in too_big.json()["error"]["message"]
+    for status, body in (too_big, too_big_chunked):  # and the connection closed (reader.read() returned)
+        assert status == 413 and str(MAX_BODY).encode() in body
     assert get.status_code == 405 and "GET not allowed" in get.json()["error"]["message"]
+    assert get.headers["allow"] == "POST"
+    # outside the gRPC request's int32 fields: a 400 naming the parameter, not a 500
+    assert huge_max.status_code == 400 and huge_max.json()["error"]["param"] == "max_tokens"
+    assert huge_id.status_code == 400 and huge_id.json()["error"]["param"] == "prompt[1]"
+    assert stream.status_code == 400 and stream.json()["error"]["param"] == "stream"
+    assert stream_opt.status_code == 400 and stream_opt.json()["error"]["param"] == "stream_options.include_usage"
     assert ok.status_code == 200 and ok.json()["choices"][0]["text"] == "t0t1t2t3", ok.text
     assert len(servicer.calls) == 1 and list(servicer.calls[0].token_ids) == [1, 2]
 
@@ -269,3 +300,28 @@ def test_text_events_equal_the_encoded_chunk(chat):
     events = TextEvents(shape)
     for text in ["x", " the", '"quoted" \\ back', "line\nbreak\t", "é ü 漢字 🙂", "\x01\x1f", "null"]:
         assert events(text) == _sse(shape.chunk(text, None, None)), text
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_client_gone_after_pipelining_a_second_request_cancels_the_call(stream):
+    """uvicorn tells a disconnect only to a connection's last request: a client that pipelined
+    a second request behind a long one and closed the socket must still cancel the first call
+    (Generation.watch polls the connection), not leave it running to its max_tokens."""
+    servicer = _StandIn(n=200, delay_s=0.02)  # 4 s if nobody cancels it
+
+    async def fn(base):
+        host, port = base.removeprefix("http://").split(":")
+        body = b'{"prompt": [1, 2], "stream": %s}' % (b"true" if stream else b"false")
+        one = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+        reader, writer = await asyncio.open_connection(host, int(port))
+        writer.write(one + one)  # the second request waits behind the first on this connection
+        await writer.drain()
+        await asyncio.sleep(0.3)
+        writer.close()
+        t0 = time.perf_counter()
+        while not servicer.cancelled and time.perf_counter() - t0 < 3:
+            await asyncio.sleep(0.02)
+        return time.perf_counter() - t0
+
+    waited = _serve(servicer, fn)
+    assert servicer.cancelled >= 1 and waited < 1.5, (servicer.cancelled, waited)
