@@ -94,9 +94,12 @@ class HealthTracker:
 
     # -- queries ---------------------------------------------------------------------------------
 
-    def healthy(self, instance_id: str) -> bool:
+    def healthy(self, instance_id: str, address: str | None = None) -> bool:
+        """With `address` (the instance's address in discovery now): a record made at another
+        address — an earlier process under the same id, e.g. restarted with --instance-id —
+        says nothing of this one, which counts as healthy until its own probes say otherwise."""
         st = self._state.get(instance_id)
-        return st is None or st.healthy
+        return st is None or st.healthy or (address is not None and st.address not in ("", address))
 
     def stats(self, instance_id: str) -> WorkerHealth | None:
         return self._state.get(instance_id)
@@ -154,6 +157,10 @@ class HealthTracker:
         except LookupError:  # it left discovery since the probe was asked for: nothing to probe
             return
         st = self._entry(inst.instance_id)
+        if st.address not in ("", inst.address):  # another process under this id: a record of its own
+            if not st.healthy:
+                self.generation += 1
+            self._state[inst.instance_id] = st = WorkerHealth(inst.instance_id, since=time.monotonic())
         st.address = inst.address
         st.probes += 1
         stub = health_pb2_grpc.HealthStub(channel)
@@ -166,6 +173,11 @@ class HealthTracker:
         except Exception as exc:  # noqa: BLE001 - a probe never kills the tracker
             reason = f"{type(exc).__name__}: {exc}"
         else:
+            reason = ""
+        now = self.workers.instance(inst.instance_id)
+        if now is not None and now.address != inst.address:
+            return  # the answer of a process no longer under this id (it moved while we asked)
+        if not reason:
             if reply.status == health_pb2.HealthCheckResponse.SERVING:
                 self.record_success(inst.instance_id)
                 return

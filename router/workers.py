@@ -133,7 +133,7 @@ class WorkerSet:
                if i.role == role and self._compatible(i, accepted)
                and (not serving_only or (i.state == discovery_pb2.INSTANCE_STATE_SERVING
                                          and self._aside.get(i.instance_id, 0.0) <= now
-                                         and (self.health is None or self.health.healthy(i.instance_id))))]
+                                         and (self.health is None or self.health.healthy(i.instance_id, i.address))))]
         # valid until the first set-aside still running expires (that worker comes back)
         until = min((t for t in self._aside.values() if t > now), default=float("inf")) if serving_only else float("inf")
         self._cands[(role, serving_only)] = (key, until, out)

@@ -350,3 +350,37 @@ def test_set_aside_keeps_only_running_set_asides():
         workers.set_aside(f"gone-{n}", seconds=0.0)
     workers.set_aside("w-now", seconds=60.0)
     assert list(workers._aside) == ["w-now"]
+
+
+def test_a_new_process_under_the_same_id_is_not_held_to_the_old_ones_record():
+    """A worker found dead at one address (nothing listens: unhealthy at once) and back under
+    the same instance id at another address (a restart with --instance-id) is a candidate again
+    as soon as discovery shows the new address, and gets a health record of its own."""
+    async def body() -> None:
+        with socket_bound_nowhere() as dead:
+            workers, tracker, watcher = tracker_for(dead, threshold=3)
+            await tracker.probe_all()
+        assert not tracker.healthy("w0") and workers.candidates(DECODE) == []
+        server, _, address = await health_server()
+        try:
+            watcher.add("w0", address)  # the new process, same id
+            assert ids(workers.candidates(DECODE)) == ["w0"]
+            await tracker.probe_all()
+            st = tracker.stats("w0")
+            assert st.healthy and st.address == address and (st.probes, st.probe_failures) == (1, 0)
+        finally:
+            await server.stop(None)
+    asyncio.run(body())
+
+
+class socket_bound_nowhere:
+    """An address where nothing listens (a port bound, not listening, for the block's time)."""
+
+    def __enter__(self) -> str:
+        import socket
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        return f"127.0.0.1:{self.sock.getsockname()[1]}"
+
+    def __exit__(self, *exc) -> None:
+        self.sock.close()
