@@ -66,10 +66,14 @@ def summarize(reqs: Sequence[BenchRequest], results: Sequence[RequestResult], wa
     for name, xs in (("ttft", ttft), ("tpot", tpot), ("itl", itl), ("e2e_latency", e2e)):
         _dist(name, xs, out)
     errors: dict[str, int] = {}
+    examples: dict[str, str] = {}  # the first whole message of each kind: what to fix
     for r in results:
         if not r.ok:
-            errors[r.error.split(":")[0]] = errors.get(r.error.split(":")[0], 0) + 1
+            kind = r.error.split(":")[0]
+            errors[kind] = errors.get(kind, 0) + 1
+            examples.setdefault(kind, r.error[:300])
     out["errors"] = errors
+    out["error_examples"] = examples
     return out
 
 
@@ -119,11 +123,16 @@ def table(summary: dict, title: str = "Serving Benchmark Result") -> str:
     """The human-readable result, laid out like sglang.bench_serving's."""
     lines = [f"{'=' * 18} {title} {'=' * 18}"]
     width = len(lines[0])
+    failed_all = summary.get("completed", 1) == 0
     for label, key, fmt in ROWS:
-        if key in summary:
+        if key in summary and not (failed_all and key not in ("completed", "failed")):
             value = fmt.format(summary[key])
             lines.append(f"{label + ':':<{width - len(value)}}{value}")
+    if failed_all:
+        lines.append("no request succeeded: no throughput or latency to report")
     if summary.get("errors"):
         lines.append(f"errors: {summary['errors']}")
+        for kind, message in summary.get("error_examples", {}).items():
+            lines.append(f"  e.g. {message}")
     lines.append("=" * width)
     return "\n".join(lines)

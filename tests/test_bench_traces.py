@@ -63,6 +63,15 @@ def test_summary_metrics():
     assert s["mean_itl_ms"] == pytest.approx(1000)  # 0.2 s over 2 tokens, x10
     assert s["block_hit_rate"] == pytest.approx(1 / 3)
     assert "Mean TTFT" in table(s)
+    assert s["error_examples"] == {"UNAVAILABLE": "UNAVAILABLE: no worker"} and "e.g. UNAVAILABLE: no worker" in table(s)
+
+
+def test_a_run_where_every_request_failed_says_so_and_why():
+    reqs = [traces.BenchRequest(i, 0.0, 3) for i in range(2)]
+    why = "HTTP 400: prompt has 3002 tokens; the model's context length is 2048, so at most 2047 fit"
+    s = summarize(reqs, [RequestResult(i, error=why) for i in range(2)], wall_s=0.5)
+    out = table(s)
+    assert "no request succeeded" in out and "Mean TTFT" not in out and why in out
 
 
 def test_bad_or_empty_dataset_fails_naming_it(tmp_path):
