@@ -43,7 +43,7 @@ from common import tracing
 from common.pb.tandem.v1 import discovery_pb2
 from common.pb.tandem.v1 import frontend_pb2 as pb
 from common.validation import InvalidArgument
-from router.http_front import Front, validation_error
+from router.http_front import Front, error_response, validation_error
 from router.http_port import HTTP_OFF, validate_port  # noqa: F401 (re-exported)
 from router.api_keys import KeyRefused, KeyRing, current_tenant
 from router.chat_template import ChatTemplate, TemplateError
@@ -331,7 +331,7 @@ class OpenAIFrontend:
     @staticmethod
     def error(status: int, message: str, type_: str, param: str | None = None, code: str | None = None,
               headers: dict[str, str] | None = None) -> JSONResponse:
-        return JSONResponse(error_body(message, type_, param, code), status_code=status, headers=headers)
+        return error_response(status, message, type_, param, code, headers)
 
     def authorize(self, request: Request, admin_only: bool = False) -> JSONResponse | None:
         """None when the request may go on (its tenant set for this task), else the 401/403."""

@@ -54,24 +54,29 @@ def validation_error(errors: list[dict]) -> JSONResponse:
     """The 400 for a body pydantic refused: its first error, the parameter named."""
     err = errors[0]
     if err.get("type") == "json_invalid":
-        return _error(400, f"request body is not valid JSON: {err.get('msg', '')}")
+        return error_response(400, f"request body is not valid JSON: {err.get('msg', '')}")
     param = loc_name(tuple(err.get("loc", ()))) or None
     msg = err.get("msg", "invalid")
-    return _error(400, f"{param}: {msg}" if param else msg, param)
+    return error_response(400, f"{param}: {msg}" if param else msg, param=param)
 
 
-def _error(status: int, message: str, param: str | None = None, type_: str = "invalid_request_error",
-           code: str | None = None, headers: dict[str, str] | None = None) -> JSONResponse:
+def error_response(status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
+                   code: str | None = None, headers: dict[str, str] | None = None) -> JSONResponse:
+    """OpenAI's error object with HTTP `status` (every error of the HTTP API comes from here)."""
     return JSONResponse(error_body(message, type_, param, code), status_code=status, headers=headers)
 
 
 def _too_large(limit: int) -> JSONResponse:
     # connection: close — uvicorn closes the connection after it, so the rest of the body is never read
-    return _error(413, f"request body exceeds {limit} bytes", headers={"Connection": "close"})
+    return error_response(413, f"request body exceeds {limit} bytes", headers={"Connection": "close"})
 
 
 class BodyTooLarge(Exception):
     pass
+
+
+class BodyCutOff(Exception):
+    """The client went away before its request body was whole."""
 
 
 async def read_body(receive, limit: int) -> bytes:
@@ -79,14 +84,14 @@ async def read_body(receive, limit: int) -> bytes:
 
     Raises:
         BodyTooLarge: more than `limit` bytes (the rest is not read).
-        ConnectionError: the client went away before the body was whole.
+        BodyCutOff: the client went away before the body was whole.
     """
     parts: list[bytes] = []
     size = 0
     while True:
         msg = await receive()
         if msg["type"] == "http.disconnect":
-            raise ConnectionError("client disconnected before its request body was whole")
+            raise BodyCutOff
         chunk = msg.get("body", b"")
         size += len(chunk)
         if size > limit:
@@ -111,16 +116,16 @@ class Front:
             await self.app(scope, receive, send)
             return
         if scope["method"] != "POST":
-            await _error(405, f"{scope['method']} not allowed on {scope['path']}",
-                         headers={"Allow": "POST"})(scope, receive, send)
+            await error_response(405, f"{scope['method']} not allowed on {scope['path']}",
+                                 headers={"Allow": "POST"})(scope, receive, send)
             return
         try:
             response = await self._generate(scope, receive, model)
-        except ConnectionError:
+        except BodyCutOff:
             return  # nobody to answer
         except Exception as exc:  # a bug: the client gets a 500 with its repr, the log the traceback
             log.exception("%s %s failed", scope["method"], scope["path"])
-            response = _error(500, f"internal error: {exc!r}", type_="internal_error")
+            response = error_response(500, f"internal error: {exc!r}", "internal_error")
         await response(scope, receive, send)
 
     async def _generate(self, scope, receive, model) -> Any:
