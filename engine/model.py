@@ -137,8 +137,11 @@ def mla_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, context_latent: torc
     Runs `F.scaled_dot_product_attention`, so the [H, T, S] score matrix is never materialised
     on a flash / memory-efficient backend (a 128K context's scores would not fit on a GPU); those
     kernels accumulate softmax in float32. A prefill chunk's queries are the last T of the S
-    context rows (the KvCache contract), which is the lower-right causal mask: on CUDA
-    `causal_lower_right` keeps the flash path; elsewhere a boolean [T, S] mask is passed.
+    context rows (the KvCache contract), which is the lower-right causal mask. A bf16 / fp16
+    chunk on CUDA goes to `engine.kernels.prefill_attention.prefix_causal_attention` (cuDNN,
+    the prefix and the chunk's own rows apart, merged by log-sum-exp: faster than
+    FlashAttention-2 at MLA's head sizes, see that module); a float32 CUDA run keeps `causal_lower_right` on the
+    flash path; elsewhere a boolean [T, S] mask is passed (the reference).
     """
     s, t = context_latent.shape[0], q_nope.shape[0]
     _, h, nope = q_nope.shape
@@ -149,6 +152,10 @@ def mla_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, context_latent: torc
     q = torch.cat((q_nope, q_pe), dim=-1).transpose(0, 1)  # [H, T, qk]
     k = torch.cat((k_nope, k_pe[:, None, :].expand(s, h, k_pe.shape[-1])), dim=-1).transpose(0, 1)  # [H, S, qk]
     v = v.transpose(0, 1)  # [H, S, v]
+    if q.is_cuda and t > 1 and q.dtype in (torch.bfloat16, torch.float16):
+        # the split lower-right causal form through cuDNN (engine/kernels/prefill_attention.py)
+        from engine.kernels.prefill_attention import prefix_causal_attention
+        return prefix_causal_attention(q[None], k[None], v[None], softmax_scale)[0].transpose(0, 1)
     qk = q.shape[-1]
     if q.is_cuda and v_head_dim < qk:
         # flash needs one head size for q, k and v: pad v (v_head_dim <= qk_head_dim in DeepSeek)

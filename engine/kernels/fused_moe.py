@@ -184,6 +184,14 @@ if triton is not None:
 TILES = {16: (32, 128, 4, 4), 32: (64, 64, 4, 4), 64: (128, 64, 4, 4), 128: (128, 64, 8, 3)}
 
 
+# Above this many pairs `align`'s dozen torch launches beat the one-program kernel, which walks
+# the pairs serially: on an H200 (tools/profile_prefill.py) the kernel took 47 us at 1,536
+# pairs, 491 us at 24,576 and 3.9 ms at 196,608 (a 32K-token chunk of 64 experts top-6: 15 % of
+# that prefill), torch's launches 0.6-0.7 ms of host time at every size (hidden behind a large
+# prefill's device work; not behind a decode step's, so decode stays on the kernel)
+ALIGN_ONE_PROGRAM_MAX_PAIRS = 16384
+
+
 def align_triton(flat_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
     """`align` as one Triton program (CUDA): the same rows and block experts (pairs of one
     expert in their own order), one launch instead of about a dozen."""
@@ -223,7 +231,8 @@ def fused_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gat
     p = t * k
     bm = block_m_for(p, e)
     bm, bn, bk, warps, stages = tiles or (bm, *TILES[bm])
-    rows, bexp = align_triton(ids.reshape(-1), e, bm)
+    flat = ids.reshape(-1)
+    rows, bexp = align_triton(flat, e, bm) if p <= ALIGN_ONE_PROGRAM_MAX_PAIRS else align(flat, e, bm)
     nb = bexp.numel()
     h = torch.empty((p, inter), dtype=x.dtype, device=x.device)
     _gate_up_kernel[(nb, triton.cdiv(inter, bn))](
