@@ -32,9 +32,12 @@ def test_merge_of_two_key_sets_is_attention_over_their_union() -> None:
     o1, l1 = _attn_lse(q, k[:, :, :13], v[:, :, :13], 0.25)
     o2, l2 = _attn_lse(q, k[:, :, 13:], v[:, :, 13:], 0.25)
     want, _ = _attn_lse(q, k, v, 0.25)
-    torch.testing.assert_close(merge(o1, l1, o2, l2), want, atol=1e-5, rtol=1e-5)
+    want_lse = torch.logsumexp(0.25 * q @ k.transpose(-1, -2), -1)
+    got, got_lse = merge(o1, l1, o2, l2)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got_lse, want_lse, atol=1e-5, rtol=1e-5)
     # one side far below the other (its weight underflows to 0): no NaN, the other side wins
-    got = merge(o1, l1 - 1e4, o2, l2)
+    got, _ = merge(o1, l1 - 1e4, o2, l2)
     torch.testing.assert_close(got, o2, atol=1e-6, rtol=0)
 
 

@@ -110,17 +110,18 @@ def _pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
     return x if x.shape[2] == rows else F.pad(x, (0, 0, 0, rows - x.shape[2]))
 
 
-def merge(o1: torch.Tensor, l1: torch.Tensor, o2: torch.Tensor, l2: torch.Tensor) -> torch.Tensor:
+def merge(o1: torch.Tensor, l1: torch.Tensor, o2: torch.Tensor,
+          l2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax-weighted union of two attentions over disjoint key sets.
 
     Args: o1, o2 [B, H, T, Dv]; l1, l2 [B, H, T] float32 log-sum-exps.
-    Returns: [B, H, T, Dv] in o1's dtype (the sums in float32).
+    Returns: (out [B, H, T, Dv] in o1's dtype, the sums in float32; its lse [B, H, T] float32).
     """
     m = torch.maximum(l1, l2)
     w1, w2 = torch.exp(l1 - m), torch.exp(l2 - m)
     den = w1 + w2
     out = o1.float() * (w1 / den)[..., None] + o2.float() * (w2 / den)[..., None]
-    return out.to(o1.dtype)
+    return out.to(o1.dtype), m + torch.log(den)
 
 
 def prefix_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
@@ -155,6 +156,5 @@ def prefix_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s
     for lo, hi, use_cudnn in ((0, cut, True), (cut, p, False)):
         if hi > lo:  # the prefix rows [lo, hi): no mask
             o2, l2 = attention_lse(qb, k[:, :, lo:hi], v[:, :, lo:hi], False, scale, use_cudnn)
-            o = merge(o, lse, o2, l2)
-            lse = torch.logaddexp(lse, l2)
+            o, lse = merge(o, lse, o2, l2)
     return o[:, :, :t]
