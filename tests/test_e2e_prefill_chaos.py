@@ -58,11 +58,14 @@ def test_prefill_worker_failing_during_transfers(tiny_model, tmp_path, chaos):
         async with cluster:
             ch, stub = frontend_stub(cluster.router_address, cluster.client_tls)
             try:
-                if chaos == "sigstop":  # stalled before the router's probes notice: requests still go there
-                    cluster.procs["prefill-0"].send_signal(signal.SIGSTOP)
+                # Stalled before the router's probes notice: requests still go there. With kill-9
+                # the stalled process is then killed with those calls open: the tiny model's
+                # prefills take milliseconds, so a kill timed after the requests were sent found
+                # them all finished in 4 of 6 runs and the decode worker never lost one.
+                cluster.procs["prefill-0"].send_signal(signal.SIGSTOP)
                 work = asyncio.create_task(run_all(stub, prompts))
                 if chaos == "kill-9":
-                    await asyncio.sleep(0.1)  # prefills and transfers under way
+                    await asyncio.sleep(0.3)  # calls routed to prefill-0 are open on it
                     cluster.stop_process("prefill-0", signal.SIGKILL)
                 results = await work
                 if chaos == "sigstop":
