@@ -39,12 +39,16 @@ HELP = {
                        "first token and the last message go at once); at high concurrency on a GPU, 2-8 cut the "
                        "per-token messages the worker, the router and the client handle, for burstier streams "
                        "(SGLang's --stream-interval)",
-    "chunk_size": "prefill chunk size in tokens (the base chunk with dynamic chunking); alias --chunked-prefill-size",
+    "chunk_size": "prefill chunk size in tokens (the base chunk with dynamic chunking); 0 = 8192 on a GPU, 256 on CPU; alias --chunked-prefill-size",
     "max_prefill_tokens": "token budget of one prefill forward (a prefill worker's, or a decode worker's local "
                           "prefills); the next chunks of concurrent prompts "
                           "are packed into it first come first served (a chunk larger than the budget runs alone). "
                           "16384 as SGLang's default: large enough that a forward keeps a GPU busy, small enough "
                           "to bound its activation memory and the wait of a chunk behind it",
+    "prefill_tokens_per_decode_step": "decode: while requests decode, a local prefill (no prefill worker, or a "
+                                      "re-prefill after retraction) runs at most this many prompt tokens between "
+                                      "two decode steps, so the running streams' inter-token latency stays about "
+                                      "one step plus one piece; with nothing decoding chunks run whole; 0 = off",
     "enable_dynamic_chunking": "prefill: fit f(l) = a·l² + b·l + c from start-up timings and shrink chunks as the "
                                "prefix grows; falls back to static chunks with a logged reason",
     "dynamic_chunk_smoothing": "dynamic chunking: σ in [0, 1], chunk = base + σ·(x − base)",

@@ -19,6 +19,7 @@ import torch
 from common.pb.tandem.v1 import sampling_pb2
 from common.sampling_params import SamplingParams
 from decode_worker.admission import Admission, Ticket
+from decode_worker.prefill_pacing import PrefillPacer
 from decode_worker.retraction import Retractor
 from engine.block_pool import BlockId
 from engine.runner import DecodeInput
@@ -93,6 +94,10 @@ class DecodeScheduler:
         self.admission = Admission(runtime.pool, runtime.opts.practical_fraction, runtime.opts.max_queued)
         self.admission.on_release = self._wake.set
         self.retraction = Retractor(self, tokens_per_step=k + 1)  # an MTP step writes its drafts too
+        # local prefills (prefill_outputs) in pieces between decode steps while requests run
+        self.pacer = PrefillPacer(runtime.opts.prefill_tokens_per_decode_step, runtime.opts.block_size,
+                                  lambda: bool(self.running))
+        runtime.prefill_pacer = self.pacer
 
     def count_step(self, rows: int) -> None:
         """Count one launched decode step of `rows` requests, and the wall time since the previous
@@ -106,6 +111,7 @@ class DecodeScheduler:
         stats.decode_steps += 1
         stats.decode_step_rows += rows
         self.steps += 1
+        self.pacer.step_launched()
 
     def frees_pending(self) -> bool:
         """Whether blocks already released will come back to the pool by themselves: the overlap

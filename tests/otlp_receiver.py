@@ -24,6 +24,8 @@ class ReceivedSpan:
     kind: int  # opentelemetry.proto.trace.v1.Span.SpanKind
     trace_state: str
     attributes: dict[str, Any]
+    start_ns: int = 0  # start_time_unix_nano
+    end_ns: int = 0  # end_time_unix_nano
 
 
 def _value(v) -> Any:
@@ -45,7 +47,8 @@ class _Servicer(trace_service_pb2_grpc.TraceServiceServicer):
                 for s in ss.spans:
                     got.append(ReceivedSpan(service, s.trace_id.hex(), s.span_id.hex(), s.parent_span_id.hex(),
                                             s.name, s.kind, s.trace_state,
-                                            {a.key: _value(a.value) for a in s.attributes}))
+                                            {a.key: _value(a.value) for a in s.attributes},
+                                            s.start_time_unix_nano, s.end_time_unix_nano))
         with self.sink.lock:
             self.sink.spans.extend(got)
         return trace_service_pb2.ExportTraceServiceResponse()

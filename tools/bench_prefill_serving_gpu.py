@@ -36,6 +36,11 @@ Rows (`rows` in the JSON): {"config", "prompt_tokens", "concurrency", "served_tt
 "inprocess_ttft_ms", "model_tflops", "share_of_peak", ...}; the concurrency row adds
 served_ttft_p50_ms / p99 and ttft_vs_single (its mean TTFT ÷ one request's TTFT at the
 same prompt length in this run: issue 15 asks ≤ 10).
+
+--trace: the cluster exports OpenTelemetry spans to a receiver in this process
+(tests/otlp_receiver.py), and each served row gets "spans": for every span name (service/name)
+of its requests' traces, the median start after the router's Generate span began and the
+median duration, in ms — where a served TTFT goes between the router, decode and prefill.
 """
 
 from __future__ import annotations
@@ -134,6 +139,27 @@ def inprocess_burst(rt: Any, cfg: ModelConfig, n: int, concurrency: int, budget:
     return asyncio.run(main())
 
 
+def span_breakdown(spans: list[Any], window: list[float]) -> dict[str, dict[str, float]]:
+    """Median start offset and duration (ms) of each "service/name" over the traces whose root
+    span (no parent: the router's Generate) began inside the wall-clock window [t0, t1] s."""
+    by_trace: dict[str, list[Any]] = {}
+    for sp in spans:
+        by_trace.setdefault(sp.trace_id, []).append(sp)
+    starts: dict[str, list[float]] = {}
+    durs: dict[str, list[float]] = {}
+    for trace_spans in by_trace.values():
+        roots = [sp for sp in trace_spans if not sp.parent_span_id]
+        if len(roots) != 1 or not window[0] <= roots[0].start_ns / 1e9 <= window[1]:
+            continue
+        t0 = roots[0].start_ns
+        for sp in trace_spans:
+            key = f"{sp.service.removeprefix('tandem-')}/{sp.name}"
+            starts.setdefault(key, []).append((sp.start_ns - t0) / 1e6)
+            durs.setdefault(key, []).append((sp.end_ns - sp.start_ns) / 1e6)
+    return {k: {"start_ms": round(statistics.median(starts[k]), 2), "ms": round(statistics.median(durs[k]), 2),
+                "n": len(durs[k])} for k in sorted(starts, key=lambda k: statistics.median(starts[k]))}
+
+
 def percentile(xs: list[float], q: float) -> float:
     s = sorted(xs)
     return s[min(len(s) - 1, max(0, round(q / 100 * (len(s) - 1))))]
@@ -152,10 +178,25 @@ def bench_one(name: str, cfg: ModelConfig, args: argparse.Namespace, device: tor
             env["TANDEM_NUM_BLOCKS"] = "4000"  # GPU: --mem-fraction-static (serve_and_bench)
         # one request at the concurrency row's length too: its TTFT is ttft_vs_single's divisor
         runs = [(n, 1) for n in contexts] + ([] if cctx in contexts else [(cctx, 1)]) + [(cctx, conc)]
-        served = {} if args.skip_served else serve_and_bench(
-            model_dir, [], [1, conc], args.output_tokens, args.port, work, env, runs=runs,
-            prefix_len=lambda ctx, c: 0 if c == 1 else ctx // 2,
-            num_requests=lambda ctx, c: SINGLE_REQUESTS if c == 1 else 2 * c)
+        receiver = None
+        if args.trace and not args.skip_served:
+            from tests.otlp_receiver import OtlpReceiver
+            receiver = OtlpReceiver().__enter__()
+            env.update({"OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint, "OTEL_BSP_SCHEDULE_DELAY": "200",
+                        "OTEL_BSP_MAX_QUEUE_SIZE": "65536"})
+        try:
+            served = {} if args.skip_served else serve_and_bench(
+                model_dir, [], [1, conc], args.output_tokens, args.port, work, env, runs=runs,
+                prefix_len=lambda ctx, c: 0 if c == 1 else ctx // 2,
+                num_requests=lambda ctx, c: SINGLE_REQUESTS if c == 1 else 2 * c)
+            if receiver is not None:
+                time.sleep(1.0)  # the workers' last export batches
+                for key, summary in served.items():
+                    summary["spans"] = span_breakdown(list(receiver.spans), summary["bench_window_s"])
+                    print(json.dumps({"config": name, "served": key, "spans": summary["spans"]}), flush=True)
+        finally:
+            if receiver is not None:
+                receiver.__exit__(None, None, None)
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
         model, _ = load_checkpoint(model_dir, dtype=dtype, device=device)
         loaded = LoadedModel(f"bench-{name}", cfg, model.eval(), model_dir)
@@ -178,7 +219,7 @@ def bench_one(name: str, cfg: ModelConfig, args: argparse.Namespace, device: tor
                              "share_of_peak": tflops * 1e12 / H200_BF16_DENSE_PEAK if tflops else None,
                              "inprocess_model_tflops": flops / ip / 1e12 if ip else None,
                              "served_over_inprocess": served_ms / (ip * 1e3) if served_ms and ip else None,
-                             "counted_flops": flops, "failed": s.get("failed")})
+                             "counted_flops": flops, "failed": s.get("failed"), "spans": s.get("spans")})
                 print(json.dumps(rows[-1]), flush=True)
             burst = inprocess_burst(rt, cfg, cctx, conc, args.max_prefill_tokens, device)
             s = served.get((cctx, conc), {})
@@ -191,7 +232,7 @@ def bench_one(name: str, cfg: ModelConfig, args: argparse.Namespace, device: tor
                          "inprocess_ttft_p99_ms": percentile(burst, 99) * 1e3,
                          "model_tflops": None, "share_of_peak": None,
                          "ttft_vs_single": s["mean_ttft_ms"] / one_ms if s.get("mean_ttft_ms") and one_ms else None,
-                         "failed": s.get("failed")})
+                         "failed": s.get("failed"), "spans": s.get("spans")})
             print(json.dumps(rows[-1]), flush=True)
         finally:
             rt.close()
@@ -214,6 +255,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--device", default="cuda")
     p.add_argument("--port", type=int, default=50061)
     p.add_argument("--skip-served", action="store_true")
+    p.add_argument("--trace", action="store_true", help="break each served row down by OpenTelemetry span")
     p.add_argument("--smoke", action="store_true", help="tiny model (a CPU check of the script)")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)

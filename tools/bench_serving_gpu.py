@@ -30,6 +30,7 @@ Rows (`rows` in the JSON): {"config", "context", "concurrency", "served_tok_s", 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -39,7 +40,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -164,32 +165,19 @@ def _decode_figures(before: dict[str, float], after: dict[str, float]) -> dict[s
             "decode_device_ms_per_step": 1e3 * d["device_busy_seconds"] / d["steps"]}
 
 
-def serve_and_bench(model_dir: Path, contexts: list[int], concurrencies: list[int], output_tokens: int,
-                    port: int, work: Path, env_extra: dict[str, str], runs: list[tuple[int, int]] | None = None,
-                    prefix_len: Callable[[int, int], int] = lambda ctx, c: ctx // 2,
-                    num_requests: Callable[[int, int], int] | None = None, dataset: str = "synthetic-prefix",
-                    spec: bool = False, routers: int = 1, connections: int = 1) -> dict[tuple[int, int], dict]:
-    """`tandem up` once, then `tandem bench` for every (context, concurrency) — the product of
-    `contexts` and `concurrencies`, or the pairs `runs` — with prompts of `prefix_len(context, c)`
-    tokens shared by 8 groups plus fresh ones, `num_requests(context, concurrency)` requests
-    (default 2c for short contexts, c for long, at least 4); summaries.
-
-    dataset: synthetic-prefix (prompts of `context` tokens) or a text dataset such as mt-bench
-    (its own prompts; context is then only a label). spec: also scrape the decode worker's MTP
-    counters around each bench, adding "accept_length" (emitted tokens / verify steps). Each
-    summary also gets the decode worker's own figures of the bench (`_decode_figures`).
-    routers: router processes on the one port (`tandem up --routers`); connections: the bench's
-    gRPC connections (`tandem bench --connections`), which the kernel spreads over them."""
-    env = {**os.environ, "TANDEM_MAX_RUNNING": str(max(concurrencies)),
-           "TANDEM_MEM_FRACTION_STATIC": os.environ.get("TANDEM_MEM_FRACTION_STATIC", "0.4"), "TANDEM_MAX_QUEUED": "4096", **env_extra}
+@contextlib.contextmanager
+def running_cluster(model_dir: Path, port: int, work: Path, env: dict[str, str],
+                    up_args: tuple[str, ...] = ()) -> Iterator[tuple[subprocess.Popen, list[str]]]:
+    """`tandem up --model DIR --insecure --metrics` on `port` with `env` (plus `up_args`, e.g.
+    ("--prefill", "0")), its output in work/up.log; yields (the up process, every process's
+    /metrics URL) once it is healthy and ready, and stops it (SIGINT, then SIGKILL) on exit."""
     log = open(work / "up.log", "w")  # noqa: SIM115 - closed below
     # --http-port -1: the bench speaks gRPC; the router's default HTTP port 8000 would collide with
     # any other cluster on the machine (the --port option exists to avoid exactly that)
     up = subprocess.Popen(_cli("up", "--model", str(model_dir), "--port", str(port),
-                               "--metrics", "--insecure", "--http-port", "-1", "--routers", str(routers),
+                               "--metrics", "--insecure", "--http-port", "-1", *up_args,
                                "--ready-timeout", str(UP_TIMEOUT_S)),
                           cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    out: dict[tuple[int, int], dict] = {}
     try:
         deadline = time.time() + UP_TIMEOUT_S + 30
         while subprocess.run(_cli("health", f"127.0.0.1:{port}"), cwd=ROOT, env=env,
@@ -207,6 +195,39 @@ def serve_and_bench(model_dir: Path, contexts: list[int], concurrencies: list[in
         metrics_urls = _metrics_urls((work / "up.log").read_text())
         if not metrics_urls:
             raise RuntimeError("tandem up printed no metrics URLs: " + (work / "up.log").read_text()[-3000:])
+        yield up, metrics_urls
+    finally:
+        try:
+            os.killpg(up.pid, signal.SIGINT)
+            up.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(up.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        log.close()
+
+
+def serve_and_bench(model_dir: Path, contexts: list[int], concurrencies: list[int], output_tokens: int,
+                    port: int, work: Path, env_extra: dict[str, str], runs: list[tuple[int, int]] | None = None,
+                    prefix_len: Callable[[int, int], int] = lambda ctx, c: ctx // 2,
+                    num_requests: Callable[[int, int], int] | None = None, dataset: str = "synthetic-prefix",
+                    spec: bool = False, routers: int = 1, connections: int = 1) -> dict[tuple[int, int], dict]:
+    """`tandem up` once, then `tandem bench` for every (context, concurrency) — the product of
+    `contexts` and `concurrencies`, or the pairs `runs` — with prompts of `prefix_len(context, c)`
+    tokens shared by 8 groups plus fresh ones, `num_requests(context, concurrency)` requests
+    (default 2c for short contexts, c for long, at least 4); summaries.
+
+    dataset: synthetic-prefix (prompts of `context` tokens) or a text dataset such as mt-bench
+    (its own prompts; context is then only a label). spec: also scrape the decode worker's MTP
+    counters around each bench, adding "accept_length" (emitted tokens / verify steps). Each
+    summary also gets the decode worker's own figures of the bench (`_decode_figures`) and its
+    wall-clock window (bench_window_s).
+    routers: router processes on the one port (`tandem up --routers`); connections: the bench's
+    gRPC connections (`tandem bench --connections`), which the kernel spreads over them."""
+    env = {**os.environ, "TANDEM_MAX_RUNNING": str(max(concurrencies)),
+           "TANDEM_MEM_FRACTION_STATIC": os.environ.get("TANDEM_MEM_FRACTION_STATIC", "0.4"), "TANDEM_MAX_QUEUED": "4096", **env_extra}
+    out: dict[tuple[int, int], dict] = {}
+    with running_cluster(model_dir, port, work, env, ("--routers", str(routers))) as (up, metrics_urls):
         for ctx, c in runs if runs is not None else [(x, y) for x in contexts for y in concurrencies]:
             if up.poll() is not None:
                 raise RuntimeError("tandem up exited: " + (work / "up.log").read_text()[-3000:])
@@ -230,6 +251,7 @@ def serve_and_bench(model_dir: Path, contexts: list[int], concurrencies: list[in
                 spec1 = _worker_counters(metrics_urls, SPEC_COUNTERS)
                 steps, emitted = (spec1[n] - spec0[n] for n in SPEC_COUNTERS)
                 summary["accept_length"] = emitted / steps if steps > 0 else None
+            summary["bench_window_s"] = [t0, time.time()]  # wall clock: which spans belong to it (--trace)
             out[(ctx, c)] = summary
             print(json.dumps({"served": [ctx, c], "rc": r.returncode, "wall_s": round(time.time() - t0, 1),
                               "output_throughput": summary.get("output_throughput"),
@@ -241,15 +263,6 @@ def serve_and_bench(model_dir: Path, contexts: list[int], concurrencies: list[in
                 print(r.stdout[-2000:], r.stderr[-2000:], flush=True)
             for png in work.glob("*.png"):
                 png.unlink()
-    finally:
-        try:
-            os.killpg(up.pid, signal.SIGINT)
-            up.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(up.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        log.close()
     return out
 
 

@@ -61,8 +61,9 @@ class WorkerOptions:
     max_queued: int = 256  # decode: requests waiting for admission; one more gets RESOURCE_EXHAUSTED
     solo_wait_s: float = 5.0  # decode: seconds a request that fits only alone may wait for admission
     stream_interval: int = 1  # decode: generated tokens per stream message (SGLang's --stream-interval)
-    chunk_size: int = 256  # prefill chunk in tokens (dynamic chunking: the base chunk); alias --chunked-prefill-size
+    chunk_size: int = 0  # prefill chunk in tokens (dynamic chunking: the base chunk); 0 = auto (resolved_chunk_size); alias --chunked-prefill-size
     max_prefill_tokens: int = 16384  # token budget of one prefill forward (chunks of concurrent prompts packed)
+    prefill_tokens_per_decode_step: int = 1024  # decode: local prefill tokens between two decode steps while requests decode; 0 = off
     enable_dynamic_chunking: bool = False  # chunks shrink as the prefix grows (DESIGN.md section 7)
     dynamic_chunk_smoothing: float = 0.75  # σ: chunk = base + σ·(x − base)
     pp_size: int = 1  # prefill: pipeline stages (processes); 1 = no pipeline
@@ -101,10 +102,10 @@ class WorkerOptions:
     def __post_init__(self) -> None:
         metrics_http.validate_port(self.metrics_port)
         check_etcd_tls(self.etcd, self.tls_cert)
-        for name in ("block_size", "chunk_size", "max_prefill_tokens", "max_running", "torch_threads", "ep_size", "pp_size"):
+        for name in ("block_size", "max_prefill_tokens", "max_running", "torch_threads", "ep_size", "pp_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
-        for name in ("num_blocks", "device_memory_bytes", "max_queued"):
+        for name in ("chunk_size", "prefill_tokens_per_decode_step", "num_blocks", "device_memory_bytes", "max_queued"):
             if getattr(self, name) < 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
         if self.stream_interval < 1:
@@ -139,6 +140,19 @@ class WorkerOptions:
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)
+
+
+# --chunk-size 0 (the default) by device: on a GPU a forward needs thousands of tokens to reach
+# the compute limit (docs/benchmarks.md: 8K-token chunks of a 16B MoE at 42 % of an H200's bf16
+# peak; SGLang picks 8192 for GPUs of this size too); on a CPU a forward is compute-bound at any
+# size, and short chunks keep a decode worker's local prefill from stalling its streams long.
+CPU_CHUNK_SIZE = 256
+CUDA_CHUNK_SIZE = 8192
+
+
+def auto_chunk_size(device: torch.device) -> int:
+    """The prefill chunk (tokens) `--chunk-size 0` means on this device."""
+    return CUDA_CHUNK_SIZE if device.type == "cuda" else CPU_CHUNK_SIZE
 
 
 @dataclass
@@ -249,6 +263,8 @@ class WorkerRuntime:
         cfg = self.loaded.config
         model_dtype = self.loaded.model.dtype
         self.device = self.loaded.model.model.embed_tokens.weight.device
+        if opts.chunk_size == 0:
+            opts = self.opts = dataclasses.replace(opts, chunk_size=auto_chunk_size(self.device))
         # num_kv_layers: the MTP module's KV rides in the same blocks (engine/mtp.py), so
         # prefill and decode workers of one model agree on the block layout whatever their flags
         pool_config = KvPoolConfig(num_blocks=1, block_size=opts.block_size, num_layers=cfg.num_kv_layers,
@@ -295,6 +311,7 @@ class WorkerRuntime:
         self.events = KvEventLog(self.pool.blocks, incarnation=self.incarnation)
         self.stats = WorkerStats()
         self.scheduler: Any = None  # decode: its DecodeScheduler (admission and retraction state)
+        self.prefill_pacer: Any = None  # decode: local prefill in pieces between decode steps (prefill_pacing.py)
         self.start_time = time.time()
         self.metrics_address = ""  # host:port of /metrics once served
         self.busy_since: float | None = None  # monotonic start of the model call now running
@@ -464,14 +481,21 @@ class WorkerRuntime:
                                                  "tandem.prefill.max_prefill_tokens": self.opts.max_prefill_tokens,
                                                  "tandem.prefill.chunks": len(chunks)}):
                 for i, (s, e) in enumerate(chunks):
-                    work = PrefillInput(block_ids, token_ids, s, e, mtp, logits and i == len(chunks) - 1)
+                    last = logits and i == len(chunks) - 1
                     with tracing.span("tandem.prefill.chunk", {"tandem.chunk.index": i, "tandem.chunk.start": s,
                                                                "tandem.chunk.tokens": e - s}) as span:
-                        out = await self.batcher.run_chunk(work)
+                        pos, pieces = s, 0
+                        while pos < e:  # one piece: the whole chunk unless decode steps pace it
+                            async with self._prefill_turn() as paced:
+                                end = self.prefill_pacer.piece_end(pos, e) if paced else e
+                                out = await self.batcher.run_chunk(
+                                    PrefillInput(block_ids, token_ids, pos, end, mtp, last and end == e))
+                            self.prefill_queued_tokens -= end - pos
+                            left -= end - pos
+                            pos, pieces = end, pieces + 1
                         span.set_attributes({"tandem.prefill.batch_size": out.batch_size,
-                                             "tandem.prefill.batch_tokens": out.batch_tokens})
-                    self.prefill_queued_tokens -= e - s
-                    left -= e - s
+                                             "tandem.prefill.batch_tokens": out.batch_tokens,
+                                             "tandem.prefill.pieces": pieces})
                     if on_chunk_done is not None:
                         await on_chunk_done(e)
         finally:
@@ -479,6 +503,13 @@ class WorkerRuntime:
         self.metrics.prefill_duration.labels(where).observe(time.perf_counter() - began)
         assert out is not None
         return out
+
+    def _prefill_turn(self) -> contextlib.AbstractAsyncContextManager[bool]:
+        """The decode worker's pacing of local prefill against its decode steps
+        (decode_worker/prefill_pacing.py); elsewhere every chunk runs whole at once."""
+        if self.prefill_pacer is None:
+            return contextlib.nullcontext(False)
+        return self.prefill_pacer.turn()
 
     def _prefill_forward(self, batch: list[PrefillInput]) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
         """The batcher's model-thread call: one forward (ModelRunner), or one chunk per forward
