@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 # Longest wait for a decode step before a piece runs anyway: the loop may be about to idle
 # (its last request finishing) or stalled; a prefill is never held up for longer than this.
@@ -36,9 +37,11 @@ class PrefillPacer:
             whole blocks, at least one); 0 = no pacing (chunks run whole).
         block_size: tokens per KV block: pieces end on block boundaries (but for a chunk's end).
         decoding: whether requests are decoding now (the scheduler's running list is not empty).
+        stats: the worker's WorkerStats: counts prefill_paced_pieces (pieces let in between
+            decode steps) and prefill_pace_timeouts (pieces that ran after STEP_WAIT_S without one).
     """
 
-    def __init__(self, tokens_per_step: int, block_size: int, decoding: Callable[[], bool]) -> None:
+    def __init__(self, tokens_per_step: int, block_size: int, decoding: Callable[[], bool], stats: Any) -> None:
         if tokens_per_step < 0:
             raise ValueError(f"--prefill-tokens-per-decode-step must be >= 0 (0 = off), got {tokens_per_step}")
         self.tokens = max(block_size, tokens_per_step // block_size * block_size) if tokens_per_step else 0
@@ -48,8 +51,7 @@ class PrefillPacer:
         self._stepped = asyncio.Event()  # set at each launched step
         self._last_piece_step = -1  # self._steps when the last paced piece was let in
         self._turn = asyncio.Lock()  # one paced piece at a time across concurrent prefills
-        self.paced_pieces = 0  # pieces let in between decode steps (WorkerStats-style counter)
-        self.step_waits_timed_out = 0  # pieces that ran after STEP_WAIT_S without a step
+        self.stats = stats
 
     def step_launched(self) -> None:
         """The decode loop launched a step (DecodeScheduler.count_step)."""
@@ -79,8 +81,8 @@ class PrefillPacer:
                 try:
                     await asyncio.wait_for(self._stepped.wait(), STEP_WAIT_S)
                 except TimeoutError:
-                    self.step_waits_timed_out += 1
+                    self.stats.prefill_pace_timeouts += 1
                     break
             self._last_piece_step = self._steps
-            self.paced_pieces += 1
+            self.stats.prefill_paced_pieces += 1
             yield True

@@ -8,21 +8,22 @@ import pytest
 
 from common.sampling_params import SamplingParams
 from decode_worker.prefill_pacing import PrefillPacer
+from worker.host import WorkerStats
 from engine.reference import reference_generate
 from decode_helpers import generate
 
 
 def test_piece_end_cuts_whole_blocks_within_the_chunk():
-    p = PrefillPacer(64, 16, lambda: True)
+    p = PrefillPacer(64, 16, lambda: True, WorkerStats())
     assert p.piece_end(0, 256) == 64
     assert p.piece_end(64, 256) == 128
     assert p.piece_end(200, 256) == 256  # the chunk's end, not a block boundary past it
     assert p.piece_end(250, 256) == 256
     assert p.piece_end(40, 1000) == 96  # an unaligned start: the piece ends on the next cut boundary
-    assert PrefillPacer(100, 16, lambda: True).tokens == 96  # rounded down to whole blocks
-    assert PrefillPacer(5, 16, lambda: True).tokens == 16  # at least one block
+    assert PrefillPacer(100, 16, lambda: True, WorkerStats()).tokens == 96  # rounded down to whole blocks
+    assert PrefillPacer(5, 16, lambda: True, WorkerStats()).tokens == 16  # at least one block
     with pytest.raises(ValueError, match="--prefill-tokens-per-decode-step"):
-        PrefillPacer(-1, 16, lambda: True)
+        PrefillPacer(-1, 16, lambda: True, WorkerStats())
 
 
 def test_pieces_wait_for_a_decode_step_each_and_take_turns():
@@ -30,7 +31,7 @@ def test_pieces_wait_for_a_decode_step_each_and_take_turns():
     since the previous piece, across concurrent prefills; with nothing decoding, no wait."""
     async def main():
         decoding = [True]
-        p = PrefillPacer(16, 16, lambda: decoding[0])
+        p = PrefillPacer(16, 16, lambda: decoding[0], WorkerStats())
         let_in: list[tuple[str, int]] = []  # (prefill, steps launched when its piece went in)
 
         async def prefill(name: str, pieces: int) -> None:
@@ -51,26 +52,26 @@ def test_pieces_wait_for_a_decode_step_each_and_take_turns():
         steps = [s for _, s in let_in]
         assert len(let_in) == 8 and {n for n, _ in let_in} == {"a", "b"}
         assert steps == sorted(steps) and len(set(steps)) == 8, steps  # one piece per step in all
-        assert p.paced_pieces == 8 and p.step_waits_timed_out == 0
+        assert p.stats.prefill_paced_pieces == 8 and p.stats.prefill_pace_timeouts == 0
 
         decoding[0] = False
         async with p.turn() as paced:
             assert not paced  # nothing decodes: the chunk runs whole, at once
-        assert p.paced_pieces == 8
+        assert p.stats.prefill_paced_pieces == 8
 
     asyncio.run(main())
 
 
 def test_a_paced_piece_does_not_wait_forever_for_a_step():
     async def main():
-        p = PrefillPacer(16, 16, lambda: True)
+        p = PrefillPacer(16, 16, lambda: True, WorkerStats())
         async with p.turn():
             pass
         loop = asyncio.get_running_loop()
         t0 = loop.time()
         async with p.turn() as paced:  # no decode step ever comes
             assert paced
-        assert loop.time() - t0 >= 0.2 and p.step_waits_timed_out == 1
+        assert loop.time() - t0 >= 0.2 and p.stats.prefill_pace_timeouts == 1
 
     asyncio.run(main())
 
@@ -86,8 +87,8 @@ def test_local_prefill_paced_between_decode_steps_gives_reference_tokens(tiny_mo
                                    prefill_tokens_per_decode_step=16))
     for prompt, out in zip(prompts, got):
         assert out == reference_generate(tiny_model.model, prompt, 24)
-    pacer = rt.prefill_pacer
-    # prompts 2 and 3 prefill while prompt 1 (then 1 and 2) decode: (300 + 170) / 16 pieces at most
-    assert 10 <= pacer.paced_pieces <= 30, pacer.paced_pieces
-    assert pacer.step_waits_timed_out == 0
-    assert rt.stats.prefill_forwards >= pacer.paced_pieces + 1
+    stats = rt.stats
+    # prompts 2 and 3 prefill while prompt 1 (then 1 and 2) decode: 19 + 11 pieces of 16 tokens at most
+    assert 10 <= stats.prefill_paced_pieces <= 30, stats.prefill_paced_pieces
+    assert stats.prefill_pace_timeouts == 0
+    assert stats.prefill_forwards >= stats.prefill_paced_pieces + 1

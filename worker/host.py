@@ -194,6 +194,8 @@ class WorkerStats:
     late_writes_refused: int = 0  # prefill: KV writes not posted: the decode worker's call had ended or abandoned them
     prefill_forwards: int = 0  # prefill forwards run by the batcher (engine/prefill_batch.py)
     prefill_chunks: int = 0  # prompt chunks those forwards computed (chunks / forwards = mean batch)
+    prefill_paced_pieces: int = 0  # decode: local prefill pieces let in between two decode steps (prefill_pacing.py)
+    prefill_pace_timeouts: int = 0  # decode: of those, pieces that ran after waiting 0.25 s for a decode step
     decode_steps: int = 0  # decode: steps launched
     decode_step_rows: int = 0  # decode: requests in those steps (rows / steps = the mean batch)
     decode_busy_steps: int = 0  # decode: steps launched right after another (the loop had work throughout)

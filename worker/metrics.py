@@ -45,6 +45,10 @@ WORKER_COUNTERS: dict[str, tuple[str, str, bool]] = {
                          "concurrent prompts, up to --max-prefill-tokens)", False),
     "prefill_chunks": ("tandem_worker_prefill_chunks", "prompt chunks computed by those forwards (chunks / forwards "
                        "= the mean batch)", False),
+    "prefill_paced_pieces": ("tandem_worker_prefill_paced_pieces", "decode: local prefill pieces run between two "
+                             "decode steps while requests decoded (--prefill-tokens-per-decode-step)", False),
+    "prefill_pace_timeouts": ("tandem_worker_prefill_pace_timeouts", "decode: of those, pieces that ran after "
+                              "waiting 0.25 s for a decode step that did not come", False),
     "solo_yields": ("tandem_worker_solo_yields", "decode: requests that fit only alone, retracted after a turn of "
                     "--solo-wait seconds so that requests waiting behind them could run (they resume later)", False),
     "decode_steps": ("tandem_worker_decode_steps", "decode: batched decode steps launched", False),
