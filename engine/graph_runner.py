@@ -13,6 +13,11 @@ live request's block). Inside the graph: the future-token map resolves placehold
 
 The attention kernel's work depends on each row's length, not on the table width, so one width
 serves every context; `bucket` is None only for a batch larger than the largest bucket.
+
+Graphs replay on a stream of the highest priority (`PriorityReplay`), ordered after the
+caller's stream and before its next work: a decode worker's local prefill runs on a stream of
+its own (worker/model_lane.py), and the GPU's block scheduler then starts a decode step's
+kernels ahead of the prefill's waiting blocks, so running streams keep their step time.
 """
 
 from __future__ import annotations
@@ -27,6 +32,26 @@ from engine.future_map import FutureTokenMap
 from engine.kv_pool import KvPool
 
 log = logging.getLogger(__name__)
+
+
+class PriorityReplay:
+    """Replays CUDA graphs on one high-priority stream of `device`, in the caller's order.
+
+    A replay waits for what the caller's current stream queued before it (the input copies)
+    and the current stream waits for the replay (what reads the outputs next): two event
+    records and waits, a few microseconds. A replayed graph's kernels take the launch stream's
+    priority (cudaGraphInstantiate without UseNodePriority)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.stream = torch.cuda.Stream(device, priority=-100)  # clamped to the highest the device has
+
+    def __call__(self, graph: torch.cuda.CUDAGraph) -> None:
+        cur = torch.cuda.current_stream(self.device)
+        self.stream.wait_stream(cur)
+        with torch.cuda.stream(self.stream):
+            graph.replay()
+        cur.wait_stream(self.stream)
 
 
 def batch_sizes(max_batch: int) -> list[int]:
@@ -65,6 +90,7 @@ class DecodeGraphs:
         self.ints = torch.tensor([[0] * n, [0] * n, [1] * n, [self.pad_row] * n, [-1] * n], dtype=torch.long,
                                  device=dev)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.replay = PriorityReplay(dev)
         self._capture(dev)
 
     def _capture(self, dev: torch.device) -> None:
@@ -108,5 +134,5 @@ class DecodeGraphs:
         bs = plan.ints.shape[1]
         self.ints[:, :bs].copy_(plan.ints)
         graph, out = self.graphs[bs]
-        graph.replay()
+        self.replay(graph)
         return out[: plan.batch]

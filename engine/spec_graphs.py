@@ -23,7 +23,7 @@ import time
 import torch
 
 from engine.decode_batch import AbsorbedDecodeKv
-from engine.graph_runner import batch_sizes
+from engine.graph_runner import PriorityReplay, batch_sizes
 from engine.kv_pool import KvPool
 from engine.mtp import MTP_MODULE
 
@@ -59,6 +59,7 @@ class SpecGraphs:
         self.c_pos = torch.zeros(self.sizes[-1], dtype=torch.long, device=dev)
         self.c_tables = torch.full((self.sizes[-1], width), scratch_block, dtype=torch.int32, device=dev)
         self.graphs: dict[tuple[str, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.replay = PriorityReplay(dev)  # as the decode graphs (engine/graph_runner.py)
         kinds = ["extend", "verify"] + (["chain"] if k > 1 else [])
         t0 = time.perf_counter()
         torch.cuda.synchronize(dev)
@@ -119,7 +120,7 @@ class _BoundStep:
 
     def _replay(self, kind: str, n: int) -> torch.Tensor:
         graph, out = self.g.graphs[kind, self.bs]
-        graph.replay()
+        self.g.replay(graph)
         return out[:n]  # a view of the graph's output, valid until its next replay
 
     def extend(self, hid: torch.Tensor, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:

@@ -12,7 +12,6 @@ import logging
 import secrets
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Sequence, TypeVar
 
@@ -37,6 +36,7 @@ from engine.kv_pool import KV_CACHE_DTYPES, KvPool, KvPoolConfig, PoolExhausted,
 from engine.model_source import DEFAULT_MODEL, LoadedModel, load_model
 from engine.mtp import pool_has_mtp
 from engine.prefill_batch import ChunkResult, PrefillBatcher
+from worker.model_lane import ModelLane, StreamForward
 from engine.runner import ModelRunner, PrefillInput
 from worker.metrics import WorkerMetrics
 from worker.peers import metadata_digest
@@ -316,24 +316,27 @@ class WorkerRuntime:
         self.prefill_pacer: Any = None  # decode: local prefill in pieces between decode steps (prefill_pacing.py)
         self.start_time = time.time()
         self.metrics_address = ""  # host:port of /metrics once served
-        self.busy_since: float | None = None  # monotonic start of the model call now running
         self.draining = False  # set on SIGTERM: new requests are refused with UNAVAILABLE
         self.in_flight = 0  # requests being served (prefill: including their transfers)
         self.prefill_queued_tokens = 0  # prompt tokens submitted for prefill here and not yet computed
-        # Model calls submitted (written on the loop thread only) and started (model thread only).
-        self.model_calls_submitted = 0
-        self.model_calls_started = 0
         self.metrics = WorkerMetrics(self)
         # Every single-process prefill (remote RPCs, local and re-prefills) goes through one
         # batcher, so concurrent prompts share forwards. The EP engine has no batched call:
         # its chunks run one per forward, through the same queue.
-        self.batcher = PrefillBatcher(self.run_model, self._prefill_forward, opts.max_prefill_tokens,
+        # One thread for all model work: forwards never run concurrently, the event loop
+        # keeps serving RPCs, and the pool's accounting stays on the loop thread. A decode
+        # worker on CUDA runs its local prefill on a second thread and stream, beside its
+        # decode steps (worker/model_lane.py).
+        self._model_lane = ModelLane("model", self.device)
+        self._prefill_lane: ModelLane | None = None
+        run_prefill, forward = self.run_model, self._prefill_forward
+        if role == discovery_pb2.ROLE_DECODE and self.device.type == "cuda" and engine is None:
+            self._prefill_lane = ModelLane("prefill", self.device)
+            run_prefill, forward = self._prefill_lane.run, StreamForward(self._prefill_forward, self.device)
+        self.batcher = PrefillBatcher(run_prefill, forward, opts.max_prefill_tokens,
                                       cfg.vocab_size, opts.block_size, self._observe_prefill_batch)
         self._idle = asyncio.Event()
         self._idle.set()
-        # One thread for all model work: forwards never run concurrently, the event loop
-        # keeps serving RPCs, and the pool's accounting stays on the loop thread.
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
         from kv_transfer import create_agent, prepare_pool
         from kv_transfer.ucx_bind import confine_ucx
         confine_ucx(opts.host)  # NIXL's UCX listeners on --host's interface only (before UCX starts)
@@ -358,8 +361,8 @@ class WorkerRuntime:
 
     @property
     def model_waiting(self) -> int:
-        """Model calls waiting for the model thread."""
-        return self.model_calls_submitted - self.model_calls_started
+        """Model calls waiting for the model thread (and the local prefill's, where it has one)."""
+        return self._model_lane.waiting + (self._prefill_lane.waiting if self._prefill_lane else 0)
 
     @property
     def vocab_size(self) -> int:
@@ -372,13 +375,7 @@ class WorkerRuntime:
     async def run_model(self, fn: Callable[..., T], *args: Any) -> T:
         """Run fn on the model thread. If the caller is cancelled, wait for fn to finish
         before re-raising, so the caller never frees blocks a forward is still writing."""
-        self.model_calls_submitted += 1
-        fut = asyncio.get_running_loop().run_in_executor(self._executor, self._timed, fn, *args)
-        try:
-            return await asyncio.shield(fut)
-        except asyncio.CancelledError:
-            await asyncio.wait([fut])
-            raise
+        return await self._model_lane.run(fn, *args)
 
     def _chunk_planner(self) -> ChunkPlanner:
         """Static chunks, or dynamic ones fitted to start-up timings of the whole model
@@ -556,22 +553,14 @@ class WorkerRuntime:
         self.stats.prefix_query_tokens += num_tokens
         self.stats.prefix_hit_tokens += prompt.num_cached_blocks * self.pool.block_size
 
-    def _timed(self, fn: Callable[..., T], *args: Any) -> T:
-        # On the model thread: the watchdog reads busy_since to spot a wedged engine.
-        self.model_calls_started += 1
-        self.busy_since = time.monotonic()
-        try:
-            return fn(*args)
-        finally:
-            self.busy_since = None
-
     def stalled(self) -> bool:
         """True while one model call has run longer than --stall-timeout, or for good once a
         pipeline stage process has died (the worker then reports NOT_SERVING)."""
         if self.pipeline is not None and self.pipeline.dead_stages():
             return True
-        since = self.busy_since
-        return since is not None and time.monotonic() - since > self.opts.stall_timeout_s
+        now = time.monotonic()
+        lanes = [self._model_lane] + ([self._prefill_lane] if self._prefill_lane else [])
+        return any(lane.busy_for(now) > self.opts.stall_timeout_s for lane in lanes)
 
     @contextlib.contextmanager
     def serving(self):
@@ -603,10 +592,12 @@ class WorkerRuntime:
     def close(self) -> None:
         if self.engine is not None:  # stop the EP ranks from the model thread, between steps
             try:
-                self._executor.submit(self.engine.close).result(timeout=45)
+                self._model_lane.submit(self.engine.close).result(timeout=45)
             except Exception:  # noqa: BLE001 - a wedged or failed engine must not block shutdown
                 log.exception("%s: closing the EP ranks failed", self.instance_id)
-        self._executor.shutdown(wait=False, cancel_futures=True)
+        self._model_lane.shutdown()
+        if self._prefill_lane is not None:
+            self._prefill_lane.shutdown()
         if self.pipeline is not None:
             self.pipeline.close()
         self.agent.close()
