@@ -22,6 +22,7 @@ from common.pb.tandem.v1 import prefill_pb2 as pb
 from common.pb.tandem.v1 import prefill_pb2_grpc as pb_grpc
 from common.validation import (InvalidArgument, sampling_from_proto, validate_cache_salt, validate_prompt_length,
                                validate_request_id, validate_token_ids)
+from engine.kv_pool import PromptBlocks
 from engine.mtp import hidden_to_bytes
 from engine.pipeline import PipelineError
 from engine.sampling import sample
@@ -30,6 +31,7 @@ from kv_transfer.base import MAX_NOTIFICATION_TOKEN_BYTES, RemoteBlocks, Transfe
 from kv_transfer.select import CHOICES
 from prefill_worker.calls import PrefillCalls
 from prefill_worker.chunk_sender import ChunkSender
+from prefill_worker.inflight import MAX_WAIT_S, InflightPrefixes, wait_for
 from worker.peers import DISCOVERY_WAIT_S, PeerDirectory, PermissionDenied, metadata_digest
 
 log = logging.getLogger(__name__)
@@ -42,6 +44,7 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
         self._peer_digests: dict[str, bytes] = {}  # agent name -> digest of the metadata loaded for it
         self._failures = RateLimitedLog(log)  # one line per decode agent per 5 s
         self.calls = PrefillCalls()  # running calls by request id, and the abandoned ids (calls.py)
+        self.inflight = InflightPrefixes()  # block hashes being computed now (inflight.py)
 
     def forget_peer(self, agent_name: str) -> None:
         """Drop cached transfer metadata of a decode worker that left discovery."""
@@ -180,7 +183,7 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
             await _abort_abandoned(context)
         tokens = list(request.token_ids)
         pool = self.rt.pool
-        prompt = await self.rt.allocate_prompt(tokens, context, self.rt.seed_for(request.cache_salt))
+        prompt = await self._allocate(tokens, context, self.rt.seed_for(request.cache_salt))
         remote = RemoteBlocks(dst.base_address, dst.block_stride_bytes, dst.device_id, list(dst.block_ids))
         # The deadline counts from this call's arrival here; a process stopped and resumed
         # mid-call finds it passed and posts nothing more (the decode worker gave up).
@@ -194,6 +197,7 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
             await _abort_abandoned(context)
         forget = False
         backend = self.rt.agent.backend_for(dst.agent_name) or self.rt.agent.backend
+        cached = self.inflight.announce(prompt)  # prompts sharing its prefix may wait for it (inflight.py)
         try:
             start = prompt.num_cached_blocks * pool.block_size
             try:
@@ -211,6 +215,7 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
                 except PipelineError as exc:  # the worker reports NOT_SERVING; the decode worker goes elsewhere
                     await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
                 pool.commit_prompt(prompt)
+                cached()
                 self.rt.events.publish()
                 token, logprob = sample(logits, params, step=request.sampling_step_offset)
                 # The span covers the exposed part: earlier chunks' writes overlapped the prefill.
@@ -253,6 +258,7 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
                                       transfer_seconds=result.seconds,
                                       last_hidden=hidden_to_bytes(hidden) if request.return_last_hidden else b"")
         finally:
+            cached()
             await sender.aclose()  # writes still running are cancelled before the blocks go
             self.calls.end(request.request_id, sender)
             self.rt.stats.late_writes_refused += sender.late_refused
@@ -260,6 +266,22 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
                 self.rt.agent.remove_peer(dst.agent_name)
             pool.free(prompt.block_ids)
             self.rt.events.publish()
+
+    async def _allocate(self, tokens: list[int], context: grpc.aio.ServicerContext, seed: int) -> PromptBlocks:
+        """The prompt's blocks (RESOURCE_EXHAUSTED when the pool is full). When the blocks right
+        after its cached prefix are being computed for another prompt now, and they cover at
+        least what it would compute after them, it first waits for them to be cached
+        (prefill_worker/inflight.py), at most half the call's remaining time."""
+        prompt = await self.rt.allocate_prompt(tokens, context, seed, count=False)
+        event = self.inflight.should_wait(prompt, len(tokens), self.rt.pool.block_size)
+        if event is None:
+            self.rt.count_prefix_lookup(len(tokens), prompt)
+            return prompt
+        self.rt.pool.free(prompt.block_ids)  # nothing is held while it waits
+        self.rt.stats.prefill_inflight_waits += 1
+        remaining = context.time_remaining()
+        await wait_for(event, MAX_WAIT_S if remaining is None else remaining / 2)
+        return await self.rt.allocate_prompt(tokens, context, seed)
 
     async def Abandon(self, request: pb.AbandonRequest, context: grpc.aio.ServicerContext) -> pb.AbandonResponse:
         """The decode worker stopped waiting for this request's Prefill and holds its blocks

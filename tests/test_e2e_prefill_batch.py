@@ -56,3 +56,36 @@ def test_concurrent_prompts_share_prefill_forwards_and_match_reference(tiny_mode
     assert forwards < chunks, (forwards, chunks)  # some forwards carried chunks of several prompts
     assert prefill["tandem_worker_prefill_batch_tokens_count"] == forwards
     assert prefill["tandem_worker_prefill_batch_tokens_sum"] == 8 * PROMPT_TOKENS
+
+
+def test_prompts_sharing_a_prefix_in_flight_wait_for_it_and_match_reference(tiny_model, tmp_path):
+    """Eight prompts of 512 tokens, 448 of them shared, sent at once: the first to arrive
+    computes the prefix, the others wait for its blocks to be cached (prefill_worker/inflight.py)
+    and compute only their own 64 tokens; every answer is still reference_generate's."""
+    vocab = tiny_model.config.vocab_size
+    shared = [(7000 + 13 * i) % vocab for i in range(448)]
+    prompts = [shared + [(9000 + 577 * r + 31 * i) % vocab for i in range(64)] for r in range(8)]
+
+    async def main():
+        cluster = LocalCluster(model=TINY, namespace="e2e-prefill-inflight", metrics=True, log_dir=str(tmp_path),
+                               worker_args=["--num-blocks", "512", "--chunk-size", "32",
+                                            "--max-prefill-tokens", "64"])
+        async with cluster:
+            ch, stub = frontend_stub(cluster.router_address, cluster.client_tls)
+            try:
+                results = await asyncio.gather(*(generate(stub, token_ids=p, max_tokens=6, timeout_s=120)
+                                                 for p in prompts))
+            finally:
+                await ch.close()
+            by_role = {i.role: i.metrics_address for i in cluster.instances.values() if i.metrics_address}
+            prefill = await asyncio.to_thread(_scrape, by_role[discovery_pb2.ROLE_PREFILL])
+        return results, prefill
+
+    results, prefill = asyncio.run(main())
+    for p, r in zip(prompts, results):
+        assert r.token_ids == reference_generate(tiny_model.model, p, 6, tiny_model.config.eos_token_ids)
+    waits = prefill["tandem_worker_prefill_inflight_waits_total"]
+    assert waits >= 1, prefill
+    computed = prefill["tandem_worker_prefill_batch_tokens_sum"]
+    assert computed <= 8 * 512 - 448 * waits, (computed, waits)  # each waiter took the shared blocks from the cache
+    assert prefill["tandem_worker_prefix_cache_hit_tokens_total"] >= 448 * waits

@@ -194,6 +194,7 @@ class WorkerStats:
     late_writes_refused: int = 0  # prefill: KV writes not posted: the decode worker's call had ended or abandoned them
     prefill_forwards: int = 0  # prefill forwards run by the batcher (engine/prefill_batch.py)
     prefill_chunks: int = 0  # prompt chunks those forwards computed (chunks / forwards = mean batch)
+    prefill_inflight_waits: int = 0  # prefill: prompts that waited for a shared prefix another one computed (inflight.py)
     prefill_paced_pieces: int = 0  # decode: local prefill pieces let in between two decode steps (prefill_pacing.py)
     prefill_pace_timeouts: int = 0  # decode: of those, pieces that ran after waiting 0.25 s for a decode step
     decode_steps: int = 0  # decode: steps launched
@@ -536,15 +537,16 @@ class WorkerRuntime:
         return hash_seed(self.loaded.name, cache_salt=cache_salt, weights=self.loaded.fingerprint)
 
     async def allocate_prompt(self, token_ids: list[int], context: grpc.aio.ServicerContext,
-                              seed: int | None = None) -> PromptBlocks:
+                              seed: int | None = None, count: bool = True) -> PromptBlocks:
         """The prompt's blocks in this worker's pool (hashed with `seed`, default the pool's),
-        or RESOURCE_EXHAUSTED when it is full."""
+        or RESOURCE_EXHAUSTED when it is full; `count`: into the prefix-cache counters."""
         try:
             prompt = self.pool.allocate_prompt(token_ids, seed)
         except PoolExhausted as exc:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
             raise
-        self.count_prefix_lookup(len(token_ids), prompt)
+        if count:
+            self.count_prefix_lookup(len(token_ids), prompt)
         return prompt
 
     def count_prefix_lookup(self, num_tokens: int, prompt: PromptBlocks) -> None:

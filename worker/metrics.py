@@ -45,6 +45,9 @@ WORKER_COUNTERS: dict[str, tuple[str, str, bool]] = {
                          "concurrent prompts, up to --max-prefill-tokens)", False),
     "prefill_chunks": ("tandem_worker_prefill_chunks", "prompt chunks computed by those forwards (chunks / forwards "
                        "= the mean batch)", False),
+    "prefill_inflight_waits": ("tandem_worker_prefill_inflight_waits", "prefill: prompts that waited for the "
+                               "blocks of a shared prefix another prompt was computing, then took them from the "
+                               "prefix cache", False),
     "prefill_paced_pieces": ("tandem_worker_prefill_paced_pieces", "decode: local prefill pieces run between two "
                              "decode steps while requests decoded (--prefill-tokens-per-decode-step)", False),
     "prefill_pace_timeouts": ("tandem_worker_prefill_pace_timeouts", "decode: of those, pieces that ran after "
