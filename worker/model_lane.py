@@ -41,8 +41,8 @@ class ModelLane:
 
     def __init__(self, name: str, device: torch.device | None = None) -> None:
         init = None
-        if device is not None and device.type == "cuda":
-            index = device.index if device.index is not None else torch.cuda.current_device()
+        if device is not None and device.type == "cuda" and device.index is not None:
+            index = device.index  # (a thread starts on device 0 whatever the process set)
             init = lambda: torch.cuda.set_device(index)  # noqa: E731 - the executor's initializer
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name, initializer=init)
         self.submitted = 0  # written on the loop thread only
