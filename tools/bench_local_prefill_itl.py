@@ -19,7 +19,9 @@ every gap between two consecutive tokens of a stream is one ITL sample, counted 
             else prefilling;
   "during": ending while the long request waits for its first token (its local prefill).
 Reported per budget: ITL p50 / p99 / max before and during, p99 during ÷ p99 before (the
-issue asks ≤ 3), the long request's TTFT, and the streams' output tokens/s. Prompts are
+issue asks ≤ 3), the long request's TTFT, the streams' output tokens/s, and the share of the
+long prefill during which the streams still decoded (`during_coverage`; below 1 the "during"
+figures cover only its first, cheapest chunks: raise --stream-tokens). Prompts are
 Mooncake-style blocks (bench/traces.py), all distinct: nothing comes from the prefix cache.
 """
 
@@ -94,6 +96,9 @@ def itl_figures(doc: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]
 
     out = {"itl_before": dist(before), "itl_during": dist(during), "long_ttft_ms": long["ttft_s"] * 1e3,
            "streams_outlast_prefill": last_token > t_first,
+           # share of the long prefill during which the streams still decoded (1.0 = all of it):
+           # below 1, "during" covers only the prefill's first part (its cheapest chunks)
+           "during_coverage": max(0.0, min(last_token, t_first) - t_start) / max(1e-9, t_first - t_start),
            "stream_tokens_per_s": sum(r["completion_tokens"] for r in streams) / max(
                1e-9, max(r["end_s"] for r in streams) - min(r["start_s"] for r in streams))}
     b99, d99 = out["itl_before"]["p99_ms"], out["itl_during"]["p99_ms"]
@@ -109,7 +114,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--chunk-size", type=int, default=8192, help="the decode worker's --chunk-size")
     p.add_argument("--streams", type=int, default=16)
     p.add_argument("--stream-context", type=int, default=1024)
-    p.add_argument("--stream-tokens", type=int, default=2000)
+    p.add_argument("--stream-tokens", type=int, default=6000,
+                   help="tokens per stream: enough to outlast the long prefill (see during_coverage)")
     p.add_argument("--long-context", type=int, default=32768)
     p.add_argument("--long-at-s", type=float, default=3.0, help="arrival of the long request (s)")
     p.add_argument("--warm-s", type=float, default=1.0, help="'before' samples end after this (s)")
@@ -152,11 +158,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             print(json.dumps(row), flush=True)
             out.write_text(json.dumps(doc, indent=1) + "\n")
     print("| budget (tokens per decode step) | ITL p99 before ms | ITL p99 during ms | during / before | "
-          "ITL max during ms | 32K TTFT ms |")
+          "ITL max during ms | 32K TTFT ms | streams decoded for |")
     for r in doc["rows"]:
         b, d = r.get("itl_before", {}), r.get("itl_during", {})
         print(f"| {r['budget'] or 'off'} | {b.get('p99_ms') or 0:.2f} | {d.get('p99_ms') or 0:.2f} | "
-              f"{r.get('p99_during_over_before') or 0:.2f} | {d.get('max_ms') or 0:.1f} | {r.get('long_ttft_ms') or 0:.0f} |")
+              f"{r.get('p99_during_over_before') or 0:.2f} | {d.get('max_ms') or 0:.1f} | {r.get('long_ttft_ms') or 0:.0f} | "
+              f"{100 * (r.get('during_coverage') or 0):.0f} % of it |")
     return doc
 
 
