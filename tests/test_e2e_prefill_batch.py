@@ -27,14 +27,13 @@ def _scrape(address: str) -> dict[str, float]:
     return {s.name: s.value for fam in text_string_to_metric_families(text) for s in fam.samples if not s.labels}
 
 
-def test_concurrent_prompts_share_prefill_forwards_and_match_reference(tiny_model, tmp_path):
-    vocab = tiny_model.config.vocab_size
-    prompts = [[(5000 + 977 * r + 31 * i) % vocab for i in range(PROMPT_TOKENS)] for r in range(8)]
-
+def _serve_at_once(prompts: list[list[int]], namespace: str, tmp_path, chunk: int, budget: int):
+    """Send every prompt at once through a local cluster (6 greedy tokens each); returns the
+    results and the prefill and decode workers' /metrics samples."""
     async def main():
-        cluster = LocalCluster(model=TINY, namespace="e2e-prefill-batch", metrics=True, log_dir=str(tmp_path),
-                               worker_args=["--num-blocks", "512", "--chunk-size", str(CHUNK),
-                                            "--max-prefill-tokens", "256"])
+        cluster = LocalCluster(model=TINY, namespace=namespace, metrics=True, log_dir=str(tmp_path),
+                               worker_args=["--num-blocks", "512", "--chunk-size", str(chunk),
+                                            "--max-prefill-tokens", str(budget)])
         async with cluster:
             ch, stub = frontend_stub(cluster.router_address, cluster.client_tls)
             try:
@@ -47,7 +46,14 @@ def test_concurrent_prompts_share_prefill_forwards_and_match_reference(tiny_mode
             decode = await asyncio.to_thread(_scrape, by_role[discovery_pb2.ROLE_DECODE])
         return results, prefill, decode
 
-    results, prefill, decode = asyncio.run(main())
+    return asyncio.run(main())
+
+
+def test_concurrent_prompts_share_prefill_forwards_and_match_reference(tiny_model, tmp_path):
+    vocab = tiny_model.config.vocab_size
+    prompts = [[(5000 + 977 * r + 31 * i) % vocab for i in range(PROMPT_TOKENS)] for r in range(8)]
+
+    results, prefill, decode = _serve_at_once(prompts, "e2e-prefill-batch", tmp_path, CHUNK, 256)
     for p, r in zip(prompts, results):
         assert r.token_ids == reference_generate(tiny_model.model, p, 6, tiny_model.config.eos_token_ids)
     assert decode["tandem_worker_remote_prefills_total"] == 8 and decode["tandem_worker_local_prefills_total"] == 0
@@ -66,22 +72,7 @@ def test_prompts_sharing_a_prefix_in_flight_wait_for_it_and_match_reference(tiny
     shared = [(7000 + 13 * i) % vocab for i in range(448)]
     prompts = [shared + [(9000 + 577 * r + 31 * i) % vocab for i in range(64)] for r in range(8)]
 
-    async def main():
-        cluster = LocalCluster(model=TINY, namespace="e2e-prefill-inflight", metrics=True, log_dir=str(tmp_path),
-                               worker_args=["--num-blocks", "512", "--chunk-size", "32",
-                                            "--max-prefill-tokens", "64"])
-        async with cluster:
-            ch, stub = frontend_stub(cluster.router_address, cluster.client_tls)
-            try:
-                results = await asyncio.gather(*(generate(stub, token_ids=p, max_tokens=6, timeout_s=120)
-                                                 for p in prompts))
-            finally:
-                await ch.close()
-            by_role = {i.role: i.metrics_address for i in cluster.instances.values() if i.metrics_address}
-            prefill = await asyncio.to_thread(_scrape, by_role[discovery_pb2.ROLE_PREFILL])
-        return results, prefill
-
-    results, prefill = asyncio.run(main())
+    results, prefill, _ = _serve_at_once(prompts, "e2e-prefill-inflight", tmp_path, 32, 64)
     for p, r in zip(prompts, results):
         assert r.token_ids == reference_generate(tiny_model.model, p, 6, tiny_model.config.eos_token_ids)
     waits = prefill["tandem_worker_prefill_inflight_waits_total"]
