@@ -197,7 +197,8 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
             await _abort_abandoned(context)
         forget = False
         backend = self.rt.agent.backend_for(dst.agent_name) or self.rt.agent.backend
-        cached = self.inflight.announce(prompt)  # prompts sharing its prefix may wait for it (inflight.py)
+        # prompts sharing its prefix may wait for it to be cached (inflight.py)
+        cached = self.inflight.announce(prompt, len(tokens), pool.block_size)
         try:
             start = prompt.num_cached_blocks * pool.block_size
             try:
