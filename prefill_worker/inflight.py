@@ -11,8 +11,9 @@ tokens as it would still compute on its own (so waiting at least halves its work
 blocks back, waits until that prompt's blocks are cached (or its prefill ends otherwise), and
 allocates again, now finding them in the prefix cache. It does not wait for a prompt with more
 tokens to compute than it has itself (a short prompt that a long one starts with would wait for
-the whole long prefill), nor for its last token's block (never taken from the cache). The wait is bounded: at most half the
-call's remaining deadline and `MAX_WAIT_S`; past it the prompt computes everything itself.
+the whole long prefill), nor for its last token's block (never taken from the cache). The wait
+is bounded: at most half the call's remaining deadline and `MAX_WAIT_S`; past it the prompt
+computes everything itself.
 
 Only the prefill worker waits: a decode worker's blocks are a transfer's destination, all fresh.
 Block hashes chain their prefix (engine/block_pool.py), so an in-flight hash at position i means

@@ -36,9 +36,9 @@ from engine.kv_pool import KV_CACHE_DTYPES, KvPool, KvPoolConfig, PoolExhausted,
 from engine.model_source import DEFAULT_MODEL, LoadedModel, load_model
 from engine.mtp import pool_has_mtp
 from engine.prefill_batch import ChunkResult, PrefillBatcher
-from worker.model_lane import ModelLane, StreamForward
 from engine.runner import ModelRunner, PrefillInput
 from worker.metrics import WorkerMetrics
+from worker.model_lane import ModelLane, StreamForward
 from worker.peers import metadata_digest
 
 log = logging.getLogger(__name__)
@@ -321,9 +321,6 @@ class WorkerRuntime:
         self.in_flight = 0  # requests being served (prefill: including their transfers)
         self.prefill_queued_tokens = 0  # prompt tokens submitted for prefill here and not yet computed
         self.metrics = WorkerMetrics(self)
-        # Every single-process prefill (remote RPCs, local and re-prefills) goes through one
-        # batcher, so concurrent prompts share forwards. The EP engine has no batched call:
-        # its chunks run one per forward, through the same queue.
         # One thread for all model work: forwards never run concurrently, the event loop
         # keeps serving RPCs, and the pool's accounting stays on the loop thread. A decode
         # worker on CUDA runs its local prefill on a second thread and stream, beside its
@@ -334,6 +331,9 @@ class WorkerRuntime:
         if role == discovery_pb2.ROLE_DECODE and self.device.type == "cuda" and engine is None:
             self._prefill_lane = ModelLane("prefill", self.device)
             run_prefill, forward = self._prefill_lane.run, StreamForward(self._prefill_forward, self.device)
+        # Every single-process prefill (remote RPCs, local and re-prefills) goes through one
+        # batcher, so concurrent prompts share forwards. The EP engine has no batched call:
+        # its chunks run one per forward, through the same queue.
         self.batcher = PrefillBatcher(run_prefill, forward, opts.max_prefill_tokens,
                                       cfg.vocab_size, opts.block_size, self._observe_prefill_batch)
         self._idle = asyncio.Event()

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, TypeVar
 
 import torch
@@ -65,7 +65,7 @@ class ModelLane:
             await asyncio.wait([fut])
             raise
 
-    def submit(self, fn: Callable[..., T], *args: Any) -> "Any":
+    def submit(self, fn: Callable[..., T], *args: Any) -> Future[T]:
         """fn(*args) on the lane's thread from a thread without a loop: a concurrent Future."""
         return self._executor.submit(fn, *args)
 
