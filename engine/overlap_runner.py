@@ -106,7 +106,11 @@ class SpecOverlapRunner:
         self.runner = runner
         self.device = runner.device
         cfg = runner.model.config
-        self.slots = SpecSlots(capacity, k, cfg.hidden_size, runner.model.dtype, self.device)
+        graphs = getattr(runner, "spec_graphs", None)
+        if graphs is not None and graphs.slots.k == k and graphs.slots.num_free >= capacity:
+            self.slots = graphs.slots  # the whole-step graphs read and write these (engine/spec_graphs.py)
+        else:
+            self.slots = SpecSlots(capacity, k, cfg.hidden_size, runner.model.dtype, self.device)
         self.cuda = self.device.type == "cuda"
 
     @torch.inference_mode()

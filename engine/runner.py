@@ -10,7 +10,8 @@ One runner, two modes, chosen once at construction (the log line says which):
   (engine/decode_batch.py, engine/kernels/mla_decode.py), replayed from a CUDA graph when the
   runner captured them (engine/graph_runner.py; off with --disable-cuda-graph). An MTP step
   (`spec_step`, engine/spec_batch.py) runs its draft and verify forwards the same way, every
-  verify query one row of the decode kernel (engine/spec_graphs.py for its graphs).
+  verify query one row of the decode kernel, the whole step one CUDA graph replay
+  (engine/spec_graphs.py).
 `decode_step` samples on the device (engine/sampling.py) and returns device tensors, so a step
 needs no host sync; `decode_tokens` adds the step's one device-to-host copy. Input ids below 0
 are placeholders of the runner's FutureTokenMap (the overlap scheduler's tokens still on the
@@ -113,7 +114,10 @@ class ModelRunner:
         self.graphs = DecodeGraphs(self.model, self.pool, self.tables, self.future, max_batch, scratch, sizes)
         if spec_k:
             from engine.spec_graphs import SpecGraphs
-            self.spec_graphs = SpecGraphs(self.model, self.pool, spec_k, max_batch, width, scratch, sizes)
+            # the loop's slots (engine/overlap_runner.py: 2 × max_batch) plus the padding rows' one
+            slots = SpecSlots(2 * max_batch + 1, spec_k, self.model.config.hidden_size, self.model.dtype,
+                              self.device)
+            self.spec_graphs = SpecGraphs(self.model, self.pool, slots, max_batch, width, scratch, sizes)
 
     def prefill_chunk(self, block_ids: list[BlockId], token_ids: list[int], start: int, end: int,
                       mtp: bool = False) -> torch.Tensor:

@@ -88,10 +88,24 @@ class SamplingRows:
             z = _zeros(len(rows), device)
             return SamplingRows(z, z, z, z, False, False)
         floats = upload([[p.temperature for p, _ in rows], [p.top_p for p, _ in rows]], torch.float32, device)
-        seeds = [p.seed - (1 << 64) if p.seed >= (1 << 63) else p.seed for p, _ in rows]  # uint64 as int64
-        ints = upload([seeds, [s for _, s in rows]], torch.int64, device)
+        ints = upload([[seed_int64(p.seed) for p, _ in rows], [s for _, s in rows]], torch.int64, device)
         return SamplingRows(floats[0], floats[1], ints[0], ints[1], True,
                             any(not p.greedy and p.top_p < 1.0 for p, _ in rows))
+
+    def repeat(self, times: int) -> SamplingRows:
+        """Each row `times` times in a row ([B] -> [B * times]); an all-greedy batch's tensors
+        are never read and stay as they are."""
+        if not self.any_sampled:
+            return self
+        def rep(t: torch.Tensor) -> torch.Tensor:  # (expand, not repeat_interleave: never a sync)
+            return t[:, None].expand(-1, times).reshape(-1)
+        return SamplingRows(rep(self.temperature), rep(self.top_p), rep(self.seed), rep(self.step), True,
+                            self.any_top_p)
+
+
+def seed_int64(seed: int) -> int:
+    """A uint64 seed as the int64 of the same bits (what the device's seed tensors hold)."""
+    return seed - (1 << 64) if seed >= (1 << 63) else seed
 
 
 _ZEROS: dict[tuple[int, torch.device], torch.Tensor] = {}

@@ -30,8 +30,8 @@ a CPU; a sync on CUDA, where the plain path is the reference run, not the served
 fast path (CUDA bf16) runs every row as its own query of the paged MLA decode kernel
 (`AbsorbedDecodeKv`): row i of a request sees context n+i+1 (causal), all of a layer's rows
 being stored before the kernel reads them, so the one-query-per-row kernel serves the k+1
-queries of a request unchanged, and nothing reads the host. engine/spec_graphs.py replays
-the fast path's forwards from CUDA graphs.
+queries of a request unchanged, and nothing reads the host. engine/spec_graphs.py captures
+the fast path's whole step (`step_body`) as one CUDA graph per batch bucket.
 
 Errors: `SpecSlots.allocate` raises RuntimeError when every slot is taken (the loop sizes the
 slots for --max-running); shapes are the caller's invariants (asserted, not checked per step).
@@ -81,6 +81,15 @@ class SpecSlots:
         if not self._free:
             raise RuntimeError(f"all {self.hidden.shape[0]} speculative slots are taken")
         return self._free.pop()
+
+    def reserve_last(self) -> int:
+        """Take the highest-numbered slot for good (the graphs' padding slot). Raises
+        RuntimeError when it is taken."""
+        last = self.hidden.shape[0] - 1
+        if last not in self._free:
+            raise RuntimeError(f"speculative slot {last} is taken")
+        self._free.remove(last)
+        return last
 
     def free(self, slot: int) -> None:
         # a step still in flight may write the slot: a later `init` is queued behind it
@@ -155,7 +164,8 @@ class FastForwards:
                  attention=None) -> None:
         self.model, self.pool, self.k1 = model, pool, k1
         self.tables = tables
-        self.tables_rep = tables.repeat_interleave(k1, 0)  # [B * (k+1), W]
+        b, w = tables.shape
+        self.tables_rep = tables[:, None].expand(b, k1, w).reshape(b * k1, w)  # [B * (k+1), W]
         self.kw = {} if attention is None else {"attention": attention}
 
     def _kv(self, tables: torch.Tensor, pos: torch.Tensor):
@@ -186,32 +196,53 @@ def spec_step(model: torch.nn.Module, pool: KvPool, slots: SpecSlots, rows: list
 
     fast: the paged MLA decode kernel path (one query per row); attention overrides its kernel
     (tests pass `mla_decode_reference` to run the fast path on a CPU); graphs: the runner's
-    `engine.spec_graphs.SpecGraphs`, replayed when they fit the batch (fast path only).
+    `engine.spec_graphs.SpecGraphs`, whose whole-step graph replays when it fits the batch and
+    owns `slots` (fast path only). Every path runs `step_body`.
     """
+    if fast and graphs is not None and graphs.slots is slots and graphs.can_run(rows):
+        return graphs.run(rows)
     dev = pool.kv.device
-    k = slots.k
-    k1, b = k + 1, len(rows)
+    k1 = slots.k + 1
     # (engine/upload.py: no host copy here waits for the step in flight, so steps overlap)
-    idx = upload([r.slot for r in rows], torch.long, dev)
+    ints = upload([[r.slot for r in rows], [r.step_shift for r in rows]], torch.long, dev)
+    one = SamplingRows.build([(r.params, 0) for r in rows], dev)
+    if fast:
+        tables = block_tables(rows, dev)
+        def forwards(n, c):
+            return FastForwards(model, pool, tables, k1, attention)
+    else:
+        def forwards(n, c):
+            return _PlainForwards(model, pool, rows, n, c, k1)
+    return step_body(model, slots, ints[0], ints[1], one, forwards)
+
+
+def step_body(model: torch.nn.Module, slots: SpecSlots, idx: torch.Tensor, shift: torch.Tensor,
+              one: SamplingRows, forwards) -> SpecResult:
+    """The step on device tensors only (no host read or copy on the fast path, so
+    engine/spec_graphs.py captures it whole).
+
+    Args:
+        idx: [B] int64 slots of the rows; shift: [B] int64, the sampling step of the token at
+            position p is p + shift[b]; one: the rows' sampling parameters (their `step` is
+            ignored: set here per position).
+        forwards: (n [B], c [B]) -> the step's extend / chain / verify forwards
+            (`FastForwards`, or `_PlainForwards`, which reads n and c on the host).
+    """
+    k = slots.k
+    k1, b = k + 1, idx.shape[0]
+    dev = idx.device
     n, c = slots.n[idx], slots.count[idx]  # [B]
     hid, ids = slots.hidden[idx], slots.ids[idx]  # [B, k+1, H], [B, k+1]
     ar = torch.arange(k1, device=dev)
     every = torch.arange(b, device=dev)
-    if not fast:
-        fw = _PlainForwards(model, pool, rows, n, c, k1)
-    else:
-        tables = block_tables(rows, dev)
-        fw = FastForwards(model, pool, tables, k1, attention)
-        if graphs is not None and graphs.can_run(b, tables.shape[1]):
-            fw = graphs.bind(tables)
+    fw = forwards(n, c)
     # 1. MTP extend over the k+1 rows of each request; row c-1's output drafts d_1
     ext_pos = ((n - c)[:, None] + ar).reshape(-1)  # [B * (k+1)]
     g = fw.extend(hid.reshape(b * k1, -1), ids.reshape(-1), ext_pos)
     prev = g.view(b, k1, -1)[every, c - 1]  # [B, H]
     # sampling rows: the token at position n + 1 + i has step n + 1 + i + shift
-    base = n + 1 + upload([r.step_shift for r in rows], torch.long, dev)
-    one = SamplingRows.build([(r.params, 0) for r in rows], dev)
-    per = SamplingRows.build([(r.params, 0) for r in rows for _ in range(k1)], dev)
+    base = n + 1 + shift
+    per = one.repeat(k1)
     drafts = []
     for j in range(k):  # 2. drafts d_1..d_k, each fed back for the next
         d, _ = sample_batch(model.mtp_logits(MTP_MODULE, prev), dataclasses.replace(one, step=base + j))

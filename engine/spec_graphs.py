@@ -1,18 +1,27 @@
-"""CUDA graphs of a speculative step's forwards (engine/spec_batch.py), per batch-size bucket.
+"""CUDA graphs of whole speculative steps (engine/spec_batch.py's `step_body`), per batch-size bucket.
 
-A step of B requests with k drafts runs three kinds of forward, each captured per bucket bs of
-`engine.graph_runner.batch_sizes` (the decode graphs' buckets):
-- extend: the MTP module over bs × (k+1) rows (each row one query of the paged decode kernel);
-- chain: the MTP module over bs rows (k - 1 replays per step; none for k = 1);
-- verify: the main model over bs × (k+1) rows.
-The MTP head and lm_head, the samplers and the accept run eagerly between replays (they are a
-few kernels each, and the sampler's code path depends on the batch's sampling parameters).
+A step of B requests with k drafts is, on the fast path, a fixed sequence of kernels: gather
+the rows' slots, the MTP extend over B × (k+1) rows, k draft samplings with k - 1 chain
+forwards between them, the verify over B × (k+1) rows, the target sampling, the accept and the
+slot writes. None of it reads the host, so the whole step is captured as one graph per bucket
+bs of `engine.graph_runner.batch_sizes` (the decode graphs' buckets) and per sampling mode:
+greedy (no noise or sort kernels) and general (temperature, top-p and seeds as tensors; a
+greedy row there still takes the argmax of its logits, so a row's tokens are the same in
+either graph and in the eager step). A replay costs the host one graph launch and three small
+copies instead of about a hundred eager launches: on a small model the eager step was bound
+by those launches, not by the GPU (docs/benchmarks.md, issue 14 run 6: a k = 2 step took
+2.6 × a plain step).
 
-Buffers are static and shared by the kinds (extend and verify take turns within a step; the
-graphs' outputs are consumed before the next replay); rows past a batch's are padding rows
-with a one-token context in the scratch block, as in engine/graph_runner.py. Block tables are
-as wide as the longest context the pool allows: `can_run` is false only for a batch larger
-than the largest bucket or a table wider than that.
+Static inputs, sized for the largest bucket: ints [3, n] int64 (slot, sampling-step shift,
+seed), floats [2, n] float32 (temperature, top-p), tables [n, width] int32. Rows past a
+batch's are padding rows: they read and write a slot reserved here (its position reset to a
+one-token context inside the graph after every replay) and a table of the scratch block only,
+so their garbage never reaches a live request's slot or block. The slots' tensors' addresses
+are baked into the graphs: the graphs own the `SpecSlots` the loop uses
+(engine/overlap_runner.py takes them from here).
+
+Errors: ValueError when the pool's blocks are too small for the padding rows' positions
+(block_size < k + 2).
 """
 
 from __future__ import annotations
@@ -22,123 +31,111 @@ import time
 
 import torch
 
-from engine.decode_batch import AbsorbedDecodeKv
 from engine.graph_runner import PriorityReplay, batch_sizes
 from engine.kv_pool import KvPool
-from engine.mtp import MTP_MODULE
+from engine.sampling import SamplingRows, seed_int64
+from engine.spec_batch import FastForwards, SpecResult, SpecRow, SpecSlots, step_body
 
 log = logging.getLogger(__name__)
 
+_PAD_N = 1  # the padding slot's pending position: its rows touch positions 0 .. k + 1
+
 
 class SpecGraphs:
-    """Captured extend, chain and verify forwards for k drafts and batches up to `max_batch`.
+    """Captured whole speculative steps for k drafts and batches up to `max_batch`.
 
     Args:
         model: the model (on CUDA, fast mode: MoE layers grouped), with an MTP module.
         pool: the KV pool (its tensor's address is baked in).
-        k: draft tokens per step (>= 1).
+        slots: the requests' device state (capacity ≥ the loop's + 1: one slot is reserved for
+            padding rows); its tensors' addresses are baked in.
         max_batch: the largest batch (--max-running).
         width: block-table width (blocks of the longest context).
         scratch_block: a block no request owns (padding rows write there).
     """
 
-    def __init__(self, model: torch.nn.Module, pool: KvPool, k: int, max_batch: int, width: int,
+    def __init__(self, model: torch.nn.Module, pool: KvPool, slots: SpecSlots, max_batch: int, width: int,
                  scratch_block: int, sizes: list[int] | None = None) -> None:
         dev = pool.kv.device
-        self.model, self.pool, self.k, self.width, self.scratch = model, pool, k, width, scratch_block
+        k = slots.k
+        if pool.config.block_size < k + 2:
+            raise ValueError(f"MTP graphs need blocks of at least k + 2 = {k + 2} tokens "
+                             f"(the pool's are {pool.config.block_size})")
+        self.model, self.pool, self.slots, self.k = model, pool, slots, k
+        self.width, self.scratch = width, scratch_block
         self.sizes = sorted(sizes or batch_sizes(max_batch))
-        k1, hidden = k + 1, model.config.hidden_size
-        rows = self.sizes[-1] * k1
-        # rows of extend / verify ([bs * (k+1)]); the chain uses their first bs rows' own buffers
-        self.hid = torch.zeros(rows, hidden, dtype=model.dtype, device=dev)
-        self.ids = torch.zeros(rows, dtype=torch.long, device=dev)
-        self.pos = torch.zeros(rows, dtype=torch.long, device=dev)
-        self.tables = torch.full((rows, width), scratch_block, dtype=torch.int32, device=dev)
-        self.c_hid = torch.zeros(self.sizes[-1], hidden, dtype=model.dtype, device=dev)
-        self.c_ids = torch.zeros(self.sizes[-1], dtype=torch.long, device=dev)
-        self.c_pos = torch.zeros(self.sizes[-1], dtype=torch.long, device=dev)
-        self.c_tables = torch.full((self.sizes[-1], width), scratch_block, dtype=torch.int32, device=dev)
-        self.graphs: dict[tuple[str, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        n = self.sizes[-1]
+        self.pad = slots.reserve_last()  # never handed out
+        slots.n[self.pad] = _PAD_N
+        slots.count[self.pad] = 1
+        self.ints = torch.zeros(3, n, dtype=torch.long, device=dev)
+        self.ints[0] = self.pad
+        self.floats = torch.zeros(2, n, dtype=torch.float32, device=dev)
+        self.floats[1] = 1.0
+        self.tables = torch.full((n, width), scratch_block, dtype=torch.int32, device=dev)
+        self._zeros = torch.zeros(n, device=dev)
+        self.graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, SpecResult]] = {}
         self.replay = PriorityReplay(dev)  # as the decode graphs (engine/graph_runner.py)
-        kinds = ["extend", "verify"] + (["chain"] if k > 1 else [])
         t0 = time.perf_counter()
         torch.cuda.synchronize(dev)
         before = torch.cuda.memory_reserved(dev)
         handle = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(dev)
+        # the warm-up runs rewrite the padding slot's state only (every row is a padding row)
         for bs in reversed(self.sizes):  # largest first: the smaller ones reuse its memory
-            for kind in kinds:
+            for sampled in (False, True):
                 stream.wait_stream(torch.cuda.current_stream(dev))
                 with torch.cuda.stream(stream), torch.inference_mode():
                     for _ in range(2):  # warm-up outside the graph (allocator, autotune)
-                        self._forward(kind, bs)
+                        self._forward(bs, sampled)
                 torch.cuda.current_stream(dev).wait_stream(stream)
                 graph = torch.cuda.CUDAGraph()
                 with torch.inference_mode(), torch.cuda.graph(graph, pool=handle):
-                    out = self._forward(kind, bs)
-                self.graphs[kind, bs] = (graph, out)
+                    out = self._forward(bs, sampled)
+                self.graphs[bs, sampled] = (graph, out)
         torch.cuda.synchronize(dev)
         self.memory_bytes = torch.cuda.memory_reserved(dev) - before
         self.capture_seconds = time.perf_counter() - t0
-        log.info("cuda graphs of MTP steps (k = %d): %d batch sizes × %s, captured in %.1f s, %.0f MiB",
-                 k, len(self.sizes), "/".join(kinds), self.capture_seconds, self.memory_bytes / 2**20)
+        log.info("cuda graphs of whole MTP steps (k = %d): %d batch sizes × greedy/sampled, captured in %.1f s, "
+                 "%.0f MiB", k, len(self.sizes), self.capture_seconds, self.memory_bytes / 2**20)
 
-    def _forward(self, kind: str, bs: int) -> torch.Tensor:
-        m = self.model
-        if kind == "chain":
-            kv = AbsorbedDecodeKv(self.pool, self.c_tables[:bs], (self.c_pos[:bs] + 1).int())
-            return m.mtp_forward(MTP_MODULE, self.c_hid[:bs], self.c_ids[:bs], self.c_pos[:bs], [1] * bs, kv)
-        r = bs * (self.k + 1)
-        kv = AbsorbedDecodeKv(self.pool, self.tables[:r], (self.pos[:r] + 1).int())
-        if kind == "extend":
-            return m.mtp_forward(MTP_MODULE, self.hid[:r], self.ids[:r], self.pos[:r], [1] * r, kv)
-        return m(self.ids[:r], self.pos[:r], [1] * r, kv)
+    def _forward(self, bs: int, sampled: bool) -> SpecResult:
+        ints, floats, z = self.ints[:, :bs], self.floats[:, :bs], self._zeros[:bs]
+        one = (SamplingRows(floats[0], floats[1], ints[2], ints[2], True, True) if sampled
+               else SamplingRows(z, z, z, z, False, False))
+        tables = self.tables[:bs]
+        k1 = self.k + 1
 
-    def can_run(self, batch: int, width: int) -> bool:
-        return batch <= self.sizes[-1] and width <= self.width
+        def forwards(n, c):
+            return FastForwards(self.model, self.pool, tables, k1)
+        out = step_body(self.model, self.slots, ints[0], ints[1], one, forwards)
+        # padding rows advanced the padding slot: back to a one-token context
+        self.slots.n[self.pad:self.pad + 1].fill_(_PAD_N)
+        self.slots.count[self.pad:self.pad + 1].fill_(1)
+        return out
 
-    def bind(self, tables: torch.Tensor) -> _BoundStep:
-        """The forwards of one step over block tables [B, W] int32 (B, W within `can_run`)."""
-        return _BoundStep(self, tables)
+    def can_run(self, rows: list[SpecRow]) -> bool:
+        return len(rows) <= self.sizes[-1] and max(len(r.block_ids) for r in rows) <= self.width
 
-
-class _BoundStep:
-    """`engine.spec_batch.FastForwards`' interface, by graph replay for one step's batch."""
-
-    def __init__(self, g: SpecGraphs, tables: torch.Tensor) -> None:
-        b, w = tables.shape
-        k1 = g.k + 1
-        self.g, self.b, self.rows = g, b, b * k1
-        self.bs = next(s for s in g.sizes if s >= b)
-        g.tables[:self.rows, :w].copy_(tables.repeat_interleave(k1, 0))
-        g.c_tables[:b, :w].copy_(tables)
-        if self.bs > b:  # padding rows: a one-token context in the scratch block
-            g.tables[self.rows:self.bs * k1, 0] = g.scratch
-            g.pos[self.rows:self.bs * k1] = 0
-            g.c_tables[b:self.bs, 0] = g.scratch
-            g.c_pos[b:self.bs] = 0
-
-    def _replay(self, kind: str, n: int) -> torch.Tensor:
-        graph, out = self.g.graphs[kind, self.bs]
-        self.g.replay(graph)
-        return out[:n]  # a view of the graph's output, valid until its next replay
-
-    def extend(self, hid: torch.Tensor, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        g = self.g
-        g.hid[:self.rows].copy_(hid)
-        g.ids[:self.rows].copy_(ids)
-        g.pos[:self.rows].copy_(pos)
-        return self._replay("extend", self.rows)
-
-    def chain(self, prev: torch.Tensor, ids: torch.Tensor, pos: torch.Tensor, j: int) -> torch.Tensor:
-        g = self.g
-        g.c_hid[:self.b].copy_(prev)
-        g.c_ids[:self.b].copy_(ids)
-        g.c_pos[:self.b].copy_(pos)
-        return self._replay("chain", self.b)
-
-    def verify(self, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        g = self.g
-        g.ids[:self.rows].copy_(ids)
-        g.pos[:self.rows].copy_(pos)
-        return self._replay("verify", self.rows)
+    def run(self, rows: list[SpecRow]) -> SpecResult:
+        """Replay the step for rows (within `can_run`, slots of `self.slots`): the result's
+        tensors are views of the graph's outputs, valid until its next replay."""
+        from engine.upload import upload
+        b = len(rows)
+        bs = next(s for s in self.sizes if s >= b)
+        pad = bs - b
+        sampled = any(not r.params.greedy for r in rows)
+        ints = [[r.slot for r in rows] + [self.pad] * pad, [r.step_shift for r in rows] + [0] * pad]
+        ints.append([seed_int64(r.params.seed) for r in rows] + [0] * pad if sampled else [0] * bs)
+        self.ints[:, :bs].copy_(upload(ints, torch.long, self.ints.device))
+        if sampled:
+            floats = [[r.params.temperature for r in rows] + [0.0] * pad, [r.params.top_p for r in rows] + [1.0] * pad]
+            self.floats[:, :bs].copy_(upload(floats, torch.float32, self.floats.device))
+        w = max(len(r.block_ids) for r in rows)
+        # padding rows: the scratch block in every column they could read (their positions are
+        # below k + 2 <= block_size, column 0); a live row's columns past its own are never read
+        table = [r.block_ids + [r.block_ids[0]] * (w - len(r.block_ids)) for r in rows] + [[self.scratch] * w] * pad
+        self.tables[:bs, :w].copy_(upload(table, torch.int32, self.tables.device))
+        graph, out = self.graphs[bs, sampled]
+        self.replay(graph)
+        return SpecResult(out.tokens[:b], out.logprobs[:b], out.count[:b])

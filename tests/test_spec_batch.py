@@ -66,6 +66,7 @@ class _Batch:
         other.slots = copy.copy(self.slots)
         for name in ("hidden", "ids", "count", "n"):
             setattr(other.slots, name, getattr(self.slots, name).clone())
+        other.slots._free = list(self.slots._free)
         return other
 
     def run(self, steps: int, **kw) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
@@ -146,12 +147,21 @@ def test_cuda_fast_step_and_graphs_match_plain_bf16(bf16_cuda) -> None:
     tok = load_model("tandem-shakespeare").tokenizer()
     params = [SamplingParams(), SamplingParams(temperature=0.8, seed=3), SamplingParams()]
     batch = _Batch(bf16_cuda, TEXTS, tok, params, steps=3, device="cuda")
-    fast, graphed = batch.clone(), batch.clone()
+    fast, graphed, greedy = batch.clone(), batch.clone(), batch.clone()
     plain_out = batch.run(3, fast=False)
     fast_out = fast.run(3, fast=True)
     scratch = graphed.pool.blocks.allocate(1)[0]
-    graphs = SpecGraphs(bf16_cuda, graphed.pool, K, max_batch=4, width=8, scratch_block=scratch)
+    # the batch's rows use slots 0..2; the graphs reserve the last of its 8 for padding rows
+    graphs = SpecGraphs(bf16_cuda, graphed.pool, graphed.slots, max_batch=4, width=8, scratch_block=scratch)
     graph_out = graphed.run(3, fast=True, graphs=graphs)
+    # a greedy-only batch replays the greedy graph; its rows' tokens equal the eager step's too
+    greedy.rows = [dataclasses.replace(r, params=SamplingParams()) for r in greedy.rows]
+    greedy_eager, greedy_graphed = greedy.clone(), greedy.clone()
+    g_scratch = greedy_graphed.pool.blocks.allocate(1)[0]
+    g_graphs = SpecGraphs(bf16_cuda, greedy_graphed.pool, greedy_graphed.slots, max_batch=4, width=8,
+                          scratch_block=g_scratch)
+    for (t0, c0, _), (t1, c1, _) in zip(greedy_eager.run(3, fast=True), greedy_graphed.run(3, fast=True, graphs=g_graphs)):
+        assert torch.equal(c0, c1) and torch.equal(t0, t1)
     assert _compare(plain_out, fast_out) < 0.05
     assert _compare(plain_out, graph_out) < 0.05
     for (t0, c0, _), (t1, c1, _) in zip(fast_out, graph_out):  # replay = the eager fast path

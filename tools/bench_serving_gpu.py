@@ -30,6 +30,7 @@ Rows (`rows` in the JSON): {"config", "context", "concurrency", "served_tok_s", 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import dataclasses
 import json
@@ -211,7 +212,8 @@ def serve_and_bench(model_dir: Path, contexts: list[int], concurrencies: list[in
                     port: int, work: Path, env_extra: dict[str, str], runs: list[tuple[int, int]] | None = None,
                     prefix_len: Callable[[int, int], int] = lambda ctx, c: ctx // 2,
                     num_requests: Callable[[int, int], int] | None = None, dataset: str = "synthetic-prefix",
-                    spec: bool = False, routers: int = 1, connections: int = 1) -> dict[tuple[int, int], dict]:
+                    spec: bool = False, routers: int = 1, connections: int = 1,
+                    after: Callable[[int], Any] | None = None) -> dict[tuple[int, int], dict]:
     """`tandem up` once, then `tandem bench` for every (context, concurrency) — the product of
     `contexts` and `concurrencies`, or the pairs `runs` — with prompts of `prefix_len(context, c)`
     tokens shared by 8 groups plus fresh ones, `num_requests(context, concurrency)` requests
@@ -223,7 +225,8 @@ def serve_and_bench(model_dir: Path, contexts: list[int], concurrencies: list[in
     summary also gets the decode worker's own figures of the bench (`_decode_figures`) and its
     wall-clock window (bench_window_s).
     routers: router processes on the one port (`tandem up --routers`); connections: the bench's
-    gRPC connections (`tandem bench --connections`), which the kernel spreads over them."""
+    gRPC connections (`tandem bench --connections`), which the kernel spreads over them; after:
+    called with the port once the benches ran, cluster still up (its result: out["after"])."""
     env = {**os.environ, "TANDEM_MAX_RUNNING": str(max(concurrencies)),
            "TANDEM_MEM_FRACTION_STATIC": os.environ.get("TANDEM_MEM_FRACTION_STATIC", "0.4"), "TANDEM_MAX_QUEUED": "4096", **env_extra}
     out: dict[tuple[int, int], dict] = {}
@@ -263,36 +266,74 @@ def serve_and_bench(model_dir: Path, contexts: list[int], concurrencies: list[in
                 print(r.stdout[-2000:], r.stderr[-2000:], flush=True)
             for png in work.glob("*.png"):
                 png.unlink()
+        if after is not None:
+            out["after"] = after(port)
     return out
+
+
+def greedy_outputs(port: int, texts: list[str], max_tokens: int) -> list[list[int]]:
+    """The token ids of greedy completions of `texts`, one request at a time, through the
+    router on `port` (plaintext)."""
+    from cli.client import frontend_stub, generate
+
+    async def run() -> list[list[int]]:
+        ch, stub = frontend_stub(f"127.0.0.1:{port}")
+        try:
+            return [(await generate(stub, text=t, max_tokens=max_tokens)).token_ids for t in texts]
+        finally:
+            await ch.close()
+    return asyncio.run(run())
 
 
 TRAINED = ROOT / "engine" / "assets" / "tandem-shakespeare"  # the shipped trained checkpoint (MTP module)
 
 
 def mtp_served(model_dir: Path, ks: list[int], concurrencies: list[int], output_tokens: int, port: int,
-               env_extra: dict[str, str]) -> list[dict[str, Any]]:
+               env_extra: dict[str, str], compare: int = 16) -> list[dict[str, Any]]:
     """MTP k = ks served (`tandem up` per k, `--speculative-num-steps k` through its variable) at
     each concurrency on MT-Bench prompts, greedy: tokens/s per user (1000 / mean TPOT) and the
-    decode worker's accept length. Rows: {"k", "concurrency", "tok_s_per_user", "tpot_ms",
-    "output_tok_s", "accept_length", "speedup_vs_k0"}."""
+    decode worker's accept length; then `compare` MT-Bench prompts once more, one at a time,
+    whose greedy tokens are compared with k = 0's (k = 0 first in `ks`): the share of
+    identical outputs and tokens, and each first divergence. Rows: {"k", "concurrency",
+    "tok_s_per_user", "tpot_ms", "output_tok_s", "accept_length", "speedup_vs_k0",
+    "identical_outputs", "identical_tokens", "first_divergences"}."""
+    from bench.traces import MT_BENCH, load_mt_bench
+    texts = [r.text for r in load_mt_bench(MT_BENCH, output_tokens, limit=compare)]
     rows: list[dict[str, Any]] = []
+    outputs: dict[int, list[list[int]]] = {}
     for k in ks:
         with tempfile.TemporaryDirectory() as tmp:
             served = serve_and_bench(model_dir, [0], concurrencies, output_tokens, port, Path(tmp),
                                      {**env_extra, "TANDEM_SPECULATIVE_NUM_STEPS": str(k)},
-                                     dataset="mt-bench", spec=True)
+                                     dataset="mt-bench", spec=True,
+                                     after=lambda p: greedy_outputs(p, texts, output_tokens) if texts else [])
+        outputs[k] = served.get("after", [])
+        same = _same_outputs(outputs.get(0), outputs[k])
         for c in concurrencies:
             s = served.get((0, c), {})
             tpot = s.get("mean_tpot_ms")
             rows.append({"k": k, "concurrency": c, "tpot_ms": tpot, "tok_s_per_user": 1e3 / tpot if tpot else None,
                          "output_tok_s": s.get("output_throughput"),
-                         "accept_length": s.get("accept_length") if k else 1.0, "failed": s.get("failed")})
+                         "accept_length": s.get("accept_length") if k else 1.0, "failed": s.get("failed"), **same})
     for r in rows:  # the served speed-up over k = 0 at the same concurrency
         base = next((b for b in rows if b["k"] == 0 and b["concurrency"] == r["concurrency"]), None)
         ok = base is not None and base["tok_s_per_user"] and r["tok_s_per_user"]
         r["speedup_vs_k0"] = r["tok_s_per_user"] / base["tok_s_per_user"] if ok else None
         print(json.dumps({"mtp": r}), flush=True)
     return rows
+
+
+def _same_outputs(base: list[list[int]] | None, got: list[list[int]]) -> dict[str, Any]:
+    """How far `got` agrees with `base` (k = 0's outputs of the same prompts): {} without base."""
+    if not base or len(base) != len(got):
+        return {}
+    firsts = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b),
+                   None if len(x) == len(y) else min(len(x), len(y))) for x, y in zip(base, got)]
+    tokens = sum(len(x) for x in base)
+    same_tokens = sum(len(x) if f is None else f for x, f in zip(base, firsts))
+    return {"identical_outputs": sum(f is None for f in firsts) / len(base),
+            "identical_tokens": same_tokens / tokens if tokens else None,
+            "first_divergences": [f for f in firsts if f is not None]}
 
 
 @torch.inference_mode()
@@ -461,10 +502,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
               f"{r['transformers_tok_s'] or 0:.0f} | {r['bound_tok_s']:.0f} | "
               f"{ip / r['bound_tok_s']:.2f} | {r['tpot_ms'] or 0:.2f} | {r['mean_ttft_ms'] or 0:.0f} |")
     if doc.get("mtp"):
-        print("| k | concurrency | tokens/s per user | × k = 0 | accept length | TPOT ms |")
+        print("| k | concurrency | tokens/s per user | × k = 0 | accept length | TPOT ms | identical outputs (tokens) vs k = 0 |")
         for r in doc["mtp"]:
+            same = (f"{r['identical_outputs']:.0%} ({r['identical_tokens']:.1%})" if r.get("identical_outputs") is not None
+                    else "—")
             print(f"| {r['k']} | {r['concurrency']} | {r['tok_s_per_user'] or 0:.1f} | {r['speedup_vs_k0'] or 0:.2f} | "
-                  f"{r['accept_length'] or 0:.2f} | {r['tpot_ms'] or 0:.2f} |")
+                  f"{r['accept_length'] or 0:.2f} | {r['tpot_ms'] or 0:.2f} | {same} |")
     out.write_text(json.dumps(doc, indent=1) + "\n")
     return doc
 

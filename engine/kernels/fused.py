@@ -28,6 +28,14 @@ def use_fused_hot_path() -> bool:
         import torch._dynamo
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
         torch._dynamo.config.suppress_errors = True  # a function that fails to compile runs eagerly
+        # A decode worker runs the model on two threads (worker/model_lane.py). While one thread
+        # compiles, dynamo's FX trace sets a process-wide flag, and a compiled function called on
+        # the other thread meanwhile raised "Detected that you are using FX to symbolically trace a
+        # dynamo-optimized function" (a local prefill failed so on the H200). With this off, that
+        # call runs the plain function instead: the same result. Dynamo's own lock serialises the
+        # compiles themselves.
+        if hasattr(torch._dynamo.config, "error_on_nested_fx_trace"):
+            torch._dynamo.config.error_on_nested_fx_trace = False
         compile_ = lambda fn: torch.compile(fn, dynamic=True)  # noqa: E731
         m.HOT.rms_norm = compile_(m.rms_norm)
         m.HOT.silu_mul = compile_(m.silu_mul)
