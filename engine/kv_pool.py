@@ -15,15 +15,18 @@ formula are unchanged; both workers must agree on dtype and scale (checked per r
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from common.block_hash import BlockHash, block_hashes
 from engine.block_pool import BlockId, BlockPool, PoolExhausted
 from engine.upload import upload
 
-__all__ = ["KV_CACHE_DTYPES", "KvPoolConfig", "KvPool", "PromptBlocks", "PagedKvCache", "PoolExhausted",
+__all__ = ["KV_CACHE_DTYPES", "KvPoolConfig", "KvPool", "PromptBlocks", "PagedKvCache", "PackedContexts", "PoolExhausted",
            "kv_cache_torch_dtype"]
 
 FP8 = torch.float8_e4m3fn
@@ -151,47 +154,120 @@ class PagedKvCache:
 
     seqs[i] = (block_ids, start, q_len): sequence i's block table, the number of its tokens
     already in the pool (its new tokens take positions start..start+q_len-1), and q_len.
+    pack: the attention may read the contexts of several sequences at once (`packed`; a prefill
+    batch on CUDA, engine/model.py `packed_mla_attention`); on a CPU it reads them one by one.
     """
 
-    def __init__(self, pool: KvPool, seqs: list[tuple[list[BlockId], int, int]]) -> None:
+    def __init__(self, pool: KvPool, seqs: list[tuple[list[BlockId], int, int]], pack: bool = False) -> None:
         bs = pool.config.block_size
         self.kv = pool.kv
         self._quantized = pool.config.quantized
         self._scale = pool.config.scale
+        self._bs = bs
         device = pool.kv.device
-        w_blk: list[int] = []
-        w_off: list[int] = []
+        self.pack = pack and device.type == "cuda"
+        w_blk: list[np.ndarray] = []
+        w_off: list[np.ndarray] = []
         tables: list[int] = []  # every sequence's block table, one after the other
-        spans: list[tuple[int, int, int]] = []  # (table start, table length, context tokens)
+        self._spans: list[tuple[int, int, int, int]] = []  # (table start, table length, context tokens, q_len)
         for block_ids, start, q_len in seqs:
-            for pos in range(start, start + q_len):
-                w_blk.append(block_ids[pos // bs])
-                w_off.append(pos % bs)
             ctx = start + q_len
             n = -(-ctx // bs)
-            spans.append((len(tables), n, ctx))
+            pos = np.arange(start, ctx)
+            w_blk.append(np.asarray(block_ids[:n], dtype=np.int64)[pos // bs])
+            w_off.append(pos % bs)
+            self._spans.append((len(tables), n, ctx, q_len))
             tables.extend(block_ids[:n])
+        self._tables = tables
         # one upload for the write slots and every table (engine/upload.py: no stream sync)
-        t = len(w_blk)
-        ints = upload(w_blk + w_off + tables, torch.long, device)
+        t = sum(len(x) for x in w_blk)
+        ints = upload(np.concatenate(w_blk + w_off + [np.asarray(tables, dtype=np.int64)]), torch.long, device)
         self._w_blk, self._w_off = ints[:t], ints[t:2 * t]
         self._reads: list[tuple[torch.Tensor, int]] = [(ints[2 * t + lo: 2 * t + lo + n], ctx)
-                                                       for lo, n, ctx in spans]
+                                                       for lo, n, ctx, _ in self._spans]
+        self._packs: dict[tuple[int, ...], PackedContexts] = {}
 
-    def update(self, layer: int, latent: torch.Tensor) -> list[torch.Tensor]:
-        # latent: [T, kv_dim] -> written to (block, layer, offset) slots
-        kv_dim = self.kv.shape[-1]
-        # (the device moves are no-ops unless a pipeline stage on another GPU shares the pool)
-        dev = latent.device
+    def write(self, layer: int, latent: torch.Tensor) -> None:
+        """Write latent [T, kv_dim] (the batch's new tokens in order) to their (block, layer, offset) slots."""
         if not self._quantized:
             self.kv[self._w_blk, layer, self._w_off] = latent.to(self.kv.device, self.kv.dtype)
-            return [self.kv[table, layer].reshape(-1, kv_dim)[:ctx].to(dev, latent.dtype)
-                    for table, ctx in self._reads]
+            return
         # FP8: a cast of a value beyond e4m3's range gives NaN, so saturate first. Indexing goes
         # through byte views: index_put / gather kernels cover uint8 on every device.
         fmax = torch.finfo(FP8).max
         q = (latent.float() / self._scale).clamp(-fmax, fmax).to(FP8)
-        raw = self.kv.view(torch.uint8)
-        raw[self._w_blk, layer, self._w_off] = q.view(torch.uint8).to(self.kv.device)
-        return [(raw[table, layer].reshape(-1, kv_dim)[:ctx].to(dev).view(FP8).float() * self._scale)
-                .to(latent.dtype) for table, ctx in self._reads]
+        self.kv.view(torch.uint8)[self._w_blk, layer, self._w_off] = q.view(torch.uint8).to(self.kv.device)
+
+    def _gather(self, layer: int, table: torch.Tensor, dev: torch.device, dtype: torch.dtype) -> torch.Tensor:
+        """Rows of the blocks `table` at `layer`, [len(table) * block_size, kv_dim], dequantized."""
+        kv_dim = self.kv.shape[-1]
+        if not self._quantized:
+            return self.kv[table, layer].reshape(-1, kv_dim).to(dev, dtype)
+        raw = self.kv.view(torch.uint8)[table, layer].reshape(-1, kv_dim).to(dev)
+        return (raw.view(FP8).float() * self._scale).to(dtype)
+
+    def context(self, layer: int, i: int, like: torch.Tensor) -> torch.Tensor:
+        """Sequence i's context latents [ctx, kv_dim] at layer (written ones included), on
+        `like`'s device and dtype (the device move is a no-op unless a pipeline stage on another
+        GPU shares the pool)."""
+        table, ctx = self._reads[i]
+        return self._gather(layer, table, like.device, like.dtype)[:ctx]
+
+    def update(self, layer: int, latent: torch.Tensor) -> list[torch.Tensor]:
+        # latent: [T, kv_dim] -> written; returns every sequence's context [ctx_i, kv_dim]
+        self.write(layer, latent)
+        return [self.context(layer, i, latent) for i in range(len(self._reads))]
+
+    def packed(self, layer: int, which: Sequence[int], like: torch.Tensor) -> PackedContexts:
+        """The contexts of sequences `which` (ascending) at layer as one tensor of whole blocks
+        (`PackedContexts`); the offsets are uploaded once per forward, not per layer."""
+        key = tuple(which)
+        meta = self._packs.get(key)
+        if meta is None:
+            meta = self._packs[key] = self._pack_meta(key, like.device)
+        return dataclasses.replace(meta, rows=self._gather(layer, meta.table, like.device, like.dtype))
+
+    def _pack_meta(self, which: tuple[int, ...], device: torch.device) -> PackedContexts:
+        table: list[int] = []
+        cu_q, cu_k, used, q_rows = [0], [0], [], []
+        q_start = [0]
+        for _, _, _, q_len in self._spans:
+            q_start.append(q_start[-1] + q_len)
+        for i in which:
+            lo, n, ctx, q_len = self._spans[i]
+            table.extend(self._tables[lo:lo + n])
+            cu_q.append(cu_q[-1] + q_len)
+            cu_k.append(cu_k[-1] + n * self._bs)
+            used.append(ctx)
+            q_rows.append(np.arange(q_start[i], q_start[i] + q_len))
+        every = len(which) == len(self._spans)
+        ints = upload(table + ([] if every else np.concatenate(q_rows).tolist()), torch.long, device)
+        offsets = upload(cu_q + cu_k + used, torch.int32, device)
+        m = len(which)
+        return PackedContexts(rows=torch.empty(0), table=ints[:len(table)], q_index=None if every else ints[len(table):],
+                              cu_q=offsets[:m + 1], cu_k=offsets[m + 1:2 * m + 2], used_k=offsets[2 * m + 2:],
+                              max_q=max(cu_q[j + 1] - cu_q[j] for j in range(m)), max_k=max(used),
+                              q_offsets=cu_q)
+
+
+@dataclass(frozen=True)
+class PackedContexts:
+    """Several sequences' contexts in one tensor, for one varlen attention call
+    (engine/kernels/prefill_attention.py `varlen_causal_attention`).
+
+    rows: [R, kv_dim] the sequences' blocks one after the other; sequence j's context is rows
+    cu_k[j] .. cu_k[j] + used_k[j] (the rest of its last block is padding). cu_q / cu_k: [m + 1]
+    int32 device offsets of its queries and rows; used_k [m] int32; max_q / max_k the longest;
+    q_index: int64 device rows of the batch's queries that belong to these sequences (None: all
+    of them, in order); q_offsets: cu_q on the host; table: the blocks read (int64, device).
+    """
+
+    rows: torch.Tensor
+    table: torch.Tensor
+    q_index: torch.Tensor | None
+    cu_q: torch.Tensor
+    cu_k: torch.Tensor
+    used_k: torch.Tensor
+    max_q: int
+    max_k: int
+    q_offsets: list[int]

@@ -180,6 +180,30 @@ def mla_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, context_latent: torc
     return out[..., :v_head_dim].transpose(0, 1)  # [T, H, v]
 
 
+def packed_mla_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, ctx, kv_b_weight: torch.Tensor,
+                         kv_lora_rank: int, v_head_dim: int, softmax_scale: float) -> torch.Tensor:
+    """`mla_attention` of several sequences at once (CUDA, bf16 / fp16): their up-projections
+    in one GEMM over the packed context rows, their attention in one FlashAttention-2 varlen call
+    (engine/kernels/prefill_attention.py `varlen_causal_attention`).
+
+    Args:
+        q_nope: [Tq, H, nope], q_pe: [Tq, H, rope] the sequences' queries one after the other.
+        ctx: engine.kv_pool.PackedContexts (rows [R, kv_lora_rank + rope] and the offsets).
+        kv_b_weight, kv_lora_rank, v_head_dim, softmax_scale: as `mla_attention`.
+    Returns:
+        [Tq, H, v_head_dim] in the queries' dtype; per sequence what `mla_attention` gives
+        (tests/test_prefill_attention.py compares them).
+    """
+    from engine.kernels.prefill_attention import varlen_causal_attention
+    r, h, nope = ctx.rows.shape[0], q_nope.shape[1], q_nope.shape[2]
+    c_kv, k_pe = ctx.rows.split([kv_lora_rank, ctx.rows.shape[1] - kv_lora_rank], -1)
+    kv = F.linear(c_kv, kv_b_weight).view(r, h, nope + v_head_dim)  # [R, H, nope + v]
+    k_nope, v = kv.split([nope, v_head_dim], dim=-1)
+    q = torch.cat((q_nope, q_pe), dim=-1)  # [Tq, H, qk]
+    k = torch.cat((k_nope, k_pe[:, None, :].expand(r, h, k_pe.shape[-1])), dim=-1)  # [R, H, qk]
+    return varlen_causal_attention(q, k, v, ctx.cu_q, ctx.cu_k, ctx.used_k, ctx.max_q, ctx.max_k, softmax_scale)
+
+
 class MLAttention(nn.Module):
     """Multi-head latent attention (DeepSeek-V3 report section 2.1.1); HF parameter names."""
 
@@ -217,6 +241,9 @@ class MLAttention(nn.Module):
         latent = torch.cat((self.kv_a_layernorm(c_kv), k_pe), dim=-1)  # [T, kv_dim]
         if getattr(kv, "attends", False):  # the GPU decode step: engine/decode_batch.py
             return self.o_proj(kv.attend(layer_idx, latent, q_nope, q_pe, self).reshape(t, -1))
+        if getattr(kv, "pack", False) and q_nope.dtype in (torch.bfloat16, torch.float16):
+            kv.write(layer_idx, latent)  # a prefill batch on CUDA: short chunks in one call
+            return self.o_proj(self._packed_attention(q_nope, q_pe, positions, q_lens, kv, layer_idx).reshape(t, -1))
         contexts = kv.update(layer_idx, latent)
         outs, start = [], 0
         for n, context in zip(q_lens, contexts, strict=True):
@@ -226,6 +253,33 @@ class MLAttention(nn.Module):
                                       self.softmax_scale))
             start += n
         return self.o_proj(torch.cat(outs).reshape(t, -1))  # [T, H * v] -> [T, hidden]
+
+    def _packed_attention(self, q_nope: torch.Tensor, q_pe: torch.Tensor, positions: torch.Tensor,
+                          q_lens: Sequence[int], kv, layer_idx: int) -> torch.Tensor:
+        """[T, H, v]: the chunks under CUDNN_MIN_QUERIES queries in one varlen call
+        (`packed_mla_attention`), longer ones one by one through `mla_attention` (cuDNN)."""
+        from engine.kernels.prefill_attention import CUDNN_MIN_QUERIES
+        c = self.c
+        short = [i for i, n in enumerate(q_lens) if n < CUDNN_MIN_QUERIES]
+        packed = None
+        if short:
+            ctx = kv.packed(layer_idx, short, q_nope)
+            qn, qp = (q_nope, q_pe) if ctx.q_index is None else (q_nope[ctx.q_index], q_pe[ctx.q_index])
+            packed = packed_mla_attention(qn, qp, ctx, self.kv_b_proj.weight, c.kv_lora_rank, c.v_head_dim,
+                                          self.softmax_scale)
+            if len(short) == len(q_lens):
+                return packed
+        outs, start, j = [], 0, 0
+        for i, n in enumerate(q_lens):
+            if j < len(short) and short[j] == i:
+                outs.append(packed[ctx.q_offsets[j]:ctx.q_offsets[j + 1]])
+                j += 1
+            else:
+                sl = slice(start, start + n)
+                outs.append(mla_attention(q_nope[sl], q_pe[sl], kv.context(layer_idx, i, q_nope), positions[sl],
+                                          self.kv_b_proj.weight, c.kv_lora_rank, c.v_head_dim, self.softmax_scale))
+            start += n
+        return torch.cat(outs)
 
 
 class MLP(nn.Module):

@@ -153,7 +153,8 @@ class ModelRunner:
     def prefill_batch(self, batch: Sequence[PrefillInput]) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
         """One forward over the chunks of several requests (engine/prefill_batch.py packs them):
         each chunk attends to its own cached prefix plus its new tokens (`PagedKvCache`), the
-        linear layers run on all T = sum of chunk lengths rows at once. Logits of the chunks
+        linear layers run on all T = sum of chunk lengths rows at once, and on CUDA the chunks
+        under 2,048 queries attend in one varlen call (`packed_mla_attention`). Logits of the chunks
         that ask for them come from one lm_head call; MTP rows run per chunk (one MTP forward
         each, after the main forward: batching them is not needed for correctness).
 
@@ -172,7 +173,7 @@ class ModelRunner:
         ints = upload([x for b in batch for x in b.token_ids[b.start:b.end]]
                       + [p for b in batch for p in range(b.start, b.end)], torch.long, self.device)
         ids, positions = ints[:t], ints[t:]
-        kv = PagedKvCache(self.pool, [(b.block_ids, b.start, n) for b, n in zip(batch, q_lens)])
+        kv = PagedKvCache(self.pool, [(b.block_ids, b.start, n) for b, n in zip(batch, q_lens)], pack=True)
         hidden = self.model.forward(ids, positions, q_lens, kv)  # [T, hidden]
         offsets = [0]
         for n in q_lens:

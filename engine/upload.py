@@ -12,11 +12,18 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
 
 
 def upload(data: Any, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """`torch.tensor(data, dtype=dtype)` on `device`, copied without waiting for the device."""
+    """`torch.tensor(data, dtype=dtype)` on `device` (data: a list or a numpy array), copied
+    without waiting for the device."""
+    if isinstance(data, np.ndarray):  # torch.tensor cannot pin what it builds from an array
+        host = torch.from_numpy(data).to(dtype)
+        if device.type != "cuda":
+            return host.to(device)
+        return host.pin_memory().to(device, non_blocking=True)
     if device.type != "cuda":
         return torch.tensor(data, dtype=dtype, device=device)
     return torch.tensor(data, dtype=dtype, pin_memory=True).to(device, non_blocking=True)

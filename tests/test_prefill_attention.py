@@ -4,6 +4,8 @@ flash kernels on CUDA."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -91,3 +93,135 @@ def test_fused_experts_sort_above_the_one_program_limit_equals_below() -> None:
     got = fused_moe.fused_experts(x, ids, w, gate_up, down)
     want = fused_moe.fused_experts_reference(x, ids, w, gate_up, down)
     assert (got.float() - want.float()).norm() / want.float().norm() < 1e-2
+
+
+def _pool_with_sequences(device: str, dtype: torch.dtype, lens: list[tuple[int, int]], block: int = 16):
+    """A pool of random latents and PagedKvCache over sequences (prefix, q_len) with scattered
+    block tables; returns (pool, kv, the new tokens' latents [T, kv_dim] in the pool's layer 0)."""
+    from engine.kv_pool import KvPool, KvPoolConfig, PagedKvCache
+    kv_dim = 512 + 64
+    need = sum(-(-(p + n) // block) for p, n in lens)
+    pool = KvPool(KvPoolConfig(need + 8, block, 2, kv_dim, dtype=dtype), 1, device=device)
+    g = torch.Generator().manual_seed(len(lens))
+    pool.kv.copy_(torch.randn(pool.kv.shape, generator=g).to(pool.kv.dtype))
+    ids = torch.randperm(need + 8, generator=g).tolist()  # scattered, not in order
+    seqs, at = [], 0
+    for p, n in lens:
+        nb = -(-(p + n) // block)
+        seqs.append((ids[at:at + nb], p, n))
+        at += nb
+    kv = PagedKvCache(pool, seqs, pack=True)
+    latent = torch.randn(sum(n for _, n in lens), kv_dim, generator=g).to(device)
+    return pool, kv, latent
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float8_e4m3fn])
+def test_packed_contexts_hold_each_sequence_context(dtype: torch.dtype) -> None:
+    """`PagedKvCache.packed` (what the varlen call reads) against `context`, sequence by
+    sequence: rows cu_k[j] .. cu_k[j] + used_k[j] are sequence j's context, its queries rows
+    cu_q[j] .. cu_q[j+1] of `q_index` (every chunk's rows when all are packed)."""
+    lens = [(0, 5), (40, 7), (3, 30), (16, 16), (0, 1)]
+    _, kv, latent = _pool_with_sequences("cpu", dtype, lens)
+    kv.write(1, latent)
+    like = torch.empty(0)
+    which = [1, 2, 4]
+    ctx = kv.packed(1, which, like)
+    starts = [0]
+    for _, n in lens:
+        starts.append(starts[-1] + n)
+    q_rows = ctx.q_index.tolist()
+    for j, i in enumerate(which):
+        p, n = lens[i]
+        lo, used = int(ctx.cu_k[j]), int(ctx.used_k[j])
+        assert used == p + n and int(ctx.cu_k[j + 1]) - lo == -(-used // 16) * 16
+        assert torch.equal(ctx.rows[lo:lo + used], kv.context(1, i, like))
+        assert q_rows[ctx.q_offsets[j]:ctx.q_offsets[j + 1]] == list(range(starts[i], starts[i] + n))
+        assert int(ctx.cu_q[j + 1]) - int(ctx.cu_q[j]) == n
+    assert ctx.max_q == 30 and ctx.max_k == 47
+    assert kv.packed(0, range(len(lens)), like).q_index is None  # all of them: the queries as they are
+
+
+@cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn])
+def test_packed_prefill_attention_matches_per_sequence(dtype: torch.dtype) -> None:
+    """A prefill batch's attention with the short chunks in one varlen call (and a long one
+    through cuDNN) against `mla_attention` sequence by sequence, the reference path."""
+    from engine.config import ModelConfig
+    from engine.model import MLAttention, mla_attention
+    lens = [(0, 37), (300, 64), (1000, 1), (17, 2100), (5000, 700), (0, 2)]  # (cached prefix, chunk)
+    _, kv, latent = _pool_with_sequences("cuda", dtype, lens)
+    cfg = dataclasses.replace(ModelConfig.tiny(), hidden_size=256, num_attention_heads=4, q_lora_rank=None,
+                              kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128)
+    attn = MLAttention(cfg).cuda().bfloat16()
+    torch.nn.init.normal_(attn.kv_b_proj.weight, std=512 ** -0.5)
+    g = torch.Generator(device="cuda").manual_seed(11)
+    t = sum(n for _, n in lens)
+    q_nope = torch.randn(t, 4, 128, device="cuda", generator=g, dtype=torch.bfloat16)
+    q_pe = torch.randn(t, 4, 64, device="cuda", generator=g, dtype=torch.bfloat16)
+    positions = torch.cat([torch.arange(p, p + n) for p, n in lens]).cuda()
+    kv.write(0, latent.bfloat16())
+    got = attn._packed_attention(q_nope, q_pe, positions, [n for _, n in lens], kv, 0)
+    start = 0
+    for i, (p, n) in enumerate(lens):
+        sl = slice(start, start + n)
+        ctx = kv.context(0, i, q_nope).float()
+        want = mla_attention(q_nope[sl].float(), q_pe[sl].float(), ctx, positions[sl],
+                             attn.kv_b_proj.weight.float(), 512, 128, attn.softmax_scale)
+        rel = ((got[sl].float() - want).norm() / want.norm()).item()
+        assert rel < 2e-2, (i, p, n, rel)
+        start += n
+
+
+def test_packed_attention_with_the_reference_kernel_equals_per_sequence(monkeypatch) -> None:
+    """The model's packed prefill attention (short chunks packed, a long one apart, pieces put
+    back in batch order) with the varlen kernel replaced by its reference twin, in float32 on a
+    CPU: the per-sequence `mla_attention` results."""
+    from engine.config import ModelConfig
+    from engine.kernels import prefill_attention
+    from engine.model import MLAttention, mla_attention
+    monkeypatch.setattr(prefill_attention, "varlen_causal_attention",
+                        prefill_attention.varlen_causal_attention_reference)
+    lens = [(0, 5), (33, 2050), (40, 7), (3, 1), (16, 16)]
+    _, kv, latent = _pool_with_sequences("cpu", torch.float32, lens)
+    cfg = dataclasses.replace(ModelConfig.tiny(), hidden_size=64, num_attention_heads=2, q_lora_rank=None,
+                              kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128)
+    attn = MLAttention(cfg)
+    g = torch.Generator().manual_seed(2)
+    torch.nn.init.normal_(attn.kv_b_proj.weight, std=512 ** -0.5, generator=g)
+    t = sum(n for _, n in lens)
+    q_nope, q_pe = torch.randn(t, 2, 128, generator=g), torch.randn(t, 2, 64, generator=g)
+    positions = torch.cat([torch.arange(p, p + n) for p, n in lens])
+    kv.write(0, latent)
+    with torch.no_grad():
+        got = attn._packed_attention(q_nope, q_pe, positions, [n for _, n in lens], kv, 0)
+        start = 0
+        for i, (_, n) in enumerate(lens):
+            sl = slice(start, start + n)
+            want = mla_attention(q_nope[sl], q_pe[sl], kv.context(0, i, q_nope), positions[sl],
+                                 attn.kv_b_proj.weight, 512, 128, attn.softmax_scale)
+            torch.testing.assert_close(got[sl], want, atol=2e-5, rtol=2e-5)
+            start += n
+
+
+@cuda
+def test_varlen_causal_attention_matches_its_reference() -> None:
+    """The FlashAttention-2 varlen call, with key rows past each sequence's used ones (a last
+    block's padding), against the masked per-sequence reference."""
+    from engine.kernels.prefill_attention import varlen_causal_attention, varlen_causal_attention_reference
+    g = torch.Generator(device="cuda").manual_seed(9)
+    seqs = [(5, 5), (1, 300), (64, 64), (200, 1000), (3, 17)]  # (queries, used keys)
+    pad = 13
+    cu_q, cu_k, used = [0], [0], []
+    for t, s in seqs:
+        cu_q.append(cu_q[-1] + t)
+        cu_k.append(cu_k[-1] + s + pad)
+        used.append(s)
+    h = 4
+    q = torch.randn(cu_q[-1], h, 192, device="cuda", generator=g, dtype=torch.bfloat16)
+    k = torch.randn(cu_k[-1], h, 192, device="cuda", generator=g, dtype=torch.bfloat16)
+    v = torch.randn(cu_k[-1], h, 128, device="cuda", generator=g, dtype=torch.bfloat16)
+    args = [torch.tensor(x, dtype=torch.int32, device="cuda") for x in (cu_q, cu_k, used)]
+    got = varlen_causal_attention(q, k, v, *args, max(t for t, _ in seqs), max(used), 192 ** -0.5)
+    want = varlen_causal_attention_reference(q.float(), k.float(), v.float(), *args, 0, 0, 192 ** -0.5)
+    assert got.shape == (cu_q[-1], h, 128)
+    assert (got.float() - want).abs().max().item() < 2e-2

@@ -208,12 +208,33 @@ def running_cluster(model_dir: Path, port: int, work: Path, env: dict[str, str],
         log.close()
 
 
+def decode_phases(requests: list[dict], window_s: float) -> dict[str, float | None]:
+    """Where a request's TPOT goes, from the bench's per-request chunks (seconds after the
+    start, tokens): `first_gap_ms` from the first token (the prefill's) to the next message,
+    which holds the wait to join the decode batch plus `--stream-interval` steps;
+    `steady_ms_per_token` from that message to the last, per token (the decode steps it was in);
+    `decoding_mean` the mean number of requests past their first token over the bench window
+    (what the worker's batch could be at most). Means over the requests with 3+ messages."""
+    gaps, steady, decoding = [], [], 0.0
+    for r in requests:
+        ch = r.get("chunks") or []
+        if r.get("error") or len(ch) < 3:
+            continue
+        gaps.append(ch[1][0] - ch[0][0])
+        steady.append((ch[-1][0] - ch[1][0]) / sum(n for _, n in ch[2:]))
+        decoding += ch[-1][0] - ch[0][0]
+    if not gaps:
+        return {"first_gap_ms": None, "steady_ms_per_token": None, "decoding_mean": None}
+    return {"first_gap_ms": 1e3 * sum(gaps) / len(gaps), "steady_ms_per_token": 1e3 * sum(steady) / len(steady),
+            "decoding_mean": decoding / window_s if window_s > 0 else None}
+
+
 def serve_and_bench(model_dir: Path, contexts: list[int], concurrencies: list[int], output_tokens: int,
                     port: int, work: Path, env_extra: dict[str, str], runs: list[tuple[int, int]] | None = None,
                     prefix_len: Callable[[int, int], int] = lambda ctx, c: ctx // 2,
                     num_requests: Callable[[int, int], int] | None = None, dataset: str = "synthetic-prefix",
                     spec: bool = False, routers: int = 1, connections: int = 1,
-                    after: Callable[[int], Any] | None = None) -> dict[tuple[int, int], dict]:
+                    after: Callable[[int], Any] | None = None, prefill_workers: int = 1) -> dict[tuple[int, int], dict]:
     """`tandem up` once, then `tandem bench` for every (context, concurrency) — the product of
     `contexts` and `concurrencies`, or the pairs `runs` — with prompts of `prefix_len(context, c)`
     tokens shared by 8 groups plus fresh ones, `num_requests(context, concurrency)` requests
@@ -226,11 +247,14 @@ def serve_and_bench(model_dir: Path, contexts: list[int], concurrencies: list[in
     wall-clock window (bench_window_s).
     routers: router processes on the one port (`tandem up --routers`); connections: the bench's
     gRPC connections (`tandem bench --connections`), which the kernel spreads over them; after:
-    called with the port once the benches ran, cluster still up (its result: out["after"])."""
+    called with the port once the benches ran, cluster still up (its result: out["after"]);
+    prefill_workers: `tandem up --prefill` (0: the decode worker prefills every prompt itself,
+    on its own CUDA stream beside the decode steps: one process on the GPU instead of two)."""
     env = {**os.environ, "TANDEM_MAX_RUNNING": str(max(concurrencies)),
            "TANDEM_MEM_FRACTION_STATIC": os.environ.get("TANDEM_MEM_FRACTION_STATIC", "0.4"), "TANDEM_MAX_QUEUED": "4096", **env_extra}
     out: dict[tuple[int, int], dict] = {}
-    with running_cluster(model_dir, port, work, env, ("--routers", str(routers))) as (up, metrics_urls):
+    with running_cluster(model_dir, port, work, env, ("--routers", str(routers), "--prefill", str(prefill_workers))
+                         ) as (up, metrics_urls):
         for ctx, c in runs if runs is not None else [(x, y) for x in contexts for y in concurrencies]:
             if up.poll() is not None:
                 raise RuntimeError("tandem up exited: " + (work / "up.log").read_text()[-3000:])
@@ -248,7 +272,10 @@ def serve_and_bench(model_dir: Path, contexts: list[int], concurrencies: list[in
             spec0 = _worker_counters(metrics_urls, SPEC_COUNTERS) if spec else {}
             decode0 = _worker_counters(metrics_urls, DECODE_COUNTERS)
             r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-            summary = json.loads(res.read_text())["summary"] if res.exists() else {}
+            doc = json.loads(res.read_text()) if res.exists() else {}
+            summary = doc.get("summary", {})
+            if summary.get("duration_s"):
+                summary.update(decode_phases(doc.get("requests", []), summary["duration_s"]))
             summary.update(_decode_figures(decode0, _worker_counters(metrics_urls, DECODE_COUNTERS)))
             if spec:
                 spec1 = _worker_counters(metrics_urls, SPEC_COUNTERS)
@@ -261,6 +288,7 @@ def serve_and_bench(model_dir: Path, contexts: list[int], concurrencies: list[in
                               "mean_tpot_ms": summary.get("mean_tpot_ms"),
                               "mean_ttft_ms": summary.get("mean_ttft_ms"),
                               "failed": summary.get("failed"),
+                              **{k: summary.get(k) for k in ("first_gap_ms", "steady_ms_per_token", "decoding_mean")},
                               **{k: v for k, v in summary.items() if k.startswith("decode_")}}), flush=True)
             if r.returncode != 0:
                 print(r.stdout[-2000:], r.stderr[-2000:], flush=True)
@@ -410,6 +438,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--stream-interval", default="1", help="comma list: the decode worker's --stream-interval "
                    "(tokens per stream message); one `tandem up` each, a row per value")
     p.add_argument("--routers", type=int, default=1, help="router processes on one port (tandem up --routers)")
+    p.add_argument("--prefill-workers", type=int, default=1, help="tandem up --prefill: prefill workers on the "
+                   "GPU beside the decode worker (0: the decode worker prefills locally, one process on the GPU)")
     p.add_argument("--connections", type=int, default=1, help="the bench's gRPC connections (tandem bench "
                    "--connections; with --routers N > 1, use several so that every router gets some)")
     p.add_argument("--out", required=True)
@@ -444,7 +474,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             served = {} if args.skip_served else {
                 n: serve_and_bench(model_dir, contexts, concs, args.output_tokens, args.port, work,
                                    {**pool_env, "TANDEM_STREAM_INTERVAL": str(n)}, routers=args.routers,
-                                   connections=args.connections) for n in intervals}
+                                   connections=args.connections, prefill_workers=args.prefill_workers)
+                for n in intervals}
             dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
             model, _ = load_checkpoint(model_dir, dtype=dtype, device=device)
             elem = torch.empty((), dtype=dtype).element_size()
@@ -465,6 +496,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                                # the decode phase alone: concurrency / mean TPOT (output tok/s counts TTFT too)
                                "served_decode_tok_s": c * 1e3 / s["mean_tpot_ms"] if s.get("mean_tpot_ms") else None,
                                "mean_ttft_ms": s.get("mean_ttft_ms"), "inprocess_ms_per_step": ip["ms_per_step"],
+                               "prefill_workers": args.prefill_workers,
+                               **{k: s.get(k) for k in ("first_gap_ms", "steady_ms_per_token", "decoding_mean")},
                                "bound_ms_per_step": 1e3 * bound_s, "failed": s.get("failed"),
                                **{k: v for k, v in s.items() if k.startswith("decode_")}}
                         doc["rows"].append(row)

@@ -6,6 +6,7 @@ a measurement of this GPU.
 
 Usage (CUDA only; seeded N(0, 0.02) weights drawn on the GPU, no checkpoint written):
     python tools/profile_prefill.py --config M --tokens 8192,32768 --chunk 8192 [--out FILE]
+    python tools/profile_prefill.py --config S --batch 1:0:1024,32:512:512 (one batched forward)
 
 Per (tokens, chunk): wall ms of the whole prefill (median of 3, after one warm-up), counted
 TFLOP/s and share of 989 TFLOP/s, and one profiled run's kernel time per group. Then, per
@@ -93,6 +94,47 @@ def kernel_groups(runner: ModelRunner, pool: KvPool, ids: list[int], chunk: int)
         out["kernels"] += 1
     out["top"] = sorted(([round(v, 3), k] for k, v in top.items()), reverse=True)[:12]  # type: ignore[assignment]
     return dict(out)
+
+
+def batch_rows(runner: ModelRunner, pool: KvPool, cfg, n: int, prefix: int, suffix: int) -> list[dict]:
+    """One prefill forward of n chunks of `suffix` tokens, each over its own cached `prefix`
+    (computed first, not timed): wall ms (median of 5) and kernels of one profiled forward,
+    with the batch's short chunks in one varlen attention call (the worker's path) and with the
+    per-sequence attention (`mla_attention` chunk by chunk, the reference path)."""
+    import engine.runner as runner_mod
+    tables = [pool.blocks.allocate(pool.blocks_for(prefix + suffix)) for _ in range(n)]
+    ids = [prompt(prefix + suffix, cfg.vocab_size, 7 + i) for i in range(n)]
+    try:
+        if prefix:
+            for t, x in zip(tables, ids):
+                runner.prefill_batch([PrefillInput(t, x, 0, prefix)])
+        batch = [PrefillInput(t, x, prefix, prefix + suffix, logits=True) for t, x in zip(tables, ids)]
+        packed_cache = runner_mod.PagedKvCache
+        rows = []
+        for name, cache in (("packed", packed_cache),
+                            ("per_sequence", lambda pool, seqs, pack=False: packed_cache(pool, seqs))):
+            runner_mod.PagedKvCache = cache
+            try:
+                def once() -> float:
+                    sync()
+                    t0 = time.perf_counter()
+                    runner.prefill_batch(batch)
+                    sync()
+                    return time.perf_counter() - t0
+                once()
+                ms = 1e3 * statistics.median(once() for _ in range(5))
+                from torch.profiler import ProfilerActivity, profile
+                with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                    once()
+                kernels = sum(1 for e in prof.events() if str(getattr(e, "device_type", "")).split(".")[-1] == "CUDA")
+            finally:
+                runner_mod.PagedKvCache = packed_cache
+            rows.append({"batch": n, "prefix": prefix, "suffix": suffix, "attention": name, "ms": round(ms, 3),
+                         "kernels": kernels})
+        return rows
+    finally:
+        for t in tables:
+            pool.blocks.free(t)
 
 
 def time_op(fn, reps: int = 10) -> float:
@@ -225,6 +267,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--tokens", default="8192,32768", help="prompt lengths (default 8192,32768)")
     ap.add_argument("--chunk", default="8192", help="comma-separated chunk sizes (default 8192)")
     ap.add_argument("--no-ops", action="store_true", help="skip the per-op comparisons")
+    ap.add_argument("--batch", default="", help="N:PREFIX:SUFFIX,... one forward of N chunks of SUFFIX tokens "
+                    "over PREFIX cached ones each, packed attention against per-sequence (then exits)")
     ap.add_argument("--out", type=Path, help="also write the JSON lines here")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -241,11 +285,20 @@ def main(argv: list[str] | None = None) -> None:
 
     t0 = time.time()
     model = seeded_model(cfg, torch.device("cuda"))
-    pool = KvPool(KvPoolConfig(max(tokens) // 16 + 16, 16, cfg.num_hidden_layers, cfg.kv_dim,
+    batch_tokens = [int(n) * (int(a) + int(b) + 16) for n, a, b in (x.split(":") for x in args.batch.split(",") if x)]
+    pool = KvPool(KvPoolConfig(max(tokens + batch_tokens) // 16 + 16, 16, cfg.num_hidden_layers, cfg.kv_dim,
                                dtype=torch.bfloat16), 0, torch.device("cuda"))
     runner = ModelRunner(model, pool)
     runner.warm_up_prefill()
     emit({"config": args.config, "weights_s": round(time.time() - t0, 1), "device": torch.cuda.get_device_name()})
+    if args.batch:
+        for spec in args.batch.split(","):
+            n, pre, suf = (int(x) for x in spec.split(":"))
+            for row in batch_rows(runner, pool, cfg, n, pre, suf):
+                emit({"config": args.config, **row})
+        if args.out:
+            args.out.write_text("".join(json.dumps(x) + "\n" for x in lines))
+        return
     for n in tokens:
         ids = prompt(n, cfg.vocab_size, n)
         for c in chunks:

@@ -158,3 +158,48 @@ def prefix_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s
             o2, l2 = attention_lse(qb, k[:, :, lo:hi], v[:, :, lo:hi], False, scale, use_cudnn)
             o, lse = merge(o, lse, o2, l2)
     return o[:, :, :t]
+
+
+def varlen_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor,
+                            cu_k: torch.Tensor, used_k: torch.Tensor, max_q: int, max_k: int,
+                            scale: float) -> torch.Tensor:
+    """Lower-right causal attention of several sequences in one FlashAttention-2 varlen call.
+
+    Sequence i's queries are rows cu_q[i] .. cu_q[i+1] of q and its keys rows cu_k[i] ..
+    cu_k[i] + used_k[i] of k and v (rows after them, up to cu_k[i+1], are ignored: a context
+    gathered as whole pool blocks ends with a partial block's padding); its queries are its keys'
+    last positions, so query j of T sees keys 0 .. used_k[i] − T + j (FlashAttention-2 aligns a
+    causal mask to the bottom right). One call replaces a prefill batch's per-sequence attention
+    launches: a batch of short chunks (engine/model.py `packed_mla_attention`) was bound by the
+    host's launches, not by the kernel.
+
+    Args:
+        q: [Tq, H, D]; k: [R, H, D]; v: [R, H, Dv] (Dv <= D), CUDA, bf16 / fp16.
+        cu_q, cu_k: [n + 1] int32 row offsets on q's device; used_k: [n] int32 key rows used.
+        max_q, max_k: the longest sequence's queries and used keys.
+        scale: multiplier of q·k.
+    Returns:
+        [Tq, H, Dv] in q's dtype.
+    Reference: `engine.model.mla_attention` per sequence (tests/test_prefill_attention.py).
+    """
+    dv = v.shape[-1]
+    if dv < q.shape[-1]:  # one head size for q, k and v (FlashAttention's rule)
+        v = F.pad(v, (0, q.shape[-1] - dv))
+    out = torch.ops.aten._flash_attention_forward(q, k, v, cu_q, cu_k, max_q, max_k, 0.0, True, False,
+                                                  scale=scale, seqused_k=used_k)[0]
+    return out[..., :dv]
+
+
+def varlen_causal_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor,
+                                      cu_k: torch.Tensor, used_k: torch.Tensor, max_q: int, max_k: int,
+                                      scale: float) -> torch.Tensor:
+    """`varlen_causal_attention`'s definition, sequence by sequence with a boolean lower-right
+    causal mask (any device and dtype; the tests' twin of the kernel)."""
+    out = []
+    for i in range(cu_q.shape[0] - 1):
+        q0, q1, k0, used = int(cu_q[i]), int(cu_q[i + 1]), int(cu_k[i]), int(used_k[i])
+        t = q1 - q0
+        qs, ks, vs = (x.transpose(0, 1)[None] for x in (q[q0:q1], k[k0:k0 + used], v[k0:k0 + used]))
+        mask = torch.arange(used, device=q.device)[None, :] <= torch.arange(used - t, used, device=q.device)[:, None]
+        out.append(F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale)[0].transpose(0, 1))
+    return torch.cat(out)
