@@ -218,10 +218,21 @@ class PagedKvCache:
         self.write(layer, latent)
         return [self.context(layer, i, latent) for i in range(len(self._reads))]
 
+    def context_rows(self, i: int) -> int:
+        """Rows `packed` gathers for sequence i: its context in whole blocks."""
+        return self._spans[i][1] * self._bs
+
     def packed(self, layer: int, which: Sequence[int], like: torch.Tensor) -> PackedContexts:
-        """The contexts of sequences `which` (ascending) at layer as one tensor of whole blocks
-        (`PackedContexts`); the offsets are uploaded once per forward, not per layer."""
+        """The contexts of sequences `which` (strictly ascending) at layer as one tensor of whole
+        blocks (`PackedContexts`); the offsets are uploaded once per forward, not per layer.
+
+        Raises:
+            ValueError: `which` empty, not strictly ascending, or out of range.
+        """
         key = tuple(which)
+        if not key or any(b <= a for a, b in zip(key, key[1:])) or key[0] < 0 or key[-1] >= len(self._spans):
+            raise ValueError(f"packed: which must be strictly ascending sequence indices < {len(self._spans)}, "
+                             f"got {list(key)}")
         meta = self._packs.get(key)
         if meta is None:
             meta = self._packs[key] = self._pack_meta(key, like.device)
@@ -240,7 +251,7 @@ class PagedKvCache:
             cu_k.append(cu_k[-1] + n * self._bs)
             used.append(ctx)
             q_rows.append(np.arange(q_start[i], q_start[i] + q_len))
-        every = len(which) == len(self._spans)
+        every = which == tuple(range(len(self._spans)))
         ints = upload(table + ([] if every else np.concatenate(q_rows).tolist()), torch.long, device)
         offsets = upload(cu_q + cu_k + used, torch.int32, device)
         m = len(which)

@@ -256,28 +256,42 @@ class MLAttention(nn.Module):
 
     def _packed_attention(self, q_nope: torch.Tensor, q_pe: torch.Tensor, positions: torch.Tensor,
                           q_lens: Sequence[int], kv, layer_idx: int) -> torch.Tensor:
-        """[T, H, v]: the chunks under CUDNN_MIN_QUERIES queries in one varlen call
-        (`packed_mla_attention`), longer ones one by one through `mla_attention` (cuDNN)."""
-        from engine.kernels.prefill_attention import CUDNN_MIN_QUERIES
+        """[T, H, v]: the chunks under CUDNN_MIN_QUERIES queries in varlen calls
+        (`packed_mla_attention`), each call over at most PACK_MAX_ROWS context rows (a call's
+        up-projected keys and values are H × 1,280 bytes per row: chunks over long cached
+        prefixes would otherwise hold them all at once), longer chunks one by one through
+        `mla_attention` (cuDNN); the pieces in batch order."""
+        from engine.kernels.prefill_attention import CUDNN_MIN_QUERIES, PACK_MAX_ROWS
         c = self.c
-        short = [i for i, n in enumerate(q_lens) if n < CUDNN_MIN_QUERIES]
-        packed = None
-        if short:
-            ctx = kv.packed(layer_idx, short, q_nope)
-            qn, qp = (q_nope, q_pe) if ctx.q_index is None else (q_nope[ctx.q_index], q_pe[ctx.q_index])
-            packed = packed_mla_attention(qn, qp, ctx, self.kv_b_proj.weight, c.kv_lora_rank, c.v_head_dim,
-                                          self.softmax_scale)
-            if len(short) == len(q_lens):
-                return packed
-        outs, start, j = [], 0, 0
+        groups: list[list[int]] = []
+        rows = 0
         for i, n in enumerate(q_lens):
-            if j < len(short) and short[j] == i:
-                outs.append(packed[ctx.q_offsets[j]:ctx.q_offsets[j + 1]])
-                j += 1
-            else:
+            if n >= CUDNN_MIN_QUERIES:
+                continue
+            r = kv.context_rows(i)
+            if groups and rows + r <= PACK_MAX_ROWS:
+                groups[-1].append(i)
+                rows += r
+            else:  # a context alone above the cap gets a call of its own, as per sequence
+                groups.append([i])
+                rows = r
+        piece: dict[int, torch.Tensor] = {}
+        for g in groups:
+            ctx = kv.packed(layer_idx, g, q_nope)
+            qn, qp = (q_nope, q_pe) if ctx.q_index is None else (q_nope[ctx.q_index], q_pe[ctx.q_index])
+            out = packed_mla_attention(qn, qp, ctx, self.kv_b_proj.weight, c.kv_lora_rank, c.v_head_dim,
+                                       self.softmax_scale)
+            if len(g) == len(q_lens):
+                return out
+            for j, i in enumerate(g):
+                piece[i] = out[ctx.q_offsets[j]:ctx.q_offsets[j + 1]]
+        outs, start = [], 0
+        for i, n in enumerate(q_lens):
+            if i not in piece:
                 sl = slice(start, start + n)
-                outs.append(mla_attention(q_nope[sl], q_pe[sl], kv.context(layer_idx, i, q_nope), positions[sl],
-                                          self.kv_b_proj.weight, c.kv_lora_rank, c.v_head_dim, self.softmax_scale))
+                piece[i] = mla_attention(q_nope[sl], q_pe[sl], kv.context(layer_idx, i, q_nope), positions[sl],
+                                         self.kv_b_proj.weight, c.kv_lora_rank, c.v_head_dim, self.softmax_scale)
+            outs.append(piece[i])
             start += n
         return torch.cat(outs)
 

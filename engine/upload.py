@@ -20,9 +20,9 @@ def upload(data: Any, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """`torch.tensor(data, dtype=dtype)` on `device` (data: a list or a numpy array), copied
     without waiting for the device."""
     if isinstance(data, np.ndarray):  # torch.tensor cannot pin what it builds from an array
-        host = torch.from_numpy(data).to(dtype)
+        host = torch.from_numpy(np.ascontiguousarray(data)).to(dtype)
         if device.type != "cuda":
-            return host.to(device)
+            return host.to(device, copy=True)  # a copy, as from a list: never the caller's memory
         return host.pin_memory().to(device, non_blocking=True)
     if device.type != "cuda":
         return torch.tensor(data, dtype=dtype, device=device)

@@ -172,16 +172,23 @@ def test_packed_prefill_attention_matches_per_sequence(dtype: torch.dtype) -> No
         start += n
 
 
-def test_packed_attention_with_the_reference_kernel_equals_per_sequence(monkeypatch) -> None:
+@pytest.mark.parametrize("max_rows", [32768, 64])
+def test_packed_attention_with_the_reference_kernel_equals_per_sequence(monkeypatch, max_rows: int) -> None:
     """The model's packed prefill attention (short chunks packed, a long one apart, pieces put
     back in batch order) with the varlen kernel replaced by its reference twin, in float32 on a
-    CPU: the per-sequence `mla_attention` results."""
+    CPU: the per-sequence `mla_attention` results. max_rows 64: the short chunks split over
+    several calls, the first two exactly at the cap and a context above it in a call alone."""
     from engine.config import ModelConfig
     from engine.kernels import prefill_attention
     from engine.model import MLAttention, mla_attention
     monkeypatch.setattr(prefill_attention, "varlen_causal_attention",
                         prefill_attention.varlen_causal_attention_reference)
-    lens = [(0, 5), (33, 2050), (40, 7), (3, 1), (16, 16)]
+    monkeypatch.setattr(prefill_attention, "PACK_MAX_ROWS", max_rows)
+    calls = []
+    real = prefill_attention.varlen_causal_attention_reference
+    monkeypatch.setattr(prefill_attention, "varlen_causal_attention",
+                        lambda q, k, *a: calls.append(k.shape[0]) or real(q, k, *a))
+    lens = [(0, 5), (33, 2050), (40, 7), (3, 1), (16, 16), (80, 3)]
     _, kv, latent = _pool_with_sequences("cpu", torch.float32, lens)
     cfg = dataclasses.replace(ModelConfig.tiny(), hidden_size=64, num_attention_heads=2, q_lora_rank=None,
                               kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128)
@@ -201,6 +208,16 @@ def test_packed_attention_with_the_reference_kernel_equals_per_sequence(monkeypa
                                  attn.kv_b_proj.weight, 512, 128, attn.softmax_scale)
             torch.testing.assert_close(got[sl], want, atol=2e-5, rtol=2e-5)
             start += n
+    # context rows in whole blocks: 16, 48, 16, 32 and 96 for the five short chunks
+    assert calls == ([208] if max_rows > 1000 else [16 + 48, 16 + 32, 96]), calls
+
+
+def test_packed_refuses_unordered_or_repeated_sequences() -> None:
+    _, kv, _ = _pool_with_sequences("cpu", torch.float32, [(0, 5), (3, 4)])
+    like = torch.empty(0)
+    for bad in ([1, 0], [0, 0], [], [2]):
+        with pytest.raises(ValueError, match="strictly ascending"):
+            kv.packed(0, bad, like)
 
 
 @cuda

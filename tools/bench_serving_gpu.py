@@ -125,7 +125,8 @@ def _metrics_urls(up_log: str) -> list[str]:
 SPEC_COUNTERS = ("tandem_worker_spec_verify_steps", "tandem_worker_spec_emitted_tokens")
 # the decode loop's cadence counters (docs/observability.md): steps, rows, wall and device seconds
 DECODE_COUNTERS = ("tandem_worker_decode_steps", "tandem_worker_decode_step_rows", "tandem_worker_decode_busy_steps",
-                   "tandem_worker_decode_step_seconds", "tandem_worker_decode_device_busy_seconds")
+                   "tandem_worker_decode_step_seconds", "tandem_worker_decode_device_busy_seconds",
+                   "tandem_worker_decode_device_wait_seconds")
 
 
 def _worker_counters(urls: list[str], names: tuple[str, ...], attempts: int = 10) -> dict[str, float]:
@@ -157,13 +158,16 @@ def _worker_counters(urls: list[str], names: tuple[str, ...], attempts: int = 10
 
 def _decode_figures(before: dict[str, float], after: dict[str, float]) -> dict[str, float | None]:
     """The decode worker's own view of one bench: its mean batch, the wall time between busy
-    steps (the cadence) and the device time of a step (CUDA events; 0 off the overlap loop)."""
+    steps (the cadence), the device time of a step (CUDA events; 0 off the overlap loop) and the
+    host's wait for the device per step (a device-bound loop waits; a host-bound one does not)."""
     d = {k.removeprefix("tandem_worker_decode_"): after[k] - before[k] for k in DECODE_COUNTERS}
     if not d["steps"]:
-        return {"decode_mean_batch": None, "decode_cadence_ms": None, "decode_device_ms_per_step": None}
+        return {"decode_mean_batch": None, "decode_cadence_ms": None, "decode_device_ms_per_step": None,
+                "decode_host_wait_ms_per_step": None}
     return {"decode_mean_batch": d["step_rows"] / d["steps"],
             "decode_cadence_ms": 1e3 * d["step_seconds"] / d["busy_steps"] if d["busy_steps"] else None,
-            "decode_device_ms_per_step": 1e3 * d["device_busy_seconds"] / d["steps"]}
+            "decode_device_ms_per_step": 1e3 * d["device_busy_seconds"] / d["steps"],
+            "decode_host_wait_ms_per_step": 1e3 * d["device_wait_seconds"] / d["steps"]}
 
 
 @contextlib.contextmanager

@@ -68,6 +68,11 @@ shape (about 50–65 ms on an H200, measured), which a short chunk's attention (
 would never earn back; served prompts come in every length."""
 QUERY_BUCKET = 1024  # cuDNN parts pad their queries to a power of two times this (few shapes)
 PREFIX_KEY_UNIT = 4096  # cuDNN takes the prefix in multiples of this; the rest of it goes to flash
+PACK_MAX_ROWS = 32768
+"""Context rows one varlen call of a prefill batch covers at most (engine/model.py
+`MLAttention._packed_attention`): its keys and values, up-projected for every head, take
+H × 1,280 bytes per row (1.3 GB at 16 heads), and chunks sharing a cached prefix each gather
+it again; more rows go to further calls."""
 
 
 def _bucket(t: int) -> int:
