@@ -180,10 +180,7 @@ def run(opts: BenchOptions) -> dict:
                                          http_url=http_url, model=model.name, api_key=opts.api_key,
                                          connections=opts.connections))
     summary = summarize(reqs, results, wall, opts.speedup)
-    if any(r.hash_ids for r in reqs):
-        summary["oracle_block_hit_rate"] = traces.oracle_hit_rate(reqs)["block"]
-    if any(r.prompt_len for r in reqs):
-        summary["oracle_token_hit_rate"] = traces.oracle_hit_rate(reqs)["token"]
+    summary.update(traces.oracle_summary(reqs, model.block_size))
     print(table(summary))
     if opts.out:
         from bench.plots import plot_runs

@@ -172,6 +172,21 @@ def poisson_arrivals(reqs: list[BenchRequest], rate: float, seed: int = 0) -> li
     return out
 
 
+def oracle_summary(reqs: list[BenchRequest], model_block: int) -> dict[str, float]:
+    """The bench summary's oracle rows: `oracle_block_hit_rate` (requests with hash ids) and
+    `oracle_token_hit_rate`. A trace's hash ids stand for its own 512-token blocks; prompts of
+    token ids only are cut into the served model's `model_block`-token blocks (a synthetic
+    256-token shared prefix is no hit at all in 512-token blocks)."""
+    out: dict[str, float] = {}
+    hashed = any(r.hash_ids for r in reqs)
+    oracle = oracle_hit_rate(reqs, MOONCAKE_BLOCK if hashed else model_block)
+    if hashed:
+        out["oracle_block_hit_rate"] = oracle["block"]
+    if any(r.prompt_len for r in reqs):
+        out["oracle_token_hit_rate"] = oracle["token"]
+    return out
+
+
 def oracle_hit_rate(reqs: list[BenchRequest], block: int = MOONCAKE_BLOCK) -> dict[str, float]:
     """Hit rates of an infinite prefix cache shared by every worker (the bound no router beats).
 

@@ -85,3 +85,11 @@ def test_bad_or_empty_dataset_fails_naming_it(tmp_path):
         load_requests(BenchOptions(dataset=f"mooncake:{bad}"), 1000)
     with pytest.raises(ValueError, match=r"--dataset mooncake:.*empty.jsonl: no requests"):
         load_requests(BenchOptions(dataset=f"mooncake:{empty}"), 1000)
+
+
+def test_oracle_summary_cuts_token_prompts_into_the_model_blocks():
+    """Synthetic prompts share 256 tokens: a hit in 16-token blocks, none in the trace's 512."""
+    syn = traces.synthetic_prefix(32, groups=8, prefix_len=256, suffix_len=256, output_len=4, vocab=1000)
+    got = traces.oracle_summary(syn, 16)["oracle_token_hit_rate"]
+    assert got > 0.3 and "oracle_block_hit_rate" not in traces.oracle_summary(syn, 16)
+    assert traces.oracle_hit_rate(syn)["token"] == 0.0  # what the bench printed before

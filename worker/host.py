@@ -667,6 +667,11 @@ async def serve_worker(runtime: WorkerRuntime, add_services: Sequence[Callable[[
             log.info("%s stopped before it was registered in etcd", runtime.instance_id)
             return
     log.info("%s serving on %s (model %s)", runtime.instance_id, address, runtime.loaded.name)
+    o = runtime.opts
+    log.info("prefill batching: --chunk-size %d, --max-prefill-tokens %d, dynamic chunking %s%s", o.chunk_size,
+             o.max_prefill_tokens, "on" if o.enable_dynamic_chunking else "off",
+             f", --prefill-tokens-per-decode-step {o.prefill_tokens_per_decode_step} (local prefill)"
+             if runtime.role == discovery_pb2.ROLE_DECODE else "")
     if ready:
         ready(server)
     watchdog = asyncio.create_task(_watch_engine(runtime, server), name="engine-watchdog")  # strong ref
