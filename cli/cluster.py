@@ -82,6 +82,12 @@ class LocalCluster:
             (`--reuse-port`: the kernel spreads clients' connections over them; a client that
             opens several connections uses them all). Ready once every one of them can place a
             request on every worker. Processes "router", "router-1", ...
+        mps: start a CUDA MPS control daemon for the workers (cli/mps.py; pipe and logs in
+            log_dir/mps), so that workers sharing a GPU run their kernels side by side instead
+            of taking turns; stopped after the workers. Raises cli.mps.MpsError from start()
+            when the daemon cannot start.
+        mps_prefill_percent: with mps, the share (1..100) of the GPU's multiprocessors each
+            prefill worker's kernels may occupy (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE); 100 = no cap.
     """
 
     def __init__(self, model: str = DEFAULT_MODEL, num_prefill: int = 1, num_decode: int = 1,
@@ -90,11 +96,14 @@ class LocalCluster:
                  log_dir: str | None = None,
                  ready_timeout_s: float = 120.0, metrics: bool = False, num_mocker: int = 0,
                  mocker_args: list[str] | None = None, http_port: int = -1, tls: bool = True,
-                 api_keys: str = "", num_routers: int = 1, mocker_processes: int = 1) -> None:
+                 api_keys: str = "", num_routers: int = 1, mocker_processes: int = 1, mps: bool = False,
+                 mps_prefill_percent: int = 100) -> None:
         if num_routers < 1:
             raise ValueError(f"--routers must be at least 1, got {num_routers}")
         if not ready_timeout_s > 0:
             raise ValueError(f"--ready-timeout must be > 0 seconds, got {ready_timeout_s}")
+        if not 1 <= mps_prefill_percent <= 100:
+            raise ValueError(f"--mps-prefill-percent must be between 1 and 100, got {mps_prefill_percent}")
         if num_mocker and not 1 <= mocker_processes <= num_mocker:
             raise ValueError(f"--mocker-processes must be between 1 and --mocker ({num_mocker}), got "
                              f"{mocker_processes}")
@@ -128,6 +137,9 @@ class LocalCluster:
         self.client_tls = None  # common.tls.TlsCredentials of a frontend client (role "client")
         self.api_keys = str(Path(api_keys).resolve()) if api_keys else ""  # the children run in the repo root
         self.admin_key = ""  # an admin key of api_keys, once started
+        from cli.mps import MpsDaemon
+        self.mps = MpsDaemon(self.log_dir / "mps") if mps else None
+        self.mps_prefill_percent = mps_prefill_percent
 
     @property
     def etcd_endpoint(self) -> str:
@@ -144,6 +156,8 @@ class LocalCluster:
         # Without TLS no TANDEM_TLS_* of the caller's shell half-configures the children.
         env = {k: v for k, v in os.environ.items() if self.tls or not k.startswith("TANDEM_TLS_")}
         env["PYTHONUNBUFFERED"] = "1"
+        if self.mps is not None and role in ("prefill", "decode"):
+            env.update(self.mps.env(self.mps_prefill_percent if role == "prefill" else None))
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env,
                                 cwd=Path(__file__).resolve().parent.parent, start_new_session=True)
         out.close()
@@ -173,6 +187,8 @@ class LocalCluster:
                 router_port = _hold_port(held, router_port, "--port")
                 if http_port >= 0:
                     http_port = _hold_port(held, http_port, "--http-port")
+            if self.mps is not None:
+                self.mps.start()
             if not self._etcd_endpoint:
                 # with TLS, etcd takes only clients with a certificate of the cluster CA (every
                 # process here has one; --etcd is then https://...)
@@ -189,6 +205,10 @@ class LocalCluster:
             except BaseException:
                 await self.stop()
                 raise
+        except BaseException:
+            if self.mps is not None:
+                self.mps.stop()  # idempotent: whatever failed after the daemon started
+            raise
         finally:
             for sock in held:
                 sock.close()
@@ -295,6 +315,8 @@ class LocalCluster:
         if self._etcd is not None:
             self._etcd.stop()
             self._etcd = None
+        if self.mps is not None:
+            self.mps.stop()
 
     async def stop(self) -> None:
         """SIGTERM every process (workers first, then the router), then stop etcd."""
@@ -307,6 +329,8 @@ class LocalCluster:
         if self._etcd is not None:
             self._etcd.stop()
             self._etcd = None
+        if self.mps is not None:
+            await asyncio.to_thread(self.mps.stop)  # after its clients, the workers, have exited
 
     async def __aenter__(self) -> LocalCluster:
         await self.start()

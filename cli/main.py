@@ -60,7 +60,8 @@ def _up(args: argparse.Namespace) -> int:
                                router_args=["--router-mode", args.router_mode] if args.router_mode else [],
                                metrics=args.metrics, num_mocker=args.mocker, http_port=args.http_port,
                                tls=not args.insecure, api_keys=args.api_keys, num_routers=args.routers,
-                               mocker_processes=args.mocker_processes, ready_timeout_s=args.ready_timeout)
+                               mocker_processes=args.mocker_processes, ready_timeout_s=args.ready_timeout,
+                               mps=args.mps, mps_prefill_percent=args.mps_prefill_percent)
         if args.insecure:
             print("tandem up: WARNING: --insecure: every gRPC port of this cluster serves plaintext with no "
                   "authentication; any local process can call the workers directly", file=sys.stderr, flush=True)
@@ -273,6 +274,11 @@ def build_parser(command: str | None = None, full: bool = True) -> argparse.Argu
          "(default: mutual TLS with a throw-away CA made at start-up)", kind=bool)
     _arg(p, "--ready-timeout", 120.0, "seconds to wait for every process to be ready before giving up (a "
          "16B-class checkpoint on a GPU loads, captures its graphs and compiles its kernels in a few minutes)")
+    _arg(p, "--mps", False, "start a CUDA MPS control daemon for the workers (pipe and logs in the cluster's log "
+         "folder, stopped with it): workers sharing one GPU then run their kernels side by side instead of "
+         "taking turns (docs/operations.md)", kind=bool)
+    _arg(p, "--mps-prefill-percent", 100, "with --mps: the share (1-100) of the GPU's multiprocessors each "
+         "prefill worker may occupy (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE; 100 = no cap)")
     p.set_defaults(func=_up)
     p = sub.add_parser("generate", help="send one prompt to a router and stream the answer")
     p.add_argument("prompt", help="prompt text")

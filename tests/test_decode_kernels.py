@@ -170,11 +170,13 @@ def test_mla_decode_kernel_matches_reference(heads, rank, rope, bs, dtype) -> No
     q = torch.randn(len(lens), heads, rank + rope, device="cuda", dtype=torch.bfloat16)
     scale, kv_scale = 0.07, (0.5 if dtype == FP8 else 1.0)
     want = mla_decode_reference(q, kv, 1, tables, lens, rank, scale, kv_scale)
+    from engine.kernels.mla_decode import Stage1Config
     for splits in (None, 1, 3, 32):
-        got = mla_decode(q, kv, 1, tables, lens, rank, scale, kv_scale, splits=splits).float()
-        err = (got - want).norm() / want.norm()
-        assert err < 1e-2, (splits, float(err))
-        assert torch.isfinite(got).all()
+        for config in (None, Stage1Config(64, 8, 2, 4), Stage1Config(128, 4, 2, 1)):  # shapes of the sweep
+            got = mla_decode(q, kv, 1, tables, lens, rank, scale, kv_scale, splits=splits, config=config).float()
+            err = (got - want).norm() / want.norm()
+            assert err < 1e-2, (splits, config, float(err))
+            assert torch.isfinite(got).all()
 
 
 @cuda

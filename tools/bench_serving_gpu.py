@@ -238,7 +238,8 @@ def serve_and_bench(model_dir: Path, contexts: list[int], concurrencies: list[in
                     prefix_len: Callable[[int, int], int] = lambda ctx, c: ctx // 2,
                     num_requests: Callable[[int, int], int] | None = None, dataset: str = "synthetic-prefix",
                     spec: bool = False, routers: int = 1, connections: int = 1,
-                    after: Callable[[int], Any] | None = None, prefill_workers: int = 1) -> dict[tuple[int, int], dict]:
+                    after: Callable[[int], Any] | None = None, prefill_workers: int = 1,
+                    up_extra: tuple[str, ...] = ()) -> dict[tuple[int, int], dict]:
     """`tandem up` once, then `tandem bench` for every (context, concurrency) — the product of
     `contexts` and `concurrencies`, or the pairs `runs` — with prompts of `prefix_len(context, c)`
     tokens shared by 8 groups plus fresh ones, `num_requests(context, concurrency)` requests
@@ -253,12 +254,13 @@ def serve_and_bench(model_dir: Path, contexts: list[int], concurrencies: list[in
     gRPC connections (`tandem bench --connections`), which the kernel spreads over them; after:
     called with the port once the benches ran, cluster still up (its result: out["after"]);
     prefill_workers: `tandem up --prefill` (0: the decode worker prefills every prompt itself,
-    on its own CUDA stream beside the decode steps: one process on the GPU instead of two)."""
+    on its own CUDA stream beside the decode steps: one process on the GPU instead of two);
+    up_extra: more `tandem up` flags (e.g. ("--mps",))."""
     env = {**os.environ, "TANDEM_MAX_RUNNING": str(max(concurrencies)),
            "TANDEM_MEM_FRACTION_STATIC": os.environ.get("TANDEM_MEM_FRACTION_STATIC", "0.4"), "TANDEM_MAX_QUEUED": "4096", **env_extra}
     out: dict[tuple[int, int], dict] = {}
-    with running_cluster(model_dir, port, work, env, ("--routers", str(routers), "--prefill", str(prefill_workers))
-                         ) as (up, metrics_urls):
+    with running_cluster(model_dir, port, work, env, ("--routers", str(routers), "--prefill", str(prefill_workers),
+                                                      *up_extra)) as (up, metrics_urls):
         for ctx, c in runs if runs is not None else [(x, y) for x in contexts for y in concurrencies]:
             if up.poll() is not None:
                 raise RuntimeError("tandem up exited: " + (work / "up.log").read_text()[-3000:])
@@ -446,8 +448,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                    "GPU beside the decode worker (0: the decode worker prefills locally, one process on the GPU)")
     p.add_argument("--connections", type=int, default=1, help="the bench's gRPC connections (tandem bench "
                    "--connections; with --routers N > 1, use several so that every router gets some)")
+    p.add_argument("--mps", action="store_true", help="tandem up --mps: the workers' kernels run side by side "
+                   "on the GPU under CUDA MPS (the in-process figures are taken without it)")
+    p.add_argument("--mps-prefill-percent", type=int, default=100, help="with --mps: tandem up "
+                   "--mps-prefill-percent (the prefill worker's share of the GPU's multiprocessors)")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
+    up_extra = ("--mps", "--mps-prefill-percent", str(args.mps_prefill_percent)) if args.mps else ()
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         p.error(f"--device {args.device}: this machine has no CUDA device (torch {torch.__version__}); "
@@ -478,7 +485,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             served = {} if args.skip_served else {
                 n: serve_and_bench(model_dir, contexts, concs, args.output_tokens, args.port, work,
                                    {**pool_env, "TANDEM_STREAM_INTERVAL": str(n)}, routers=args.routers,
-                                   connections=args.connections, prefill_workers=args.prefill_workers)
+                                   connections=args.connections, prefill_workers=args.prefill_workers,
+                                   up_extra=up_extra)
                 for n in intervals}
             dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
             model, _ = load_checkpoint(model_dir, dtype=dtype, device=device)
@@ -500,7 +508,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                                # the decode phase alone: concurrency / mean TPOT (output tok/s counts TTFT too)
                                "served_decode_tok_s": c * 1e3 / s["mean_tpot_ms"] if s.get("mean_tpot_ms") else None,
                                "mean_ttft_ms": s.get("mean_ttft_ms"), "inprocess_ms_per_step": ip["ms_per_step"],
-                               "prefill_workers": args.prefill_workers,
+                               "prefill_workers": args.prefill_workers, "mps": args.mps,
+                               "mps_prefill_percent": args.mps_prefill_percent if args.mps else None,
                                **{k: s.get(k) for k in ("first_gap_ms", "steady_ms_per_token", "decoding_mean")},
                                "bound_ms_per_step": 1e3 * bound_s, "failed": s.get("failed"),
                                **{k: v for k, v in s.items() if k.startswith("decode_")}}

@@ -23,6 +23,8 @@ graph per batch size serves every context length up to the table width.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 try:  # the GPU machine has triton; CPU-only installs need not
@@ -64,10 +66,32 @@ def mla_decode_reference(q: torch.Tensor, kv: torch.Tensor, layer: int, tables: 
     return torch.einsum("bhs,bsr->bhr", scores.softmax(-1), ctx[..., :kv_lora_rank])
 
 
-def num_splits(batch: int, head_groups: int, sms: int = 132) -> int:
-    """Context splits per sequence so that batch × head_groups × splits fills ~2 waves of SMs."""
-    want = -(-2 * sms // max(1, batch * head_groups))
+def num_splits(batch: int, head_groups: int, sms: int = 132, waves: int = 2) -> int:
+    """Context splits per sequence so that batch × head_groups × splits fills ~`waves` waves of SMs."""
+    want = -(-waves * sms // max(1, batch * head_groups))
     return max(1, min(MAX_SPLITS, want))
+
+
+@dataclasses.dataclass(frozen=True)
+class Stage1Config:
+    """Launch shape of stage 1: KV rows per loop iteration (block_n), warps per program, the
+    software-pipelining depth (num_stages) and the waves of SMs the context splits aim at
+    (`num_splits`). tools/bench_mla_decode.py sweeps these on a GPU.
+
+    The default stays the served path's best measured: on one H200 (2026-12-04) the kernel alone
+    was fastest at (64, 8, 3 stages, 4 waves, one split once the batch covers the SMs) — batch
+    64 × 8K context 307 -> 215 µs, batch 256 × 1K 133 -> 112 µs, batch 64 × 1K 52.6 -> 50.0 µs —
+    but served through `tandem up` (config S, 1K context, concurrency 64, the prefill worker's
+    process on the same GPU) the decode step took 2.74 ms of device time against 2.49 ms with
+    this default in the same call (TPOT 3.53 against 2.88 ms). Its ~221 KB of shared memory per
+    program is the likely cost when the GPU switches between the two processes' contexts."""
+    block_n: int = 32
+    num_warps: int = 4
+    num_stages: int = 2
+    waves: int = 2
+
+
+DEFAULT_STAGE1 = Stage1Config()
 
 
 if triton is not None:
@@ -154,13 +178,14 @@ if triton is not None:
 
 def mla_decode(q: torch.Tensor, kv: torch.Tensor, layer: int, tables: torch.Tensor,
                lens: torch.Tensor, kv_lora_rank: int, sm_scale: float, kv_scale: float = 1.0,
-               splits: int | None = None) -> torch.Tensor:
+               splits: int | None = None, config: Stage1Config | None = None) -> torch.Tensor:
     """Triton paged MLA decode attention; the same contract as `mla_decode_reference`, but
     returns o_lat [B, H, R] in q's dtype (bf16/fp16; the pool bf16/fp16 or float8_e4m3fn).
     R (kv_lora_rank) must be a power of two >= 16 (512 in DeepSeek-V2/V3).
 
     Args (beyond the reference's): splits: context splits per sequence (default
-    `num_splits(B, head groups)`). Scratch buffers are allocated per call (inside a CUDA
+    `num_splits(B, head groups, SMs, config.waves)`); config: stage 1's launch shape (default
+    `DEFAULT_STAGE1`). Scratch buffers are allocated per call (inside a CUDA
     graph they come from the graph's pool).
     Raises RuntimeError when triton is not installed.
     """
@@ -174,7 +199,8 @@ def mla_decode(q: torch.Tensor, kv: torch.Tensor, layer: int, tables: torch.Tens
                          "and a power-of-two kv_lora_rank >= 16")
     block_h = 16 if h <= 16 else 32
     head_groups = -(-h // block_h)
-    s = min(splits or num_splits(b, head_groups, _sms(q.device)), MAX_SPLITS)
+    cfg = config or DEFAULT_STAGE1
+    s = min(splits or num_splits(b, head_groups, _sms(q.device), cfg.waves), MAX_SPLITS)
     part_o = torch.empty(b, h, s, r, dtype=torch.float32, device=q.device)
     part_lse = torch.empty(b, h, s, dtype=torch.float32, device=q.device)
     out = torch.empty(b, h, r, dtype=q.dtype, device=q.device)
@@ -184,9 +210,9 @@ def mla_decode(q: torch.Tensor, kv: torch.Tensor, layer: int, tables: torch.Tens
         q.stride(0), q.stride(1), kv.stride(0), kv.stride(1), kv.stride(2),
         tables.stride(0), part_o.stride(0), part_o.stride(1), part_o.stride(2),
         part_lse.stride(0), part_lse.stride(1),
-        H=h, R=r, P=p, BLOCK_SIZE=kv.shape[2], SPLITS=s, BLOCK_H=block_h, BLOCK_N=32,
+        H=h, R=r, P=p, BLOCK_SIZE=kv.shape[2], SPLITS=s, BLOCK_H=block_h, BLOCK_N=cfg.block_n,
         BLOCK_P=max(16, triton.next_power_of_2(p)), IS_FP8=is_fp8,
-        num_warps=4, num_stages=2)
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     _mla_stage2[(b, h)](
         part_o, part_lse, out, part_o.stride(0), part_o.stride(1), part_o.stride(2),
         part_lse.stride(0), part_lse.stride(1), out.stride(0), out.stride(1),

@@ -1,0 +1,112 @@
+"""`tandem up --mps` (cli/mps.py MpsDaemon, cli/cluster.py): the control daemon's start and stop
+calls and the workers' environments. The machines CI runs on have no GPU and no MPS, so a
+stand-in `nvidia-cuda-mps-control` on PATH records how it was called (a unit test of one class);
+the GPU figures are in docs/benchmarks.md (run 12)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from cli.cluster import LocalCluster
+from cli.mps import MpsDaemon, MpsError
+
+STAND_IN = """#!{python}
+import json, os, sys
+with open({calls!r}, "a") as f:
+    f.write(json.dumps({{"args": sys.argv[1:], "stdin": "" if sys.stdin.isatty() else sys.stdin.read(),
+                        "pipe": os.environ.get("CUDA_MPS_PIPE_DIRECTORY"),
+                        "log": os.environ.get("CUDA_MPS_LOG_DIRECTORY")}}) + "\\n")
+sys.exit({code})
+"""
+
+
+def stand_in(tmp_path: Path, monkeypatch, code: int = 0) -> Path:
+    """Put a recording nvidia-cuda-mps-control first on PATH; returns the file of its calls."""
+    bindir, calls = tmp_path / "bin", tmp_path / "calls.jsonl"
+    bindir.mkdir()
+    exe = bindir / "nvidia-cuda-mps-control"
+    exe.write_text(STAND_IN.format(python=sys.executable, calls=str(calls), code=code))
+    exe.chmod(exe.stat().st_mode | stat.S_IXUSR)
+    monkeypatch.setenv("PATH", f"{bindir}{os.pathsep}{os.environ['PATH']}")
+    return calls
+
+
+def read_calls(calls: Path) -> list[dict]:
+    return [json.loads(line) for line in calls.read_text().splitlines()] if calls.exists() else []
+
+
+def test_daemon_starts_in_its_own_folders_and_quits_once(tmp_path, monkeypatch):
+    calls = stand_in(tmp_path, monkeypatch)
+    d = MpsDaemon(tmp_path / "mps")
+    d.start()
+    assert (tmp_path / "mps" / "pipe").is_dir() and (tmp_path / "mps" / "log").is_dir()
+    d.stop()
+    d.stop()  # idempotent: a second stop sends nothing
+    got = read_calls(calls)
+    assert [c["args"] for c in got] == [["-d"], []]
+    assert got[1]["stdin"] == "quit\n"
+    assert {c["pipe"] for c in got} == {str(tmp_path / "mps" / "pipe")}  # never the machine-wide default
+    assert {c["log"] for c in got} == {str(tmp_path / "mps" / "log")}
+
+
+def test_client_environment_and_the_sm_cap():
+    d = MpsDaemon("/x/mps")
+    assert d.env() == {"CUDA_MPS_PIPE_DIRECTORY": "/x/mps/pipe", "CUDA_MPS_LOG_DIRECTORY": "/x/mps/log"}
+    assert d.env(100) == d.env()  # 100 % is no cap
+    assert d.env(40)["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "40"
+
+
+def test_missing_or_failing_control_binary_is_a_clear_error(tmp_path, monkeypatch):
+    monkeypatch.setenv("PATH", str(tmp_path))  # nothing there
+    with pytest.raises(MpsError, match="--mps: nvidia-cuda-mps-control is not on PATH"):
+        MpsDaemon(tmp_path / "a").start()
+    stand_in(tmp_path, monkeypatch, code=3)
+    d = MpsDaemon(tmp_path / "b")
+    with pytest.raises(MpsError, match="exited 3"):
+        d.start()
+    assert not d.running
+
+
+def test_cluster_gives_workers_the_daemon_and_caps_prefill_only(tmp_path, monkeypatch):
+    calls = stand_in(tmp_path, monkeypatch)
+    envs: dict[str, dict[str, str]] = {}
+
+    class FakePopen:  # records each child's environment instead of starting it
+        def __init__(self, cmd, **kwargs) -> None:
+            envs[cmd[3]] = kwargs["env"]
+
+    c = LocalCluster(log_dir=str(tmp_path / "logs"), etcd="127.0.0.1:1", mps=True, mps_prefill_percent=30)
+    c.mps.start()  # the stand-in runs through the real subprocess.run
+    real_popen = subprocess.Popen
+    monkeypatch.setattr(subprocess, "Popen", FakePopen)
+    for role in ("router", "prefill", "decode"):
+        c.spawn(role, role)
+    monkeypatch.setattr(subprocess, "Popen", real_popen)
+    pipe = str(tmp_path / "logs" / "mps" / "pipe")
+    assert envs["prefill"]["CUDA_MPS_PIPE_DIRECTORY"] == envs["decode"]["CUDA_MPS_PIPE_DIRECTORY"] == pipe
+    assert envs["prefill"]["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "30"
+    assert "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE" not in envs["decode"]
+    assert "CUDA_MPS_PIPE_DIRECTORY" not in envs["router"]  # the router opens no CUDA context
+    c.procs.clear()  # nothing real was started
+    asyncio.run(c.stop())
+    assert [x["args"] for x in read_calls(calls)] == [["-d"], []]  # started once, quit with the cluster
+    with pytest.raises(ValueError, match="--mps-prefill-percent"):
+        LocalCluster(log_dir=str(tmp_path), mps=True, mps_prefill_percent=0)
+
+
+def test_tandem_up_mps_without_the_daemon_fails_before_starting_anything(tmp_path):
+    env = {**os.environ, "PATH": os.path.dirname(sys.executable)}  # python, but no MPS control binary
+    r = subprocess.run([sys.executable, "-m", "cli.main", "up", "--mps", "--insecure", "--http-port", "-1",
+                        "--port", "0"], cwd=Path(__file__).resolve().parent.parent, env=env,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0
+    assert "--mps: nvidia-cuda-mps-control is not on PATH" in r.stderr + r.stdout
+    assert "Traceback" not in r.stderr
