@@ -8,7 +8,9 @@ Offline (default): bench/sim.py replays the slice in simulated time through the 
 placement code and MockEngines — exact and deterministic. --live: for each mode a fresh local
 cluster (etcd, `tandem router --router-mode MODE`, one `tandem mocker` process with N workers)
 is started and `tandem bench`'s load generator replays the slice over the gRPC API in real
-time at --speedup. The oracle row is the infinite shared cache's hit rate (no timing).
+time at --speedup. The oracle row is the infinite shared cache's hit rate, and its mean TTFT
+the lowest any placement can reach under the timing model (`traces.ttft_lower_bound`: each
+prompt's part outside that cache prefilled at once on an idle worker, nothing queued).
 """
 
 from __future__ import annotations
@@ -136,7 +138,8 @@ def main(argv: list[str] | None = None) -> int:
     reqs = [replace(r, arrival_s=r.arrival_s / args.load) for r in reqs]
     oracle = traces.oracle_hit_rate(reqs)
     rows = [{"mode": "oracle (infinite shared cache)", "block_hit_rate": oracle["block"],
-             "prefix_hit_rate": oracle["token"]}]
+             "prefix_hit_rate": oracle["token"],
+             "mean_ttft_ms": 1e3 * traces.ttft_lower_bound(reqs, _timing(args), traces.MOONCAKE_BLOCK)}]
     runs = []
     print(f"{len(reqs)} requests, {args.workers} workers x {args.num_blocks} blocks of {args.block_size} tokens, "
           f"load {args.load}, {'live' if args.live else 'offline'}; oracle {oracle}", file=sys.stderr, flush=True)

@@ -222,3 +222,29 @@ def oracle_hit_rate(reqs: list[BenchRequest], block: int = MOONCAKE_BLOCK) -> di
         tot_tok += n
     return {"block": hit / total if total else 0.0, "token": hit_tok / tot_tok if tot_tok else 0.0,
             "engine_block": hit_full / total if total else 0.0}
+
+
+def ttft_lower_bound(reqs: list[BenchRequest], timing, block: int = MOONCAKE_BLOCK) -> float:
+    """Mean TTFT (seconds) no placement can beat on `reqs` under `timing` (mocker/timing.py
+    TimingModel): every request finds the longest full-block prefix any earlier request
+    produced (an infinite cache shared by all workers: `oracle_hit_rate`'s "engine_block", at
+    least one prompt token computed) and prefills the rest in one chunk on an idle worker —
+    `timing.prefill_s(cached, rest)`, no queue, no decode steps beside it, no transfer. A
+    router's TTFT also holds the waits, the chunking and the mixed decode steps this leaves out,
+    so it is at least this; a ratio of mean TTFTs (say round-robin / kv) is at most round-robin's
+    mean over this bound."""
+    full_seen: set = set()
+    total = 0.0
+    for r in reqs:
+        n = r.prompt_len
+        if r.hash_ids:
+            keys = list(r.hash_ids)
+        else:
+            t = r.token_ids
+            keys = [hash(t[: (i + 1) * block]) for i in range(-(-len(t) // block))]
+        kf = 0
+        while kf < min(n // block, (n - 1) // block) and keys[kf] in full_seen:
+            kf += 1
+        full_seen.update(keys[: n // block])
+        total += timing.prefill_s(kf * block, n - kf * block)
+    return total / len(reqs) if reqs else 0.0

@@ -52,7 +52,10 @@ def block_hashes(token_ids: Sequence[int], block_size: int, seed: int,
     n_full = len(token_ids) // block_size
     if n_full == 0:
         return []
-    data = array("I", token_ids[: n_full * block_size])  # uint32; raises OverflowError if < 0 or >= 2**32
+    # Converting the ids to uint32 is most of the time (~6 ns per id; a 90K-token prompt ~0.5 ms),
+    # so the whole sequence converts without first copying the list into a slice; the trailing
+    # partial block's ids are converted too (and range-checked) but not hashed.
+    data = array("I", token_ids)  # uint32; raises OverflowError if < 0 or >= 2**32
     if sys.byteorder != "little":
         data.byteswap()
     raw = data.tobytes()
@@ -62,7 +65,7 @@ def block_hashes(token_ids: Sequence[int], block_size: int, seed: int,
     out: list[BlockHash] = []
     append = out.append  # hot loop: no attribute lookups, no NewType call per block
     prev = parent
-    for start in range(0, len(raw), step):
+    for start in range(0, n_full * step, step):
         chunk = raw[start:start + step]
         prev = hash64(chunk if prev is None else pack(prev) + chunk, seed)
         append(prev)

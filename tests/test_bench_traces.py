@@ -93,3 +93,16 @@ def test_oracle_summary_cuts_token_prompts_into_the_model_blocks():
     got = traces.oracle_summary(syn, 16)["oracle_token_hit_rate"]
     assert got > 0.3 and "oracle_block_hit_rate" not in traces.oracle_summary(syn, 16)
     assert traces.oracle_hit_rate(syn)["token"] == 0.0  # what the bench printed before
+
+
+def test_ttft_lower_bound_prefills_only_what_no_earlier_request_stored():
+    from mocker.timing import TimingModel
+    t = TimingModel(prefill_per_token=1.0, prefill_attention=0.0, prefill_overhead=0.0)
+    reqs = [traces.BenchRequest(0, 0.0, 1, hash_ids=(1, 2), input_len=1024),
+            traces.BenchRequest(1, 0.0, 1, hash_ids=(1, 2, 3), input_len=1300),  # blocks 1, 2 stored: 276 left
+            traces.BenchRequest(2, 0.0, 1, hash_ids=(1, 2), input_len=1024)]  # computes >= 1 token: block 2 again
+    assert traces.ttft_lower_bound(reqs, t) == pytest.approx((1024 + 276 + 512) / 3)
+    # the attention term charges each new token its context: cached tokens count
+    t2 = TimingModel(prefill_per_token=0.0, prefill_attention=1.0, prefill_overhead=0.0)
+    assert traces.ttft_lower_bound(reqs[:2], t2) == pytest.approx((1024 * 1024 / 2 + 276 * 1024 + 276 * 276 / 2) / 2)
+    assert traces.ttft_lower_bound([], t) == 0.0
