@@ -63,6 +63,17 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float,
+                 delta2: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A residual add and the RMSNorm of its result: (s, rms_norm(s)) with s = x + delta, or
+    x + (delta + delta2) (a MoE layer's routed and shared experts, summed first as MoE.forward
+    does), all [T, hidden]. The same additions in the same order as the unfused layer, so the
+    plain function is bit-identical to it; compiled (engine/kernels/fused.py) it is one kernel
+    where the unfused form launches two or three."""
+    s = x + (delta if delta2 is None else delta + delta2)
+    return s, rms_norm(s, weight, eps)
+
+
 class HotPath:
     """The model's elementwise hot spots, called through this table so that a GPU runner can
     swap in fused (torch.compile'd) versions of the same functions (engine/kernels/fused.py);
@@ -72,7 +83,7 @@ class HotPath:
         self.reset()
 
     def reset(self) -> None:
-        self.rms_norm, self.silu_mul = rms_norm, silu_mul
+        self.rms_norm, self.silu_mul, self.add_rms_norm = rms_norm, silu_mul, add_rms_norm
         self.rope_cos_sin, self.apply_rope, self.route = rope_cos_sin, apply_rope, route
         self.fused = False
 
@@ -370,11 +381,15 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, hidden] -> [T, hidden]
+        routed, shared = self.forward_parts(x)
+        return routed if shared is None else routed + shared
+
+    def forward_parts(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(routed experts' output, shared experts' output or None), each [T, hidden]: `forward`
+        before its sum, which the next residual add takes instead (DecoderLayer.forward_pending)."""
         ids, weights = self.gate(x)
         out = self.experts_forward(x, ids, weights)
-        if self.shared_experts is not None:
-            out = out + self.shared_experts(x)
-        return out
+        return out, (self.shared_experts(x) if self.shared_experts is not None else None)
 
     def experts_forward(self, x: torch.Tensor, ids: torch.Tensor,
                         weights: torch.Tensor) -> torch.Tensor:
@@ -393,6 +408,17 @@ class MoE(nn.Module):
         return out.to(x.dtype)
 
 
+Pending = tuple  # () or (delta,) or (routed, shared): MLP outputs not yet added to the residual stream
+
+
+def add_pending(x: torch.Tensor, pending: Pending) -> torch.Tensor:
+    """x plus a layer's pending MLP parts, summed as MoE.forward and DecoderLayer.forward did:
+    x + (routed + shared)."""
+    if not pending:
+        return x
+    return x + (pending[0] if len(pending) == 1 else pending[0] + pending[1])
+
+
 class DecoderLayer(nn.Module):
     """Pre-norm block: x + attn(norm(x)), then + mlp(norm(x)); MoE from first_k_dense_replace."""
 
@@ -409,9 +435,27 @@ class DecoderLayer(nn.Module):
                 rope: tuple[torch.Tensor, torch.Tensor], q_lens: Sequence[int],
                 kv: KvCache) -> torch.Tensor:
         # x: [T, hidden] residual stream -> [T, hidden]
-        x = x + self.self_attn(self.input_layernorm(x), positions, rope, q_lens, kv,
-                               self.layer_idx)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        return add_pending(*self.forward_pending(x, positions, rope, q_lens, kv))
+
+    def forward_pending(self, x: torch.Tensor, positions: torch.Tensor,
+                        rope: tuple[torch.Tensor, torch.Tensor], q_lens: Sequence[int], kv: KvCache,
+                        pending: Pending = ()) -> tuple[torch.Tensor, Pending]:
+        """The layer with its last residual add left to the caller: (x after attention, the MLP's
+        output parts) with `forward`'s result = add_pending(x, parts). `pending`: the previous
+        layer's parts, not yet added to x; this layer adds them in the same kernel as its input
+        RMSNorm (HOT.add_rms_norm), so consecutive layers launch one kernel per residual add and
+        norm instead of two or three. The sums and their order are `forward`'s."""
+        if pending:
+            x, h = HOT.add_rms_norm(x, pending[0], self.input_layernorm.weight, self.input_layernorm.eps,
+                                    *pending[1:])
+        else:
+            h = self.input_layernorm(x)
+        a = self.self_attn(h, positions, rope, q_lens, kv, self.layer_idx)
+        x, h = HOT.add_rms_norm(x, a, self.post_attention_layernorm.weight, self.post_attention_layernorm.eps)
+        if isinstance(self.mlp, MoE):
+            routed, shared = self.mlp.forward_parts(h)
+            return x, ((routed,) if shared is None else (routed, shared))
+        return x, (self.mlp(h),)
 
 
 class SharedHead(nn.Module):
@@ -497,9 +541,10 @@ class DeepseekV3ForCausalLM(nn.Module):
         _check_batch(x.shape[0], positions, q_lens)
         stop = self.config.num_hidden_layers if stop is None else stop
         rope = self.rope(positions)
+        pending: Pending = ()
         for i in range(start, stop):
-            x = self.model.layers[i](x, positions, rope, q_lens, kv)
-        return x
+            x, pending = self.model.layers[i].forward_pending(x, positions, rope, q_lens, kv, pending)
+        return add_pending(x, pending)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, q_lens: Sequence[int],
                 kv: KvCache) -> torch.Tensor:

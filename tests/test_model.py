@@ -316,3 +316,24 @@ def test_bfloat16_model_runs(config: ModelConfig) -> None:
     assert m.model.layers[1].mlp.gate.e_score_correction_bias.dtype == torch.float32
     out = reference_generate(m, PROMPT, 3)
     assert len(out) == 3
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_layers_with_pending_adds_equal_the_unfused_layers_bit_for_bit(config: ModelConfig, dtype) -> None:
+    """run_layers leaves each layer's MLP add to the next layer's input RMSNorm (HOT.add_rms_norm,
+    one kernel when compiled on a GPU): the same additions in the same order as the plain
+    pre-norm block, so on a CPU the hidden states are identical, not just close."""
+    m = build_model(dataclasses.replace(config, n_shared_experts=1), seed=3, dtype=dtype)  # routed + shared
+    ids = torch.tensor(PROMPT)
+    pos = torch.arange(len(PROMPT))
+    with torch.no_grad():
+        got = m.run_layers(m.model.embed_tokens(ids), pos, [len(PROMPT)], ContiguousKvCache(4))
+        x, rope, kv = m.model.embed_tokens(ids), m.rope(pos), ContiguousKvCache(4)
+        for layer in m.model.layers[: config.num_hidden_layers]:
+            x = x + layer.self_attn(layer.input_layernorm(x), pos, rope, [len(PROMPT)], kv, layer.layer_idx)
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+    from engine.model import MoE
+    kinds = {(isinstance(layer.mlp, MoE), getattr(layer.mlp, "shared_experts", None) is not None)
+             for layer in m.model.layers[: config.num_hidden_layers]}
+    assert kinds == {(False, False), (True, True)}  # a dense layer, and MoE layers with shared experts
+    assert torch.equal(got, x)

@@ -1,5 +1,5 @@
-"""Fused versions of the model's elementwise hot spots on GPUs (RMSNorm, rope, MoE routing,
-SwiGLU): the plain functions of engine/model.py compiled by torch.compile (inductor fuses each
+"""Fused versions of the model's elementwise hot spots on GPUs (RMSNorm, a residual add with the
+RMSNorm after it, rope, MoE routing, SwiGLU): the plain functions of engine/model.py compiled by torch.compile (inductor fuses each
 into one or a few Triton kernels), swapped into `engine.model.HOT`.
 
 Why: a decode step of a small model is bound by kernel count, not bytes. In the plain form one
@@ -39,6 +39,7 @@ def use_fused_hot_path() -> bool:
         compile_ = lambda fn: torch.compile(fn, dynamic=True)  # noqa: E731
         m.HOT.rms_norm = compile_(m.rms_norm)
         m.HOT.silu_mul = compile_(m.silu_mul)
+        m.HOT.add_rms_norm = compile_(m.add_rms_norm)
         m.HOT.rope_cos_sin = compile_(m.rope_cos_sin)
         m.HOT.apply_rope = compile_(m.apply_rope)
         m.HOT.route = compile_(m.route)
@@ -49,7 +50,7 @@ def use_fused_hot_path() -> bool:
         log.warning("fused hot path off (torch.compile failed: %s: %s); plain functions run",
                     type(exc).__name__, str(exc)[:300])
         return False
-    log.info("fused hot path: RMSNorm, rope, routing and SwiGLU compiled with torch.compile")
+    log.info("fused hot path: RMSNorm, residual add + RMSNorm, rope, routing and SwiGLU compiled with torch.compile")
     return True
 
 
