@@ -187,6 +187,29 @@ def oracle_summary(reqs: list[BenchRequest], model_block: int) -> dict[str, floa
     return out
 
 
+def _block_keys(r: BenchRequest, block: int) -> list:
+    """A request's block keys: its hash ids, or one per `block`-token prefix of its token ids
+    (a trailing partial block included)."""
+    if r.hash_ids:
+        return list(r.hash_ids)
+    t = r.token_ids
+    return [hash(t[: (i + 1) * block]) for i in range(-(-len(t) // block))]
+
+
+def _engine_hits(reqs: list[BenchRequest], block: int):
+    """(request, its keys, full blocks an engine would take from an infinite shared cache) per
+    request in order: the longest prefix of full blocks that earlier requests stored, leaving at
+    least one prompt token to compute (engine/kv_pool.py); only full blocks are stored."""
+    full_seen: set = set()
+    for r in reqs:
+        n, keys = r.prompt_len, _block_keys(r, block)
+        kf = 0
+        while kf < min(n // block, (n - 1) // block) and keys[kf] in full_seen:
+            kf += 1
+        full_seen.update(keys[: n // block])
+        yield r, keys, kf
+
+
 def oracle_hit_rate(reqs: list[BenchRequest], block: int = MOONCAKE_BLOCK) -> dict[str, float]:
     """Hit rates of an infinite prefix cache shared by every worker (the bound no router beats).
 
@@ -197,24 +220,13 @@ def oracle_hit_rate(reqs: list[BenchRequest], block: int = MOONCAKE_BLOCK) -> di
     one prompt token (engine/kv_pool.py), so a trailing partial block is never a hit.
     """
     seen: set = set()
-    full_seen: set = set()
     hit = total = hit_tok = tot_tok = hit_full = 0
-    for r in reqs:
+    for r, keys, kf in _engine_hits(reqs, block):
         n = r.prompt_len
-        if r.hash_ids:
-            keys = list(r.hash_ids)
-        else:
-            t = r.token_ids
-            keys = [hash(t[: (i + 1) * block]) for i in range(-(-len(t) // block))]
         k = 0
         while k < len(keys) and keys[k] in seen:
             k += 1
         seen.update(keys)
-        n_full = n // block
-        kf = 0
-        while kf < min(n_full, (n - 1) // block) and keys[kf] in full_seen:
-            kf += 1
-        full_seen.update(keys[:n_full])
         hit += k
         hit_full += kf
         total += len(keys)
@@ -233,18 +245,5 @@ def ttft_lower_bound(reqs: list[BenchRequest], timing, block: int = MOONCAKE_BLO
     router's TTFT also holds the waits, the chunking and the mixed decode steps this leaves out,
     so it is at least this; a ratio of mean TTFTs (say round-robin / kv) is at most round-robin's
     mean over this bound."""
-    full_seen: set = set()
-    total = 0.0
-    for r in reqs:
-        n = r.prompt_len
-        if r.hash_ids:
-            keys = list(r.hash_ids)
-        else:
-            t = r.token_ids
-            keys = [hash(t[: (i + 1) * block]) for i in range(-(-len(t) // block))]
-        kf = 0
-        while kf < min(n // block, (n - 1) // block) and keys[kf] in full_seen:
-            kf += 1
-        full_seen.update(keys[: n // block])
-        total += timing.prefill_s(kf * block, n - kf * block)
+    total = sum(timing.prefill_s(kf * block, r.prompt_len - kf * block) for r, _, kf in _engine_hits(reqs, block))
     return total / len(reqs) if reqs else 0.0
