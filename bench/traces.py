@@ -236,14 +236,18 @@ def oracle_hit_rate(reqs: list[BenchRequest], block: int = MOONCAKE_BLOCK) -> di
             "engine_block": hit_full / total if total else 0.0}
 
 
-def ttft_lower_bound(reqs: list[BenchRequest], timing, block: int = MOONCAKE_BLOCK) -> float:
-    """Mean TTFT (seconds) no placement can beat on `reqs` under `timing` (mocker/timing.py
-    TimingModel): every request finds the longest full-block prefix any earlier request
-    produced (an infinite cache shared by all workers: `oracle_hit_rate`'s "engine_block", at
-    least one prompt token computed) and prefills the rest in one chunk on an idle worker —
-    `timing.prefill_s(cached, rest)`, no queue, no decode steps beside it, no transfer. A
-    router's TTFT also holds the waits, the chunking and the mixed decode steps this leaves out,
-    so it is at least this; a ratio of mean TTFTs (say round-robin / kv) is at most round-robin's
-    mean over this bound."""
-    total = sum(timing.prefill_s(kf * block, r.prompt_len - kf * block) for r, _, kf in _engine_hits(reqs, block))
-    return total / len(reqs) if reqs else 0.0
+def ttft_lower_bounds(reqs: list[BenchRequest], timing, block: int = MOONCAKE_BLOCK) -> dict[int, float]:
+    """Per request index, the TTFT (seconds) no placement can beat under `timing` (mocker/timing.py
+    TimingModel): in arrival order, every request finds the longest full-block prefix any
+    earlier request produced (an infinite cache shared by all workers: `oracle_hit_rate`'s
+    "engine_block", at least one prompt token computed) and prefills the rest in one chunk on an
+    idle worker — `timing.prefill_s(cached, rest)`, no queue, no decode steps beside it, no
+    transfer. The offline simulator's TTFT also holds the waits, the chunking (which adds an
+    overhead per chunk and the same attention pairs) and the mixed decode steps this leaves out,
+    and its workers cache at most what this cache holds, so a request's TTFT is at least this —
+    provided the workers' blocks are `block` tokens or a multiple of them (smaller blocks cache
+    parts of a hash id's block that this does not count). A ratio of mean TTFTs (say round-robin
+    / kv) over the same requests is at most round-robin's mean over the mean of these."""
+    ordered = sorted(reqs, key=lambda r: (r.arrival_s, r.index))  # bench/sim.py replays in this order
+    return {r.index: timing.prefill_s(kf * block, r.prompt_len - kf * block)
+            for r, _, kf in _engine_hits(ordered, block)}

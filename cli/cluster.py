@@ -104,6 +104,10 @@ class LocalCluster:
             raise ValueError(f"--ready-timeout must be > 0 seconds, got {ready_timeout_s}")
         if not 1 <= mps_prefill_percent <= 100:
             raise ValueError(f"--mps-prefill-percent must be between 1 and 100, got {mps_prefill_percent}")
+        if mps_prefill_percent != 100 and not mps:
+            raise ValueError("--mps-prefill-percent caps the prefill worker under MPS: give --mps too")
+        if mps and num_mocker:
+            raise ValueError("--mps is for workers on a GPU; --mocker runs simulated workers, which use none")
         if num_mocker and not 1 <= mocker_processes <= num_mocker:
             raise ValueError(f"--mocker-processes must be between 1 and --mocker ({num_mocker}), got "
                              f"{mocker_processes}")
@@ -122,7 +126,8 @@ class LocalCluster:
         self.router_port = router_port
         self.worker_args = worker_args or []
         self.router_args = router_args or []
-        self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix="tandem-up-"))
+        # absolute: the children run in the repository root (and MPS clients find the daemon's pipe by it)
+        self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix="tandem-up-")).resolve()
         self.ready_timeout_s = ready_timeout_s
         self.metrics = metrics
         self.instances: dict[str, discovery_pb2.Instance] = {}  # discovery's view once ready
@@ -157,6 +162,8 @@ class LocalCluster:
         env = {k: v for k, v in os.environ.items() if self.tls or not k.startswith("TANDEM_TLS_")}
         env["PYTHONUNBUFFERED"] = "1"
         if self.mps is not None and role in ("prefill", "decode"):
+            from cli.mps import PERCENT_VAR
+            env.pop(PERCENT_VAR, None)  # the caller's own cap is not --mps-prefill-percent
             env.update(self.mps.env(self.mps_prefill_percent if role == "prefill" else None))
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env,
                                 cwd=Path(__file__).resolve().parent.parent, start_new_session=True)
@@ -188,7 +195,7 @@ class LocalCluster:
                 if http_port >= 0:
                     http_port = _hold_port(held, http_port, "--http-port")
             if self.mps is not None:
-                self.mps.start()
+                await asyncio.to_thread(self.mps.start)  # up to seconds: Ctrl-C stays answered
             if not self._etcd_endpoint:
                 # with TLS, etcd takes only clients with a certificate of the cluster CA (every
                 # process here has one; --etcd is then https://...)

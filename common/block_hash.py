@@ -46,6 +46,9 @@ def block_hashes(token_ids: Sequence[int], block_size: int, seed: int,
         parent: hash of the block before token_ids[0], when hashing a continuation.
     Raises:
         ValueError: block_size < 1.
+        OverflowError: an id (a trailing partial block's too) is negative or >= 2**32, when
+            token_ids holds at least one full block (every caller checks ids against the
+            vocabulary before hashing).
     """
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")

@@ -99,10 +99,28 @@ def test_ttft_lower_bound_prefills_only_what_no_earlier_request_stored():
     from mocker.timing import TimingModel
     t = TimingModel(prefill_per_token=1.0, prefill_attention=0.0, prefill_overhead=0.0)
     reqs = [traces.BenchRequest(0, 0.0, 1, hash_ids=(1, 2), input_len=1024),
-            traces.BenchRequest(1, 0.0, 1, hash_ids=(1, 2, 3), input_len=1300),  # blocks 1, 2 stored: 276 left
-            traces.BenchRequest(2, 0.0, 1, hash_ids=(1, 2), input_len=1024)]  # computes >= 1 token: block 2 again
-    assert traces.ttft_lower_bound(reqs, t) == pytest.approx((1024 + 276 + 512) / 3)
+            traces.BenchRequest(1, 1.0, 1, hash_ids=(1, 2, 3), input_len=1300),  # blocks 1, 2 stored: 276 left
+            traces.BenchRequest(2, 2.0, 1, hash_ids=(1, 2), input_len=1024)]  # computes >= 1 token: block 2 again
+    assert traces.ttft_lower_bounds(reqs, t) == {0: 1024, 1: 276, 2: 512}
+    # arrival order, not list order, says which request came first (the simulator replays so)
+    assert traces.ttft_lower_bounds(reqs[::-1], t) == {0: 1024, 1: 276, 2: 512}
     # the attention term charges each new token its context: cached tokens count
     t2 = TimingModel(prefill_per_token=0.0, prefill_attention=1.0, prefill_overhead=0.0)
-    assert traces.ttft_lower_bound(reqs[:2], t2) == pytest.approx((1024 * 1024 / 2 + 276 * 1024 + 276 * 276 / 2) / 2)
-    assert traces.ttft_lower_bound([], t) == 0.0
+    assert traces.ttft_lower_bounds(reqs[:2], t2)[1] == pytest.approx(276 * 1024 + 276 * 276 / 2)
+    assert traces.ttft_lower_bounds([], t) == {}
+
+
+def test_the_offline_replay_never_beats_the_ttft_bound():
+    """Every request's simulated TTFT (mocker timing, KV router, 512-token blocks) is at least
+    its bound: prompts sharing prefixes, a burst that queues, and a repeat after a pause."""
+    from bench.sim import SimConfig, replay
+    from mocker.timing import TimingModel
+    timing = TimingModel(prefill_per_token=1e-5)
+    reqs = [traces.BenchRequest(i, 0.01 * i, 4, hash_ids=(1, 2, 3 + i % 3, 10 + i), input_len=1800 + 37 * i, vocab=1000)
+            for i in range(12)]
+    reqs.append(traces.BenchRequest(12, 5.0, 4, hash_ids=(1, 2, 3, 10), input_len=1800, vocab=1000))
+    bounds = traces.ttft_lower_bounds(reqs, timing)
+    res = replay(reqs, SimConfig(mode="kv", num_workers=2, num_blocks=64, block_size=512, timing=timing))
+    assert all(r.ok for r in res.results) and len(res.results) == len(reqs)
+    for r in res.results:
+        assert r.ttft_s >= bounds[r.index] - 1e-9, (r.index, r.ttft_s, bounds[r.index])

@@ -11,29 +11,41 @@ import os
 import stat
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
+from cli import mps
 from cli.cluster import LocalCluster
 from cli.mps import MpsDaemon, MpsError
 
 STAND_IN = """#!{python}
-import json, os, sys
+import json, os, sys, time
+args = sys.argv[1:]
+stdin = "" if args else sys.stdin.read()
 with open({calls!r}, "a") as f:
-    f.write(json.dumps({{"args": sys.argv[1:], "stdin": "" if sys.stdin.isatty() else sys.stdin.read(),
+    f.write(json.dumps({{"args": args, "stdin": stdin,
                         "pipe": os.environ.get("CUDA_MPS_PIPE_DIRECTORY"),
-                        "log": os.environ.get("CUDA_MPS_LOG_DIRECTORY")}}) + "\\n")
+                        "log": os.environ.get("CUDA_MPS_LOG_DIRECTORY"),
+                        "percent": os.environ.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE")}}) + "\\n")
+mode = {mode!r}
+if args == ["-d"] and mode == "hang-start" or not args and mode == "hang-quit":
+    time.sleep(60)
+if args == ["-d"] and mode != "no-socket":
+    open(os.path.join(os.environ["CUDA_MPS_PIPE_DIRECTORY"], "control"), "w").close()  # the daemon's socket
 sys.exit({code})
 """
 
 
-def stand_in(tmp_path: Path, monkeypatch, code: int = 0) -> Path:
-    """Put a recording nvidia-cuda-mps-control first on PATH; returns the file of its calls."""
+def stand_in(tmp_path: Path, monkeypatch, code: int = 0, mode: str = "ok") -> Path:
+    """Put a recording nvidia-cuda-mps-control first on PATH; returns the file of its calls.
+    mode: ok, hang-start (-d never returns), no-socket (-d returns 0, no daemon appears),
+    hang-quit (quit never returns)."""
     bindir, calls = tmp_path / "bin", tmp_path / "calls.jsonl"
-    bindir.mkdir()
+    bindir.mkdir(exist_ok=True)
     exe = bindir / "nvidia-cuda-mps-control"
-    exe.write_text(STAND_IN.format(python=sys.executable, calls=str(calls), code=code))
+    exe.write_text(STAND_IN.format(python=sys.executable, calls=str(calls), code=code, mode=mode))
     exe.chmod(exe.stat().st_mode | stat.S_IXUSR)
     monkeypatch.setenv("PATH", f"{bindir}{os.pathsep}{os.environ['PATH']}")
     return calls
@@ -57,6 +69,49 @@ def test_daemon_starts_in_its_own_folders_and_quits_once(tmp_path, monkeypatch):
     assert {c["log"] for c in got} == {str(tmp_path / "mps" / "log")}
 
 
+def test_a_hung_or_absent_daemon_is_a_one_line_error_and_nothing_is_left(tmp_path, monkeypatch):
+    monkeypatch.setattr(mps, "START_TIMEOUT_S", 1.0)
+    stand_in(tmp_path, monkeypatch, mode="hang-start")
+    t0 = time.monotonic()
+    with pytest.raises(MpsError, match=r"-d did not return in 1 s") as err:
+        MpsDaemon(tmp_path / "a").start()
+    assert time.monotonic() - t0 < 5 and "\n" not in str(err.value)
+    calls = stand_in(tmp_path, monkeypatch, mode="no-socket")  # -d says 0, but no daemon comes up
+    d = MpsDaemon(tmp_path / "b")
+    with pytest.raises(MpsError, match="made no control socket"):
+        d.start()
+    assert not d.running
+    assert [c["args"] for c in read_calls(calls)][-1] == []  # it was asked to quit all the same
+
+
+def test_a_daemon_that_does_not_quit_gets_sigterm(tmp_path, monkeypatch):
+    monkeypatch.setattr(mps, "QUIT_TIMEOUT_S", 1.0)
+    stand_in(tmp_path, monkeypatch, mode="hang-quit")
+    d = MpsDaemon(tmp_path / "mps")
+    d.start()
+    daemon = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])  # stands for the daemon
+    try:
+        (d.pipe / "nvidia-cuda-mps-control.pid").write_text(f"{daemon.pid}\n")
+        t0 = time.monotonic()
+        d.stop()
+        assert daemon.wait(5) != 0 and time.monotonic() - t0 < 5
+        assert not d.running
+    finally:
+        daemon.kill()
+
+
+def test_a_long_log_folder_puts_the_pipe_under_tmp(tmp_path, monkeypatch):
+    calls = stand_in(tmp_path, monkeypatch)
+    deep = tmp_path / ("x" * 60) / ("y" * 40)
+    d = MpsDaemon(deep)
+    assert len(str(d.pipe / "control_privileged")) <= 107 and str(d.pipe).startswith("/tmp/tandem-mps-")
+    d.start()
+    assert (d.pipe / "control").exists() and (deep / "log").is_dir()
+    d.stop()
+    assert not d.pipe.exists()  # its own short folder goes with it
+    assert {c["pipe"] for c in read_calls(calls)} == {str(d.pipe)}
+
+
 def test_client_environment_and_the_sm_cap():
     d = MpsDaemon("/x/mps")
     assert d.env() == {"CUDA_MPS_PIPE_DIRECTORY": "/x/mps/pipe", "CUDA_MPS_LOG_DIRECTORY": "/x/mps/log"}
@@ -77,6 +132,7 @@ def test_missing_or_failing_control_binary_is_a_clear_error(tmp_path, monkeypatc
 
 def test_cluster_gives_workers_the_daemon_and_caps_prefill_only(tmp_path, monkeypatch):
     calls = stand_in(tmp_path, monkeypatch)
+    monkeypatch.setenv("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "20")  # the caller's own: not the cluster's
     envs: dict[str, dict[str, str]] = {}
 
     class FakePopen:  # records each child's environment instead of starting it
@@ -97,9 +153,15 @@ def test_cluster_gives_workers_the_daemon_and_caps_prefill_only(tmp_path, monkey
     assert "CUDA_MPS_PIPE_DIRECTORY" not in envs["router"]  # the router opens no CUDA context
     c.procs.clear()  # nothing real was started
     asyncio.run(c.stop())
-    assert [x["args"] for x in read_calls(calls)] == [["-d"], []]  # started once, quit with the cluster
-    with pytest.raises(ValueError, match="--mps-prefill-percent"):
+    got = read_calls(calls)
+    assert [x["args"] for x in got] == [["-d"], []]  # started once, quit with the cluster
+    assert {x["percent"] for x in got} == {None}  # nor does the daemon get the caller's cap as its default
+    with pytest.raises(ValueError, match="--mps-prefill-percent must be between 1 and 100"):
         LocalCluster(log_dir=str(tmp_path), mps=True, mps_prefill_percent=0)
+    with pytest.raises(ValueError, match="give --mps too"):
+        LocalCluster(log_dir=str(tmp_path), mps_prefill_percent=50)
+    with pytest.raises(ValueError, match="--mocker runs simulated workers"):
+        LocalCluster(log_dir=str(tmp_path), mps=True, num_mocker=2)
 
 
 def test_tandem_up_mps_without_the_daemon_fails_before_starting_anything(tmp_path):
