@@ -274,11 +274,13 @@ def build_parser(command: str | None = None, full: bool = True) -> argparse.Argu
          "(default: mutual TLS with a throw-away CA made at start-up)", kind=bool)
     _arg(p, "--ready-timeout", 120.0, "seconds to wait for every process to be ready before giving up (a "
          "16B-class checkpoint on a GPU loads, captures its graphs and compiles its kernels in a few minutes)")
-    _arg(p, "--mps", False, "start a CUDA MPS control daemon for the workers (pipe and logs in the cluster's log "
-         "folder, stopped with it): workers sharing one GPU then run their kernels side by side instead of "
-         "taking turns (docs/operations.md)", kind=bool)
+    _arg(p, "--mps", False, "NVIDIA GPUs only: start a CUDA MPS (Multi-Process Service) control daemon for the "
+         "workers, stopped with the cluster (needs nvidia-cuda-mps-control from the driver). Workers sharing one "
+         "GPU then run their kernels side by side instead of taking turns: lower TTFT under load, but each decode "
+         "step slower; off by default (docs/operations.md has the measured trade-off)", kind=bool)
     _arg(p, "--mps-prefill-percent", 100, "with --mps: the share (1-100) of the GPU's multiprocessors each "
-         "prefill worker may occupy (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE; 100 = no cap)")
+         "prefill worker may occupy, leaving the rest to the decode steps, which stay uncapped "
+         "(CUDA_MPS_ACTIVE_THREAD_PERCENTAGE; 100 = no cap)")
     p.set_defaults(func=_up)
     p = sub.add_parser("generate", help="send one prompt to a router and stream the answer")
     p.add_argument("prompt", help="prompt text")
