@@ -15,6 +15,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from cli.mps import PERCENT_VAR, MpsDaemon
 from common.pb.tandem.v1 import discovery_pb2
 from discovery.etcd_server import EtcdServer
 from discovery.watcher import InstanceWatcher
@@ -142,7 +143,6 @@ class LocalCluster:
         self.client_tls = None  # common.tls.TlsCredentials of a frontend client (role "client")
         self.api_keys = str(Path(api_keys).resolve()) if api_keys else ""  # the children run in the repo root
         self.admin_key = ""  # an admin key of api_keys, once started
-        from cli.mps import MpsDaemon
         self.mps = MpsDaemon(self.log_dir / "mps") if mps else None
         self.mps_prefill_percent = mps_prefill_percent
 
@@ -162,7 +162,6 @@ class LocalCluster:
         env = {k: v for k, v in os.environ.items() if self.tls or not k.startswith("TANDEM_TLS_")}
         env["PYTHONUNBUFFERED"] = "1"
         if self.mps is not None and role in ("prefill", "decode"):
-            from cli.mps import PERCENT_VAR
             env.pop(PERCENT_VAR, None)  # the caller's own cap is not --mps-prefill-percent
             env.update(self.mps.env(self.mps_prefill_percent if role == "prefill" else None))
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env,
