@@ -15,7 +15,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from cli.mps import PERCENT_VAR, MpsDaemon
+from cli.mps import CLIENT_VARS, MpsDaemon
 from common.pb.tandem.v1 import discovery_pb2
 from discovery.etcd_server import EtcdServer
 from discovery.watcher import InstanceWatcher
@@ -89,6 +89,8 @@ class LocalCluster:
             when the daemon cannot start.
         mps_prefill_percent: with mps, the share (1..100) of the GPU's multiprocessors each
             prefill worker's kernels may occupy (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE); 100 = no cap.
+        mps_prefill_priority: with mps, "below" (CUDA_MPS_CLIENT_PRIORITY=1: where both are ready
+            the decode worker's kernels go first) or "normal" for the prefill workers.
     """
 
     def __init__(self, model: str = DEFAULT_MODEL, num_prefill: int = 1, num_decode: int = 1,
@@ -98,7 +100,7 @@ class LocalCluster:
                  ready_timeout_s: float = 120.0, metrics: bool = False, num_mocker: int = 0,
                  mocker_args: list[str] | None = None, http_port: int = -1, tls: bool = True,
                  api_keys: str = "", num_routers: int = 1, mocker_processes: int = 1, mps: bool = False,
-                 mps_prefill_percent: int = 100) -> None:
+                 mps_prefill_percent: int = 100, mps_prefill_priority: str = "below") -> None:
         if num_routers < 1:
             raise ValueError(f"--routers must be at least 1, got {num_routers}")
         if not ready_timeout_s > 0:
@@ -107,6 +109,8 @@ class LocalCluster:
             raise ValueError(f"--mps-prefill-percent must be between 1 and 100, got {mps_prefill_percent}")
         if mps_prefill_percent != 100 and not mps:
             raise ValueError("--mps-prefill-percent caps the prefill worker under MPS: give --mps too")
+        if mps_prefill_priority not in ("below", "normal"):
+            raise ValueError(f"--mps-prefill-priority must be 'below' or 'normal', got {mps_prefill_priority!r}")
         if mps and num_mocker:
             raise ValueError("--mps is for workers on a GPU; --mocker runs simulated workers, which use none")
         if num_mocker and not 1 <= mocker_processes <= num_mocker:
@@ -145,6 +149,7 @@ class LocalCluster:
         self.admin_key = ""  # an admin key of api_keys, once started
         self.mps = MpsDaemon(self.log_dir / "mps") if mps else None
         self.mps_prefill_percent = mps_prefill_percent
+        self.mps_prefill_below_normal = mps_prefill_priority == "below"
 
     @property
     def etcd_endpoint(self) -> str:
@@ -162,8 +167,11 @@ class LocalCluster:
         env = {k: v for k, v in os.environ.items() if self.tls or not k.startswith("TANDEM_TLS_")}
         env["PYTHONUNBUFFERED"] = "1"
         if self.mps is not None and role in ("prefill", "decode"):
-            env.pop(PERCENT_VAR, None)  # the caller's own cap is not --mps-prefill-percent
-            env.update(self.mps.env(self.mps_prefill_percent if role == "prefill" else None))
+            for var in CLIENT_VARS:  # the caller's own cap or priority is not this cluster's
+                env.pop(var, None)
+            prefill = role == "prefill"
+            env.update(self.mps.env(self.mps_prefill_percent if prefill else None,
+                                    below_normal=prefill and self.mps_prefill_below_normal))
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env,
                                 cwd=Path(__file__).resolve().parent.parent, start_new_session=True)
         out.close()

@@ -61,7 +61,8 @@ def _up(args: argparse.Namespace) -> int:
                                metrics=args.metrics, num_mocker=args.mocker, http_port=args.http_port,
                                tls=not args.insecure, api_keys=args.api_keys, num_routers=args.routers,
                                mocker_processes=args.mocker_processes, ready_timeout_s=args.ready_timeout,
-                               mps=args.mps, mps_prefill_percent=args.mps_prefill_percent)
+                               mps=args.mps, mps_prefill_percent=args.mps_prefill_percent,
+                               mps_prefill_priority=args.mps_prefill_priority)
         if args.insecure:
             print("tandem up: WARNING: --insecure: every gRPC port of this cluster serves plaintext with no "
                   "authentication; any local process can call the workers directly", file=sys.stderr, flush=True)
@@ -281,6 +282,9 @@ def build_parser(command: str | None = None, full: bool = True) -> argparse.Argu
     _arg(p, "--mps-prefill-percent", 100, "with --mps: the share (1-100) of the GPU's multiprocessors each "
          "prefill worker may occupy, leaving the rest to the decode steps, which stay uncapped "
          "(CUDA_MPS_ACTIVE_THREAD_PERCENTAGE; 100 = no cap)")
+    _arg(p, "--mps-prefill-priority", "below", "with --mps: 'below' gives the prefill workers' kernels a lower "
+         "priority than the decode steps' where both wait for the GPU (CUDA_MPS_CLIENT_PRIORITY=1); 'normal' "
+         "lets them compete as equals")
     p.set_defaults(func=_up)
     p = sub.add_parser("generate", help="send one prompt to a router and stream the answer")
     p.add_argument("prompt", help="prompt text")

@@ -13,9 +13,11 @@ folder under /tmp), so it neither meets nor stops a daemon someone else runs on 
 only processes started with `env()` (the cluster's workers) become its clients.
 `CUDA_MPS_ACTIVE_THREAD_PERCENTAGE` in a client's environment caps the share of the GPU's
 multiprocessors its kernels may occupy (`env(sm_percent=...)`): a prefill worker held to part of
-the GPU cannot crowd out the decode steps. Sources: NVIDIA's "Multi-Process Service" guide
-(the control daemon, CUDA_MPS_PIPE_DIRECTORY / CUDA_MPS_LOG_DIRECTORY, the `quit` command and
-CUDA_MPS_ACTIVE_THREAD_PERCENTAGE).
+the GPU cannot crowd out the decode steps. `CUDA_MPS_CLIENT_PRIORITY=1` (`env(below_normal=True)`)
+makes a client's work "below normal": where both are ready, the GPU schedules the normal
+clients' (the decode steps') first. Sources: NVIDIA's "Multi-Process Service" guide (the control
+daemon, CUDA_MPS_PIPE_DIRECTORY / CUDA_MPS_LOG_DIRECTORY, the `quit` command,
+CUDA_MPS_ACTIVE_THREAD_PERCENTAGE and CUDA_MPS_CLIENT_PRIORITY).
 """
 
 from __future__ import annotations
@@ -33,6 +35,8 @@ logger = logging.getLogger(__name__)
 
 CONTROL = "nvidia-cuda-mps-control"
 PERCENT_VAR = "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"
+PRIORITY_VAR = "CUDA_MPS_CLIENT_PRIORITY"  # 0 normal (the default), 1 below normal
+CLIENT_VARS = (PERCENT_VAR, PRIORITY_VAR)  # what a client's environment may carry for one client only
 # The daemon's longest socket is pipe/control_privileged; unix socket paths hold 107 bytes.
 MAX_PIPE_PATH = 107 - len("/control_privileged")
 START_TIMEOUT_S = 10.0  # for `-d` to return and the daemon to create its control socket
@@ -59,12 +63,15 @@ class MpsDaemon:
         self.control = control
         self.running = False
 
-    def env(self, sm_percent: int | None = None) -> dict[str, str]:
+    def env(self, sm_percent: int | None = None, below_normal: bool = False) -> dict[str, str]:
         """Variables that make a process this daemon's client; sm_percent (1..100) caps the
-        share of multiprocessors its kernels may use."""
+        share of multiprocessors its kernels may use; below_normal lowers its work's priority
+        under the other clients'."""
         env = {"CUDA_MPS_PIPE_DIRECTORY": str(self.pipe), "CUDA_MPS_LOG_DIRECTORY": str(self.log)}
         if sm_percent is not None and sm_percent < 100:
             env[PERCENT_VAR] = str(sm_percent)
+        if below_normal:
+            env[PRIORITY_VAR] = "1"
         return env
 
     def _run(self, stdin: str | None, *args: str, timeout: float) -> int:
@@ -73,7 +80,7 @@ class MpsDaemon:
             raise MpsError(f"--mps: {self.control} is not on PATH (it ships with NVIDIA's driver; MPS needs a "
                            "CUDA GPU); start without --mps")
         # the caller's own SM cap would become the daemon's default for every client: not ours
-        env = {k: v for k, v in os.environ.items() if k != PERCENT_VAR}
+        env = {k: v for k, v in os.environ.items() if k not in CLIENT_VARS}
         # no pipes for its output: `-d` forks the daemon, which would hold them open
         return subprocess.run([binary, *args], input=stdin, text=True, stdout=subprocess.DEVNULL,
                               stderr=subprocess.DEVNULL, timeout=timeout, env={**env, **self.env()}).returncode

@@ -206,7 +206,7 @@ class AbsorbedDecodeKv:
         w = attn.kv_b_proj.weight.view(h, c.qk_nope_head_dim + c.v_head_dim, c.kv_lora_rank)
         w_uk, w_uv = w.split([c.qk_nope_head_dim, c.v_head_dim], dim=1)  # [H, nope|v, R]
         q_lat = torch.einsum("bhn,hnr->bhr", q_nope, w_uk)  # absorbed query [B, H, R]
-        q = torch.cat((q_lat, q_pe), dim=-1).contiguous()  # [B, H, R + rope]
-        o_lat = self.attention(q, self.kv, layer, self.tables, self.lens, c.kv_lora_rank,
-                               attn.softmax_scale, self.scale)  # [B, H, R]
+        # q_lat and q_pe go to the kernel apart: no [B, H, R + rope] concatenation per layer
+        o_lat = self.attention(q_lat, self.kv, layer, self.tables, self.lens, c.kv_lora_rank,
+                               attn.softmax_scale, self.scale, q_pe=q_pe)  # [B, H, R]
         return torch.einsum("bhr,hvr->bhv", o_lat.to(q_nope.dtype), w_uv)  # [B, H, v]

@@ -85,6 +85,7 @@ class HotPath:
     def reset(self) -> None:
         self.rms_norm, self.silu_mul, self.add_rms_norm = rms_norm, silu_mul, add_rms_norm
         self.rope_cos_sin, self.apply_rope, self.route = rope_cos_sin, apply_rope, route
+        self.rope_latent = rope_latent
         self.fused = False
 
 
@@ -128,6 +129,22 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
         t, h, d = x.shape
         x = x.view(t, h, d // 2, 2).transpose(-1, -2).reshape(t, h, d)
     return x * cos[:, None, :] + _rotate_half(x) * sin[:, None, :]
+
+
+def rope_latent(q_pe: torch.Tensor, kv_a: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                norm_weight: torch.Tensor, eps: float, rank: int,
+                interleave: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The roped query part and the latent row MLA caches, from kv_a_proj_with_mqa's output.
+
+    Args: q_pe [T, H, rope]; kv_a [T, rank + rope] (c_kv then k_pe); cos/sin [T, rope];
+    norm_weight [rank] (kv_a_layernorm's). Returns (q_pe roped [T, H, rope],
+    latent [T, rank + rope] = (RMSNorm(c_kv), roped k_pe)). One function so that a GPU compiles
+    it into one or two kernels (engine/kernels/fused.py) instead of the four of its parts.
+    """
+    c_kv, k_pe = kv_a.split([rank, kv_a.shape[-1] - rank], -1)
+    q_pe = apply_rope(q_pe, cos, sin, interleave)
+    k_pe = apply_rope(k_pe[:, None, :], cos, sin, interleave)[:, 0]  # [T, rope]
+    return q_pe, torch.cat((rms_norm(c_kv, norm_weight, eps), k_pe), dim=-1)
 
 
 def mla_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, context_latent: torch.Tensor,
@@ -233,23 +250,28 @@ class MLAttention(nn.Module):
         self.kv_b_proj = _linear(c.kv_lora_rank, h * (c.qk_nope_head_dim + c.v_head_dim))
         self.o_proj = _linear(h * c.v_head_dim, c.hidden_size)
         self.softmax_scale = c.qk_head_dim ** -0.5
+        # [q rows + kv_dim, hidden]: q_proj's (or q_a_proj's) and kv_a_proj_with_mqa's weights
+        # in one tensor, theirs views of it, so both projections are one GEMM (GPU fast mode:
+        # use_fused_projections); None = two GEMMs (the reference)
+        self.fused_a: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor,
                 rope: tuple[torch.Tensor, torch.Tensor], q_lens: Sequence[int], kv: KvCache,
                 layer_idx: int) -> torch.Tensor:
         # x: [T, hidden] (already input_layernorm-ed) -> [T, hidden]
         c, t = self.c, x.shape[0]
-        if c.q_lora_rank is None:
-            q = self.q_proj(x)
+        if self.fused_a is not None:
+            q, kv_a = F.linear(x, self.fused_a).split([self.fused_a.shape[0] - c.kv_dim, c.kv_dim], -1)
         else:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+            q = self.q_proj(x) if c.q_lora_rank is None else self.q_a_proj(x)
+            kv_a = self.kv_a_proj_with_mqa(x)  # [T, kv_dim]
+        if c.q_lora_rank is not None:
+            q = self.q_b_proj(self.q_a_layernorm(q))
         q = q.view(t, c.num_attention_heads, c.qk_head_dim)  # [T, H, qk_head_dim]
         q_nope, q_pe = q.split([c.qk_nope_head_dim, c.qk_rope_head_dim], dim=-1)
-        c_kv, k_pe = self.kv_a_proj_with_mqa(x).split([c.kv_lora_rank, c.qk_rope_head_dim], -1)
         cos, sin = rope
-        q_pe = HOT.apply_rope(q_pe, cos, sin, c.rope_interleave)
-        k_pe = HOT.apply_rope(k_pe[:, None, :], cos, sin, c.rope_interleave)[:, 0]  # [T, rope]
-        latent = torch.cat((self.kv_a_layernorm(c_kv), k_pe), dim=-1)  # [T, kv_dim]
+        q_pe, latent = HOT.rope_latent(q_pe, kv_a, cos, sin, self.kv_a_layernorm.weight,
+                                       self.kv_a_layernorm.eps, c.kv_lora_rank, c.rope_interleave)
         if getattr(kv, "attends", False):  # the GPU decode step: engine/decode_batch.py
             return self.o_proj(kv.attend(layer_idx, latent, q_nope, q_pe, self).reshape(t, -1))
         if getattr(kv, "pack", False) and q_nope.dtype in (torch.bfloat16, torch.float16):
@@ -375,8 +397,9 @@ class MoE(nn.Module):
             MLP(c.hidden_size, c.moe_intermediate_size) for _ in range(c.n_routed_experts))
         self.shared_experts = (MLP(c.hidden_size, c.moe_intermediate_size * c.n_shared_experts)
                                if c.n_shared_experts > 0 else None)
-        # the stacked form of the routed experts (engine/kernels/grouped_experts.py: Triton fused MoE), set by
-        # use_grouped_experts on GPU workers; None runs the per-expert loop below (the reference)
+        # the stacked form of the routed experts, and the shared ones (engine/kernels/grouped_experts.py:
+        # Triton fused MoE), set by use_grouped_experts on GPU workers; None runs the per-expert loop
+        # below and the shared MLP apart (the reference)
         self.grouped = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -387,6 +410,10 @@ class MoE(nn.Module):
     def forward_parts(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(routed experts' output, shared experts' output or None), each [T, hidden]: `forward`
         before its sum, which the next residual add takes instead (DecoderLayer.forward_pending)."""
+        if self.grouped is not None and self.grouped.shared is not None:
+            # the GPU fast mode: routing and shared experts inside the fused MoE launches
+            # (engine/kernels/grouped_experts.py); the result is routed + shared, one part
+            return self.grouped.forward_with_shared(x, self.gate), None
         ids, weights = self.gate(x)
         out = self.experts_forward(x, ids, weights)
         return out, (self.shared_experts(x) if self.shared_experts is not None else None)

@@ -171,7 +171,9 @@ def install_expert_parallel(model: DeepseekV3ForCausalLM, placement: ExpertPlace
         for e in range(c.n_routed_experts):
             if e not in local:
                 moe.experts[e] = nn.Module()  # an empty placeholder keeps the indices of the rest
-        # the instance attribute shadows MoE.experts_forward ("EP runtimes replace this call")
+        # the instance attribute shadows MoE.experts_forward ("EP runtimes replace this call");
+        # the grouped form (which also runs the shared experts) would bypass it
+        moe.grouped = None
         moe.experts_forward = ExpertParallelDispatch(  # type: ignore[method-assign]
             placement, rank, {e: moe.experts[e] for e in sorted(local)}, c.hidden_size, group, stats)
     return stats

@@ -93,8 +93,9 @@ class ModelRunner:
         self.spec_graphs = None  # engine.spec_graphs.SpecGraphs, when it captured MTP steps too
         if self.fast:
             from engine.kernels.grouped_experts import use_grouped_experts
-            from engine.kernels.fused import use_fused_hot_path
+            from engine.kernels.fused import use_fused_hot_path, use_fused_projections
             n = use_grouped_experts(model)
+            use_fused_projections(model)
             use_fused_hot_path()
             log.info("model runner on %s: batched decode with paged MLA decode attention (triton), "
                      "fused MoE experts (triton) in %d MoE layers", self.device, n)

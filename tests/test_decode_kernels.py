@@ -177,6 +177,11 @@ def test_mla_decode_kernel_matches_reference(heads, rank, rope, bs, dtype) -> No
             err = (got - want).norm() / want.norm()
             assert err < 1e-2, (splits, config, float(err))
             assert torch.isfinite(got).all()
+    # the decode step's form: the absorbed query strided as the einsum leaves it, q_pe apart
+    q_lat = torch.empty(heads, len(lens), rank, device="cuda", dtype=torch.bfloat16).transpose(0, 1)
+    q_lat.copy_(q[..., :rank])
+    got = mla_decode(q_lat, kv, 1, tables, lens, rank, scale, kv_scale, q_pe=q[..., rank:].clone()).float()
+    assert torch.equal(got, mla_decode(q, kv, 1, tables, lens, rank, scale, kv_scale).float())
 
 
 @cuda

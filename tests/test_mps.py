@@ -117,6 +117,8 @@ def test_client_environment_and_the_sm_cap():
     assert d.env() == {"CUDA_MPS_PIPE_DIRECTORY": "/x/mps/pipe", "CUDA_MPS_LOG_DIRECTORY": "/x/mps/log"}
     assert d.env(100) == d.env()  # 100 % is no cap
     assert d.env(40)["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "40"
+    assert d.env(below_normal=True)["CUDA_MPS_CLIENT_PRIORITY"] == "1"
+    assert "CUDA_MPS_CLIENT_PRIORITY" not in d.env(40)
 
 
 def test_missing_or_failing_control_binary_is_a_clear_error(tmp_path, monkeypatch):
@@ -133,6 +135,7 @@ def test_missing_or_failing_control_binary_is_a_clear_error(tmp_path, monkeypatc
 def test_cluster_gives_workers_the_daemon_and_caps_prefill_only(tmp_path, monkeypatch):
     calls = stand_in(tmp_path, monkeypatch)
     monkeypatch.setenv("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "20")  # the caller's own: not the cluster's
+    monkeypatch.setenv("CUDA_MPS_CLIENT_PRIORITY", "1")
     envs: dict[str, dict[str, str]] = {}
 
     class FakePopen:  # records each child's environment instead of starting it
@@ -150,6 +153,8 @@ def test_cluster_gives_workers_the_daemon_and_caps_prefill_only(tmp_path, monkey
     assert envs["prefill"]["CUDA_MPS_PIPE_DIRECTORY"] == envs["decode"]["CUDA_MPS_PIPE_DIRECTORY"] == pipe
     assert envs["prefill"]["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "30"
     assert "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE" not in envs["decode"]
+    assert envs["prefill"]["CUDA_MPS_CLIENT_PRIORITY"] == "1"  # --mps-prefill-priority below, the default
+    assert "CUDA_MPS_CLIENT_PRIORITY" not in envs["decode"]  # the decode steps stay normal
     assert "CUDA_MPS_PIPE_DIRECTORY" not in envs["router"]  # the router opens no CUDA context
     c.procs.clear()  # nothing real was started
     asyncio.run(c.stop())
@@ -162,6 +167,10 @@ def test_cluster_gives_workers_the_daemon_and_caps_prefill_only(tmp_path, monkey
         LocalCluster(log_dir=str(tmp_path), mps_prefill_percent=50)
     with pytest.raises(ValueError, match="--mocker runs simulated workers"):
         LocalCluster(log_dir=str(tmp_path), mps=True, num_mocker=2)
+    with pytest.raises(ValueError, match="'below' or 'normal', got 'low'"):
+        LocalCluster(log_dir=str(tmp_path), mps=True, mps_prefill_priority="low")
+    normal = LocalCluster(log_dir=str(tmp_path / "n"), mps=True, mps_prefill_priority="normal")
+    assert not normal.mps_prefill_below_normal
 
 
 def test_tandem_up_mps_without_the_daemon_fails_before_starting_anything(tmp_path):

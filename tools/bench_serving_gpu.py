@@ -452,9 +452,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                    "on the GPU under CUDA MPS (the in-process figures are taken without it)")
     p.add_argument("--mps-prefill-percent", type=int, default=100, help="with --mps: tandem up "
                    "--mps-prefill-percent (the prefill worker's share of the GPU's multiprocessors)")
+    p.add_argument("--mps-prefill-priority", choices=("below", "normal"), default="below",
+                   help="with --mps: tandem up --mps-prefill-priority")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
-    up_extra = ("--mps", "--mps-prefill-percent", str(args.mps_prefill_percent)) if args.mps else ()
+    up_extra = ("--mps", "--mps-prefill-percent", str(args.mps_prefill_percent),
+                "--mps-prefill-priority", args.mps_prefill_priority) if args.mps else ()
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         p.error(f"--device {args.device}: this machine has no CUDA device (torch {torch.__version__}); "
@@ -510,6 +513,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                                "mean_ttft_ms": s.get("mean_ttft_ms"), "inprocess_ms_per_step": ip["ms_per_step"],
                                "prefill_workers": args.prefill_workers, "mps": args.mps,
                                "mps_prefill_percent": args.mps_prefill_percent if args.mps else None,
+                               "mps_prefill_priority": args.mps_prefill_priority if args.mps else None,
                                **{k: s.get(k) for k in ("first_gap_ms", "steady_ms_per_token", "decoding_mean")},
                                "bound_ms_per_step": 1e3 * bound_s, "failed": s.get("failed"),
                                **{k: v for k, v in s.items() if k.startswith("decode_")}}

@@ -6,5 +6,7 @@ computes (tests compare the two over shapes):
 - `fused_moe.py`: a MoE layer's routed experts as two Triton GEMMs over the step's (token,
   expert) pairs aligned by expert in one Triton program (reference: `MoE.experts_forward`'s
   loop; torch twins `align` and `fused_experts_reference`); `grouped_experts.py` stacks each
-  layer's expert weights for it.
+  layer's expert weights for it and adds the shared experts as extra experts.
+- `moe_router.py`: a decode step's MoE routing in one Triton kernel (reference:
+  `route_with_shared_reference` = `engine.model.route` plus the shared experts' slots).
 """

@@ -1,6 +1,8 @@
 """Fused versions of the model's elementwise hot spots on GPUs (RMSNorm, a residual add with the
-RMSNorm after it, rope, MoE routing, SwiGLU): the plain functions of engine/model.py compiled by torch.compile (inductor fuses each
-into one or a few Triton kernels), swapped into `engine.model.HOT`.
+RMSNorm after it, rope, rope with the latent row's RMSNorm, MoE routing, SwiGLU): the plain
+functions of engine/model.py compiled by torch.compile (inductor fuses each into one or a few
+Triton kernels), swapped into `engine.model.HOT`; and `use_fused_projections`, which makes each
+attention's two input projections one GEMM.
 
 Why: a decode step of a small model is bound by kernel count, not bytes. In the plain form one
 RMSNorm is ~7 kernels, rope ~8, routing ~15; compiled, each is 1-3. The compiled functions
@@ -42,6 +44,7 @@ def use_fused_hot_path() -> bool:
         m.HOT.add_rms_norm = compile_(m.add_rms_norm)
         m.HOT.rope_cos_sin = compile_(m.rope_cos_sin)
         m.HOT.apply_rope = compile_(m.apply_rope)
+        m.HOT.rope_latent = compile_(m.rope_latent)
         m.HOT.route = compile_(m.route)
         m.HOT.fused = True
         _probe(m)
@@ -50,7 +53,8 @@ def use_fused_hot_path() -> bool:
         log.warning("fused hot path off (torch.compile failed: %s: %s); plain functions run",
                     type(exc).__name__, str(exc)[:300])
         return False
-    log.info("fused hot path: RMSNorm, residual add + RMSNorm, rope, routing and SwiGLU compiled with torch.compile")
+    log.info("fused hot path: RMSNorm, residual add + RMSNorm, rope, rope + latent RMSNorm, routing and "
+             "SwiGLU compiled with torch.compile")
     return True
 
 
@@ -58,3 +62,26 @@ def _probe(m) -> None:
     # compile once now on a small input, so a failure shows here rather than inside a step
     x = torch.randn(3, 64, device="cuda", dtype=torch.bfloat16)
     m.HOT.rms_norm(x, torch.ones(64, device="cuda", dtype=torch.bfloat16), 1e-6)
+
+
+@torch.no_grad()
+def use_fused_projections(model: torch.nn.Module) -> int:
+    """Give every MLA attention of `model` one weight [q rows + kv_dim, hidden] for its two input
+    projections (q_proj or q_a_proj, then kv_a_proj_with_mqa), the modules' own weights becoming
+    views of it (no second copy), so that a step runs one GEMM where it ran two. The output's
+    columns are the two projections' (the same products; a GPU GEMM may sum them in another
+    order). Idempotent; returns the number of attentions switched."""
+    from engine.model import MLAttention
+
+    n = 0
+    for attn in model.modules():
+        if not isinstance(attn, MLAttention) or attn.fused_a is not None:
+            continue
+        first = attn.q_proj if attn.c.q_lora_rank is None else attn.q_a_proj
+        rows = first.weight.shape[0]
+        both = torch.cat((first.weight, attn.kv_a_proj_with_mqa.weight))
+        first.weight.data = both[:rows]
+        attn.kv_a_proj_with_mqa.weight.data = both[rows:]
+        attn.fused_a = both
+        n += 1
+    return n

@@ -110,8 +110,8 @@ if triton is not None:
             seen += tl.sum(onehot, axis=0)
 
     @triton.jit(do_not_specialize=["P"])
-    def _gate_up_kernel(x_ptr, w_ptr, out_ptr, rows_ptr, bexp_ptr, P, E, K, I, TOP_K,
-                        stride_x, stride_we, stride_wn, stride_o,
+    def _gate_up_kernel(x_ptr, w_ptr, sg_ptr, su_ptr, out_ptr, rows_ptr, bexp_ptr, P, E, E_ROUTED, K, I, TOP_K,
+                        stride_x, stride_we, stride_wn, stride_s, stride_o,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
@@ -125,9 +125,13 @@ if triton is not None:
         offs_k = tl.arange(0, BLOCK_K)
         nmask = offs_n < I
         x_ptrs = x_ptr + tok[:, None].to(tl.int64) * stride_x + offs_k[None, :]
-        w_base = w_ptr + e.to(tl.int64) * stride_we + offs_k[:, None]
-        g_ptrs = w_base + offs_n[None, :] * stride_wn  # [BLOCK_K, BLOCK_N] of W_gate^T
-        u_ptrs = w_base + (offs_n[None, :] + I) * stride_wn  # W_up rows follow W_gate's
+        if e < E_ROUTED:  # a routed expert: its W_gate rows, then its W_up rows, in the stack
+            g_ptrs = w_ptr + e.to(tl.int64) * stride_we + offs_k[:, None] + offs_n[None, :] * stride_wn
+            u_ptrs = g_ptrs + I * stride_wn
+        else:  # shared chunk j = e - E_ROUTED: rows j*I.. of the shared MLP's own gate and up weights
+            j = (e - E_ROUTED).to(tl.int64) * I
+            g_ptrs = sg_ptr + offs_k[:, None] + (j + offs_n[None, :]) * stride_s
+            u_ptrs = su_ptr + offs_k[:, None] + (j + offs_n[None, :]) * stride_s
         acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
@@ -148,8 +152,8 @@ if triton is not None:
         tl.store(o_ptrs, h.to(out_ptr.dtype.element_ty), mask=valid[:, None] & nmask[None, :])
 
     @triton.jit(do_not_specialize=["P"])
-    def _down_kernel(h_ptr, w_ptr, out_ptr, rows_ptr, bexp_ptr, scale_ptr, P, E, K, N,
-                     stride_h, stride_we, stride_wn, stride_o,
+    def _down_kernel(h_ptr, w_ptr, sd_ptr, out_ptr, rows_ptr, bexp_ptr, scale_ptr, P, E, E_ROUTED, K, N,
+                     stride_h, stride_we, stride_wn, stride_sd, stride_o,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
@@ -162,7 +166,10 @@ if triton is not None:
         offs_k = tl.arange(0, BLOCK_K)
         nmask = offs_n < N
         h_ptrs = h_ptr + rows[:, None].to(tl.int64) * stride_h + offs_k[None, :]
-        w_ptrs = w_ptr + e.to(tl.int64) * stride_we + offs_k[:, None] + offs_n[None, :] * stride_wn
+        if e < E_ROUTED:
+            w_ptrs = w_ptr + e.to(tl.int64) * stride_we + offs_k[:, None] + offs_n[None, :] * stride_wn
+        else:  # shared chunk j: columns j*K.. of the shared MLP's down weight [N, S * K]
+            w_ptrs = sd_ptr + (e - E_ROUTED).to(tl.int64) * K + offs_k[:, None] + offs_n[None, :] * stride_sd
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             kmask = offs_k < K - k0
@@ -207,19 +214,26 @@ def align_triton(flat_ids: torch.Tensor, num_experts: int, block_m: int) -> tupl
 
 
 def fused_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
-                  down: torch.Tensor, tiles: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
-    """Routed experts of one MoE layer (Triton, CUDA only).
+                  down: torch.Tensor, tiles: tuple[int, int, int, int, int] | None = None,
+                  shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """Routed (and shared) experts of one MoE layer (Triton, CUDA only).
 
     Args:
         x: [T, hidden] activations (bf16 / fp16 / fp32), contiguous.
-        ids: [T, k] int64 expert ids; weights: [T, k] routing weights (any float dtype).
+        ids: [T, k] int64 expert ids; weights: [T, k] routing weights (any float dtype). Ids
+            E .. E + S - 1 are the shared experts' chunks (below); any slot may hold one.
         gate_up: [E, 2I, hidden] gate_proj rows then up_proj rows of each expert.
         down: [E, hidden, I].
         tiles: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) instead of the defaults (tuning).
+        shared: None, or the shared MLP's own weights (gate [S·I, hidden], up [S·I, hidden],
+            down [hidden, S·I], row-major), read in place as S experts of intermediate I: chunk
+            j is rows (columns of down) j·I .. (j+1)·I. The sum of the S chunks' outputs is the
+            shared MLP's output (each chunk's rounded to x's dtype before the sum).
     Returns:
         [T, hidden] in x's dtype: sum over k of weight × expert(x), the sum in float32 in slot order.
     Raises:
-        RuntimeError when triton is missing.
+        RuntimeError when triton is missing; ValueError when the shared weights do not split
+        into chunks of I.
     """
     if triton is None:
         raise RuntimeError("fused_experts needs triton (a CUDA machine)")
@@ -228,41 +242,64 @@ def fused_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gat
         return torch.zeros_like(x)
     e, two_i, hidden = gate_up.shape
     inter = two_i // 2
+    sg, su, sd = shared if shared is not None else (gate_up, gate_up, down)
+    n_shared = shared_chunks(shared, inter)
+    e_all = e + n_shared
     p = t * k
-    bm = block_m_for(p, e)
+    bm = block_m_for(p, e_all)
     bm, bn, bk, warps, stages = tiles or (bm, *TILES[bm])
     flat = ids.reshape(-1)
-    rows, bexp = align_triton(flat, e, bm) if p <= ALIGN_ONE_PROGRAM_MAX_PAIRS else align(flat, e, bm)
+    rows, bexp = align_triton(flat, e_all, bm) if p <= ALIGN_ONE_PROGRAM_MAX_PAIRS else align(flat, e_all, bm)
     nb = bexp.numel()
     h = torch.empty((p, inter), dtype=x.dtype, device=x.device)
     _gate_up_kernel[(nb, triton.cdiv(inter, bn))](
-        x, gate_up, h, rows, bexp, p, e, hidden, inter, k,
-        x.stride(0), gate_up.stride(0), gate_up.stride(1), h.stride(0),
+        x, gate_up, sg, su, h, rows, bexp, p, e_all, e, hidden, inter, k,
+        x.stride(0), gate_up.stride(0), gate_up.stride(1), sg.stride(0) if shared is not None else 0, h.stride(0),
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
     y = torch.empty((p, hidden), dtype=torch.float32, device=x.device)
     _down_kernel[(nb, triton.cdiv(hidden, bn))](
-        h, down, y, rows, bexp, weights.reshape(-1).float(), p, e, inter, hidden,
-        h.stride(0), down.stride(0), down.stride(1), y.stride(0),
+        h, down, sd, y, rows, bexp, weights.reshape(-1).float(), p, e_all, e, inter, hidden,
+        h.stride(0), down.stride(0), down.stride(1), sd.stride(0) if shared is not None else 0, y.stride(0),
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
     return y.view(t, k, hidden).sum(1).to(x.dtype)
 
 
+def shared_chunks(shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None, inter: int) -> int:
+    """S: how many experts of intermediate `inter` the shared MLP's weights make (0 for None).
+    Raises ValueError when they do not split so, or are not row-major."""
+    if shared is None:
+        return 0
+    sg, su, sd = shared
+    if (sg.shape != su.shape or sg.shape[0] % inter or sd.shape != (sg.shape[1], sg.shape[0])
+            or any(w.stride(-1) != 1 for w in shared) or sg.stride(0) != su.stride(0)):
+        raise ValueError(f"shared MLP weights gate {tuple(sg.shape)}, up {tuple(su.shape)}, down "
+                         f"{tuple(sd.shape)} do not split into row-major experts of intermediate {inter}")
+    return sg.shape[0] // inter
+
+
 def fused_experts_reference(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
-                            down: torch.Tensor) -> torch.Tensor:
+                            down: torch.Tensor,
+                            shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """What `fused_experts` computes, in torch (any device): per pair, the expert's SwiGLU with
     each projection rounded to x's dtype, the output scaled by the routing weight in float32,
     summed over k in slot order. Same arguments and result as `fused_experts`."""
     t, k = ids.shape
     if t == 0:
         return torch.zeros_like(x)
+    num_routed = gate_up.shape[0]
     inter = gate_up.shape[1] // 2
+    shared_chunks(shared, inter)
     flat = ids.reshape(-1)
     xs = x.repeat_interleave(k, 0)  # [T × k, hidden]: pair p is token p // k
     y = torch.empty((t * k, x.shape[1]), dtype=torch.float32, device=x.device)
     scale = weights.reshape(-1).float()
     for e in torch.unique(flat).tolist():
         sel = torch.nonzero(flat == e)[:, 0]
-        g, u = xs[sel] @ gate_up[e, :inter].T, xs[sel] @ gate_up[e, inter:].T
-        h = torch.nn.functional.silu(g) * u
-        y[sel] = (h @ down[e].T).float() * scale[sel, None]
+        if e < num_routed:
+            wg, wu, wd = gate_up[e, :inter], gate_up[e, inter:], down[e]
+        else:
+            rows = slice((e - num_routed) * inter, (e - num_routed + 1) * inter)
+            wg, wu, wd = shared[0][rows], shared[1][rows], shared[2][:, rows]
+        h = torch.nn.functional.silu(xs[sel] @ wg.T) * (xs[sel] @ wu.T)
+        y[sel] = (h @ wd.T).float() * scale[sel, None]
     return y.view(t, k, -1).sum(1).to(x.dtype)

@@ -10,15 +10,24 @@ so a row's result does not depend on the other rows of the step.
 Off CUDA (tests of the fast mode's host code on a CPU; serving never runs the fast mode there)
 the same computation runs in torch (`fused_moe.fused_experts_reference`).
 
-Reference: `engine.model.MoE.experts_forward`'s loop over experts (tests/test_decode_kernels.py
-and tests/test_decode_edge_cases.py compare the two).
+The shared experts run in the same launches, as S more experts read in place from the shared
+MLP's own weights (S = the shared MLP's intermediate ÷ the routed experts'), each token's
+shared slots appended after its routed ones by the routing kernel
+(engine/kernels/moe_router.py): one MoE layer of a decode step is then the routing kernel, the
+pairs' sort, the two GEMM kernels and the sum over slots, where the shared MLP alone took four
+launches (gate, up, SwiGLU, down) and routing about six.
+
+Reference: `engine.model.MoE.experts_forward`'s loop over experts plus `MoE.shared_experts`
+(tests/test_decode_kernels.py, tests/test_moe_router.py and tests/test_decode_edge_cases.py
+compare them).
 """
 
 from __future__ import annotations
 
 import torch
 
-from engine.kernels.fused_moe import fused_experts, fused_experts_reference
+from engine.kernels.fused_moe import fused_experts, fused_experts_reference, shared_chunks
+from engine.kernels.moe_router import route_with_shared
 
 
 class GroupedExperts:
@@ -27,18 +36,26 @@ class GroupedExperts:
     Args:
         gate_up: [E, 2 * I, hidden] gate_proj rows then up_proj rows of each expert.
         down: [E, hidden, I] down_proj weights.
+        shared: None, or the shared MLP's (gate [S·I, hidden], up [S·I, hidden], down
+            [hidden, S·I]) weights, run as experts E .. E + S - 1 (`fused_moe.fused_experts`).
     The experts' own nn.Linear weights become views of these tensors (no second copy).
+    Raises ValueError when the shared weights do not split into experts of intermediate I.
     """
 
-    def __init__(self, gate_up: torch.Tensor, down: torch.Tensor) -> None:
+    def __init__(self, gate_up: torch.Tensor, down: torch.Tensor,
+                 shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:
         self.gate_up, self.down = gate_up, down
         self.num_experts, two_i, _ = gate_up.shape
         self.intermediate = two_i // 2
+        self.shared = shared
+        self.num_shared = shared_chunks(shared, self.intermediate)
 
     @staticmethod
     @torch.no_grad()
     def install(moe: torch.nn.Module) -> GroupedExperts:
-        """Stack moe.experts' weights and make each expert's parameters views of the stack."""
+        """Stack moe.experts' weights and make each expert's parameters views of the stack; the
+        shared MLP's weights (when moe has one whose intermediate is a multiple of the routed
+        experts') join as extra experts, read where they are."""
         gate_up = torch.stack([torch.cat((e.gate_proj.weight, e.up_proj.weight)) for e in moe.experts])
         down = torch.stack([e.down_proj.weight for e in moe.experts])
         inter = gate_up.shape[1] // 2
@@ -46,14 +63,27 @@ class GroupedExperts:
             e.gate_proj.weight.data = gate_up[i, :inter]
             e.up_proj.weight.data = gate_up[i, inter:]
             e.down_proj.weight.data = down[i]
-        return GroupedExperts(gate_up, down)
+        shared = None
+        m = moe.shared_experts
+        if m is not None and m.gate_proj.weight.shape[0] % inter == 0:
+            ws = (m.gate_proj.weight, m.up_proj.weight, m.down_proj.weight)
+            shared = ws if all(w.is_contiguous() for w in ws) else None
+        return GroupedExperts(gate_up, down, shared)
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x [T, hidden], ids [T, k] int64 expert ids, weights [T, k] float32 -> [T, hidden]
         (x's dtype; the weighted sum over k accumulates in float32, as the reference)."""
         if x.is_cuda:
-            return fused_experts(x, ids, weights, self.gate_up, self.down)
-        return fused_experts_reference(x, ids, weights, self.gate_up, self.down)
+            return fused_experts(x, ids, weights, self.gate_up, self.down, shared=self.shared)
+        return fused_experts_reference(x, ids, weights, self.gate_up, self.down, shared=self.shared)
+
+    def forward_with_shared(self, x: torch.Tensor, gate: torch.nn.Module) -> torch.Tensor:
+        """The whole MoE output (routed experts weighted by `gate`, the engine.model.TopkRouter,
+        plus the shared experts) of x [T, hidden] -> [T, hidden] in x's dtype: one routing launch
+        and the fused experts' launches. Only when `shared` is set."""
+        ids, weights = route_with_shared(x, gate.weight, gate.e_score_correction_bias, gate.c,
+                                         self.num_shared)
+        return self.forward(x, ids, weights)
 
 
 def use_grouped_experts(model: torch.nn.Module) -> int:
@@ -95,10 +125,11 @@ def warm_up_fused_experts(model: torch.nn.Module) -> int:
     if moe is None:
         return 0
     g = moe.grouped
-    counts = warm_up_token_counts(g.num_experts, moe.gate.c.num_experts_per_tok)
+    experts, slots = g.num_experts + g.num_shared, moe.gate.c.num_experts_per_tok + g.num_shared
+    counts = warm_up_token_counts(experts, slots)
     gen = torch.Generator(device=g.gate_up.device).manual_seed(0)
     for t in counts:
         x = torch.randn(t, g.gate_up.shape[2], device=g.gate_up.device, dtype=g.gate_up.dtype, generator=gen)
-        ids = torch.randint(0, g.num_experts, (t, moe.gate.c.num_experts_per_tok), device=x.device, generator=gen)
+        ids = torch.randint(0, experts, (t, slots), device=x.device, generator=gen)
         g.forward(x, ids, torch.ones(ids.shape, device=x.device))
     return len(counts)

@@ -39,11 +39,12 @@ MAX_SPLITS = 32  # context splits per sequence, at most (stage 2 merges up to th
 
 def mla_decode_reference(q: torch.Tensor, kv: torch.Tensor, layer: int, tables: torch.Tensor,
                          lens: torch.Tensor, kv_lora_rank: int, sm_scale: float,
-                         kv_scale: float = 1.0) -> torch.Tensor:
+                         kv_scale: float = 1.0, q_pe: torch.Tensor | None = None) -> torch.Tensor:
     """Plain-torch paged MLA decode attention (what `mla_decode` computes), in float32.
 
     Args:
-        q: [B, H, R + P] absorbed queries: (q_nope W_UK) then the roped q_pe.
+        q: [B, H, R + P] absorbed queries: (q_nope W_UK) then the roped q_pe; or [B, H, R]
+            when q_pe [B, H, P] comes apart (the same as their concatenation).
         kv: [num_blocks, num_layers, block_size, R + P] the pool (model dtype, or float8_e4m3fn
             holding latent / kv_scale).
         layer: the pool layer to read.
@@ -56,6 +57,8 @@ def mla_decode_reference(q: torch.Tensor, kv: torch.Tensor, layer: int, tables: 
     Returns:
         o_lat [B, H, R] float32: softmax-weighted sums of the c_kv rows.
     """
+    if q_pe is not None:
+        q = torch.cat((q, q_pe), dim=-1)
     b = q.shape[0]
     ctx = kv[tables.long(), layer].reshape(b, -1, kv.shape[-1]).float()  # [B, S, R + P]
     if kv.dtype == FP8:
@@ -97,9 +100,9 @@ DEFAULT_STAGE1 = Stage1Config()
 if triton is not None:
 
     @triton.jit
-    def _mla_stage1(Q, KV, Tables, Lens, PartO, PartLse,
+    def _mla_stage1(Q, QPE, KV, Tables, Lens, PartO, PartLse,
                     layer, sm_scale, kv_scale,
-                    stride_qb, stride_qh, stride_kblk, stride_klayer, stride_ktok,
+                    stride_qb, stride_qh, stride_pb, stride_ph, stride_kblk, stride_klayer, stride_ktok,
                     stride_tb, stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
                     H: tl.constexpr, R: tl.constexpr, P: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                     SPLITS, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_P: tl.constexpr,
@@ -114,7 +117,8 @@ if triton is not None:
         pmask = offs_p < P
         qrow = Q + b * stride_qb + heads[:, None] * stride_qh
         q_lat = tl.load(qrow + offs_r[None, :], mask=hmask[:, None], other=0.0)  # [BH, R]
-        q_pe = tl.load(qrow + R + offs_p[None, :], mask=hmask[:, None] & pmask[None, :], other=0.0)
+        q_pe = tl.load(QPE + b * stride_pb + heads[:, None] * stride_ph + offs_p[None, :],
+                       mask=hmask[:, None] & pmask[None, :], other=0.0)
 
         seq_len = tl.load(Lens + b).to(tl.int32)
         per_split = tl.cdiv(tl.cdiv(seq_len, SPLITS), BLOCK_N) * BLOCK_N
@@ -178,10 +182,13 @@ if triton is not None:
 
 def mla_decode(q: torch.Tensor, kv: torch.Tensor, layer: int, tables: torch.Tensor,
                lens: torch.Tensor, kv_lora_rank: int, sm_scale: float, kv_scale: float = 1.0,
-               splits: int | None = None, config: Stage1Config | None = None) -> torch.Tensor:
+               splits: int | None = None, config: Stage1Config | None = None,
+               q_pe: torch.Tensor | None = None) -> torch.Tensor:
     """Triton paged MLA decode attention; the same contract as `mla_decode_reference`, but
     returns o_lat [B, H, R] in q's dtype (bf16/fp16; the pool bf16/fp16 or float8_e4m3fn).
-    R (kv_lora_rank) must be a power of two >= 16 (512 in DeepSeek-V2/V3).
+    R (kv_lora_rank) must be a power of two >= 16 (512 in DeepSeek-V2/V3). q and q_pe may be
+    strided (each row's last dimension contiguous): the decode step passes the absorbed query
+    and the roped q_pe as they come, with no concatenation.
 
     Args (beyond the reference's): splits: context splits per sequence (default
     `num_splits(B, head groups, SMs, config.waves)`); config: stage 1's launch shape (default
@@ -191,10 +198,15 @@ def mla_decode(q: torch.Tensor, kv: torch.Tensor, layer: int, tables: torch.Tens
     """
     if triton is None:
         raise RuntimeError("mla_decode needs triton (pip install triton; it ships with CUDA torch)")
-    b, h, d = q.shape
     r = kv_lora_rank
-    p = d - r
-    if d != kv.shape[-1] or r < 16 or r & (r - 1):
+    if q_pe is None:
+        q, q_pe = q[..., :r], q[..., r:]
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    q_pe = q_pe if q_pe.stride(-1) == 1 else q_pe.contiguous()
+    b, h, _ = q.shape
+    p = q_pe.shape[-1]
+    d = r + p
+    if q.shape[-1] != r or d != kv.shape[-1] or r < 16 or r & (r - 1):
         raise ValueError(f"q width {d}, kv width {kv.shape[-1]}, kv_lora_rank {r}: need equal widths "
                          "and a power-of-two kv_lora_rank >= 16")
     block_h = 16 if h <= 16 else 32
@@ -206,8 +218,8 @@ def mla_decode(q: torch.Tensor, kv: torch.Tensor, layer: int, tables: torch.Tens
     out = torch.empty(b, h, r, dtype=q.dtype, device=q.device)
     is_fp8 = kv.dtype == FP8
     _mla_stage1[(b, head_groups, s)](
-        q, kv, tables, lens, part_o, part_lse, layer, sm_scale, kv_scale,
-        q.stride(0), q.stride(1), kv.stride(0), kv.stride(1), kv.stride(2),
+        q, q_pe, kv, tables, lens, part_o, part_lse, layer, sm_scale, kv_scale,
+        q.stride(0), q.stride(1), q_pe.stride(0), q_pe.stride(1), kv.stride(0), kv.stride(1), kv.stride(2),
         tables.stride(0), part_o.stride(0), part_o.stride(1), part_o.stride(2),
         part_lse.stride(0), part_lse.stride(1),
         H=h, R=r, P=p, BLOCK_SIZE=kv.shape[2], SPLITS=s, BLOCK_H=block_h, BLOCK_N=cfg.block_n,

@@ -1,0 +1,149 @@
+"""A decode step's MoE routing in one Triton kernel, with the shared experts' slots appended.
+
+`engine.model.route` (sigmoid scores of a float32 gate GEMM, the bias-corrected choice,
+group-limited top-k, renormalised weights times routed_scaling_factor) runs as about half a
+dozen kernels even compiled: the float32 casts, the GEMM (a gemv and its reduction at batch 1),
+torch's top-k and the gather/normalise. In a decode step of the 16B config that is ~6 of a MoE
+layer's ~15 launches, each a few microseconds for microseconds of work. `route_with_shared` does
+all of it in one program per BLOCK_T tokens: the gate GEMM in float32 (IEEE products, no TF32),
+sigmoid, bias, the group mask, k rounds of arg-max, the weights; and it writes the shared
+experts' slots after the routed ones (expert ids E, E + 1, ..., weight 1.0), so that the fused
+MoE kernels run the shared experts as extra experts of the same launch
+(engine/kernels/grouped_experts.py).
+
+Reference: `route_with_shared_reference` (= `engine.model.route` plus the appended slots), which
+also serves where the kernel does not (CPU, more than MAX_KERNEL_TOKENS tokens: a prefill's
+routing is one large GEMM that cuBLAS does better than one program per 16 tokens, or a
+group-limited gate whose expert count is not a power of two). tests/test_moe_router.py
+compares the two on the GPU: the same experts wherever the reference's k-th and (k+1)-th
+choices are not within float rounding of each other, and the weights within 1e-5.
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:  # the GPU machine has triton; CPU-only installs need not
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - depends on the machine
+    triton = None
+
+MAX_KERNEL_TOKENS = 1024  # above this, route_with_shared runs the reference (a prefill)
+BLOCK_T = 16  # tokens per program (tl.dot's smallest M)
+
+if triton is not None:
+    @triton.jit(do_not_specialize=["T"])
+    def _route_kernel(x_ptr, w_ptr, bias_ptr, ids_ptr, wout_ptr, T, H, stride_x, stride_w, stride_o,
+                      scale, E: tl.constexpr, BLOCK_E: tl.constexpr, G: tl.constexpr,
+                      TOPK_GROUP: tl.constexpr, TOP_K: tl.constexpr, N_SHARED: tl.constexpr,
+                      BLOCK_SLOTS: tl.constexpr, NORM: tl.constexpr, BLOCK_T: tl.constexpr,
+                      BLOCK_K: tl.constexpr):
+        offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+        offs_e = tl.arange(0, BLOCK_E)
+        offs_k = tl.arange(0, BLOCK_K)
+        tmask = offs_t < T
+        emask = offs_e < E
+        acc = tl.zeros((BLOCK_T, BLOCK_E), dtype=tl.float32)
+        for k0 in range(0, H, BLOCK_K):
+            kk = k0 + offs_k
+            kmask = kk < H
+            a = tl.load(x_ptr + offs_t[:, None].to(tl.int64) * stride_x + kk[None, :],
+                        mask=tmask[:, None] & kmask[None, :], other=0.0).to(tl.float32)
+            w = tl.load(w_ptr + offs_e[None, :] * stride_w + kk[:, None],
+                        mask=emask[None, :] & kmask[:, None], other=0.0).to(tl.float32)  # [BK, BE]
+            acc = tl.dot(a, w, acc, input_precision="ieee")
+        scores = tl.sigmoid(acc)  # [BT, BE]
+        bias = tl.load(bias_ptr + offs_e, mask=emask, other=0.0)
+        choice = tl.where(emask[None, :], scores + bias[None, :], float("-inf"))
+        if TOPK_GROUP < G:  # keep the topk_group groups whose two best choices sum highest
+            EG: tl.constexpr = BLOCK_E // G  # BLOCK_E == E here (the wrapper checks)
+            c3 = tl.reshape(choice, (BLOCK_T, G, EG))
+            best = tl.argmax(c3, axis=2, tie_break_left=True)  # [BT, G]
+            offs_eg = tl.arange(0, EG)
+            first = offs_eg[None, None, :] == best[:, :, None]
+            group_score = tl.max(c3, axis=2) + tl.max(tl.where(first, float("-inf"), c3), axis=2)
+            offs_g = tl.arange(0, G)
+            keep = tl.zeros((BLOCK_T, G), dtype=tl.int32)
+            for _ in tl.static_range(TOPK_GROUP):
+                gi = tl.argmax(group_score, axis=1, tie_break_left=True)
+                sel = offs_g[None, :] == gi[:, None]
+                keep = tl.where(sel, 1, keep)
+                group_score = tl.where(sel, float("-inf"), group_score)
+            keep_e = tl.reshape(tl.broadcast_to(keep[:, :, None], (BLOCK_T, G, EG)), (BLOCK_T, BLOCK_E))
+            choice = tl.where(keep_e != 0, choice, float("-inf"))
+        offs_s = tl.arange(0, BLOCK_SLOTS)
+        slot_ids = tl.zeros((BLOCK_T, BLOCK_SLOTS), dtype=tl.int64)
+        slot_w = tl.zeros((BLOCK_T, BLOCK_SLOTS), dtype=tl.float32)
+        total = tl.zeros((BLOCK_T,), dtype=tl.float32)
+        for i in tl.static_range(TOP_K):
+            ei = tl.argmax(choice, axis=1, tie_break_left=True)  # [BT]
+            sel = offs_e[None, :] == ei[:, None]
+            wi = tl.sum(tl.where(sel, scores, 0.0), axis=1)
+            choice = tl.where(sel, float("-inf"), choice)
+            here = offs_s[None, :] == i
+            slot_ids = tl.where(here, ei[:, None].to(tl.int64), slot_ids)
+            slot_w = tl.where(here, wi[:, None], slot_w)
+            total += wi
+        if NORM:
+            slot_w = slot_w / (total[:, None] + 1e-20)
+        slot_w = slot_w * scale
+        shared = (offs_s >= TOP_K)[None, :]  # slots TOP_K.. are the shared experts E, E + 1, ...
+        slot_ids = tl.where(shared, (E + offs_s - TOP_K)[None, :].to(tl.int64), slot_ids)
+        slot_w = tl.where(shared, 1.0, slot_w)
+        o = offs_t[:, None].to(tl.int64) * stride_o + offs_s[None, :]
+        omask = tmask[:, None] & (offs_s < TOP_K + N_SHARED)[None, :]
+        tl.store(ids_ptr + o, slot_ids, mask=omask)
+        tl.store(wout_ptr + o, slot_w, mask=omask)
+
+
+def route_with_shared_reference(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor, c,
+                                num_shared: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`engine.model.HOT.route` with num_shared slots appended per token.
+
+    Args: x [T, hidden]; gate_weight [E, hidden]; bias [E] float32; c the ModelConfig;
+    num_shared: slots to append (expert ids E .. E + num_shared - 1, weight 1.0).
+    Returns: (ids [T, k + num_shared] int64, weights [T, k + num_shared] float32).
+    """
+    from engine.model import HOT
+    ids, weights = HOT.route(x, gate_weight, bias, c)
+    if not num_shared:
+        return ids, weights
+    t, e = x.shape[0], c.n_routed_experts
+    shared_ids = torch.arange(e, e + num_shared, device=ids.device).expand(t, num_shared)
+    return (torch.cat((ids, shared_ids), dim=1),
+            torch.cat((weights, weights.new_ones(t, num_shared)), dim=1))
+
+
+def kernel_applies(x: torch.Tensor, c) -> bool:
+    """Whether `route_with_shared` runs the Triton kernel for x [T, hidden] and config c."""
+    e = c.n_routed_experts
+    grouped_ok = c.topk_group >= c.n_group or (e & (e - 1) == 0 and e % c.n_group == 0 and e >= 16)
+    return (triton is not None and x.is_cuda and x.shape[0] <= MAX_KERNEL_TOKENS and grouped_ok
+            and c.num_experts_per_tok <= e)
+
+
+def route_with_shared(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor, c,
+                      num_shared: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Routing of x [T, hidden] with the shared experts' slots appended: the same contract as
+    `route_with_shared_reference`, one Triton launch where `kernel_applies` (no host sync: CUDA
+    graph safe), the reference elsewhere."""
+    if not kernel_applies(x, c):
+        return route_with_shared_reference(x, gate_weight, bias, c, num_shared)
+    t, hidden = x.shape
+    e, k = c.n_routed_experts, c.num_experts_per_tok
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    gate_weight = gate_weight if gate_weight.stride(-1) == 1 else gate_weight.contiguous()
+    slots = k + num_shared
+    ids = torch.empty(t, slots, dtype=torch.int64, device=x.device)
+    weights = torch.empty(t, slots, dtype=torch.float32, device=x.device)
+    if t == 0:
+        return ids, weights
+    block_e = max(16, triton.next_power_of_2(e))
+    _route_kernel[(triton.cdiv(t, BLOCK_T),)](
+        x, gate_weight, bias.float(), ids, weights, t, hidden, x.stride(0), gate_weight.stride(0),
+        ids.stride(0), float(c.routed_scaling_factor), E=e, BLOCK_E=block_e, G=c.n_group,
+        TOPK_GROUP=c.topk_group, TOP_K=k, N_SHARED=num_shared,
+        BLOCK_SLOTS=max(2, triton.next_power_of_2(slots)), NORM=bool(c.norm_topk_prob),
+        BLOCK_T=BLOCK_T, BLOCK_K=64 if block_e <= 64 else 32, num_warps=4)
+    return ids, weights

@@ -1,0 +1,173 @@
+"""A MoE layer's routing kernel, the shared experts run inside the fused MoE launches, and the
+attention's fused input projections and rope + latent function, against their references:
+`engine.model.route`, `MoE.forward` (the per-expert loop plus the shared MLP) and the unfused
+MLAttention. CPU tests check the references and the fast mode's host code; the kernel tests
+need CUDA (run on the lent H200)."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import pytest
+import torch
+
+from engine.kernels.fused import use_fused_projections
+from engine.kernels.fused_moe import fused_experts_reference, shared_chunks
+from engine.kernels.grouped_experts import use_grouped_experts, warm_up_fused_experts
+from engine.kernels.moe_router import kernel_applies, route_with_shared, route_with_shared_reference
+from engine.model import HOT, MLAttention, MoE, apply_rope, build_model, rms_norm, route, rope_latent
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (run on the lent H200)")
+
+
+def _config(tiny_model, **kw):
+    return dataclasses.replace(tiny_model.config, **kw)
+
+
+def _moe(model) -> MoE:
+    return next(m for m in model.modules() if isinstance(m, MoE))
+
+
+@pytest.mark.parametrize("tokens", [1, 5, 40])
+def test_moe_with_shared_in_the_grouped_form_equals_the_reference(tiny_model, tokens: int) -> None:
+    c = _config(tiny_model, n_shared_experts=2)  # two chunks of the shared MLP
+    ref = build_model(c, seed=4)
+    fast = copy.deepcopy(ref)
+    use_grouped_experts(fast)
+    x = torch.randn(tokens, c.hidden_size, generator=torch.Generator().manual_seed(tokens))
+    want = _moe(ref)(x)
+    routed, shared = _moe(fast).forward_parts(x)
+    assert shared is None  # the shared experts are inside the routed call's result
+    torch.testing.assert_close(routed, want, atol=1e-6, rtol=1e-5)
+    g = _moe(fast).grouped
+    assert g.num_shared == 2
+    assert g.shared[0].data_ptr() == _moe(fast).shared_experts.gate_proj.weight.data_ptr()  # read in place
+
+
+def test_route_with_shared_reference_appends_the_shared_slots(tiny_model) -> None:
+    c = _config(tiny_model, n_routed_experts=8, num_experts_per_tok=2)
+    moe = _moe(build_model(c, seed=1))
+    x = torch.randn(3, c.hidden_size, generator=torch.Generator().manual_seed(0))
+    ids, w = route_with_shared_reference(x, moe.gate.weight, moe.gate.e_score_correction_bias, c, 2)
+    want_ids, want_w = route(x, moe.gate.weight, moe.gate.e_score_correction_bias, c)
+    assert torch.equal(ids[:, :2], want_ids) and torch.equal(w[:, :2], want_w)
+    assert ids[:, 2:].tolist() == [[8, 9]] * 3 and w[:, 2:].tolist() == [[1.0, 1.0]] * 3
+    assert not kernel_applies(x, c)  # a CPU tensor: the reference routes
+    assert torch.equal(route_with_shared(x, moe.gate.weight, moe.gate.e_score_correction_bias, c, 2)[0], ids)
+
+
+def test_shared_chunks_rejects_weights_that_do_not_split() -> None:
+    gate = torch.zeros(96, 16)
+    assert shared_chunks((gate, gate.clone(), torch.zeros(16, 96)), 32) == 3
+    with pytest.raises(ValueError, match="intermediate 40"):
+        shared_chunks((gate, gate.clone(), torch.zeros(16, 96)), 40)
+    with pytest.raises(ValueError, match="do not split"):
+        shared_chunks((gate, gate.clone(), torch.zeros(16, 95)), 32)
+
+
+def test_fused_projections_are_views_and_give_the_same_attention(tiny_model) -> None:
+    for q_lora in (None, 32):
+        c = _config(tiny_model, q_lora_rank=q_lora)
+        ref = build_model(c, seed=6)
+        fast = copy.deepcopy(ref)
+        names = sorted(fast.state_dict())
+        assert use_fused_projections(fast) == c.num_kv_layers
+        assert use_fused_projections(fast) == 0  # idempotent
+        assert sorted(fast.state_dict()) == names  # HF names unchanged, nothing added
+        attn = next(m for m in fast.modules() if isinstance(m, MLAttention))
+        first = attn.q_proj if q_lora is None else attn.q_a_proj
+        assert first.weight.data_ptr() == attn.fused_a.data_ptr()  # a view, no copy
+        assert attn.kv_a_proj_with_mqa.weight.data_ptr() == attn.fused_a[first.weight.shape[0]:].data_ptr()
+        ids = torch.arange(12) * 7 % c.vocab_size
+        with torch.inference_mode():
+            from engine.kv_pool import KvPool, KvPoolConfig, PagedKvCache
+            outs = []
+            for m in (ref, fast):
+                pool = KvPool(KvPoolConfig(num_blocks=4, block_size=8, num_layers=c.num_kv_layers,
+                                           kv_dim=c.kv_dim), 1)
+                blocks = pool.blocks.allocate(2)
+                outs.append(m.logits(m(ids, torch.arange(12), [12], PagedKvCache(pool, [(blocks, 0, 12)]))))
+        torch.testing.assert_close(outs[1], outs[0], atol=1e-5, rtol=1e-5)
+        assert torch.equal(outs[1].argmax(-1), outs[0].argmax(-1))
+
+
+def test_rope_latent_is_its_parts(tiny_model) -> None:
+    c = tiny_model.config
+    g = torch.Generator().manual_seed(2)
+    t, h = 5, c.num_attention_heads
+    q_pe = torch.randn(t, h, c.qk_rope_head_dim, generator=g)
+    kv_a = torch.randn(t, c.kv_dim, generator=g)
+    cos, sin = HOT.rope_cos_sin(torch.arange(t), c.qk_rope_head_dim, c.rope_theta, torch.float32)
+    w = torch.rand(c.kv_lora_rank, generator=g)
+    for interleave in (False, True):
+        got_q, got_latent = rope_latent(q_pe, kv_a, cos, sin, w, 1e-6, c.kv_lora_rank, interleave)
+        c_kv, k_pe = kv_a[:, :c.kv_lora_rank], kv_a[:, c.kv_lora_rank:]
+        assert torch.equal(got_q, apply_rope(q_pe, cos, sin, interleave))
+        assert torch.equal(got_latent[:, :c.kv_lora_rank], rms_norm(c_kv, w, 1e-6))
+        assert torch.equal(got_latent[:, c.kv_lora_rank:], apply_rope(k_pe[:, None], cos, sin, interleave)[:, 0])
+
+
+def _margins(x, moe, c) -> torch.Tensor:
+    """Per token: the gap between the reference's k-th and (k+1)-th masked choice (a tie or a
+    near-tie may fall either way under another summation order)."""
+    scores = torch.nn.functional.linear(x.float(), moe.gate.weight.float()).sigmoid()
+    choice = scores + moe.gate.e_score_correction_bias.float()
+    t, e, grp = x.shape[0], c.n_routed_experts, c.n_group
+    if c.topk_group < grp:
+        gs = choice.view(t, grp, e // grp).topk(2, dim=-1).values.sum(-1)
+        top = gs.topk(c.topk_group + (1 if c.topk_group < grp else 0), dim=-1).values
+        group_gap = top[:, c.topk_group - 1] - top[:, c.topk_group]
+        keep = torch.zeros_like(gs, dtype=torch.bool).scatter_(1, gs.topk(c.topk_group, -1).indices, True)
+        choice = choice.masked_fill(~keep[:, :, None].expand(t, grp, e // grp).reshape(t, e), float("-inf"))
+    else:
+        group_gap = torch.full((t,), float("inf"), device=x.device)
+    top = choice.topk(c.num_experts_per_tok + 1, dim=-1).values
+    return torch.minimum(top[:, -2] - top[:, -1], group_gap)
+
+
+@cuda
+@pytest.mark.parametrize("experts,k,groups,topk_group,shared,hidden", [
+    (64, 6, 1, 1, 2, 2048),  # config M of tools/bench_serving_gpu.py
+    (32, 4, 4, 2, 1, 1024),  # config S (tools/bench_decode.py): group-limited
+    (256, 8, 8, 4, 1, 512),  # DeepSeek-V3's gate shape (narrower hidden)
+])
+def test_route_kernel_matches_reference(tiny_model, experts, k, groups, topk_group, shared, hidden) -> None:
+    c = _config(tiny_model, n_routed_experts=experts, num_experts_per_tok=k, n_group=groups,
+                topk_group=topk_group, n_shared_experts=shared, hidden_size=hidden, moe_intermediate_size=64)
+    moe = _moe(build_model(c, seed=3, dtype=torch.bfloat16, device="cuda"))
+    moe.gate.e_score_correction_bias.normal_(0, 0.01)
+    for t in (1, 7, 64, 300):
+        x = torch.randn(t, hidden, device="cuda", dtype=torch.bfloat16)
+        assert kernel_applies(x, c)
+        ids, w = route_with_shared(x, moe.gate.weight, moe.gate.e_score_correction_bias, c, shared)
+        want_ids, want_w = route_with_shared_reference(x, moe.gate.weight, moe.gate.e_score_correction_bias, c, shared)
+        clear = _margins(x, moe, c) > 1e-5
+        assert clear.float().mean() > 0.9, t
+        same = torch.sort(ids[:, :k], -1).values == torch.sort(want_ids[:, :k], -1).values
+        assert same.all(-1)[clear].all(), t
+        order_got, order_want = ids[:, :k].argsort(-1), want_ids[:, :k].argsort(-1)
+        torch.testing.assert_close(w[:, :k].gather(1, order_got)[clear], want_w[:, :k].gather(1, order_want)[clear],
+                                   atol=1e-5, rtol=1e-5)
+        assert torch.equal(ids[:, k:], want_ids[:, k:]) and torch.equal(w[:, k:], want_w[:, k:])
+
+
+@cuda
+def test_moe_with_shared_kernels_match_reference_on_cuda(tiny_model) -> None:
+    c = _config(tiny_model, n_routed_experts=64, num_experts_per_tok=6, n_group=1, topk_group=1,
+                n_shared_experts=2, hidden_size=256, moe_intermediate_size=128)
+    ref = build_model(c, seed=2, dtype=torch.bfloat16, device="cuda")
+    fast = copy.deepcopy(ref)
+    use_grouped_experts(fast)
+    assert warm_up_fused_experts(fast) == 4
+    g = _moe(fast).grouped
+    for t in (1, 7, 64, 300, 2048):  # 2048: the reference routes (a prefill)
+        x = torch.randn(t, c.hidden_size, device="cuda", dtype=torch.bfloat16)
+        want = _moe(ref)(x).float()
+        got, none = _moe(fast).forward_parts(x)
+        assert none is None
+        assert (got.float() - want).norm() / want.norm() < 1e-2, t
+        ids, w = route_with_shared_reference(x, _moe(fast).gate.weight, _moe(fast).gate.e_score_correction_bias, c, 2)
+        kernel = g.forward(x, ids, w).float()
+        twin = fused_experts_reference(x, ids, w, g.gate_up, g.down, shared=g.shared).float()
+        assert (kernel - twin).norm() / twin.norm() < 1e-2, t
