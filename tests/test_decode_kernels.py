@@ -204,13 +204,13 @@ def test_grouped_experts_bf16_match_loop_on_cuda() -> None:
 
 
 @cuda
-@pytest.mark.parametrize("experts", [4, 64, 256])
-def test_align_kernel_equals_torch_align(experts: int) -> None:
+@pytest.mark.parametrize("experts,shared", [(4, 0), (64, 0), (256, 0), (64, 2), (32, 1), (4, 3)])
+def test_align_kernel_equals_torch_align(experts: int, shared: int) -> None:
     from engine.kernels.fused_moe import align_triton
     for pairs in (1, 5, 6, 48, 384, 1000, 1536, 12288, 49152):
         for block_m in (16, 32, 64, 128):
-            ids = _skewed_ids(pairs, experts, pairs + block_m, "cuda")
-            want, got = align(ids, experts, block_m), align_triton(ids, experts, block_m)
+            ids = _skewed_ids(pairs, experts + shared, pairs + block_m, "cuda")  # shared ids among them
+            want, got = align(ids, experts + shared, block_m), align_triton(ids, experts, block_m, shared)
             assert torch.equal(want[0], got[0]) and torch.equal(want[1], got[1]), (pairs, block_m)
 
 

@@ -137,7 +137,7 @@ def test_route_kernel_matches_reference(tiny_model, experts, k, groups, topk_gro
                 topk_group=topk_group, n_shared_experts=shared, hidden_size=hidden, moe_intermediate_size=64)
     moe = _moe(build_model(c, seed=3, dtype=torch.bfloat16, device="cuda"))
     moe.gate.e_score_correction_bias.normal_(0, 0.01)
-    for t in (1, 7, 64, 300):
+    for t in (1, 7, 64, 300, 5000):
         x = torch.randn(t, hidden, device="cuda", dtype=torch.bfloat16)
         assert kernel_applies(x, c)
         ids, w = route_with_shared(x, moe.gate.weight, moe.gate.e_score_correction_bias, c, shared)
@@ -161,7 +161,7 @@ def test_moe_with_shared_kernels_match_reference_on_cuda(tiny_model) -> None:
     use_grouped_experts(fast)
     assert warm_up_fused_experts(fast) == 4
     g = _moe(fast).grouped
-    for t in (1, 7, 64, 300, 2048):  # 2048: the reference routes (a prefill)
+    for t in (1, 7, 64, 300, 2048):  # 2048: a prefill's batch, through the same kernel
         x = torch.randn(t, c.hidden_size, device="cuda", dtype=torch.bfloat16)
         want = _moe(ref)(x).float()
         got, none = _moe(fast).forward_parts(x)

@@ -77,37 +77,54 @@ if triton is not None:
     # BLOCK_M serves every step (a warm-up pass compiles them all at start-up)
     @triton.jit(do_not_specialize=["P", "NB"])
     def _align_kernel(ids_ptr, rows_ptr, bexp_ptr, P, E, NB,
-                      BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr):
+                      BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr,
+                      N_SHARED: tl.constexpr, BLOCK_S: tl.constexpr):
         """`align` in one program: counts per expert, their padded prefix sums, each block's
         expert, then every pair's slot = its expert's padded start + the pairs of that expert
-        before it (an exclusive cumsum of the one-hot [pairs, experts] tile, chunk by chunk)."""
+        before it (an exclusive cumsum of the one-hot [pairs, experts] tile, chunk by chunk).
+        Ids E .. E + N_SHARED - 1 (the shared experts) get a one-hot of their own, after the
+        routed experts in order, so that E + 2 experts do not double the routed tile's width."""
         offs_e = tl.arange(0, BLOCK_E)
+        offs_s = tl.arange(0, BLOCK_S)
         counts = tl.zeros((BLOCK_E,), dtype=tl.int32)
+        counts_s = tl.zeros((BLOCK_S,), dtype=tl.int32)
         for p0 in range(0, P, BLOCK_P):
             offs_p = p0 + tl.arange(0, BLOCK_P)
-            e = tl.load(ids_ptr + offs_p, mask=offs_p < P, other=BLOCK_E).to(tl.int32)
-            counts += tl.sum((e[:, None] == offs_e[None, :]).to(tl.int32), axis=0)
+            e = tl.load(ids_ptr + offs_p, mask=offs_p < P, other=-1).to(tl.int32)
+            counts += tl.sum(((e[:, None] == offs_e[None, :]) & (offs_e < E)[None, :]).to(tl.int32), axis=0)
+            counts_s += tl.sum(((e[:, None] - E == offs_s[None, :]) & (offs_s < N_SHARED)[None, :]).to(tl.int32),
+                               axis=0)
         padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
         pend = tl.cumsum(padded, axis=0)
         pstart = pend - padded
+        padded_s = (counts_s + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+        pend_s = tl.sum(padded, axis=0) + tl.cumsum(padded_s, axis=0)  # after every routed expert
+        pstart_s = pend_s - padded_s
         for b0 in range(0, NB, BLOCK_P):  # block b's expert: the experts ending at or before it
             offs_b = b0 + tl.arange(0, BLOCK_P)
             ends = (pend[None, :] <= offs_b[:, None] * BLOCK_M) & (offs_e[None, :] < E)
-            tl.store(bexp_ptr + offs_b, tl.sum(ends.to(tl.int32), axis=1), mask=offs_b < NB)
+            ends_s = (pend_s[None, :] <= offs_b[:, None] * BLOCK_M) & (offs_s[None, :] < N_SHARED)
+            tl.store(bexp_ptr + offs_b, tl.sum(ends.to(tl.int32), axis=1) + tl.sum(ends_s.to(tl.int32), axis=1),
+                     mask=offs_b < NB)
         for r0 in range(0, NB * BLOCK_M, BLOCK_P):
             offs_r = r0 + tl.arange(0, BLOCK_P)
             tl.store(rows_ptr + offs_r, tl.zeros((BLOCK_P,), dtype=tl.int32) + P, mask=offs_r < NB * BLOCK_M)
         tl.debug_barrier()  # the padding is written before any pair's slot
         seen = tl.zeros((BLOCK_E,), dtype=tl.int32)
+        seen_s = tl.zeros((BLOCK_S,), dtype=tl.int32)
         for p0 in range(0, P, BLOCK_P):
             offs_p = p0 + tl.arange(0, BLOCK_P)
             valid = offs_p < P
-            e = tl.load(ids_ptr + offs_p, mask=valid, other=BLOCK_E).to(tl.int32)
-            onehot = (e[:, None] == offs_e[None, :]).to(tl.int32)  # [BLOCK_P, BLOCK_E]
+            e = tl.load(ids_ptr + offs_p, mask=valid, other=-1).to(tl.int32)
+            onehot = ((e[:, None] == offs_e[None, :]) & (offs_e < E)[None, :]).to(tl.int32)  # [BLOCK_P, BLOCK_E]
             before = tl.cumsum(onehot, axis=0) - onehot  # earlier pairs of the chunk, same expert
             dest = tl.sum(onehot * (before + (pstart + seen)[None, :]), axis=1)
+            oh_s = ((e[:, None] - E == offs_s[None, :]) & (offs_s < N_SHARED)[None, :]).to(tl.int32)
+            before_s = tl.cumsum(oh_s, axis=0) - oh_s
+            dest += tl.sum(oh_s * (before_s + (pstart_s + seen_s)[None, :]), axis=1)
             tl.store(rows_ptr + dest, offs_p, mask=valid)
             seen += tl.sum(onehot, axis=0)
+            seen_s += tl.sum(oh_s, axis=0)
 
     @triton.jit(do_not_specialize=["P"])
     def _gate_up_kernel(x_ptr, w_ptr, sg_ptr, su_ptr, out_ptr, rows_ptr, bexp_ptr, P, E, E_ROUTED, K, I, TOP_K,
@@ -199,17 +216,21 @@ TILES = {16: (32, 128, 4, 4), 32: (64, 64, 4, 4), 64: (128, 64, 4, 4), 128: (128
 ALIGN_ONE_PROGRAM_MAX_PAIRS = 16384
 
 
-def align_triton(flat_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """`align` as one Triton program (CUDA): the same rows and block experts (pairs of one
-    expert in their own order), one launch instead of about a dozen."""
+def align_triton(flat_ids: torch.Tensor, num_experts: int, block_m: int,
+                 num_shared: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """`align(flat_ids, num_experts + num_shared, block_m)` as one Triton program (CUDA): the
+    same rows and block experts (pairs of one expert in their own order), one launch instead of
+    about a dozen. num_experts: the routed experts (the one-hot tile's width), num_shared: ids
+    num_experts .. num_experts + num_shared - 1 after them."""
     p = flat_ids.numel()
-    nb = -(-(p + min(num_experts, p) * (block_m - 1)) // block_m)
+    nb = -(-(p + min(num_experts + num_shared, p) * (block_m - 1)) // block_m)
     rows = torch.empty(nb * block_m, dtype=torch.int32, device=flat_ids.device)
     bexp = torch.empty(nb, dtype=torch.int32, device=flat_ids.device)
     block_e = triton.next_power_of_2(num_experts)
     block_p = max(16, min(128, 8192 // block_e))
     _align_kernel[(1,)](flat_ids, rows, bexp, p, num_experts, nb, BLOCK_M=block_m, BLOCK_P=block_p,
-                        BLOCK_E=block_e, num_warps=8 if block_e > 64 else 4)
+                        BLOCK_E=block_e, N_SHARED=num_shared, BLOCK_S=max(2, triton.next_power_of_2(num_shared)),
+                        num_warps=8 if block_e > 64 else 4)
     return rows, bexp
 
 
@@ -249,7 +270,8 @@ def fused_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gat
     bm = block_m_for(p, e_all)
     bm, bn, bk, warps, stages = tiles or (bm, *TILES[bm])
     flat = ids.reshape(-1)
-    rows, bexp = align_triton(flat, e_all, bm) if p <= ALIGN_ONE_PROGRAM_MAX_PAIRS else align(flat, e_all, bm)
+    rows, bexp = (align_triton(flat, e, bm, n_shared) if p <= ALIGN_ONE_PROGRAM_MAX_PAIRS
+                  else align(flat, e_all, bm))
     nb = bexp.numel()
     h = torch.empty((p, inter), dtype=x.dtype, device=x.device)
     _gate_up_kernel[(nb, triton.cdiv(inter, bn))](

@@ -5,16 +5,20 @@ group-limited top-k, renormalised weights times routed_scaling_factor) runs as a
 dozen kernels even compiled: the float32 casts, the GEMM (a gemv and its reduction at batch 1),
 torch's top-k and the gather/normalise. In a decode step of the 16B config that is ~6 of a MoE
 layer's ~15 launches, each a few microseconds for microseconds of work. `route_with_shared` does
-all of it in one program per BLOCK_T tokens: the gate GEMM in float32 (IEEE products, no TF32),
+all of it in one program per BLOCK_T tokens: the gate GEMM (bf16/fp16 inputs on tensor cores
+with a float32 accumulator: each product of two bf16 values is exact in float32, so only the
+order of the sums differs from the reference's float32 GEMM; float32 inputs in IEEE float32),
 sigmoid, bias, the group mask, k rounds of arg-max, the weights; and it writes the shared
 experts' slots after the routed ones (expert ids E, E + 1, ..., weight 1.0), so that the fused
 MoE kernels run the shared experts as extra experts of the same launch
 (engine/kernels/grouped_experts.py).
 
 Reference: `route_with_shared_reference` (= `engine.model.route` plus the appended slots), which
-also serves where the kernel does not (CPU, more than MAX_KERNEL_TOKENS tokens: a prefill's
-routing is one large GEMM that cuBLAS does better than one program per 16 tokens, or a
-group-limited gate whose expert count is not a power of two). tests/test_moe_router.py
+also serves where the kernel does not (CPU, or a group-limited gate whose expert count is not a
+power of two). A prefill's tokens take the kernel too (one program per 16 tokens, each reading
+the gate weight from L2): one path for every step, compiled by the start-up warm-up, where a
+second path for long batches compiled lazily stalled the first requests by seconds.
+tests/test_moe_router.py
 compares the two on the GPU: the same experts wherever the reference's k-th and (k+1)-th
 choices are not within float rounding of each other, and the weights within 1e-5.
 """
@@ -29,7 +33,6 @@ try:  # the GPU machine has triton; CPU-only installs need not
 except ImportError:  # pragma: no cover - depends on the machine
     triton = None
 
-MAX_KERNEL_TOKENS = 1024  # above this, route_with_shared runs the reference (a prefill)
 BLOCK_T = 16  # tokens per program (tl.dot's smallest M)
 
 if triton is not None:
@@ -38,7 +41,7 @@ if triton is not None:
                       scale, E: tl.constexpr, BLOCK_E: tl.constexpr, G: tl.constexpr,
                       TOPK_GROUP: tl.constexpr, TOP_K: tl.constexpr, N_SHARED: tl.constexpr,
                       BLOCK_SLOTS: tl.constexpr, NORM: tl.constexpr, BLOCK_T: tl.constexpr,
-                      BLOCK_K: tl.constexpr):
+                      BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
         offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
         offs_e = tl.arange(0, BLOCK_E)
         offs_k = tl.arange(0, BLOCK_K)
@@ -49,10 +52,13 @@ if triton is not None:
             kk = k0 + offs_k
             kmask = kk < H
             a = tl.load(x_ptr + offs_t[:, None].to(tl.int64) * stride_x + kk[None, :],
-                        mask=tmask[:, None] & kmask[None, :], other=0.0).to(tl.float32)
+                        mask=tmask[:, None] & kmask[None, :], other=0.0)
             w = tl.load(w_ptr + offs_e[None, :] * stride_w + kk[:, None],
-                        mask=emask[None, :] & kmask[:, None], other=0.0).to(tl.float32)  # [BK, BE]
-            acc = tl.dot(a, w, acc, input_precision="ieee")
+                        mask=emask[None, :] & kmask[:, None], other=0.0)  # [BK, BE]
+            if IEEE:  # float32 weights (tests): no TF32 rounding of the inputs
+                acc = tl.dot(a, w, acc, input_precision="ieee")
+            else:  # bf16/fp16 products are exact in the float32 accumulator: tensor cores
+                acc = tl.dot(a, w, acc)
         scores = tl.sigmoid(acc)  # [BT, BE]
         bias = tl.load(bias_ptr + offs_e, mask=emask, other=0.0)
         choice = tl.where(emask[None, :], scores + bias[None, :], float("-inf"))
@@ -118,9 +124,9 @@ def route_with_shared_reference(x: torch.Tensor, gate_weight: torch.Tensor, bias
 def kernel_applies(x: torch.Tensor, c) -> bool:
     """Whether `route_with_shared` runs the Triton kernel for x [T, hidden] and config c."""
     e = c.n_routed_experts
-    grouped_ok = c.topk_group >= c.n_group or (e & (e - 1) == 0 and e % c.n_group == 0 and e >= 16)
-    return (triton is not None and x.is_cuda and x.shape[0] <= MAX_KERNEL_TOKENS and grouped_ok
-            and c.num_experts_per_tok <= e)
+    grouped_ok = c.topk_group >= c.n_group or (e & (e - 1) == 0 and e % c.n_group == 0
+                                                and e // c.n_group >= 2 and e >= 16)
+    return triton is not None and x.is_cuda and grouped_ok and c.num_experts_per_tok <= e
 
 
 def route_with_shared(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor, c,
@@ -130,6 +136,8 @@ def route_with_shared(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Te
     graph safe), the reference elsewhere."""
     if not kernel_applies(x, c):
         return route_with_shared_reference(x, gate_weight, bias, c, num_shared)
+    if x.dtype != gate_weight.dtype:
+        x = x.to(gate_weight.dtype)
     t, hidden = x.shape
     e, k = c.n_routed_experts, c.num_experts_per_tok
     x = x if x.stride(-1) == 1 else x.contiguous()
@@ -145,5 +153,6 @@ def route_with_shared(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Te
         ids.stride(0), float(c.routed_scaling_factor), E=e, BLOCK_E=block_e, G=c.n_group,
         TOPK_GROUP=c.topk_group, TOP_K=k, N_SHARED=num_shared,
         BLOCK_SLOTS=max(2, triton.next_power_of_2(slots)), NORM=bool(c.norm_topk_prob),
-        BLOCK_T=BLOCK_T, BLOCK_K=64 if block_e <= 64 else 32, num_warps=4)
+        BLOCK_T=BLOCK_T, BLOCK_K=64 if block_e <= 64 else 32,
+        IEEE=x.dtype == torch.float32 or gate_weight.dtype == torch.float32, num_warps=4, num_stages=3)
     return ids, weights
