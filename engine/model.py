@@ -410,10 +410,14 @@ class MoE(nn.Module):
     def forward_parts(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(routed experts' output, shared experts' output or None), each [T, hidden]: `forward`
         before its sum, which the next residual add takes instead (DecoderLayer.forward_pending)."""
-        if self.grouped is not None and self.grouped.shared is not None:
-            # the GPU fast mode: routing and shared experts inside the fused MoE launches
-            # (engine/kernels/grouped_experts.py); the result is routed + shared, one part
-            return self.grouped.forward_with_shared(x, self.gate), None
+        g = self.grouped
+        if g is not None and g.shared is not None:
+            # the GPU fast mode (engine/kernels/grouped_experts.py): up to SHARED_IN_KERNEL_MAX_TOKENS
+            # the shared experts run inside the fused MoE launches (one part: routed + shared),
+            # above it (a prefill) as their own GEMMs
+            if x.shape[0] <= g.SHARED_IN_KERNEL_MAX_TOKENS:
+                return g.forward_with_shared(x, self.gate), None
+            return g.forward_routed(x, self.gate), self.shared_experts(x)
         ids, weights = self.gate(x)
         out = self.experts_forward(x, ids, weights)
         return out, (self.shared_experts(x) if self.shared_experts is not None else None)

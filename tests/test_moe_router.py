@@ -45,6 +45,21 @@ def test_moe_with_shared_in_the_grouped_form_equals_the_reference(tiny_model, to
     assert g.shared[0].data_ptr() == _moe(fast).shared_experts.gate_proj.weight.data_ptr()  # read in place
 
 
+def test_a_prefill_runs_the_shared_experts_as_their_own_gemms(tiny_model, monkeypatch) -> None:
+    c = _config(tiny_model, n_shared_experts=2)
+    ref = build_model(c, seed=4)
+    fast = copy.deepcopy(ref)
+    use_grouped_experts(fast)
+    g = _moe(fast).grouped
+    monkeypatch.setattr(g, "SHARED_IN_KERNEL_MAX_TOKENS", 8)
+    x = torch.randn(9, c.hidden_size, generator=torch.Generator().manual_seed(9))
+    routed, shared = _moe(fast).forward_parts(x)
+    want_routed, want_shared = _moe(ref).forward_parts(x)
+    torch.testing.assert_close(routed, want_routed, atol=1e-6, rtol=1e-5)
+    assert shared is not None and torch.equal(shared, want_shared)
+    assert _moe(fast).forward_parts(x[:8])[1] is None  # at the limit: inside the kernel
+
+
 def test_route_with_shared_reference_appends_the_shared_slots(tiny_model) -> None:
     c = _config(tiny_model, n_routed_experts=8, num_experts_per_tok=2)
     moe = _moe(build_model(c, seed=1))

@@ -10,8 +10,8 @@ so a row's result does not depend on the other rows of the step.
 Off CUDA (tests of the fast mode's host code on a CPU; serving never runs the fast mode there)
 the same computation runs in torch (`fused_moe.fused_experts_reference`).
 
-The shared experts run in the same launches, as S more experts read in place from the shared
-MLP's own weights (S = the shared MLP's intermediate ÷ the routed experts'), each token's
+In forwards of up to SHARED_IN_KERNEL_MAX_TOKENS tokens (every decode step) the shared experts
+run in the same launches, as S more experts read in place from the shared MLP's own weights (S = the shared MLP's intermediate ÷ the routed experts'), each token's
 shared slots appended after its routed ones by the routing kernel
 (engine/kernels/moe_router.py): one MoE layer of a decode step is then the routing kernel, the
 pairs' sort, the two GEMM kernels and the sum over slots, where the shared MLP alone took four
@@ -77,12 +77,23 @@ class GroupedExperts:
             return fused_experts(x, ids, weights, self.gate_up, self.down, shared=self.shared)
         return fused_experts_reference(x, ids, weights, self.gate_up, self.down, shared=self.shared)
 
+    # Above this many tokens (a prefill forward) the shared experts run as their own GEMMs:
+    # there the step is bound by FLOPs, which cuBLAS's dense GEMM does better than the fused
+    # kernel's tiles, not by launches; every decode step (batch × MTP rows) stays below it.
+    SHARED_IN_KERNEL_MAX_TOKENS = 1024
+
     def forward_with_shared(self, x: torch.Tensor, gate: torch.nn.Module) -> torch.Tensor:
         """The whole MoE output (routed experts weighted by `gate`, the engine.model.TopkRouter,
         plus the shared experts) of x [T, hidden] -> [T, hidden] in x's dtype: one routing launch
         and the fused experts' launches. Only when `shared` is set."""
         ids, weights = route_with_shared(x, gate.weight, gate.e_score_correction_bias, gate.c,
                                          self.num_shared)
+        return self.forward(x, ids, weights)
+
+    def forward_routed(self, x: torch.Tensor, gate: torch.nn.Module) -> torch.Tensor:
+        """The routed experts' weighted sum alone (`MoE.experts_forward`'s result), routed by the
+        same kernel: x [T, hidden] -> [T, hidden]."""
+        ids, weights = route_with_shared(x, gate.weight, gate.e_score_correction_bias, gate.c, 0)
         return self.forward(x, ids, weights)
 
 
@@ -115,8 +126,9 @@ def warm_up_token_counts(num_experts: int, top_k: int) -> list[int]:
 
 @torch.inference_mode()
 def warm_up_fused_experts(model: torch.nn.Module) -> int:
-    """Run one MoE layer's routed experts at `warm_up_token_counts` (random inputs and routing),
-    compiling the Triton kernels of every BLOCK_M before a request needs them (several
+    """Run one MoE layer's routing kernel (with and without the shared slots) and its routed
+    experts at `warm_up_token_counts` (random inputs and routing), compiling the Triton kernels
+    of every BLOCK_M before a request needs them (several
     seconds in all, which would otherwise land on the first requests' TTFT). Returns the number
     of calls (0 without a grouped MoE layer)."""
     from engine.model import MoE
@@ -128,6 +140,9 @@ def warm_up_fused_experts(model: torch.nn.Module) -> int:
     experts, slots = g.num_experts + g.num_shared, moe.gate.c.num_experts_per_tok + g.num_shared
     counts = warm_up_token_counts(experts, slots)
     gen = torch.Generator(device=g.gate_up.device).manual_seed(0)
+    x = torch.randn(2, g.gate_up.shape[2], device=g.gate_up.device, dtype=g.gate_up.dtype, generator=gen)
+    for shared in {0, g.num_shared}:  # the routing kernel's variants: prefill's and decode's
+        route_with_shared(x, moe.gate.weight, moe.gate.e_score_correction_bias, moe.gate.c, shared)
     for t in counts:
         x = torch.randn(t, g.gate_up.shape[2], device=g.gate_up.device, dtype=g.gate_up.dtype, generator=gen)
         ids = torch.randint(0, experts, (t, slots), device=x.device, generator=gen)
