@@ -33,6 +33,8 @@ def test_bench_prefill_serving_script_smoke_on_cpu(tmp_path) -> None:
     assert 0 < single["share_of_peak"] < 1 and single["model_tflops"] > 0
     assert burst["served_ttft_p99_ms"] >= burst["served_ttft_p50_ms"] > 0 and burst["failed"] == 0
     assert burst["inprocess_ttft_ms"] > 0 and burst["ttft_vs_single"] > 0
+    burst_line = next(line for line in r.stdout.splitlines() if line.startswith("| S | 96 | 4 |"))
+    assert burst_line.endswith("| — | — |")  # no FLOP/s figure for a burst: a dash, not 0.0
 
 
 def test_counted_flops_of_a_dense_layer_by_hand() -> None:

@@ -279,11 +279,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         out.write_text(json.dumps(doc, indent=1) + "\n")
     print("| config | prompt tokens | concurrency | served TTFT ms | in-process TTFT ms | served / in-process | "
           "model TFLOP/s | share of peak |")
+    def cell(value, fmt: str) -> str:  # "—" where a row has no such figure (not 0)
+        return "—" if value is None else format(value, fmt)
+
     for r in doc["rows"]:
         ip = r["inprocess_ttft_ms"]
         sv = r["served_ttft_ms"]
-        print(f"| {r['config']} | {r['prompt_tokens']} | {r['concurrency']} | {sv or 0:.1f} | {ip or 0:.1f} | "
-              f"{sv / ip if sv and ip else 0:.2f} | {r['model_tflops'] or 0:.1f} | {r['share_of_peak'] or 0:.3f} |")
+        print(f"| {r['config']} | {r['prompt_tokens']} | {r['concurrency']} | {cell(sv, '.1f')} | {cell(ip, '.1f')} | "
+              f"{cell(sv / ip if sv and ip else None, '.2f')} | {cell(r['model_tflops'], '.1f')} | "
+              f"{cell(r['share_of_peak'], '.3f')} |")
     return doc
 
 
