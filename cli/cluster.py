@@ -111,6 +111,8 @@ class LocalCluster:
             raise ValueError("--mps-prefill-percent caps the prefill worker under MPS: give --mps too")
         if mps_prefill_priority not in ("below", "normal"):
             raise ValueError(f"--mps-prefill-priority must be 'below' or 'normal', got {mps_prefill_priority!r}")
+        if mps_prefill_priority != "below" and not mps:
+            raise ValueError("--mps-prefill-priority sets the prefill worker's priority under MPS: give --mps too")
         if mps and num_mocker:
             raise ValueError("--mps is for workers on a GPU; --mocker runs simulated workers, which use none")
         if num_mocker and not 1 <= mocker_processes <= num_mocker:

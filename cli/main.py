@@ -276,9 +276,10 @@ def build_parser(command: str | None = None, full: bool = True) -> argparse.Argu
     _arg(p, "--ready-timeout", 120.0, "seconds to wait for every process to be ready before giving up (a "
          "16B-class checkpoint on a GPU loads, captures its graphs and compiles its kernels in a few minutes)")
     _arg(p, "--mps", False, "NVIDIA GPUs only: start a CUDA MPS (Multi-Process Service) control daemon for the "
-         "workers, stopped with the cluster (needs nvidia-cuda-mps-control from the driver). Workers sharing one "
-         "GPU then run their kernels side by side instead of taking turns: lower TTFT under load, but each decode "
-         "step slower; off by default (docs/operations.md has the measured trade-off)", kind=bool)
+         "workers, stopped with the cluster (needs nvidia-cuda-mps-control from the driver). The workers all use "
+         "one GPU unless the config file gives each role a device; sharing it, they then run their kernels side by "
+         "side instead of taking turns: lower TTFT under load, tokens of each stream a few percent slower; off by "
+         "default (docs/operations.md, 'Sharing one GPU between workers', has the measured trade-off)", kind=bool)
     _arg(p, "--mps-prefill-percent", 100, "with --mps: the share (1-100) of the GPU's multiprocessors each "
          "prefill worker may occupy, leaving the rest to the decode steps, which stay uncapped "
          "(CUDA_MPS_ACTIVE_THREAD_PERCENTAGE; 100 = no cap)")

@@ -260,7 +260,7 @@ class MLAttention(nn.Module):
                 layer_idx: int) -> torch.Tensor:
         # x: [T, hidden] (already input_layernorm-ed) -> [T, hidden]
         c, t = self.c, x.shape[0]
-        if self.fused_a is not None:
+        if self.fused_a is not None and self._fused_a_current():
             q, kv_a = F.linear(x, self.fused_a).split([self.fused_a.shape[0] - c.kv_dim, c.kv_dim], -1)
         else:
             q = self.q_proj(x) if c.q_lora_rank is None else self.q_a_proj(x)
@@ -286,6 +286,15 @@ class MLAttention(nn.Module):
                                       self.softmax_scale))
             start += n
         return self.o_proj(torch.cat(outs).reshape(t, -1))  # [T, H * v] -> [T, hidden]
+
+    def _fused_a_current(self) -> bool:
+        """Whether the two projections' weights are still views of fused_a: a deepcopy, `.to()`
+        or a weight swap after use_fused_projections gives them storage of their own, and the
+        stale fused_a must not be read (the two GEMMs run instead). Host-side only."""
+        first = self.q_proj if self.c.q_lora_rank is None else self.q_a_proj
+        return (first.weight.data_ptr() == self.fused_a.data_ptr()
+                and self.kv_a_proj_with_mqa.weight.data_ptr()
+                == self.fused_a.data_ptr() + first.weight.numel() * self.fused_a.element_size())
 
     def _packed_attention(self, q_nope: torch.Tensor, q_pe: torch.Tensor, positions: torch.Tensor,
                           q_lens: Sequence[int], kv, layer_idx: int) -> torch.Tensor:
@@ -411,13 +420,14 @@ class MoE(nn.Module):
         """(routed experts' output, shared experts' output or None), each [T, hidden]: `forward`
         before its sum, which the next residual add takes instead (DecoderLayer.forward_pending)."""
         g = self.grouped
-        if g is not None and g.shared is not None:
-            # the GPU fast mode (engine/kernels/grouped_experts.py): up to SHARED_IN_KERNEL_MAX_TOKENS
-            # the shared experts run inside the fused MoE launches (one part: routed + shared),
-            # above it (a prefill) as their own GEMMs
-            if x.shape[0] <= g.SHARED_IN_KERNEL_MAX_TOKENS:
+        if g is not None:
+            # the GPU fast mode (engine/kernels/grouped_experts.py): routing in one kernel; up to
+            # SHARED_IN_KERNEL_MAX_TOKENS the shared experts run inside the fused MoE launches
+            # (one part: routed + shared), above it (a prefill) as their own GEMMs
+            if g.shared is not None and x.shape[0] <= g.SHARED_IN_KERNEL_MAX_TOKENS:
                 return g.forward_with_shared(x, self.gate), None
-            return g.forward_routed(x, self.gate), self.shared_experts(x)
+            shared = self.shared_experts(x) if self.shared_experts is not None else None
+            return g.forward_routed(x, self.gate), shared
         ids, weights = self.gate(x)
         out = self.experts_forward(x, ids, weights)
         return out, (self.shared_experts(x) if self.shared_experts is not None else None)

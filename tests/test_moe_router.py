@@ -107,6 +107,30 @@ def test_fused_projections_are_views_and_give_the_same_attention(tiny_model) -> 
         assert torch.equal(outs[1].argmax(-1), outs[0].argmax(-1))
 
 
+def test_a_stale_fused_projection_is_not_read(tiny_model) -> None:
+    # after a deepcopy, a dtype change or new weights, the modules' weights are no longer views
+    # of fused_a: the forward must use the weights, not the old concatenation
+    c = _config(tiny_model, q_lora_rank=None)
+    fast = build_model(c, seed=6)
+    use_fused_projections(fast)
+    other = build_model(c, seed=7)
+    copied = copy.deepcopy(fast)
+    copied.load_state_dict(other.state_dict())
+    ids = torch.arange(10) * 5 % c.vocab_size
+    from engine.kv_pool import KvPool, KvPoolConfig, PagedKvCache
+
+    def logits(m):
+        pool = KvPool(KvPoolConfig(num_blocks=2, block_size=8, num_layers=c.num_kv_layers, kv_dim=c.kv_dim,
+                                   dtype=m.dtype), 1)
+        with torch.inference_mode():
+            return m.logits(m(ids, torch.arange(10), [10], PagedKvCache(pool, [(pool.blocks.allocate(2), 0, 10)])))
+    attn = next(m for m in copied.modules() if isinstance(m, MLAttention))
+    assert not attn._fused_a_current()
+    torch.testing.assert_close(logits(copied), logits(other), atol=1e-6, rtol=0)
+    doubled = copy.deepcopy(fast).to(torch.float64)
+    torch.testing.assert_close(logits(doubled).float(), logits(fast), atol=1e-4, rtol=1e-4)
+
+
 def test_rope_latent_is_its_parts(tiny_model) -> None:
     c = tiny_model.config
     g = torch.Generator().manual_seed(2)
@@ -176,12 +200,13 @@ def test_moe_with_shared_kernels_match_reference_on_cuda(tiny_model) -> None:
     use_grouped_experts(fast)
     assert warm_up_fused_experts(fast) == 4
     g = _moe(fast).grouped
-    for t in (1, 7, 64, 300, 2048):  # 2048: a prefill's batch, through the same kernel
+    for t in (1, 7, 64, 300, 2048):  # 2048: a prefill's batch, the shared experts as their own GEMMs
         x = torch.randn(t, c.hidden_size, device="cuda", dtype=torch.bfloat16)
         want = _moe(ref)(x).float()
-        got, none = _moe(fast).forward_parts(x)
-        assert none is None
-        assert (got.float() - want).norm() / want.norm() < 1e-2, t
+        got, shared = _moe(fast).forward_parts(x)
+        assert (shared is None) == (t <= g.SHARED_IN_KERNEL_MAX_TOKENS), t
+        got = got.float() if shared is None else (got + shared).float()
+        assert (got - want).norm() / want.norm() < 1e-2, t
         ids, w = route_with_shared_reference(x, _moe(fast).gate.weight, _moe(fast).gate.e_score_correction_bias, c, 2)
         kernel = g.forward(x, ids, w).float()
         twin = fused_experts_reference(x, ids, w, g.gate_up, g.down, shared=g.shared).float()

@@ -169,6 +169,8 @@ def test_cluster_gives_workers_the_daemon_and_caps_prefill_only(tmp_path, monkey
         LocalCluster(log_dir=str(tmp_path), mps=True, num_mocker=2)
     with pytest.raises(ValueError, match="'below' or 'normal', got 'low'"):
         LocalCluster(log_dir=str(tmp_path), mps=True, mps_prefill_priority="low")
+    with pytest.raises(ValueError, match="priority under MPS: give --mps too"):
+        LocalCluster(log_dir=str(tmp_path), mps_prefill_priority="normal")
     normal = LocalCluster(log_dir=str(tmp_path / "n"), mps=True, mps_prefill_priority="normal")
     assert not normal.mps_prefill_below_normal
 

@@ -380,13 +380,16 @@ def exactness(model: torch.nn.Module, cfg: ModelConfig, device: torch.device, pr
     lens = [int(x) for x in torch.randint(32, 200, (prompts,), generator=g)]
     toks = [torch.randint(2, cfg.vocab_size, (n,), generator=g).tolist() for n in lens]
     width = -(-(max(lens) + new + 1) // block_size)
-    from engine.model import HOT, MoE
+    from engine.model import HOT, MLAttention, MoE
     results = {}
     grouped = {m: m.grouped for m in model.modules() if isinstance(m, MoE)}
+    projections = {m: m.fused_a for m in model.modules() if isinstance(m, MLAttention)}
     fused = dict(vars(HOT))
     for mode in ("plain", "fast"):
         for m, gr in grouped.items():  # plain: the per-expert loop; fast: the fused MoE kernels
             m.grouped = None if mode == "plain" else gr
+        for m, fa in projections.items():  # plain: q and kv_a as two GEMMs; fast: one
+            m.fused_a = None if mode == "plain" else fa
         if mode == "plain":
             HOT.reset()  # plain: the uncompiled functions too
         else:

@@ -84,4 +84,6 @@ def use_fused_projections(model: torch.nn.Module) -> int:
         attn.kv_a_proj_with_mqa.weight.data = both[rows:]
         attn.fused_a = both
         n += 1
+        if both.is_cuda:  # the two former weights' memory back to the device (see use_grouped_experts)
+            torch.cuda.empty_cache()
     return n

@@ -5,7 +5,9 @@ weights become views of them: no second copy) and runs the routed experts of a s
 the Triton fused MoE kernels on CUDA (engine/kernels/fused_moe.py: the (token, expert) pairs
 sorted by expert on the device, each touched expert's weights read once, no host sync, so the
 layer can be captured in a CUDA graph). The sum over a token's k experts runs in a fixed order,
-so a row's result does not depend on the other rows of the step.
+so a row's result does not depend on the other rows of the step, as long as the step stays on
+one side of SHARED_IN_KERNEL_MAX_TOKENS (below it the shared experts' output is summed in float32
+with the routed ones, above it rounded apart: the last bits of a row can differ between the two).
 
 Off CUDA (tests of the fast mode's host code on a CPU; serving never runs the fast mode there)
 the same computation runs in torch (`fused_moe.fused_experts_reference`).
@@ -79,7 +81,8 @@ class GroupedExperts:
 
     # Above this many tokens (a prefill forward) the shared experts run as their own GEMMs:
     # there the step is bound by FLOPs, which cuBLAS's dense GEMM does better than the fused
-    # kernel's tiles, not by launches; every decode step (batch × MTP rows) stays below it.
+    # kernel's tiles, not by launches. A decode step's rows (batch × (1 + MTP drafts)) stay
+    # below it up to --max-running 256 with k = 3 drafts; a larger one takes the GEMMs too.
     SHARED_IN_KERNEL_MAX_TOKENS = 1024
 
     def forward_with_shared(self, x: torch.Tensor, gate: torch.nn.Module) -> torch.Tensor:

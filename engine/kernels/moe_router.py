@@ -15,7 +15,7 @@ MoE kernels run the shared experts as extra experts of the same launch
 
 Reference: `route_with_shared_reference` (= `engine.model.route` plus the appended slots), which
 also serves where the kernel does not (CPU, or a group-limited gate whose expert count is not a
-power of two). A prefill's tokens take the kernel too (one program per 16 tokens, each reading
+power of two of at least 16, such as the shipped 8-expert models'). A prefill's tokens take the kernel too (one program per 16 tokens, each reading
 the gate weight from L2): one path for every step, compiled by the start-up warm-up, where a
 second path for long batches compiled lazily stalled the first requests by seconds.
 tests/test_moe_router.py
