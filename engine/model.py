@@ -418,7 +418,8 @@ class MoE(nn.Module):
 
     def forward_parts(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(routed experts' output, shared experts' output or None), each [T, hidden]: `forward`
-        before its sum, which the next residual add takes instead (DecoderLayer.forward_pending)."""
+        before its sum, which the next residual add takes instead (DecoderLayer.forward_pending).
+        In the GPU fast mode (grouped experts) the sum comes whole: (routed + shared, None)."""
         g = self.grouped
         if g is not None:
             # the GPU fast mode (engine/kernels/grouped_experts.py): routing in one kernel; up to
@@ -426,8 +427,11 @@ class MoE(nn.Module):
             # (one part: routed + shared), above it (a prefill) as their own GEMMs
             if g.shared is not None and x.shape[0] <= g.SHARED_IN_KERNEL_MAX_TOKENS:
                 return g.forward_with_shared(x, self.gate), None
-            shared = self.shared_experts(x) if self.shared_experts is not None else None
-            return g.forward_routed(x, self.gate), shared
+            out = g.forward_routed(x, self.gate)
+            # summed here, as one part: the same addition the next add + RMSNorm would do, and
+            # that function's one-part form is the one the start-up warm-up has compiled (a
+            # two-part form first met in a long prefill compiled there, for seconds)
+            return (out + self.shared_experts(x) if self.shared_experts is not None else out), None
         ids, weights = self.gate(x)
         out = self.experts_forward(x, ids, weights)
         return out, (self.shared_experts(x) if self.shared_experts is not None else None)

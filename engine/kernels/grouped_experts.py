@@ -129,8 +129,9 @@ def warm_up_token_counts(num_experts: int, top_k: int) -> list[int]:
 
 @torch.inference_mode()
 def warm_up_fused_experts(model: torch.nn.Module) -> int:
-    """Run one MoE layer's routing kernel (with and without the shared slots) and its routed
-    experts at `warm_up_token_counts` (random inputs and routing), compiling the Triton kernels
+    """Run one MoE layer's routing kernel (with and without the shared slots), its shared MLP on
+    its own, and its routed experts at `warm_up_token_counts` (random inputs and routing),
+    compiling the Triton kernels
     of every BLOCK_M before a request needs them (several
     seconds in all, which would otherwise land on the first requests' TTFT). Returns the number
     of calls (0 without a grouped MoE layer)."""
@@ -146,6 +147,8 @@ def warm_up_fused_experts(model: torch.nn.Module) -> int:
     x = torch.randn(2, g.gate_up.shape[2], device=g.gate_up.device, dtype=g.gate_up.dtype, generator=gen)
     for shared in {0, g.num_shared}:  # the routing kernel's variants: prefill's and decode's
         route_with_shared(x, moe.gate.weight, moe.gate.e_score_correction_bias, moe.gate.c, shared)
+    if moe.shared_experts is not None:  # its own GEMMs and compiled SwiGLU, which a long prefill runs
+        moe.shared_experts(x)
     for t in counts:
         x = torch.randn(t, g.gate_up.shape[2], device=g.gate_up.device, dtype=g.gate_up.dtype, generator=gen)
         ids = torch.randint(0, experts, (t, slots), device=x.device, generator=gen)
