@@ -70,8 +70,17 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps
     does), all [T, hidden]. The same additions in the same order as the unfused layer, so the
     plain function is bit-identical to it; compiled (engine/kernels/fused.py) it is one kernel
     where the unfused form launches two or three."""
+    delta = slot_sum(delta, x.dtype)
     s = x + (delta if delta2 is None else delta + delta2)
     return s, rms_norm(s, weight, eps)
+
+
+def slot_sum(delta: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A MoE output still per slot, [T, slots, hidden] float32 (engine/kernels/fused_moe.py with
+    sum_slots=False), summed over its slots in order and cast to dtype as the kernels' own sum
+    would: [T, hidden]. A [T, hidden] delta passes through. Inside the compiled add + RMSNorm
+    this sum and cast are part of that one kernel instead of two launches of their own."""
+    return delta.sum(1).to(dtype) if delta.dim() == 3 else delta
 
 
 class HotPath:
@@ -414,19 +423,23 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, hidden] -> [T, hidden]
         routed, shared = self.forward_parts(x)
+        routed = slot_sum(routed, x.dtype)
         return routed if shared is None else routed + shared
 
     def forward_parts(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(routed experts' output, shared experts' output or None), each [T, hidden]: `forward`
         before its sum, which the next residual add takes instead (DecoderLayer.forward_pending).
-        In the GPU fast mode (grouped experts) the sum comes whole: (routed + shared, None)."""
+        In the GPU fast mode (grouped experts) the sum comes whole: (routed + shared, None), in
+        forwards of up to SHARED_IN_KERNEL_MAX_TOKENS tokens still per slot, [T, slots, hidden]
+        float32, for `slot_sum`."""
         g = self.grouped
         if g is not None:
             # the GPU fast mode (engine/kernels/grouped_experts.py): routing in one kernel; up to
             # SHARED_IN_KERNEL_MAX_TOKENS the shared experts run inside the fused MoE launches
             # (one part: routed + shared), above it (a prefill) as their own GEMMs
             if g.shared is not None and x.shape[0] <= g.SHARED_IN_KERNEL_MAX_TOKENS:
-                return g.forward_with_shared(x, self.gate), None
+                # per slot: the next add + RMSNorm sums them (slot_sum), two launches fewer
+                return g.forward_with_shared(x, self.gate, sum_slots=False), None
             out = g.forward_routed(x, self.gate)
             # summed here, as one part: the same addition the next add + RMSNorm would do, and
             # that function's one-part form is the one the start-up warm-up has compiled (a
@@ -453,7 +466,8 @@ class MoE(nn.Module):
         return out.to(x.dtype)
 
 
-Pending = tuple  # () or (delta,) or (routed, shared): MLP outputs not yet added to the residual stream
+Pending = tuple  # () or (delta,) or (routed, shared): MLP outputs not yet added to the residual stream;
+# delta may be per slot, [T, slots, hidden] float32 (MoE.forward_parts), summed by slot_sum
 
 
 def add_pending(x: torch.Tensor, pending: Pending) -> torch.Tensor:
@@ -461,7 +475,8 @@ def add_pending(x: torch.Tensor, pending: Pending) -> torch.Tensor:
     x + (routed + shared)."""
     if not pending:
         return x
-    return x + (pending[0] if len(pending) == 1 else pending[0] + pending[1])
+    first = slot_sum(pending[0], x.dtype)
+    return x + (first if len(pending) == 1 else first + pending[1])
 
 
 class DecoderLayer(nn.Module):

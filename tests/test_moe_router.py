@@ -16,7 +16,8 @@ from engine.kernels.fused import use_fused_projections
 from engine.kernels.fused_moe import fused_experts_reference, shared_chunks
 from engine.kernels.grouped_experts import use_grouped_experts, warm_up_fused_experts
 from engine.kernels.moe_router import kernel_applies, route_with_shared, route_with_shared_reference
-from engine.model import HOT, MLAttention, MoE, apply_rope, build_model, rms_norm, route, rope_latent
+from engine.model import (HOT, MLAttention, MoE, add_rms_norm, apply_rope, build_model, rms_norm, rope_latent,
+                          route, slot_sum)
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (run on the lent H200)")
 
@@ -39,7 +40,9 @@ def test_moe_with_shared_in_the_grouped_form_equals_the_reference(tiny_model, to
     want = _moe(ref)(x)
     routed, shared = _moe(fast).forward_parts(x)
     assert shared is None  # the shared experts are inside the routed call's result
-    torch.testing.assert_close(routed, want, atol=1e-6, rtol=1e-5)
+    assert routed.shape == (tokens, c.num_experts_per_tok + 2, c.hidden_size)  # per slot, for slot_sum
+    torch.testing.assert_close(slot_sum(routed, x.dtype), want, atol=1e-6, rtol=1e-5)
+    assert torch.equal(_moe(fast)(x), slot_sum(routed, x.dtype))
     g = _moe(fast).grouped
     assert g.num_shared == 2
     assert g.shared[0].data_ptr() == _moe(fast).shared_experts.gate_proj.weight.data_ptr()  # read in place
@@ -62,6 +65,17 @@ def test_a_prefill_runs_the_shared_experts_as_their_own_gemms(tiny_model, monkey
     torch.testing.assert_close(whole, want_routed + want_shared, atol=1e-6, rtol=1e-5)
     _moe(fast).forward_parts(x[:8])
     assert calls == [9]  # at the limit: inside the kernel
+
+
+def test_per_slot_moe_output_summed_in_the_add_rms_norm_is_bit_identical() -> None:
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(5, 16, generator=g).bfloat16()
+    y = torch.randn(5, 4, 16, generator=g)  # per slot, float32
+    w = torch.rand(16, generator=g).bfloat16()
+    summed = y.sum(1).to(torch.bfloat16)  # what fused_experts returns with sum_slots=True
+    for got, want in zip(add_rms_norm(x, y, w, 1e-6), add_rms_norm(x, summed, w, 1e-6)):
+        assert torch.equal(got, want)
+    assert torch.equal(slot_sum(summed, x.dtype), summed)  # a [T, hidden] delta passes through
 
 
 def test_route_with_shared_reference_appends_the_shared_slots(tiny_model) -> None:
@@ -209,6 +223,7 @@ def test_moe_with_shared_kernels_match_reference_on_cuda(tiny_model) -> None:
         want = _moe(ref)(x).float()
         got, none = _moe(fast).forward_parts(x)
         assert none is None
+        got = slot_sum(got, x.dtype)
         assert (got.float() - want).norm() / want.norm() < 1e-2, t
         ids, w = route_with_shared_reference(x, _moe(fast).gate.weight, _moe(fast).gate.e_score_correction_bias, c, 2)
         kernel = g.forward(x, ids, w).float()

@@ -236,7 +236,8 @@ def align_triton(flat_ids: torch.Tensor, num_experts: int, block_m: int,
 
 def fused_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
                   down: torch.Tensor, tiles: tuple[int, int, int, int, int] | None = None,
-                  shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                  shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+                  sum_slots: bool = True) -> torch.Tensor:
     """Routed (and shared) experts of one MoE layer (Triton, CUDA only).
 
     Args:
@@ -250,6 +251,8 @@ def fused_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gat
             down [hidden, S·I], row-major), read in place as S experts of intermediate I: chunk
             j is rows (columns of down) j·I .. (j+1)·I. The sum of the S chunks' outputs is the
             shared MLP's output (each chunk's rounded to x's dtype before the sum).
+        sum_slots: False returns the per-slot outputs, [T, k, hidden] float32, for the caller
+            to sum (engine.model.slot_sum, inside the next add + RMSNorm).
     Returns:
         [T, hidden] in x's dtype: sum over k of weight × expert(x), the sum in float32 in slot order.
     Raises:
@@ -283,7 +286,8 @@ def fused_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gat
         h, down, sd, y, rows, bexp, weights.reshape(-1).float(), p, e_all, e, inter, hidden,
         h.stride(0), down.stride(0), down.stride(1), sd.stride(0) if shared is not None else 0, y.stride(0),
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
-    return y.view(t, k, hidden).sum(1).to(x.dtype)
+    y = y.view(t, k, hidden)
+    return y.sum(1).to(x.dtype) if sum_slots else y
 
 
 def shared_chunks(shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None, inter: int) -> int:
@@ -301,7 +305,8 @@ def shared_chunks(shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
 
 def fused_experts_reference(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
                             down: torch.Tensor,
-                            shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                            shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+                            sum_slots: bool = True) -> torch.Tensor:
     """What `fused_experts` computes, in torch (any device): per pair, the expert's SwiGLU with
     each projection rounded to x's dtype, the output scaled by the routing weight in float32,
     summed over k in slot order. Same arguments and result as `fused_experts`."""
@@ -324,4 +329,5 @@ def fused_experts_reference(x: torch.Tensor, ids: torch.Tensor, weights: torch.T
             wg, wu, wd = shared[0][rows], shared[1][rows], shared[2][:, rows]
         h = torch.nn.functional.silu(xs[sel] @ wg.T) * (xs[sel] @ wu.T)
         y[sel] = (h @ wd.T).float() * scale[sel, None]
-    return y.view(t, k, -1).sum(1).to(x.dtype)
+    y = y.view(t, k, -1)
+    return y.sum(1).to(x.dtype) if sum_slots else y

@@ -72,12 +72,16 @@ class GroupedExperts:
             shared = ws if all(w.is_contiguous() for w in ws) else None
         return GroupedExperts(gate_up, down, shared)
 
-    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                sum_slots: bool = True) -> torch.Tensor:
         """x [T, hidden], ids [T, k] int64 expert ids, weights [T, k] float32 -> [T, hidden]
-        (x's dtype; the weighted sum over k accumulates in float32, as the reference)."""
+        (x's dtype; the weighted sum over k accumulates in float32, as the reference); with
+        sum_slots=False the per-slot outputs [T, k, hidden] float32 (`fused_experts`)."""
         if x.is_cuda:
-            return fused_experts(x, ids, weights, self.gate_up, self.down, shared=self.shared)
-        return fused_experts_reference(x, ids, weights, self.gate_up, self.down, shared=self.shared)
+            return fused_experts(x, ids, weights, self.gate_up, self.down, shared=self.shared,
+                                 sum_slots=sum_slots)
+        return fused_experts_reference(x, ids, weights, self.gate_up, self.down, shared=self.shared,
+                                       sum_slots=sum_slots)
 
     # Above this many tokens (a prefill forward) the shared experts run as their own GEMMs:
     # there the step is bound by FLOPs, which cuBLAS's dense GEMM does better than the fused
@@ -85,13 +89,14 @@ class GroupedExperts:
     # below it up to --max-running 256 with k = 3 drafts; a larger one takes the GEMMs too.
     SHARED_IN_KERNEL_MAX_TOKENS = 1024
 
-    def forward_with_shared(self, x: torch.Tensor, gate: torch.nn.Module) -> torch.Tensor:
+    def forward_with_shared(self, x: torch.Tensor, gate: torch.nn.Module, sum_slots: bool = True) -> torch.Tensor:
         """The whole MoE output (routed experts weighted by `gate`, the engine.model.TopkRouter,
-        plus the shared experts) of x [T, hidden] -> [T, hidden] in x's dtype: one routing launch
-        and the fused experts' launches. Only when `shared` is set."""
+        plus the shared experts) of x [T, hidden] -> [T, hidden] in x's dtype (per slot with
+        sum_slots=False, as `forward`): one routing launch and the fused experts' launches. Only
+        when `shared` is set."""
         ids, weights = route_with_shared(x, gate.weight, gate.e_score_correction_bias, gate.c,
                                          self.num_shared)
-        return self.forward(x, ids, weights)
+        return self.forward(x, ids, weights, sum_slots)
 
     def forward_routed(self, x: torch.Tensor, gate: torch.nn.Module) -> torch.Tensor:
         """The routed experts' weighted sum alone (`MoE.experts_forward`'s result), routed by the
