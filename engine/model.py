@@ -77,9 +77,12 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps
 
 def slot_sum(delta: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """A MoE output still per slot, [T, slots, hidden] float32 (engine/kernels/fused_moe.py with
-    sum_slots=False), summed over its slots in order and cast to dtype as the kernels' own sum
-    would: [T, hidden]. A [T, hidden] delta passes through. Inside the compiled add + RMSNorm
-    this sum and cast are part of that one kernel instead of two launches of their own."""
+    sum_slots=False), summed over its slots and cast to dtype: [T, hidden], the plain function
+    bit for bit what fused_experts' own sum returns. A [T, hidden] delta passes through. Inside
+    the compiled add + RMSNorm (GPU) the sum and cast are part of that one kernel instead of two
+    launches of their own; there inductor adds the float32 sum to x before rounding (its default:
+    casts inside a kernel are not rounded), so the residual can differ from the eager form in
+    its last bit."""
     return delta.sum(1).to(dtype) if delta.dim() == 3 else delta
 
 
@@ -441,9 +444,10 @@ class MoE(nn.Module):
                 # per slot: the next add + RMSNorm sums them (slot_sum), two launches fewer
                 return g.forward_with_shared(x, self.gate, sum_slots=False), None
             out = g.forward_routed(x, self.gate)
-            # summed here, as one part: the same addition the next add + RMSNorm would do, and
-            # that function's one-part form is the one the start-up warm-up has compiled (a
-            # two-part form first met in a long prefill compiled there, for seconds)
+            # summed here, as one part (rounded to x's dtype before the residual add, where the
+            # compiled two-part add + RMSNorm did not round it): that function's one-part form is
+            # the one the start-up warm-up has compiled (a two-part form first met in a long
+            # prefill compiled there, for seconds)
             return (out + self.shared_experts(x) if self.shared_experts is not None else out), None
         ids, weights = self.gate(x)
         out = self.experts_forward(x, ids, weights)

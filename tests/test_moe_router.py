@@ -147,6 +147,9 @@ def test_a_stale_fused_projection_is_not_read(tiny_model) -> None:
     torch.testing.assert_close(logits(copied), logits(other), atol=1e-6, rtol=0)
     doubled = copy.deepcopy(fast).to(torch.float64)
     torch.testing.assert_close(logits(doubled).float(), logits(fast), atol=1e-4, rtol=1e-4)
+    assert use_fused_projections(doubled) == c.num_kv_layers  # fused again, in float64
+    attn = next(m for m in doubled.modules() if isinstance(m, MLAttention))
+    assert attn._fused_a_current() and attn.fused_a.dtype == torch.float64
 
 
 def test_rope_latent_is_its_parts(tiny_model) -> None:

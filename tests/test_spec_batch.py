@@ -168,23 +168,38 @@ def _first_flips(shape, plain_calls, fast_calls) -> dict[int, int]:
 
 
 def _run_routed(batch, steps: int, monkeypatch, **kw):
-    """batch.run(steps, **kw) step by step, and per step the experts every MoE call chose (the
-    grouped form's routing: [T, k] sorted ids per call). Eager paths only (not graph replays)."""
+    """batch.run(steps, **kw) step by step, and per step the experts every MoE call of the
+    verify forward chose (the grouped form's routing: [T, k] sorted ids per layer; the MTP
+    extend and drafts, which also route, are not recorded). Eager paths only (not graph replays)."""
     import engine.kernels.grouped_experts as ge
+    import engine.spec_batch as sb
     real = ge.route_with_shared
     calls: list[torch.Tensor] = []
+    in_verify = [False]
 
     def record(x, weight, bias, c, shared):
         ids, w = real(x, weight, bias, c, shared)
-        calls.append(ids[:, :c.num_experts_per_tok].sort(-1).values.cpu())
+        if in_verify[0]:
+            calls.append(ids[:, :c.num_experts_per_tok].sort(-1).values.cpu())
         return ids, w
+
+    def recording(verify):
+        def wrapped(self, *args, **kwargs):
+            in_verify[0] = True
+            try:
+                return verify(self, *args, **kwargs)
+            finally:
+                in_verify[0] = False
+        return wrapped
     monkeypatch.setattr(ge, "route_with_shared", record)
+    for cls in (sb._PlainForwards, sb.FastForwards):
+        monkeypatch.setattr(cls, "verify", recording(cls.verify))
     out, routes = [], []
     for _ in range(steps):
         calls.clear()
         out += batch.run(1, **kw)
         routes.append(list(calls))
-    monkeypatch.setattr(ge, "route_with_shared", real)
+    monkeypatch.undo()
     return out, routes
 
 

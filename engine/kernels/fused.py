@@ -70,13 +70,14 @@ def use_fused_projections(model: torch.nn.Module) -> int:
     projections (q_proj or q_a_proj, then kv_a_proj_with_mqa), the modules' own weights becoming
     views of it (no second copy), so that a step runs one GEMM where it ran two. The output's
     columns are the two projections' (the same products; a GPU GEMM may sum them in another
-    order). Idempotent; returns the number of attentions switched."""
+    order). Idempotent; returns the number of attentions switched (again after a deepcopy or
+    `.to()` left a layer's weights apart from its fused_a)."""
     from engine.model import MLAttention
 
     n = 0
     for attn in model.modules():
-        if not isinstance(attn, MLAttention) or attn.fused_a is not None:
-            continue
+        if not isinstance(attn, MLAttention) or (attn.fused_a is not None and attn._fused_a_current()):
+            continue  # fused already (a stale fused_a, after a copy or .to(), is made again)
         first = attn.q_proj if attn.c.q_lora_rank is None else attn.q_a_proj
         rows = first.weight.shape[0]
         both = torch.cat((first.weight, attn.kv_a_proj_with_mqa.weight))
