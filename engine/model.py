@@ -70,8 +70,7 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps
     does), all [T, hidden]. The same additions in the same order as the unfused layer, so the
     plain function is bit-identical to it; compiled (engine/kernels/fused.py) it is one kernel
     where the unfused form launches two or three."""
-    delta = slot_sum(delta, x.dtype)
-    s = x + (delta if delta2 is None else delta + delta2)
+    s = x + sum_parts(x.dtype, delta, delta2)
     return s, rms_norm(s, weight, eps)
 
 
@@ -84,6 +83,14 @@ def slot_sum(delta: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     casts inside a kernel are not rounded), so the residual can differ from the eager form in
     its last bit."""
     return delta.sum(1).to(dtype) if delta.dim() == 3 else delta
+
+
+def sum_parts(dtype: torch.dtype, routed: torch.Tensor, shared: torch.Tensor | None = None) -> torch.Tensor:
+    """A MLP's output from its parts (MoE.forward_parts, or a dense MLP's one output): routed
+    (per slot or not, `slot_sum`) plus shared, in that order, as the unfused layer summed them;
+    [T, hidden] in dtype. MoE.forward, add_pending and add_rms_norm all sum through here."""
+    routed = slot_sum(routed, dtype)
+    return routed if shared is None else routed + shared
 
 
 class HotPath:
@@ -275,7 +282,7 @@ class MLAttention(nn.Module):
         if self.fused_a is not None and self._fused_a_current():
             q, kv_a = F.linear(x, self.fused_a).split([self.fused_a.shape[0] - c.kv_dim, c.kv_dim], -1)
         else:
-            q = self.q_proj(x) if c.q_lora_rank is None else self.q_a_proj(x)
+            q = self.first_proj(x)
             kv_a = self.kv_a_proj_with_mqa(x)  # [T, kv_dim]
         if c.q_lora_rank is not None:
             q = self.q_b_proj(self.q_a_layernorm(q))
@@ -299,11 +306,17 @@ class MLAttention(nn.Module):
             start += n
         return self.o_proj(torch.cat(outs).reshape(t, -1))  # [T, H * v] -> [T, hidden]
 
+    @property
+    def first_proj(self) -> nn.Linear:
+        """The projection of x that fused_a joins with kv_a_proj_with_mqa: q_proj, or q_a_proj
+        with a q_lora_rank."""
+        return self.q_proj if self.c.q_lora_rank is None else self.q_a_proj
+
     def _fused_a_current(self) -> bool:
         """Whether the two projections' weights are still views of fused_a: a deepcopy, `.to()`
         or a weight swap after use_fused_projections gives them storage of their own, and the
         stale fused_a must not be read (the two GEMMs run instead). Host-side only."""
-        first = self.q_proj if self.c.q_lora_rank is None else self.q_a_proj
+        first = self.first_proj
         return (first.weight.data_ptr() == self.fused_a.data_ptr()
                 and self.kv_a_proj_with_mqa.weight.data_ptr()
                 == self.fused_a.data_ptr() + first.weight.numel() * self.fused_a.element_size())
@@ -425,9 +438,7 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, hidden] -> [T, hidden]
-        routed, shared = self.forward_parts(x)
-        routed = slot_sum(routed, x.dtype)
-        return routed if shared is None else routed + shared
+        return sum_parts(x.dtype, *self.forward_parts(x))
 
     def forward_parts(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(routed experts' output, shared experts' output or None), each [T, hidden]: `forward`
@@ -442,8 +453,8 @@ class MoE(nn.Module):
             # (one part: routed + shared), above it (a prefill) as their own GEMMs
             if g.shared is not None and x.shape[0] <= g.SHARED_IN_KERNEL_MAX_TOKENS:
                 # per slot: the next add + RMSNorm sums them (slot_sum), two launches fewer
-                return g.forward_with_shared(x, self.gate, sum_slots=False), None
-            out = g.forward_routed(x, self.gate)
+                return g.forward_gated(x, self.gate, with_shared=True, sum_slots=False), None
+            out = g.forward_gated(x, self.gate, with_shared=False)
             # summed here, as one part (rounded to x's dtype before the residual add, where the
             # compiled two-part add + RMSNorm did not round it): that function's one-part form is
             # the one the start-up warm-up has compiled (a two-part form first met in a long
@@ -477,10 +488,7 @@ Pending = tuple  # () or (delta,) or (routed, shared): MLP outputs not yet added
 def add_pending(x: torch.Tensor, pending: Pending) -> torch.Tensor:
     """x plus a layer's pending MLP parts, summed as MoE.forward and DecoderLayer.forward did:
     x + (routed + shared)."""
-    if not pending:
-        return x
-    first = slot_sum(pending[0], x.dtype)
-    return x + (first if len(pending) == 1 else first + pending[1])
+    return x + sum_parts(x.dtype, *pending) if pending else x
 
 
 class DecoderLayer(nn.Module):

@@ -78,7 +78,7 @@ def use_fused_projections(model: torch.nn.Module) -> int:
     for attn in model.modules():
         if not isinstance(attn, MLAttention) or (attn.fused_a is not None and attn._fused_a_current()):
             continue  # fused already (a stale fused_a, after a copy or .to(), is made again)
-        first = attn.q_proj if attn.c.q_lora_rank is None else attn.q_a_proj
+        first = attn.first_proj
         rows = first.weight.shape[0]
         both = torch.cat((first.weight, attn.kv_a_proj_with_mqa.weight))
         first.weight.data = both[:rows]

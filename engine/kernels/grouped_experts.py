@@ -89,21 +89,15 @@ class GroupedExperts:
     # below it up to --max-running 256 with k = 3 drafts; a larger one takes the GEMMs too.
     SHARED_IN_KERNEL_MAX_TOKENS = 1024
 
-    def forward_with_shared(self, x: torch.Tensor, gate: torch.nn.Module, sum_slots: bool = True) -> torch.Tensor:
-        """The whole MoE output (routed experts weighted by `gate`, the engine.model.TopkRouter,
-        plus the shared experts) of x [T, hidden] -> [T, hidden] in x's dtype (per slot with
-        sum_slots=False, as `forward`): one routing launch and the fused experts' launches. Only
-        when `shared` is set."""
+    def forward_gated(self, x: torch.Tensor, gate: torch.nn.Module, with_shared: bool,
+                      sum_slots: bool = True) -> torch.Tensor:
+        """The MoE output of x [T, hidden] with its routing: the routed experts weighted by `gate`
+        (the engine.model.TopkRouter), plus the shared experts in the same launches when
+        with_shared (which needs `shared`): one routing launch and the fused experts' launches.
+        [T, hidden] in x's dtype, or per slot with sum_slots=False (as `forward`)."""
         ids, weights = route_with_shared(x, gate.weight, gate.e_score_correction_bias, gate.c,
-                                         self.num_shared)
+                                         self.num_shared if with_shared else 0)
         return self.forward(x, ids, weights, sum_slots)
-
-    def forward_routed(self, x: torch.Tensor, gate: torch.nn.Module) -> torch.Tensor:
-        """The routed experts' weighted sum alone (`MoE.experts_forward`'s result), routed by the
-        same kernel: x [T, hidden] -> [T, hidden]."""
-        ids, weights = route_with_shared(x, gate.weight, gate.e_score_correction_bias, gate.c, 0)
-        return self.forward(x, ids, weights)
-
 
 def use_grouped_experts(model: torch.nn.Module) -> int:
     """Switch every MoE layer of model to the grouped forward; returns the number switched.
@@ -136,10 +130,9 @@ def warm_up_token_counts(num_experts: int, top_k: int) -> list[int]:
 def warm_up_fused_experts(model: torch.nn.Module) -> int:
     """Run one MoE layer's routing kernel (with and without the shared slots), its shared MLP on
     its own, and its routed experts at `warm_up_token_counts` (random inputs and routing),
-    compiling the Triton kernels
-    of every BLOCK_M before a request needs them (several
-    seconds in all, which would otherwise land on the first requests' TTFT). Returns the number
-    of calls (0 without a grouped MoE layer)."""
+    compiling the Triton kernels of every BLOCK_M before a request needs them (several seconds
+    in all, which would otherwise land on the first requests' TTFT). Returns the number of calls
+    (0 without a grouped MoE layer)."""
     from engine.model import MoE
 
     moe = next((m for m in model.modules() if isinstance(m, MoE) and m.grouped is not None), None)
