@@ -17,7 +17,7 @@ import torch
 
 from engine.kernels.mla_decode import mla_decode
 from engine.kv_pool import FP8, KvPool
-from engine.upload import upload
+from engine.upload import PinnedRing
 
 
 class BlockTables:
@@ -42,6 +42,7 @@ class BlockTables:
 
     def __init__(self, rows: int, width: int, device: torch.device, fixed: bool = False) -> None:
         self.store = torch.zeros((rows, width), dtype=torch.int32, device=device)
+        self.staging = PinnedRing(device)  # this store's row uploads and the steps' plans (DecodePlan.build)
         self.fixed = fixed
         self._row: dict[int, int] = {}  # id(block list) -> row
         self._cached: list[list[int] | None] = [None] * rows
@@ -81,7 +82,7 @@ class BlockTables:
             rows.append(r)
         if changed:
             wc = max(len(h) for _, h in changed)
-            up = upload([[r, *h, *([h[0]] * (wc - len(h)))] for r, h in changed], torch.int32, self.store.device)
+            up = self.staging.upload([[r, *h, *([h[0]] * (wc - len(h)))] for r, h in changed], torch.int32)
             self.store[up[:, 0].long(), :wc] = up[:, 1:]
         return rows
 
@@ -148,11 +149,11 @@ class DecodePlan:
         need = [-(-(b.num_computed + 1) // block_size) for b in batch]
         rows = tables.rows_for([b.block_ids for b in batch], need)
         pad = max(0, pad_to - len(batch))
-        ints = upload([[b.input_token for b in batch] + [0] * pad,
-                       [b.num_computed for b in batch] + [0] * pad,
-                       [b.num_computed + 1 for b in batch] + [1] * pad,
-                       rows + [pad_row] * pad,
-                       (slots if slots is not None else [-1] * len(batch)) + [-1] * pad], torch.long, device)
+        ints = tables.staging.upload([[b.input_token for b in batch] + [0] * pad,
+                                      [b.num_computed for b in batch] + [0] * pad,
+                                      [b.num_computed + 1 for b in batch] + [1] * pad,
+                                      rows + [pad_row] * pad,
+                                      (slots if slots is not None else [-1] * len(batch)) + [-1] * pad], torch.long)
         return DecodePlan(ints, tables.store, len(batch), max(need))
 
 

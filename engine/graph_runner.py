@@ -9,7 +9,11 @@ to the bucket) is copied into the static input buffer in one copy; padding rows 
 one-token context in the scratch block (so they write their garbage latent there, never into a
 live request's block). Inside the graph: the future-token map resolves placeholder input ids
 (engine/future_map.py) and the rows' block tables are gathered from the device-resident
-`BlockTables` store. Sampling runs after the replay (engine/sampling.py), outside the graph.
+`BlockTables` store. Each graph also ends with the greedy head (engine/sampling.py
+`greedy_batch`: argmax and its log-probability, written into the future map at the step's
+slots and packed for the one device-to-host copy), so an all-greedy step launches nothing but
+its input copies, the replay and that copy; a step with sampled rows samples from the graph's
+logits after the replay (and its tokens overwrite the greedy ones in the map).
 
 The attention kernel's work depends on each row's length, not on the table width, so one width
 serves every context; `bucket` is None only for a batch larger than the largest bucket.
@@ -30,6 +34,7 @@ import torch
 from engine.decode_batch import AbsorbedDecodeKv, BlockTables, DecodePlan
 from engine.future_map import FutureTokenMap
 from engine.kv_pool import KvPool
+from engine.sampling import greedy_batch, pack_step
 
 log = logging.getLogger(__name__)
 
@@ -39,23 +44,29 @@ class PriorityReplay:
 
     A replay waits for what the caller's current stream queued before it (the input copies)
     and the current stream waits for the replay (what reads the outputs next): two event
-    records and waits, a few microseconds. A replayed graph's kernels take the launch stream's
-    priority (cudaGraphInstantiate without UseNodePriority)."""
+    records and waits, a few microseconds, through two events made once (a wait takes the
+    event's state when it is called, so recording the event again for the next replay is
+    safe). A replayed graph's kernels take the launch stream's priority (cudaGraphInstantiate
+    without UseNodePriority)."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         # clamped to the highest priority the device has; none off CUDA (tests' eager stand-ins)
         self.stream = torch.cuda.Stream(device, priority=-100) if device.type == "cuda" else None
+        if self.stream is not None:
+            self._inputs_ready, self._outputs_ready = torch.cuda.Event(), torch.cuda.Event()
 
     def __call__(self, graph: torch.cuda.CUDAGraph) -> None:
         if self.stream is None:
             graph.replay()
             return
         cur = torch.cuda.current_stream(self.device)
-        self.stream.wait_stream(cur)
+        self._inputs_ready.record(cur)
+        self.stream.wait_event(self._inputs_ready)
         with torch.cuda.stream(self.stream):
             graph.replay()
-        cur.wait_stream(self.stream)
+        self._outputs_ready.record(self.stream)
+        cur.wait_event(self._outputs_ready)
 
 
 def batch_sizes(max_batch: int) -> list[int]:
@@ -93,7 +104,8 @@ class DecodeGraphs:
         # (ids, positions, lens, rows, slots) of the largest bucket; padding rows' values
         self.ints = torch.tensor([[0] * n, [0] * n, [1] * n, [self.pad_row] * n, [-1] * n], dtype=torch.long,
                                  device=dev)
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # batch size -> (graph, its outputs: logits [bs, vocab] float32, greedy pack [bs, 2] float64)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, torch.Tensor]]] = {}
         self.replay = PriorityReplay(dev)
         self._capture(dev)
 
@@ -121,22 +133,29 @@ class DecodeGraphs:
                  "%.0f MiB", len(self.sizes), ",".join(map(str, self.sizes)), self.width,
                  self.capture_seconds, self.memory_bytes / 2**20)
 
-    def _forward(self, bs: int) -> torch.Tensor:
+    def _forward(self, bs: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The captured step: (logits [bs, vocab] float32, greedy pack [bs, 2] float64 =
+        `pack_step(*greedy_batch(logits))`, whose tokens are stored at the slots ints[4])."""
         ints = self.ints[:, :bs]
         ids = self.future.resolve(ints[0])
         kv = AbsorbedDecodeKv(self.pool, self.tables.store.index_select(0, ints[3]), ints[2].int())
         hidden = self.model(ids, ints[1], [1] * bs, kv)
-        return self.model.logits(hidden)  # [bs, vocab] float32
+        logits = self.model.logits(hidden)
+        tokens, logprobs = greedy_batch(logits)
+        self.future.store(ints[4], tokens)  # padding rows' slot is -1: the map's sink
+        return logits, pack_step(tokens, logprobs)
 
     def bucket(self, batch: int) -> int | None:
         """The graph batch size a step of `batch` rows replays (None: larger than every bucket)."""
         return next((s for s in self.sizes if s >= batch), None)
 
-    def run(self, plan: DecodePlan) -> torch.Tensor:
-        """Replay for plan (built padded to its bucket, rows from `tables`); returns logits
-        [plan.batch, vocab] float32, a view of the graph's output (valid until the next replay)."""
+    def run(self, plan: DecodePlan) -> tuple[torch.Tensor, torch.Tensor]:
+        """Replay for plan (built padded to its bucket, rows from `tables`); returns (logits
+        [plan.batch, vocab] float32, greedy pack [plan.batch, 2] float64, its tokens already in
+        the future map at the plan's slots): views of the graph's outputs, valid until the
+        next replay."""
         bs = plan.ints.shape[1]
         self.ints[:, :bs].copy_(plan.ints)
-        graph, out = self.graphs[bs]
+        graph, (logits, pack) = self.graphs[bs]
         self.replay(graph)
-        return out[: plan.batch]
+        return logits[: plan.batch], pack[: plan.batch]

@@ -3,8 +3,9 @@
 `launch` runs one `ModelRunner.decode_step` whose placeholder input ids are resolved from the
 runner's FutureTokenMap on the device (so step i + 1 can be launched before step i's tokens
 reach the host) and whose sampled tokens go into the map at the step's slots, then starts one
-non-blocking copy of tokens and log-probabilities to pinned host memory with an event behind
-it. `collect` waits for that event only. `step` does both in one call (launch step i + 1, then
+non-blocking copy of its tokens and log-probabilities into one of a few pinned host buffers
+reused in turn (a step's buffer is written again three launches later, when that step has
+long been collected), with an event behind it. `collect` waits for that event only. `step` does both in one call (launch step i + 1, then
 collect step i), so the scheduler hands the model thread one job per step. Sampling (greedy
 and seeded) runs on the device (engine/sampling.py): no step syncs. On a CPU every call runs to
 completion at once, so the same code path works, sequentially.
@@ -21,11 +22,14 @@ from common.sampling_params import SamplingParams
 from engine.runner import DecodeInput, ModelRunner
 
 
+HOST_BUFFERS = 3  # pinned result buffers in turn (see OverlapRunner.__init__)
+
+
 @dataclass
 class LaunchedStep:
     """A step in flight: `host` [2, B] float64 (tokens, logprobs) filled once `event` completed."""
 
-    host: torch.Tensor
+    host: torch.Tensor  # [B, 2] float64: (token id, logprob) per row
     event: torch.cuda.Event | None  # None on CPU: already complete
     began: torch.cuda.Event | None = None  # recorded before the step's first kernel (timing on)
 
@@ -42,6 +46,12 @@ class OverlapRunner:
         # device seconds the collected steps ran, from CUDA events around each step (so the
         # device's busy share of wall time tells a host-bound loop from a device-bound one)
         self.device_busy_s = 0.0
+        # pinned [max_batch, 2] float64 buffers the steps' results land in, used in turn: at
+        # most two steps are in flight and a step's buffer is read when it is collected, so
+        # the buffer of step i is free again before step i + 2 launches (HOST_BUFFERS = 3 > 2)
+        self._host = ([torch.empty((max_batch, 2), dtype=torch.float64, pin_memory=True)
+                       for _ in range(HOST_BUFFERS)] if self.cuda else [])
+        self._launches = 0
 
     @torch.inference_mode()
     def launch(self, batch: list[DecodeInput], slots: list[int],
@@ -54,12 +64,13 @@ class OverlapRunner:
         if self.cuda:
             began = torch.cuda.Event(enable_timing=True)
             began.record()
-        tokens, logprobs = self.runner.decode_step(batch, sampling, slots)
-        # float64 holds every token id exactly (integers up to 2^53): one copy for both
-        both = torch.stack((tokens.double(), logprobs.double()))
+        both = self.runner.decode_step(batch, sampling, slots)  # [B, 2] float64 on the device
         if not self.cuda:
             return LaunchedStep(both, None)
-        host = torch.empty(both.shape, dtype=both.dtype, pin_memory=True)
+        ring = self._host[self._launches % HOST_BUFFERS]
+        self._launches += 1
+        host = (ring[: len(batch)] if len(batch) <= ring.shape[0]
+                else torch.empty(both.shape, dtype=both.dtype, pin_memory=True))
         host.copy_(both, non_blocking=True)
         event = torch.cuda.Event(enable_timing=True)
         event.record()
@@ -75,8 +86,8 @@ class OverlapRunner:
             # the step's kernels queue behind the previous step's: its device time starts at
             # `began` (reached once the stream got there) and ends at `event`
             self.device_busy_s += step.began.elapsed_time(step.event) / 1e3
-        tokens, logprobs = step.host.tolist()
-        return [int(t) for t in tokens], logprobs
+        rows = step.host.tolist()
+        return [int(t) for t, _ in rows], [lp for _, lp in rows]
 
     def step(self, batch: list[DecodeInput] | None, slots: list[int], sampling: list[tuple[SamplingParams, int]],
              previous: LaunchedStep | None) -> tuple[LaunchedStep | None, tuple[list[int], list[float]] | None]:

@@ -12,8 +12,10 @@ One runner, two modes, chosen once at construction (the log line says which):
   (`spec_step`, engine/spec_batch.py) runs its draft and verify forwards the same way, every
   verify query one row of the decode kernel, the whole step one CUDA graph replay
   (engine/spec_graphs.py).
-`decode_step` samples on the device (engine/sampling.py) and returns device tensors, so a step
-needs no host sync; `decode_tokens` adds the step's one device-to-host copy. Input ids below 0
+`decode_step` samples on the device (engine/sampling.py) and returns one device tensor of
+tokens and log-probabilities, so a step needs no host sync and one device-to-host copy
+(engine/overlap_runner.py); an all-greedy step replayed from a graph samples inside it.
+`decode_tokens` is `decode` + sampling with that copy, for the plain loop. Input ids below 0
 are placeholders of the runner's FutureTokenMap (the overlap scheduler's tokens still on the
 device), resolved on the device in every mode; a step given future-map slots writes its tokens
 there.
@@ -36,7 +38,7 @@ from engine.future_map import FutureTokenMap
 from engine.kv_cache_contiguous import ContiguousKvCache
 from engine.kv_pool import KvPool, PagedKvCache
 from engine.mtp import pool_has_mtp, prefill_mtp_rows
-from engine.sampling import SamplingParams, SamplingRows, sample_batch
+from engine.sampling import SamplingParams, SamplingRows, pack_step, sample_batch
 from engine.spec_batch import SpecResult, SpecRow, SpecSlots, spec_step
 from engine.spec_decode import SpecInput, SpecOutput, spec_forward
 from engine.upload import upload
@@ -205,20 +207,26 @@ class ModelRunner:
 
     @torch.inference_mode()
     def decode_step(self, batch: list[DecodeInput], sampling: list[tuple[SamplingParams, int]],
-                    slots: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """`decode` then `sample_batch`: (tokens [B] int64, logprobs [B] float32) on the device;
-        with `slots` the tokens are also written into the future map there.
+                    slots: list[int] | None = None) -> torch.Tensor:
+        """`decode` then `sample_batch`: [B, 2] float64 on the device, row i = (token id,
+        log-probability) of batch[i] (`pack_step`); with `slots` the tokens are also written
+        into the future map there. An all-greedy batch replayed from a graph takes the graph's
+        own greedy head (the same `greedy_batch`, the same bits), with no kernel after the replay.
 
         sampling[i] = (params, step index) of the token batch[i] generates."""
-        logits, slot_t = self._forward_step(batch, slots)
-        tokens, logprobs = sample_batch(logits, SamplingRows.build(sampling, self.device))
+        rows = SamplingRows.build(sampling, self.device)
+        logits, slot_t, greedy = self._forward_step(batch, slots)
+        if greedy is not None and not rows.any_sampled:
+            return greedy
+        tokens, logprobs = sample_batch(logits, rows)
         if slot_t is not None:
             self.future.store(slot_t, tokens)
-        return tokens, logprobs
+        return pack_step(tokens, logprobs)
 
     def _forward_step(self, batch: list[DecodeInput], slots: list[int] | None
-                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(logits [B, vocab] float32, the slots as a device tensor or None)."""
+                      ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """(logits [B, vocab] float32, the slots as a device tensor or None, and after a graph
+        replay its greedy pack [B, 2] float64 with its tokens already at the slots, else None)."""
         if not self.fast:
             ids = self.future.resolve(torch.tensor([b.input_token for b in batch], dtype=torch.long,
                                                    device=self.device))
@@ -226,7 +234,7 @@ class ModelRunner:
             kv = PagedKvCache(self.pool, [(b.block_ids, b.num_computed, 1) for b in batch])
             hidden = self.model.forward(ids, positions, [1] * len(batch), kv)  # [batch, hidden]
             slot_t = None if slots is None else torch.tensor(slots, dtype=torch.long, device=self.device)
-            return self.model.logits(hidden), slot_t
+            return self.model.logits(hidden), slot_t, None
         from engine.decode_batch import AbsorbedDecodeKv, BlockTables, DecodePlan
         bs = self.pool.config.block_size
         bucket = self.graphs.bucket(len(batch)) if self.graphs is not None else None
@@ -239,10 +247,11 @@ class ModelRunner:
             bucket, plan = None, DecodePlan.build(batch, bs, self.device, None, slots)
         slot_t = None if slots is None else plan.slots
         if bucket is not None:
-            return self.graphs.run(plan), slot_t
+            logits, greedy = self.graphs.run(plan)
+            return logits, slot_t, greedy
         kv = AbsorbedDecodeKv(self.pool, plan.tables, plan.lens)
         hidden = self.model.forward(self.future.resolve(plan.ids), plan.positions, [1] * plan.batch, kv)
-        return self.model.logits(hidden), slot_t
+        return self.model.logits(hidden), slot_t, None
 
     def decode_tokens(self, batch: list[DecodeInput], sampling: list[tuple[SamplingParams, int]]
                       ) -> tuple[list[int], list[float]]:

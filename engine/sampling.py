@@ -158,17 +158,32 @@ def sample_batch(logits: torch.Tensor, rows: SamplingRows) -> tuple[torch.Tensor
         log_softmax; sampled rows a Gumbel-max draw from the tempered top-p distribution
         (`sampling_logprobs_batch`) with its log-probability there.
     """
-    logp = sampling_logprobs_batch(logits, rows)
-    # greedy rows: the argmax of the logits themselves (engine.reference, spec_decode's accept):
-    # logits - logsumexp can round two close logits to one value and flip the tie to the lower id
-    greedy_tokens = torch.argmax(logits.float(), dim=-1)
     if not rows.any_sampled:
-        tokens = greedy_tokens
-    else:
-        noise = gumbel_noise(rows.seed, rows.step, logp.shape[-1])
-        sampled = torch.argmax(logp + noise, dim=-1)
-        tokens = torch.where(rows.temperature > 0, sampled, greedy_tokens)
+        return greedy_batch(logits)
+    logp = sampling_logprobs_batch(logits, rows)
+    greedy_tokens = torch.argmax(logits.float(), dim=-1)  # (as in greedy_batch)
+    noise = gumbel_noise(rows.seed, rows.step, logp.shape[-1])
+    sampled = torch.argmax(logp + noise, dim=-1)
+    tokens = torch.where(rows.temperature > 0, sampled, greedy_tokens)
     return tokens, logp.gather(1, tokens[:, None])[:, 0]
+
+
+def greedy_batch(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`sample_batch` for an all-greedy batch: (argmax [B] int64, its log_softmax [B] float32).
+
+    The argmax is taken on the logits themselves (as engine.reference and spec_decode's accept
+    do): logits - logsumexp can round two close logits to one value and flip the tie to the
+    lower id. The decode graphs run this very function inside the captured step
+    (engine/graph_runner.py), so a replayed greedy step and an eager one give the same bits."""
+    logits = logits.float()
+    tokens = torch.argmax(logits, dim=-1)
+    return tokens, torch.log_softmax(logits, dim=-1).gather(1, tokens[:, None])[:, 0]
+
+
+def pack_step(tokens: torch.Tensor, logprobs: torch.Tensor) -> torch.Tensor:
+    """A step's (tokens [B], logprobs [B]) as one [B, 2] float64 tensor, so the step needs one
+    device-to-host copy (float64 holds every token id exactly: integers up to 2^53)."""
+    return torch.stack((tokens.double(), logprobs.double()), dim=1)
 
 
 def sampling_logprobs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

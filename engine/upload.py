@@ -27,3 +27,62 @@ def upload(data: Any, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     if device.type != "cuda":
         return torch.tensor(data, dtype=dtype, device=device)
     return torch.tensor(data, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+
+
+class PinnedRing:
+    """Per-step host-to-device copies of small integer tables through reused pinned buffers.
+
+    `upload` pins a fresh staging tensor per call: on a decode step's host path (two calls per
+    step, every step) building the tensor from Python lists and taking a pinned block cost about
+    0.1 ms each on an H200 host under the worker's load (py-spy of the served decode worker).
+    Here the rows are written straight into the numpy view of one of `depth` pinned buffers
+    (grown as needed, never shrunk), copied without blocking, and an event after the copy tells
+    when that buffer may be written again: a buffer is reused `depth` calls later, long after
+    its copy ran (a decode step has at most two steps in flight), so the wait is a formality
+    that only a stalled device would make real. Off CUDA it is `upload`.
+
+    Args:
+        device: where the tensors go.
+        depth: buffers in the ring.
+    """
+
+    def __init__(self, device: torch.device, depth: int = 8) -> None:
+        self.device = device = torch.device(device)
+        self.cuda = device.type == "cuda"
+        self._bufs: list[torch.Tensor | None] = [None] * depth
+        self._done: list[torch.cuda.Event | None] = [None] * depth
+        self._next = 0
+
+    def upload(self, rows: list[list[int]], dtype: torch.dtype) -> torch.Tensor:
+        """rows (equal-length lists of ints) as a [len(rows), len(rows[0])] tensor of dtype on
+        the device, copied without waiting for the device.
+
+        Raises:
+            ValueError: rows of different lengths (numpy cannot make a table of them).
+        """
+        if not self.cuda:
+            return upload(rows, dtype, self.device)
+        if dtype not in _NUMPY_INT:
+            raise ValueError(f"PinnedRing stages integer tables (int32, int64), not {dtype}")
+        try:
+            table = np.asarray(rows, dtype=_NUMPY_INT[dtype])
+        except ValueError as exc:  # ragged rows
+            raise ValueError(f"rows must be equal-length lists of ints: {exc}") from None
+        if table.ndim != 2:
+            raise ValueError(f"rows must be equal-length lists of ints, got an array of shape {table.shape}")
+        i, nbytes = self._next, table.nbytes
+        self._next = (i + 1) % len(self._bufs)
+        if self._done[i] is not None:
+            self._done[i].synchronize()  # its last copy ran long ago (see the class docstring)
+        buf = self._bufs[i]
+        if buf is None or buf.numel() < nbytes:
+            buf = self._bufs[i] = torch.empty(max(nbytes, 8192), dtype=torch.uint8, pin_memory=True)
+        host = buf[:nbytes].view(dtype).view(table.shape)
+        host.numpy()[...] = table
+        out = host.to(self.device, non_blocking=True)
+        done = self._done[i] = torch.cuda.Event()
+        done.record()
+        return out
+
+
+_NUMPY_INT = {torch.int64: np.int64, torch.int32: np.int32}

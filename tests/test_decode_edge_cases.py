@@ -314,12 +314,13 @@ def test_graph_replay_inputs_padding_and_future_ids_on_cpu(tiny_model, monkeypat
             self.fn, self.out = fn, out
 
         def replay(self):
-            self.out.copy_(self.fn())
+            for o, new in zip(self.out, self.fn()):
+                o.copy_(new)
 
     class CpuGraphs(DecodeGraphs):
         def _capture(self, dev):
             for bs in self.sizes:
-                out = self._forward(bs).clone()
+                out = tuple(t.clone() for t in self._forward(bs))
                 self.graphs[bs] = (EagerGraph(lambda bs=bs: self._forward(bs), out), out)
             self.memory_bytes = 0
 
@@ -364,3 +365,28 @@ def test_graph_replay_inputs_padding_and_future_ids_on_cpu(tiny_model, monkeypat
         fast.decode(batch)
         live = [blk for b in batch for blk in b.block_ids]
         torch.testing.assert_close(pool.kv[live], after_plain[live], atol=1e-5, rtol=0)
+        # the greedy head inside the "graph": decode_step's [B, 2] pack matches the eager fast
+        # step's (same tokens, logprobs within float32 noise), and the tokens are in the future
+        # map at the step's slots with nothing run after the replay
+        greedy = [(SamplingParams(max_tokens=8), 0)] * len(batch)
+        seeded = greedy[:2] + [(SamplingParams(max_tokens=8, temperature=0.9, seed=77), 3)] + greedy[3:]
+        graphs = fast.graphs
+        packs = []
+        for sampling in (greedy, seeded):
+            pool.kv.copy_(before)
+            slots = fast.future.reserve(len(batch))
+            packed = fast.decode_step(batch, sampling, slots).clone()
+            assert packed.shape == (len(batch), 2) and packed.dtype == torch.float64
+            assert fast.future.tokens[slots].tolist() == packed[:, 0].long().tolist()
+            fast.graphs = None  # the eager fast step: sample_batch after the forward
+            pool.kv.copy_(before)
+            eager_pack = fast.decode_step(batch, sampling)
+            fast.graphs = graphs
+            assert packed[:, 0].tolist() == eager_pack[:, 0].tolist()
+            torch.testing.assert_close(packed[:, 1], eager_pack[:, 1], atol=1e-4, rtol=1e-4)
+            want_tokens, want_lp = sample_batch(eager, SamplingRows.build(sampling, pool.kv.device))
+            assert packed[:, 0].long().tolist() == want_tokens.tolist()
+            packs.append(packed)
+        # the sampled row's token overwrote the graph's greedy one in the map (seed chosen so they differ)
+        assert packs[1][2, 0] != packs[0][2, 0]
+        assert fast.future.tokens[slots[2]].item() == int(packs[1][2, 0])

@@ -254,6 +254,16 @@ def test_graph_replay_equals_eager_fast_step_and_plain_path() -> None:
     assert err < 2e-2, float(err)
     agree = (eager.argmax(-1) == want_plain.argmax(-1)).float().mean()
     assert agree >= 0.6, float(agree)
+    # the graph's own greedy head: the bits `greedy_batch` gives on the graph's logits, its
+    # tokens already in the future map at the step's slots
+    from common.sampling_params import SamplingParams
+    from engine.sampling import greedy_batch
+    pool.kv.copy_(before)
+    slots = fast.future.reserve(len(batch))
+    packed = fast.decode_step(batch, [(SamplingParams(), 0)] * len(batch), slots)
+    tokens, logprobs = greedy_batch(fast.graphs.graphs[8][1][0][: len(batch)])
+    assert torch.equal(packed[:, 0].long(), tokens) and torch.equal(packed[:, 1], logprobs.double())
+    assert torch.equal(fast.future.tokens[torch.tensor(slots, device="cuda")], tokens)
 
 
 def test_graph_batch_buckets() -> None:

@@ -136,7 +136,7 @@ def bench_engine(model, cfg: ModelConfig, device: torch.device, dtype: torch.dty
     tokens = row_tokens(batch, cfg.vocab_size)
 
     def step(n: int) -> torch.Tensor:
-        return runner.decode_step([DecodeInput(t, n, x) for t, x in zip(tables, tokens)], params)[0]
+        return runner.decode_step([DecodeInput(t, n, x) for t, x in zip(tables, tokens)], params)
 
     for i in range(3):  # warm-up (positions advance as in real decoding)
         step(context + i)

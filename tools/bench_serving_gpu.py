@@ -35,6 +35,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -51,6 +52,7 @@ for p in (ROOT, ROOT / "tools"):
         sys.path.insert(0, str(p))
 
 from bench_decode import bench_config, bench_engine, bench_hf, bytes_per_step  # noqa: E402
+import host_profile  # noqa: E402
 from engine.config import ModelConfig  # noqa: E402
 from engine.loader import load_checkpoint, save_checkpoint  # noqa: E402
 from engine.model import DeepseekV3ForCausalLM, _param_seed, tied_aliases  # noqa: E402
@@ -170,6 +172,37 @@ def _decode_figures(before: dict[str, float], after: dict[str, float]) -> dict[s
             "decode_host_wait_ms_per_step": 1e3 * d["device_wait_seconds"] / d["steps"]}
 
 
+def _decode_worker_pid(up_pid: int) -> int:
+    """The pid of the `tandem decode` process that `tandem up` (up_pid) started (a descendant
+    whose command line is `... -m cli.main decode ...`).
+
+    Raises:
+        RuntimeError: none found (Linux /proc only)."""
+    def parent(pid: int) -> int:
+        try:  # /proc/PID/stat: "pid (comm) state ppid ..."; comm may hold spaces, so split after ")"
+            return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            return 0
+
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            argv = (entry / "cmdline").read_bytes().decode(errors="replace").split("\0")
+        except OSError:
+            continue
+        if "cli.main" in argv and argv.index("cli.main") + 1 < len(argv) and argv[argv.index("cli.main") + 1] == "decode":
+            pid = int(entry.name)
+            while pid > 1:
+                pid = parent(pid)
+                if pid == up_pid:
+                    return int(entry.name)
+    raise RuntimeError(f"no `tandem decode` process under tandem up (pid {up_pid})")
+
+
+PROFILE_RATE_HZ = 1000  # py-spy samples per second (--profile-decode-host)
+
+
 @contextlib.contextmanager
 def running_cluster(model_dir: Path, port: int, work: Path, env: dict[str, str],
                     up_args: tuple[str, ...] = ()) -> Iterator[tuple[subprocess.Popen, list[str]]]:
@@ -239,7 +272,7 @@ def serve_and_bench(model_dir: Path, contexts: list[int], concurrencies: list[in
                     num_requests: Callable[[int, int], int] | None = None, dataset: str = "synthetic-prefix",
                     spec: bool = False, routers: int = 1, connections: int = 1,
                     after: Callable[[int], Any] | None = None, prefill_workers: int = 1,
-                    up_extra: tuple[str, ...] = ()) -> dict[tuple[int, int], dict]:
+                    up_extra: tuple[str, ...] = (), profile_s: int = 0) -> dict[tuple[int, int], dict]:
     """`tandem up` once, then `tandem bench` for every (context, concurrency) — the product of
     `contexts` and `concurrencies`, or the pairs `runs` — with prompts of `prefix_len(context, c)`
     tokens shared by 8 groups plus fresh ones, `num_requests(context, concurrency)` requests
@@ -255,7 +288,9 @@ def serve_and_bench(model_dir: Path, contexts: list[int], concurrencies: list[in
     called with the port once the benches ran, cluster still up (its result: out["after"]);
     prefill_workers: `tandem up --prefill` (0: the decode worker prefills every prompt itself,
     on its own CUDA stream beside the decode steps: one process on the GPU instead of two);
-    up_extra: more `tandem up` flags (e.g. ("--mps",))."""
+    up_extra: more `tandem up` flags (e.g. ("--mps",)); profile_s > 0: py-spy records the
+    decode worker for that many seconds from the start of the first bench, and that summary gets
+    "host_profile" (tools/host_profile.py: per thread, functions in ms per decode step)."""
     env = {**os.environ, "TANDEM_MAX_RUNNING": str(max(concurrencies)),
            "TANDEM_MEM_FRACTION_STATIC": os.environ.get("TANDEM_MEM_FRACTION_STATIC", "0.4"), "TANDEM_MAX_QUEUED": "4096", **env_extra}
     out: dict[tuple[int, int], dict] = {}
@@ -277,12 +312,25 @@ def serve_and_bench(model_dir: Path, contexts: list[int], concurrencies: list[in
             t0 = time.time()
             spec0 = _worker_counters(metrics_urls, SPEC_COUNTERS) if spec else {}
             decode0 = _worker_counters(metrics_urls, DECODE_COUNTERS)
+            spy = None
+            if profile_s > 0 and not out:  # the first bench only
+                spy = subprocess.Popen(["py-spy", "record", "--nonblocking", "--threads", "-r", str(PROFILE_RATE_HZ),
+                                        "-d", str(profile_s), "-f", "raw", "-o", str(work / "host_profile.txt"),
+                                        "-p", str(_decode_worker_pid(up.pid))],
+                                       stdout=subprocess.DEVNULL, stderr=open(work / "py-spy.log", "w"))  # noqa: SIM115
             r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
             doc = json.loads(res.read_text()) if res.exists() else {}
             summary = doc.get("summary", {})
             if summary.get("duration_s"):
                 summary.update(decode_phases(doc.get("requests", []), summary["duration_s"]))
-            summary.update(_decode_figures(decode0, _worker_counters(metrics_urls, DECODE_COUNTERS)))
+            decode1 = _worker_counters(metrics_urls, DECODE_COUNTERS)
+            summary.update(_decode_figures(decode0, decode1))
+            if spy is not None:
+                spy.wait(timeout=profile_s + 60)
+                raw = work / "host_profile.txt"
+                steps = int(decode1["tandem_worker_decode_steps"] - decode0["tandem_worker_decode_steps"])
+                summary["host_profile"] = (host_profile.summarise(raw.read_text(), PROFILE_RATE_HZ, steps or None, 30)
+                                           if raw.exists() else {"error": (work / "py-spy.log").read_text()[-500:]})
             if spec:
                 spec1 = _worker_counters(metrics_urls, SPEC_COUNTERS)
                 steps, emitted = (spec1[n] - spec0[n] for n in SPEC_COUNTERS)
@@ -457,8 +505,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                    "--mps-prefill-percent (the prefill worker's share of the GPU's multiprocessors)")
     p.add_argument("--mps-prefill-priority", choices=("below", "normal"), default="below",
                    help="with --mps: tandem up --mps-prefill-priority")
+    p.add_argument("--profile-decode-host", type=int, default=0, metavar="SECONDS",
+                   help="py-spy (on PATH) records the decode worker for SECONDS from the start of each "
+                   "cluster's first bench; its row gets host_profile: per thread, the functions on the stack "
+                   "in ms per decode step (tools/host_profile.py)")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
+    if args.profile_decode_host > 0 and shutil.which("py-spy") is None:
+        p.error("--profile-decode-host needs py-spy on PATH (pip install py-spy)")
     up_extra = ("--mps", "--mps-prefill-percent", str(args.mps_prefill_percent),
                 "--mps-prefill-priority", args.mps_prefill_priority) if args.mps else ()
     device = torch.device(args.device)
@@ -492,7 +546,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 n: serve_and_bench(model_dir, contexts, concs, args.output_tokens, args.port, work,
                                    {**pool_env, "TANDEM_STREAM_INTERVAL": str(n)}, routers=args.routers,
                                    connections=args.connections, prefill_workers=args.prefill_workers,
-                                   up_extra=up_extra)
+                                   up_extra=up_extra, profile_s=args.profile_decode_host)
                 for n in intervals}
             dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
             model, _ = load_checkpoint(model_dir, dtype=dtype, device=device)
@@ -519,9 +573,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                                "mps_prefill_priority": args.mps_prefill_priority if args.mps else None,
                                **{k: s.get(k) for k in ("first_gap_ms", "steady_ms_per_token", "decoding_mean")},
                                "bound_ms_per_step": 1e3 * bound_s, "failed": s.get("failed"),
-                               **{k: v for k, v in s.items() if k.startswith("decode_")}}
+                               **{k: v for k, v in s.items() if k.startswith("decode_")},
+                               **({"host_profile": s["host_profile"]} if "host_profile" in s else {})}
                         doc["rows"].append(row)
-                        print(json.dumps(row), flush=True)
+                        print(json.dumps({k: v for k, v in row.items() if k != "host_profile"}), flush=True)
                     if device.type == "cuda":
                         torch.cuda.empty_cache()
             if not args.skip_exactness and name == "S":

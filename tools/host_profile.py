@@ -1,0 +1,92 @@
+"""Where a worker process spends its host time: a summary of py-spy's raw stacks.
+
+`py-spy record --threads --nonblocking -f raw -r RATE -d SECONDS -p PID -o FILE` writes one line
+per distinct stack, "thread (TID): NAME;frame;frame;... COUNT", frames as "function (file:line)".
+This script reads such a file and reports, per thread, the samples whose stack was not idle, and,
+for each function, the samples in which it was on the stack (inclusive; a function counted once
+per sample however deep it recurs), in milliseconds per decode step when --steps is given
+(samples × 1000 / RATE / steps). py-spy counts a thread waiting for the GIL as busy in the frame
+that waits, so under contention every torch call that releases and re-takes the GIL looks
+longer than its own work: the figures say where the thread is, not what each line costs alone.
+
+    python tools/host_profile.py spy.txt --rate 1000 --steps 906 --top 30 [--json out.json]
+
+`tools/bench_serving_gpu.py --profile-decode-host SECONDS` records and summarises the decode
+worker this way during the first bench of its run (py-spy must be on PATH).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+
+def _function(frame: str) -> str:
+    """"name (path/file.py:12)" -> "name (file.py)"; other frames as they are."""
+    name, sep, where = frame.partition(" (")
+    if not sep:
+        return frame
+    return f"{name} ({where.rsplit(':', 1)[0].rsplit('/', 1)[-1]})"
+
+
+def summarise(text: str, rate_hz: float, steps: int | None = None, top: int = 40) -> dict[str, Any]:
+    """py-spy raw text -> {"samples", "rate_hz", "steps", "threads": {name: {"samples",
+    "ms_per_step", "functions": [[function, samples, ms_per_step], ...]}}}: per thread (named
+    without its id, busiest first) its non-idle samples and its `top` functions by inclusive
+    samples; ms_per_step is None without `steps`.
+
+    Raises:
+        ValueError: a line that is not "stack count", or rate_hz <= 0.
+    """
+    if rate_hz <= 0:
+        raise ValueError(f"rate must be > 0 samples/s, got {rate_hz}")
+    threads: collections.Counter[str] = collections.Counter()
+    functions: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
+    total = 0
+    for n, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        stack, _, count = line.rpartition(" ")
+        if not stack or not count.isdigit():
+            raise ValueError(f"line {n}: not py-spy raw output (\"STACK COUNT\"): {line[:80]!r}")
+        samples = int(count)
+        frames = stack.split(";")
+        thread = frames[0].split(": ", 1)[-1]
+        total += samples
+        threads[thread] += samples
+        for name in {_function(f) for f in frames[1:]}:
+            functions[thread][name] += samples
+
+    def per_step(s: int) -> float | None:
+        return round(1e3 * s / rate_hz / steps, 4) if steps else None
+
+    return {"samples": total, "rate_hz": rate_hz, "steps": steps,
+            "threads": {t: {"samples": s, "ms_per_step": per_step(s),
+                            "functions": [[f, n, per_step(n)] for f, n in functions[t].most_common(top)]}
+                        for t, s in threads.most_common()}}
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("raw", type=Path, help="py-spy raw output (-f raw)")
+    p.add_argument("--rate", type=float, required=True, help="the recording's -r (samples per second)")
+    p.add_argument("--steps", type=int, default=None, help="decode steps in the window (ms per step then)")
+    p.add_argument("--top", type=int, default=40)
+    p.add_argument("--json", type=Path, default=None, help="also write the summary here")
+    args = p.parse_args(argv)
+    out = summarise(args.raw.read_text(), args.rate, args.steps, args.top)
+    for thread, t in out["threads"].items():
+        print(f"thread {thread}: {t['samples']} samples" + ("" if t["ms_per_step"] is None else f", {t['ms_per_step']:.3f} ms/step"))
+        for name, samples, ms in t["functions"]:
+            print(f"  {samples:8d}  {'' if ms is None else f'{ms:7.3f} ms/step  '}{name}")
+    if args.json:
+        args.json.write_text(json.dumps(out, indent=1) + "\n")
+    return out
+
+
+if __name__ == "__main__":
+    sys.exit(0 if main() else 1)
