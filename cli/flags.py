@@ -39,6 +39,10 @@ HELP = {
                        "first token and the last message go at once); at high concurrency on a GPU, 2-8 cut the "
                        "per-token messages the worker, the router and the client handle, for burstier streams "
                        "(SGLang's --stream-interval)",
+    "gil_switch_interval_us": "microseconds a thread of the worker may hold the GIL while another waits for it "
+                              "(sys.setswitchinterval): the model thread and the event loop hand it to each other "
+                              "many times per decode step, and at Python's default 5,000 a woken thread can wait "
+                              "longer than a whole step on a GPU",
     "chunk_size": "prefill chunk size in tokens (the base chunk with dynamic chunking); 0 = 8192 on a GPU, 256 on CPU; alias --chunked-prefill-size",
     "max_prefill_tokens": "token budget of one prefill forward (a prefill worker's, or a decode worker's local "
                           "prefills); the next chunks of concurrent prompts "

@@ -24,9 +24,6 @@ def _router(args: argparse.Namespace) -> int:
     return 0
 
 
-WORKER_SWITCH_INTERVAL_S = 0.0002
-
-
 def _worker(args: argparse.Namespace) -> int:
     from common import tracing
     from common.tls import set_tls
@@ -35,9 +32,10 @@ def _worker(args: argparse.Namespace) -> int:
     opts = build(WorkerOptions, args)
     set_tls(opts.tls)
     # The model thread and the event loop hand the GIL to each other several times per decode
-    # step; at Python's default 5 ms switch interval a thread that wakes (a finished CUDA event,
-    # a stream to write) can wait that long behind the other, longer than a whole step on a GPU.
-    sys.setswitchinterval(WORKER_SWITCH_INTERVAL_S)
+    # step (every torch call lets it go and takes it back); at Python's default 5 ms switch
+    # interval a thread that wants it back (a finished CUDA event, a stream to write) can wait
+    # that long behind the other, longer than a whole step on a GPU (--gil-switch-interval-us).
+    sys.setswitchinterval(opts.gil_switch_interval_us / 1e6)
     if args.command == "prefill":
         from prefill_worker.main import run
     else:

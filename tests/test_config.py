@@ -203,3 +203,17 @@ def test_an_option_name_means_one_kind_and_one_variable_everywhere():
     for name, (_, env) in seen.items():
         names_by_env.setdefault(env, set()).add(name)
     assert all(len(names) == 1 for names in names_by_env.values()), names_by_env
+
+
+def test_gil_switch_interval_is_an_option_with_its_bounds(monkeypatch):
+    # the workers' sys.setswitchinterval, in microseconds: 200 unless set (flag, env, file)
+    assert WorkerOptions().gil_switch_interval_us == 200
+    monkeypatch.setenv("TANDEM_GIL_SWITCH_INTERVAL_US", "50")
+    r = effective(["decode"])["gil_switch_interval_us"]
+    assert (r.value, r.source) == (50, "env TANDEM_GIL_SWITCH_INTERVAL_US")
+    for bad in (0, 5001):
+        with pytest.raises(ValueError, match=r"--gil-switch-interval-us must be in \[1, 5000\]"):
+            WorkerOptions(gil_switch_interval_us=bad)
+    monkeypatch.delenv("TANDEM_GIL_SWITCH_INTERVAL_US")
+    with pytest.raises(SystemExit, match=r"tandem: --gil-switch-interval-us must be in \[1, 5000\]"):
+        tandem(["decode", "--gil-switch-interval-us", "0"])  # refused before anything starts

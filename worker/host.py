@@ -61,6 +61,7 @@ class WorkerOptions:
     max_queued: int = 256  # decode: requests waiting for admission; one more gets RESOURCE_EXHAUSTED
     solo_wait_s: float = 5.0  # decode: seconds a request that fits only alone may wait for admission
     stream_interval: int = 1  # decode: generated tokens per stream message (SGLang's --stream-interval)
+    gil_switch_interval_us: int = 200  # sys.setswitchinterval of the worker process, in microseconds
     chunk_size: int = 0  # prefill chunk in tokens (dynamic chunking: the base chunk); 0 = auto (resolved_chunk_size); alias --chunked-prefill-size
     max_prefill_tokens: int = 16384  # token budget of one prefill forward (chunks of concurrent prompts packed)
     prefill_tokens_per_decode_step: int = 1024  # decode: local prefill tokens between two decode steps while requests decode; 0 = off
@@ -108,6 +109,9 @@ class WorkerOptions:
         for name in ("chunk_size", "prefill_tokens_per_decode_step", "num_blocks", "device_memory_bytes", "max_queued"):
             if getattr(self, name) < 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
+        if not 1 <= self.gil_switch_interval_us <= 5000:
+            raise ValueError(f"--gil-switch-interval-us must be in [1, 5000] (Python's default is 5000), "
+                             f"got {self.gil_switch_interval_us}")
         if self.stream_interval < 1:
             raise ValueError(f"--stream-interval must be >= 1 token, got {self.stream_interval}")
         if self.solo_wait_s < 0:
