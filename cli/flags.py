@@ -42,7 +42,7 @@ HELP = {
     "gil_switch_interval_us": "microseconds a thread of the worker may hold the GIL while another waits for it "
                               "(sys.setswitchinterval): the model thread and the event loop hand it to each other "
                               "many times per decode step, and at Python's default 5,000 a woken thread can wait "
-                              "longer than a whole step on a GPU",
+                              "longer than a whole step on a GPU; 1 to 5000",
     "chunk_size": "prefill chunk size in tokens (the base chunk with dynamic chunking); 0 = 8192 on a GPU, 256 on CPU; alias --chunked-prefill-size",
     "max_prefill_tokens": "token budget of one prefill forward (a prefill worker's, or a decode worker's local "
                           "prefills); the next chunks of concurrent prompts "

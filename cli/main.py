@@ -32,7 +32,7 @@ def _worker(args: argparse.Namespace) -> int:
     opts = build(WorkerOptions, args)
     set_tls(opts.tls)
     # The model thread and the event loop hand the GIL to each other several times per decode
-    # step (every torch call lets it go and takes it back); at Python's default 5 ms switch
+    # step (a torch call that lets it go must take it back); at Python's default 5 ms switch
     # interval a thread that wants it back (a finished CUDA event, a stream to write) can wait
     # that long behind the other, longer than a whole step on a GPU (--gil-switch-interval-us).
     sys.setswitchinterval(opts.gil_switch_interval_us / 1e6)

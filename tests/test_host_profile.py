@@ -25,11 +25,11 @@ def test_per_thread_inclusive_and_per_step() -> None:
     model = out["threads"]["model_0"]
     assert model["samples"] == 60 and model["ms_per_step"] == 6.0  # 60 samples at 1 kHz over 10 steps
     funcs = {name: (n, ms) for name, n, ms in model["functions"]}
-    assert funcs["step (overlap_runner.py)"] == (60, 6.0)
+    assert "step (overlap_runner.py)" not in funcs  # on every sample of its thread: left out
     assert funcs["launch (overlap_runner.py)"] == (40, 4.0)
     assert funcs["f (a.py)"] == (40, 4.0)  # a function recursing in one sample counts once
     main = {name: n for name, n, _ in out["threads"]["MainThread"]["functions"]}
-    assert main == {"run (runners.py)": 40, "OverlapLoop.run (overlap.py)": 30, "_generate (service.py)": 10}
+    assert main == {"OverlapLoop.run (overlap.py)": 30, "_generate (service.py)": 10}
     assert host_profile.summarise(RAW, rate_hz=1000)["threads"]["model_0"]["ms_per_step"] is None
 
 
@@ -38,3 +38,19 @@ def test_bad_input_is_refused() -> None:
         host_profile.summarise("thread (1): x;y (a.py:1) many\n", rate_hz=100)
     with pytest.raises(ValueError, match="rate must be > 0"):
         host_profile.summarise(RAW, rate_hz=0)
+
+
+def test_unnamed_thread_keeps_its_id_and_cli_errors_are_one_line(tmp_path, capsys) -> None:
+    out = host_profile.summarise("thread (16585);f (a.py:1) 5\n", rate_hz=100)
+    assert list(out["threads"]) == ["thread (16585)"]
+    with pytest.raises(SystemExit):
+        host_profile.main([str(tmp_path / "missing.txt"), "--rate", "100"])
+    assert "missing.txt" in capsys.readouterr().err
+    raw = tmp_path / "spy.txt"
+    raw.write_text(RAW)
+    with pytest.raises(SystemExit):
+        host_profile.main([str(raw), "--rate", "100", "--steps", "0"])
+    assert "--steps must be >= 1" in capsys.readouterr().err
+    raw.write_text("")
+    host_profile.main([str(raw), "--rate", "100"])
+    assert "no samples" in capsys.readouterr().err

@@ -203,6 +203,42 @@ def _decode_worker_pid(up_pid: int) -> int:
 PROFILE_RATE_HZ = 1000  # py-spy samples per second (--profile-decode-host)
 
 
+class _HostProfile:
+    """py-spy recording the decode worker (pid) for `seconds`, started now; `result()` waits for
+    it and summarises it (tools/host_profile.py) per decode step of its own window: the worker's
+    step counter is read again the moment py-spy exits (by a thread), so a window shorter than
+    the bench counts only its own steps. `before`: the counters read just before."""
+
+    def __init__(self, pid: int, seconds: int, work: Path, metrics_urls: list[str], before: dict[str, float]) -> None:
+        import threading
+        self.seconds, self.raw, self.log = seconds, work / "host_profile.txt", work / "py-spy.log"
+        self._before, self._after = before, None
+        with open(self.log, "w") as log:
+            self._proc = subprocess.Popen(["py-spy", "record", "--nonblocking", "--threads", "-r", str(PROFILE_RATE_HZ),
+                                           "-d", str(seconds), "-f", "raw", "-o", str(self.raw), "-p", str(pid)],
+                                          stdout=subprocess.DEVNULL, stderr=log)
+
+        def ended() -> None:
+            self._proc.wait()
+            self._after = _worker_counters(metrics_urls, DECODE_COUNTERS)
+        self._thread = threading.Thread(target=ended, daemon=True)
+        self._thread.start()
+
+    def result(self) -> dict[str, Any]:
+        """The summary, with "steps" those of py-spy's window; {"error": ...} when py-spy wrote
+        nothing (its log's end), and "warning" when the window held no sample or no step."""
+        self._thread.join(timeout=self.seconds + 60)
+        if not self.raw.exists() or self._after is None:
+            return {"error": "py-spy recorded nothing: " + self.log.read_text()[-500:]}
+        name = "tandem_worker_decode_steps"
+        steps = int(self._after[name] - self._before[name])
+        out = host_profile.summarise(self.raw.read_text(), PROFILE_RATE_HZ, steps or None, 30)
+        if not out["samples"] or not steps:
+            out["warning"] = (f"{out['samples']} samples and {steps} decode steps in the {self.seconds} s window: "
+                              "the window missed the bench's decoding (make it longer)")
+        return out
+
+
 @contextlib.contextmanager
 def running_cluster(model_dir: Path, port: int, work: Path, env: dict[str, str],
                     up_args: tuple[str, ...] = ()) -> Iterator[tuple[subprocess.Popen, list[str]]]:
@@ -314,23 +350,20 @@ def serve_and_bench(model_dir: Path, contexts: list[int], concurrencies: list[in
             decode0 = _worker_counters(metrics_urls, DECODE_COUNTERS)
             spy = None
             if profile_s > 0 and not out:  # the first bench only
-                spy = subprocess.Popen(["py-spy", "record", "--nonblocking", "--threads", "-r", str(PROFILE_RATE_HZ),
-                                        "-d", str(profile_s), "-f", "raw", "-o", str(work / "host_profile.txt"),
-                                        "-p", str(_decode_worker_pid(up.pid))],
-                                       stdout=subprocess.DEVNULL, stderr=open(work / "py-spy.log", "w"))  # noqa: SIM115
+                spy = _HostProfile(_decode_worker_pid(up.pid), profile_s, work, metrics_urls, decode0)
             r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
             doc = json.loads(res.read_text()) if res.exists() else {}
             summary = doc.get("summary", {})
             if summary.get("duration_s"):
                 summary.update(decode_phases(doc.get("requests", []), summary["duration_s"]))
-            decode1 = _worker_counters(metrics_urls, DECODE_COUNTERS)
-            summary.update(_decode_figures(decode0, decode1))
+            summary.update(_decode_figures(decode0, _worker_counters(metrics_urls, DECODE_COUNTERS)))
             if spy is not None:
-                spy.wait(timeout=profile_s + 60)
-                raw = work / "host_profile.txt"
-                steps = int(decode1["tandem_worker_decode_steps"] - decode0["tandem_worker_decode_steps"])
-                summary["host_profile"] = (host_profile.summarise(raw.read_text(), PROFILE_RATE_HZ, steps or None, 30)
-                                           if raw.exists() else {"error": (work / "py-spy.log").read_text()[-500:]})
+                summary["host_profile"] = spy.result()
+                print(json.dumps({"host_profile": {k: v for k, v in summary["host_profile"].items()
+                                                   if k in ("error", "warning", "samples", "steps")},
+                                  "threads_ms_per_step": {t: v["ms_per_step"] for t, v in
+                                                          summary["host_profile"].get("threads", {}).items()}}),
+                      flush=True)
             if spec:
                 spec1 = _worker_counters(metrics_urls, SPEC_COUNTERS)
                 steps, emitted = (spec1[n] - spec0[n] for n in SPEC_COUNTERS)
@@ -506,13 +539,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--mps-prefill-priority", choices=("below", "normal"), default="below",
                    help="with --mps: tandem up --mps-prefill-priority")
     p.add_argument("--profile-decode-host", type=int, default=0, metavar="SECONDS",
-                   help="py-spy (on PATH) records the decode worker for SECONDS from the start of each "
-                   "cluster's first bench; its row gets host_profile: per thread, the functions on the stack "
-                   "in ms per decode step (tools/host_profile.py)")
+                   help="py-spy (on PATH; it needs ptrace rights on the worker) records the decode worker for "
+                   "SECONDS from the start of each cluster's first bench; its row gets host_profile: per thread, "
+                   "the functions on the stack in ms per decode step of that window (tools/host_profile.py)")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
     if args.profile_decode_host > 0 and shutil.which("py-spy") is None:
-        p.error("--profile-decode-host needs py-spy on PATH (pip install py-spy)")
+        p.error("--profile-decode-host needs py-spy on PATH (pip install py-spy, or put the bin folder of the "
+                "environment that has it on PATH)")
     up_extra = ("--mps", "--mps-prefill-percent", str(args.mps_prefill_percent),
                 "--mps-prefill-priority", args.mps_prefill_priority) if args.mps else ()
     device = torch.device(args.device)
@@ -607,7 +641,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         sv, sd, ip = r["served_tok_s"] or 0.0, r["served_decode_tok_s"] or 0.0, r["inprocess_tok_s"] or 0.0
         print(f"| {r['config']} | {r['context']} | {r['concurrency']} | {r['stream_interval']} | {sv:.0f} | {sd:.0f} | "
               f"{ip:.0f} | {sd / ip if ip else 0:.2f} | {r.get('decode_mean_batch') or 0:.1f} | "
-              f"{r['transformers_tok_s'] or 0:.0f} | {r['bound_tok_s']:.0f} | "
+              f"{'—' if r['transformers_tok_s'] is None else format(r['transformers_tok_s'], '.0f')} | {r['bound_tok_s']:.0f} | "
               f"{ip / r['bound_tok_s']:.2f} | {r['tpot_ms'] or 0:.2f} | {r['mean_ttft_ms'] or 0:.0f} |")
     if doc.get("mtp"):
         print("| k | concurrency | tokens/s per user | × k = 0 | accept length | TPOT ms | identical outputs (tokens) vs k = 0 |")

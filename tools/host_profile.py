@@ -9,7 +9,12 @@ per sample however deep it recurs), in milliseconds per decode step when --steps
 that waits, so under contention every torch call that releases and re-takes the GIL looks
 longer than its own work: the figures say where the thread is, not what each line costs alone.
 
+    py-spy record --threads --nonblocking -f raw -r 1000 -d 5 -o spy.txt -p PID
     python tools/host_profile.py spy.txt --rate 1000 --steps 906 --top 30 [--json out.json]
+
+(PID: the decode worker's, e.g. `pgrep -f "cli.main decode"`; --steps: the difference of its
+`tandem_worker_decode_steps_total` on /metrics read just before and just after the recording.
+py-spy needs ptrace rights on the process: root, or in a container `--cap-add SYS_PTRACE`.)
 
 `tools/bench_serving_gpu.py --profile-decode-host SECONDS` records and summarises the decode
 worker this way during the first bench of its run (py-spy must be on PATH).
@@ -36,8 +41,9 @@ def _function(frame: str) -> str:
 def summarise(text: str, rate_hz: float, steps: int | None = None, top: int = 40) -> dict[str, Any]:
     """py-spy raw text -> {"samples", "rate_hz", "steps", "threads": {name: {"samples",
     "ms_per_step", "functions": [[function, samples, ms_per_step], ...]}}}: per thread (named
-    without its id, busiest first) its non-idle samples and its `top` functions by inclusive
-    samples; ms_per_step is None without `steps`.
+    without its id where py-spy knows its name; busiest first) its non-idle samples and its `top`
+    functions by inclusive samples, leaving out those on every one of the thread's samples;
+    ms_per_step is None without `steps`.
 
     Raises:
         ValueError: a line that is not "stack count", or rate_hz <= 0.
@@ -55,7 +61,8 @@ def summarise(text: str, rate_hz: float, steps: int | None = None, top: int = 40
             raise ValueError(f"line {n}: not py-spy raw output (\"STACK COUNT\"): {line[:80]!r}")
         samples = int(count)
         frames = stack.split(";")
-        thread = frames[0].split(": ", 1)[-1]
+        head = frames[0]  # "thread (TID): NAME", or "thread (TID)" for a thread py-spy has no name for
+        thread = head.split(": ", 1)[1] if ": " in head else head
         total += samples
         threads[thread] += samples
         for name in {_function(f) for f in frames[1:]}:
@@ -64,9 +71,12 @@ def summarise(text: str, rate_hz: float, steps: int | None = None, top: int = 40
     def per_step(s: int) -> float | None:
         return round(1e3 * s / rate_hz / steps, 4) if steps else None
 
+    # a function on the stack of every sample of its thread (the thread's entry and its loop's
+    # wrappers) says nothing the thread's own total does not: left out
     return {"samples": total, "rate_hz": rate_hz, "steps": steps,
             "threads": {t: {"samples": s, "ms_per_step": per_step(s),
-                            "functions": [[f, n, per_step(n)] for f, n in functions[t].most_common(top)]}
+                            "functions": [[f, n, per_step(n)] for f, n in
+                                          [(f, n) for f, n in functions[t].most_common() if n < s][:top]]}
                         for t, s in threads.most_common()}}
 
 
@@ -74,11 +84,21 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("raw", type=Path, help="py-spy raw output (-f raw)")
     p.add_argument("--rate", type=float, required=True, help="the recording's -r (samples per second)")
-    p.add_argument("--steps", type=int, default=None, help="decode steps in the window (ms per step then)")
-    p.add_argument("--top", type=int, default=40)
+    p.add_argument("--steps", type=int, default=None,
+                   help="decode steps in the recording's window, for ms per step: the difference of the decode "
+                   "worker's tandem_worker_decode_steps_total on its /metrics read just before and just after")
+    p.add_argument("--top", type=int, default=40, help="functions listed per thread")
     p.add_argument("--json", type=Path, default=None, help="also write the summary here")
     args = p.parse_args(argv)
-    out = summarise(args.raw.read_text(), args.rate, args.steps, args.top)
+    if args.steps is not None and args.steps < 1:
+        p.error(f"--steps must be >= 1 (leave it out for samples only), got {args.steps}")
+    try:
+        out = summarise(args.raw.read_text(), args.rate, args.steps, args.top)
+    except (OSError, ValueError) as exc:
+        p.error(f"{args.raw}: {exc}")
+    if not out["samples"]:
+        print(f"{args.raw}: no samples (py-spy records only threads that are not idle: was the process busy "
+              "during the recording?)", file=sys.stderr)
     for thread, t in out["threads"].items():
         print(f"thread {thread}: {t['samples']} samples" + ("" if t["ms_per_step"] is None else f", {t['ms_per_step']:.3f} ms/step"))
         for name, samples, ms in t["functions"]:

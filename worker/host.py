@@ -10,6 +10,7 @@ import contextlib
 import dataclasses
 import logging
 import secrets
+import sys
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -676,6 +677,7 @@ async def serve_worker(runtime: WorkerRuntime, add_services: Sequence[Callable[[
              o.max_prefill_tokens, "on" if o.enable_dynamic_chunking else "off",
              f", --prefill-tokens-per-decode-step {o.prefill_tokens_per_decode_step} (local prefill)"
              if runtime.role == discovery_pb2.ROLE_DECODE else "")
+    log.info("GIL switch interval %.0f us (--gil-switch-interval-us)", sys.getswitchinterval() * 1e6)
     if ready:
         ready(server)
     watchdog = asyncio.create_task(_watch_engine(runtime, server), name="engine-watchdog")  # strong ref
