@@ -154,7 +154,7 @@ def plan(inputs: PlanInputs) -> Plan:
 def graph_reserve_bytes(config, max_batch: int) -> int:
     """Memory set aside from --mem-fraction-static for the decode CUDA graphs' shared pool: the
     activations of the largest captured batch (engine/graph_runner.py), estimated as float32
-    logits (twice: graph output and sampling), the grouped experts' [B × k, 2I + hidden] rows,
+    logits (twice: the graph's output and its greedy head's log-softmax), the grouped experts' [B × k, 2I + hidden] rows,
     the attention's split partials (at most 32 splits of [H, kv_lora_rank] float32 at batch 1,
     fewer at larger batches: ~2 waves of SMs in all), plus 256 MiB of cuBLAS/Triton workspace.
     The worker logs the measured figure and warns when it exceeds this."""

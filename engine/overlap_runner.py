@@ -20,6 +20,7 @@ import torch
 
 from common.sampling_params import SamplingParams
 from engine.runner import DecodeInput, ModelRunner
+from engine.sampling import unpack_step
 
 
 HOST_BUFFERS = 3  # pinned result buffers in turn (see OverlapRunner.__init__)
@@ -27,7 +28,7 @@ HOST_BUFFERS = 3  # pinned result buffers in turn (see OverlapRunner.__init__)
 
 @dataclass
 class LaunchedStep:
-    """A step in flight: `host` [2, B] float64 (tokens, logprobs) filled once `event` completed."""
+    """A step in flight: `host` [B, 2] float64 rows (token id, logprob) filled once `event` completed."""
 
     host: torch.Tensor  # [B, 2] float64: (token id, logprob) per row
     event: torch.cuda.Event | None  # None on CPU: already complete
@@ -65,8 +66,8 @@ class OverlapRunner:
             began = torch.cuda.Event(enable_timing=True)
             began.record()
         both = self.runner.decode_step(batch, sampling, slots)  # [B, 2] float64 on the device
-        if not self.cuda:
-            return LaunchedStep(both, None)
+        if not self.cuda:  # (a copy: a graph's output, were one replayed, changes at the next step)
+            return LaunchedStep(both.clone(), None)
         ring = self._host[self._launches % HOST_BUFFERS]
         self._launches += 1
         host = (ring[: len(batch)] if len(batch) <= ring.shape[0]
@@ -86,8 +87,7 @@ class OverlapRunner:
             # the step's kernels queue behind the previous step's: its device time starts at
             # `began` (reached once the stream got there) and ends at `event`
             self.device_busy_s += step.began.elapsed_time(step.event) / 1e3
-        rows = step.host.tolist()
-        return [int(t) for t, _ in rows], [lp for _, lp in rows]
+        return unpack_step(step.host)
 
     def step(self, batch: list[DecodeInput] | None, slots: list[int], sampling: list[tuple[SamplingParams, int]],
              previous: LaunchedStep | None) -> tuple[LaunchedStep | None, tuple[list[int], list[float]] | None]:

@@ -15,7 +15,7 @@ One runner, two modes, chosen once at construction (the log line says which):
 `decode_step` samples on the device (engine/sampling.py) and returns one device tensor of
 tokens and log-probabilities, so a step needs no host sync and one device-to-host copy
 (engine/overlap_runner.py); an all-greedy step replayed from a graph samples inside it.
-`decode_tokens` is `decode` + sampling with that copy, for the plain loop. Input ids below 0
+`decode_tokens` is `decode_step` with that copy, for the plain loop. Input ids below 0
 are placeholders of the runner's FutureTokenMap (the overlap scheduler's tokens still on the
 device), resolved on the device in every mode; a step given future-map slots writes its tokens
 there.
@@ -38,7 +38,7 @@ from engine.future_map import FutureTokenMap
 from engine.kv_cache_contiguous import ContiguousKvCache
 from engine.kv_pool import KvPool, PagedKvCache
 from engine.mtp import pool_has_mtp, prefill_mtp_rows
-from engine.sampling import SamplingParams, SamplingRows, pack_step, sample_batch
+from engine.sampling import SamplingParams, SamplingRows, pack_step, sample_batch, unpack_step
 from engine.spec_batch import SpecResult, SpecRow, SpecSlots, spec_step
 from engine.spec_decode import SpecInput, SpecOutput, spec_forward
 from engine.upload import upload
@@ -211,7 +211,9 @@ class ModelRunner:
         """`decode` then `sample_batch`: [B, 2] float64 on the device, row i = (token id,
         log-probability) of batch[i] (`pack_step`); with `slots` the tokens are also written
         into the future map there. An all-greedy batch replayed from a graph takes the graph's
-        own greedy head (the same `greedy_batch`, the same bits), with no kernel after the replay.
+        own greedy head (the same `greedy_batch`, the same bits), with no kernel after the replay:
+        the result is then a view of the graph's output, valid until the next step (callers
+        copy it to the host first, as OverlapRunner.launch and decode_tokens do).
 
         sampling[i] = (params, step index) of the token batch[i] generates."""
         rows = SamplingRows.build(sampling, self.device)
@@ -256,7 +258,7 @@ class ModelRunner:
     def decode_tokens(self, batch: list[DecodeInput], sampling: list[tuple[SamplingParams, int]]
                       ) -> tuple[list[int], list[float]]:
         """`decode_step` with its one device-to-host copy: (tokens, logprobs) as lists."""
-        return sample_to_host(self.decode(batch), sampling)
+        return unpack_step(self.decode_step(batch, sampling).cpu())
 
     def spec_decode(self, batch: list[SpecInput]) -> list[SpecOutput]:
         """One MTP speculative step (draft, then verify) for every request; see engine/spec_decode.py."""
@@ -293,15 +295,9 @@ class ModelRunner:
 @torch.inference_mode()
 def sample_to_host(logits: torch.Tensor, sampling: list[tuple[SamplingParams, int]]
                    ) -> tuple[list[int], list[float]]:
-    """Sample logits [B, vocab] on their device and copy (tokens, logprobs) to the host once."""
-    return to_host(*sample_batch(logits, SamplingRows.build(sampling, logits.device)))
-
-
-def to_host(tokens: torch.Tensor, logprobs: torch.Tensor) -> tuple[list[int], list[float]]:
-    """A step's tokens [B] and logprobs [B] in one device-to-host copy (stacked as float64, which
-    holds every token id exactly: integers up to 2^53)."""
-    both = torch.stack((tokens.double(), logprobs.double())).cpu()
-    return [int(t) for t in both[0].tolist()], both[1].tolist()
+    """Sample logits [B, vocab] on their device and copy (tokens, logprobs) to the host once
+    (`pack_step`'s [B, 2] float64)."""
+    return unpack_step(pack_step(*sample_batch(logits, SamplingRows.build(sampling, logits.device))).cpu())
 
 
 def _sync(device: torch.device) -> None:

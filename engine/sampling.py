@@ -186,6 +186,12 @@ def pack_step(tokens: torch.Tensor, logprobs: torch.Tensor) -> torch.Tensor:
     return torch.stack((tokens.double(), logprobs.double()), dim=1)
 
 
+def unpack_step(host: torch.Tensor) -> tuple[list[int], list[float]]:
+    """`pack_step`'s [B, 2] float64, on the host -> (token ids, logprobs) as lists."""
+    rows = host.tolist()
+    return [int(t) for t, _ in rows], [lp for _, lp in rows]
+
+
 def sampling_logprobs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """The distribution `sample` draws from for one row of logits [vocab], as log-probs [vocab]
     float32 (greedy: plain log_softmax)."""

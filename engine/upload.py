@@ -39,7 +39,8 @@ class PinnedRing:
     (grown as needed, never shrunk), copied without blocking, and an event after the copy tells
     when that buffer may be written again: a buffer is reused `depth` calls later, long after
     its copy ran (a decode step has at most two steps in flight), so the wait is a formality
-    that only a stalled device would make real. Off CUDA it is `upload`.
+    that only a stalled device would make real. Off CUDA the same staging runs in plain
+    buffers and the result is a copy of the buffer (nothing to wait for).
 
     Args:
         device: where the tensors go.
@@ -60,8 +61,6 @@ class PinnedRing:
         Raises:
             ValueError: rows of different lengths (numpy cannot make a table of them).
         """
-        if not self.cuda:
-            return upload(rows, dtype, self.device)
         if dtype not in _NUMPY_INT:
             raise ValueError(f"PinnedRing stages integer tables (int32, int64), not {dtype}")
         try:
@@ -76,9 +75,11 @@ class PinnedRing:
             self._done[i].synchronize()  # its last copy ran long ago (see the class docstring)
         buf = self._bufs[i]
         if buf is None or buf.numel() < nbytes:
-            buf = self._bufs[i] = torch.empty(max(nbytes, 8192), dtype=torch.uint8, pin_memory=True)
+            buf = self._bufs[i] = torch.empty(max(nbytes, 8192), dtype=torch.uint8, pin_memory=self.cuda)
         host = buf[:nbytes].view(dtype).view(table.shape)
         host.numpy()[...] = table
+        if not self.cuda:
+            return host.to(self.device, copy=True)  # never the ring's own memory
         out = host.to(self.device, non_blocking=True)
         done = self._done[i] = torch.cuda.Event()
         done.record()

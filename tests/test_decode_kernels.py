@@ -264,6 +264,16 @@ def test_graph_replay_equals_eager_fast_step_and_plain_path() -> None:
     tokens, logprobs = greedy_batch(fast.graphs.graphs[8][1][0][: len(batch)])
     assert torch.equal(packed[:, 0].long(), tokens) and torch.equal(packed[:, 1], logprobs.double())
     assert torch.equal(fast.future.tokens[torch.tensor(slots, device="cuda")], tokens)
+    # a seeded row in a graphed step: sampled after the replay (on the caller's stream, after the
+    # graph's greedy write on the replay stream), its token the one the map keeps
+    from engine.sampling import SamplingRows, sample_batch
+    seeded = [(SamplingParams(), 0)] * 2 + [(SamplingParams(temperature=1.0, seed=77), 3)] + [(SamplingParams(), 0)] * 2
+    pool.kv.copy_(before)
+    slots = fast.future.reserve(len(batch))
+    packed = fast.decode_step(batch, seeded, slots)
+    want, _ = sample_batch(fast.graphs.graphs[8][1][0][: len(batch)], SamplingRows.build(seeded, "cuda"))
+    assert torch.equal(packed[:, 0].long(), want)
+    assert torch.equal(fast.future.tokens[torch.tensor(slots, device="cuda")], want)
 
 
 def test_graph_batch_buckets() -> None:

@@ -8,37 +8,46 @@ import numpy as np
 import pytest
 import torch
 
-from engine.upload import PinnedRing, upload
+from engine.upload import PinnedRing
 
 
-def test_ring_off_cuda_is_upload() -> None:
-    ring = PinnedRing(torch.device("cpu"))
-    rows = [[1, 2, 3], [4, 5, 6]]
-    for dtype in (torch.int32, torch.int64):
-        got = ring.upload(rows, dtype)
-        assert got.dtype == dtype and got.tolist() == rows
-        assert torch.equal(got, upload(rows, dtype, torch.device("cpu")))
+def _tables(n: int) -> list[tuple[list[list[int]], torch.dtype]]:
+    # tables of changing shapes (some larger than the first buffers) and both dtypes
+    rng = np.random.default_rng(5)
+    return [(rng.integers(-(2**31), 2**31 - 1, size=(1 + i % 5, 1 + (7 * i) % 300 + (2000 if i == 7 else 0))).tolist(),
+             torch.int32 if i % 2 else torch.int64) for i in range(n)]
+
+
+def test_ring_stages_every_table_and_reuses_its_buffers_on_cpu() -> None:
+    ring = PinnedRing(torch.device("cpu"), depth=3)
+    got = [(rows, dtype, ring.upload(rows, dtype)) for rows, dtype in _tables(12)]
+    for rows, dtype, t in got:  # each result its own copy: later calls rewrote the buffers
+        assert t.dtype == dtype and t.tolist() == rows
+    bufs = [b.data_ptr() for b in ring._bufs]
+    ring.upload([[1, 2]], torch.int64)
+    assert [b.data_ptr() for b in ring._bufs] == bufs  # reused, not reallocated
+    with pytest.raises(ValueError, match="equal-length"):
+        ring.upload([[1, 2], [3]], torch.int64)
+    with pytest.raises(ValueError, match="equal-length"):
+        ring.upload([1, 2], torch.int64)
+    with pytest.raises(ValueError, match="integer tables"):
+        ring.upload([[1.5]], torch.float32)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: pinned buffers and events (run on the lent H200)")
-def test_ring_on_cuda_reuses_buffers_and_never_mixes_tables() -> None:
-    # more uploads than buffers, tables of changing shapes and both dtypes, no synchronize
-    # between them: every result must still hold its own table (a buffer rewritten before its
-    # copy ran would show another call's values), and the ring must not grow per call
+def test_ring_on_cuda_waits_for_pending_copies_before_reusing_a_buffer() -> None:
+    # the device is held busy first, so every copy is still pending when the ring comes round
+    # to its buffer again: without the event wait the host would rewrite a buffer under a
+    # queued copy and an earlier result would show a later call's values
     dev = torch.device("cuda")
     ring = PinnedRing(dev, depth=3)
-    rng = np.random.default_rng(5)
-    want, got = [], []
-    for i in range(40):
-        rows = rng.integers(-(2**31), 2**31 - 1, size=(1 + i % 5, 1 + (7 * i) % 300)).tolist()
-        dtype = torch.int32 if i % 2 else torch.int64
-        want.append((rows, dtype))
-        got.append(ring.upload(rows, dtype))
+    torch.cuda._sleep(200_000_000)  # ~0.1 s of device time queued ahead of the copies
+    got = [(rows, dtype, ring.upload(rows, dtype)) for rows, dtype in _tables(12)]
     torch.cuda.synchronize()
-    for (rows, dtype), t in zip(want, got):
+    for rows, dtype, t in got:
         assert t.device.type == "cuda" and t.dtype == dtype and t.tolist() == rows
-    assert sum(b is not None for b in ring._bufs) == 3
-    with pytest.raises(ValueError, match="equal-length"):
-        ring.upload([[1, 2], [3]], torch.int64)
-    with pytest.raises(ValueError, match="integer tables"):
-        ring.upload([[1.5]], torch.float32)
+    assert all(b.is_pinned() for b in ring._bufs)
+    bufs = [b.data_ptr() for b in ring._bufs]
+    ring.upload([[1, 2]], torch.int64)
+    torch.cuda.synchronize()
+    assert [b.data_ptr() for b in ring._bufs] == bufs

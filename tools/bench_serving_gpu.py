@@ -204,15 +204,17 @@ PROFILE_RATE_HZ = 1000  # py-spy samples per second (--profile-decode-host)
 
 
 class _HostProfile:
-    """py-spy recording the decode worker (pid) for `seconds`, started now; `result()` waits for
-    it and summarises it (tools/host_profile.py) per decode step of its own window: the worker's
-    step counter is read again the moment py-spy exits (by a thread), so a window shorter than
-    the bench counts only its own steps. `before`: the counters read just before."""
+    """py-spy recording the decode worker (pid) for at most `seconds`, started now; `result()`,
+    called once the bench ended, stops it if it still runs and summarises it
+    (tools/host_profile.py) per decode step of its own window: the worker's step counter is read
+    again the moment py-spy exits (by a thread), so a window shorter than the bench counts only
+    its own steps. `before`: the counters read just before."""
 
     def __init__(self, pid: int, seconds: int, work: Path, metrics_urls: list[str], before: dict[str, float]) -> None:
         import threading
         self.seconds, self.raw, self.log = seconds, work / "host_profile.txt", work / "py-spy.log"
         self._before, self._after = before, None
+        self.raw.unlink(missing_ok=True)  # an earlier cluster's (another --stream-interval) is not this one's
         with open(self.log, "w") as log:
             self._proc = subprocess.Popen(["py-spy", "record", "--nonblocking", "--threads", "-r", str(PROFILE_RATE_HZ),
                                            "-d", str(seconds), "-f", "raw", "-o", str(self.raw), "-p", str(pid)],
@@ -227,7 +229,13 @@ class _HostProfile:
     def result(self) -> dict[str, Any]:
         """The summary, with "steps" those of py-spy's window; {"error": ...} when py-spy wrote
         nothing (its log's end), and "warning" when the window held no sample or no step."""
-        self._thread.join(timeout=self.seconds + 60)
+        if self._proc.poll() is None:  # the bench ended first: stop the recording here (py-spy writes
+            self._proc.send_signal(signal.SIGINT)  # what it has on SIGINT), so the window is the bench's
+            try:
+                self._proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+        self._thread.join(timeout=60)
         if not self.raw.exists() or self._after is None:
             return {"error": "py-spy recorded nothing: " + self.log.read_text()[-500:]}
         name = "tandem_worker_decode_steps"
@@ -350,7 +358,10 @@ def serve_and_bench(model_dir: Path, contexts: list[int], concurrencies: list[in
             decode0 = _worker_counters(metrics_urls, DECODE_COUNTERS)
             spy = None
             if profile_s > 0 and not out:  # the first bench only
-                spy = _HostProfile(_decode_worker_pid(up.pid), profile_s, work, metrics_urls, decode0)
+                try:
+                    spy = _HostProfile(_decode_worker_pid(up.pid), profile_s, work, metrics_urls, decode0)
+                except (RuntimeError, OSError) as exc:  # no profile, the bench still counts
+                    print(json.dumps({"host_profile": {"error": str(exc)}}), flush=True)
             r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
             doc = json.loads(res.read_text()) if res.exists() else {}
             summary = doc.get("summary", {})
@@ -539,9 +550,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--mps-prefill-priority", choices=("below", "normal"), default="below",
                    help="with --mps: tandem up --mps-prefill-priority")
     p.add_argument("--profile-decode-host", type=int, default=0, metavar="SECONDS",
-                   help="py-spy (on PATH; it needs ptrace rights on the worker) records the decode worker for "
-                   "SECONDS from the start of each cluster's first bench; its row gets host_profile: per thread, "
-                   "the functions on the stack in ms per decode step of that window (tools/host_profile.py)")
+                   help="py-spy (on PATH; it needs ptrace rights on the worker) records the decode worker from "
+                   "the start of each cluster's first bench to its end, for SECONDS at most; its row gets "
+                   "host_profile: per thread, the functions on the stack in ms per decode step of that window "
+                   "(tools/host_profile.py)")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
     if args.profile_decode_host > 0 and shutil.which("py-spy") is None:
