@@ -138,12 +138,15 @@ class DecodePlan:
 
     @staticmethod
     def build(batch, block_size: int, device: torch.device, tables: BlockTables | None = None,
-              slots: list[int] | None = None, pad_to: int = 0, pad_row: int = 0) -> DecodePlan:
+              slots: list[int] | None = None, pad_to: int = 0, pad_row: int = 0,
+              out: torch.Tensor | None = None) -> DecodePlan:
         """batch: engine.runner.DecodeInput rows (block_ids, num_computed, input_token).
 
         tables: the runner's BlockTables (None: a throw-away one, for tests); slots: future-map
         slots the step's tokens go to (default: none, -1); pad_to: total rows including padding
-        rows (a one-token context in `pad_row`, writing to no slot)."""
+        rows (a one-token context in `pad_row`, writing to no slot); out: a [5, rows] int64
+        device tensor the plan is copied into (DecodeGraphs' static input: the replay then
+        needs no copy of its own), else a new one."""
         if tables is None:
             tables = BlockTables(len(batch), 1, device)
         need = [-(-(b.num_computed + 1) // block_size) for b in batch]
@@ -153,7 +156,8 @@ class DecodePlan:
                                       [b.num_computed for b in batch] + [0] * pad,
                                       [b.num_computed + 1 for b in batch] + [1] * pad,
                                       rows + [pad_row] * pad,
-                                      (slots if slots is not None else [-1] * len(batch)) + [-1] * pad], torch.long)
+                                      (slots if slots is not None else [-1] * len(batch)) + [-1] * pad], torch.long,
+                                     out)
         return DecodePlan(ints, tables.store, len(batch), max(need))
 
 

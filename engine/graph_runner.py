@@ -5,7 +5,7 @@ is captured for each batch size in `batch_sizes(max_batch)`, largest first, all 
 one memory pool and one set of static input buffers sized for the largest batch and the widest
 block table the pool allows. A step of B requests replays the smallest graph with room for B:
 the host's plan (engine/decode_batch.py: input ids, positions, lengths, block-table rows, padded
-to the bucket) is copied into the static input buffer in one copy; padding rows are a
+to the bucket) is copied from pinned host memory straight into the static input buffer, one copy; padding rows are a
 one-token context in the scratch block (so they write their garbage latent there, never into a
 live request's block). Inside the graph: the future-token map resolves placeholder input ids
 (engine/future_map.py) and the rows' block tables are gathered from the device-resident
@@ -155,7 +155,8 @@ class DecodeGraphs:
         the future map at the plan's slots): views of the graph's outputs, valid until the
         next replay."""
         bs = plan.ints.shape[1]
-        self.ints[:, :bs].copy_(plan.ints)
+        if plan.ints.data_ptr() != self.ints.data_ptr():  # (built into `ints` itself: nothing to copy)
+            self.ints[:, :bs].copy_(plan.ints)
         graph, (logits, pack) = self.graphs[bs]
         self.replay(graph)
         return logits[: plan.batch], pack[: plan.batch]

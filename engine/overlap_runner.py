@@ -52,6 +52,10 @@ class OverlapRunner:
         # the buffer of step i is free again before step i + 2 launches (HOST_BUFFERS = 3 > 2)
         self._host = ([torch.empty((max_batch, 2), dtype=torch.float64, pin_memory=True)
                        for _ in range(HOST_BUFFERS)] if self.cuda else [])
+        # each buffer's two timing events (step start, copy done), made once and recorded again
+        # whenever the buffer is: they are read when its step is collected, as the buffer is
+        self._events = ([(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                         for _ in range(HOST_BUFFERS)] if self.cuda else [])
         self._launches = 0
 
     @torch.inference_mode()
@@ -61,19 +65,17 @@ class OverlapRunner:
 
         sampling[i] = (params, step index) of the token batch[i] generates.
         """
-        began = None
-        if self.cuda:
-            began = torch.cuda.Event(enable_timing=True)
-            began.record()
-        both = self.runner.decode_step(batch, sampling, slots)  # [B, 2] float64 on the device
         if not self.cuda:  # (a copy: a graph's output, were one replayed, changes at the next step)
-            return LaunchedStep(both.clone(), None)
-        ring = self._host[self._launches % HOST_BUFFERS]
+            return LaunchedStep(self.runner.decode_step(batch, sampling, slots).clone(), None)
+        turn = self._launches % HOST_BUFFERS
         self._launches += 1
+        began, event = self._events[turn]
+        began.record()
+        both = self.runner.decode_step(batch, sampling, slots)  # [B, 2] float64 on the device
+        ring = self._host[turn]
         host = (ring[: len(batch)] if len(batch) <= ring.shape[0]
                 else torch.empty(both.shape, dtype=both.dtype, pin_memory=True))
         host.copy_(both, non_blocking=True)
-        event = torch.cuda.Event(enable_timing=True)
         event.record()
         return LaunchedStep(host, event, began)
 

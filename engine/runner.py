@@ -244,7 +244,8 @@ class ModelRunner:
             self.tables = BlockTables(2 * len(batch) + 1, 1, self.device)
         try:
             plan = DecodePlan.build(batch, bs, self.device, self.tables, slots, pad_to=bucket or 0,
-                                    pad_row=self.graphs.pad_row if bucket else 0)
+                                    pad_row=self.graphs.pad_row if bucket else 0,
+                                    out=self.graphs.ints[:, :bucket] if bucket else None)
         except ValueError:  # a context wider than the captured tables: one eager step, own tables
             bucket, plan = None, DecodePlan.build(batch, bs, self.device, None, slots)
         slot_t = None if slots is None else plan.slots

@@ -54,12 +54,14 @@ class PinnedRing:
         self._done: list[torch.cuda.Event | None] = [None] * depth
         self._next = 0
 
-    def upload(self, rows: list[list[int]], dtype: torch.dtype) -> torch.Tensor:
+    def upload(self, rows: list[list[int]], dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
         """rows (equal-length lists of ints) as a [len(rows), len(rows[0])] tensor of dtype on
-        the device, copied without waiting for the device.
+        the device, copied without waiting for the device; into `out` (a tensor of that shape and
+        dtype on the device, e.g. a CUDA graph's static input) when given, and returned.
 
         Raises:
-            ValueError: rows of different lengths (numpy cannot make a table of them).
+            ValueError: rows of different lengths (numpy cannot make a table of them), or an
+                `out` of another shape or dtype.
         """
         if dtype not in _NUMPY_INT:
             raise ValueError(f"PinnedRing stages integer tables (int32, int64), not {dtype}")
@@ -69,6 +71,8 @@ class PinnedRing:
             raise ValueError(f"rows must be equal-length lists of ints: {exc}") from None
         if table.ndim != 2:
             raise ValueError(f"rows must be equal-length lists of ints, got an array of shape {table.shape}")
+        if out is not None and (tuple(out.shape) != table.shape or out.dtype != dtype):
+            raise ValueError(f"out is {tuple(out.shape)} {out.dtype}, the table {table.shape} {dtype}")
         i, nbytes = self._next, table.nbytes
         self._next = (i + 1) % len(self._bufs)
         if self._done[i] is not None:
@@ -79,10 +83,14 @@ class PinnedRing:
         host = buf[:nbytes].view(dtype).view(table.shape)
         host.numpy()[...] = table
         if not self.cuda:
-            return host.to(self.device, copy=True)  # never the ring's own memory
-        out = host.to(self.device, non_blocking=True)
-        done = self._done[i] = torch.cuda.Event()
-        done.record()
+            return host.to(self.device, copy=True) if out is None else out.copy_(host)  # never the ring's memory
+        if out is None:
+            out = host.to(self.device, non_blocking=True)
+        else:
+            out.copy_(host, non_blocking=True)
+        if self._done[i] is None:
+            self._done[i] = torch.cuda.Event()  # made once, recorded again at each use of its buffer
+        self._done[i].record()
         return out
 
 

@@ -32,6 +32,13 @@ def test_ring_stages_every_table_and_reuses_its_buffers_on_cpu() -> None:
         ring.upload([1, 2], torch.int64)
     with pytest.raises(ValueError, match="integer tables"):
         ring.upload([[1.5]], torch.float32)
+    # into a given tensor (a graph's static input): that tensor, filled; another shape refused
+    static = torch.full((5, 8), -7, dtype=torch.int64)
+    view = static[:, :3]
+    assert ring.upload([[1, 2, 3]] * 5, torch.int64, out=view) is view
+    assert static[:, :3].tolist() == [[1, 2, 3]] * 5 and static[:, 3:].eq(-7).all()
+    with pytest.raises(ValueError, match=r"out is \(5, 3\)"):
+        ring.upload([[1, 2]] * 5, torch.int64, out=view)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: pinned buffers and events (run on the lent H200)")
@@ -51,3 +58,9 @@ def test_ring_on_cuda_waits_for_pending_copies_before_reusing_a_buffer() -> None
     ring.upload([[1, 2]], torch.int64)
     torch.cuda.synchronize()
     assert [b.data_ptr() for b in ring._bufs] == bufs
+    # into a strided slice of a device tensor (DecodeGraphs.ints[:, :bucket]), behind queued work
+    static = torch.full((5, 16), -7, dtype=torch.int64, device=dev)
+    torch.cuda._sleep(50_000_000)
+    ring.upload([[i, i + 1, i + 2] for i in range(5)], torch.int64, out=static[:, :3])
+    torch.cuda.synchronize()
+    assert static[:, :3].tolist() == [[i, i + 1, i + 2] for i in range(5)] and static[:, 3:].eq(-7).all()
