@@ -101,9 +101,13 @@ class DecodeGraphs:
         n = self.sizes[-1]
         tables.fixed = True
         self.pad_row = tables.reserve_row(scratch_block)
-        # (ids, positions, lens, rows, slots) of the largest bucket; padding rows' values
-        self.ints = torch.tensor([[0] * n, [0] * n, [1] * n, [self.pad_row] * n, [-1] * n], dtype=torch.long,
-                                 device=dev)
+        # the static inputs (ids, positions, lens, rows, slots): bucket bs reads `inputs(bs)`, the
+        # first 5 × bs entries of one buffer as a contiguous [5, bs] (so the plan's host-to-device
+        # copy lands there directly; a [5, n] buffer's [:, :bs] slice is strided, and a copy from
+        # the host into a strided tensor goes through a temporary and a second copy)
+        self._inputs = torch.zeros(5 * n, dtype=torch.long, device=dev)
+        self._padding = torch.tensor([[0] * n, [0] * n, [1] * n, [self.pad_row] * n, [-1] * n], dtype=torch.long,
+                                     device=dev)  # padding rows' values (a one-token context, no slot)
         # batch size -> (graph, its outputs: logits [bs, vocab] float32, greedy pack [bs, 2] float64)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, torch.Tensor]]] = {}
         self.replay = PriorityReplay(dev)
@@ -117,6 +121,7 @@ class DecodeGraphs:
         pool_handle = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(dev)
         for bs in reversed(self.sizes):  # largest first: the smaller ones reuse its memory
+            self.pad_inputs(bs)
             stream.wait_stream(torch.cuda.current_stream(dev))
             with torch.cuda.stream(stream), torch.inference_mode():
                 for _ in range(2):  # warm-up outside the graph (allocator, lazy inits, autotune)
@@ -133,10 +138,19 @@ class DecodeGraphs:
                  "%.0f MiB", len(self.sizes), ",".join(map(str, self.sizes)), self.width,
                  self.capture_seconds, self.memory_bytes / 2**20)
 
+    def inputs(self, bs: int) -> torch.Tensor:
+        """Bucket bs's static inputs: [5, bs] int64 (ids, positions, lens, block-table rows,
+        future-map slots), contiguous; the buckets' views overlap (each step writes all of its own)."""
+        return self._inputs[: 5 * bs].view(5, bs)
+
+    def pad_inputs(self, bs: int) -> None:
+        """Fill bucket bs's inputs with padding rows (before its warm-up and capture)."""
+        self.inputs(bs).copy_(self._padding[:, :bs])
+
     def _forward(self, bs: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The captured step: (logits [bs, vocab] float32, greedy pack [bs, 2] float64 =
         `pack_step(*greedy_batch(logits))`, whose tokens are stored at the slots ints[4])."""
-        ints = self.ints[:, :bs]
+        ints = self.inputs(bs)
         ids = self.future.resolve(ints[0])
         kv = AbsorbedDecodeKv(self.pool, self.tables.store.index_select(0, ints[3]), ints[2].int())
         hidden = self.model(ids, ints[1], [1] * bs, kv)
@@ -155,8 +169,14 @@ class DecodeGraphs:
         the future map at the plan's slots): views of the graph's outputs, valid until the
         next replay."""
         bs = plan.ints.shape[1]
-        if plan.ints.data_ptr() != self.ints.data_ptr():  # (built into `ints` itself: nothing to copy)
-            self.ints[:, :bs].copy_(plan.ints)
+        static = self.inputs(bs)
+        if not _same_tensor(plan.ints, static):  # (a plan built into `inputs(bs)` itself: nothing to copy)
+            static.copy_(plan.ints)
         graph, (logits, pack) = self.graphs[bs]
         self.replay(graph)
         return logits[: plan.batch], pack[: plan.batch]
+
+
+def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """a and b are the same memory with the same layout."""
+    return a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride()

@@ -245,7 +245,7 @@ class ModelRunner:
         try:
             plan = DecodePlan.build(batch, bs, self.device, self.tables, slots, pad_to=bucket or 0,
                                     pad_row=self.graphs.pad_row if bucket else 0,
-                                    out=self.graphs.ints[:, :bucket] if bucket else None)
+                                    out=self.graphs.inputs(bucket) if bucket else None)
         except ValueError:  # a context wider than the captured tables: one eager step, own tables
             bucket, plan = None, DecodePlan.build(batch, bs, self.device, None, slots)
         slot_t = None if slots is None else plan.slots

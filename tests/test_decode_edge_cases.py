@@ -320,6 +320,7 @@ def test_graph_replay_inputs_padding_and_future_ids_on_cpu(tiny_model, monkeypat
     class CpuGraphs(DecodeGraphs):
         def _capture(self, dev):
             for bs in self.sizes:
+                self.pad_inputs(bs)
                 out = tuple(t.clone() for t in self._forward(bs))
                 self.graphs[bs] = (EagerGraph(lambda bs=bs: self._forward(bs), out), out)
             self.memory_bytes = 0
@@ -365,6 +366,18 @@ def test_graph_replay_inputs_padding_and_future_ids_on_cpu(tiny_model, monkeypat
         fast.decode(batch)
         live = [blk for b in batch for blk in b.block_ids]
         torch.testing.assert_close(pool.kv[live], after_plain[live], atol=1e-5, rtol=0)
+        # the step's plan is copied into the bucket's own contiguous static inputs (no copy of
+        # its own at the replay)
+        built = []
+        real_build = decode_batch.DecodePlan.build
+        monkeypatch.setattr(decode_batch.DecodePlan, "build",
+                            staticmethod(lambda *a, **k: built.append(real_build(*a, **k)) or built[-1]))
+        pool.kv.copy_(before)
+        fast.decode(batch)
+        monkeypatch.setattr(decode_batch.DecodePlan, "build", staticmethod(real_build))
+        static = fast.graphs.inputs(8)
+        assert static.is_contiguous() and built[0].ints.data_ptr() == static.data_ptr()
+        assert built[0].ints.stride() == static.stride() and static[0, :5].tolist() == [11, 12, 13, 14, 15]
         # the greedy head inside the "graph": decode_step's [B, 2] pack matches the eager fast
         # step's (same tokens, logprobs within float32 noise), and the tokens are in the future
         # map at the step's slots with nothing run after the replay

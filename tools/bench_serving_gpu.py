@@ -206,29 +206,42 @@ PROFILE_RATE_HZ = 1000  # py-spy samples per second (--profile-decode-host)
 class _HostProfile:
     """py-spy recording the decode worker (pid) for at most `seconds`, started now; `result()`,
     called once the bench ended, stops it if it still runs and summarises it
-    (tools/host_profile.py) per decode step of its own window: the worker's step counter is read
-    again the moment py-spy exits (by a thread), so a window shorter than the bench counts only
-    its own steps. `before`: the counters read just before."""
+    (tools/host_profile.py) per decode step of its own window: a thread reads the worker's step
+    counter once py-spy reports that it samples and again the moment it exits, so the steps
+    counted are those of the window sampled. `before`: the counters read just before starting
+    (used if py-spy never reports sampling)."""
+
+    SAMPLING = "Sampling process"  # py-spy's line once it samples
 
     def __init__(self, pid: int, seconds: int, work: Path, metrics_urls: list[str], before: dict[str, float]) -> None:
         import threading
         self.seconds, self.raw, self.log = seconds, work / "host_profile.txt", work / "py-spy.log"
-        self._before, self._after = before, None
+        self._before, self._after, self._failed = before, None, ""
         self.raw.unlink(missing_ok=True)  # an earlier cluster's (another --stream-interval) is not this one's
         with open(self.log, "w") as log:
             self._proc = subprocess.Popen(["py-spy", "record", "--nonblocking", "--threads", "-r", str(PROFILE_RATE_HZ),
                                            "-d", str(seconds), "-f", "raw", "-o", str(self.raw), "-p", str(pid)],
-                                          stdout=subprocess.DEVNULL, stderr=log)
+                                          stdout=log, stderr=subprocess.STDOUT)  # (its "Sampling" line: stdout)
 
-        def ended() -> None:
-            self._proc.wait()
-            self._after = _worker_counters(metrics_urls, DECODE_COUNTERS)
-        self._thread = threading.Thread(target=ended, daemon=True)
+        def window() -> None:
+            try:
+                deadline = time.time() + 10
+                while self._proc.poll() is None and time.time() < deadline:
+                    if self.SAMPLING in self.log.read_text(errors="replace"):
+                        self._before = _worker_counters(metrics_urls, DECODE_COUNTERS)
+                        break
+                    time.sleep(0.01)
+                self._proc.wait()
+                self._after = _worker_counters(metrics_urls, DECODE_COUNTERS)
+            except Exception as exc:  # noqa: BLE001 - reported in the result, the bench still counts
+                self._failed = f"reading the decode worker's counters: {type(exc).__name__}: {exc}"
+        self._thread = threading.Thread(target=window, daemon=True)
         self._thread.start()
 
     def result(self) -> dict[str, Any]:
         """The summary, with "steps" those of py-spy's window; {"error": ...} when py-spy wrote
-        nothing (its log's end), and "warning" when the window held no sample or no step."""
+        nothing usable or the counters could not be read, and "warning" when the window held no
+        sample or no step."""
         if self._proc.poll() is None:  # the bench ended first: stop the recording here (py-spy writes
             self._proc.send_signal(signal.SIGINT)  # what it has on SIGINT), so the window is the bench's
             try:
@@ -236,11 +249,16 @@ class _HostProfile:
             except subprocess.TimeoutExpired:
                 self._proc.kill()
         self._thread.join(timeout=60)
+        if self._failed:
+            return {"error": self._failed}
         if not self.raw.exists() or self._after is None:
-            return {"error": "py-spy recorded nothing: " + self.log.read_text()[-500:]}
+            return {"error": "py-spy recorded nothing: " + self.log.read_text(errors="replace")[-500:]}
         name = "tandem_worker_decode_steps"
         steps = int(self._after[name] - self._before[name])
-        out = host_profile.summarise(self.raw.read_text(), PROFILE_RATE_HZ, steps or None, 30)
+        try:
+            out = host_profile.summarise(self.raw.read_text(errors="replace"), PROFILE_RATE_HZ, steps or None, 30)
+        except ValueError as exc:  # a recording cut short (py-spy killed)
+            return {"error": f"py-spy's output: {exc}"}
         if not out["samples"] or not steps:
             out["warning"] = (f"{out['samples']} samples and {steps} decode steps in the {self.seconds} s window: "
                               "the window missed the bench's decoding (make it longer)")
@@ -356,18 +374,21 @@ def serve_and_bench(model_dir: Path, contexts: list[int], concurrencies: list[in
             t0 = time.time()
             spec0 = _worker_counters(metrics_urls, SPEC_COUNTERS) if spec else {}
             decode0 = _worker_counters(metrics_urls, DECODE_COUNTERS)
-            spy = None
+            spy = failed_profile = None
             if profile_s > 0 and not out:  # the first bench only
                 try:
                     spy = _HostProfile(_decode_worker_pid(up.pid), profile_s, work, metrics_urls, decode0)
                 except (RuntimeError, OSError) as exc:  # no profile, the bench still counts
-                    print(json.dumps({"host_profile": {"error": str(exc)}}), flush=True)
+                    failed_profile = {"error": str(exc)}
+                    print(json.dumps({"host_profile": failed_profile}), flush=True)
             r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
             doc = json.loads(res.read_text()) if res.exists() else {}
             summary = doc.get("summary", {})
             if summary.get("duration_s"):
                 summary.update(decode_phases(doc.get("requests", []), summary["duration_s"]))
             summary.update(_decode_figures(decode0, _worker_counters(metrics_urls, DECODE_COUNTERS)))
+            if failed_profile is not None:
+                summary["host_profile"] = failed_profile
             if spy is not None:
                 summary["host_profile"] = spy.result()
                 print(json.dumps({"host_profile": {k: v for k, v in summary["host_profile"].items()

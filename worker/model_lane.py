@@ -9,7 +9,7 @@ the model thread no decode step could be launched meanwhile, so every running st
 inter-token latency grew by that much for each prefill piece. On its own thread and stream
 (`StreamForward`), the prefill's launches overlap the decode steps' graph replays, and the
 replays run on a stream of higher priority (engine/graph_runner.py `PriorityReplay`). The two
-threads share the GIL; worker processes run with a 0.2 ms switch interval (--gil-switch-interval-us), so a
+threads share the GIL; worker processes run with a 0.2 ms switch interval by default (--gil-switch-interval-us), so a
 decode step waits that long at most for the prefill thread to let go of it.
 
 The KV pool is shared by both streams; each writes only blocks the loop thread handed it, and
