@@ -58,7 +58,7 @@ def test_ring_on_cuda_waits_for_pending_copies_before_reusing_a_buffer() -> None
     ring.upload([[1, 2]], torch.int64)
     torch.cuda.synchronize()
     assert [b.data_ptr() for b in ring._bufs] == bufs
-    # into a strided slice of a device tensor (DecodeGraphs.ints[:, :bucket]), behind queued work
+    # into a strided slice of a device tensor (a copy through a temporary), behind queued work
     static = torch.full((5, 16), -7, dtype=torch.int64, device=dev)
     torch.cuda._sleep(50_000_000)
     ring.upload([[i, i + 1, i + 2] for i in range(5)], torch.int64, out=static[:, :3])
