@@ -7,7 +7,8 @@ for each function, the samples in which it was on the stack (inclusive; a functi
 per sample however deep it recurs), in milliseconds per decode step when --steps is given
 (samples × 1000 / RATE / steps). py-spy counts a thread waiting for the GIL as busy in the frame
 that waits, so under contention every torch call that releases and re-takes the GIL looks
-longer than its own work: the figures say where the thread is, not what each line costs alone.
+longer than its own work, and an event loop waiting in `select` (epoll) may show as busy there:
+the figures say where the thread is, not what each line costs alone.
 
     py-spy record --threads --nonblocking -f raw -r 1000 -d 5 -o spy.txt -p PID
     python tools/host_profile.py spy.txt --rate 1000 --steps 906 --top 30 [--json out.json]
