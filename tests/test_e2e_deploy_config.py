@@ -94,7 +94,11 @@ def test_units_configuration_runs_a_cluster(tiny_model, tmp_path):
 
         async def request() -> tuple[list, list[int], set[str]]:
             async with InstanceWatcher(etcd.endpoint, "e2e-deploy", tls=client) as watcher:
-                view = await watcher.wait_for(lambda v: len(v) >= 3, timeout=60)
+                try:  # SERVING comes before a worker's record is in etcd: wait for all three records
+                    view = await watcher.wait_for(lambda v: len(v) >= 3, timeout=max(60.0, deadline - time.monotonic()))
+                except (TimeoutError, asyncio.TimeoutError):
+                    logs = {r: (tmp_path / f"{r}.log").read_text()[-2000:] for r in procs}
+                    raise AssertionError(f"etcd holds {sorted(watcher.instances())}, not all three; logs: {logs}")
             ch, stub = frontend_stub(f"127.0.0.1:{ports['router']}", client)
             try:
                 while True:  # until the router's etcd view has both workers, at their advertised address
