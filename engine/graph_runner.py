@@ -5,9 +5,9 @@ is captured for each batch size in `batch_sizes(max_batch)`, largest first, all 
 one memory pool and one set of static input buffers sized for the largest batch and the widest
 block table the pool allows. A step of B requests replays the smallest graph with room for B:
 the host's plan (engine/decode_batch.py: input ids, positions, lengths, block-table rows, padded
-to the bucket) is copied from pinned host memory straight into the static input buffer, one copy; padding rows are a
-one-token context in the scratch block (so they write their garbage latent there, never into a
-live request's block). Inside the graph: the future-token map resolves placeholder input ids
+to the bucket) is copied from pinned host memory straight into the bucket's static inputs, one
+copy; padding rows are a one-token context in the scratch block (so they write their garbage
+latent there, never into a live request's block). Inside the graph: the future-token map resolves placeholder input ids
 (engine/future_map.py) and the rows' block tables are gathered from the device-resident
 `BlockTables` store. Each graph also ends with the greedy head (engine/sampling.py
 `greedy_batch`: argmax and its log-probability, written into the future map at the step's

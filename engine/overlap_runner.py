@@ -5,8 +5,9 @@ runner's FutureTokenMap on the device (so step i + 1 can be launched before step
 reach the host) and whose sampled tokens go into the map at the step's slots, then starts one
 non-blocking copy of its tokens and log-probabilities into one of a few pinned host buffers
 reused in turn (a step's buffer is written again three launches later, when that step has
-long been collected), with an event behind it. `collect` waits for that event only. `step` does both in one call (launch step i + 1, then
-collect step i), so the scheduler hands the model thread one job per step. Sampling (greedy
+long been collected), with an event behind it. `collect` waits for that event only. `step`
+does both in one call (launch step i + 1, then collect step i), so the scheduler hands the
+model thread one job per step. Sampling (greedy
 and seeded) runs on the device (engine/sampling.py): no step syncs. On a CPU every call runs to
 completion at once, so the same code path works, sequentially.
 """
@@ -47,15 +48,13 @@ class OverlapRunner:
         # device seconds the collected steps ran, from CUDA events around each step (so the
         # device's busy share of wall time tells a host-bound loop from a device-bound one)
         self.device_busy_s = 0.0
-        # pinned [max_batch, 2] float64 buffers the steps' results land in, used in turn: at
-        # most two steps are in flight and a step's buffer is read when it is collected, so
-        # the buffer of step i is free again before step i + 2 launches (HOST_BUFFERS = 3 > 2)
-        self._host = ([torch.empty((max_batch, 2), dtype=torch.float64, pin_memory=True)
-                       for _ in range(HOST_BUFFERS)] if self.cuda else [])
-        # each buffer's two timing events (step start, copy done), made once and recorded again
-        # whenever the buffer is: they are read when its step is collected, as the buffer is
-        self._events = ([(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-                         for _ in range(HOST_BUFFERS)] if self.cuda else [])
+        # HOST_BUFFERS turns, each a pinned [max_batch, 2] float64 buffer a step's result lands
+        # in and its two timing events (step start, copy done), made once and used again: at
+        # most two steps are in flight and a turn is read when its step is collected, so step
+        # i's turn is free again before step i + 2 launches (HOST_BUFFERS = 3 > 2)
+        self._turns = ([(torch.empty((max_batch, 2), dtype=torch.float64, pin_memory=True),
+                         torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                        for _ in range(HOST_BUFFERS)] if self.cuda else [])
         self._launches = 0
 
     @torch.inference_mode()
@@ -67,12 +66,10 @@ class OverlapRunner:
         """
         if not self.cuda:  # (a copy: a graph's output, were one replayed, changes at the next step)
             return LaunchedStep(self.runner.decode_step(batch, sampling, slots).clone(), None)
-        turn = self._launches % HOST_BUFFERS
+        ring, began, event = self._turns[self._launches % HOST_BUFFERS]
         self._launches += 1
-        began, event = self._events[turn]
         began.record()
         both = self.runner.decode_step(batch, sampling, slots)  # [B, 2] float64 on the device
-        ring = self._host[turn]
         host = (ring[: len(batch)] if len(batch) <= ring.shape[0]
                 else torch.empty(both.shape, dtype=both.dtype, pin_memory=True))
         host.copy_(both, non_blocking=True)

@@ -82,15 +82,13 @@ class PinnedRing:
             buf = self._bufs[i] = torch.empty(max(nbytes, 8192), dtype=torch.uint8, pin_memory=self.cuda)
         host = buf[:nbytes].view(dtype).view(table.shape)
         host.numpy()[...] = table
-        if not self.cuda:
-            return host.to(self.device, copy=True) if out is None else out.copy_(host)  # never the ring's memory
-        if out is None:
-            out = host.to(self.device, non_blocking=True)
-        else:
-            out.copy_(host, non_blocking=True)
-        if self._done[i] is None:
-            self._done[i] = torch.cuda.Event()  # made once, recorded again at each use of its buffer
-        self._done[i].record()
+        if out is None:  # (off CUDA a copy too: a result is never the ring's own memory)
+            out = torch.empty(table.shape, dtype=dtype, device=self.device)
+        out.copy_(host, non_blocking=self.cuda)
+        if self.cuda:
+            if self._done[i] is None:
+                self._done[i] = torch.cuda.Event()  # made once, recorded again at each use of its buffer
+            self._done[i].record()
         return out
 
 

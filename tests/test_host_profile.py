@@ -54,3 +54,9 @@ def test_unnamed_thread_keeps_its_id_and_cli_errors_are_one_line(tmp_path, capsy
     raw.write_text("")
     host_profile.main([str(raw), "--rate", "100"])
     assert "no samples" in capsys.readouterr().err
+
+
+def test_recording_of_a_missing_process_is_an_error_not_an_exception(tmp_path) -> None:
+    # `tandem up`'s pid with no `tandem decode` under it: the bench goes on, the row says why
+    rec = host_profile.Recording(2**22 + 12345, "decode", 3, tmp_path, steps=lambda: 0.0, steps_before=0.0)
+    assert rec.result() == {"error": f"no `tandem decode` process under pid {2**22 + 12345}"}

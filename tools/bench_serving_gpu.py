@@ -172,99 +172,6 @@ def _decode_figures(before: dict[str, float], after: dict[str, float]) -> dict[s
             "decode_host_wait_ms_per_step": 1e3 * d["device_wait_seconds"] / d["steps"]}
 
 
-def _decode_worker_pid(up_pid: int) -> int:
-    """The pid of the `tandem decode` process that `tandem up` (up_pid) started (a descendant
-    whose command line is `... -m cli.main decode ...`).
-
-    Raises:
-        RuntimeError: none found (Linux /proc only)."""
-    def parent(pid: int) -> int:
-        try:  # /proc/PID/stat: "pid (comm) state ppid ..."; comm may hold spaces, so split after ")"
-            return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            return 0
-
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            argv = (entry / "cmdline").read_bytes().decode(errors="replace").split("\0")
-        except OSError:
-            continue
-        if "cli.main" in argv and argv.index("cli.main") + 1 < len(argv) and argv[argv.index("cli.main") + 1] == "decode":
-            pid = int(entry.name)
-            while pid > 1:
-                pid = parent(pid)
-                if pid == up_pid:
-                    return int(entry.name)
-    raise RuntimeError(f"no `tandem decode` process under tandem up (pid {up_pid})")
-
-
-PROFILE_RATE_HZ = 1000  # py-spy samples per second (--profile-decode-host)
-
-
-class _HostProfile:
-    """py-spy recording the decode worker (pid) for at most `seconds`, started now; `result()`,
-    called once the bench ended, stops it if it still runs and summarises it
-    (tools/host_profile.py) per decode step of its own window: a thread reads the worker's step
-    counter once py-spy reports that it samples and again the moment it exits, so the steps
-    counted are those of the window sampled. `before`: the counters read just before starting
-    (used if py-spy never reports sampling)."""
-
-    SAMPLING = "Sampling process"  # py-spy's line once it samples
-
-    def __init__(self, pid: int, seconds: int, work: Path, metrics_urls: list[str], before: dict[str, float]) -> None:
-        import threading
-        self.seconds, self.raw, self.log = seconds, work / "host_profile.txt", work / "py-spy.log"
-        self._before, self._after, self._failed = before, None, ""
-        self.raw.unlink(missing_ok=True)  # an earlier cluster's (another --stream-interval) is not this one's
-        with open(self.log, "w") as log:
-            self._proc = subprocess.Popen(["py-spy", "record", "--nonblocking", "--threads", "-r", str(PROFILE_RATE_HZ),
-                                           "-d", str(seconds), "-f", "raw", "-o", str(self.raw), "-p", str(pid)],
-                                          stdout=log, stderr=subprocess.STDOUT)  # (its "Sampling" line: stdout)
-
-        def window() -> None:
-            try:
-                deadline = time.time() + 10
-                while self._proc.poll() is None and time.time() < deadline:
-                    if self.SAMPLING in self.log.read_text(errors="replace"):
-                        self._before = _worker_counters(metrics_urls, DECODE_COUNTERS)
-                        break
-                    time.sleep(0.01)
-                self._proc.wait()
-                self._after = _worker_counters(metrics_urls, DECODE_COUNTERS)
-            except Exception as exc:  # noqa: BLE001 - reported in the result, the bench still counts
-                self._failed = f"reading the decode worker's counters: {type(exc).__name__}: {exc}"
-        self._thread = threading.Thread(target=window, daemon=True)
-        self._thread.start()
-
-    def result(self) -> dict[str, Any]:
-        """The summary, with "steps" those of py-spy's window; {"error": ...} when py-spy wrote
-        nothing usable or the counters could not be read, and "warning" when the window held no
-        sample or no step."""
-        if self._proc.poll() is None:  # the bench ended first: stop the recording here (py-spy writes
-            self._proc.send_signal(signal.SIGINT)  # what it has on SIGINT), so the window is the bench's
-            try:
-                self._proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self._proc.kill()
-        self._thread.join(timeout=60)
-        if self._failed:
-            return {"error": self._failed}
-        if not self.raw.exists() or self._after is None:
-            return {"error": "py-spy recorded nothing: " + self.log.read_text(errors="replace")[-500:]}
-        name = "tandem_worker_decode_steps"
-        steps = int(self._after[name] - self._before[name])
-        try:
-            out = host_profile.summarise(self.raw.read_text(errors="replace"), PROFILE_RATE_HZ, steps or None, 30)
-        except ValueError as exc:  # a recording cut short (py-spy killed)
-            return {"error": f"py-spy's output: {exc}"}
-        if not out["samples"] or not steps:
-            out["warning"] = (f"{out['samples']} samples and {steps} decode steps in the {self.seconds} s window: "
-                              "the window missed the bench's decoding (make it longer)")
-        return out
-
-
 @contextlib.contextmanager
 def running_cluster(model_dir: Path, port: int, work: Path, env: dict[str, str],
                     up_args: tuple[str, ...] = ()) -> Iterator[tuple[subprocess.Popen, list[str]]]:
@@ -351,8 +258,9 @@ def serve_and_bench(model_dir: Path, contexts: list[int], concurrencies: list[in
     prefill_workers: `tandem up --prefill` (0: the decode worker prefills every prompt itself,
     on its own CUDA stream beside the decode steps: one process on the GPU instead of two);
     up_extra: more `tandem up` flags (e.g. ("--mps",)); profile_s > 0: py-spy records the
-    decode worker for that many seconds from the start of the first bench, and that summary gets
-    "host_profile" (tools/host_profile.py: per thread, functions in ms per decode step)."""
+    decode worker from the start of the first bench to its end (profile_s seconds at most), and
+    that summary gets "host_profile" (tools/host_profile.py `Recording`: per thread, functions in
+    ms per decode step of that window)."""
     env = {**os.environ, "TANDEM_MAX_RUNNING": str(max(concurrencies)),
            "TANDEM_MEM_FRACTION_STATIC": os.environ.get("TANDEM_MEM_FRACTION_STATIC", "0.4"), "TANDEM_MAX_QUEUED": "4096", **env_extra}
     out: dict[tuple[int, int], dict] = {}
@@ -374,21 +282,18 @@ def serve_and_bench(model_dir: Path, contexts: list[int], concurrencies: list[in
             t0 = time.time()
             spec0 = _worker_counters(metrics_urls, SPEC_COUNTERS) if spec else {}
             decode0 = _worker_counters(metrics_urls, DECODE_COUNTERS)
-            spy = failed_profile = None
+            spy = None
             if profile_s > 0 and not out:  # the first bench only
-                try:
-                    spy = _HostProfile(_decode_worker_pid(up.pid), profile_s, work, metrics_urls, decode0)
-                except (RuntimeError, OSError) as exc:  # no profile, the bench still counts
-                    failed_profile = {"error": str(exc)}
-                    print(json.dumps({"host_profile": failed_profile}), flush=True)
+                steps = "tandem_worker_decode_steps"
+                spy = host_profile.Recording(up.pid, "decode", profile_s, work,
+                                             lambda: _worker_counters(metrics_urls, DECODE_COUNTERS)[steps],
+                                             decode0[steps])
             r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
             doc = json.loads(res.read_text()) if res.exists() else {}
             summary = doc.get("summary", {})
             if summary.get("duration_s"):
                 summary.update(decode_phases(doc.get("requests", []), summary["duration_s"]))
             summary.update(_decode_figures(decode0, _worker_counters(metrics_urls, DECODE_COUNTERS)))
-            if failed_profile is not None:
-                summary["host_profile"] = failed_profile
             if spy is not None:
                 summary["host_profile"] = spy.result()
                 print(json.dumps({"host_profile": {k: v for k, v in summary["host_profile"].items()

@@ -18,7 +18,7 @@ the figures say where the thread is, not what each line costs alone.
 py-spy needs ptrace rights on the process: root, or in a container `--cap-add SYS_PTRACE`.)
 
 `tools/bench_serving_gpu.py --profile-decode-host SECONDS` records and summarises the decode
-worker this way during the first bench of its run (py-spy must be on PATH).
+worker this way during the first bench of its run (`Recording`; py-spy must be on PATH).
 """
 
 from __future__ import annotations
@@ -26,9 +26,13 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import signal
+import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 
 def _function(frame: str) -> str:
@@ -79,6 +83,106 @@ def summarise(text: str, rate_hz: float, steps: int | None = None, top: int = 40
                             "functions": [[f, n, per_step(n)] for f, n in
                                           [(f, n) for f, n in functions[t].most_common() if n < s][:top]]}
                         for t, s in threads.most_common()}}
+
+
+def child_pid(ancestor: int, command: str) -> int:
+    """The pid of a descendant of `ancestor` whose command line is `... -m cli.main COMMAND ...`
+    (a `tandem COMMAND` process that `tandem up` started).
+
+    Raises:
+        RuntimeError: none found (Linux /proc only)."""
+    def parent(pid: int) -> int:
+        try:  # /proc/PID/stat: "pid (comm) state ppid ..."; comm may hold spaces, so split after ")"
+            return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            return 0
+
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            argv = (entry / "cmdline").read_bytes().decode(errors="replace").split("\0")
+        except OSError:
+            continue
+        if "cli.main" in argv and argv[argv.index("cli.main") + 1:argv.index("cli.main") + 2] == [command]:
+            pid = int(entry.name)
+            while pid > 1:
+                pid = parent(pid)
+                if pid == ancestor:
+                    return int(entry.name)
+    raise RuntimeError(f"no `tandem {command}` process under pid {ancestor}")
+
+
+RATE_HZ = 1000  # py-spy samples per second of a Recording
+
+
+class Recording:
+    """py-spy recording the `tandem COMMAND` process under `ancestor` for at most `seconds`,
+    started now; `result()`, called once the work to profile ended, stops it if it still runs
+    and summarises it per step of its own window: a thread reads `steps()` (the process's step
+    counter, e.g. from its /metrics) once py-spy reports that it samples and again the moment
+    it exits. `steps_before`: the counter read just before (used if py-spy never reports
+    sampling). Files go to `work` (host_profile.txt, py-spy.log). Never raises: a profile that
+    could not be made is {"error": ...} in `result()`."""
+
+    SAMPLING = "Sampling process"  # py-spy's line (on stdout) once it samples
+
+    def __init__(self, ancestor: int, command: str, seconds: int, work: Path, steps: Callable[[], float],
+                 steps_before: float) -> None:
+        self.seconds, self.raw, self.log = seconds, work / "host_profile.txt", work / "py-spy.log"
+        self._before, self._after, self._failed = steps_before, None, ""
+        self._proc: subprocess.Popen | None = None
+        self.raw.unlink(missing_ok=True)  # an earlier recording's is not this one's
+        try:
+            pid = child_pid(ancestor, command)
+            with open(self.log, "w") as log:
+                self._proc = subprocess.Popen(["py-spy", "record", "--nonblocking", "--threads", "-r", str(RATE_HZ),
+                                               "-d", str(seconds), "-f", "raw", "-o", str(self.raw), "-p", str(pid)],
+                                              stdout=log, stderr=subprocess.STDOUT)
+        except (RuntimeError, OSError) as exc:
+            self._failed = str(exc)
+            return
+
+        def window() -> None:
+            try:
+                deadline = time.time() + 10
+                while self._proc.poll() is None and time.time() < deadline:
+                    if self.SAMPLING in self.log.read_text(errors="replace"):
+                        self._before = steps()
+                        break
+                    time.sleep(0.01)
+                self._proc.wait()
+                self._after = steps()
+            except Exception as exc:  # noqa: BLE001 - reported in the result
+                self._failed = f"reading the step counter: {type(exc).__name__}: {exc}"
+        self._thread = threading.Thread(target=window, daemon=True)
+        self._thread.start()
+
+    def result(self) -> dict[str, Any]:
+        """`summarise`'s dict with "steps" those of py-spy's window; {"error": ...} when no
+        usable recording or counter came, and "warning" when the window held no sample or no step."""
+        if self._proc is None:
+            return {"error": self._failed}
+        if self._proc.poll() is None:  # the work ended first: stop the recording here (py-spy writes
+            self._proc.send_signal(signal.SIGINT)  # what it has on SIGINT), so the window is the work's
+            try:
+                self._proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+        self._thread.join(timeout=60)
+        if self._failed:
+            return {"error": self._failed}
+        if not self.raw.exists() or self._after is None:
+            return {"error": "py-spy recorded nothing: " + self.log.read_text(errors="replace")[-500:]}
+        steps = int(self._after - self._before)
+        try:
+            out = summarise(self.raw.read_text(errors="replace"), RATE_HZ, steps or None, 30)
+        except ValueError as exc:  # a recording cut short (py-spy killed)
+            return {"error": f"py-spy's output: {exc}"}
+        if not out["samples"] or not steps:
+            out["warning"] = (f"{out['samples']} samples and {steps} steps in the {self.seconds} s window: "
+                              "the window missed the work (make it longer)")
+        return out
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
