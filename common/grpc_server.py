@@ -212,14 +212,16 @@ def add_lenient_service(server: grpc.aio.Server, service: str, servicer: object,
     Used instead of the generated add_*Servicer_to_server so that a request with invalid
     UTF-8 reaches the method as common.lenient_parse.Unparsable (answered INVALID_ARGUMENT
     with the field named) rather than failing inside grpc as INTERNAL.
-    methods: name -> (kind, request class, response class), kind "unary" or "stream"
-    (server-streaming).
+    methods: name -> (kind, request class, response class), kind "unary", "stream"
+    (server-streaming) or "bidi" (both directions streaming).
     """
     from common.lenient_parse import deserializer
 
     handlers = {}
+    kinds = {"unary": grpc.unary_unary_rpc_method_handler, "stream": grpc.unary_stream_rpc_method_handler,
+             "bidi": grpc.stream_stream_rpc_method_handler}
     for name, (kind, req_cls, resp_cls) in methods.items():
-        make = grpc.unary_unary_rpc_method_handler if kind == "unary" else grpc.unary_stream_rpc_method_handler
+        make = kinds[kind]
         handlers[name] = make(getattr(servicer, name), request_deserializer=deserializer(req_cls),
                               response_serializer=resp_cls.SerializeToString)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, handlers),))

@@ -40,7 +40,10 @@ MTP_ACCEPTED_TOKENS = "tandem.mtp.accepted_tokens"
 # RPCs that are not part of a request: health probes, reflection, the KV event streams, and
 # `tandem top`'s polling.
 _UNTRACED_PREFIXES = ("/grpc.health.v1.", "/grpc.reflection.", "/tandem.v1.KvEventService/",
-                      "/tandem.v1.FrontendService/ClusterStatus")
+                      "/tandem.v1.FrontendService/ClusterStatus",
+                      # a router's long-lived stream to a decode worker: each request in it gets
+                      # its own Generate spans (client_span; worker/session.py)
+                      "/tandem.v1.DecodeService/Session")
 
 _tracer: Any = None  # an SDK tracer once setup() turned tracing on; None = off
 _provider: Any = None
@@ -213,15 +216,8 @@ class _ClientTracing:
     async def _intercept(self, continuation, details: grpc.aio.ClientCallDetails, request):
         if _tracer is None or not _traced(details.method):
             return await continuation(details, request)
-        from opentelemetry import context, trace
-        from opentelemetry.propagate import inject
-
         method = details.method.decode() if isinstance(details.method, bytes) else details.method
-        service, _, name = method.lstrip("/").partition("/")
-        span = _tracer.start_span(method, kind=trace.SpanKind.CLIENT,
-                                  attributes={"rpc.system": "grpc", "rpc.service": service, "rpc.method": name})
-        carrier: dict[str, str] = {}
-        inject(carrier, context=trace.set_span_in_context(span, context.get_current()))
+        span, carrier = client_span(method)
         metadata = grpc.aio.Metadata(*(tuple(details.metadata or ()) + tuple(carrier.items())))
         details = grpc.aio.ClientCallDetails(details.method, details.timeout, metadata, details.credentials,
                                              details.wait_for_ready)
@@ -233,6 +229,30 @@ class _ClientTracing:
         call.add_done_callback(lambda c: _keep(asyncio.ensure_future(_end_span_when_done(span, c))))
         return call
 
+
+
+def client_span(method: str) -> tuple[Any, dict[str, str]]:
+    """A CLIENT span for the gRPC method "/service/name", started now, and the W3C carrier of
+    its context (traceparent, tracestate) for the callee; (None, {}) when tracing is off. End
+    it with end_client_span. (A request carried in a DecodeService Session gets one, as a
+    Generate call gets one from the client interceptor.)"""
+    if _tracer is None:
+        return None, {}
+    from opentelemetry import context, trace
+    from opentelemetry.propagate import inject
+
+    service, _, name = method.lstrip("/").partition("/")
+    span = _tracer.start_span(method, kind=trace.SpanKind.CLIENT,
+                              attributes={"rpc.system": "grpc", "rpc.service": service, "rpc.method": name})
+    carrier: dict[str, str] = {}
+    inject(carrier, context=trace.set_span_in_context(span, context.get_current()))
+    return span, carrier
+
+
+def end_client_span(span: Any, code: grpc.StatusCode, details: str) -> None:
+    """End a client_span span with the call's status (nothing when span is None)."""
+    if span is not None:
+        _end_span(span, code, details)
 
 
 # grpc.aio files an interceptor under the first kind it is an instance of: one class per kind.

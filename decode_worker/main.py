@@ -6,7 +6,6 @@ import asyncio
 from typing import Callable
 
 from common.grpc_server import RunningServer, add_lenient_service
-from common.pb.tandem.v1 import decode_pb2 as pb
 from common.pb.tandem.v1 import discovery_pb2
 from decode_worker.scheduler import DecodeScheduler
 from decode_worker.service import DecodeServicer
@@ -14,6 +13,7 @@ from discovery.watcher import InstanceEvent, InstanceWatcher
 from engine.model_source import LoadedModel
 from worker.host import WorkerOptions, WorkerRuntime, serve_worker
 from worker.peers import PeerDirectory
+from worker.session import DECODE_METHODS
 
 SERVICE = "tandem.v1.DecodeService"
 
@@ -43,7 +43,6 @@ async def run(opts: WorkerOptions, ready: Callable[[RunningServer, WorkerRuntime
         watcher = prefills.watcher = InstanceWatcher(opts.etcd, opts.namespace, on_change, component="prefill")
     servicer = DecodeServicer(runtime, scheduler, prefills)
     runtime.metrics.prefill_channels_fn = servicer.channel_count
-    methods = {"Generate": ("stream", pb.DecodeRequest, pb.DecodeResponse)}
     loop_task = asyncio.create_task(scheduler.run(), name="decode-loop")  # strong reference
     servers = []
 
@@ -61,7 +60,7 @@ async def run(opts: WorkerOptions, ready: Callable[[RunningServer, WorkerRuntime
     try:
         if watcher is not None:
             await watcher.start(timeout=None)
-        await serve_worker(runtime, [lambda s: add_lenient_service(s, SERVICE, servicer, methods)], [SERVICE],
+        await serve_worker(runtime, [lambda s: add_lenient_service(s, SERVICE, servicer, DECODE_METHODS)], [SERVICE],
                            ready=on_ready, stop=stop)
     finally:
         loop_task.cancel()

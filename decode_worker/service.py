@@ -39,6 +39,7 @@ from engine.kv_pool import PoolExhausted, PromptBlocks
 from engine.mtp import hidden_from_bytes
 from engine.sampling import sample
 from worker.host import WorkerRuntime
+from worker.session import SessionMixin
 from kv_transfer.base import TransferError, notification
 from worker.peers import DISCOVERY_WAIT_S, PeerDirectory, PermissionDenied
 
@@ -74,7 +75,7 @@ def _decode_span_attributes(span, running: RunningRequest) -> None:
         span.set_attribute("tandem.mtp.verify_steps", running.mtp_verify_steps)
 
 
-class DecodeServicer(pb_grpc.DecodeServiceServicer):
+class DecodeServicer(SessionMixin, pb_grpc.DecodeServiceServicer):
     def __init__(self, runtime: WorkerRuntime, scheduler: DecodeScheduler, prefills: PeerDirectory) -> None:
         self.rt = runtime
         self.scheduler = scheduler

@@ -21,7 +21,7 @@ from common.grpc_server import RunningServer, add_lenient_service, start_server
 from common.lifecycle import install_stop_signals
 from common.tls import TlsFiles
 from discovery.endpoints import check_etcd_tls
-from common.pb.tandem.v1 import decode_pb2, discovery_pb2, kv_events_pb2, kv_events_pb2_grpc, prefill_pb2
+from common.pb.tandem.v1 import discovery_pb2, kv_events_pb2, kv_events_pb2_grpc, prefill_pb2
 from worker.kv_event_service import KvEventServicer
 from engine.model_source import MOCK, load_config
 from worker.host import VERSION
@@ -29,6 +29,7 @@ from mocker.driver import RealTimeDriver
 from mocker.engine import MockEngine
 from mocker.service import MockDecodeServicer, MockPrefillServicer
 from mocker.timing import TimingModel
+from worker.session import DECODE_METHODS
 
 log = logging.getLogger(__name__)
 DECODE, PREFILL = "tandem.v1.DecodeService", "tandem.v1.PrefillService"
@@ -114,7 +115,7 @@ def _build(opts: MockerOptions, role: int, index: int, model: str, vocab: int, c
 
 async def _start(w: SimWorker, opts: MockerOptions, model: str, port: int) -> None:
     if w.role == discovery_pb2.ROLE_DECODE:
-        name, methods = DECODE, {"Generate": ("stream", decode_pb2.DecodeRequest, decode_pb2.DecodeResponse)}
+        name, methods = DECODE, DECODE_METHODS
     else:
         name, methods = PREFILL, {"Prefill": ("unary", prefill_pb2.PrefillRequest, prefill_pb2.PrefillResponse)}
     def load() -> kv_events_pb2.WorkerLoad:

@@ -21,6 +21,7 @@ from common.pb.tandem.v1 import decode_pb2, decode_pb2_grpc, prefill_pb2, prefil
 from common.validation import InvalidArgument, sampling_from_proto, validate_prompt_length, validate_token_ids
 from mocker.driver import RealTimeDriver
 from mocker.engine import Kind, RequestTooLarge, SimRequest, State, output_token
+from worker.session import SessionMixin
 
 TRANSFER_BACKEND = "mock"  # KvDestination.backend between simulated workers
 
@@ -56,7 +57,7 @@ class _Worker:
             await context.abort(grpc.StatusCode.INTERNAL, f"mock engine failed: {self.driver.failed}")
 
 
-class MockDecodeServicer(_Worker, decode_pb2_grpc.DecodeServiceServicer):
+class MockDecodeServicer(_Worker, SessionMixin, decode_pb2_grpc.DecodeServiceServicer):
     def __init__(self, driver: RealTimeDriver, vocab_size: int, context_length: int, agent_name: str) -> None:
         super().__init__(driver, vocab_size, context_length)
         self.agent_name = agent_name

@@ -19,9 +19,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 import grpc
+
+if TYPE_CHECKING:
+    from router.decode_session import SessionCall
 
 
 class WorkerLost(Exception):
@@ -78,7 +81,8 @@ class CallReader:
     call is re-armed only when it fires early, and the `lost` callback is added once.
     Use from the router's event loop; `close()` when done with the call."""
 
-    def __init__(self, call: grpc.aio.UnaryStreamCall, lost: asyncio.Future[str], instance_id: str) -> None:
+    def __init__(self, call: grpc.aio.UnaryStreamCall | SessionCall, lost: asyncio.Future[str],
+                 instance_id: str) -> None:
         self.call, self.lost, self.instance_id = call, lost, instance_id
         self._loop = asyncio.get_running_loop()
         self._task: asyncio.Task | None = None  # the reading task while a read is in progress
@@ -130,7 +134,7 @@ class CallReader:
             if self._timer is None:
                 self._timer = self._loop.call_at(self._deadline, self._check)
         try:
-            return await self.call.read()  # a cancelled read cancels the call (grpc.aio), as the caller would
+            return await self.call.read()  # the caller cancels the call after an interrupted read
         except asyncio.CancelledError:
             if not self._why or task.uncancel() > 0:
                 raise  # cancelled from outside (the client went away), perhaps as well as by us

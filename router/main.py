@@ -328,5 +328,6 @@ async def run(opts: RouterOptions, ready: Callable[[RunningServer, FrontendServi
             await subscriber.close()
         if load_watcher is not None:
             await load_watcher.close()
+        servicer.sessions.close()
         await workers.close()
         await watcher.stop()

@@ -20,7 +20,7 @@ import grpc
 
 from common import logs, tracing
 from common.grpc_errors import abort_invalid, check_parsed
-from common.pb.tandem.v1 import decode_pb2, decode_pb2_grpc, discovery_pb2, sampling_pb2
+from common.pb.tandem.v1 import decode_pb2, discovery_pb2, sampling_pb2
 from common.pb.tandem.v1 import frontend_pb2 as pb
 from common.pb.tandem.v1 import frontend_pb2_grpc as pb_grpc
 from common.tokenizer import IncrementalDetokenizer, TextTokenizer
@@ -28,6 +28,7 @@ from common.validation import (InvalidArgument, validate_request_id, sampling_fr
                                validate_token_ids)
 from router.api_keys import cache_salt
 from router.decision import RouteDecision
+from router.decode_session import DecodeSessions
 from router.inflight import CallReader, OpenCalls, WorkerLost
 from router.stall import StallRule
 from router.load import LoadTracker
@@ -91,6 +92,7 @@ class FrontendServicer(pb_grpc.FrontendServiceServicer):
         self.default_deadline_s = 600.0  # deadline of a client call that sets none (router → worker calls)
         self.stall = StallRule(0.0, 0.0)  # how long a running stream may be silent (router/stall.py; off here)
         self.open_calls = OpenCalls()  # decode calls in flight, by worker: evicted when it fails
+        self.sessions = DecodeSessions()  # one Session stream per decode worker channel (decode_session.py)
         self.migrations = 0  # counter: requests continued on another decode worker mid-stream
         self.retries = 0  # counter: decode calls retried on another worker before any token
         self.running = 0  # Generate calls in progress
@@ -290,15 +292,15 @@ class FrontendServicer(pb_grpc.FrontendServiceServicer):
                 sampling = sampling_to_proto(replace(params, max_tokens=params.max_tokens - len(generated)))
                 worker = decision.decode.instance_id
                 try:
-                    stub = decode_pb2_grpc.DecodeServiceStub(self.workers.channel_to(worker, decision.decode.address))
+                    ch = self.workers.channel_to(worker, decision.decode.address)
                 except LookupError as exc:  # left discovery since it was chosen: like a refused call
-                    stub, lookup_error = None, str(exc)
-                call = None if stub is None else stub.Generate(
-                    decode_pb2.DecodeRequest(request_id=f"{request_id}.{attempt}" if attempt else request_id,
-                                             token_ids=prompt_now, sampling=sampling,
-                                             prefill_address=prefill.address if prefill else "",
-                                             sampling_step_offset=len(generated), cache_salt=cache_salt()),
-                    timeout=max(0.0, deadline - time.monotonic()))
+                    ch, lookup_error = None, str(exc)
+                # on the worker's session: its tokens come batched with its other requests' (decode_session.py)
+                call = None if ch is None else self.sessions.start(ch, decode_pb2.DecodeRequest(
+                    request_id=f"{request_id}.{attempt}" if attempt else request_id,
+                    token_ids=prompt_now, sampling=sampling, prefill_address=prefill.address if prefill else "",
+                    sampling_step_offset=len(generated), cache_salt=cache_salt()),
+                    timeout_s=max(0.0, deadline - time.monotonic()))
                 if attempt == 0:
                     self.overhead_s.append(time.perf_counter() - arrived)
                     self.overhead_cpu_s.append(time.thread_time() - arrived_cpu)

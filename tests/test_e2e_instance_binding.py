@@ -82,13 +82,14 @@ class _Impostor:
         from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
         from common.pb.tandem.v1 import decode_pb2, decode_pb2_grpc
+        from worker.session import SessionMixin
         files = cluster.ca.issue("evil", ("decode", "prefill")).load()
         self.prompts: list[list[int]] = []  # Generate calls' prompts
         self.metadata: list[bytes] = []  # Prefill calls' transfer metadata (what a write needs)
         impostor = self
 
-        class Decode(decode_pb2_grpc.DecodeServiceServicer):
-            def Generate(self, request, context):
+        class Decode(SessionMixin, decode_pb2_grpc.DecodeServiceServicer):
+            async def Generate(self, request, context):
                 impostor.prompts.append(list(request.token_ids))
                 yield decode_pb2.DecodeResponse(token_ids=[7], prompt_tokens=len(request.token_ids))
 

@@ -22,6 +22,7 @@ from common.pb.tandem.v1 import (decode_pb2, decode_pb2_grpc, discovery_pb2, fro
 from discovery.registration import Registration
 from engine.reference import reference_generate
 from harness import InProcessCluster
+from worker.session import SessionMixin
 
 pytestmark = pytest.mark.e2e
 HEALTH_S = 0.2  # router health interval and probe timeout in these tests
@@ -199,7 +200,7 @@ def test_request_queued_while_its_prefill_worker_leaves_does_not_dial_it(cluster
         cluster.stop(decode)
 
 
-class FakeDecode(decode_pb2_grpc.DecodeServiceServicer):
+class FakeDecode(SessionMixin, decode_pb2_grpc.DecodeServiceServicer):
     """Streams `tokens` from 1000 + sampling_step_offset on; after `hang_after` of them, goes silent."""
 
     def __init__(self, hang_after: int | None = None) -> None:

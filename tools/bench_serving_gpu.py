@@ -258,9 +258,10 @@ def serve_and_bench(model_dir: Path, contexts: list[int], concurrencies: list[in
     prefill_workers: `tandem up --prefill` (0: the decode worker prefills every prompt itself,
     on its own CUDA stream beside the decode steps: one process on the GPU instead of two);
     up_extra: more `tandem up` flags (e.g. ("--mps",)); profile_s > 0: py-spy records the
-    decode worker from the start of the first bench to its end (profile_s seconds at most), and
-    that summary gets "host_profile" (tools/host_profile.py `Recording`: per thread, functions in
-    ms per decode step of that window)."""
+    decode worker and the router from the start of the first bench to its end (profile_s seconds
+    at most), and that summary gets "host_profile" (the decode worker's) and "router_host_profile"
+    (tools/host_profile.py `Recording`: per thread, functions in ms per decode step of that
+    window, both per step of the decode worker)."""
     env = {**os.environ, "TANDEM_MAX_RUNNING": str(max(concurrencies)),
            "TANDEM_MEM_FRACTION_STATIC": os.environ.get("TANDEM_MEM_FRACTION_STATIC", "0.4"), "TANDEM_MAX_QUEUED": "4096", **env_extra}
     out: dict[tuple[int, int], dict] = {}
@@ -282,24 +283,26 @@ def serve_and_bench(model_dir: Path, contexts: list[int], concurrencies: list[in
             t0 = time.time()
             spec0 = _worker_counters(metrics_urls, SPEC_COUNTERS) if spec else {}
             decode0 = _worker_counters(metrics_urls, DECODE_COUNTERS)
-            spy = None
-            if profile_s > 0 and not out:  # the first bench only
+            spies = {}
+            if profile_s > 0 and not out:  # the first bench only: the decode worker and the router
                 steps = "tandem_worker_decode_steps"
-                spy = host_profile.Recording(up.pid, "decode", profile_s, work,
-                                             lambda: _worker_counters(metrics_urls, DECODE_COUNTERS)[steps],
-                                             decode0[steps])
+                spies = {f"{role}_host_profile" if role != "decode" else "host_profile":
+                         host_profile.Recording(up.pid, role, profile_s, work,
+                                                lambda: _worker_counters(metrics_urls, DECODE_COUNTERS)[steps],
+                                                decode0[steps])
+                         for role in ("decode", "router")}
             r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
             doc = json.loads(res.read_text()) if res.exists() else {}
             summary = doc.get("summary", {})
             if summary.get("duration_s"):
                 summary.update(decode_phases(doc.get("requests", []), summary["duration_s"]))
             summary.update(_decode_figures(decode0, _worker_counters(metrics_urls, DECODE_COUNTERS)))
-            if spy is not None:
-                summary["host_profile"] = spy.result()
-                print(json.dumps({"host_profile": {k: v for k, v in summary["host_profile"].items()
-                                                   if k in ("error", "warning", "samples", "steps")},
+            for key, spy in spies.items():
+                summary[key] = spy.result()
+                print(json.dumps({key: {k: v for k, v in summary[key].items()
+                                        if k in ("error", "warning", "samples", "steps")},
                                   "threads_ms_per_step": {t: v["ms_per_step"] for t, v in
-                                                          summary["host_profile"].get("threads", {}).items()}}),
+                                                          summary[key].get("threads", {}).items()}}),
                       flush=True)
             if spec:
                 spec1 = _worker_counters(metrics_urls, SPEC_COUNTERS)
@@ -476,10 +479,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--mps-prefill-priority", choices=("below", "normal"), default="below",
                    help="with --mps: tandem up --mps-prefill-priority")
     p.add_argument("--profile-decode-host", type=int, default=0, metavar="SECONDS",
-                   help="py-spy (on PATH; it needs ptrace rights on the worker) records the decode worker from "
-                   "the start of each cluster's first bench to its end, for SECONDS at most; its row gets "
-                   "host_profile: per thread, the functions on the stack in ms per decode step of that window "
+                   help="py-spy (on PATH; it needs ptrace rights on the processes) records the decode worker "
+                   "and the router from the start of each cluster's first bench to its end, for SECONDS at most; "
+                   "its row gets host_profile and router_host_profile: per thread, the functions on the stack in ms per decode step of that window "
                    "(tools/host_profile.py)")
+    p.add_argument("--waves", type=float, default=0, help="requests per bench as a multiple of its concurrency "
+                   "(1: every request arrives at once and, once all are prefilled, the decode steps run with no "
+                   "prefill beside them); 0 = the default (2 × concurrency at contexts up to 2K, else 1 ×)")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
     if args.profile_decode_host > 0 and shutil.which("py-spy") is None:
@@ -518,7 +524,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 n: serve_and_bench(model_dir, contexts, concs, args.output_tokens, args.port, work,
                                    {**pool_env, "TANDEM_STREAM_INTERVAL": str(n)}, routers=args.routers,
                                    connections=args.connections, prefill_workers=args.prefill_workers,
-                                   up_extra=up_extra, profile_s=args.profile_decode_host)
+                                   up_extra=up_extra, profile_s=args.profile_decode_host,
+                                   num_requests=(lambda ctx, c: max(1, round(args.waves * c))) if args.waves > 0 else None)
                 for n in intervals}
             dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
             model, _ = load_checkpoint(model_dir, dtype=dtype, device=device)
@@ -546,9 +553,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                                **{k: s.get(k) for k in ("first_gap_ms", "steady_ms_per_token", "decoding_mean")},
                                "bound_ms_per_step": 1e3 * bound_s, "failed": s.get("failed"),
                                **{k: v for k, v in s.items() if k.startswith("decode_")},
-                               **({"host_profile": s["host_profile"]} if "host_profile" in s else {})}
+                               **({k: s[k] for k in ("host_profile", "router_host_profile") if k in s})}
                         doc["rows"].append(row)
-                        print(json.dumps({k: v for k, v in row.items() if k != "host_profile"}), flush=True)
+                        print(json.dumps({k: v for k, v in row.items() if not k.endswith("host_profile")}), flush=True)
                     if device.type == "cuda":
                         torch.cuda.empty_cache()
             if not args.skip_exactness and name == "S":

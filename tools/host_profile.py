@@ -122,14 +122,15 @@ class Recording:
     and summarises it per step of its own window: a thread reads `steps()` (the process's step
     counter, e.g. from its /metrics) once py-spy reports that it samples and again the moment
     it exits. `steps_before`: the counter read just before (used if py-spy never reports
-    sampling). Files go to `work` (host_profile.txt, py-spy.log). Never raises: a profile that
+    sampling). Files go to `work` (host_profile_COMMAND.txt, py-spy_COMMAND.log, so recordings of
+two processes in one window keep apart). Never raises: a profile that
     could not be made is {"error": ...} in `result()`."""
 
     SAMPLING = "Sampling process"  # py-spy's line (on stdout) once it samples
 
     def __init__(self, ancestor: int, command: str, seconds: int, work: Path, steps: Callable[[], float],
                  steps_before: float) -> None:
-        self.seconds, self.raw, self.log = seconds, work / "host_profile.txt", work / "py-spy.log"
+        self.seconds, self.raw, self.log = seconds, work / f"host_profile_{command}.txt", work / f"py-spy_{command}.log"
         self._before, self._after, self._failed = steps_before, None, ""
         self._proc: subprocess.Popen | None = None
         self.raw.unlink(missing_ok=True)  # an earlier recording's is not this one's

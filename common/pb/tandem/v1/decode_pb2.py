@@ -25,17 +25,29 @@ _sym_db = _symbol_database.Default()
 from common.pb.tandem.v1 import sampling_pb2 as tandem_dot_v1_dot_sampling__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16tandem/v1/decode.proto\x12\ttandem.v1\x1a\x18tandem/v1/sampling.proto\"\xae\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\x17\n\x0fprefill_address\x18\x04 \x01(\t\x12\x1c\n\x14sampling_step_offset\x18\x05 \x01(\r\x12\x12\n\ncache_salt\x18\x06 \x01(\t\"\x93\x01\n\x0e\x44\x65\x63odeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12.\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x17.tandem.v1.FinishReason\x12\x15\n\rprompt_tokens\x18\x04 \x01(\r\x12\x15\n\rcached_tokens\x18\x05 \x01(\r2R\n\rDecodeService\x12\x41\n\x08Generate\x12\x18.tandem.v1.DecodeRequest\x1a\x19.tandem.v1.DecodeResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16tandem/v1/decode.proto\x12\ttandem.v1\x1a\x18tandem/v1/sampling.proto\"T\n\x0eSessionRequest\x12(\n\x05start\x18\x01 \x01(\x0b\x32\x17.tandem.v1.SessionStartH\x00\x12\x10\n\x06\x63\x61ncel\x18\x02 \x01(\x04H\x00\x42\x06\n\x04kind\"\xcf\x01\n\x0cSessionStart\x12)\n\x07request\x18\x01 \x01(\x0b\x32\x18.tandem.v1.DecodeRequest\x12\n\n\x02id\x18\x04 \x01(\x04\x12\x11\n\ttimeout_s\x18\x02 \x01(\x01\x12@\n\rtrace_context\x18\x03 \x03(\x0b\x32).tandem.v1.SessionStart.TraceContextEntry\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"<\n\x0fSessionResponse\x12)\n\x07updates\x18\x01 \x03(\x0b\x32\x18.tandem.v1.SessionUpdate\"\x82\x01\n\rSessionUpdate\x12\n\n\x02id\x18\x01 \x01(\x04\x12+\n\x08response\x18\x02 \x01(\x0b\x32\x19.tandem.v1.DecodeResponse\x12\x0b\n\x03\x65nd\x18\x03 \x01(\x08\x12\x13\n\x0bstatus_code\x18\x04 \x01(\x05\x12\x16\n\x0estatus_details\x18\x05 \x01(\t\"\xae\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\x17\n\x0fprefill_address\x18\x04 \x01(\t\x12\x1c\n\x14sampling_step_offset\x18\x05 \x01(\r\x12\x12\n\ncache_salt\x18\x06 \x01(\t\"\x93\x01\n\x0e\x44\x65\x63odeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12.\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x17.tandem.v1.FinishReason\x12\x15\n\rprompt_tokens\x18\x04 \x01(\r\x12\x15\n\rcached_tokens\x18\x05 \x01(\r2\x98\x01\n\rDecodeService\x12\x41\n\x08Generate\x12\x18.tandem.v1.DecodeRequest\x1a\x19.tandem.v1.DecodeResponse0\x01\x12\x44\n\x07Session\x12\x19.tandem.v1.SessionRequest\x1a\x1a.tandem.v1.SessionResponse(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'tandem.v1.decode_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_DECODEREQUEST']._serialized_start=64
-  _globals['_DECODEREQUEST']._serialized_end=238
-  _globals['_DECODERESPONSE']._serialized_start=241
-  _globals['_DECODERESPONSE']._serialized_end=388
-  _globals['_DECODESERVICE']._serialized_start=390
-  _globals['_DECODESERVICE']._serialized_end=472
+  _globals['_SESSIONSTART_TRACECONTEXTENTRY']._loaded_options = None
+  _globals['_SESSIONSTART_TRACECONTEXTENTRY']._serialized_options = b'8\001'
+  _globals['_SESSIONREQUEST']._serialized_start=63
+  _globals['_SESSIONREQUEST']._serialized_end=147
+  _globals['_SESSIONSTART']._serialized_start=150
+  _globals['_SESSIONSTART']._serialized_end=357
+  _globals['_SESSIONSTART_TRACECONTEXTENTRY']._serialized_start=306
+  _globals['_SESSIONSTART_TRACECONTEXTENTRY']._serialized_end=357
+  _globals['_SESSIONRESPONSE']._serialized_start=359
+  _globals['_SESSIONRESPONSE']._serialized_end=419
+  _globals['_SESSIONUPDATE']._serialized_start=422
+  _globals['_SESSIONUPDATE']._serialized_end=552
+  _globals['_DECODEREQUEST']._serialized_start=555
+  _globals['_DECODEREQUEST']._serialized_end=729
+  _globals['_DECODERESPONSE']._serialized_start=732
+  _globals['_DECODERESPONSE']._serialized_end=879
+  _globals['_DECODESERVICE']._serialized_start=882
+  _globals['_DECODESERVICE']._serialized_end=1034
 # @@protoc_insertion_point(module_scope)

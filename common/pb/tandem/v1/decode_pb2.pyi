@@ -7,6 +7,53 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class SessionRequest(_message.Message):
+    __slots__ = ("start", "cancel")
+    START_FIELD_NUMBER: _ClassVar[int]
+    CANCEL_FIELD_NUMBER: _ClassVar[int]
+    start: SessionStart
+    cancel: int
+    def __init__(self, start: _Optional[_Union[SessionStart, _Mapping]] = ..., cancel: _Optional[int] = ...) -> None: ...
+
+class SessionStart(_message.Message):
+    __slots__ = ("request", "id", "timeout_s", "trace_context")
+    class TraceContextEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    REQUEST_FIELD_NUMBER: _ClassVar[int]
+    ID_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    request: DecodeRequest
+    id: int
+    timeout_s: float
+    trace_context: _containers.ScalarMap[str, str]
+    def __init__(self, request: _Optional[_Union[DecodeRequest, _Mapping]] = ..., id: _Optional[int] = ..., timeout_s: _Optional[float] = ..., trace_context: _Optional[_Mapping[str, str]] = ...) -> None: ...
+
+class SessionResponse(_message.Message):
+    __slots__ = ("updates",)
+    UPDATES_FIELD_NUMBER: _ClassVar[int]
+    updates: _containers.RepeatedCompositeFieldContainer[SessionUpdate]
+    def __init__(self, updates: _Optional[_Iterable[_Union[SessionUpdate, _Mapping]]] = ...) -> None: ...
+
+class SessionUpdate(_message.Message):
+    __slots__ = ("id", "response", "end", "status_code", "status_details")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    RESPONSE_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
+    STATUS_CODE_FIELD_NUMBER: _ClassVar[int]
+    STATUS_DETAILS_FIELD_NUMBER: _ClassVar[int]
+    id: int
+    response: DecodeResponse
+    end: bool
+    status_code: int
+    status_details: str
+    def __init__(self, id: _Optional[int] = ..., response: _Optional[_Union[DecodeResponse, _Mapping]] = ..., end: _Optional[bool] = ..., status_code: _Optional[int] = ..., status_details: _Optional[str] = ...) -> None: ...
+
 class DecodeRequest(_message.Message):
     __slots__ = ("request_id", "token_ids", "sampling", "prefill_address", "sampling_step_offset", "cache_salt")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]

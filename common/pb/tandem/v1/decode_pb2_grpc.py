@@ -40,6 +40,11 @@ class DecodeServiceStub:
                 request_serializer=tandem_dot_v1_dot_decode__pb2.DecodeRequest.SerializeToString,
                 response_deserializer=tandem_dot_v1_dot_decode__pb2.DecodeResponse.FromString,
                 _registered_method=True)
+        self.Session = channel.stream_stream(
+                '/tandem.v1.DecodeService/Session',
+                request_serializer=tandem_dot_v1_dot_decode__pb2.SessionRequest.SerializeToString,
+                response_deserializer=tandem_dot_v1_dot_decode__pb2.SessionResponse.FromString,
+                _registered_method=True)
 
 
 class DecodeServiceServicer:
@@ -54,6 +59,17 @@ class DecodeServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Session(self, request_iterator, context):
+        """Many Generate calls on one stream: the router keeps one Session per decode worker and
+        starts each request on it; the worker answers with one SessionResponse carrying what every
+        request produced since the previous one (one message per decode step instead of one per
+        request: gRPC's per-message host cost is paid once per step). Each request behaves as its
+        own Generate call would: the same checks, tokens, status and deadline.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DecodeServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -61,6 +77,11 @@ def add_DecodeServiceServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=tandem_dot_v1_dot_decode__pb2.DecodeRequest.FromString,
                     response_serializer=tandem_dot_v1_dot_decode__pb2.DecodeResponse.SerializeToString,
+            ),
+            'Session': grpc.stream_stream_rpc_method_handler(
+                    servicer.Session,
+                    request_deserializer=tandem_dot_v1_dot_decode__pb2.SessionRequest.FromString,
+                    response_serializer=tandem_dot_v1_dot_decode__pb2.SessionResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -91,6 +112,33 @@ class DecodeService:
             '/tandem.v1.DecodeService/Generate',
             tandem_dot_v1_dot_decode__pb2.DecodeRequest.SerializeToString,
             tandem_dot_v1_dot_decode__pb2.DecodeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Session(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/tandem.v1.DecodeService/Session',
+            tandem_dot_v1_dot_decode__pb2.SessionRequest.SerializeToString,
+            tandem_dot_v1_dot_decode__pb2.SessionResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,227 @@
+"""The router's side of DecodeService.Session: one stream per decode worker channel, many calls.
+
+A decode worker batches what all of a session's requests produced since its previous message
+into one SessionResponse (worker/session.py), so the router receives one message per decode
+step per worker instead of one per streaming request, and the worker sends one. Here each
+request is a `SessionCall`, read as a Generate call is (`read()`: a DecodeResponse, then
+grpc.aio.EOF, or grpc.aio.AioRpcError with the status its Generate call would have ended
+with), so the router's retry and migration code does not change. A call's deadline is kept
+here as gRPC keeps a call's (DEADLINE_EXCEEDED, and the worker is told to cancel it), and
+cancelling a call tells the worker, which ends the request as a cancelled call.
+
+When the session's stream fails (the worker died, its channel was closed), every open call
+fails with that status, and the next request to the worker opens a new session.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from collections import deque
+
+import grpc
+
+from common import tracing
+from common.pb.tandem.v1 import decode_pb2 as pb
+from common.pb.tandem.v1 import decode_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+GENERATE_METHOD = "/tandem.v1.DecodeService/Generate"  # the CLIENT span each request gets
+_EMPTY = grpc.aio.Metadata()
+
+
+def rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
+    """The exception a grpc.aio call ending with this status raises."""
+    return grpc.aio.AioRpcError(code, _EMPTY, _EMPTY, details)
+
+
+class SessionCall:
+    """One request on a session, read as a grpc.aio UnaryStreamCall. Use on the router's loop."""
+
+    def __init__(self, session: DecodeSession | None, rid: int, span) -> None:
+        self._session, self.id, self._span = session, rid, span
+        self._items: deque = deque()  # DecodeResponse, then the final (code, details)
+        self._waiter: asyncio.Future | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        self.done = False
+
+    def _push(self, item) -> None:
+        self._items.append(item)
+        w = self._waiter
+        if w is not None and not w.done():
+            w.set_result(None)
+
+    def _deliver(self, update: pb.SessionUpdate) -> None:
+        if update.HasField("response"):
+            self._push(update.response)
+        if update.end:
+            self._finish(_CODES.get(update.status_code, grpc.StatusCode.UNKNOWN), update.status_details)
+
+    def _finish(self, code: grpc.StatusCode, details: str) -> None:
+        """The call is over with this status: no item follows."""
+        if self.done:
+            return
+        self.done = True
+        if self._timer is not None:
+            self._timer.cancel()
+        if self._session is not None:
+            self._session._forget(self.id)
+        tracing.end_client_span(self._span, code, details)
+        self._push((code, details))
+
+    def _expire(self) -> None:
+        self.cancel(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
+
+    async def read(self):
+        """The next DecodeResponse, or grpc.aio.EOF after the last.
+
+        Raises:
+            grpc.aio.AioRpcError: the call ended with a status other than OK.
+        """
+        while not self._items:
+            self._waiter = asyncio.get_running_loop().create_future()
+            await self._waiter
+        item = self._items[0]
+        if isinstance(item, tuple):  # the end stays: every later read gives it again
+            code, details = item
+            if code == grpc.StatusCode.OK:
+                return grpc.aio.EOF
+            raise rpc_error(code, details)
+        self._items.popleft()
+        return item
+
+    def cancel(self, code: grpc.StatusCode = grpc.StatusCode.CANCELLED, details: str = "Locally cancelled") -> bool:
+        """End the call here (its worker is told to cancel the request); False if already over."""
+        if self.done:
+            return False
+        if self._session is not None:
+            self._session._send(pb.SessionRequest(cancel=self.id))
+        self._finish(code, details)
+        return True
+
+
+class DecodeSession:
+    """One Session call on a decode worker's channel, shared by that worker's requests."""
+
+    def __init__(self, channel: grpc.aio.Channel) -> None:
+        self._call = pb_grpc.DecodeServiceStub(channel).Session()
+        self._calls: dict[int, SessionCall] = {}
+        self._ids = itertools.count(1)
+        self._out: list[pb.SessionRequest] = []
+        self._out_ready = asyncio.Event()
+        self.error: tuple[grpc.StatusCode, str] | None = None  # set once the stream failed
+        self.responses = 0  # SessionResponses received (each one a turn of the worker's loop)
+        loop = asyncio.get_running_loop()
+        self._tasks = [loop.create_task(self._write()), loop.create_task(self._read())]
+
+    @property
+    def open_calls(self) -> int:
+        return len(self._calls)
+
+    def start(self, request: pb.DecodeRequest, timeout_s: float) -> SessionCall:
+        """Start `request` on the worker with a deadline `timeout_s` seconds from now."""
+        span, carrier = tracing.client_span(GENERATE_METHOD)
+        call = SessionCall(self, next(self._ids), span)
+        if self.error is not None:
+            call._finish(*self.error)
+            return call
+        if timeout_s <= 0:  # as a call whose deadline passed before it started
+            call._finish(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
+            return call
+        self._calls[call.id] = call
+        call._timer = asyncio.get_running_loop().call_later(timeout_s, call._expire)
+        self._send(pb.SessionRequest(start=pb.SessionStart(request=request, id=call.id, timeout_s=timeout_s,
+                                                           trace_context=carrier)))
+        return call
+
+    def _send(self, msg: pb.SessionRequest) -> None:
+        if self.error is None:
+            self._out.append(msg)
+            self._out_ready.set()
+
+    def _forget(self, rid: int) -> None:
+        self._calls.pop(rid, None)
+
+    async def _write(self) -> None:
+        try:
+            while True:
+                await self._out_ready.wait()
+                self._out_ready.clear()
+                batch, self._out = self._out, []
+                for msg in batch:
+                    await self._call.write(msg)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - the reader reports the stream's status
+            log.debug("decode session write failed: %r", exc)
+
+    async def _read(self) -> None:
+        code, details = grpc.StatusCode.UNAVAILABLE, "the decode worker ended the session"
+        try:
+            async for resp in self._call:
+                self.responses += 1
+                for update in resp.updates:
+                    call = self._calls.get(update.id)
+                    if call is not None:
+                        call._deliver(update)
+        except grpc.aio.AioRpcError as exc:
+            code, details = exc.code(), exc.details() or "decode session failed"
+        except asyncio.CancelledError:
+            code, details = grpc.StatusCode.CANCELLED, "decode session closed"
+            raise
+        finally:
+            self._fail(code, details)
+
+    def _fail(self, code: grpc.StatusCode, details: str) -> None:
+        """The stream is over: every open call ends with its status; no new call starts here."""
+        if self.error is None:
+            self.error = (code, details)
+        for call in list(self._calls.values()):
+            call._finish(code, details)
+        for task in self._tasks:
+            if task is not asyncio.current_task():
+                task.cancel()
+        self._call.cancel()
+
+    def close(self) -> None:
+        """End the session (its open calls end CANCELLED)."""
+        self._fail(grpc.StatusCode.CANCELLED, "decode session closed")
+
+
+class DecodeSessions:
+    """The router's sessions, one per decode worker channel (a failed one is replaced)."""
+
+    def __init__(self) -> None:
+        self._by_channel: dict[int, tuple[grpc.aio.Channel, DecodeSession]] = {}
+
+    def start(self, channel: grpc.aio.Channel, request: pb.DecodeRequest, timeout_s: float) -> SessionCall:
+        """`request` started on `channel`'s session (opened now if none is open)."""
+        entry = self._by_channel.get(id(channel))
+        if entry is None or entry[0] is not channel or entry[1].error is not None:
+            self.prune()
+            entry = (channel, DecodeSession(channel))
+            self._by_channel[id(channel)] = entry
+        return entry[1].start(request, timeout_s)
+
+    def session(self, channel: grpc.aio.Channel) -> DecodeSession | None:
+        """The session on `channel` (None when none was opened)."""
+        entry = self._by_channel.get(id(channel))
+        return entry[1] if entry is not None and entry[0] is channel else None
+
+    def prune(self) -> None:
+        """Forget the sessions that failed (their channel closed, their worker died)."""
+        for key in [k for k, (_, s) in self._by_channel.items() if s.error is not None]:
+            del self._by_channel[key]
+
+    def __len__(self) -> int:
+        return len(self._by_channel)
+
+    def close(self) -> None:
+        for _, session in self._by_channel.values():
+            session.close()
+        self._by_channel.clear()
+
+
+_CODES = {c.value[0]: c for c in grpc.StatusCode}
