@@ -68,8 +68,7 @@ class OverlapRunner:
             return LaunchedStep(self.runner.decode_step(batch, sampling, slots).clone(), None)
         ring, began, event = self._turns[self._launches % HOST_BUFFERS]
         self._launches += 1
-        began.record()
-        both = self.runner.decode_step(batch, sampling, slots)  # [B, 2] float64 on the device
+        both = self.runner.decode_step(batch, sampling, slots, began)  # [B, 2] float64 on the device
         host = (ring[: len(batch)] if len(batch) <= ring.shape[0]
                 else torch.empty(both.shape, dtype=both.dtype, pin_memory=True))
         host.copy_(both, non_blocking=True)
@@ -84,7 +83,9 @@ class OverlapRunner:
             step.event.synchronize()
             self.device_wait_s += time.perf_counter() - t0
             # the step's kernels queue behind the previous step's: its device time starts at
-            # `began` (reached once the stream got there) and ends at `event`
+            # `began` (recorded once the host had planned the step, just before its forward was
+            # queued; reached once the stream got there) and ends at `event`: a host that queues
+            # the step late leaves the device idle, and that wait is not counted as busy
             self.device_busy_s += step.began.elapsed_time(step.event) / 1e3
         return unpack_step(step.host)
 

@@ -207,7 +207,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def decode_step(self, batch: list[DecodeInput], sampling: list[tuple[SamplingParams, int]],
-                    slots: list[int] | None = None) -> torch.Tensor:
+                    slots: list[int] | None = None, began: torch.cuda.Event | None = None) -> torch.Tensor:
         """`decode` then `sample_batch`: [B, 2] float64 on the device, row i = (token id,
         log-probability) of batch[i] (`pack_step`); with `slots` the tokens are also written
         into the future map there. An all-greedy batch replayed from a graph takes the graph's
@@ -215,9 +215,12 @@ class ModelRunner:
         the result is then a view of the graph's output, valid until the next step (callers
         copy it to the host first, as OverlapRunner.launch and decode_tokens do).
 
-        sampling[i] = (params, step index) of the token batch[i] generates."""
+        sampling[i] = (params, step index) of the token batch[i] generates. began: an event
+        recorded on the current stream just before the step's forward is queued (after the
+        host's planning), so that began → a later event times the step's device work without
+        the host's share (OverlapRunner's device-busy figure)."""
         rows = SamplingRows.build(sampling, self.device)
-        logits, slot_t, greedy = self._forward_step(batch, slots)
+        logits, slot_t, greedy = self._forward_step(batch, slots, began)
         if greedy is not None and not rows.any_sampled:
             return greedy
         tokens, logprobs = sample_batch(logits, rows)
@@ -225,15 +228,19 @@ class ModelRunner:
             self.future.store(slot_t, tokens)
         return pack_step(tokens, logprobs)
 
-    def _forward_step(self, batch: list[DecodeInput], slots: list[int] | None
+    def _forward_step(self, batch: list[DecodeInput], slots: list[int] | None,
+                      began: torch.cuda.Event | None = None
                       ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """(logits [B, vocab] float32, the slots as a device tensor or None, and after a graph
-        replay its greedy pack [B, 2] float64 with its tokens already at the slots, else None)."""
+        replay its greedy pack [B, 2] float64 with its tokens already at the slots, else None);
+        `began` is recorded just before the forward is queued."""
         if not self.fast:
             ids = self.future.resolve(torch.tensor([b.input_token for b in batch], dtype=torch.long,
                                                    device=self.device))
             positions = torch.tensor([b.num_computed for b in batch], dtype=torch.long, device=self.device)
             kv = PagedKvCache(self.pool, [(b.block_ids, b.num_computed, 1) for b in batch])
+            if began is not None:
+                began.record()
             hidden = self.model.forward(ids, positions, [1] * len(batch), kv)  # [batch, hidden]
             slot_t = None if slots is None else torch.tensor(slots, dtype=torch.long, device=self.device)
             return self.model.logits(hidden), slot_t, None
@@ -249,6 +256,8 @@ class ModelRunner:
         except ValueError:  # a context wider than the captured tables: one eager step, own tables
             bucket, plan = None, DecodePlan.build(batch, bs, self.device, None, slots)
         slot_t = None if slots is None else plan.slots
+        if began is not None:
+            began.record()
         if bucket is not None:
             logits, greedy = self.graphs.run(plan)
             return logits, slot_t, greedy

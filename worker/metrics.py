@@ -66,7 +66,8 @@ WORKER_COUNTERS: dict[str, tuple[str, str, bool]] = {
                                    "0: host-bound)", False),
     "decode_device_busy_seconds": ("tandem_worker_decode_device_busy_seconds", "decode, overlap scheduler on CUDA "
                                    "(one-token steps; MTP steps are not timed): device seconds the steps ran, from "
-                                   "CUDA events around each step (/ wall time = the device's busy share; / steps = "
+                                   "CUDA events around each step's forward and result copy, the first recorded once the "
+                                   "host has planned the step (/ wall time = the device's busy share; / steps = "
                                    "the device time of a step)", False),
     "spec_verify_steps": ("tandem_worker_spec_verify_steps", "decode: MTP verify steps", False),
     "spec_emitted_tokens": ("tandem_worker_spec_emitted_tokens", "decode: tokens emitted by MTP verify steps "
