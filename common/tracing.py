@@ -241,9 +241,7 @@ def client_span(method: str) -> tuple[Any, dict[str, str]]:
     from opentelemetry import context, trace
     from opentelemetry.propagate import inject
 
-    service, _, name = method.lstrip("/").partition("/")
-    span = _tracer.start_span(method, kind=trace.SpanKind.CLIENT,
-                              attributes={"rpc.system": "grpc", "rpc.service": service, "rpc.method": name})
+    span = _tracer.start_span(method, kind=trace.SpanKind.CLIENT, attributes=rpc_attributes(method))
     carrier: dict[str, str] = {}
     inject(carrier, context=trace.set_span_in_context(span, context.get_current()))
     return span, carrier
@@ -282,12 +280,25 @@ async def _end_span_when_done(span: Any, call: grpc.aio.Call) -> None:
     _end_span(span, code, details)
 
 
-def _end_span(span: Any, code: grpc.StatusCode, details: str) -> None:
+def set_rpc_status(span: Any, code: grpc.StatusCode, details: str) -> None:
+    """Record a gRPC call's final status on its span (`rpc.grpc.status_code`; ERROR unless OK)."""
+    if not span.is_recording():
+        return
     from opentelemetry.trace import Status, StatusCode
 
     span.set_attribute("rpc.grpc.status_code", code.value[0])
     if code != grpc.StatusCode.OK:
         span.set_status(Status(StatusCode.ERROR, f"{code.name}: {details}"))
+
+
+def rpc_attributes(method: str) -> dict[str, str]:
+    """The gRPC semantic-convention attributes of a span for the method "/service/name"."""
+    service, _, name = method.lstrip("/").partition("/")
+    return {"rpc.system": "grpc", "rpc.service": service, "rpc.method": name}
+
+
+def _end_span(span: Any, code: grpc.StatusCode, details: str) -> None:
+    set_rpc_status(span, code, details)
     span.end()
 
 

@@ -61,7 +61,7 @@ async def run(opts: WorkerOptions, ready: Callable[[RunningServer, WorkerRuntime
         if watcher is not None:
             await watcher.start(timeout=None)
         await serve_worker(runtime, [lambda s: add_lenient_service(s, SERVICE, servicer, DECODE_METHODS)], [SERVICE],
-                           ready=on_ready, stop=stop)
+                           ready=on_ready, stop=stop, before_stop=servicer.close_sessions)
     finally:
         loop_task.cancel()
         if watcher is not None:

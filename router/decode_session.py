@@ -10,7 +10,10 @@ here as gRPC keeps a call's (DEADLINE_EXCEEDED, and the worker is told to cancel
 cancelling a call tells the worker, which ends the request as a cancelled call.
 
 When the session's stream fails (the worker died, its channel was closed), every open call
-fails with that status, and the next request to the worker opens a new session.
+fails with that status, and the next request to the worker opens a new session. A worker that
+does not serve Session (an older version answers UNIMPLEMENTED before reading any request: the
+router writes its requests only once the worker's headers came) gets each request as a Generate
+call of its own instead, from then on.
 """
 
 from __future__ import annotations
@@ -40,12 +43,32 @@ def rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
 class SessionCall:
     """One request on a session, read as a grpc.aio UnaryStreamCall. Use on the router's loop."""
 
-    def __init__(self, session: DecodeSession | None, rid: int, span) -> None:
+    def __init__(self, session: DecodeSession | None, rid: int, span, request: pb.DecodeRequest,
+                 deadline: float) -> None:
         self._session, self.id, self._span = session, rid, span
+        self._request, self._deadline = request, deadline  # deadline: loop time
         self._items: deque = deque()  # DecodeResponse, then the final (code, details)
         self._waiter: asyncio.Future | None = None
         self._timer: asyncio.TimerHandle | None = None
+        self._inner: grpc.aio.UnaryStreamCall | None = None  # a worker without Session: its Generate call
         self.done = False
+
+    def _as_generate(self, stub: pb_grpc.DecodeServiceStub) -> None:
+        """Carry on as a Generate call of its own (the worker does not serve Session: an older
+        version; it never saw this request)."""
+        if self.done:
+            return
+        self.done = True
+        if self._timer is not None:
+            self._timer.cancel()
+        if self._session is not None:
+            self._session._forget(self.id)
+        tracing.end_client_span(self._span, grpc.StatusCode.UNIMPLEMENTED, "sent as a Generate call instead")
+        remaining = self._deadline - asyncio.get_running_loop().time()
+        self._inner = stub.Generate(self._request, timeout=max(0.0, remaining))
+        w = self._waiter
+        if w is not None and not w.done():
+            w.set_result(None)
 
     def _push(self, item) -> None:
         self._items.append(item)
@@ -81,6 +104,8 @@ class SessionCall:
             grpc.aio.AioRpcError: the call ended with a status other than OK.
         """
         while not self._items:
+            if self._inner is not None:
+                return await self._inner.read()
             self._waiter = asyncio.get_running_loop().create_future()
             await self._waiter
         item = self._items[0]
@@ -94,6 +119,8 @@ class SessionCall:
 
     def cancel(self, code: grpc.StatusCode = grpc.StatusCode.CANCELLED, details: str = "Locally cancelled") -> bool:
         """End the call here (its worker is told to cancel the request); False if already over."""
+        if self._inner is not None:
+            return self._inner.cancel()
         if self.done:
             return False
         if self._session is not None:
@@ -106,12 +133,14 @@ class DecodeSession:
     """One Session call on a decode worker's channel, shared by that worker's requests."""
 
     def __init__(self, channel: grpc.aio.Channel) -> None:
-        self._call = pb_grpc.DecodeServiceStub(channel).Session()
+        self.stub = pb_grpc.DecodeServiceStub(channel)
+        self._call = self.stub.Session()
         self._calls: dict[int, SessionCall] = {}
         self._ids = itertools.count(1)
         self._out: list[pb.SessionRequest] = []
         self._out_ready = asyncio.Event()
         self.error: tuple[grpc.StatusCode, str] | None = None  # set once the stream failed
+        self.unimplemented = False  # the worker has no Session (an older version): Generate calls instead
         self.responses = 0  # SessionResponses received (each one a turn of the worker's loop)
         loop = asyncio.get_running_loop()
         self._tasks = [loop.create_task(self._write()), loop.create_task(self._read())]
@@ -123,7 +152,10 @@ class DecodeSession:
     def start(self, request: pb.DecodeRequest, timeout_s: float) -> SessionCall:
         """Start `request` on the worker with a deadline `timeout_s` seconds from now."""
         span, carrier = tracing.client_span(GENERATE_METHOD)
-        call = SessionCall(self, next(self._ids), span)
+        call = SessionCall(self, next(self._ids), span, request, asyncio.get_running_loop().time() + timeout_s)
+        if self.unimplemented:
+            call._as_generate(self.stub)
+            return call
         if self.error is not None:
             call._finish(*self.error)
             return call
@@ -146,6 +178,12 @@ class DecodeSession:
 
     async def _write(self) -> None:
         try:
+            # the worker's handler sends its headers first: a worker without Session (an older
+            # version) has answered UNIMPLEMENTED by then, and no start is written into a call
+            # already over (grpc.aio would report that write's failure as INTERNAL instead)
+            await self._call.initial_metadata()
+            if self._call.done():
+                return
             while True:
                 await self._out_ready.wait()
                 self._out_ready.clear()
@@ -178,8 +216,15 @@ class DecodeSession:
         """The stream is over: every open call ends with its status; no new call starts here."""
         if self.error is None:
             self.error = (code, details)
+            if code == grpc.StatusCode.UNIMPLEMENTED:
+                self.unimplemented = True
+                log.warning("a decode worker does not serve DecodeService.Session (an older version?): its requests "
+                            "go as one Generate call each")
         for call in list(self._calls.values()):
-            call._finish(code, details)
+            if self.unimplemented:
+                call._as_generate(self.stub)
+            else:
+                call._finish(code, details)
         for task in self._tasks:
             if task is not asyncio.current_task():
                 task.cancel()
@@ -199,7 +244,7 @@ class DecodeSessions:
     def start(self, channel: grpc.aio.Channel, request: pb.DecodeRequest, timeout_s: float) -> SessionCall:
         """`request` started on `channel`'s session (opened now if none is open)."""
         entry = self._by_channel.get(id(channel))
-        if entry is None or entry[0] is not channel or entry[1].error is not None:
+        if entry is None or entry[0] is not channel or (entry[1].error is not None and not entry[1].unimplemented):
             self.prune()
             entry = (channel, DecodeSession(channel))
             self._by_channel[id(channel)] = entry
@@ -212,7 +257,7 @@ class DecodeSessions:
 
     def prune(self) -> None:
         """Forget the sessions that failed (their channel closed, their worker died)."""
-        for key in [k for k, (_, s) in self._by_channel.items() if s.error is not None]:
+        for key in [k for k, (_, s) in self._by_channel.items() if s.error is not None and not s.unimplemented]:
             del self._by_channel[key]
 
     def __len__(self) -> int:

@@ -223,3 +223,132 @@ def test_a_request_that_does_not_parse_ends_the_session_naming_the_field() -> No
             await ch.close()
             await server.stop(0)
     asyncio.run(main())
+
+
+class OldWorker:
+    """A decode worker of a version without Session: Generate only."""
+
+    async def Generate(self, request: pb.DecodeRequest, context):
+        for i in range(request.sampling.max_tokens):
+            yield pb.DecodeResponse(token_ids=[200 + i])
+
+
+def test_a_worker_without_session_gets_one_generate_call_per_request() -> None:
+    async def main() -> None:
+        server = await start_server("127.0.0.1:0", [lambda s: add_lenient_service(
+            s, SERVICE, OldWorker(), {"Generate": DECODE_METHODS["Generate"]})], [SERVICE])
+        ch = channel(f"127.0.0.1:{server.port}")
+        sessions = DecodeSessions()
+        try:
+            first = await asyncio.gather(*[_drain(sessions.start(ch, _request(f"a{i}", 2), 30)) for i in range(3)])
+            later = await _drain(sessions.start(ch, _request("b", 3), 30))  # the session is not tried again
+            assert first == [([200, 201], grpc.StatusCode.OK, "")] * 3
+            assert later == ([200, 201, 202], grpc.StatusCode.OK, "")
+            assert sessions.session(ch).unimplemented
+        finally:
+            sessions.close()
+            await ch.close()
+            await server.stop(0)
+    asyncio.run(main())
+
+
+class SlowCleanup(SessionMixin):
+    """A handler whose cleanup awaits (as one telling a peer to abandon would)."""
+
+    def __init__(self) -> None:
+        self.cleanups: list[str] = []
+
+    async def Generate(self, request: pb.DecodeRequest, context):
+        try:
+            await asyncio.Event().wait()
+            yield pb.DecodeResponse()
+        finally:
+            try:
+                await asyncio.sleep(0.05)
+                self.cleanups.append("done")
+            except asyncio.CancelledError:
+                self.cleanups.append("interrupted")
+                raise
+
+
+def test_a_deadline_cancels_the_handler_once_so_its_cleanup_completes() -> None:
+    # the caller's timer and the worker's own fire together at a deadline: one cancellation only
+    async def main() -> None:
+        servicer = SlowCleanup()
+        server = await _serve(servicer)
+        ch = channel(f"127.0.0.1:{server.port}")
+        sessions = DecodeSessions()
+        try:
+            for i in range(4):
+                assert (await _drain(sessions.start(ch, _request(f"d{i}"), 0.2)))[1] == grpc.StatusCode.DEADLINE_EXCEEDED
+                await asyncio.sleep(0.15)
+            assert servicer.cleanups == ["done"] * 4
+        finally:
+            sessions.close()
+            await ch.close()
+            await server.stop(0)
+    asyncio.run(main())
+
+
+def test_closing_sessions_lets_an_idle_worker_stop_without_its_grace_period() -> None:
+    async def main() -> None:
+        servicer = Stepped()
+        server = await _serve(servicer)
+        ch = channel(f"127.0.0.1:{server.port}")
+        sessions = DecodeSessions()
+        try:
+            call = sessions.start(ch, _request("one", 1), 30)
+            reader = asyncio.ensure_future(_drain(call))
+            await _until(lambda: servicer.waiting == 1, "running")
+            servicer.close_sessions()  # a request still open: the session stays until it ends
+            await servicer.step()
+            assert await reader == ([100], grpc.StatusCode.OK, "")
+            t0 = asyncio.get_running_loop().time()
+            await server.stop(2.0)
+            assert asyncio.get_running_loop().time() - t0 < 1.0
+        finally:
+            sessions.close()
+            await ch.close()
+    asyncio.run(main())
+
+
+def test_each_request_gets_generate_spans_with_its_status() -> None:
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from common import tracing
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    previous = tracing.use_provider(provider)
+
+    async def main() -> None:
+        servicer = Stepped()
+        server = await _serve(servicer)
+        ch = channel(f"127.0.0.1:{server.port}")
+        sessions = DecodeSessions()
+        try:
+            readers = [asyncio.ensure_future(_drain(sessions.start(ch, _request(n, 1), 30))) for n in ("ok", "abort")]
+            await _until(lambda: servicer.waiting == 2, "running")
+            await servicer.step()
+            await asyncio.gather(*readers)
+            await _until(lambda: len(exporter.get_finished_spans()) == 4, "four spans")
+        finally:
+            sessions.close()
+            await ch.close()
+            await server.stop(0)
+    try:
+        asyncio.run(main())
+    finally:
+        tracing.use_provider(previous)
+    spans = exporter.get_finished_spans()
+    servers = [s for s in spans if s.kind.name == "SERVER"]
+    clients = [s for s in spans if s.kind.name == "CLIENT"]
+    assert {s.name for s in spans} == {"/tandem.v1.DecodeService/Generate"} and len(servers) == len(clients) == 2
+    for s in servers:
+        assert s.attributes["rpc.system"] == "grpc" and s.attributes["rpc.method"] == "Generate"
+        assert s.parent is not None and s.parent.span_id in {c.context.span_id for c in clients}
+    assert sorted(s.attributes["rpc.grpc.status_code"] for s in servers) == [0, grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]]
+    assert sorted(c.attributes["rpc.grpc.status_code"] for c in clients) == [0, grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]]

@@ -631,10 +631,11 @@ async def _unless_stopped(coro, stop: asyncio.Event) -> bool:
 
 async def serve_worker(runtime: WorkerRuntime, add_services: Sequence[Callable[[grpc.aio.Server], None]],
                        service_names: Sequence[str], ready: Callable[[RunningServer], None] | None = None,
-                       stop: asyncio.Event | None = None) -> None:
+                       stop: asyncio.Event | None = None, before_stop: Callable[[], None] | None = None) -> None:
     """Serve until SIGTERM/SIGINT (or `stop`), registered in etcd when --etcd is set.
 
-    A second signal exits at once.
+    A second signal exits at once. `before_stop` runs after the drain, just before the server
+    stops with its grace period (a decode worker ends its idle sessions there).
     """
     from discovery.registration import Registration
 
@@ -692,6 +693,8 @@ async def serve_worker(runtime: WorkerRuntime, add_services: Sequence[Callable[[
         await server.set_serving(False)
         if registration is not None:
             await asyncio.shield(registration.stop())
+        if before_stop is not None:
+            before_stop()
         await server.stop(2.0)
         if metrics_server is not None:
             await asyncio.to_thread(metrics_server.close)

@@ -12,9 +12,13 @@ Each request runs the worker's own Generate handler in a task of its own, with a
 `RequestContext` standing in for its call's context: the handler cannot tell the difference,
 so the checks, admission, prefill, tokens and status codes are those of a Generate call. Its
 deadline (SessionStart.timeout_s) cancels it as gRPC would (DEADLINE_EXCEEDED); a cancel
-message cancels it (CANCELLED); the session's end (the router's call cancelled, the
-connection lost) cancels every open request, so each one's handler frees its blocks as after a
-cancelled call. Authorisation is the session's: RoleCheck admits the Session call once, by the
+message cancels it (CANCELLED); each handler is cancelled once at most, as a call is, so its
+cleanup runs to the end; the session's end (the router's call cancelled, the connection lost)
+cancels every open request, so each one's handler frees its blocks as after a cancelled call.
+A message the session cannot answer by id (one that does not parse, a start reusing an open
+id) ends the whole session with INVALID_ARGUMENT naming the field: only a broken caller sends
+one. A draining worker closes its sessions (`SessionMixin.close_sessions`): each ends once its
+open requests have, so an idle one does not hold the server's grace period at shutdown. Authorisation is the session's: RoleCheck admits the Session call once, by the
 caller's certificate, as it admits a Generate call.
 """
 
@@ -22,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any, NoReturn
@@ -35,6 +40,7 @@ from common.pb.tandem.v1 import decode_pb2 as pb
 log = logging.getLogger(__name__)
 
 GENERATE_METHOD = "/tandem.v1.DecodeService/Generate"  # the SERVER span each session request gets
+SPAN_ATTRIBUTES = tracing.rpc_attributes(GENERATE_METHOD)  # as the server interceptor gives a Generate call
 # DecodeService's methods for common.grpc_server.add_lenient_service (decode workers, mocker)
 DECODE_METHODS = {"Generate": ("stream", pb.DecodeRequest, pb.DecodeResponse),
                   "Session": ("bidi", pb.SessionRequest, pb.SessionResponse)}
@@ -95,7 +101,8 @@ class SessionServer:
         self._outbox: list[pb.SessionUpdate] = []
         self._ready = asyncio.Event()  # the outbox has updates, or the reader ended
         self._reading = True
-        self._unparsable: Unparsable | None = None  # a request that failed to parse ends the session
+        self._violation = ""  # a request the session cannot answer by id (unparsable, id reused): it ends
+        self.closing = False  # set by close(): end once no request is open
 
     def _post(self, update: pb.SessionUpdate) -> None:
         self._outbox.append(update)
@@ -107,11 +114,13 @@ class SessionServer:
 
     def _start(self, start: pb.SessionStart) -> None:
         rid = start.id
-        if rid in self._tasks:  # the caller keys every update by it: refuse without running anything
-            self._end(rid, grpc.StatusCode.INVALID_ARGUMENT, f"id: {rid} is already open in this session")
+        if rid in self._tasks:  # updates keyed by it could not be told apart: the session ends (serve)
+            self._violation = f"id: {rid} is already open in this session"
+            self._ready.set()
             return
-        if start.timeout_s < 0:
-            self._end(rid, grpc.StatusCode.INVALID_ARGUMENT, "timeout_s: must be >= 0 seconds (0 = no deadline)")
+        if not math.isfinite(start.timeout_s) or start.timeout_s < 0:
+            self._end(rid, grpc.StatusCode.INVALID_ARGUMENT,
+                      f"timeout_s: must be a number of seconds >= 0 (0 = no deadline), got {start.timeout_s}")
             return
         deadline = time.monotonic() + start.timeout_s if start.timeout_s > 0 else None
         task = asyncio.get_running_loop().create_task(self._run(start, deadline))
@@ -122,28 +131,42 @@ class SessionServer:
 
     def _expire(self, rid: int) -> None:
         task = self._tasks.get(rid)
-        if task is not None:
+        if task is not None and not task.cancelling():
             self._expired.add(rid)
             task.cancel()
 
     def _cancel(self, rid: int) -> None:
+        """Cancel a request's handler once, as gRPC cancels a call once (a second cancel, from
+        the caller's deadline racing the worker's own, would interrupt the handler's cleanup)."""
         task = self._tasks.get(rid)
-        if task is not None:
+        if task is not None and not task.cancelling():
             task.cancel()
 
     async def _run(self, start: pb.SessionStart, deadline: float | None) -> tuple[grpc.StatusCode, str]:
-        """Run the request's handler, posting its messages; its final status."""
+        """Run the request's handler, posting its messages; its final status (also on its span)."""
         ctx = RequestContext(self._context, deadline)
-        try:
-            with tracing.server_span(GENERATE_METHOD, dict(start.trace_context)):
+        code, details, cancelled = grpc.StatusCode.OK, "", None
+        with tracing.server_span(GENERATE_METHOD, dict(start.trace_context), SPAN_ATTRIBUTES) as span:
+            try:
                 async for msg in self._generate(start.request, ctx):
                     self._post(pb.SessionUpdate(id=start.id, response=msg))
-        except Aborted as exc:
-            return exc.code, exc.details
-        except Exception as exc:  # noqa: BLE001 - as a handler's uncaught exception: UNKNOWN
-            log.exception("request %s failed in its session", start.request.request_id)
-            return grpc.StatusCode.UNKNOWN, f"Unexpected {type(exc).__name__}: {exc}"
-        return grpc.StatusCode.OK, ""
+            except Aborted as exc:
+                code, details = exc.code, exc.details
+            except asyncio.CancelledError as exc:  # re-raised once the span has the call's status
+                cancelled = exc
+                code, details = self._cancelled_status(start.id)
+            except Exception as exc:  # noqa: BLE001 - as a handler's uncaught exception: UNKNOWN
+                log.exception("request %s failed in its session", start.request.request_id)
+                code, details = grpc.StatusCode.UNKNOWN, f"Unexpected {type(exc).__name__}: {exc}"
+            tracing.set_rpc_status(span, code, details)
+        if cancelled is not None:
+            raise cancelled
+        return code, details
+
+    def _cancelled_status(self, rid: int) -> tuple[grpc.StatusCode, str]:
+        if rid in self._expired:
+            return grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded"
+        return grpc.StatusCode.CANCELLED, "cancelled by the caller"
 
     def _done(self, rid: int, task: asyncio.Task) -> None:
         """The request's task ended (perhaps cancelled before it ever ran): post its end."""
@@ -152,10 +175,7 @@ class SessionServer:
         if timer is not None:
             timer.cancel()
         if task.cancelled():
-            if rid in self._expired:
-                code, details = grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded"
-            else:
-                code, details = grpc.StatusCode.CANCELLED, "cancelled by the caller"
+            code, details = self._cancelled_status(rid)
         else:
             code, details = task.result()
         self._expired.discard(rid)
@@ -165,7 +185,8 @@ class SessionServer:
         try:
             async for msg in requests:
                 if isinstance(msg, Unparsable):  # no id to answer it by: the session ends, naming the field
-                    self._unparsable = msg
+                    self._violation = f"{msg.field}: {msg.reason}"
+                    self._ready.set()
                     break
                 kind = msg.WhichOneof("kind")
                 if kind == "start":
@@ -175,6 +196,11 @@ class SessionServer:
         finally:  # the router closed its side: answer the open requests, then end
             self._reading = False
             self._ready.set()
+
+    def close(self) -> None:
+        """End the session once no request is open (new starts are still served meanwhile)."""
+        self.closing = True
+        self._ready.set()
 
     async def serve(self, requests: AsyncIterator[pb.SessionRequest]) -> AsyncIterator[pb.SessionResponse]:
         """The Session's responses: every update posted since the previous response, in one."""
@@ -186,18 +212,16 @@ class SessionServer:
                 if self._outbox:
                     batch, self._outbox = self._outbox, []
                     yield pb.SessionResponse(updates=batch)
-                if self._unparsable is not None:
-                    await self._context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                              f"{self._unparsable.field}: {self._unparsable.reason}")
-                if not self._reading and not self._tasks and not self._outbox:
-                    if reader.done() and not reader.cancelled() and reader.exception() is not None:
-                        raise reader.exception()
+                if self._violation:
+                    await self._context.abort(grpc.StatusCode.INVALID_ARGUMENT, self._violation)
+                if (not self._reading or self.closing) and not self._tasks and not self._outbox:
                     return
         finally:  # the call ended (cancelled, connection lost): every open request ends as cancelled
             reader.cancel()
             tasks = list(self._tasks.values())
             for task in tasks:
-                task.cancel()
+                if not task.cancelling():
+                    task.cancel()
             if tasks:  # their handlers free their blocks (as after a cancelled call) before we return
                 await asyncio.gather(*tasks, return_exceptions=True)
             await asyncio.gather(reader, return_exceptions=True)
@@ -208,5 +232,18 @@ class SessionMixin:
     the servicer's own Generate (list it before pb_grpc.DecodeServiceServicer in the bases)."""
 
     async def Session(self, request_iterator, context: grpc.aio.ServicerContext):
-        async for response in SessionServer(self.Generate, context).serve(request_iterator):
-            yield response
+        await context.send_initial_metadata(())  # the caller writes its requests once it has these
+        server = SessionServer(self.Generate, context)
+        open_sessions = self.__dict__.setdefault("_open_sessions", set())
+        open_sessions.add(server)
+        try:
+            async for response in server.serve(request_iterator):
+                yield response
+        finally:
+            open_sessions.discard(server)
+
+    def close_sessions(self) -> None:
+        """End every session once its open requests have ended (a draining worker, before its
+        server stops: an idle session would otherwise hold the server's grace period)."""
+        for server in self.__dict__.get("_open_sessions", ()):
+            server.close()
