@@ -352,3 +352,31 @@ def test_each_request_gets_generate_spans_with_its_status() -> None:
         assert s.parent is not None and s.parent.span_id in {c.context.span_id for c in clients}
     assert sorted(s.attributes["rpc.grpc.status_code"] for s in servers) == [0, grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]]
     assert sorted(c.attributes["rpc.grpc.status_code"] for c in clients) == [0, grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]]
+
+
+def test_a_start_reusing_an_open_id_ends_the_session_and_a_bad_timeout_is_refused() -> None:
+    async def main() -> None:
+        servicer = Stepped()
+        server = await _serve(servicer)
+        ch = channel(f"127.0.0.1:{server.port}")
+        try:
+            from common.pb.tandem.v1 import decode_pb2_grpc as pb_grpc
+            call = pb_grpc.DecodeServiceStub(ch).Session()
+            await call.write(pb.SessionRequest(start=pb.SessionStart(request=_request("nan"), id=1,
+                                                                     timeout_s=float("nan"))))
+            first = await call.read()
+            assert [(u.id, u.end, u.status_code) for u in first.updates] == [
+                (1, True, grpc.StatusCode.INVALID_ARGUMENT.value[0])]
+            assert first.updates[0].status_details.startswith("timeout_s:")
+            await call.write(pb.SessionRequest(start=pb.SessionStart(request=_request("hang"), id=5)))
+            await call.write(pb.SessionRequest(start=pb.SessionStart(request=_request("other"), id=5)))
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                while (await call.read()) is not grpc.aio.EOF:
+                    pass
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert err.value.details() == "id: 5 is already open in this session"
+            await _until(lambda: "hang" in servicer.ended, "the open request's handler was cancelled")
+        finally:
+            await ch.close()
+            await server.stop(0)
+    asyncio.run(main())
