@@ -53,6 +53,10 @@ HELP = {
                                       "re-prefill after retraction) runs at most this many prompt tokens between "
                                       "two decode steps, so the running streams' inter-token latency stays about "
                                       "one step plus one piece; with nothing decoding chunks run whole; 0 = off",
+    "prefill_sm_count": "decode on CUDA: run the local prefill (prompts without a prefill worker, re-prefills) "
+                        "on a CUDA green context of this many SMs, so the decode steps keep the others whatever "
+                        "the prefill runs (kernels of one context otherwise hold SMs the step's short kernels wait "
+                        "for); the driver may round it; 0 = one stream sharing all SMs",
     "enable_dynamic_chunking": "prefill: fit f(l) = a·l² + b·l + c from start-up timings and shrink chunks as the "
                                "prefix grows; falls back to static chunks with a logged reason",
     "dynamic_chunk_smoothing": "dynamic chunking: σ in [0, 1], chunk = base + σ·(x − base)",

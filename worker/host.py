@@ -66,6 +66,7 @@ class WorkerOptions:
     chunk_size: int = 0  # prefill chunk in tokens (dynamic chunking: the base chunk); 0 = auto (resolved_chunk_size); alias --chunked-prefill-size
     max_prefill_tokens: int = 16384  # token budget of one prefill forward (chunks of concurrent prompts packed)
     prefill_tokens_per_decode_step: int = 1024  # decode: local prefill tokens between two decode steps while requests decode; 0 = off
+    prefill_sm_count: int = 0  # decode on CUDA: SMs of the local prefill's green context; 0 = all, shared
     enable_dynamic_chunking: bool = False  # chunks shrink as the prefix grows (DESIGN.md section 7)
     dynamic_chunk_smoothing: float = 0.75  # σ: chunk = base + σ·(x − base)
     pp_size: int = 1  # prefill: pipeline stages (processes); 1 = no pipeline
@@ -107,7 +108,8 @@ class WorkerOptions:
         for name in ("block_size", "max_prefill_tokens", "max_running", "torch_threads", "ep_size", "pp_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
-        for name in ("chunk_size", "prefill_tokens_per_decode_step", "num_blocks", "device_memory_bytes", "max_queued"):
+        for name in ("chunk_size", "prefill_tokens_per_decode_step", "num_blocks", "device_memory_bytes", "max_queued",
+                     "prefill_sm_count"):
             if getattr(self, name) < 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
         if not 1 <= self.gil_switch_interval_us <= 5000:
@@ -335,7 +337,8 @@ class WorkerRuntime:
         run_prefill, forward = self.run_model, self._prefill_forward
         if role == discovery_pb2.ROLE_DECODE and self.device.type == "cuda" and engine is None:
             self._prefill_lane = ModelLane("prefill", self.device)
-            run_prefill, forward = self._prefill_lane.run, StreamForward(self._prefill_forward, self.device)
+            run_prefill, forward = self._prefill_lane.run, StreamForward(self._prefill_forward, self.device,
+                                                                         opts.prefill_sm_count)
         # Every single-process prefill (remote RPCs, local and re-prefills) goes through one
         # batcher, so concurrent prompts share forwards. The EP engine has no batched call:
         # its chunks run one per forward, through the same queue.

@@ -23,6 +23,7 @@ prefill while a decode-side kernel still reads them.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, TypeVar
@@ -30,6 +31,7 @@ from typing import Any, Callable, TypeVar
 import torch
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 class ModelLane:
     """One thread running model calls in submission order.
@@ -86,18 +88,58 @@ class ModelLane:
         self._executor.shutdown(wait=False, cancel_futures=True)
 
 
+def green_stream(device: torch.device, num_sms: int) -> tuple[Any, torch.cuda.Stream]:
+    """A CUDA stream on a green context of `num_sms` of the device's SMs: its kernels run on
+    those SMs only, so kernels of other streams always find the rest free (a kernel, once it
+    holds an SM, is never preempted; stream priorities only order what waits). The driver may
+    round num_sms up to its SM-group granularity. torch.cuda.green_contexts (PyTorch 2.10+):
+    `GreenContext.Stream()` where it exists, else a stream created while the green context is
+    the thread's current one (a stream belongs to the context current at its creation).
+    Returns (the green context, the stream): keep the context as long as the stream is used.
+
+    Raises:
+        ValueError: this PyTorch has no green contexts, or the driver refused num_sms.
+    """
+    try:
+        from torch.cuda.green_contexts import GreenContext
+    except ImportError as exc:
+        raise ValueError(f"--prefill-sm-count needs CUDA green contexts (PyTorch 2.10+ with CUDA 12.4+): {exc}") from None
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    try:
+        ctx = GreenContext.create(num_sms=num_sms, device_id=index)
+    except Exception as exc:  # noqa: BLE001 - the driver's refusal (or no CUDA at all), named
+        raise ValueError(f"--prefill-sm-count {num_sms}: no green context of that many SMs on cuda:{index}: "
+                         f"{type(exc).__name__}: {exc}") from None
+    if hasattr(ctx, "Stream"):
+        stream = ctx.Stream()
+    else:
+        ctx.set_context()
+        try:
+            stream = torch.cuda.Stream(device)
+        finally:
+            ctx.pop_context()
+    return ctx, stream
+
+
 class StreamForward:
     """A prefill forward run on a CUDA stream of its own, ordered with the model thread's stream.
 
     Args:
         forward: batch -> list of (tensor, tensor | None) per chunk (`ModelRunner.prefill_batch`).
         device: the CUDA device; its default stream is the model thread's.
+        num_sms: > 0: the stream is on a green context of that many SMs (`green_stream`,
+            --prefill-sm-count); 0: an ordinary stream sharing every SM.
     """
 
     def __init__(self, forward: Callable[[Any], list[tuple[torch.Tensor, torch.Tensor | None]]],
-                 device: torch.device) -> None:
+                 device: torch.device, num_sms: int = 0) -> None:
         self._forward, self.device = forward, device
-        self.stream = torch.cuda.Stream(device)  # priority 0: below the decode graphs' replays
+        if num_sms > 0:
+            self._green, self.stream = green_stream(device, num_sms)
+            log.info("local prefill on a green context of %d of the GPU's %d SMs (--prefill-sm-count)", num_sms,
+                     torch.cuda.get_device_properties(device).multi_processor_count)
+        else:
+            self.stream = torch.cuda.Stream(device)  # priority 0: below the decode graphs' replays
 
     def __call__(self, batch: Any) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
         """On the prefill lane's thread: the forward, complete on the device when it returns."""
