@@ -304,7 +304,7 @@ def build_parser(command: str | None = None, full: bool = True) -> argparse.Argu
     p.set_defaults(func=_explain)
     health.add_parser(sub)
     certs.add_parser(sub)
-    add_top_parser(sub)
+    _client_tls_args(add_top_parser(sub))
     p = sub.add_parser("config", help="print the effective configuration and where each value came from")
     p.add_argument("action", choices=["show"])
     p.add_argument("target", nargs="?", default=None, help="subcommand (default: every one)")

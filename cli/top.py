@@ -19,14 +19,16 @@ from cli.flags import add_option
 from common.pb.tandem.v1 import frontend_pb2 as pb
 
 
-def add_parser(sub) -> None:
-    """Register `tandem top` on the CLI's subparsers."""
+def add_parser(sub):
+    """Register `tandem top` on the CLI's subparsers; returns its parser (cli/main.py adds the
+    client TLS options and --api-key of every client of the router)."""
     p = sub.add_parser("top", help="live view of the cluster from the router: workers, health, load, KV, hit rate "
                                    "(q quits)")
     add_option(p, "--router", "127.0.0.1:50051", "router address host:port")
     add_option(p, "--interval", 1.0, "seconds between refreshes", env="TANDEM_TOP_INTERVAL")
     p.add_argument("--once", action="store_true", help="print one table and exit")
     p.set_defaults(func=main)
+    return p
 
 
 def _quit_on_q(stop: asyncio.Event):
@@ -98,9 +100,15 @@ async def _run(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.live import Live
 
-    from cli.client import frontend_stub
+    from cli.client import client_credentials, frontend_stub
+    from cli.main import no_router_hint
 
-    ch, stub = frontend_stub(args.router)
+    try:
+        creds = client_credentials(args)  # a local `tandem up`'s CA is found as for the other clients
+    except ValueError as exc:
+        print(f"tandem top: {exc}", file=sys.stderr)
+        return 2
+    ch, stub = frontend_stub(args.router, creds, args.api_key)
     try:
         # A terminal's own width; otherwise (a pipe, a file, a test) wide enough for every column.
         console = Console() if sys.stdout.isatty() else Console(width=200)
@@ -123,7 +131,8 @@ async def _run(args: argparse.Namespace) -> int:
             undo()
         return 0
     except grpc.aio.AioRpcError as exc:
-        print(f"tandem top: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        hint = no_router_hint(exc, args.router, creds is not None)
+        print(f"tandem top: {exc.code().name}: {exc.details()}{hint}", file=sys.stderr)
         return 1
     finally:
         await ch.close()

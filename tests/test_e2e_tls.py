@@ -5,6 +5,9 @@ the wrong role, against each internal service of the prefill and decode workers.
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
+from pathlib import Path
 
 import grpc
 import pytest
@@ -19,6 +22,7 @@ from common.tls import TlsCredentials
 from engine.model_source import TINY
 
 pytestmark = pytest.mark.e2e
+ROOT = Path(__file__).resolve().parent.parent
 PROMPTS = [f"Tell me about the number {i * 41}, briefly." for i in range(4)]
 
 
@@ -144,6 +148,19 @@ def test_normal_path_over_mtls_gives_the_insecure_paths_tokens(clusters):
         return grpc.StatusCode.OK
 
     assert asyncio.run(plaintext()) == grpc.StatusCode.UNAVAILABLE  # the frontend serves TLS only
+
+
+def test_tandem_top_reads_a_tls_router_with_the_cluster_ca(clusters):
+    """`tandem top` is a client of the router like `tandem generate`: --tls-ca (or the CA a local
+    `tandem up` leaves) reaches a TLS frontend; a plaintext attempt fails with a hint."""
+    secure, _ = clusters
+    cmd = [sys.executable, "-m", "cli.main", "top", "--once", "--router", secure.router_address]
+    r = subprocess.run([*cmd, "--tls-ca", str(secure.ca.ca_path)], cwd=ROOT, capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert "decode" in r.stdout and "prefill" in r.stdout, r.stdout
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1 and "tandem top: UNAVAILABLE" in r.stderr, r.stderr
 
 
 def test_tandem_ups_own_etcd_takes_only_certificates_of_the_cluster_ca(tmp_path):
