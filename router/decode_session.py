@@ -53,28 +53,35 @@ class SessionCall:
         self._inner: grpc.aio.UnaryStreamCall | None = None  # a worker without Session: its Generate call
         self.done = False
 
-    def _as_generate(self, stub: pb_grpc.DecodeServiceStub) -> None:
-        """Carry on as a Generate call of its own (the worker does not serve Session: an older
-        version; it never saw this request)."""
+    def _end_here(self, code: grpc.StatusCode, details: str) -> bool:
+        """This call's part of the session is over with this status (its span ends with it);
+        False if it already was."""
         if self.done:
-            return
+            return False
         self.done = True
         if self._timer is not None:
             self._timer.cancel()
         if self._session is not None:
             self._session._forget(self.id)
-        tracing.end_client_span(self._span, grpc.StatusCode.UNIMPLEMENTED, "sent as a Generate call instead")
-        remaining = self._deadline - asyncio.get_running_loop().time()
-        self._inner = stub.Generate(self._request, timeout=max(0.0, remaining))
+        tracing.end_client_span(self._span, code, details)
+        return True
+
+    def _as_generate(self, stub: pb_grpc.DecodeServiceStub) -> None:
+        """Carry on as a Generate call of its own (the worker does not serve Session: an older
+        version; it never saw this request)."""
+        if self._end_here(grpc.StatusCode.UNIMPLEMENTED, "sent as a Generate call instead"):
+            remaining = self._deadline - asyncio.get_running_loop().time()
+            self._inner = stub.Generate(self._request, timeout=max(0.0, remaining))
+            self._wake()
+
+    def _wake(self) -> None:
         w = self._waiter
         if w is not None and not w.done():
             w.set_result(None)
 
     def _push(self, item) -> None:
         self._items.append(item)
-        w = self._waiter
-        if w is not None and not w.done():
-            w.set_result(None)
+        self._wake()
 
     def _deliver(self, update: pb.SessionUpdate) -> None:
         if update.HasField("response"):
@@ -84,15 +91,8 @@ class SessionCall:
 
     def _finish(self, code: grpc.StatusCode, details: str) -> None:
         """The call is over with this status: no item follows."""
-        if self.done:
-            return
-        self.done = True
-        if self._timer is not None:
-            self._timer.cancel()
-        if self._session is not None:
-            self._session._forget(self.id)
-        tracing.end_client_span(self._span, code, details)
-        self._push((code, details))
+        if self._end_here(code, details):
+            self._push((code, details))
 
     def _expire(self) -> None:
         self.cancel(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")

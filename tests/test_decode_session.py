@@ -6,6 +6,7 @@ one turn of the worker's loop travels as one message."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import grpc
 import pytest
@@ -57,9 +58,23 @@ class Stepped(SessionMixin):
             self.ended.append(request.request_id)
 
 
-async def _serve(servicer: Stepped):
-    return await start_server("127.0.0.1:0", [lambda s: add_lenient_service(s, SERVICE, servicer, DECODE_METHODS)],
+async def _serve(servicer, methods=DECODE_METHODS):
+    return await start_server("127.0.0.1:0", [lambda s: add_lenient_service(s, SERVICE, servicer, methods)],
                               [SERVICE])
+
+
+@contextlib.asynccontextmanager
+async def _served(servicer, methods=DECODE_METHODS):
+    """(the servicer's server on loopback, a channel to it, the router's sessions), closed after."""
+    server = await _serve(servicer, methods)
+    ch = channel(f"127.0.0.1:{server.port}")
+    sessions = DecodeSessions()
+    try:
+        yield server, ch, sessions
+    finally:
+        sessions.close()
+        await ch.close()
+        await server.stop(0)
 
 
 def _request(rid: str, n: int = 3) -> pb.DecodeRequest:
@@ -91,10 +106,7 @@ async def _until(pred, what: str, timeout_s: float = 5.0) -> None:
 def test_requests_share_one_stream_and_each_step_is_one_message() -> None:
     async def main() -> None:
         servicer = Stepped()
-        server = await _serve(servicer)
-        ch = channel(f"127.0.0.1:{server.port}")
-        sessions = DecodeSessions()
-        try:
+        async with _served(servicer) as (server, ch, sessions):
             calls = [sessions.start(ch, _request(f"r{i}", 4), 30) for i in range(16)]
             readers = [asyncio.ensure_future(_drain(c)) for c in calls]
             session = sessions.session(ch)
@@ -114,20 +126,13 @@ def test_requests_share_one_stream_and_each_step_is_one_message() -> None:
             # with the last tokens or just after), never one per request
             assert session.responses <= 5, session.responses
             assert session.open_calls == 0
-        finally:
-            sessions.close()
-            await ch.close()
-            await server.stop(0)
     asyncio.run(main())
 
 
 def test_statuses_are_those_of_a_generate_call_and_others_keep_streaming() -> None:
     async def main() -> None:
         servicer = Stepped()
-        server = await _serve(servicer)
-        ch = channel(f"127.0.0.1:{server.port}")
-        sessions = DecodeSessions()
-        try:
+        async with _served(servicer) as (server, ch, sessions):
             names = ["abort", "crash", "ok"]
             readers = [asyncio.ensure_future(_drain(sessions.start(ch, _request(n, 3), 30))) for n in names]
             for _ in range(3):
@@ -137,20 +142,13 @@ def test_statuses_are_those_of_a_generate_call_and_others_keep_streaming() -> No
             assert (a_tok, a_code, a_det) == ([100], grpc.StatusCode.RESOURCE_EXHAUSTED, "pool is full")
             assert c_tok == [100] and c_code == grpc.StatusCode.UNKNOWN and "boom" in c_det
             assert (ok_tok, ok_code) == ([100, 101, 102], grpc.StatusCode.OK)
-        finally:
-            sessions.close()
-            await ch.close()
-            await server.stop(0)
     asyncio.run(main())
 
 
 def test_deadline_and_cancel_end_the_handler_on_the_worker() -> None:
     async def main() -> None:
         servicer = Stepped()
-        server = await _serve(servicer)
-        ch = channel(f"127.0.0.1:{server.port}")
-        sessions = DecodeSessions()
-        try:
+        async with _served(servicer) as (server, ch, sessions):
             late = sessions.start(ch, _request("hang"), 0.3)
             tokens, code, _ = await _drain(late)
             assert (tokens, code) == ([], grpc.StatusCode.DEADLINE_EXCEEDED)
@@ -169,10 +167,6 @@ def test_deadline_and_cancel_end_the_handler_on_the_worker() -> None:
             assert await reader == ([100, 101], grpc.StatusCode.OK, "")
             # a deadline already passed fails at once, as a call's would
             assert (await _drain(sessions.start(ch, _request("x"), 0.0)))[1] == grpc.StatusCode.DEADLINE_EXCEEDED
-        finally:
-            sessions.close()
-            await ch.close()
-            await server.stop(0)
     asyncio.run(main())
 
 
@@ -235,20 +229,12 @@ class OldWorker:
 
 def test_a_worker_without_session_gets_one_generate_call_per_request() -> None:
     async def main() -> None:
-        server = await start_server("127.0.0.1:0", [lambda s: add_lenient_service(
-            s, SERVICE, OldWorker(), {"Generate": DECODE_METHODS["Generate"]})], [SERVICE])
-        ch = channel(f"127.0.0.1:{server.port}")
-        sessions = DecodeSessions()
-        try:
+        async with _served(OldWorker(), {"Generate": DECODE_METHODS["Generate"]}) as (server, ch, sessions):
             first = await asyncio.gather(*[_drain(sessions.start(ch, _request(f"a{i}", 2), 30)) for i in range(3)])
             later = await _drain(sessions.start(ch, _request("b", 3), 30))  # the session is not tried again
             assert first == [([200, 201], grpc.StatusCode.OK, "")] * 3
             assert later == ([200, 201, 202], grpc.StatusCode.OK, "")
             assert sessions.session(ch).unimplemented
-        finally:
-            sessions.close()
-            await ch.close()
-            await server.stop(0)
     asyncio.run(main())
 
 
@@ -275,28 +261,18 @@ def test_a_deadline_cancels_the_handler_once_so_its_cleanup_completes() -> None:
     # the caller's timer and the worker's own fire together at a deadline: one cancellation only
     async def main() -> None:
         servicer = SlowCleanup()
-        server = await _serve(servicer)
-        ch = channel(f"127.0.0.1:{server.port}")
-        sessions = DecodeSessions()
-        try:
+        async with _served(servicer) as (server, ch, sessions):
             for i in range(4):
                 assert (await _drain(sessions.start(ch, _request(f"d{i}"), 0.2)))[1] == grpc.StatusCode.DEADLINE_EXCEEDED
                 await asyncio.sleep(0.15)
             assert servicer.cleanups == ["done"] * 4
-        finally:
-            sessions.close()
-            await ch.close()
-            await server.stop(0)
     asyncio.run(main())
 
 
 def test_closing_sessions_lets_an_idle_worker_stop_without_its_grace_period() -> None:
     async def main() -> None:
         servicer = Stepped()
-        server = await _serve(servicer)
-        ch = channel(f"127.0.0.1:{server.port}")
-        sessions = DecodeSessions()
-        try:
+        async with _served(servicer) as (server, ch, sessions):
             call = sessions.start(ch, _request("one", 1), 30)
             reader = asyncio.ensure_future(_drain(call))
             await _until(lambda: servicer.waiting == 1, "running")
@@ -306,9 +282,6 @@ def test_closing_sessions_lets_an_idle_worker_stop_without_its_grace_period() ->
             t0 = asyncio.get_running_loop().time()
             await server.stop(2.0)
             assert asyncio.get_running_loop().time() - t0 < 1.0
-        finally:
-            sessions.close()
-            await ch.close()
     asyncio.run(main())
 
 
@@ -326,19 +299,12 @@ def test_each_request_gets_generate_spans_with_its_status() -> None:
 
     async def main() -> None:
         servicer = Stepped()
-        server = await _serve(servicer)
-        ch = channel(f"127.0.0.1:{server.port}")
-        sessions = DecodeSessions()
-        try:
+        async with _served(servicer) as (server, ch, sessions):
             readers = [asyncio.ensure_future(_drain(sessions.start(ch, _request(n, 1), 30))) for n in ("ok", "abort")]
             await _until(lambda: servicer.waiting == 2, "running")
             await servicer.step()
             await asyncio.gather(*readers)
             await _until(lambda: len(exporter.get_finished_spans()) == 4, "four spans")
-        finally:
-            sessions.close()
-            await ch.close()
-            await server.stop(0)
     try:
         asyncio.run(main())
     finally:
