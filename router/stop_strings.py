@@ -7,6 +7,7 @@ from __future__ import annotations
 class StopMatcher:
     def __init__(self, stop: tuple[str, ...]) -> None:
         self._stop = stop
+        self.active = bool(stop)  # False: every delta passes whole (feed returns it as it is)
         self._hold = max((len(s) for s in stop), default=1) - 1
         self._pending = ""
 
@@ -30,7 +31,11 @@ def feed_tokens(stops: StopMatcher, detok, ids: list[int], final: bool) -> tuple
     """Feed one response's ids to detok (an IncrementalDetokenizer) and stops one token at a
     time, so a response carrying several tokens (MTP emits up to k + 1 per step) is cut right
     after the token whose text completes a stop string. Returns (text to send, stopped, number
-    of ids to send)."""
+    of ids to send). Without stop strings the response's ids go to detok at once: the same text
+    (detokenized text is the same however the ids are grouped), a quarter of the decoding work
+    at four tokens per response."""
+    if not stops.active:
+        return detok.push(ids, final=final), False, len(ids)
     text = ""
     for i, token in enumerate(ids):
         delta, stopped = stops.feed(detok.push([token], final=final and i == len(ids) - 1))

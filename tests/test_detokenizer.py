@@ -47,3 +47,20 @@ def test_multibyte_text_streamed_token_by_token() -> None:
         parts = [detok.push([i]) for i in ids]
         assert "".join(parts) == tok.decode(ids)
         assert all("\ufffd" not in p for p in parts)  # split characters were held back, not sent broken
+
+
+@settings(max_examples=100, deadline=None)
+@given(which=st.integers(0, 1), data=st.data())
+def test_router_feed_without_stop_strings_sends_every_id_and_the_full_decode(which: int, data) -> None:
+    # router/stop_strings.py feed_tokens: without stop strings a response's ids go to the
+    # detokenizer at once; the streamed text is still exactly the decode of all ids
+    from router.stop_strings import StopMatcher, feed_tokens
+    tok = _tokenizers()[which]
+    ids = data.draw(st.lists(st.integers(0, tok.vocab_size - 1), min_size=1, max_size=40))
+    cuts = sorted(set(data.draw(st.lists(st.integers(1, len(ids)), max_size=8))) | {len(ids)})
+    detok, stops, out, start = IncrementalDetokenizer(tok), StopMatcher(()), "", 0
+    for cut in cuts:
+        text, stopped, used = feed_tokens(stops, detok, ids[start:cut], final=cut == len(ids))
+        assert not stopped and used == cut - start
+        out, start = out + text, cut
+    assert out + stops.flush() == tok.decode(ids)
