@@ -256,8 +256,14 @@ class DecodeSessions:
         return entry[1] if entry is not None and entry[0] is channel else None
 
     def prune(self) -> None:
-        """Forget the sessions that failed (their channel closed, their worker died)."""
-        for key in [k for k, (_, s) in self._by_channel.items() if s.error is not None and not s.unimplemented]:
+        """Forget the sessions that failed (their channel closed, their worker died), and those of
+        workers without Session (kept to send their requests as Generate calls) once their
+        channel is closed."""
+        def gone(ch: grpc.aio.Channel, session: DecodeSession) -> bool:
+            if session.error is None:
+                return False
+            return not session.unimplemented or ch.get_state(False) == grpc.ChannelConnectivity.SHUTDOWN
+        for key in [k for k, (ch, s) in self._by_channel.items() if gone(ch, s)]:
             del self._by_channel[key]
 
     def __len__(self) -> int:

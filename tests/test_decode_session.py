@@ -235,6 +235,11 @@ def test_a_worker_without_session_gets_one_generate_call_per_request() -> None:
             assert first == [([200, 201], grpc.StatusCode.OK, "")] * 3
             assert later == ([200, 201, 202], grpc.StatusCode.OK, "")
             assert sessions.session(ch).unimplemented
+            other = channel(f"127.0.0.1:{server.port}")
+            await ch.close()  # its worker left: the next session opened elsewhere forgets it
+            assert (await _drain(sessions.start(other, _request("c", 1), 30)))[1] == grpc.StatusCode.OK
+            assert len(sessions) == 1 and sessions.session(other) is not None
+            await other.close()
     asyncio.run(main())
 
 
