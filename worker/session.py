@@ -18,8 +18,10 @@ cancels every open request, so each one's handler frees its blocks as after a ca
 A message the session cannot answer by id (one that does not parse, a start reusing an open
 id) ends the whole session with INVALID_ARGUMENT naming the field: only a broken caller sends
 one. A draining worker closes its sessions (`SessionMixin.close_sessions`): each ends once its
-open requests have, so an idle one does not hold the server's grace period at shutdown. Authorisation is the session's: RoleCheck admits the Session call once, by the
-caller's certificate, as it admits a Generate call.
+open requests have, so an idle one does not hold the server's grace period at shutdown.
+Authorisation is the session's: RoleCheck admits the Session call once, by the caller's
+certificate, as it admits a Generate call. The worker sends its headers before reading any
+request, and the router writes requests only after them (router/decode_session.py).
 """
 
 from __future__ import annotations
