@@ -141,7 +141,8 @@ def test_cluster_status_metrics_and_top(cluster, capsys):
         assert w.metrics_address  # announced in discovery
     assert by_role["decode"].indexed_blocks >= 3  # the prompt's full blocks, learned from KV events
 
-    args = argparse.Namespace(router=cluster.router.address, once=True, interval=1.0)
+    args = argparse.Namespace(router=cluster.router.address, once=True, interval=1.0, tls_ca="", tls_cert="",
+                              tls_key="", api_key="")
     from cli.top import _run
     assert asyncio.run(_run(args)) == 0
     shown = capsys.readouterr().out
