@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import grpc
@@ -57,10 +56,6 @@ class RunningRequest:
     ticket: Ticket | None = None  # capacity: its admission reservation, released when it finishes
     hash_seed: int | None = None  # its block-hash seed (its tenant's cache salt); None = the pool's
     held: list[TokenOut] = field(default_factory=list)  # tokens not yet handed to the stream (--stream-interval)
-    # where flushed tokens go: None = `out`, read by the request's handler, which sends them; a
-    # request of a DecodeService Session sends them from here at once (service.py), without
-    # waking its handler for each message
-    deliver: Callable[[list[TokenOut]], None] | None = None
 
     @property
     def generated(self) -> int:
@@ -75,12 +70,6 @@ class RunningRequest:
 
     def flush(self) -> None:
         """Hand every held token to the stream now (at the end, or before the request pauses)."""
-        if not self.held:
-            return
-        if self.deliver is not None:
-            held, self.held = self.held, []
-            self.deliver(held)
-            return
         for out in self.held:
             self.out.put_nowait(out)
         self.held.clear()

@@ -384,9 +384,6 @@ class DecodeServicer(SessionMixin, pb_grpc.DecodeServiceServicer):
             running = RunningRequest(request_id, tokens + [token], len(tokens), prompt.block_ids, params,
                                      step_offset=request.sampling_step_offset, hidden=hidden, ticket=ticket,
                                      hash_seed=seed)
-            send_now = getattr(context, "send_now", None)  # a Session's request (worker/session.py)
-            if send_now is not None:  # its tokens go out from the decode loop; this handler sends the end
-                running.deliver = lambda outs: self._send_tokens(outs, send_now)
             self.scheduler.add(running)
             with tracing.span("tandem.decode") as span:
                 try:
@@ -417,11 +414,6 @@ class DecodeServicer(SessionMixin, pb_grpc.DecodeServiceServicer):
                 self.rt.events.publish()
             else:
                 self.scheduler.cancel(running)
-
-    def _send_tokens(self, outs: list, send_now) -> None:
-        """A Session request's flushed tokens as one message, sent at once (RunningRequest.deliver)."""
-        self.rt.stats.generated_tokens += len(outs)
-        send_now(pb.DecodeResponse(token_ids=[o.token for o in outs], logprobs=[o.logprob for o in outs]))
 
     async def close(self) -> None:
         await self.fence.close()

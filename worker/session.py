@@ -64,13 +64,8 @@ class RequestContext:
         deadline: time.monotonic() by which the request must end, or None.
     """
 
-    def __init__(self, session: grpc.aio.ServicerContext, deadline: float | None,
-                 send_now: Callable[[pb.DecodeResponse], None] | None = None) -> None:
+    def __init__(self, session: grpc.aio.ServicerContext, deadline: float | None) -> None:
         self._session, self._deadline = session, deadline
-        # send_now(msg): a message of this request sent now, from outside its handler (the decode
-        # loop hands over a request's tokens this way: no wake-up of the handler per message);
-        # it goes out in order with the handler's own messages
-        self.send_now = send_now
 
     async def abort(self, code: grpc.StatusCode, details: str = "") -> NoReturn:
         raise Aborted(code, details)
@@ -151,8 +146,7 @@ class SessionServer:
 
     async def _run(self, start: pb.SessionStart, deadline: float | None) -> tuple[grpc.StatusCode, str]:
         """Run the request's handler, posting its messages; its final status (also on its span)."""
-        ctx = RequestContext(self._context, deadline,
-                             lambda msg: self._post(pb.SessionUpdate(id=start.id, response=msg)))
+        ctx = RequestContext(self._context, deadline)
         code, details, cancelled = grpc.StatusCode.OK, "", None
         with tracing.server_span(GENERATE_METHOD, dict(start.trace_context), SPAN_ATTRIBUTES) as span:
             try:
