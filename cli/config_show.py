@@ -12,7 +12,9 @@ one line per option with where its value came from, printed as TOML (a valid con
     ...
 
 Flags after SUBCOMMAND are that subcommand's own, so the output is what `tandem SUBCOMMAND
-FLAGS...` would run with.
+FLAGS...` would run with. Values that command would refuse at start (its options' own checks,
+e.g. `--stream-interval must be >= 1`) are named in a comment line and on stderr, and the exit
+status is then 2 when SUBCOMMAND was given.
 """
 
 from __future__ import annotations
@@ -77,8 +79,35 @@ def show(parser: argparse.ArgumentParser, args: argparse.Namespace, extra: list[
     lines = ["# tandem config show: precedence flag > env > file > default",
              f"# config file: {path} ({origin})" if path else "# config file: none (--config or TANDEM_CONFIG)"]
     lines += render("", resolve("", options_of(parser), args, path, data))
+    refused = []
     for command in [args.target] if args.target else schema.commands:
         sub = subparsers(parser)[command]
-        lines += ["", *render(command, resolve(command, options_of(sub), flags, path, data))]
+        resolved = resolve(command, options_of(sub), flags, path, data)
+        lines += ["", *render(command, resolved)]
+        problem = check(command, {name: r.value for name, r in resolved.items()})
+        if problem:
+            lines.append(f"# tandem {command} would refuse this: {problem}")
+            refused.append(f"tandem config show: [{command}] {problem}")
     print("\n".join(lines), file=out or sys.stdout)
-    return 0
+    for line in refused:
+        print(line, file=sys.stderr)
+    # naming a subcommand asks whether it would start: 2 if not (the overview only notes it)
+    return 2 if refused and args.target is not None else 0
+
+
+def check(command: str, values: dict[str, Any]) -> str:
+    """What `tandem COMMAND` would refuse at start in these values (the same checks: its options'
+    dataclass), or "" when they are fine. Commands without such a dataclass: ""."""
+    if command in ("decode", "prefill"):
+        from worker.host import WorkerOptions as cls
+    elif command == "router":
+        from router.main import RouterOptions as cls
+    else:
+        return ""
+    import dataclasses
+    names = {f.name for f in dataclasses.fields(cls)}
+    try:
+        cls(**{k: v for k, v in values.items() if k in names})
+    except (ValueError, TypeError) as exc:
+        return str(exc)
+    return ""

@@ -217,3 +217,15 @@ def test_gil_switch_interval_is_an_option_with_its_bounds(monkeypatch):
     monkeypatch.delenv("TANDEM_GIL_SWITCH_INTERVAL_US")
     with pytest.raises(SystemExit, match=r"tandem: --gil-switch-interval-us must be in \[1, 5000\]"):
         tandem(["decode", "--gil-switch-interval-us", "0"])  # refused before anything starts
+
+
+def test_config_show_names_a_value_the_command_would_refuse(tmp_path, capsys):
+    path = write(tmp_path, "[decode]\nstream_interval = -3\n")
+    assert tandem(["config", "show", "decode", "--config", path]) == 2
+    captured = capsys.readouterr()
+    assert "# tandem decode would refuse this: --stream-interval must be >= 1 token, got -3" in captured.out
+    assert "[decode] --stream-interval must be >= 1 token, got -3" in captured.err
+    assert tandem(["config", "show", "decode", "--config", path, "--stream-interval", "4"]) == 0  # a flag wins
+    capsys.readouterr()
+    assert tandem(["config", "show", "--config", path]) == 0  # the overview notes it only
+    assert "would refuse this: --stream-interval" in capsys.readouterr().out
