@@ -108,9 +108,15 @@ def _check(value: Any, opt: Option, where: str) -> Any:
     return value
 
 
-def _unknown(where: str, key: str, known: list[str], what: str = "key") -> ConfigError:
-    close = difflib.get_close_matches(key, known, n=1)
-    hint = f"; did you mean {close[0]!r}?" if close else ""
+def _unknown(where: str, key: str, known: list[str], what: str = "key",
+             elsewhere: list[str] = ()) -> ConfigError:
+    """An unknown name: `elsewhere` lists the tables that do have it (a key in the wrong table),
+    else the closest known name is suggested."""
+    if elsewhere:
+        hint = f"; it is an option of {', '.join(f'[{t}]' for t in elsewhere)}"
+    else:
+        close = difflib.get_close_matches(key, known, n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
     return ConfigError(f"{where}: unknown {what} {key!r}{hint}")
 
 
@@ -138,7 +144,8 @@ def load_file(path: str, schema: Schema) -> dict[str, Any]:
             out[key] = {}
             for k, v in value.items():
                 if k not in tables[key]:
-                    raise _unknown(f"config file {path}: [{key}]", k, list(tables[key]))
+                    raise _unknown(f"config file {path}: [{key}]", k, list(tables[key]),
+                                   elsewhere=[t for t, members in tables.items() if k in members])
                 out[key][k] = _check(v, tables[key][k], f"config file {path}: [{key}] {k}")
         elif key in anywhere:
             out[key] = _check(value, anywhere[key], f"config file {path}: {key}")

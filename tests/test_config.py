@@ -93,7 +93,8 @@ def test_config_from_env_and_top_level_flag_and_kinds(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("text, message", [
     ("[decode]\nmax_runing = 3\n", "[decode]: unknown key 'max_runing'; did you mean 'max_running'?"),
-    ("[router]\nnum_blocks = 3\n", "[router]: unknown key 'num_blocks'"),
+    ("[router]\nnum_blocks = 3\n", "[router]: unknown key 'num_blocks'; it is an option of "),
+    ("[decode]\nrouter_mode = \"kv\"\n", "[decode]: unknown key 'router_mode'; it is an option of [router], [up]"),
     ("[routr]\nport = 3\n", "unknown table 'routr'; did you mean 'router'?"),
     ("drain_timeout = 3\n", "unknown key 'drain_timeout'; did you mean 'drain_timeout_s'?"),
     ("[decode]\nport = \"50051\"\n", "[decode] port: expected an integer (as for --port), got str '50051'"),
