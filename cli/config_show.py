@@ -14,7 +14,8 @@ one line per option with where its value came from, printed as TOML (a valid con
 Flags after SUBCOMMAND are that subcommand's own, so the output is what `tandem SUBCOMMAND
 FLAGS...` would run with. Values that command would refuse at start (its options' own checks,
 e.g. `--stream-interval must be >= 1`) are named in a comment line and on stderr, and the exit
-status is then 2 when SUBCOMMAND was given.
+status is then 2 when SUBCOMMAND was given; a required value the defaults lack as well (the
+router's --etcd, which `tandem up` or the unit's command line gives) is not reported.
 """
 
 from __future__ import annotations
@@ -85,6 +86,8 @@ def show(parser: argparse.ArgumentParser, args: argparse.Namespace, extra: list[
         resolved = resolve(command, options_of(sub), flags, path, data)
         lines += ["", *render(command, resolved)]
         problem = check(command, {name: r.value for name, r in resolved.items()})
+        if problem and problem == check(command, {opt.name: opt.default for opt in options_of(sub)}):
+            problem = ""  # the defaults alone miss it too (the router's --etcd): given at launch, not a setting
         if problem:
             lines.append(f"# tandem {command} would refuse this: {problem}")
             refused.append(f"tandem config show: [{command}] {problem}")
