@@ -43,7 +43,7 @@ def rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
 class SessionCall:
     """One request on a session, read as a grpc.aio UnaryStreamCall. Use on the router's loop."""
 
-    def __init__(self, session: DecodeSession | None, rid: int, span, request: pb.DecodeRequest,
+    def __init__(self, session: DecodeSession, rid: int, span, request: pb.DecodeRequest,
                  deadline: float) -> None:
         self._session, self.id, self._span = session, rid, span
         self._request, self._deadline = request, deadline  # deadline: loop time
@@ -61,8 +61,7 @@ class SessionCall:
         self.done = True
         if self._timer is not None:
             self._timer.cancel()
-        if self._session is not None:
-            self._session._forget(self.id)
+        self._session._forget(self.id)
         tracing.end_client_span(self._span, code, details)
         return True
 
@@ -123,8 +122,7 @@ class SessionCall:
             return self._inner.cancel()
         if self.done:
             return False
-        if self._session is not None:
-            self._session._send(pb.SessionRequest(cancel=self.id))
+        self._session._send(pb.SessionRequest(cancel=self.id))
         self._finish(code, details)
         return True
 
@@ -133,6 +131,7 @@ class DecodeSession:
     """One Session call on a decode worker's channel, shared by that worker's requests."""
 
     def __init__(self, channel: grpc.aio.Channel) -> None:
+        self.channel = channel
         self.stub = pb_grpc.DecodeServiceStub(channel)
         self._call = self.stub.Session()
         self._calls: dict[int, SessionCall] = {}
@@ -239,38 +238,36 @@ class DecodeSessions:
     """The router's sessions, one per decode worker channel (a failed one is replaced)."""
 
     def __init__(self) -> None:
-        self._by_channel: dict[int, tuple[grpc.aio.Channel, DecodeSession]] = {}
+        self._by_channel: dict[grpc.aio.Channel, DecodeSession] = {}  # (channels hash by identity)
 
     def start(self, channel: grpc.aio.Channel, request: pb.DecodeRequest, timeout_s: float) -> SessionCall:
         """`request` started on `channel`'s session (opened now if none is open)."""
-        entry = self._by_channel.get(id(channel))
-        if entry is None or entry[0] is not channel or (entry[1].error is not None and not entry[1].unimplemented):
+        session = self._by_channel.get(channel)
+        if session is None or (session.error is not None and not session.unimplemented):
             self.prune()
-            entry = (channel, DecodeSession(channel))
-            self._by_channel[id(channel)] = entry
-        return entry[1].start(request, timeout_s)
+            session = self._by_channel[channel] = DecodeSession(channel)
+        return session.start(request, timeout_s)
 
     def session(self, channel: grpc.aio.Channel) -> DecodeSession | None:
         """The session on `channel` (None when none was opened)."""
-        entry = self._by_channel.get(id(channel))
-        return entry[1] if entry is not None and entry[0] is channel else None
+        return self._by_channel.get(channel)
 
     def prune(self) -> None:
         """Forget the sessions that failed (their channel closed, their worker died), and those of
         workers without Session (kept to send their requests as Generate calls) once their
         channel is closed."""
-        def gone(ch: grpc.aio.Channel, session: DecodeSession) -> bool:
+        def gone(session: DecodeSession) -> bool:
             if session.error is None:
                 return False
-            return not session.unimplemented or ch.get_state(False) == grpc.ChannelConnectivity.SHUTDOWN
-        for key in [k for k, (ch, s) in self._by_channel.items() if gone(ch, s)]:
-            del self._by_channel[key]
+            return not session.unimplemented or session.channel.get_state(False) == grpc.ChannelConnectivity.SHUTDOWN
+        for ch in [ch for ch, s in self._by_channel.items() if gone(s)]:
+            del self._by_channel[ch]
 
     def __len__(self) -> int:
         return len(self._by_channel)
 
     def close(self) -> None:
-        for _, session in self._by_channel.values():
+        for session in self._by_channel.values():
             session.close()
         self._by_channel.clear()
 

@@ -75,13 +75,8 @@ class RequestContext:
         return None if self._deadline is None else max(0.0, self._deadline - time.monotonic())
 
     def auth_context(self) -> dict[str, list[bytes]]:
+        """The caller's verified certificate (the session's): what a check of the peer reads."""
         return self._session.auth_context()
-
-    def peer(self) -> str:
-        return self._session.peer()
-
-    def invocation_metadata(self) -> Any:
-        return self._session.invocation_metadata()
 
 
 Generate = Callable[[pb.DecodeRequest, Any], AsyncIterator[pb.DecodeResponse]]
@@ -132,16 +127,16 @@ class SessionServer:
             self._timers[rid] = asyncio.get_running_loop().call_later(start.timeout_s, self._expire, rid)
 
     def _expire(self, rid: int) -> None:
-        task = self._tasks.get(rid)
-        if task is not None and not task.cancelling():
-            self._expired.add(rid)
-            task.cancel()
+        self._cancel(rid, expired=True)
 
-    def _cancel(self, rid: int) -> None:
+    def _cancel(self, rid: int, expired: bool = False) -> None:
         """Cancel a request's handler once, as gRPC cancels a call once (a second cancel, from
-        the caller's deadline racing the worker's own, would interrupt the handler's cleanup)."""
+        the caller's deadline racing the worker's own, would interrupt the handler's cleanup);
+        `expired`: by its deadline (DEADLINE_EXCEEDED)."""
         task = self._tasks.get(rid)
         if task is not None and not task.cancelling():
+            if expired:
+                self._expired.add(rid)
             task.cancel()
 
     async def _run(self, start: pb.SessionStart, deadline: float | None) -> tuple[grpc.StatusCode, str]:
@@ -221,9 +216,8 @@ class SessionServer:
         finally:  # the call ended (cancelled, connection lost): every open request ends as cancelled
             reader.cancel()
             tasks = list(self._tasks.values())
-            for task in tasks:
-                if not task.cancelling():
-                    task.cancel()
+            for rid in list(self._tasks):
+                self._cancel(rid)
             if tasks:  # their handlers free their blocks (as after a cancelled call) before we return
                 await asyncio.gather(*tasks, return_exceptions=True)
             await asyncio.gather(reader, return_exceptions=True)
