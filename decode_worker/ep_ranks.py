@@ -36,7 +36,7 @@ from engine.block_pool import BlockId
 from engine.kv_pool import KvPool, KvPoolConfig, PagedKvCache
 from engine.model import DeepseekV3ForCausalLM
 from engine.ep_placement import ExpertPlacement
-from engine.moe_ep import EpStats, idle_forward, idle_mtp_forward, install_expert_parallel, select_backend
+from engine.moe_ep import EpRank, ep_rank_of, idle_forward, idle_mtp_forward, install_expert_parallel, select_backend
 from engine.mtp import MTP_MODULE, pool_has_mtp, prefill_mtp_rows
 from engine.runner import DecodeInput, sample_to_host
 from engine.spec_decode import SpecInput, SpecOutput, spec_forward
@@ -57,6 +57,9 @@ class RankWork:
     # whole prompt of the one prefill sequence (its MTP rows pair hidden p with token p + 1)
     mtp: bool = False
     prompt: tuple[int, ...] = ()
+    # every rank's token count in the step's MoE layers (a decode step: its requests per rank),
+    # so the layers need not gather them (engine/moe_ep.py EpRank.counts); () = gather
+    counts: tuple[int, ...] = ()
 
     @property
     def busy(self) -> bool:
@@ -95,6 +98,15 @@ def run_work(model: DeepseekV3ForCausalLM, pool: KvPool, work: RankWork | SpecWo
     SpecWork, `spec_forward`'s outputs (the rank's SpecOutputs, [] when idle)."""
     if isinstance(work, SpecWork):
         return spec_forward(model, pool, list(work.batch), rounds=work.rounds)
+    step = ep_rank_of(model)
+    step.counts = work.counts or None
+    try:
+        return _run_rank_work(model, pool, work)
+    finally:
+        step.counts = None
+
+
+def _run_rank_work(model: DeepseekV3ForCausalLM, pool: KvPool, work: RankWork) -> torch.Tensor:
     with torch.inference_mode():
         if not work.seqs:
             idle_forward(model)
@@ -121,7 +133,7 @@ def _init_group(rank: int, world: int, store: dist.Store, timeout_s: float) -> N
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s))
 
 
-def _ep_model(spec: str, seed: int, placement: ExpertPlacement, rank: int) -> tuple[DeepseekV3ForCausalLM, EpStats]:
+def _ep_model(spec: str, seed: int, placement: ExpertPlacement, rank: int) -> tuple[DeepseekV3ForCausalLM, EpRank]:
     from engine.model_source import load_model
     model = load_model(spec, seed=seed).model
     return model, install_expert_parallel(model, placement, rank)
@@ -136,7 +148,7 @@ def _rank_main(rank: int, world: int, port: int, spec: str, seed: int, threads: 
     store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=timedelta(seconds=timeout_s))
     _init_group(rank, world, store, timeout_s)
     try:
-        model, stats = _ep_model(spec, seed, placement, rank)
+        model, step = _ep_model(spec, seed, placement, rank)
         pool = KvPool(rank_config, hash_seed, kv=kv[rank])
         conn.send(("ready", None))
         while True:
@@ -151,7 +163,7 @@ def _rank_main(rank: int, world: int, port: int, spec: str, seed: int, threads: 
             except Exception as exc:  # rank 0 raises it as the step's error
                 conn.send(("error", f"{type(exc).__name__}: {exc}"))
                 raise
-            conn.send(("ok", (hidden, stats)))
+            conn.send(("ok", (hidden, step.stats)))
     finally:
         dist.destroy_process_group()
 
@@ -210,9 +222,10 @@ class EpEngine:
             _init_group(0, ep_size, store, timeout_s)
             self._joined = True
             if model is None:
-                self.model, self._stats0 = _ep_model(spec, seed, self.placement, 0)
+                self.model, step0 = _ep_model(spec, seed, self.placement, 0)
             else:
-                self.model, self._stats0 = model, install_expert_parallel(model, self.placement, 0)
+                self.model, step0 = model, install_expert_parallel(model, self.placement, 0)
+            self._stats0 = step0.stats
             for rank, conn in enumerate(self._conns, start=1):
                 if not conn.poll(STARTUP_TIMEOUT_S):
                     raise RuntimeError(f"EP rank {rank} did not start within {STARTUP_TIMEOUT_S:.0f} s")
@@ -301,7 +314,8 @@ class EpEngine:
             where.append((rank, len(seqs[rank])))
             seqs[rank].append((tuple(local), b.num_computed, 1))
             tokens[rank].append(b.input_token)
-        outs = self.step([RankWork(tuple(s), tuple(t)) for s, t in zip(seqs, tokens)])
+        counts = tuple(len(s) for s in seqs)
+        outs = self.step([RankWork(tuple(s), tuple(t), counts=counts) for s, t in zip(seqs, tokens)])
         hidden = torch.stack([outs[r][i] for r, i in where])  # [batch, hidden]
         return self.model.logits(hidden)
 

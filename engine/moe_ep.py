@@ -1,20 +1,31 @@
 """Expert-parallel MoE: dispatch tokens to the ranks owning their experts, combine back.
 
-DESIGN.md section 8 ("Wide-EP"): each EP rank holds a disjoint share of every MoE layer's
-routed experts (an `ExpertPlacement` says which); attention and the shared experts stay
-data-parallel. One MoE layer on one rank, for its own tokens x [T, hidden]:
+Wide-EP (DeepSeek-V3 report section 3.4; SGLang's and DeepEP's layout): each EP rank holds a
+disjoint share of every MoE layer's routed experts (an `ExpertPlacement` says which, with
+redundant copies of hot experts); attention and the shared experts stay data-parallel. One MoE
+layer on one rank, for its own tokens x [T, hidden]:
 
   gate → top-k ids/weights [T, k] (unchanged, `engine.model.MoE.forward`)
-  → sort the T·k (token, expert) pairs by owning rank, then expert
-  → all-to-all #1: per-(rank, expert) pair counts, so every rank knows what it receives
-  → all-to-all #2 (dispatch): the pairs' rows of x, variable split sizes
-  → each local expert's MLP over the rows it received (from every rank)
-  → all-to-all #3 (combine): the expert outputs travel back along the same splits
-  → weight by the gate and sum per token in float32 (in expert order, as the dense
-    `MoE.experts_forward` does), then `MoE.forward` adds the shared experts locally.
+  → for every slot, the rank that computes it (its expert's holder; copies take turns)
+  → dispatch (one all-to-all): to each rank r, every token's row of x with the k slots that r
+    computes (r's local expert index and the gate weight; -1 and 0 for the slots it does not)
+  → each rank's local experts over all rows it received, in one grouped call
+    (engine/kernels/grouped_experts.py: the Triton fused MoE kernels on CUDA, slots of -1 skipped;
+    the torch reference elsewhere), the weighted sum over a row's local slots in float32
+  → combine (one all-to-all): the float32 partial sums travel back along the reversed splits
+  → the token's sum over ranks in rank order, then `MoE.forward` adds the shared experts.
+
+Why this shape: the split sizes are each rank's token count, which the step's caller knows
+on the host (`EpRank.counts`; equal on all ranks in a decode step padded to a common CUDA graph
+bucket), so a layer needs no host sync and can be captured in a CUDA graph, NCCL collectives
+included. The price is that every token's row goes to every rank (DeepEP's low-latency mode
+sends it only where one of its experts lives): with top-8 of 256 experts over 8 ranks a token
+needs 5.3 ranks on average, so about 1.5 × the bytes of the minimal dispatch. A row's result
+does not depend on which other rows share the step (fixed summation orders), so seeded sampling
+stays reproducible across batches and migration.
 
 A rank with no tokens still calls every layer's collectives with T = 0 (`idle_forward`), so the
-ranks that do have tokens can reach their experts. The collectives are
+ranks that do have tokens can reach its experts. The collectives are
 `torch.distributed.all_to_all_single` on the default process group (gloo on CPU, NCCL on GPU).
 """
 
@@ -30,6 +41,7 @@ import torch.distributed as dist
 from torch import nn
 
 from engine.ep_placement import ExpertPlacement
+from engine.kernels.grouped_experts import GroupedExperts
 from engine.model import MoE, DeepseekV3ForCausalLM
 
 log = logging.getLogger(__name__)
@@ -39,23 +51,66 @@ BACKENDS = ("auto", "torch", "deepep")
 
 @dataclass
 class EpStats:
-    """Time in the all-to-all collectives (seconds, wall clock; gloo calls block, on CUDA the
-    device is synchronized around each call), pairs this rank sent and received, and the
-    observed load per expert."""
+    """Traffic and load of one rank's MoE layers since start.
+
+    comm_s / collectives: wall time in the all-to-alls and their number, measured only when
+    `timed` (default: off CUDA, where gloo calls block; on CUDA timing needs a device sync around
+    each collective, which a benchmark may ask for and a CUDA graph cannot have).
+    pairs_sent: (token, expert) pairs of this rank's tokens (T × k per layer call).
+    pairs_received / expert_load: (token, slot) pairs this rank's experts ran, and per routed
+    expert the pairs this rank's tokens routed to it; kept on the device (no sync in a step),
+    read as host values through the properties.
+    """
 
     comm_s: float = 0.0
     collectives: int = 0
     pairs_sent: int = 0
-    pairs_received: int = 0
     layer_calls: int = 0
-    expert_load: torch.Tensor | None = None  # [n_experts] pairs this rank's tokens routed to each expert
+    timed: bool = True
+    _received: torch.Tensor | None = None  # [] int64 on the device
+    _load: torch.Tensor | None = None  # [n_experts] int64 on the device
+
+    @property
+    def pairs_received(self) -> int:
+        return 0 if self._received is None else int(self._received)
+
+    @property
+    def expert_load(self) -> torch.Tensor | None:
+        """[n_experts] int64 on the CPU, or None before the first layer call."""
+        return None if self._load is None else self._load.cpu()
+
+    def __getstate__(self) -> dict:  # host values only (a rank sends its stats over a pipe)
+        state = dict(self.__dict__)
+        for key in ("_received", "_load"):
+            if state[key] is not None:
+                state[key] = state[key].cpu()
+        return state
+
+
+@dataclass
+class EpRank:
+    """One rank's expert-parallel state shared by its MoE layers.
+
+    counts: the token count of every rank in each MoE layer of the next forward (index = rank),
+    set by the step's caller (a decode step: one token per request, or the common bucket of a
+    padded CUDA graph step) and cleared after it; None = each layer gathers the counts first
+    (a host sync per layer: prefill and MTP forwards, whose counts differ forward by forward).
+    Every rank must see the same counts.
+    """
+
+    placement: ExpertPlacement
+    rank: int
+    stats: EpStats = field(default_factory=EpStats)
+    counts: Sequence[int] | None = None
 
 
 @dataclass(eq=False)
 class ExpertParallelDispatch:
     """The expert-parallel replacement of one MoE layer's `experts_forward` on one rank.
 
-    `experts` maps each local expert id to its MLP; `group` is None for the default group.
+    `experts` maps each local expert id to its MLP (their weights are stacked into one
+    `GroupedExperts`, the MLPs' parameters becoming views of the stacks); `group` is None for
+    the default group; `step` is the rank's shared `EpRank` (its counts and stats).
     """
 
     placement: ExpertPlacement
@@ -63,89 +118,97 @@ class ExpertParallelDispatch:
     experts: dict[int, nn.Module]
     hidden_size: int
     group: dist.ProcessGroup | None = None
-    stats: EpStats = field(default_factory=EpStats)
+    stats: EpStats | None = None
+    step: EpRank | None = None
 
     def __post_init__(self) -> None:
         p = self.placement
+        if self.step is None:
+            self.step = EpRank(p, self.rank, self.stats or EpStats())
+        self.stats = self.step.stats
         self._local = p.local_experts(self.rank)
         if sorted(self.experts) != self._local:
             raise ValueError(f"rank {self.rank} must hold experts {self._local}, got {sorted(self.experts)}")
-        # slot_table[r, e]: position of (rank r, expert e) in placement.slots(); sorting pairs by
-        # slot sorts them by destination rank, then expert id
-        slots = p.slots()
-        self._n_slots = len(slots)
-        self._slot_table = torch.full((p.world_size, p.n_experts), -1, dtype=torch.long)
-        for i, (r, e) in enumerate(slots):
-            self._slot_table[r, e] = i
+        self.grouped = GroupedExperts(*GroupedExperts.stack([self.experts[e] for e in self._local]))
+        dev = self.grouped.gate_up.device
+        # local_index[r, e]: e's index among rank r's local experts, -1 where r lacks it
+        local_index = torch.full((p.world_size, p.n_experts), -1, dtype=torch.long)
+        for r in range(p.world_size):
+            for j, e in enumerate(p.local_experts(r)):
+                local_index[r, e] = j
         holders = [p.holders(e) for e in range(p.n_experts)]
         width = max(map(len, holders))
-        self._holders = torch.tensor([h + [h[0]] * (width - len(h)) for h in holders])  # [E, width]
-        self._n_holders = torch.tensor([len(h) for h in holders])  # [E]
-        self._send_count_splits = [len(p.local_experts(r)) for r in range(p.world_size)]
+        self._local_index = local_index.to(dev)
+        self._holders = torch.tensor([h + [h[0]] * (width - len(h)) for h in holders], device=dev)  # [E, width]
+        self._n_holders = torch.tensor([len(h) for h in holders], device=dev)  # [E]
+        self._ranks = torch.arange(p.world_size, device=dev)[:, None, None]  # [world, 1, 1]
 
-    def _all_to_all(self, out: torch.Tensor, inp: torch.Tensor, out_splits: list[int] | None,
-                    in_splits: list[int] | None) -> None:
-        if out.is_cuda:  # time the collective alone (costs overlap; only benchmarks run EP on GPUs now)
-            torch.cuda.synchronize(out.device)
-        t0 = time.perf_counter()
+    def _all_to_all(self, out: torch.Tensor, inp: torch.Tensor, out_splits: list[int],
+                    in_splits: list[int]) -> None:
+        timed = self.stats.timed
+        if timed:
+            if out.is_cuda:
+                torch.cuda.synchronize(out.device)
+            t0 = time.perf_counter()
         dist.all_to_all_single(out, inp, out_splits, in_splits, group=self.group)
-        if out.is_cuda:
-            torch.cuda.synchronize(out.device)
-        self.stats.comm_s += time.perf_counter() - t0
+        if timed:
+            if out.is_cuda:
+                torch.cuda.synchronize(out.device)
+            self.stats.comm_s += time.perf_counter() - t0
         self.stats.collectives += 1
+
+    def _exchange_counts(self, t: int, device: torch.device) -> list[int]:
+        """Every rank's token count, gathered (one small collective and a host sync)."""
+        mine = torch.tensor([t], dtype=torch.long, device=device)
+        every = [torch.empty_like(mine) for _ in range(self.placement.world_size)]
+        dist.all_gather(every, mine, group=self.group)
+        return torch.cat(every).tolist()
 
     def __call__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x [T, hidden], ids / weights [T, k] (T may be 0) -> routed experts' sum [T, hidden].
 
-        Every rank of the group must call this for the same layer at the same time.
+        Every rank of the group must call this for the same layer at the same time. The split
+        sizes are `step.counts` when set (no host sync: CUDA graph safe), else gathered from
+        the ranks first. Raises ValueError when the counts do not give this rank T tokens.
         """
-        world, n_local = self.placement.world_size, len(self._local)
+        world = self.placement.world_size
         t, k = ids.shape
-        self.stats.layer_calls += 1
-        # Pairs in token-major order; a stable sort by slot keeps token order per expert, so with
-        # one rank the experts see exactly the rows the dense path gives them.
-        flat_e = ids.reshape(-1).cpu()  # [T*k] expert of each pair
-        tok_all = torch.arange(t).repeat_interleave(k)  # [T*k] its token
-        load = torch.bincount(flat_e, minlength=self.placement.n_experts)
-        self.stats.expert_load = load if self.stats.expert_load is None else self.stats.expert_load + load
-        # an expert's copies take its pairs in turn (by token index, offset by rank), so each
-        # copy gets an even share, as engine/ep_placement.py plans
-        dest = self._holders[flat_e, (tok_all + self.rank) % self._n_holders[flat_e]]
-        key_cpu = self._slot_table[dest, flat_e]  # [T*k]
-        order_cpu = torch.argsort(key_cpu, stable=True)
-        # for the final sum: the pairs in expert order, token order within (as the dense loop)
-        by_expert = torch.argsort(flat_e[order_cpu], stable=True).to(x.device)
-        key, order = key_cpu.to(x.device), order_cpu.to(x.device)  # [P]
-        tok = tok_all.to(x.device)[order]  # [P] source token of each pair, in dispatch order
-        send_x = x[tok]  # [P, hidden]
-        send_counts = torch.bincount(key, minlength=self._n_slots)  # [slots] in slot order
-        # 1: counts. recv_counts[s, j]: pairs rank s sends to my j-th local expert.
-        recv_counts = torch.empty(world * n_local, dtype=torch.long, device=x.device)
-        self._all_to_all(recv_counts, send_counts, [n_local] * world, self._send_count_splits)
-        recv_counts = recv_counts.view(world, n_local)
-        send_splits = [int(c.sum()) for c in send_counts.split(self._send_count_splits)]
-        recv_splits = recv_counts.sum(1).tolist()
-        # 2: dispatch
-        recv_x = x.new_empty(sum(recv_splits), self.hidden_size)
-        self._all_to_all(recv_x, send_x, recv_splits, send_splits)
-        # experts: rows arrive grouped by source rank, then by local expert
-        row_expert = torch.arange(n_local, device=x.device).repeat(world).repeat_interleave(
-            recv_counts.reshape(-1))  # [R] local expert index of each received row
-        out_rows = torch.empty_like(recv_x)
-        for j, e in enumerate(self._local):
-            rows = torch.where(row_expert == j)[0]
-            if rows.numel():
-                out_rows[rows] = self.experts[e](recv_x[rows])
-        # 3: combine, along the reversed splits
-        back = x.new_empty(send_x.shape)
-        self._all_to_all(back, out_rows, send_splits, recv_splits)
-        self.stats.pairs_sent += int(send_x.shape[0])
-        self.stats.pairs_received += int(recv_x.shape[0])
-        # gate weights and the per-token sum in float32, pairs in expert order (like MoE.experts_forward)
-        y = back[by_expert].float() * weights.reshape(-1)[order][by_expert, None].float()
-        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-        out.index_add_(0, tok[by_expert], y)
-        return out.to(x.dtype)
+        counts = list(self.step.counts) if self.step.counts is not None else self._exchange_counts(t, x.device)
+        if len(counts) != world or counts[self.rank] != t:
+            raise ValueError(f"EP rank {self.rank}: {t} tokens but the step's counts are {counts}")
+        dev = x.device
+        st = self.stats
+        st.layer_calls += 1
+        st.pairs_sent += t * k
+        if st._load is None:
+            st._load = torch.zeros(self.placement.n_experts, dtype=torch.long, device=dev)
+            st._received = torch.zeros((), dtype=torch.long, device=dev)
+        st._load.index_add_(0, ids.reshape(-1), torch.ones(t * k, dtype=torch.long, device=dev))
+        # which rank computes each slot: an expert's copies take its tokens in turn (by token
+        # index, offset by rank), so each copy gets an even share, as engine/ep_placement.py plans
+        tok = torch.arange(t, device=dev)[:, None]
+        dest = self._holders[ids, (tok + self.rank) % self._n_holders[ids]]  # [T, k]
+        mine = dest[None] == self._ranks  # [world, T, k]: slots rank r computes
+        lid = torch.where(mine, self._local_index[dest, ids][None], -1)  # [world, T, k]
+        w = torch.where(mine, weights.float()[None], 0.0)
+        # one message per row: x's bytes, then k local ids and k weights (int32 and float32 bits)
+        xb = x.contiguous().view(torch.uint8)  # [T, hidden × itemsize]
+        nx = xb.shape[1]
+        send = torch.empty((world, t, nx + 8 * k), dtype=torch.uint8, device=dev)
+        send[:, :, :nx] = xb[None]
+        send[:, :, nx:nx + 4 * k] = lid.to(torch.int32).contiguous().view(torch.uint8).view(world, t, 4 * k)
+        send[:, :, nx + 4 * k:] = w.contiguous().view(torch.uint8).view(world, t, 4 * k)
+        r_total = sum(counts)
+        recv = torch.empty((r_total, nx + 8 * k), dtype=torch.uint8, device=dev)
+        self._all_to_all(recv, send.view(world * t, nx + 8 * k), counts, [t] * world)
+        r_x = recv[:, :nx].contiguous().view(x.dtype)  # [R, hidden]
+        r_ids = recv[:, nx:nx + 4 * k].contiguous().view(torch.int32).long()  # [R, k]
+        r_w = recv[:, nx + 4 * k:].contiguous().view(torch.float32)  # [R, k]
+        st._received += (r_ids >= 0).sum()
+        partial = self.grouped.forward(r_x, r_ids, r_w, sum_slots="float32", no_expert=True)  # [R, hidden] f32
+        back = torch.empty((world * t, x.shape[1]), dtype=torch.float32, device=dev)
+        self._all_to_all(back, partial, [t] * world, counts)
+        return back.view(world, t, x.shape[1]).sum(0).to(x.dtype)  # summed in rank order
 
 
 def moe_layers(model: DeepseekV3ForCausalLM, main_only: bool = True) -> list[MoE]:
@@ -157,26 +220,29 @@ def moe_layers(model: DeepseekV3ForCausalLM, main_only: bool = True) -> list[MoE
 
 
 def install_expert_parallel(model: DeepseekV3ForCausalLM, placement: ExpertPlacement, rank: int,
-                            group: dist.ProcessGroup | None = None) -> EpStats:
+                            group: dist.ProcessGroup | None = None) -> EpRank:
     """Make `model` an EP rank: drop the routed experts `rank` does not own (their weights are
-    freed) and route every MoE layer's `experts_forward` through an `ExpertParallelDispatch`.
-    Mutates the model (build a private copy per rank). Returns the stats shared by its layers.
+    freed), stack the local ones, and route every MoE layer's `experts_forward` through an
+    `ExpertParallelDispatch`. Mutates the model (build a private copy per rank). Returns the
+    `EpRank` its layers share (set its counts before a forward; its stats).
     """
     c = model.config
     if len(placement.owner) != c.n_routed_experts:
         raise ValueError(f"placement of {len(placement.owner)} experts for a model with {c.n_routed_experts}")
-    stats = EpStats()
+    step = EpRank(placement, rank, EpStats(timed=model.model.embed_tokens.weight.device.type != "cuda"))
     local = set(placement.local_experts(rank))
     for moe in moe_layers(model, main_only=False):
         for e in range(c.n_routed_experts):
             if e not in local:
                 moe.experts[e] = nn.Module()  # an empty placeholder keeps the indices of the rest
         # the instance attribute shadows MoE.experts_forward ("EP runtimes replace this call");
-        # the grouped form (which also runs the shared experts) would bypass it
+        # the single-device grouped form (which also runs the shared experts) would bypass it,
+        # and engine.kernels.grouped_experts.use_grouped_experts leaves the layer alone
         moe.grouped = None
+        moe.expert_parallel = True
         moe.experts_forward = ExpertParallelDispatch(  # type: ignore[method-assign]
-            placement, rank, {e: moe.experts[e] for e in sorted(local)}, c.hidden_size, group, stats)
-    return stats
+            placement, rank, {e: moe.experts[e] for e in sorted(local)}, c.hidden_size, group, step=step)
+    return step
 
 
 @torch.inference_mode()
@@ -204,6 +270,15 @@ def idle_mtp_forward(model: DeepseekV3ForCausalLM, k: int = 0) -> None:
     ids = torch.empty(0, c.num_experts_per_tok, dtype=torch.long, device=x.device)
     weights = torch.empty(0, c.num_experts_per_tok, dtype=torch.float32, device=x.device)
     moe.experts_forward(x, ids, weights)
+
+
+def ep_rank_of(model: DeepseekV3ForCausalLM) -> EpRank:
+    """The `EpRank` that install_expert_parallel gave model's MoE layers. Raises ValueError for
+    a model that is not an EP rank."""
+    for moe in moe_layers(model, main_only=False):
+        if isinstance(moe.experts_forward, ExpertParallelDispatch):
+            return moe.experts_forward.step
+    raise ValueError("the model is not an expert-parallel rank (install_expert_parallel)")
 
 
 def select_backend(requested: str, device: torch.device | str) -> str:
@@ -241,5 +316,5 @@ def select_backend(requested: str, device: torch.device | str) -> str:
 DEEPEP_IMPLEMENTED = False
 
 
-__all__: Sequence[str] = ("ExpertPlacement", "ExpertParallelDispatch", "EpStats", "install_expert_parallel",
+__all__: Sequence[str] = ("ExpertPlacement", "ExpertParallelDispatch", "EpRank", "EpStats", "ep_rank_of", "install_expert_parallel",
                           "idle_forward", "idle_mtp_forward", "moe_layers", "select_backend")

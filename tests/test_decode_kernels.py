@@ -104,6 +104,41 @@ def test_align_groups_every_pair_once_by_expert(pairs: int, experts: int, block_
     assert int(used.sum()) == int(((counts + block_m - 1) // block_m).sum())  # no block wasted
 
 
+def test_align_gives_no_row_to_a_pair_without_expert() -> None:
+    # an expert-parallel rank's slots that other ranks compute carry id -1 (engine/moe_ep.py)
+    experts, block_m = 8, 16
+    ids = _skewed_ids(300, experts, 7)
+    ids[::3] = -1
+    rows, block_expert = align(ids, experts, block_m)
+    valid = torch.nonzero(ids >= 0)[:, 0]
+    assert sorted(rows[rows < ids.numel()].tolist()) == valid.tolist()  # each routed pair once, no -1 pair
+    used = block_expert < experts
+    counts = torch.bincount(ids[valid], minlength=experts)
+    assert int(used.sum()) == int(((counts + block_m - 1) // block_m).sum())
+    for b in torch.nonzero(used)[:, 0].tolist():
+        r = rows[b * block_m:(b + 1) * block_m]
+        assert bool((ids[r[r < ids.numel()].long()] == block_expert[b]).all())
+
+
+def test_fused_experts_reference_skips_slots_without_expert() -> None:
+    from engine.kernels.fused_moe import fused_experts_reference
+    g = torch.Generator().manual_seed(4)
+    gate_up, down = torch.randn(5, 16, 12, generator=g), torch.randn(5, 12, 8, generator=g)
+    x = torch.randn(7, 12, generator=g)
+    ids = torch.randint(0, 5, (7, 3), generator=g)
+    ids[1] = -1  # a row with no slot here
+    ids[2, 0] = ids[4, 2] = -1
+    w = torch.rand(7, 3, generator=g)
+    per_slot = fused_experts_reference(x, ids, w, gate_up, down, sum_slots=False)  # [T, k, hidden]
+    assert bool((per_slot[ids < 0] == 0).all()) and bool((per_slot[ids >= 0] != 0).any())
+    # a -1 slot is the same slot routed anywhere with weight 0
+    w0 = torch.where(ids < 0, 0.0, w)
+    want = fused_experts_reference(x, ids.clamp(min=0), w0, gate_up, down, sum_slots="float32")
+    got = fused_experts_reference(x, ids, w, gate_up, down, sum_slots="float32")
+    assert got.dtype == torch.float32 and torch.equal(got, want)
+    assert fused_experts_reference(x[:0], ids[:0], w[:0], gate_up, down, sum_slots="float32").shape == (0, 12)
+
+
 def test_warm_up_compiles_every_tile_size(tiny_model) -> None:
     from engine.kernels.fused_moe import TILES
     from engine.kernels.grouped_experts import warm_up_fused_experts, warm_up_token_counts
@@ -210,8 +245,27 @@ def test_align_kernel_equals_torch_align(experts: int, shared: int) -> None:
     for pairs in (1, 5, 6, 48, 384, 1000, 1536, 12288, 49152):
         for block_m in (16, 32, 64, 128):
             ids = _skewed_ids(pairs, experts + shared, pairs + block_m, "cuda")  # shared ids among them
-            want, got = align(ids, experts + shared, block_m), align_triton(ids, experts, block_m, shared)
-            assert torch.equal(want[0], got[0]) and torch.equal(want[1], got[1]), (pairs, block_m)
+            for no_expert in (False, True):  # then every fifth pair without expert (id -1, EP ranks)
+                if no_expert:
+                    ids[::5] = -1
+                want, got = align(ids, experts + shared, block_m), align_triton(ids, experts, block_m, shared)
+                assert torch.equal(want[0], got[0]) and torch.equal(want[1], got[1]), (pairs, block_m, no_expert)
+
+
+@cuda
+def test_fused_experts_skip_slots_without_expert_on_cuda() -> None:
+    from engine.kernels.fused_moe import fused_experts, fused_experts_reference
+    g = torch.Generator(device="cuda").manual_seed(3)
+    gate_up = torch.randn(16, 256, 128, device="cuda", generator=g).bfloat16() * 0.05
+    down = torch.randn(16, 128, 128, device="cuda", generator=g).bfloat16() * 0.05
+    for t in (1, 9, 300):
+        x = torch.randn(t, 128, device="cuda", generator=g).bfloat16()
+        ids = torch.randint(0, 16, (t, 6), device="cuda", generator=g)
+        ids[torch.rand(t, 6, device="cuda", generator=g) < 0.6] = -1
+        w = torch.rand(t, 6, device="cuda", generator=g)
+        got = fused_experts(x, ids, w, gate_up, down, sum_slots="float32", no_expert=True)
+        want = fused_experts_reference(x, ids, w, gate_up, down, sum_slots="float32")
+        assert got.dtype == torch.float32 and (got - want).norm() / want.norm() < 1e-2, t
 
 
 @cuda

@@ -55,10 +55,16 @@ def _rank(rank: int, world: int, port: int, out_dir: str) -> None:
             inputs = [torch.randn(n, c.hidden_size, generator=g) for n in token_counts[rank]]
             with torch.inference_mode():
                 dense = [moe(x) for x in inputs]
-                stats = install_expert_parallel(model, placement, rank)
+                step = install_expert_parallel(model, placement, rank)
+                stats = step.stats
                 dropped = [e for e in range(c.n_routed_experts) if e not in placement.local_experts(rank)]
                 weightless = all(not list(m.experts[e].parameters()) for m in moe_layers(model) for e in dropped)
-                ep = [moe(x) for x in inputs]
+                ep = []
+                for i, x in enumerate(inputs):
+                    # odd calls: the counts given by the caller (a decode step's), even: gathered
+                    step.counts = [token_counts[r][i] for r in range(world)] if i % 2 else None
+                    ep.append(moe(x))
+                step.counts = None
             results[case] = {
                 "max_err": max((float((a - b).abs().max()) if a.numel() else 0.0) for a, b in zip(dense, ep)),
                 "shapes_ok": all(a.shape == b.shape for a, b in zip(dense, ep)),
@@ -91,11 +97,24 @@ def test_dispatch_combine_equals_dense_moe(tmp_path, one_torch_thread):
             r = results[(case, rank)]
             assert r["shapes_ok"] and r["weightless"], (case, rank)
             assert r["max_err"] < 1e-6, (case, rank, r)
-            assert r["collectives"] == 3 * len(token_counts[rank])  # counts, dispatch, combine per call
+            assert r["collectives"] == 2 * len(token_counts[rank])  # dispatch and combine per call
             assert sum(r["load"]) == k * sum(token_counts[rank])
         # every pair sent is received by someone
         sent = sum(results[(case, r)]["pairs"][0] for r in (0, 1))
         assert sent == sum(results[(case, r)]["pairs"][1] for r in (0, 1)) == k * sum(map(sum, token_counts))
+
+
+def test_counts_that_do_not_match_the_tokens_are_refused():
+    from engine.model import build_model
+    from engine.moe_ep import install_expert_parallel, moe_layers
+
+    c = small_config()
+    model = build_model(c, seed=3)
+    step = install_expert_parallel(model, ExpertPlacement.contiguous(c.n_routed_experts, 2), 0)
+    step.counts = [4, 2]  # this rank has 3 tokens: caught before any collective
+    with torch.inference_mode(), pytest.raises(ValueError, match="3 tokens but the step's counts are"):
+        moe_layers(model)[0](torch.randn(3, c.hidden_size))
+    assert step.stats.collectives == 0
 
 
 def test_backend_selection_never_falls_back_silently():

@@ -45,7 +45,9 @@ def align(flat_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch
     """Pairs grouped by expert, each group padded to a multiple of block_m.
 
     Args:
-        flat_ids: [P] int64 expert id of each pair (P = T × k, pair p = token p // k, slot p % k).
+        flat_ids: [P] int64 expert id of each pair (P = T × k, pair p = token p // k, slot p % k);
+            -1 = no expert (an expert-parallel rank's slots that other ranks compute): such a
+            pair gets no row.
         num_experts: E.
         block_m: rows per block.
     Returns:
@@ -57,16 +59,22 @@ def align(flat_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch
     p = flat_ids.numel()
     dev = flat_ids.device
     nb = -(-(p + min(num_experts, p) * (block_m - 1)) // block_m)
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=dev)
-    counts.scatter_add_(0, flat_ids, torch.ones_like(flat_ids))
+    ids = torch.where(flat_ids < 0, num_experts, flat_ids)  # no-expert pairs: a group E after the rest
+    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=dev)
+    counts.scatter_add_(0, ids, torch.ones_like(ids))
+    counts = counts[:num_experts]
     padded = (counts + block_m - 1) // block_m * block_m
     pend = torch.cumsum(padded, 0)
     cstart = torch.cumsum(counts, 0) - counts
-    order = torch.argsort(flat_ids, stable=True)  # pair indices sorted by expert
-    sorted_e = flat_ids[order]
-    dest = (pend - padded)[sorted_e] + torch.arange(p, device=dev) - cstart[sorted_e]
-    rows = torch.full((nb * block_m,), p, dtype=torch.int32, device=dev)
+    order = torch.argsort(ids, stable=True)  # pair indices sorted by expert, no-expert pairs last
+    sorted_e = ids[order]
+    routed = sorted_e < num_experts
+    e_c = sorted_e.clamp(max=num_experts - 1)
+    # a no-expert pair's destination is one scratch entry past the rows, dropped below
+    dest = torch.where(routed, (pend - padded)[e_c] + torch.arange(p, device=dev) - cstart[e_c], nb * block_m)
+    rows = torch.full((nb * block_m + 1,), p, dtype=torch.int32, device=dev)
     rows[dest] = order.to(torch.int32)
+    rows = rows[:-1]
     starts = torch.arange(nb, device=dev) * block_m
     block_expert = torch.searchsorted(pend, starts, right=True).to(torch.int32)  # E past the end
     return rows, block_expert
@@ -83,7 +91,8 @@ if triton is not None:
         expert, then every pair's slot = its expert's padded start + the pairs of that expert
         before it (an exclusive cumsum of the one-hot [pairs, experts] tile, chunk by chunk).
         Ids E .. E + N_SHARED - 1 (the shared experts) get a one-hot of their own, after the
-        routed experts in order, so that E + 2 experts do not double the routed tile's width."""
+        routed experts in order, so that E + 2 experts do not double the routed tile's width.
+        Id -1 (no expert) matches no one-hot column and stores no row."""
         offs_e = tl.arange(0, BLOCK_E)
         offs_s = tl.arange(0, BLOCK_S)
         counts = tl.zeros((BLOCK_E,), dtype=tl.int32)
@@ -122,7 +131,7 @@ if triton is not None:
             oh_s = ((e[:, None] - E == offs_s[None, :]) & (offs_s < N_SHARED)[None, :]).to(tl.int32)
             before_s = tl.cumsum(oh_s, axis=0) - oh_s
             dest += tl.sum(oh_s * (before_s + (pstart_s + seen_s)[None, :]), axis=1)
-            tl.store(rows_ptr + dest, offs_p, mask=valid)
+            tl.store(rows_ptr + dest, offs_p, mask=valid & (e >= 0))  # id -1: no expert, no row
             seen += tl.sum(onehot, axis=0)
             seen_s += tl.sum(oh_s, axis=0)
 
@@ -237,13 +246,15 @@ def align_triton(flat_ids: torch.Tensor, num_experts: int, block_m: int,
 def fused_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
                   down: torch.Tensor, tiles: tuple[int, int, int, int, int] | None = None,
                   shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-                  sum_slots: bool = True) -> torch.Tensor:
+                  sum_slots: bool | str = True, no_expert: bool = False) -> torch.Tensor:
     """Routed (and shared) experts of one MoE layer (Triton, CUDA only).
 
     Args:
         x: [T, hidden] activations (bf16 / fp16 / fp32), contiguous.
         ids: [T, k] int64 expert ids; weights: [T, k] routing weights (any float dtype). Ids
-            E .. E + S - 1 are the shared experts' chunks (below); any slot may hold one.
+            E .. E + S - 1 are the shared experts' chunks (below); any slot may hold one. Id -1
+            is no expert: the slot's output is 0 (an expert-parallel rank's share of a token,
+            engine/moe_ep.py).
         gate_up: [E, 2I, hidden] gate_proj rows then up_proj rows of each expert.
         down: [E, hidden, I].
         tiles: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) instead of the defaults (tuning).
@@ -252,7 +263,10 @@ def fused_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gat
             j is rows (columns of down) j·I .. (j+1)·I. The sum of the S chunks' outputs is the
             shared MLP's output (each chunk's rounded to x's dtype before the sum).
         sum_slots: False returns the per-slot outputs, [T, k, hidden] float32, for the caller
-            to sum (engine.model.slot_sum, inside the next add + RMSNorm).
+            to sum (engine.model.slot_sum, inside the next add + RMSNorm); "float32" returns
+            their sum [T, hidden] in float32, not rounded to x's dtype.
+        no_expert: True when ids may hold -1 (their slots' rows are zeroed first: one more
+            launch, so the single-device path, which never has them, leaves them out).
     Returns:
         [T, hidden] in x's dtype: sum over k of weight × expert(x), the sum in float32 in slot order.
     Raises:
@@ -263,7 +277,7 @@ def fused_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gat
         raise RuntimeError("fused_experts needs triton (a CUDA machine)")
     t, k = ids.shape
     if t == 0:
-        return torch.zeros_like(x)
+        return _empty_result(x, k, sum_slots)
     e, two_i, hidden = gate_up.shape
     inter = two_i // 2
     sg, su, sd = shared if shared is not None else (gate_up, gate_up, down)
@@ -281,13 +295,24 @@ def fused_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gat
         x, gate_up, sg, su, h, rows, bexp, p, e_all, e, hidden, inter, k,
         x.stride(0), gate_up.stride(0), gate_up.stride(1), sg.stride(0) if shared is not None else 0, h.stride(0),
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
-    y = torch.empty((p, hidden), dtype=torch.float32, device=x.device)
+    y = (torch.zeros if no_expert else torch.empty)((p, hidden), dtype=torch.float32, device=x.device)
     _down_kernel[(nb, triton.cdiv(hidden, bn))](
         h, down, sd, y, rows, bexp, weights.reshape(-1).float(), p, e_all, e, inter, hidden,
         h.stride(0), down.stride(0), down.stride(1), sd.stride(0) if shared is not None else 0, y.stride(0),
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
-    y = y.view(t, k, hidden)
-    return y.sum(1).to(x.dtype) if sum_slots else y
+    return _slot_result(y.view(t, k, hidden), x.dtype, sum_slots)
+
+
+def _slot_result(y: torch.Tensor, dtype: torch.dtype, sum_slots: bool | str) -> torch.Tensor:
+    """Per-slot outputs y [T, k, hidden] float32 as `fused_experts` returns them for sum_slots."""
+    if sum_slots == "float32":
+        return y.sum(1)
+    return y.sum(1).to(dtype) if sum_slots else y
+
+
+def _empty_result(x: torch.Tensor, k: int, sum_slots: bool | str) -> torch.Tensor:
+    """`fused_experts`' result for T = 0 tokens."""
+    return _slot_result(torch.zeros((0, k, x.shape[1]), dtype=torch.float32, device=x.device), x.dtype, sum_slots)
 
 
 def shared_chunks(shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None, inter: int) -> int:
@@ -306,21 +331,24 @@ def shared_chunks(shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
 def fused_experts_reference(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
                             down: torch.Tensor,
                             shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-                            sum_slots: bool = True) -> torch.Tensor:
+                            sum_slots: bool | str = True, no_expert: bool = False) -> torch.Tensor:
     """What `fused_experts` computes, in torch (any device): per pair, the expert's SwiGLU with
     each projection rounded to x's dtype, the output scaled by the routing weight in float32,
-    summed over k in slot order. Same arguments and result as `fused_experts`."""
+    summed over k in slot order; a slot with id -1 gives 0. Same arguments and result as
+    `fused_experts` (no_expert is accepted for the same signature; -1 is always handled)."""
     t, k = ids.shape
     if t == 0:
-        return torch.zeros_like(x)
+        return _empty_result(x, k, sum_slots)
     num_routed = gate_up.shape[0]
     inter = gate_up.shape[1] // 2
     shared_chunks(shared, inter)
     flat = ids.reshape(-1)
     xs = x.repeat_interleave(k, 0)  # [T × k, hidden]: pair p is token p // k
-    y = torch.empty((t * k, x.shape[1]), dtype=torch.float32, device=x.device)
+    y = torch.zeros((t * k, x.shape[1]), dtype=torch.float32, device=x.device)
     scale = weights.reshape(-1).float()
     for e in torch.unique(flat).tolist():
+        if e < 0:  # no expert: the slot stays 0
+            continue
         sel = torch.nonzero(flat == e)[:, 0]
         if e < num_routed:
             wg, wu, wd = gate_up[e, :inter], gate_up[e, inter:], down[e]
@@ -329,5 +357,4 @@ def fused_experts_reference(x: torch.Tensor, ids: torch.Tensor, weights: torch.T
             wg, wu, wd = shared[0][rows], shared[1][rows], shared[2][:, rows]
         h = torch.nn.functional.silu(xs[sel] @ wg.T) * (xs[sel] @ wu.T)
         y[sel] = (h @ wd.T).float() * scale[sel, None]
-    y = y.view(t, k, -1)
-    return y.sum(1).to(x.dtype) if sum_slots else y
+    return _slot_result(y.view(t, k, -1), x.dtype, sum_slots)

@@ -54,17 +54,26 @@ class GroupedExperts:
 
     @staticmethod
     @torch.no_grad()
+    def stack(experts: list[torch.nn.Module]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(gate_up [E, 2I, hidden], down [E, hidden, I]) of these MLPs, in list order; each
+        expert's parameters become views of the stacks (no second copy)."""
+        gate_up = torch.stack([torch.cat((e.gate_proj.weight, e.up_proj.weight)) for e in experts])
+        down = torch.stack([e.down_proj.weight for e in experts])
+        inter = gate_up.shape[1] // 2
+        for i, e in enumerate(experts):
+            e.gate_proj.weight.data = gate_up[i, :inter]
+            e.up_proj.weight.data = gate_up[i, inter:]
+            e.down_proj.weight.data = down[i]
+        return gate_up, down
+
+    @staticmethod
+    @torch.no_grad()
     def install(moe: torch.nn.Module) -> GroupedExperts:
         """Stack moe.experts' weights and make each expert's parameters views of the stack; the
         shared MLP's weights (when moe has one whose intermediate is a multiple of the routed
         experts') join as extra experts, read where they are."""
-        gate_up = torch.stack([torch.cat((e.gate_proj.weight, e.up_proj.weight)) for e in moe.experts])
-        down = torch.stack([e.down_proj.weight for e in moe.experts])
+        gate_up, down = GroupedExperts.stack(list(moe.experts))
         inter = gate_up.shape[1] // 2
-        for i, e in enumerate(moe.experts):
-            e.gate_proj.weight.data = gate_up[i, :inter]
-            e.up_proj.weight.data = gate_up[i, inter:]
-            e.down_proj.weight.data = down[i]
         shared = None
         m = moe.shared_experts
         if m is not None and m.gate_proj.weight.shape[0] % inter == 0:
@@ -73,15 +82,14 @@ class GroupedExperts:
         return GroupedExperts(gate_up, down, shared)
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
-                sum_slots: bool = True) -> torch.Tensor:
+                sum_slots: bool | str = True, no_expert: bool = False) -> torch.Tensor:
         """x [T, hidden], ids [T, k] int64 expert ids, weights [T, k] float32 -> [T, hidden]
         (x's dtype; the weighted sum over k accumulates in float32, as the reference); with
-        sum_slots=False the per-slot outputs [T, k, hidden] float32 (`fused_experts`)."""
-        if x.is_cuda:
-            return fused_experts(x, ids, weights, self.gate_up, self.down, shared=self.shared,
-                                 sum_slots=sum_slots)
-        return fused_experts_reference(x, ids, weights, self.gate_up, self.down, shared=self.shared,
-                                       sum_slots=sum_slots)
+        sum_slots=False the per-slot outputs [T, k, hidden] float32, with "float32" their sum
+        unrounded; no_expert: ids may hold -1, slots no expert here computes (`fused_experts`)."""
+        run = fused_experts if x.is_cuda else fused_experts_reference
+        return run(x, ids, weights, self.gate_up, self.down, shared=self.shared, sum_slots=sum_slots,
+                   no_expert=no_expert)
 
     # Above this many tokens (a prefill forward) the shared experts run as their own GEMMs:
     # there the step is bound by FLOPs, which cuBLAS's dense GEMM does better than the fused
@@ -112,7 +120,8 @@ def use_grouped_experts(model: torch.nn.Module) -> int:
 
     n = 0
     for moe in model.modules():
-        if isinstance(moe, MoE) and moe.grouped is None:
+        # an expert-parallel layer (engine/moe_ep.py) keeps its own grouped local experts
+        if isinstance(moe, MoE) and moe.grouped is None and not getattr(moe, "expert_parallel", False):
             moe.grouped = GroupedExperts.install(moe)
             if moe.grouped.gate_up.is_cuda:
                 torch.cuda.empty_cache()
