@@ -101,14 +101,22 @@ class EpBlocks:
 class EpKvPool:
     """Per-rank KV pools with global block ids (single-threaded: the event-loop thread)."""
 
-    def __init__(self, rank_config: KvPoolConfig, hash_seed: int, kv: torch.Tensor) -> None:
-        """kv: [ep_size, num_blocks, num_layers, block_size, kv_dim] storage (shared memory)."""
-        self.ep_size = kv.shape[0]
+    def __init__(self, rank_config: KvPoolConfig, hash_seed: int, kv: torch.Tensor | list[torch.Tensor]) -> None:
+        """kv: [ep_size, num_blocks, num_layers, block_size, kv_dim] storage (shared memory: the
+        transfer agent registers all of it), or one [num_blocks, ...] tensor per rank (GPUs: each
+        in its rank's HBM; the agent registers rank 0's, `transfer_ranks`)."""
+        shares = list(kv) if isinstance(kv, list) else [kv[r] for r in range(kv.shape[0])]
+        self.ep_size = len(shares)
         self.rank_config = rank_config
         self.config = dataclasses.replace(rank_config, num_blocks=self.ep_size * rank_config.num_blocks)
         self.hash_seed = hash_seed
-        self.ranks = [KvPool(rank_config, hash_seed, kv=kv[r]) for r in range(self.ep_size)]
-        self.kv = kv.view(self.config.num_blocks, *kv.shape[2:])  # what NIXL registers
+        self.ranks = [KvPool(rank_config, hash_seed, kv=t) for t in shares]
+        if isinstance(kv, list):
+            self.kv = shares[0]  # what the transfer agent registers: rank 0's blocks, global ids 0..
+            self.transfer_ranks = frozenset({0})
+        else:
+            self.kv = kv.view(self.config.num_blocks, *kv.shape[2:])
+            self.transfer_ranks = frozenset(range(self.ep_size))
         self.blocks = EpBlocks([p.blocks for p in self.ranks])
         self.assigned = [0] * self.ep_size  # prompts placed on each rank (a counter for tests/metrics)
 
@@ -126,6 +134,11 @@ class EpKvPool:
         local = [BlockId(b - rank * nb) for b in block_ids]
         assert all(0 <= b < nb for b in local), f"blocks {block_ids} span several ranks"
         return rank, local
+
+    def receivable(self, block_ids: list[BlockId]) -> bool:
+        """Whether a prefill worker can write these blocks (their rank's storage is registered
+        with the transfer agent)."""
+        return not block_ids or self.split(block_ids)[0] in self.transfer_ranks
 
     def _global(self, rank: int, block_ids: list[BlockId]) -> list[BlockId]:
         return [BlockId(rank * self.rank_config.num_blocks + b) for b in block_ids]

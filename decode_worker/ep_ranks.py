@@ -1,20 +1,29 @@
-"""The EP ranks of one expert-parallel decode worker (`--ep-size N`, DESIGN.md section 8).
+"""The EP ranks of one expert-parallel decode worker (`--ep-size N`).
 
 Process shape: the decode worker process is rank 0; it hosts the gRPC service, the scheduler
 and every rank's block accounting (`decode_worker/ep_pool.py`), and spawns ranks 1..N-1 as
-child processes. All ranks join one torch.distributed group (gloo on CPU; rendezvous through a
-TCPStore on loopback) used only for the MoE all-to-alls (`engine/moe_ep.py`). Every model call
-of the worker is one *step* in lock-step over all ranks: rank 0 sends each child its share
+child processes. All ranks join one torch.distributed group (rendezvous through a TCPStore on
+loopback) used only for the MoE all-to-alls (`engine/moe_ep.py`). Every model call of the
+worker is one *step* in lock-step over all ranks: rank 0 sends each child its share
 (`RankWork`: block tables, positions and tokens of the requests it owns, or nothing) over a
-pipe, runs its own share, and collects each rank's final hidden states; lm_head and sampling
-run on rank 0. A rank with no work still runs the step's MoE collectives (`idle_forward`).
+pipe, runs its own share, and collects each rank's results. A rank with no work still runs the
+step's MoE collectives (`idle_forward`).
+
+Devices (`ep_devices`): on a CPU every rank is a CPU process and the group is gloo; from
+`--device cuda:i` rank r owns GPU i + r and the group is NCCL (NVLink multicast off:
+NCCL_NVLS_ENABLE=0, as on the lent machines). Each rank runs the worker's `ModelRunner` over
+its own pool: on a GPU the fast path (paged MLA decode kernel, its local experts in the fused
+MoE kernels), on a CPU the plain path (the exactness contract). In a decode step each rank
+samples its own requests' tokens (engine/sampling.py: seeded rows do not depend on the batch),
+so only token ids and log-probabilities travel back to rank 0.
 
 Each rank builds the same model from `--model`/`--seed` and keeps only its experts
-(`install_expert_parallel`); the KV storage of all ranks is one shared-memory tensor that
-rank 0's NIXL agent registers, so a prefill worker's KV lands in the owning rank's share.
-On GPUs each rank would own a device (NCCL group), its pool in its own HBM, registered with
-its own NIXL agent, and the KvDestination would name the owning rank's agent; this worker
-runs its ranks on CPU.
+(`install_expert_parallel`). KV storage: on a CPU, one shared-memory tensor for all ranks that
+rank 0's transfer agent registers, so a prefill worker's KV lands in the owning rank's share;
+on GPUs, rank 0 allocates each rank's pool in that rank's HBM and hands it to the rank (CUDA
+IPC). There rank 0's agent registers rank 0's pool only: a request placed on another rank is
+prefilled by the worker itself (per-rank transfer agents named in the KvDestination are not
+written yet).
 """
 
 from __future__ import annotations
@@ -22,6 +31,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import multiprocessing.connection
+import os
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -38,7 +48,7 @@ from engine.model import DeepseekV3ForCausalLM
 from engine.ep_placement import ExpertPlacement
 from engine.moe_ep import EpRank, ep_rank_of, idle_forward, idle_mtp_forward, install_expert_parallel, select_backend
 from engine.mtp import MTP_MODULE, pool_has_mtp, prefill_mtp_rows
-from engine.runner import DecodeInput, sample_to_host
+from engine.runner import DecodeInput, ModelRunner
 from engine.spec_decode import SpecInput, SpecOutput, spec_forward
 
 log = logging.getLogger(__name__)
@@ -60,6 +70,9 @@ class RankWork:
     # every rank's token count in the step's MoE layers (a decode step: its requests per rank),
     # so the layers need not gather them (engine/moe_ep.py EpRank.counts); () = gather
     counts: tuple[int, ...] = ()
+    # a decode step: per sequence (SamplingParams, step index); the rank samples its rows
+    sampling: tuple = ()
+    decode: bool = False
 
     @property
     def busy(self) -> bool:
@@ -92,21 +105,36 @@ class StepStats:
     all_busy_steps: int = 0  # steps where every rank had work
 
 
-def run_work(model: DeepseekV3ForCausalLM, pool: KvPool, work: RankWork | SpecWork) -> Any:
-    """Run one rank's share of a step -> final-normed hidden [len(work.seqs), hidden] of each
-    sequence's last new token ([0, hidden] when idle; the collectives still run); for a
-    SpecWork, `spec_forward`'s outputs (the rank's SpecOutputs, [] when idle)."""
+def run_work(runner: ModelRunner, work: RankWork | SpecWork) -> Any:
+    """Run one rank's share of a step (its collectives run even when it has no rows):
+    - a decode RankWork: (tokens, logprobs) lists of its sequences, sampled here ([], [] idle);
+    - a prefill RankWork: final-normed hidden [len(work.seqs), hidden] of each sequence's last
+      new token, on the CPU ([0, hidden] idle);
+    - a SpecWork: `spec_forward`'s outputs (the rank's SpecOutputs, [] when idle)."""
+    model, pool = runner.model, runner.pool
     if isinstance(work, SpecWork):
         return spec_forward(model, pool, list(work.batch), rounds=work.rounds)
     step = ep_rank_of(model)
     step.counts = work.counts or None
     try:
-        return _run_rank_work(model, pool, work)
+        if work.decode:
+            return _decode_share(runner, work)
+        return _prefill_share(model, pool, work).cpu()
     finally:
         step.counts = None
 
 
-def _run_rank_work(model: DeepseekV3ForCausalLM, pool: KvPool, work: RankWork) -> torch.Tensor:
+def _decode_share(runner: ModelRunner, work: RankWork) -> tuple[list[int], list[float]]:
+    if not work.seqs:
+        with torch.inference_mode():
+            idle_forward(runner.model)
+        return [], []
+    batch = [DecodeInput(list(b), n, t) for (b, n, _), t in zip(work.seqs, work.token_ids)]
+    return runner.decode_tokens(batch, list(work.sampling))
+
+
+def _prefill_share(model: DeepseekV3ForCausalLM, pool: KvPool, work: RankWork) -> torch.Tensor:
+    device = pool.kv.device
     with torch.inference_mode():
         if not work.seqs:
             idle_forward(model)
@@ -114,42 +142,65 @@ def _run_rank_work(model: DeepseekV3ForCausalLM, pool: KvPool, work: RankWork) -
                 idle_mtp_forward(model, MTP_MODULE)
             return torch.empty(0, model.config.hidden_size, dtype=model.dtype)
         q_lens = [q for _, _, q in work.seqs]
-        ids = torch.tensor(work.token_ids, dtype=torch.long)
-        positions = torch.cat([torch.arange(s, s + q) for _, s, q in work.seqs])
+        ids = torch.tensor(work.token_ids, dtype=torch.long, device=device)
+        positions = torch.cat([torch.arange(s, s + q) for _, s, q in work.seqs]).to(device)
         kv = PagedKvCache(pool, [(list(b), s, q) for b, s, q in work.seqs])
         hidden = model.forward(ids, positions, q_lens, kv)  # [T, hidden]
         if work.mtp:  # one prefill sequence: its chunk's MTP rows, or an idle MTP forward
             (blocks, start, q), = work.seqs
             if not prefill_mtp_rows(model, pool, list(blocks), list(work.prompt), start, start + q, hidden):
                 idle_mtp_forward(model, MTP_MODULE)
-        last = torch.tensor(q_lens).cumsum(0) - 1
+        last = torch.tensor(q_lens, device=device).cumsum(0) - 1
         return hidden[last]
 
 
-def _init_group(rank: int, world: int, store: dist.Store, timeout_s: float) -> None:
+def ep_devices(device: torch.device | str, ep_size: int) -> list[torch.device]:
+    """Each rank's device: the CPU for every rank, or from the worker's cuda:i, GPU i + r for
+    rank r. Raises ValueError (naming --ep-size and --device) when there are too few GPUs."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return [torch.device("cpu")] * ep_size
+    first = device.index if device.index is not None else torch.cuda.current_device()
+    have = torch.cuda.device_count()
+    if first + ep_size > have:
+        raise ValueError(f"--ep-size {ep_size} from --device cuda:{first} needs GPUs {first}..{first + ep_size - 1}; "
+                         f"this machine has {have}")
+    return [torch.device("cuda", first + r) for r in range(ep_size)]
+
+
+def _group_backend(device: torch.device) -> str:
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def _init_group(rank: int, world: int, store: dist.Store, timeout_s: float, device: torch.device) -> None:
     if dist.is_initialized():
         raise RuntimeError("torch.distributed is already initialized in this process: one EP decode worker "
                            "per process")
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s))
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # NCCL binds this process's communicator to its GPU
+    dist.init_process_group(_group_backend(device), store=store, rank=rank, world_size=world,
+                            timeout=timedelta(seconds=timeout_s))
 
 
-def _ep_model(spec: str, seed: int, placement: ExpertPlacement, rank: int) -> tuple[DeepseekV3ForCausalLM, EpRank]:
+def _ep_model(spec: str, seed: int, placement: ExpertPlacement, rank: int, device: torch.device,
+              dtype: torch.dtype) -> tuple[DeepseekV3ForCausalLM, EpRank]:
     from engine.model_source import load_model
-    model = load_model(spec, seed=seed).model
+    model = load_model(spec, seed=seed, dtype=dtype).model.to(device)
     return model, install_expert_parallel(model, placement, rank)
 
 
 def _rank_main(rank: int, world: int, port: int, spec: str, seed: int, threads: int, timeout_s: float,
                placement: ExpertPlacement, rank_config: KvPoolConfig, hash_seed: int, kv: torch.Tensor,
-               conn: multiprocessing.connection.Connection) -> None:
-    """A child rank: join the group, build the model with this rank's experts, then serve steps
-    until rank 0 sends None or the pipe closes."""
+               dtype: torch.dtype, conn: multiprocessing.connection.Connection) -> None:
+    """A child rank: join the group, build the model with this rank's experts on kv's device
+    and a runner over its pool (kv: this rank's storage, shared memory or CUDA IPC), then serve
+    steps until rank 0 sends None or the pipe closes."""
     torch.set_num_threads(threads)
     store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=timedelta(seconds=timeout_s))
-    _init_group(rank, world, store, timeout_s)
+    _init_group(rank, world, store, timeout_s, kv.device)
     try:
-        model, step = _ep_model(spec, seed, placement, rank)
-        pool = KvPool(rank_config, hash_seed, kv=kv[rank])
+        model, step = _ep_model(spec, seed, placement, rank, kv.device, dtype)
+        runner = ModelRunner(model, KvPool(rank_config, hash_seed, kv=kv))
         conn.send(("ready", None))
         while True:
             try:
@@ -159,11 +210,11 @@ def _rank_main(rank: int, world: int, port: int, spec: str, seed: int, threads: 
             if work is None:
                 return
             try:
-                hidden = run_work(model, pool, work)
+                out = run_work(runner, work)
             except Exception as exc:  # rank 0 raises it as the step's error
                 conn.send(("error", f"{type(exc).__name__}: {exc}"))
                 raise
-            conn.send(("ok", (hidden, step.stats)))
+            conn.send(("ok", (out, step.stats)))
     finally:
         dist.destroy_process_group()
 
@@ -184,22 +235,36 @@ class EpEngine:
 
     def __init__(self, spec: str, seed: int, ep_size: int, backend: str, threads: int, timeout_s: float,
                  rank_config: KvPoolConfig, hash_seed: int, placement: ExpertPlacement | None = None,
-                 model: DeepseekV3ForCausalLM | None = None) -> None:
+                 model: DeepseekV3ForCausalLM | None = None, device: torch.device | str | None = None) -> None:
         """`model`: rank 0's model to turn into an EP rank in place (its other experts are freed);
-        None = load `spec` again (when the loaded model is shared, as in tests)."""
+        None = load `spec` again (when the loaded model is shared, as in tests). `device`: rank
+        0's (default: the model's, else the CPU); the other ranks' follow (`ep_devices`)."""
         self.world = ep_size
         n_experts = model_experts(spec)
         self.placement = placement or ExpertPlacement.contiguous(n_experts, ep_size)
         if self.placement.n_experts != n_experts or self.placement.world_size != ep_size:
             raise ValueError(f"expert placement for {self.placement.n_experts} experts over "
                              f"{self.placement.world_size} ranks; need {n_experts} over --ep-size {ep_size}")
-        self.backend = select_backend(backend, "cpu")
-        log.info("expert parallelism: %d ranks, %d routed experts (%s per rank, %d redundant copies), all-to-all "
-                 "backend %s (torch.distributed gloo on CPU)", ep_size, n_experts,
-                 "/".join(str(len(self.placement.local_experts(r))) for r in range(ep_size)),
-                 len(self.placement.replicas), self.backend)
-        kv = torch.zeros(ep_size, rank_config.num_blocks, rank_config.num_layers, rank_config.block_size,
-                         rank_config.kv_dim, dtype=rank_config.dtype).share_memory_()
+        if device is None:
+            device = model.model.embed_tokens.weight.device if model is not None else "cpu"
+        self.devices = ep_devices(device, ep_size)
+        on_cuda = self.devices[0].type == "cuda"
+        dtype = model.dtype if model is not None else (torch.bfloat16 if on_cuda else torch.float32)
+        self.backend = select_backend(backend, self.devices[0])
+        log.info("expert parallelism: %d ranks on %s, %d routed experts (%s per rank, %d redundant copies), "
+                 "all-to-all backend %s (torch.distributed %s)", ep_size, ", ".join(map(str, self.devices)),
+                 n_experts, "/".join(str(len(self.placement.local_experts(r))) for r in range(ep_size)),
+                 len(self.placement.replicas), self.backend, _group_backend(self.devices[0]))
+        shape = (rank_config.num_blocks, rank_config.num_layers, rank_config.block_size, rank_config.kv_dim)
+        if on_cuda:
+            # each rank's pool in its own HBM, allocated here and mapped by the rank (CUDA IPC)
+            os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast off (ranks inherit it)
+            kv: torch.Tensor | list[torch.Tensor] = [torch.zeros(shape, dtype=rank_config.dtype, device=d)
+                                                    for d in self.devices]
+            shares = list(kv)
+        else:  # one shared-memory tensor: rank 0's agent registers every rank's blocks
+            kv = torch.zeros((ep_size, *shape), dtype=rank_config.dtype).share_memory_()
+            shares = [kv[r] for r in range(ep_size)]
         self.pool = EpKvPool(rank_config, hash_seed, kv)
         self.stats = StepStats(comm_s=[0.0] * ep_size, pairs_received=[0] * ep_size)
         self._loads: list[torch.Tensor | None] = [None] * ep_size
@@ -213,19 +278,21 @@ class EpEngine:
             ours, theirs = ctx.Pipe()
             p = ctx.Process(target=_rank_main, name=f"ep-rank-{rank}", daemon=True,
                             args=(rank, ep_size, store.port, spec, seed, threads, timeout_s, self.placement,
-                                  rank_config, hash_seed, kv, theirs))
+                                  rank_config, hash_seed, shares[rank], dtype, theirs))
             p.start()
             theirs.close()
             self._conns.append(ours)
             self._procs.append(p)
         try:
-            _init_group(0, ep_size, store, timeout_s)
+            _init_group(0, ep_size, store, timeout_s, self.devices[0])
             self._joined = True
             if model is None:
-                self.model, step0 = _ep_model(spec, seed, self.placement, 0)
+                self.model, step0 = _ep_model(spec, seed, self.placement, 0, self.devices[0], dtype)
             else:
                 self.model, step0 = model, install_expert_parallel(model, self.placement, 0)
             self._stats0 = step0.stats
+            # rank 0's runner: the worker's runner for its own share (fast path on a GPU)
+            self.runner0 = ModelRunner(self.model, self.pool.ranks[0])
             for rank, conn in enumerate(self._conns, start=1):
                 if not conn.poll(STARTUP_TIMEOUT_S):
                     raise RuntimeError(f"EP rank {rank} did not start within {STARTUP_TIMEOUT_S:.0f} s")
@@ -252,7 +319,7 @@ class EpEngine:
                 conn.send(work)
             except OSError:  # a broken pipe: the rank is gone
                 raise RuntimeError(f"EP rank {rank} exited") from None
-        outs = [run_work(self.model, self.pool.ranks[0], works[0])]
+        outs = [run_work(self.runner0, works[0])]
         self.stats.own_s += time.perf_counter() - t0
         rank_stats = [self._stats0]
         for rank, conn in enumerate(self._conns, start=1):
@@ -287,7 +354,7 @@ class EpEngine:
         works = [RankWork(mtp=mtp) for _ in range(self.world)]
         works[rank] = RankWork(((tuple(local), start, end - start),), tuple(token_ids[start:end]), mtp,
                                tuple(token_ids) if mtp else ())
-        return self.step(works)[rank][0]
+        return self.step(works)[rank][0].to(self.devices[0])
 
     def spec_decode(self, batch: list[SpecInput]) -> list[SpecOutput]:
         """One MTP speculative step (engine/spec_decode.py) for every request, each on the rank
@@ -303,26 +370,23 @@ class EpEngine:
         outs = self.step([SpecWork(tuple(s), rounds) for s in shares])
         return [outs[r][i] for r, i in where]
 
-    @torch.inference_mode()
-    def decode(self, batch: list[DecodeInput]) -> torch.Tensor:
-        """One decode step for every request, each on its own rank -> float32 logits [batch, vocab]."""
+    def decode_tokens(self, batch: list[DecodeInput], sampling: list) -> tuple[list[int], list[float]]:
+        """One decode step for every request, each on its own rank, which samples its rows
+        (engine.runner.ModelRunner.decode_tokens) -> (tokens, logprobs) in batch order."""
         seqs: list[list[tuple[tuple[int, ...], int, int]]] = [[] for _ in range(self.world)]
         tokens: list[list[int]] = [[] for _ in range(self.world)]
+        rows: list[list] = [[] for _ in range(self.world)]
         where = []
-        for b in batch:
+        for b, s in zip(batch, sampling):
             rank, local = self.pool.split(b.block_ids)
             where.append((rank, len(seqs[rank])))
             seqs[rank].append((tuple(local), b.num_computed, 1))
             tokens[rank].append(b.input_token)
+            rows[rank].append(s)
         counts = tuple(len(s) for s in seqs)
-        outs = self.step([RankWork(tuple(s), tuple(t), counts=counts) for s, t in zip(seqs, tokens)])
-        hidden = torch.stack([outs[r][i] for r, i in where])  # [batch, hidden]
-        return self.model.logits(hidden)
-
-    @torch.inference_mode()
-    def decode_tokens(self, batch: list[DecodeInput], sampling: list) -> tuple[list[int], list[float]]:
-        """`decode`, then rank 0 samples every row at once (engine.runner.sample_to_host)."""
-        return sample_to_host(self.decode(batch), sampling)
+        outs = self.step([RankWork(tuple(s), tuple(t), counts=counts, sampling=tuple(r), decode=True)
+                          for s, t, r in zip(seqs, tokens, rows)])
+        return [outs[r][0][i] for r, i in where], [outs[r][1][i] for r, i in where]
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -363,5 +427,6 @@ def ep_engine_factory(own_model: bool) -> Callable[[Any, Any, KvPoolConfig, int]
                      else ExpertPlacement.contiguous(n, opts.ep_size))
         return EpEngine(opts.model, opts.seed, opts.ep_size, opts.ep_backend, opts.torch_threads,
                         max(60.0, opts.stall_timeout_s), rank_config, hash_seed, placement,
-                        model=loaded.model if own_model else None)
+                        model=loaded.model if own_model else None,
+                        device=loaded.model.model.embed_tokens.weight.device)
     return start

@@ -229,6 +229,12 @@ class DecodeServicer(SessionMixin, pb_grpc.DecodeServiceServicer):
                        params: SamplingParams, timeout_s: float, prefill_address: str) -> Prefilled:
         tokens = list(request.token_ids)
         instance = await self._still_in_discovery(prefill_address, request_id) if prefill_address else None
+        receivable = getattr(self.rt.pool, "receivable", None)  # EP ranks on GPUs (decode_worker/ep_pool.py)
+        if instance is not None and receivable is not None and not receivable(prompt.block_ids):
+            self._failures.warning("ep-rank-pool", "request %s: its EP rank's KV pool takes no transfers (only "
+                                   "rank 0's is registered); prefilling locally", request_id)
+            self.rt.stats.ep_local_prefills += 1
+            instance = None
         if instance is not None:
             # the call's secret: only the prefill worker it reaches can announce its KV as written
             secret = secrets.token_bytes(16)

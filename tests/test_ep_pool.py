@@ -66,3 +66,28 @@ def test_events_report_first_copy_stored_and_last_copy_removed():
     (removed,) = pool.blocks.drain_events()
     assert isinstance(removed, Removed) and sorted(removed.hashes) == sorted(hashes)
     assert pool.blocks.snapshot() == []
+
+
+def test_per_rank_storage_registers_rank_0_only():
+    # GPUs: one tensor per rank, each in its own HBM (here: CPU tensors of the same shapes)
+    cfg = KvPoolConfig(num_blocks=8, block_size=BS, num_layers=2, kv_dim=3)
+    shares = [torch.zeros(8, 2, BS, 3), torch.zeros(8, 2, BS, 3)]
+    pool = EpKvPool(cfg, hash_seed=7, kv=shares)
+    assert pool.ep_size == 2 and pool.config.num_blocks == 16
+    assert pool.kv.data_ptr() == shares[0].data_ptr() and pool.ranks[1].kv.data_ptr() == shares[1].data_ptr()
+    a = pool.allocate_prompt(list(range(10)))
+    b = pool.allocate_prompt(list(range(100, 106)))
+    assert pool.receivable(a.block_ids) and not pool.receivable(b.block_ids)  # rank 1's pool takes no transfers
+    assert make_pool().receivable(b.block_ids)  # one shared tensor: every rank's blocks are registered
+
+
+def test_ep_devices():
+    from decode_worker.ep_ranks import ep_devices
+    assert ep_devices("cpu", 3) == [torch.device("cpu")] * 3
+    if torch.cuda.is_available():
+        n = torch.cuda.device_count()
+        assert ep_devices("cuda:0", n) == [torch.device("cuda", r) for r in range(n)]
+    else:  # the check that needs no GPU: asking for more GPUs than the machine has
+        import pytest
+        with pytest.raises(ValueError, match="--ep-size 2 from --device cuda:1 needs GPUs 1..2; this machine has 0"):
+            ep_devices("cuda:1", 2)

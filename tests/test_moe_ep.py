@@ -124,3 +124,18 @@ def test_backend_selection_never_falls_back_silently():
         select_backend("deepep", "cpu")
     with pytest.raises(ValueError, match="--ep-backend"):
         select_backend("nccl2", "cpu")
+
+
+def test_bench_ep_script_smoke_on_cpu(tmp_path):
+    """tools/bench_ep.py (the EP throughput script; --device cuda on a multi-GPU machine) runs
+    EP 1 and EP 2 through the workers' decode_tokens and finds the same greedy tokens."""
+    import json
+    import subprocess
+    import sys
+    out = tmp_path / "ep.json"
+    subprocess.run([sys.executable, "tools/bench_ep.py", "--model", "tandem-tiny", "--ep-sizes", "1,2", "--batch", "3",
+                    "--context", "20", "--steps", "2", "--warmup", "1", "--out", str(out)], check=True, timeout=300,
+                   env={**__import__("os").environ, "PYTHONPATH": ".", "OMP_NUM_THREADS": "1"})
+    rows = json.loads(out.read_text())["results"]
+    assert [r["ep_size"] for r in rows] == [1, 2] and all(r["identical_token_share"] == 1.0 for r in rows)
+    assert rows[1]["all_to_all_share_per_rank"] is not None and len(rows[1]["expert_pairs_per_rank"]) == 2

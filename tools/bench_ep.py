@@ -11,7 +11,11 @@ slowest rank). The greedy tokens of every EP size must match EP 1's, or the run 
     PYTHONPATH=. OMP_NUM_THREADS=1 python tools/bench_ep.py --model tandem-shakespeare \\
         --ep-sizes 1,2 --batch 8 --context 128 --steps 16 --out docs/bench/ep-run.json
 
-Ranks run on CPU (the worker runtime is CPU-only today); there is no --device cuda.
+With --device cuda, rank r runs on GPU r (bf16 weights, NCCL all-to-alls, the fast decode
+path of each rank; EP 1 on GPU 0): there the all-to-all time is not measured per step (it would
+need a device sync around each collective; tools/bench_ep_moe.py times one MoE layer's), and
+the EP sizes' greedy tokens are compared as a share of identical tokens instead of failing the
+run (bf16 sums in another order may flip a near-tie).
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from pathlib import Path
 import torch
 
 from common.block_hash import hash_seed
+from common.sampling_params import SamplingParams
 from engine.ep_placement import ExpertPlacement, plan_redundant, rank_loads
 from engine.kv_pool import KvPool, KvPoolConfig
 from engine.model_source import load_model
@@ -40,23 +45,26 @@ class Setup:
     """One EP size's runner with `batch` prefilled requests."""
 
     def __init__(self, spec: str, ep: int, batch: int, context: int, max_len: int, threads: int,
-                 placement_file: str = "") -> None:
+                 placement_file: str = "", device: str = "cpu") -> None:
         torch.set_num_threads(threads)
-        loaded = load_model(spec)
+        dev = torch.device("cuda", 0) if device == "cuda" else torch.device("cpu")
+        dtype = torch.bfloat16 if device == "cuda" else torch.float32
+        loaded = load_model(spec, dtype=dtype)
         c = loaded.config
         bs = 16
         cfg = KvPoolConfig(num_blocks=batch * -(-max_len // bs) + 4, block_size=bs,
-                           num_layers=c.num_hidden_layers, kv_dim=c.kv_dim)
+                           num_layers=c.num_kv_layers, kv_dim=c.kv_dim, dtype=dtype)
         self.ep, self.batch, self.context = ep, batch, context
         self.engine = None
         if ep == 1:
-            self.pool = KvPool(cfg, hash_seed(loaded.name))
-            self.runner = ModelRunner(loaded.model, self.pool)
+            self.pool = KvPool(cfg, hash_seed(loaded.name), device=dev)
+            self.runner = ModelRunner(loaded.model.to(dev), self.pool)
         else:
             from decode_worker.ep_ranks import EpEngine
             placement = (ExpertPlacement.from_file(placement_file, c.n_routed_experts, ep) if placement_file
                          else None)
-            self.engine = EpEngine(spec, 0, ep, "torch", threads, 300.0, cfg, hash_seed(loaded.name), placement)
+            self.engine = EpEngine(spec, 0, ep, "torch", threads, 300.0, cfg, hash_seed(loaded.name), placement,
+                                   device=dev)
             self.pool, self.runner = self.engine.pool, self.engine  # type: ignore[assignment]
         self.reqs = []
         t0 = time.perf_counter()
@@ -73,11 +81,12 @@ class Setup:
         for block_ids, tokens in self.reqs:
             self.pool.grow(block_ids, len(tokens))
         inputs = [DecodeInput(b, len(t) - 1, t[-1]) for b, t in self.reqs]
+        greedy = [(SamplingParams(), len(t)) for _, t in self.reqs]
         t0 = time.perf_counter()
-        logits = self.runner.decode(inputs)
+        new, _ = self.runner.decode_tokens(inputs, greedy)  # the scheduler's call (one host copy)
         self.step_times.append(time.perf_counter() - t0)
-        for (_, tokens), row in zip(self.reqs, logits):
-            tokens.append(int(row.argmax()))
+        for (_, tokens), tok in zip(self.reqs, new):
+            tokens.append(tok)
 
     def mark(self) -> None:
         """Start of the timed steps."""
@@ -97,14 +106,16 @@ class Setup:
         timed = sum(self.step_times)
         out = {"ep_size": self.ep, "batch": self.batch, "context": self.context, "steps": steps,
                "tokens_per_s": self.batch * steps / timed, "ms_per_step": 1000 * timed / steps,
-               "ms_per_step_median": 1000 * statistics.median(self.step_times), "prefill_s": self.prefill_s}
+               "ms_per_step_median": 1000 * statistics.median(self.step_times), "prefill_s": self.prefill_s,
+               "tokens_per_s_per_rank": self.batch * steps / timed / self.ep}
         if self.engine is not None:
             st = self.engine.stats
             step_s, own_s, comm0, pairs0 = self._mark
             step_s = st.step_s - step_s
             comm = [a - b for a, b in zip(st.comm_s, comm0)]
-            out["all_to_all_share_per_rank"] = [x / step_s for x in comm]
-            out["all_to_all_ms_per_step_per_rank"] = [1000 * x / steps for x in comm]
+            timed = any(comm)  # off on CUDA (engine/moe_ep.py EpStats.timed)
+            out["all_to_all_share_per_rank"] = [x / step_s for x in comm] if timed else None
+            out["all_to_all_ms_per_step_per_rank"] = [1000 * x / steps for x in comm] if timed else None
             out["rank0_own_share"] = (st.own_s - own_s) / step_s
             out["placed_per_rank"] = list(self.engine.pool.assigned)
             out["decode_expert_load"] = self.decode_load()
@@ -138,12 +149,14 @@ def main() -> None:
     ap.add_argument("--plan-out", default="", help="write a placement with --redundant copies of hot experts, "
                     "planned from the largest EP run's observed expert loads (use it as --ep-placement)")
     ap.add_argument("--redundant", type=int, default=2, help="redundant expert copies for --plan-out")
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                    help="cuda: rank r on GPU r, bf16, NCCL (EP 1 on GPU 0)")
     a = ap.parse_args()
     max_len = a.context + a.warmup + a.steps + 1
     setups: list[Setup] = []
     try:
         for ep in a.ep_sizes.split(","):
-            setups.append(Setup(a.model, int(ep), a.batch, a.context, max_len, a.threads, a.ep_placement))
+            setups.append(Setup(a.model, int(ep), a.batch, a.context, max_len, a.threads, a.ep_placement, a.device))
         # Interleave the EP sizes step by step, so a shared machine's changing load hits all alike.
         for i in range(a.warmup + a.steps):
             if i == a.warmup:
@@ -164,11 +177,14 @@ def main() -> None:
             s.close()
     base = results[0]
     for r, g in zip(results, generated):
-        if g != generated[0]:
+        same = sum(x == y for a_, b_ in zip(g, generated[0]) for x, y in zip(a_, b_))
+        r["identical_token_share"] = same / sum(len(t) for t in generated[0])
+        if g != generated[0] and a.device == "cpu":
             raise SystemExit(f"EP {r['ep_size']} generated other tokens than EP {base['ep_size']}")
         share = r.get("all_to_all_share_per_rank")
         print(f"EP {r['ep_size']}: {r['tokens_per_s']:.1f} tok/s, {r['ms_per_step']:.1f} ms/step"
-              f" ({r['tokens_per_s'] / base['tokens_per_s']:.2f}x EP {base['ep_size']})"
+              f" ({r['tokens_per_s'] / base['tokens_per_s']:.2f}x EP {base['ep_size']}; per rank "
+              f"{r['tokens_per_s_per_rank']:.1f}; identical tokens {r['identical_token_share']:.1%})"
               + (f", all-to-all share per rank {', '.join(f'{x:.0%}' for x in share)}"
                  f", rank 0's own share {r['rank0_own_share']:.0%}, rank load max/mean "
                  f"{r['rank_load_max_over_mean']:.2f}" if share else ""))

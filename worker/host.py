@@ -181,6 +181,7 @@ class WorkerStats:
 
     remote_prefills: int = 0  # decode: prompts whose KV came from a prefill worker
     local_prefills: int = 0  # decode: prompts prefilled here
+    ep_local_prefills: int = 0  # decode, EP ranks on GPUs: of those, prefilled here because their rank takes no transfers
     prefill_cached_tokens: int = 0  # prefill: prompt tokens taken from this worker's prefix cache
     transfers: int = 0  # prefill: KV transfers completed (all backends)
     transfer_bytes: int = 0
@@ -304,7 +305,8 @@ class WorkerRuntime:
                 log.info("decode on CUDA without graphs: --disable-cuda-graph")
         else:  # --- EP hook: the ranks' pools (num_blocks each) and lock-step runner (decode_worker/ep_ranks.py)
             if self.device.type == "cuda":
-                log.info("decode on CUDA without graphs: expert-parallel ranks step eagerly")
+                log.info("decode on CUDA without graphs: expert-parallel ranks step eagerly (the fast path's "
+                         "kernels, no CUDA graphs yet)")
             self.engine = engine(opts, self.loaded, pool_config, hash_seed(self.loaded.name, weights=self.loaded.fingerprint))
             self.pool, self.runner = self.engine.pool, self.engine
         self.planner = self._chunk_planner()
