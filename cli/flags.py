@@ -91,7 +91,8 @@ HELP = {
                                 "CUDA only; on a CPU steps always run in turn)",
     "disable_cuda_graph": "decode on CUDA: run every step eagerly instead of replaying the decode step's "
                           "CUDA graph (captured at start-up for batch sizes up to --max-running)",
-    "ep_size": "decode: expert-parallel ranks (processes) forming this worker; 1 = no expert parallelism",
+    "ep_size": "decode: expert-parallel ranks (processes) forming this worker; 1 = no expert parallelism; "
+               "from --device cuda:i, rank r runs on GPU i + r",
     "ep_backend": "decode: EP all-to-all backend: auto (DeepEP when it imports and ranks are on GPUs, else "
                   "torch.distributed), torch, or deepep (fails unless it can run)",
     "ep_placement": "decode: JSON file placing experts (and redundant copies of hot ones) on EP ranks, as "

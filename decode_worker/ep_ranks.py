@@ -112,8 +112,8 @@ def run_work(runner: ModelRunner, work: RankWork | SpecWork) -> Any:
       new token, on the CPU ([0, hidden] idle);
     - a SpecWork: `spec_forward`'s outputs (the rank's SpecOutputs, [] when idle)."""
     model, pool = runner.model, runner.pool
-    if isinstance(work, SpecWork):
-        return spec_forward(model, pool, list(work.batch), rounds=work.rounds)
+    if isinstance(work, SpecWork):  # tensors to the host: rank 0 takes them onto its own device
+        return [_moved(o, "cpu") for o in spec_forward(model, pool, list(work.batch), rounds=work.rounds)]
     step = ep_rank_of(model)
     step.counts = work.counts or None
     try:
@@ -122,6 +122,10 @@ def run_work(runner: ModelRunner, work: RankWork | SpecWork) -> Any:
         return _prefill_share(model, pool, work).cpu()
     finally:
         step.counts = None
+
+
+def _moved(out: SpecOutput, device: torch.device | str) -> SpecOutput:
+    return dataclasses.replace(out, target_logits=out.target_logits.to(device), hidden=out.hidden.to(device))
 
 
 def _decode_share(runner: ModelRunner, work: RankWork) -> tuple[list[int], list[float]]:
@@ -368,7 +372,7 @@ class EpEngine:
             shares[rank].append(dataclasses.replace(b, block_ids=list(local)))
         rounds = max((b.num_drafts for b in batch), default=0)
         outs = self.step([SpecWork(tuple(s), rounds) for s in shares])
-        return [outs[r][i] for r, i in where]
+        return [_moved(outs[r][i], self.devices[0]) for r, i in where]
 
     def decode_tokens(self, batch: list[DecodeInput], sampling: list) -> tuple[list[int], list[float]]:
         """One decode step for every request, each on its own rank, which samples its rows
