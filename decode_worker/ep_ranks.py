@@ -112,8 +112,9 @@ def run_work(runner: ModelRunner, work: RankWork | SpecWork) -> Any:
       new token, on the CPU ([0, hidden] idle);
     - a SpecWork: `spec_forward`'s outputs (the rank's SpecOutputs, [] when idle)."""
     model, pool = runner.model, runner.pool
-    if isinstance(work, SpecWork):  # tensors to the host: rank 0 takes them onto its own device
-        return [_moved(o, "cpu") for o in spec_forward(model, pool, list(work.batch), rounds=work.rounds)]
+    if isinstance(work, SpecWork):  # tensors travel through the host, both ways (not CUDA IPC)
+        batch = [dataclasses.replace(b, hidden=b.hidden.to(pool.kv.device)) for b in work.batch]
+        return [_moved(o, "cpu") for o in spec_forward(model, pool, batch, rounds=work.rounds)]
     step = ep_rank_of(model)
     step.counts = work.counts or None
     try:
@@ -205,6 +206,7 @@ def _rank_main(rank: int, world: int, port: int, spec: str, seed: int, threads: 
     try:
         model, step = _ep_model(spec, seed, placement, rank, kv.device, dtype)
         runner = ModelRunner(model, KvPool(rank_config, hash_seed, kv=kv))
+        _warm_up(runner)
         conn.send(("ready", None))
         while True:
             try:
@@ -221,6 +223,14 @@ def _rank_main(rank: int, world: int, port: int, spec: str, seed: int, threads: 
             conn.send(("ok", (out, step.stats)))
     finally:
         dist.destroy_process_group()
+
+
+def _warm_up(runner: ModelRunner) -> None:
+    """Compile a GPU rank's fused MoE kernels (every tile size) before the first step, on its
+    own: compiled inside a lock-step step, they would keep the other ranks waiting in NCCL."""
+    if runner.fast:
+        from engine.kernels.grouped_experts import warm_up_fused_experts
+        warm_up_fused_experts(runner.model)
 
 
 def model_experts(spec: str) -> int:
@@ -297,6 +307,7 @@ class EpEngine:
             self._stats0 = step0.stats
             # rank 0's runner: the worker's runner for its own share (fast path on a GPU)
             self.runner0 = ModelRunner(self.model, self.pool.ranks[0])
+            _warm_up(self.runner0)
             for rank, conn in enumerate(self._conns, start=1):
                 if not conn.poll(STARTUP_TIMEOUT_S):
                     raise RuntimeError(f"EP rank {rank} did not start within {STARTUP_TIMEOUT_S:.0f} s")
@@ -369,7 +380,7 @@ class EpEngine:
         for b in batch:
             rank, local = self.pool.split(b.block_ids)
             where.append((rank, len(shares[rank])))
-            shares[rank].append(dataclasses.replace(b, block_ids=list(local)))
+            shares[rank].append(dataclasses.replace(b, block_ids=list(local), hidden=b.hidden.cpu()))
         rounds = max((b.num_drafts for b in batch), default=0)
         outs = self.step([SpecWork(tuple(s), rounds) for s in shares])
         return [_moved(outs[r][i], self.devices[0]) for r, i in where]
@@ -429,8 +440,11 @@ def ep_engine_factory(own_model: bool) -> Callable[[Any, Any, KvPoolConfig, int]
         n = loaded.config.n_routed_experts
         placement = (ExpertPlacement.from_file(opts.ep_placement, n, opts.ep_size) if opts.ep_placement
                      else ExpertPlacement.contiguous(n, opts.ep_size))
+        device = loaded.model.model.embed_tokens.weight.device
+        # a collective's timeout; on GPUs the first steps also compile the decode kernels (Triton,
+        # torch.compile) on every rank, which the slowest rank's peers wait for inside NCCL
+        timeout_s = max(300.0 if device.type == "cuda" else 60.0, opts.stall_timeout_s)
         return EpEngine(opts.model, opts.seed, opts.ep_size, opts.ep_backend, opts.torch_threads,
-                        max(60.0, opts.stall_timeout_s), rank_config, hash_seed, placement,
-                        model=loaded.model if own_model else None,
-                        device=loaded.model.model.embed_tokens.weight.device)
+                        timeout_s, rank_config, hash_seed, placement,
+                        model=loaded.model if own_model else None, device=device)
     return start

@@ -44,6 +44,10 @@ def use_overlap(runtime, speculative: bool) -> bool:
     if runtime.opts.disable_overlap_schedule:
         log.info("overlap scheduler: off (--disable-overlap-schedule)")
         return False
+    if getattr(runtime, "engine", None) is not None:
+        log.info("overlap scheduler: off with expert-parallel ranks (each step is one lock-step call "
+                 "over the ranks' pipes; their runners keep no future-token map)")
+        return False
     if runtime.pool.kv.device.type != "cuda":
         log.info("overlap scheduler: off on %s (steps run synchronously there; schedule, run and "
                  "postprocess take turns)", runtime.pool.kv.device.type)

@@ -205,7 +205,9 @@ class ExpertParallelDispatch:
         r_ids = recv[:, nx:nx + 4 * k].contiguous().view(torch.int32).long()  # [R, k]
         r_w = recv[:, nx + 4 * k:].contiguous().view(torch.float32)  # [R, k]
         st._received += (r_ids >= 0).sum()
-        partial = self.grouped.forward(r_x, r_ids, r_w, sum_slots="float32", no_expert=True)  # [R, hidden] f32
+        # tiles sized for this rank's share of the pairs (about 1 / world of them have an expert here)
+        partial = self.grouped.forward(r_x, r_ids, r_w, sum_slots="float32", no_expert=True,
+                                       pairs_hint=max(1, r_total * k // world))  # [R, hidden] float32
         back = torch.empty((world * t, x.shape[1]), dtype=torch.float32, device=dev)
         self._all_to_all(back, partial, [t] * world, counts)
         return back.view(world, t, x.shape[1]).sum(0).to(x.dtype)  # summed in rank order

@@ -246,7 +246,8 @@ def align_triton(flat_ids: torch.Tensor, num_experts: int, block_m: int,
 def fused_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
                   down: torch.Tensor, tiles: tuple[int, int, int, int, int] | None = None,
                   shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-                  sum_slots: bool | str = True, no_expert: bool = False) -> torch.Tensor:
+                  sum_slots: bool | str = True, no_expert: bool = False,
+                  pairs_hint: int | None = None) -> torch.Tensor:
     """Routed (and shared) experts of one MoE layer (Triton, CUDA only).
 
     Args:
@@ -267,6 +268,8 @@ def fused_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gat
             their sum [T, hidden] in float32, not rounded to x's dtype.
         no_expert: True when ids may hold -1 (their slots' rows are zeroed first: one more
             launch, so the single-device path, which never has them, leaves them out).
+        pairs_hint: the pairs expected to have an expert, for the tile size (`block_m_for`);
+            default all T × k (an EP rank passes its share: most of its slots are -1).
     Returns:
         [T, hidden] in x's dtype: sum over k of weight × expert(x), the sum in float32 in slot order.
     Raises:
@@ -284,7 +287,7 @@ def fused_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gat
     n_shared = shared_chunks(shared, inter)
     e_all = e + n_shared
     p = t * k
-    bm = block_m_for(p, e_all)
+    bm = block_m_for(p if pairs_hint is None else pairs_hint, e_all)
     bm, bn, bk, warps, stages = tiles or (bm, *TILES[bm])
     flat = ids.reshape(-1)
     rows, bexp = (align_triton(flat, e, bm, n_shared) if p <= ALIGN_ONE_PROGRAM_MAX_PAIRS
@@ -331,11 +334,13 @@ def shared_chunks(shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
 def fused_experts_reference(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
                             down: torch.Tensor,
                             shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-                            sum_slots: bool | str = True, no_expert: bool = False) -> torch.Tensor:
+                            sum_slots: bool | str = True, no_expert: bool = False,
+                            pairs_hint: int | None = None) -> torch.Tensor:
     """What `fused_experts` computes, in torch (any device): per pair, the expert's SwiGLU with
     each projection rounded to x's dtype, the output scaled by the routing weight in float32,
     summed over k in slot order; a slot with id -1 gives 0. Same arguments and result as
-    `fused_experts` (no_expert is accepted for the same signature; -1 is always handled)."""
+    `fused_experts` (no_expert and pairs_hint are accepted for the same signature; -1 is always
+    handled)."""
     t, k = ids.shape
     if t == 0:
         return _empty_result(x, k, sum_slots)

@@ -82,14 +82,15 @@ class GroupedExperts:
         return GroupedExperts(gate_up, down, shared)
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
-                sum_slots: bool | str = True, no_expert: bool = False) -> torch.Tensor:
+                sum_slots: bool | str = True, no_expert: bool = False, pairs_hint: int | None = None) -> torch.Tensor:
         """x [T, hidden], ids [T, k] int64 expert ids, weights [T, k] float32 -> [T, hidden]
         (x's dtype; the weighted sum over k accumulates in float32, as the reference); with
         sum_slots=False the per-slot outputs [T, k, hidden] float32, with "float32" their sum
-        unrounded; no_expert: ids may hold -1, slots no expert here computes (`fused_experts`)."""
+        unrounded; no_expert: ids may hold -1, slots no expert here computes; pairs_hint: the
+        pairs expected to have an expert, for the tile size (`fused_experts`)."""
         run = fused_experts if x.is_cuda else fused_experts_reference
         return run(x, ids, weights, self.gate_up, self.down, shared=self.shared, sum_slots=sum_slots,
-                   no_expert=no_expert)
+                   no_expert=no_expert, pairs_hint=pairs_hint)
 
     # Above this many tokens (a prefill forward) the shared experts run as their own GEMMs:
     # there the step is bound by FLOPs, which cuBLAS's dense GEMM does better than the fused
@@ -144,10 +145,13 @@ def warm_up_fused_experts(model: torch.nn.Module) -> int:
     (0 without a grouped MoE layer)."""
     from engine.model import MoE
 
-    moe = next((m for m in model.modules() if isinstance(m, MoE) and m.grouped is not None), None)
+    def stacked(m):  # a layer's grouped experts: its own, or an expert-parallel rank's local ones
+        return m.grouped if m.grouped is not None else getattr(m.experts_forward, "grouped", None)
+
+    moe = next((m for m in model.modules() if isinstance(m, MoE) and stacked(m) is not None), None)
     if moe is None:
         return 0
-    g = moe.grouped
+    g = stacked(moe)
     experts, slots = g.num_experts + g.num_shared, moe.gate.c.num_experts_per_tok + g.num_shared
     counts = warm_up_token_counts(experts, slots)
     gen = torch.Generator(device=g.gate_up.device).manual_seed(0)
