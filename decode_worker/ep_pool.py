@@ -1,12 +1,11 @@
 """The KV pools of an expert-parallel decode worker's ranks, seen as one pool.
 
-With data-parallel attention (DESIGN.md section 8) each EP rank owns its requests and their
-KV: rank r has its own `KvPool` (blocks, prefix cache, LRU). All of their storage is one
-tensor `[ep_size, num_blocks, num_layers, block_size, kv_dim]` in shared memory, so rank 0's
-NIXL agent registers it once and a prefill worker writes a request's blocks straight into the
-owning rank's share. Block ids handed out are *global*: rank r's local block b is
-`r * num_blocks + b`, which is also its index in the registered tensor — the KvDestination
-protocol is unchanged.
+With data-parallel attention each EP rank owns its requests and their KV: rank r has its own
+`KvPool` (blocks, prefix cache, LRU) over its own storage (shared memory on a CPU, its GPU's
+HBM), which the worker registers with a transfer agent of rank r's own, so a prefill worker
+writes a request's blocks straight into the owning rank's pool. Block ids handed out are
+*global*: rank r's local block b is `r * num_blocks + b`; `split` gives the rank and the local
+ids a KvDestination carries.
 
 `EpKvPool` offers what the decode service and scheduler use of a `KvPool` (allocate_prompt,
 commit_prompt, grow, free, block_size, kv, blocks, hash_seed, config), so they run unchanged.
@@ -101,22 +100,16 @@ class EpBlocks:
 class EpKvPool:
     """Per-rank KV pools with global block ids (single-threaded: the event-loop thread)."""
 
-    def __init__(self, rank_config: KvPoolConfig, hash_seed: int, kv: torch.Tensor | list[torch.Tensor]) -> None:
-        """kv: [ep_size, num_blocks, num_layers, block_size, kv_dim] storage (shared memory: the
-        transfer agent registers all of it), or one [num_blocks, ...] tensor per rank (GPUs: each
-        in its rank's HBM; the agent registers rank 0's, `transfer_ranks`)."""
-        shares = list(kv) if isinstance(kv, list) else [kv[r] for r in range(kv.shape[0])]
-        self.ep_size = len(shares)
+    def __init__(self, rank_config: KvPoolConfig, hash_seed: int, kv: list[torch.Tensor]) -> None:
+        """kv: each rank's storage [num_blocks, num_layers, block_size, kv_dim] (in shared memory
+        on a CPU, in the rank's HBM on GPUs); the worker registers each with a transfer agent of
+        its own (worker/host.py)."""
+        self.ep_size = len(kv)
         self.rank_config = rank_config
         self.config = dataclasses.replace(rank_config, num_blocks=self.ep_size * rank_config.num_blocks)
         self.hash_seed = hash_seed
-        self.ranks = [KvPool(rank_config, hash_seed, kv=t) for t in shares]
-        if isinstance(kv, list):
-            self.kv = shares[0]  # what the transfer agent registers: rank 0's blocks, global ids 0..
-            self.transfer_ranks = frozenset({0})
-        else:
-            self.kv = kv.view(self.config.num_blocks, *kv.shape[2:])
-            self.transfer_ranks = frozenset(range(self.ep_size))
+        self.ranks = [KvPool(rank_config, hash_seed, kv=t) for t in kv]
+        self.kv = self.ranks[0].kv  # rank 0's storage: its device is the worker's
         self.blocks = EpBlocks([p.blocks for p in self.ranks])
         self.assigned = [0] * self.ep_size  # prompts placed on each rank (a counter for tests/metrics)
 
@@ -134,11 +127,6 @@ class EpKvPool:
         local = [BlockId(b - rank * nb) for b in block_ids]
         assert all(0 <= b < nb for b in local), f"blocks {block_ids} span several ranks"
         return rank, local
-
-    def receivable(self, block_ids: list[BlockId]) -> bool:
-        """Whether a prefill worker can write these blocks (their rank's storage is registered
-        with the transfer agent)."""
-        return not block_ids or self.split(block_ids)[0] in self.transfer_ranks
 
     def _global(self, rank: int, block_ids: list[BlockId]) -> list[BlockId]:
         return [BlockId(rank * self.rank_config.num_blocks + b) for b in block_ids]
@@ -176,6 +164,14 @@ class EpKvPool:
             return PromptBlocks(self._global(rank, p.block_ids), p.hashes, p.num_cached_blocks)
         assert exc is not None
         raise exc
+
+    def allocate_beside(self, like: list[BlockId], n: int) -> list[BlockId]:
+        """n fresh blocks on the rank that holds `like` (a request's blocks; may be empty when
+        n is 0). Raises PoolExhausted: that rank has fewer free blocks (nothing is taken)."""
+        if n == 0:
+            return []
+        rank, _ = self.split(like)
+        return self._global(rank, self.ranks[rank].blocks.allocate(n))
 
     def commit_prompt(self, prompt: PromptBlocks) -> None:
         rank, local = self.split(prompt.block_ids)

@@ -18,12 +18,11 @@ samples its own requests' tokens (engine/sampling.py: seeded rows do not depend 
 so only token ids and log-probabilities travel back to rank 0.
 
 Each rank builds the same model from `--model`/`--seed` and keeps only its experts
-(`install_expert_parallel`). KV storage: on a CPU, one shared-memory tensor for all ranks that
-rank 0's transfer agent registers, so a prefill worker's KV lands in the owning rank's share;
-on GPUs, rank 0 allocates each rank's pool in that rank's HBM and hands it to the rank (CUDA
-IPC). There rank 0's agent registers rank 0's pool only: a request placed on another rank is
-prefilled by the worker itself (per-rank transfer agents named in the KvDestination are not
-written yet).
+(`install_expert_parallel`). KV storage: rank 0 allocates each rank's pool on that rank's
+device (shared memory on a CPU, the rank's HBM on GPUs) and hands it to the rank (CUDA IPC on
+GPUs); the worker registers each with a transfer agent of that rank's own (worker/host.py), and a
+request's KvDestination names the agent of the rank that owns it, so a prefill worker's KV lands
+in the owning rank's pool.
 """
 
 from __future__ import annotations
@@ -271,15 +270,14 @@ class EpEngine:
                  len(self.placement.replicas), self.backend, _group_backend(self.devices[0]))
         shape = (rank_config.num_blocks, rank_config.num_layers, rank_config.block_size, rank_config.kv_dim)
         if on_cuda:
-            # each rank's pool in its own HBM, allocated here and mapped by the rank (CUDA IPC)
             os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast off (ranks inherit it)
-            kv: torch.Tensor | list[torch.Tensor] = [torch.zeros(shape, dtype=rank_config.dtype, device=d)
-                                                    for d in self.devices]
-            shares = list(kv)
-        else:  # one shared-memory tensor: rank 0's agent registers every rank's blocks
-            kv = torch.zeros((ep_size, *shape), dtype=rank_config.dtype).share_memory_()
-            shares = [kv[r] for r in range(ep_size)]
-        self.pool = EpKvPool(rank_config, hash_seed, kv)
+        # each rank's pool on its own device, allocated here (where the worker's transfer agents
+        # register them) and handed to the rank: shared memory on a CPU, CUDA IPC on GPUs
+        shares = [torch.zeros(shape, dtype=rank_config.dtype, device=d) for d in self.devices]
+        if not on_cuda:
+            for t in shares:
+                t.share_memory_()
+        self.pool = EpKvPool(rank_config, hash_seed, shares)
         self.stats = StepStats(comm_s=[0.0] * ep_size, pairs_received=[0] * ep_size)
         self._loads: list[torch.Tensor | None] = [None] * ep_size
         store = dist.TCPStore("127.0.0.1", 0, ep_size, is_master=True, wait_for_workers=False,

@@ -73,25 +73,26 @@ class PrefillFence:
         self.released = asyncio.Event()  # set at every release; a waiter clears it before waiting
 
     def hold(self, request_id: str, block_ids: list[BlockId], abandon: AbandonCall, gone: GoneCheck,
-             message: bytes | None = None) -> None:
+             message: bytes | None = None, agent: KvTransferAgent | None = None) -> None:
         """Hold `block_ids` until `abandon` is answered, `gone` holds (see the module docstring)
         or bound_s passes. `message`: the call's transfer notification (default: the request id
-        alone), consumed when the prefill worker says it sent it. Call from the loop."""
+        alone), consumed when the prefill worker says it sent it, at `agent` (default: the
+        fence's; an EP worker's blocks have their rank's agent). Call from the loop."""
         if not block_ids:
             return
         self._stats.fenced_prefills += 1
         self.held_blocks += len(block_ids)
         message = request_id.encode() if message is None else message
         task = asyncio.get_running_loop().create_task(self._release(request_id, list(block_ids), abandon, gone,
-                                                                    message),
+                                                                    message, agent or self._agent),
                                                       name=f"fence-{request_id}")
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
     async def _release(self, request_id: str, block_ids: list[BlockId], abandon: AbandonCall,
-                       gone: GoneCheck, message: bytes) -> None:
+                       gone: GoneCheck, message: bytes, agent: KvTransferAgent) -> None:
         try:
-            outcome = await self._abandon(message, abandon, gone)
+            outcome = await self._abandon(message, abandon, gone, agent)
             if outcome == "answered":
                 self._stats.fences_released_by_peer += 1
             elif outcome == "gone":
@@ -105,8 +106,8 @@ class PrefillFence:
             self._free(block_ids)
             self.released.set()
 
-    async def _abandon(self, message: bytes, abandon: AbandonCall,
-                       gone: GoneCheck) -> Literal["answered", "gone", "expired"]:
+    async def _abandon(self, message: bytes, abandon: AbandonCall, gone: GoneCheck,
+                       agent: KvTransferAgent) -> Literal["answered", "gone", "expired"]:
         """"answered" once the prefill worker answered, "gone" once nothing listens at its
         address, "expired" at the bound."""
         end = time.monotonic() + self.bound_s
@@ -133,7 +134,7 @@ class PrefillFence:
                 continue
             if notified:  # its transfer had completed late: consume the notification it sent
                 try:
-                    await self._agent.wait_notification(message, max(0.1, min(self.attempt_s, left)))
+                    await agent.wait_notification(message, max(0.1, min(self.attempt_s, left)))
                 except (TransferError, RuntimeError):
                     pass  # the transfer is over either way; an unclaimed notification ages out
             return "answered"

@@ -35,6 +35,7 @@ from common.validation import (InvalidArgument, sampling_from_proto, validate_ca
 from decode_worker.admission import admit_or_abort
 from decode_worker.fence import PrefillFence, nothing_listens
 from decode_worker.scheduler import DecodeScheduler, RunningRequest
+from engine.block_pool import BlockId
 from engine.kv_pool import PoolExhausted, PromptBlocks
 from engine.mtp import hidden_from_bytes
 from engine.sampling import sample
@@ -86,7 +87,9 @@ class DecodeServicer(SessionMixin, pb_grpc.DecodeServiceServicer):
         # record it was opened for: only that process gets our transfer metadata)
         self._channel_names: dict[str, str | None] = {}
         self._closing: set[asyncio.Task] = set()  # channels of departed prefill workers, closing
-        self._metadata_sent: set[str] = set()  # prefill addresses that hold our agent metadata
+        # (prefill address, agent name): prefill workers that hold that agent's metadata (one agent
+        # per EP rank on an expert-parallel worker)
+        self._metadata_sent: set[tuple[str, str]] = set()
         self._failures = RateLimitedLog(log)  # one line per prefill worker per 5 s
         # A prefill call that ended unanswered may still write: its blocks wait here (fence.py)
         # until the prefill worker answers Abandon. Bound, for one that never answers: its own
@@ -121,7 +124,7 @@ class DecodeServicer(SessionMixin, pb_grpc.DecodeServiceServicer):
         dials the address again (gRPC reconnects a channel by itself), and forget that it held
         our agent metadata. Calls still open on it get `--prefill-timeout` to end by
         themselves; the next request that names the address is refused by the PeerDirectory."""
-        self._metadata_sent.discard(address)
+        self._metadata_sent = {k for k in self._metadata_sent if k[0] != address}
         self._channel_names.pop(address, None)
         ch = self._channels.pop(address, None)
         if ch is None:
@@ -143,11 +146,14 @@ class DecodeServicer(SessionMixin, pb_grpc.DecodeServiceServicer):
             grpc.aio.AioRpcError: the prefill worker failed or refused.
             TransferError: the KV did not arrive in time.
         """
-        desc = self.rt.pool_desc
+        # the agent of the pool that holds the blocks (on an EP worker, the owning rank's), and
+        # the blocks' ids in that pool
+        agent, desc, metadata, local_ids = self.rt.transfer_target(prompt.block_ids)
+        sent_key = (address, agent.name)
         dst = prefill_pb2.KvDestination(
-            backend=self.rt.opts.transfer_backend, agent_name=self.rt.agent.name,
+            backend=self.rt.opts.transfer_backend, agent_name=agent.name,
             base_address=desc.base_address, block_stride_bytes=desc.block_stride_bytes, device_id=desc.device_id,
-            first_block_index=prompt.num_cached_blocks, block_ids=prompt.block_ids[prompt.num_cached_blocks:],
+            first_block_index=prompt.num_cached_blocks, block_ids=local_ids[prompt.num_cached_blocks:],
             kv_cache_dtype=self.rt.pool.config.dtype_name, kv_cache_scale=self.rt.pool.config.scale)
         req = prefill_pb2.PrefillRequest(request_id=request_id, token_ids=tokens, sampling=sampling, destination=dst,
                                          sampling_step_offset=step_offset,
@@ -158,8 +164,8 @@ class DecodeServicer(SessionMixin, pb_grpc.DecodeServiceServicer):
         # in between (the record left), and a worker forgotten meanwhile is not marked as holding it.
         stub = self._stub(address, instance_id)
         for attempt in range(2):
-            if address not in self._metadata_sent or attempt:
-                req.destination.agent_metadata = self.rt.transfer_metadata  # the bytes discovery has the digest of
+            if sent_key not in self._metadata_sent or attempt:
+                req.destination.agent_metadata = metadata  # the bytes discovery has the digest of
             if attempt and address not in self._channels:  # it answered, then its record left
                 raise TransferError(f"prefill worker at {address} left discovery")
             try:
@@ -169,12 +175,12 @@ class DecodeServicer(SessionMixin, pb_grpc.DecodeServiceServicer):
                 if exc.code() != grpc.StatusCode.FAILED_PRECONDITION or attempt:
                     raise
         if address in self._channels:
-            self._metadata_sent.add(address)
+            self._metadata_sent.add(sent_key)
         with tracing.span("tandem.kv_receive", {"tandem.transfer.backend": self.rt.opts.transfer_backend,
                                                 "tandem.transfer.blocks": len(dst.block_ids),
                                                 "tandem.transfer.bytes": resp.transfer_bytes,
                                                 "tandem.transfer.seconds": resp.transfer_seconds}):
-            await self.rt.agent.wait_notification(notification(request_id, secret), self.rt.opts.transfer_timeout_s)
+            await agent.wait_notification(notification(request_id, secret), self.rt.opts.transfer_timeout_s)
         hidden = None
         if self.scheduler.spec is not None:
             cfg = self.rt.loaded.config
@@ -229,12 +235,6 @@ class DecodeServicer(SessionMixin, pb_grpc.DecodeServiceServicer):
                        params: SamplingParams, timeout_s: float, prefill_address: str) -> Prefilled:
         tokens = list(request.token_ids)
         instance = await self._still_in_discovery(prefill_address, request_id) if prefill_address else None
-        receivable = getattr(self.rt.pool, "receivable", None)  # EP ranks on GPUs (decode_worker/ep_pool.py)
-        if instance is not None and receivable is not None and not receivable(prompt.block_ids):
-            self._failures.warning("ep-rank-pool", "request %s: its EP rank's KV pool takes no transfers (only "
-                                   "rank 0's is registered); prefilling locally", request_id)
-            self.rt.stats.ep_local_prefills += 1
-            instance = None
         if instance is not None:
             # the call's secret: only the prefill worker it reaches can announce its KV as written
             secret = secrets.token_bytes(16)
@@ -249,10 +249,11 @@ class DecodeServicer(SessionMixin, pb_grpc.DecodeServiceServicer):
                 self._failures.warning(prefill_address, "request %s: prefill on %s failed (%s); prefilling "
                                        "locally", request_id, prefill_address, detail)
                 if isinstance(exc, grpc.aio.AioRpcError) and exc.code() not in ANSWERED:
+                    like = list(prompt.block_ids)  # fresh blocks come from the pool (EP rank) holding these
                     try:
                         self._fence(prefill_address, instance, request_id, prompt, secret)
                     except PoolExhausted as short:  # wait a little for blocks (the fenced ones too) to come back
-                        await self._refill(prompt, short.needed)
+                        await self._refill(prompt, short.needed, like)
             except asyncio.CancelledError:  # the request ended while the prefill worker had it
                 try:
                     self._fence(prefill_address, instance, request_id, prompt, secret)
@@ -288,18 +289,20 @@ class DecodeServicer(SessionMixin, pb_grpc.DecodeServiceServicer):
                     prefill_pb2.AbandonRequest(request_id=request_id), timeout=timeout_s)
             return resp.notified
 
+        # a late transfer's notification arrives at the agent of the pool that holds the blocks
+        agent = self.rt.transfer_target(given)[0] if given else None
         self.fence.hold(request_id, given, abandon, lambda: nothing_listens(address),
-                        notification(request_id, secret))
-        prompt.block_ids.extend(self.rt.pool.blocks.allocate(len(given)))  # PoolExhausted.needed: len(given)
+                        notification(request_id, secret), agent=agent)
+        prompt.block_ids.extend(self.rt.pool.allocate_beside(given, len(given)))  # PoolExhausted.needed: len(given)
 
-    async def _refill(self, prompt: PromptBlocks, n: int) -> None:
+    async def _refill(self, prompt: PromptBlocks, n: int, like: list[BlockId]) -> None:
         """Give the prompt its n fresh blocks, waiting up to FENCE_WAIT_S for the pool to free
         some (a fence on a prefill worker that died is released within about two seconds: its
         port refuses connections). Raises PoolExhausted when the wait ends first."""
         deadline = time.monotonic() + FENCE_WAIT_S
         while True:
             try:
-                prompt.block_ids.extend(self.rt.pool.blocks.allocate(n))
+                prompt.block_ids.extend(self.rt.pool.allocate_beside(like, n))
                 return
             except PoolExhausted:
                 if time.monotonic() >= deadline:

@@ -107,6 +107,11 @@ class KvPool:
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.config.block_size)
 
+    def allocate_beside(self, like: list[BlockId], n: int) -> list[BlockId]:
+        """n fresh blocks in the pool that holds `like` (here: this one; an EP worker's pool
+        picks the rank of `like`). Raises PoolExhausted: nothing is taken then."""
+        return self.blocks.allocate(n)
+
     def allocate_prompt(self, token_ids: list[int], seed: int | None = None) -> PromptBlocks:
         """Blocks for a whole prompt, reusing the longest cached prefix.
 

@@ -11,7 +11,7 @@ from common.pb.tandem.v1 import prefill_pb2 as pb
 from discovery.watcher import InstanceEvent, InstanceWatcher
 from engine.model_source import LoadedModel
 from worker.host import WorkerOptions, WorkerRuntime, serve_worker
-from worker.peers import PeerDirectory
+from worker.peers import PeerDirectory, transfer_agents
 from prefill_worker.service import PrefillServicer
 
 SERVICE = "tandem.v1.PrefillService"
@@ -33,7 +33,8 @@ async def run(opts: WorkerOptions, ready: Callable[[RunningServer, WorkerRuntime
         def on_change(event: InstanceEvent) -> None:
             servicer.decoders.on_change(event)  # remembers who left (no discovery wait for them)
             if event.kind == "removed":
-                servicer.forget_peer(event.instance.transfer_agent_name)
+                for name in transfer_agents(event.instance):  # one per EP rank on an EP decode worker
+                    servicer.forget_peer(name)
 
         watcher = InstanceWatcher(opts.etcd, opts.namespace, on_change, component="decode")
     servicer = PrefillServicer(runtime, PeerDirectory(runtime.loaded.name, runtime.loaded.fingerprint, watcher))

@@ -32,7 +32,7 @@ from kv_transfer.select import CHOICES
 from prefill_worker.calls import PrefillCalls
 from prefill_worker.chunk_sender import ChunkSender
 from prefill_worker.inflight import MAX_WAIT_S, InflightPrefixes, wait_for
-from worker.peers import DISCOVERY_WAIT_S, PeerDirectory, PermissionDenied, metadata_digest
+from worker.peers import DISCOVERY_WAIT_S, PeerDirectory, PermissionDenied, metadata_digest, transfer_agents
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +47,7 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
         self.inflight = InflightPrefixes()  # block hashes being computed now (inflight.py)
 
     def forget_peer(self, agent_name: str) -> None:
-        """Drop cached transfer metadata of a decode worker that left discovery."""
+        """Drop cached transfer metadata of a decode worker's agent (it left discovery)."""
         self._peer_digests.pop(agent_name, None)
         if agent_name and self.rt.agent.has_peer(agent_name):
             self.rt.agent.remove_peer(agent_name)
@@ -73,8 +73,10 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
         wait_s = DISCOVERY_WAIT_S if remaining is None else max(0.0, min(DISCOVERY_WAIT_S, remaining / 4))
         if self.decoders.recently_gone_agent(dst.agent_name):
             wait_s = 0.0
-        record = await self.decoders.find(lambda i: i.transfer_agent_name == dst.agent_name,
+        record = await self.decoders.find(lambda i: dst.agent_name in transfer_agents(i),
                                           "destination.agent_name", f"decode agent {dst.agent_name!r}", wait_s)
+        # the agent's own digest and pool size: an EP decode worker has one agent per rank
+        digest, capacity = transfer_agents(record)[dst.agent_name]
         if tls.TLS is not None:
             callers = tls.peer_instances(context)
             if record.instance_id not in callers:
@@ -82,18 +84,18 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
                                        f"decode agent {dst.agent_name!r} is {record.instance_id}'s, and the caller's "
                                        f"certificate names instance {', '.join(sorted(callers)) or '(none)'}: a "
                                        "decode worker may ask only for writes into its own pool")
-        if dst.block_ids and max(dst.block_ids) >= record.kv_capacity_blocks:
+        if dst.block_ids and max(dst.block_ids) >= capacity:
             raise InvalidArgument("destination.block_ids",
                                   f"block id {max(dst.block_ids)} is outside {record.instance_id}'s pool of "
-                                  f"{record.kv_capacity_blocks} blocks")
-        if not record.transfer_metadata_sha256:
+                                  f"{capacity} blocks (agent {dst.agent_name!r})")
+        if not digest:
             raise PermissionDenied("destination.agent_metadata",
                                    f"{record.instance_id} publishes no transfer metadata digest in discovery")
-        if dst.agent_metadata and metadata_digest(dst.agent_metadata) != record.transfer_metadata_sha256:
+        if dst.agent_metadata and metadata_digest(dst.agent_metadata) != digest:
             raise PermissionDenied("destination.agent_metadata",
                                    f"not the transfer metadata {record.instance_id} published in discovery "
                                    "(only that worker may send it)")
-        if not dst.agent_metadata and self._peer_digests.get(dst.agent_name) != record.transfer_metadata_sha256:
+        if not dst.agent_metadata and self._peer_digests.get(dst.agent_name) != digest:
             self.forget_peer(dst.agent_name)  # loaded for an earlier record of that name: ask again
 
     def _validate(self, request: pb.PrefillRequest) -> None:

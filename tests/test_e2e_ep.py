@@ -1,6 +1,6 @@
 """Wide-EP decode worker (`--ep-size`, decode_worker/ep_ranks.py) end to end: real etcd, real
-gRPC on loopback, real NIXL writes into the ranks' shared pools, and a second EP rank as a real
-child process joined over gloo. Greedy tokens must equal `reference_generate`."""
+gRPC on loopback, real transfers into each rank's own pool through that rank's transfer agent,
+and a second EP rank as a real child process joined over gloo. Greedy tokens must equal `reference_generate`."""
 
 from __future__ import annotations
 
@@ -75,7 +75,14 @@ def test_single_request_with_an_idle_rank(cluster, stub, tiny_model):
         assert sum(after) - sum(before) == 1
         engine = cluster.decode.runtime.engine
         assert engine.stats.idle_rank_steps >= 9  # the other rank joined every step with no tokens
-        assert cluster.decode.runtime.pool.kv.shape[0] == 2 * cluster.worker_opts.num_blocks
+        rt = cluster.decode.runtime
+        assert rt.pool.kv.shape[0] == cluster.worker_opts.num_blocks  # rank 0's own pool; rank 1 has its own
+        assert rt.pool.ranks[1].kv.data_ptr() != rt.pool.ranks[0].kv.data_ptr()
+        # the record names rank 1's agent: the prefill worker checks a destination against it
+        record = rt.instance("127.0.0.1:1")
+        assert [(a.name, a.capacity_blocks) for a in record.rank_transfer_agents] == [
+            (rt.rank_agents[0].name, cluster.worker_opts.num_blocks)]
+        assert record.kv_capacity_blocks == 2 * cluster.worker_opts.num_blocks
 
 
 def test_concurrent_requests_land_on_both_ranks(cluster, stub, tiny_model):
@@ -86,7 +93,8 @@ def test_concurrent_requests_land_on_both_ranks(cluster, stub, tiny_model):
         got = list(pool.map(lambda p, n: generate(stub, p, n), prompts, lengths))
     for prompt, n, tokens in zip(prompts, lengths, got):
         assert tokens == reference(tiny_model, prompt, n)
-    # every prompt's KV was written by the prefill worker into the owning rank's share of the pool
+    # every prompt's KV was written by the prefill worker into the owning rank's pool, through
+    # that rank's transfer agent
     assert cluster.prefill.runtime.stats.transfers == transfers + len(prompts)
     wait_all_free(cluster)
     if cluster.ep == 2:
@@ -103,6 +111,34 @@ def test_local_prefill_on_owning_rank(cluster, tiny_model):
     assert got == [reference(tiny_model, p, 8) for p in prompts]
     assert cluster.decode.runtime.stats.local_prefills == local + 2
     wait_all_free(cluster)
+
+
+def test_a_rank_agents_destination_is_checked_against_its_own_record(cluster):
+    """A KvDestination naming rank 1's agent is held to that agent's digest and pool size (the
+    record's rank_transfer_agents), not to rank 0's or the worker's whole advertised pool."""
+    if cluster.ep == 1:
+        pytest.skip("needs a second rank")
+    from common.pb.tandem.v1 import prefill_pb2, prefill_pb2_grpc
+    rt = cluster.decode.runtime
+    agent, desc, nb = rt.rank_agents[0], rt.rank_pool_descs[0], cluster.worker_opts.num_blocks
+
+    def refusal(block_ids, metadata):
+        req = prefill_pb2.PrefillRequest(request_id="evil-ep", token_ids=[21, 22, 23], destination=prefill_pb2.KvDestination(
+            backend="auto", agent_name=agent.name, agent_metadata=metadata, base_address=desc.base_address,
+            block_stride_bytes=desc.block_stride_bytes, device_id=-1, first_block_index=0, block_ids=block_ids))
+        before = rt.pool.ranks[1].kv.clone()
+        with grpc.insecure_channel(cluster.prefill.address) as ch:
+            with pytest.raises(grpc.RpcError) as e:
+                prefill_pb2_grpc.PrefillServiceStub(ch).Prefill(req, timeout=30)
+        assert bool((rt.pool.ranks[1].kv == before).all())  # nothing written
+        return e.value
+
+    err = refusal([nb], rt.rank_transfer_metadata[0])  # in the worker's 2 × nb blocks, past rank 1's nb
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and err.details().startswith("destination.block_ids")
+    assert f"{nb} blocks" in err.details(), err.details()
+    err = refusal([0], rt.transfer_metadata)  # rank 0's metadata sent under rank 1's name
+    assert err.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert err.details().startswith("destination.agent_metadata"), err.details()
 
 
 def test_dead_rank_fails_the_loop_not_hangs(cluster):

@@ -15,7 +15,7 @@ BS = 4
 
 def make_pool(ranks=2, blocks=8) -> EpKvPool:
     cfg = KvPoolConfig(num_blocks=blocks, block_size=BS, num_layers=2, kv_dim=3)
-    return EpKvPool(cfg, hash_seed=7, kv=torch.zeros(ranks, blocks, 2, BS, 3))
+    return EpKvPool(cfg, hash_seed=7, kv=[torch.zeros(blocks, 2, BS, 3) for _ in range(ranks)])
 
 
 def test_requests_spread_and_block_ids_are_global_offsets():
@@ -24,9 +24,9 @@ def test_requests_spread_and_block_ids_are_global_offsets():
     b = pool.allocate_prompt(list(range(100, 106)))  # rank 1 is now cheaper
     assert all(0 <= x < 8 for x in a.block_ids) and all(8 <= x < 16 for x in b.block_ids)
     assert pool.assigned == [1, 1]
-    # the global id indexes the registered tensor: writing there lands in rank 1's own storage
-    pool.kv[b.block_ids[0]] = 1.0
-    assert float(pool.ranks[1].kv[b.block_ids[0] - 8].sum()) == 2 * BS * 3
+    # the global id names the rank and the block in that rank's own storage
+    assert pool.split(b.block_ids) == (1, [x - 8 for x in b.block_ids])
+    assert pool.split(a.block_ids) == (0, a.block_ids)
     pool.grow(b.block_ids, 13)
     assert len(b.block_ids) == 4 and all(8 <= x < 16 for x in b.block_ids)
     pool.free(a.block_ids)
@@ -68,17 +68,17 @@ def test_events_report_first_copy_stored_and_last_copy_removed():
     assert pool.blocks.snapshot() == []
 
 
-def test_per_rank_storage_registers_rank_0_only():
-    # GPUs: one tensor per rank, each in its own HBM (here: CPU tensors of the same shapes)
-    cfg = KvPoolConfig(num_blocks=8, block_size=BS, num_layers=2, kv_dim=3)
-    shares = [torch.zeros(8, 2, BS, 3), torch.zeros(8, 2, BS, 3)]
-    pool = EpKvPool(cfg, hash_seed=7, kv=shares)
-    assert pool.ep_size == 2 and pool.config.num_blocks == 16
-    assert pool.kv.data_ptr() == shares[0].data_ptr() and pool.ranks[1].kv.data_ptr() == shares[1].data_ptr()
-    a = pool.allocate_prompt(list(range(10)))
-    b = pool.allocate_prompt(list(range(100, 106)))
-    assert pool.receivable(a.block_ids) and not pool.receivable(b.block_ids)  # rank 1's pool takes no transfers
-    assert make_pool().receivable(b.block_ids)  # one shared tensor: every rank's blocks are registered
+def test_fresh_blocks_come_from_the_rank_of_the_request():
+    pool = make_pool()
+    a = pool.allocate_prompt(list(range(10)))  # rank 0
+    b = pool.allocate_prompt(list(range(100, 106)))  # rank 1
+    assert all(8 <= x < 16 for x in pool.allocate_beside(b.block_ids, 3))
+    assert all(0 <= x < 8 for x in pool.allocate_beside(a.block_ids, 2))
+    assert pool.allocate_beside([], 0) == []
+    from engine.block_pool import PoolExhausted
+    import pytest
+    with pytest.raises(PoolExhausted):  # rank 1 has 8 - 2 - 3 = 3 left, however many rank 0 has
+        pool.allocate_beside(b.block_ids, 4)
 
 
 def test_ep_devices():
@@ -91,3 +91,17 @@ def test_ep_devices():
         import pytest
         with pytest.raises(ValueError, match="--ep-size 2 from --device cuda:1 needs GPUs 1..2; this machine has 0"):
             ep_devices("cuda:1", 2)
+
+
+def test_transfer_agents_of_a_record():
+    from common.pb.tandem.v1 import discovery_pb2
+    from worker.peers import transfer_agents
+    one = discovery_pb2.Instance(transfer_agent_name="d", transfer_metadata_sha256=b"x", kv_capacity_blocks=64)
+    assert transfer_agents(one) == {"d": (b"x", 64)}
+    ep = discovery_pb2.Instance(transfer_agent_name="d", transfer_metadata_sha256=b"x", kv_capacity_blocks=3 * 16,
+                                rank_transfer_agents=[discovery_pb2.RankTransferAgent(name="d-ep1", metadata_sha256=b"y",
+                                                                                     capacity_blocks=16),
+                                                      discovery_pb2.RankTransferAgent(name="d-ep2", metadata_sha256=b"z",
+                                                                                     capacity_blocks=16)])
+    assert transfer_agents(ep) == {"d": (b"x", 16), "d-ep1": (b"y", 16), "d-ep2": (b"z", 16)}
+    assert transfer_agents(discovery_pb2.Instance()) == {}  # a router's record: no agent

@@ -181,7 +181,6 @@ class WorkerStats:
 
     remote_prefills: int = 0  # decode: prompts whose KV came from a prefill worker
     local_prefills: int = 0  # decode: prompts prefilled here
-    ep_local_prefills: int = 0  # decode, EP ranks on GPUs: of those, prefilled here because their rank takes no transfers
     prefill_cached_tokens: int = 0  # prefill: prompt tokens taken from this worker's prefix cache
     transfers: int = 0  # prefill: KV transfers completed (all backends)
     transfer_bytes: int = 0
@@ -351,17 +350,39 @@ class WorkerRuntime:
         from kv_transfer import create_agent, prepare_pool
         from kv_transfer.ucx_bind import confine_ucx
         confine_ucx(opts.host)  # NIXL's UCX listeners on --host's interface only (before UCX starts)
+        # An EP worker registers each rank's pool with an agent of its own (`rank_agents`, ranks
+        # 1..N-1; rank 0's is `agent`): a rank's pool lives on its own device
+        rank_pools = self.pool.ranks if self.engine is not None else [self.pool]
+        self.rank_agents: list[Any] = []
         try:
-            prepare_pool(self.pool.kv, opts.transfer_backend)  # host pool into shared memory for shm
+            for p in rank_pools:
+                prepare_pool(p.kv, opts.transfer_backend)  # host pools into shared memory for shm
             self.agent = create_agent(opts.transfer_backend, self.instance_id)
+            for r in range(1, len(rank_pools)):
+                self.rank_agents.append(create_agent(opts.transfer_backend, f"{self.instance_id}-ep{r}"))
         except BaseException:
+            for a in self.rank_agents:
+                a.close()
             if self.engine is not None:  # do not leave EP rank processes behind
                 self.engine.close()
             raise
-        self.pool_desc = self.agent.register_pool(self.pool.kv)
-        # Read once: its digest goes into the discovery record, and a decode worker sends these
+        self.pool_desc = self.agent.register_pool(rank_pools[0].kv)
+        self.rank_pool_descs = [a.register_pool(p.kv) for a, p in zip(self.rank_agents, rank_pools[1:])]
+        # Read once: their digests go into the discovery record, and a decode worker sends these
         # very bytes to prefill workers, which compare them with the digest (worker/peers.py).
         self.transfer_metadata = self.agent.metadata()
+        self.rank_transfer_metadata = [a.metadata() for a in self.rank_agents]
+
+    def transfer_target(self, block_ids: list[int]) -> tuple[Any, Any, bytes, list[int]]:
+        """Where a prefill worker writes these blocks of this worker's pool: (the transfer agent,
+        its PoolDescriptor, its metadata, the blocks' ids in that agent's pool). On an EP worker
+        the owning rank's agent and local ids (block_ids: one request's, global, non-empty)."""
+        if self.engine is None:
+            return self.agent, self.pool_desc, self.transfer_metadata, list(block_ids)
+        rank, local = self.pool.split(block_ids)
+        if rank == 0:
+            return self.agent, self.pool_desc, self.transfer_metadata, local
+        return self.rank_agents[rank - 1], self.rank_pool_descs[rank - 1], self.rank_transfer_metadata[rank - 1], local
 
     def load(self) -> kv_events_pb2.WorkerLoad:
         """The load this worker reports to routers (KvEventService.WatchLoad): requests served,
@@ -599,7 +620,10 @@ class WorkerRuntime:
             state=discovery_pb2.INSTANCE_STATE_SERVING, start_time_unix=self.start_time, version=VERSION,
             metrics_address=self.metrics_address, incarnation=self.incarnation,
             weights_fingerprint=self.loaded.fingerprint,
-            transfer_metadata_sha256=metadata_digest(self.transfer_metadata))
+            transfer_metadata_sha256=metadata_digest(self.transfer_metadata),
+            rank_transfer_agents=[discovery_pb2.RankTransferAgent(
+                name=a.name, metadata_sha256=metadata_digest(m), capacity_blocks=d.num_blocks)
+                for a, m, d in zip(self.rank_agents, self.rank_transfer_metadata, self.rank_pool_descs)])
 
     def close(self) -> None:
         if self.engine is not None:  # stop the EP ranks from the model thread, between steps
@@ -613,6 +637,8 @@ class WorkerRuntime:
         if self.pipeline is not None:
             self.pipeline.close()
         self.agent.close()
+        for a in self.rank_agents:
+            a.close()
 
 
 async def _unless_stopped(coro, stop: asyncio.Event) -> bool:

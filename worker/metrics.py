@@ -24,8 +24,6 @@ from common.metrics import LATENCY_BUCKETS, FunctionCollector, counter, gauge
 WORKER_COUNTERS: dict[str, tuple[str, str, bool]] = {
     "remote_prefills": ("tandem_worker_remote_prefills", "decode: prompts whose KV came from a prefill worker", False),
     "local_prefills": ("tandem_worker_local_prefills", "decode: prompts prefilled on this worker", False),
-    "ep_local_prefills": ("tandem_worker_ep_local_prefills", "decode, EP ranks on GPUs: prompts prefilled on this "
-                          "worker because their rank's KV pool takes no transfers (only rank 0's is registered)", False),
     "prefill_cached_tokens": ("tandem_worker_prefill_cached_tokens", "prefill: prompt tokens taken from this "
                               "worker's prefix cache instead of computed", False),
     "prefix_query_tokens": ("tandem_worker_prefix_cache_query_tokens", "prompt tokens looked up in the prefix "

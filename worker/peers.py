@@ -37,6 +37,18 @@ def metadata_digest(metadata: bytes) -> bytes:
     return hashlib.sha256(metadata).digest()
 
 
+def transfer_agents(inst: discovery_pb2.Instance) -> dict[str, tuple[bytes, int]]:
+    """A worker's transfer agents: name -> (metadata digest, blocks of its pool). One, or on an
+    expert-parallel decode worker one per rank (Instance.rank_transfer_agents; rank 0's is the
+    record's own). A record without an agent name gives none."""
+    out = {a.name: (a.metadata_sha256, a.capacity_blocks) for a in inst.rank_transfer_agents if a.name}
+    if inst.transfer_agent_name:
+        # rank 0's pool is the first of the advertised blocks (the whole pool without EP ranks)
+        rank0 = inst.kv_capacity_blocks - sum(c for _, c in out.values())
+        out[inst.transfer_agent_name] = (inst.transfer_metadata_sha256, rank0)
+    return out
+
+
 class PeerDirectory:
     """Records of one component ("decode" or "prefill") of this worker's model.
 
@@ -55,9 +67,7 @@ class PeerDirectory:
     def on_change(self, event: InstanceEvent) -> None:
         """Feed the watcher's events here: remembers addresses that left (see `recently_gone`)."""
         now = time.monotonic()
-        keys = [event.instance.address]
-        if event.instance.transfer_agent_name:
-            keys.append("agent:" + event.instance.transfer_agent_name)
+        keys = [event.instance.address] + ["agent:" + name for name in transfer_agents(event.instance)]
         for key in keys:
             if event.kind == "removed":
                 self._gone[key] = now

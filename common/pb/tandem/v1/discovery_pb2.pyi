@@ -1,6 +1,8 @@
+from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
@@ -26,7 +28,7 @@ INSTANCE_STATE_SERVING: InstanceState
 INSTANCE_STATE_DRAINING: InstanceState
 
 class Instance(_message.Message):
-    __slots__ = ("instance_id", "role", "address", "model", "block_size", "hash_seed", "kv_capacity_blocks", "transfer_agent_name", "state", "start_time_unix", "version", "metrics_address", "http_address", "incarnation", "weights_fingerprint", "transfer_metadata_sha256", "prefill_seconds_per_token", "decode_seconds_per_kv_token", "decode_seconds_per_request")
+    __slots__ = ("instance_id", "role", "address", "model", "block_size", "hash_seed", "kv_capacity_blocks", "transfer_agent_name", "state", "start_time_unix", "version", "metrics_address", "http_address", "incarnation", "weights_fingerprint", "transfer_metadata_sha256", "prefill_seconds_per_token", "decode_seconds_per_kv_token", "decode_seconds_per_request", "rank_transfer_agents")
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -46,6 +48,7 @@ class Instance(_message.Message):
     PREFILL_SECONDS_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
     DECODE_SECONDS_PER_KV_TOKEN_FIELD_NUMBER: _ClassVar[int]
     DECODE_SECONDS_PER_REQUEST_FIELD_NUMBER: _ClassVar[int]
+    RANK_TRANSFER_AGENTS_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
     role: Role
     address: str
@@ -65,4 +68,15 @@ class Instance(_message.Message):
     prefill_seconds_per_token: float
     decode_seconds_per_kv_token: float
     decode_seconds_per_request: float
-    def __init__(self, instance_id: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., address: _Optional[str] = ..., model: _Optional[str] = ..., block_size: _Optional[int] = ..., hash_seed: _Optional[int] = ..., kv_capacity_blocks: _Optional[int] = ..., transfer_agent_name: _Optional[str] = ..., state: _Optional[_Union[InstanceState, str]] = ..., start_time_unix: _Optional[float] = ..., version: _Optional[str] = ..., metrics_address: _Optional[str] = ..., http_address: _Optional[str] = ..., incarnation: _Optional[int] = ..., weights_fingerprint: _Optional[str] = ..., transfer_metadata_sha256: _Optional[bytes] = ..., prefill_seconds_per_token: _Optional[float] = ..., decode_seconds_per_kv_token: _Optional[float] = ..., decode_seconds_per_request: _Optional[float] = ...) -> None: ...
+    rank_transfer_agents: _containers.RepeatedCompositeFieldContainer[RankTransferAgent]
+    def __init__(self, instance_id: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., address: _Optional[str] = ..., model: _Optional[str] = ..., block_size: _Optional[int] = ..., hash_seed: _Optional[int] = ..., kv_capacity_blocks: _Optional[int] = ..., transfer_agent_name: _Optional[str] = ..., state: _Optional[_Union[InstanceState, str]] = ..., start_time_unix: _Optional[float] = ..., version: _Optional[str] = ..., metrics_address: _Optional[str] = ..., http_address: _Optional[str] = ..., incarnation: _Optional[int] = ..., weights_fingerprint: _Optional[str] = ..., transfer_metadata_sha256: _Optional[bytes] = ..., prefill_seconds_per_token: _Optional[float] = ..., decode_seconds_per_kv_token: _Optional[float] = ..., decode_seconds_per_request: _Optional[float] = ..., rank_transfer_agents: _Optional[_Iterable[_Union[RankTransferAgent, _Mapping]]] = ...) -> None: ...
+
+class RankTransferAgent(_message.Message):
+    __slots__ = ("name", "metadata_sha256", "capacity_blocks")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    METADATA_SHA256_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    metadata_sha256: bytes
+    capacity_blocks: int
+    def __init__(self, name: _Optional[str] = ..., metadata_sha256: _Optional[bytes] = ..., capacity_blocks: _Optional[int] = ...) -> None: ...
