@@ -32,6 +32,10 @@ class EpBlocks:
         self._holders: dict[BlockHash, set[int]] = {}
 
     @property
+    def num_blocks(self) -> int:
+        return sum(p.num_blocks for p in self._pools)
+
+    @property
     def num_free(self) -> int:
         return sum(p.num_free for p in self._pools)
 
