@@ -91,7 +91,9 @@ def test_expert_parallel_engine_is_built_on_cuda(tiny_model) -> None:
 
     class Engine:  # stands in for decode_worker/ep_ranks.py's EpEngine
         def __init__(self, opts, loaded, pool_config, seed) -> None:
-            self.pool = KvPool(pool_config, seed)
+            from decode_worker.ep_pool import EpKvPool
+            shape = (pool_config.num_blocks, pool_config.num_layers, pool_config.block_size, pool_config.kv_dim)
+            self.pool = EpKvPool(pool_config, seed, [torch.zeros(shape, dtype=pool_config.dtype) for _ in range(2)])
             built.append(self)
 
         def close(self) -> None:
@@ -102,6 +104,7 @@ def test_expert_parallel_engine_is_built_on_cuda(tiny_model) -> None:
                        loaded, engine=Engine)
     try:
         assert built and rt.engine is built[0] and rt.runner is built[0] and rt.pool is built[0].pool
+        assert len(rt.rank_agents) == 1  # rank 1's pool has a transfer agent of its own
     finally:
         rt.close()
 
