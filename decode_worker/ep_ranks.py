@@ -72,6 +72,9 @@ class RankWork:
     # a decode step: per sequence (SamplingParams, step index); the rank samples its rows
     sampling: tuple = ()
     decode: bool = False
+    # a decode step on GPUs with graphs: the CUDA graph bucket every rank replays (its rows
+    # padded to it; an idle rank's all padding); 0 = an eager step
+    bucket: int = 0
 
     @property
     def busy(self) -> bool:
@@ -91,6 +94,22 @@ class SpecWork:
         return bool(self.batch)
 
 
+@dataclass(frozen=True)
+class CaptureWork:
+    """Every rank captures its decode graphs (engine/graph_runner.py) for batches up to
+    max_batch and contexts up to max_context, in lock-step (their MoE all-to-alls are captured
+    with the same bucket on every rank); `scratch`: the rank's padding block, reserved in rank
+    0's accounting of that rank's pool."""
+
+    max_batch: int
+    max_context: int
+    scratch: int
+
+    @property
+    def busy(self) -> bool:
+        return True
+
+
 @dataclass
 class StepStats:
     """Rank 0's view of the steps: wall time of whole steps and of every rank's collectives."""
@@ -104,24 +123,33 @@ class StepStats:
     all_busy_steps: int = 0  # steps where every rank had work
 
 
-def run_work(runner: ModelRunner, work: RankWork | SpecWork) -> Any:
+def run_work(runner: ModelRunner, work: RankWork | SpecWork | CaptureWork) -> Any:
     """Run one rank's share of a step (its collectives run even when it has no rows):
     - a decode RankWork: (tokens, logprobs) lists of its sequences, sampled here ([], [] idle);
     - a prefill RankWork: final-normed hidden [len(work.seqs), hidden] of each sequence's last
       new token, on the CPU ([0, hidden] idle);
-    - a SpecWork: `spec_forward`'s outputs (the rank's SpecOutputs, [] when idle)."""
+    - a SpecWork: `spec_forward`'s outputs (the rank's SpecOutputs, [] when idle);
+    - a CaptureWork: the bytes its graphs took."""
     model, pool = runner.model, runner.pool
     if isinstance(work, SpecWork):  # tensors travel through the host, both ways (not CUDA IPC)
         batch = [dataclasses.replace(b, hidden=b.hidden.to(pool.kv.device)) for b in work.batch]
         return [_moved(o, "cpu") for o in spec_forward(model, pool, batch, rounds=work.rounds)]
     step = ep_rank_of(model)
+    if isinstance(work, CaptureWork):
+        step.uniform = True
+        try:
+            runner.capture_graphs(work.max_batch, work.max_context, scratch=work.scratch)
+        finally:
+            step.uniform = False
+        return runner.graphs.memory_bytes
     step.counts = work.counts or None
+    step.uniform = bool(work.bucket)
     try:
         if work.decode:
             return _decode_share(runner, work)
         return _prefill_share(model, pool, work).cpu()
     finally:
-        step.counts = None
+        step.counts, step.uniform = None, False
 
 
 def _moved(out: SpecOutput, device: torch.device | str) -> SpecOutput:
@@ -129,11 +157,13 @@ def _moved(out: SpecOutput, device: torch.device | str) -> SpecOutput:
 
 
 def _decode_share(runner: ModelRunner, work: RankWork) -> tuple[list[int], list[float]]:
-    if not work.seqs:
+    batch = [DecodeInput(list(b), n, t) for (b, n, _), t in zip(work.seqs, work.token_ids)]
+    if work.bucket:  # a graph replay, padded to the step's bucket (all padding when idle)
+        return runner.decode_tokens(batch, list(work.sampling), bucket=work.bucket)
+    if not batch:
         with torch.inference_mode():
             idle_forward(runner.model)
         return [], []
-    batch = [DecodeInput(list(b), n, t) for (b, n, _), t in zip(work.seqs, work.token_ids)]
     return runner.decode_tokens(batch, list(work.sampling))
 
 
@@ -324,7 +354,7 @@ class EpEngine:
             raise RuntimeError(f"EP rank {rank} failed: {payload}")
         return payload
 
-    def step(self, works: list[RankWork] | list[SpecWork]) -> list[Any]:
+    def step(self, works: list[RankWork] | list[SpecWork] | list[CaptureWork]) -> list[Any]:
         """One lock-step step: works[r] to rank r; returns each rank's result (`run_work`)."""
         t0 = time.perf_counter()
         for rank, (conn, work) in enumerate(zip(self._conns, works[1:]), start=1):
@@ -397,9 +427,31 @@ class EpEngine:
             tokens[rank].append(b.input_token)
             rows[rank].append(s)
         counts = tuple(len(s) for s in seqs)
-        outs = self.step([RankWork(tuple(s), tuple(t), counts=counts, sampling=tuple(r), decode=True)
+        bucket = self._bucket(batch, max(counts))
+        outs = self.step([RankWork(tuple(s), tuple(t), counts=counts, sampling=tuple(r), decode=True, bucket=bucket)
                           for s, t, r in zip(seqs, tokens, rows)])
         return [outs[r][0][i] for r, i in where], [outs[r][1][i] for r, i in where]
+
+    def _bucket(self, batch: list[DecodeInput], rows: int) -> int:
+        """The graph bucket every rank replays for a step whose largest share is `rows`, or 0
+        (an eager step on every rank): no graphs, more rows than the largest bucket, or a
+        context wider than the captured block tables (then no rank could replay)."""
+        graphs = self.runner0.graphs
+        if graphs is None:
+            return 0
+        bs = self.pool.rank_config.block_size
+        if any(-(-(b.num_computed + 1) // bs) > graphs.width for b in batch):
+            return 0
+        return graphs.bucket(rows) or 0
+
+    def capture_graphs(self, max_batch: int, max_context: int) -> int:
+        """Every rank captures its decode graphs, in lock-step (GPUs; CaptureWork). Returns the
+        most bytes one rank's graphs took."""
+        scratch = [p.blocks.allocate(1)[0] for p in self.pool.ranks]  # never freed: padding rows write here
+        sizes = self.step([CaptureWork(max_batch, max_context, s) for s in scratch])
+        log.info("EP ranks' decode graphs: %d buckets up to %d rows on every rank, %.0f MiB at most per GPU",
+                 len(self.runner0.graphs.sizes), self.runner0.graphs.sizes[-1], max(sizes) / 2**20)
+        return max(sizes)
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -63,6 +63,8 @@ class BlockTables:
 
         Raises ValueError when a row needs more than `width` blocks or the batch more rows than
         the store has and the store is fixed."""
+        if not lists:  # an EP rank's share of a step can be empty (all its rows padding)
+            return []
         w = max(need)
         if w > self.width or len(lists) > self.store.shape[0]:
             if self.fixed:
@@ -148,7 +150,7 @@ class DecodePlan:
         device tensor the plan is copied into (DecodeGraphs' static input: the replay then
         needs no copy of its own), else a new one."""
         if tables is None:
-            tables = BlockTables(len(batch), 1, device)
+            tables = BlockTables(max(1, len(batch)), 1, device)
         need = [-(-(b.num_computed + 1) // block_size) for b in batch]
         rows = tables.rows_for([b.block_ids for b in batch], need)
         pad = max(0, pad_to - len(batch))
@@ -158,7 +160,7 @@ class DecodePlan:
                                       rows + [pad_row] * pad,
                                       (slots if slots is not None else [-1] * len(batch)) + [-1] * pad], torch.long,
                                      out)
-        return DecodePlan(ints, tables.store, len(batch), max(need))
+        return DecodePlan(ints, tables.store, len(batch), max(need, default=1))
 
 
 AttentionFn = Callable[..., torch.Tensor]

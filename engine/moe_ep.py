@@ -102,6 +102,9 @@ class EpRank:
     rank: int
     stats: EpStats = field(default_factory=EpStats)
     counts: Sequence[int] | None = None
+    # True: every rank has as many tokens as this one (a decode step padded to a common CUDA graph
+    # bucket, and the graphs' capture): the splits need no counts and no gather
+    uniform: bool = False
 
 
 @dataclass(eq=False)
@@ -168,12 +171,15 @@ class ExpertParallelDispatch:
         """x [T, hidden], ids / weights [T, k] (T may be 0) -> routed experts' sum [T, hidden].
 
         Every rank of the group must call this for the same layer at the same time. The split
-        sizes are `step.counts` when set (no host sync: CUDA graph safe), else gathered from
-        the ranks first. Raises ValueError when the counts do not give this rank T tokens.
+        sizes are T on every rank when `step.uniform`, else `step.counts` when set (both with no
+        host sync: CUDA graph safe), else gathered from the ranks first. Raises ValueError when the counts do not give this rank T tokens.
         """
         world = self.placement.world_size
         t, k = ids.shape
-        counts = list(self.step.counts) if self.step.counts is not None else self._exchange_counts(t, x.device)
+        if self.step.uniform:
+            counts = [t] * world
+        else:
+            counts = list(self.step.counts) if self.step.counts is not None else self._exchange_counts(t, x.device)
         if len(counts) != world or counts[self.rank] != t:
             raise ValueError(f"EP rank {self.rank}: {t} tokens but the step's counts are {counts}")
         dev = x.device

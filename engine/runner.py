@@ -103,15 +103,18 @@ class ModelRunner:
                      "fused MoE experts (triton) in %d MoE layers", self.device, n)
 
     def capture_graphs(self, max_batch: int, max_context: int, sizes: list[int] | None = None,
-                       spec_k: int = 0) -> None:
+                       spec_k: int = 0, scratch: int | None = None) -> None:
         """Capture decode graphs for batches up to max_batch (buckets `sizes`, default
         engine.graph_runner.batch_sizes) and contexts up to max_context tokens (CUDA, fast mode
         only), and with spec_k > 0 the MTP steps' forwards for k = spec_k drafts
-        (engine/spec_graphs.py). Reserves one pool block as the padding rows' scratch block."""
+        (engine/spec_graphs.py). Reserves one pool block as the padding rows' scratch block
+        (`scratch`: one the caller reserved, where another object keeps the pool's accounting:
+        an EP rank's, decode_worker/ep_ranks.py)."""
         from engine.decode_batch import BlockTables
         from engine.graph_runner import DecodeGraphs
         width = min(self.pool.blocks_for(max_context), self.pool.config.num_blocks)
-        scratch = self.pool.blocks.allocate(1)[0]  # never freed: padding rows write here
+        if scratch is None:
+            scratch = self.pool.blocks.allocate(1)[0]  # never freed: padding rows write here
         # rows: a step's requests plus those absent from it for a while (overlap, retraction)
         self.tables = BlockTables(2 * max_batch + 1, width, self.device)
         self.graphs = DecodeGraphs(self.model, self.pool, self.tables, self.future, max_batch, scratch, sizes)
@@ -207,7 +210,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def decode_step(self, batch: list[DecodeInput], sampling: list[tuple[SamplingParams, int]],
-                    slots: list[int] | None = None, began: torch.cuda.Event | None = None) -> torch.Tensor:
+                    slots: list[int] | None = None, began: torch.cuda.Event | None = None,
+                    bucket: int | None = None) -> torch.Tensor:
         """`decode` then `sample_batch`: [B, 2] float64 on the device, row i = (token id,
         log-probability) of batch[i] (`pack_step`); with `slots` the tokens are also written
         into the future map there. An all-greedy batch replayed from a graph takes the graph's
@@ -218,9 +222,15 @@ class ModelRunner:
         sampling[i] = (params, step index) of the token batch[i] generates. began: an event
         recorded on the current stream just before the step's forward is queued (after the
         host's planning), so that began → a later event times the step's device work without
-        the host's share (OverlapRunner's device-busy figure)."""
+        the host's share (OverlapRunner's device-busy figure).
+
+        bucket: replay this graph bucket (>= len(batch); batch may then be empty) instead of the
+        smallest that fits: an EP rank's step, where every rank replays the same bucket (their
+        MoE all-to-alls are captured in it). Raises ValueError when that graph cannot run the
+        batch (no graphs, or a context wider than the captured tables): an eager step here would
+        leave the other ranks' collectives unmatched."""
         rows = SamplingRows.build(sampling, self.device)
-        logits, slot_t, greedy = self._forward_step(batch, slots, began)
+        logits, slot_t, greedy = self._forward_step(batch, slots, began, bucket)
         if greedy is not None and not rows.any_sampled:
             return greedy
         tokens, logprobs = sample_batch(logits, rows)
@@ -229,7 +239,7 @@ class ModelRunner:
         return pack_step(tokens, logprobs)
 
     def _forward_step(self, batch: list[DecodeInput], slots: list[int] | None,
-                      began: torch.cuda.Event | None = None
+                      began: torch.cuda.Event | None = None, forced: int | None = None
                       ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """(logits [B, vocab] float32, the slots as a device tensor or None, and after a graph
         replay its greedy pack [B, 2] float64 with its tokens already at the slots, else None);
@@ -246,7 +256,10 @@ class ModelRunner:
             return self.model.logits(hidden), slot_t, None
         from engine.decode_batch import AbsorbedDecodeKv, BlockTables, DecodePlan
         bs = self.pool.config.block_size
-        bucket = self.graphs.bucket(len(batch)) if self.graphs is not None else None
+        if forced is not None and (self.graphs is None or forced not in self.graphs.graphs or forced < len(batch)):
+            raise ValueError(f"decode step of {len(batch)} rows cannot replay graph bucket {forced}")
+        bucket = forced if forced is not None else (self.graphs.bucket(len(batch)) if self.graphs is not None
+                                                    else None)
         if self.tables is None:  # eager fast mode: tables that grow with the batches seen
             self.tables = BlockTables(2 * len(batch) + 1, 1, self.device)
         try:
@@ -254,6 +267,8 @@ class ModelRunner:
                                     pad_row=self.graphs.pad_row if bucket else 0,
                                     out=self.graphs.inputs(bucket) if bucket else None)
         except ValueError:  # a context wider than the captured tables: one eager step, own tables
+            if forced is not None:
+                raise
             bucket, plan = None, DecodePlan.build(batch, bs, self.device, None, slots)
         slot_t = None if slots is None else plan.slots
         if began is not None:
@@ -265,10 +280,10 @@ class ModelRunner:
         hidden = self.model.forward(self.future.resolve(plan.ids), plan.positions, [1] * plan.batch, kv)
         return self.model.logits(hidden), slot_t, None
 
-    def decode_tokens(self, batch: list[DecodeInput], sampling: list[tuple[SamplingParams, int]]
-                      ) -> tuple[list[int], list[float]]:
+    def decode_tokens(self, batch: list[DecodeInput], sampling: list[tuple[SamplingParams, int]],
+                      bucket: int | None = None) -> tuple[list[int], list[float]]:
         """`decode_step` with its one device-to-host copy: (tokens, logprobs) as lists."""
-        return unpack_step(self.decode_step(batch, sampling).cpu())
+        return unpack_step(self.decode_step(batch, sampling, bucket=bucket).cpu())
 
     def spec_decode(self, batch: list[SpecInput]) -> list[SpecOutput]:
         """One MTP speculative step (draft, then verify) for every request; see engine/spec_decode.py."""

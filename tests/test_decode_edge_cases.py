@@ -94,7 +94,12 @@ def test_expert_parallel_engine_is_built_on_cuda(tiny_model) -> None:
             from decode_worker.ep_pool import EpKvPool
             shape = (pool_config.num_blocks, pool_config.num_layers, pool_config.block_size, pool_config.kv_dim)
             self.pool = EpKvPool(pool_config, seed, [torch.zeros(shape, dtype=pool_config.dtype) for _ in range(2)])
+            self.captured = None
             built.append(self)
+
+        def capture_graphs(self, max_batch, max_context) -> int:  # every rank's graphs, on GPUs
+            self.captured = (max_batch, max_context)
+            return 0
 
         def close(self) -> None:
             pass
@@ -105,6 +110,7 @@ def test_expert_parallel_engine_is_built_on_cuda(tiny_model) -> None:
     try:
         assert built and rt.engine is built[0] and rt.runner is built[0] and rt.pool is built[0].pool
         assert len(rt.rank_agents) == 1  # rank 1's pool has a transfer agent of its own
+        assert built[0].captured == (rt.opts.max_running, rt.context_length)  # the ranks' decode graphs
     finally:
         rt.close()
 

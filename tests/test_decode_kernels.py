@@ -279,6 +279,32 @@ def test_cuda_sampling_equals_cpu_for_the_same_logits() -> None:
 
 
 @cuda
+def test_a_forced_graph_bucket_pads_and_an_empty_share_replays() -> None:
+    """What an EP rank's step asks of its runner (decode_worker/ep_ranks.py): replay a given
+    bucket, larger than its rows (same tokens as its own bucket), or with no rows at all."""
+    from engine.model_source import TINY, load_model
+    from engine.runner import DecodeInput, ModelRunner
+    loaded = load_model(TINY, dtype=torch.bfloat16)
+    c = loaded.config
+    pool = KvPool(KvPoolConfig(num_blocks=100, block_size=16, num_layers=c.num_kv_layers, kv_dim=c.kv_dim,
+                               dtype=torch.bfloat16), 1, "cuda")
+    pool.kv.normal_(0, 0.5)
+    runner = ModelRunner(loaded.model.to("cuda"), pool)
+    runner.capture_graphs(max_batch=16, max_context=256)
+    tables = [pool.blocks.allocate(pool.blocks_for(n + 1)) for n in (5, 60, 33)]
+    batch = [DecodeInput(t, n, 7 + i) for i, (t, n) in enumerate(zip(tables, (5, 60, 33)))]
+    greedy = [(SamplingParams(), 0)] * 3
+    before = pool.kv.clone()
+    own, _ = runner.decode_tokens(batch, greedy)  # bucket 4
+    pool.kv.copy_(before)
+    # the same tokens (GEMMs of another row count may round differently: tokens, not log-probs)
+    assert runner.decode_tokens(batch, greedy, bucket=16)[0] == own
+    assert runner.decode_tokens([], [], bucket=8) == ([], [])  # an idle rank: all padding
+    with pytest.raises(ValueError, match="cannot replay graph bucket 2"):
+        runner.decode_tokens(batch, greedy, bucket=2)  # fewer rows than the batch: refused, no eager step
+
+
+@cuda
 def test_graph_replay_equals_eager_fast_step_and_plain_path() -> None:
     from engine.model_source import TINY, load_model
     from engine.runner import DecodeInput, ModelRunner

@@ -280,9 +280,9 @@ class WorkerRuntime:
         pool_config = KvPoolConfig(num_blocks=1, block_size=opts.block_size, num_layers=cfg.num_kv_layers,
                                    kv_dim=cfg.kv_dim, dtype=kv_cache_torch_dtype(opts.kv_cache_dtype, model_dtype),
                                    scale=opts.kv_cache_scale)
-        graphs = (role == discovery_pb2.ROLE_DECODE and engine is None and self.device.type == "cuda"
-                  and not opts.disable_cuda_graph)
-        k = opts.speculative_num_steps  # MTP steps' graphs hold (k + 1) rows per request
+        graphs = role == discovery_pb2.ROLE_DECODE and self.device.type == "cuda" and not opts.disable_cuda_graph
+        # MTP steps' graphs hold (k + 1) rows per request (none on EP ranks: their MTP steps run eagerly)
+        k = opts.speculative_num_steps if engine is None else 0
         reserve = (graph_reserve_bytes(cfg, opts.max_running)
                    + (graph_reserve_bytes(cfg, opts.max_running * (k + 1)) if k else 0)) if graphs else 0
         pool_config = dataclasses.replace(pool_config, num_blocks=pool_blocks(opts, self.loaded, pool_config, reserve))
@@ -303,11 +303,15 @@ class WorkerRuntime:
             elif role == discovery_pb2.ROLE_DECODE and self.device.type == "cuda" and opts.disable_cuda_graph:
                 log.info("decode on CUDA without graphs: --disable-cuda-graph")
         else:  # --- EP hook: the ranks' pools (num_blocks each) and lock-step runner (decode_worker/ep_ranks.py)
-            if self.device.type == "cuda":
-                log.info("decode on CUDA without graphs: expert-parallel ranks step eagerly (the fast path's "
-                         "kernels, no CUDA graphs yet)")
             self.engine = engine(opts, self.loaded, pool_config, hash_seed(self.loaded.name, weights=self.loaded.fingerprint))
             self.pool, self.runner = self.engine.pool, self.engine
+            if graphs:  # every rank captures its graphs, MoE all-to-alls included, before any request
+                used = self.engine.capture_graphs(opts.max_running, self.context_length)
+                if used > reserve:
+                    log.warning("CUDA graphs took %s on one EP rank, more than the %s reserved from "
+                                "--mem-fraction-static", format_bytes(used), format_bytes(reserve))
+            elif self.device.type == "cuda":
+                log.info("decode on CUDA without graphs: --disable-cuda-graph (expert-parallel ranks step eagerly)")
         self.planner = self._chunk_planner()
         self.pipeline = None
         if opts.pp_size > 1:
