@@ -12,7 +12,7 @@ slowest rank). The greedy tokens of every EP size must match EP 1's, or the run 
         --ep-sizes 1,2 --batch 8 --context 128 --steps 16 --out docs/bench/ep-run.json
 
 With --device cuda, rank r runs on GPU r (bf16 weights, NCCL all-to-alls, the fast decode
-path of each rank; EP 1 on GPU 0): there the all-to-all time is not measured per step (it would
+path of each rank with its CUDA graphs unless --disable-cuda-graph; EP 1 on GPU 0): there the all-to-all time is not measured per step (it would
 need a device sync around each collective; tools/bench_ep_moe.py times one MoE layer's), and
 the EP sizes' greedy tokens are compared as a share of identical tokens instead of failing the
 run (bf16 sums in another order may flip a near-tie).
@@ -45,7 +45,7 @@ class Setup:
     """One EP size's runner with `batch` prefilled requests."""
 
     def __init__(self, spec: str, ep: int, batch: int, context: int, max_len: int, threads: int,
-                 placement_file: str = "", device: str = "cpu") -> None:
+                 placement_file: str = "", device: str = "cpu", graphs: bool = False) -> None:
         torch.set_num_threads(threads)
         dev = torch.device("cuda", 0) if device == "cuda" else torch.device("cpu")
         dtype = torch.bfloat16 if device == "cuda" else torch.float32
@@ -59,6 +59,8 @@ class Setup:
         if ep == 1:
             self.pool = KvPool(cfg, hash_seed(loaded.name), device=dev)
             self.runner = ModelRunner(loaded.model.to(dev), self.pool)
+            if graphs:  # as a decode worker on a GPU does at start-up
+                self.runner.capture_graphs(batch, max_len)
         else:
             from decode_worker.ep_ranks import EpEngine
             placement = (ExpertPlacement.from_file(placement_file, c.n_routed_experts, ep) if placement_file
@@ -66,6 +68,8 @@ class Setup:
             self.engine = EpEngine(spec, 0, ep, "torch", threads, 300.0, cfg, hash_seed(loaded.name), placement,
                                    device=dev)
             self.pool, self.runner = self.engine.pool, self.engine  # type: ignore[assignment]
+            if graphs:  # every rank's, in lock-step
+                self.engine.capture_graphs(batch, max_len)
         self.reqs = []
         t0 = time.perf_counter()
         for i in range(batch):
@@ -151,12 +155,15 @@ def main() -> None:
     ap.add_argument("--redundant", type=int, default=2, help="redundant expert copies for --plan-out")
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                     help="cuda: rank r on GPU r, bf16, NCCL (EP 1 on GPU 0)")
+    ap.add_argument("--disable-cuda-graph", action="store_true",
+                    help="on cuda: eager decode steps (default: CUDA graphs, as the workers)")
     a = ap.parse_args()
     max_len = a.context + a.warmup + a.steps + 1
     setups: list[Setup] = []
     try:
         for ep in a.ep_sizes.split(","):
-            setups.append(Setup(a.model, int(ep), a.batch, a.context, max_len, a.threads, a.ep_placement, a.device))
+            setups.append(Setup(a.model, int(ep), a.batch, a.context, max_len, a.threads, a.ep_placement, a.device,
+                                graphs=a.device == "cuda" and not a.disable_cuda_graph))
         # Interleave the EP sizes step by step, so a shared machine's changing load hits all alike.
         for i in range(a.warmup + a.steps):
             if i == a.warmup:
