@@ -164,7 +164,9 @@ def _decode_share(runner: ModelRunner, work: RankWork) -> tuple[list[int], list[
         with torch.inference_mode():
             idle_forward(runner.model)
         return [], []
-    return runner.decode_tokens(batch, list(work.sampling))
+    # eager on every rank (a rank whose rows fit a graph must not replay one: its captured
+    # collectives would meet the others' eager ones)
+    return runner.decode_tokens(batch, list(work.sampling), eager=True)
 
 
 def _prefill_share(model: DeepseekV3ForCausalLM, pool: KvPool, work: RankWork) -> torch.Tensor:
@@ -443,6 +445,12 @@ class EpEngine:
         if any(-(-(b.num_computed + 1) // bs) > graphs.width for b in batch):
             return 0
         return graphs.bucket(rows) or 0
+
+    @property
+    def fast(self) -> bool:
+        """Whether the ranks run the fast path (GPUs with bf16/fp16 weights and triton), which
+        alone has decode graphs."""
+        return self.runner0.fast
 
     def capture_graphs(self, max_batch: int, max_context: int) -> int:
         """Every rank captures its decode graphs, in lock-step (GPUs; CaptureWork). Returns the

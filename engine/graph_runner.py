@@ -153,7 +153,14 @@ class DecodeGraphs:
         ints = self.inputs(bs)
         ids = self.future.resolve(ints[0])
         kv = AbsorbedDecodeKv(self.pool, self.tables.store.index_select(0, ints[3]), ints[2].int())
-        hidden = self.model(ids, ints[1], [1] * bs, kv)
+        ep = getattr(self.model, "ep_rank", None)  # an expert-parallel rank (engine/moe_ep.py)
+        if ep is not None:  # its padding rows (a one-token context; a request's has 2 or more) go to no expert
+            ep.real_rows = ints[2] > 1
+        try:
+            hidden = self.model(ids, ints[1], [1] * bs, kv)
+        finally:
+            if ep is not None:
+                ep.real_rows = None
         logits = self.model.logits(hidden)
         tokens, logprobs = greedy_batch(logits)
         self.future.store(ints[4], tokens)  # padding rows' slot is -1: the map's sink

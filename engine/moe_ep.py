@@ -57,9 +57,11 @@ class EpStats:
     `timed` (default: off CUDA, where gloo calls block; on CUDA timing needs a device sync around
     each collective, which a benchmark may ask for and a CUDA graph cannot have).
     pairs_sent: (token, expert) pairs of this rank's tokens (T × k per layer call).
+    These host counters (and layer_calls) count eager calls and graph captures, not replays.
     pairs_received / expert_load: (token, slot) pairs this rank's experts ran, and per routed
-    expert the pairs this rank's tokens routed to it; kept on the device (no sync in a step),
-    read as host values through the properties.
+    expert the pairs this rank's tokens routed to it (padding rows of a graph bucket left out);
+    kept on the device (no sync in a step, counted in graph replays too), read as host values
+    through the properties.
     """
 
     comm_s: float = 0.0
@@ -105,6 +107,11 @@ class EpRank:
     # True: every rank has as many tokens as this one (a decode step padded to a common CUDA graph
     # bucket, and the graphs' capture): the splits need no counts and no gather
     uniform: bool = False
+    # [T] bool on the device: which rows of the forward are requests' (False: a graph bucket's
+    # padding rows, which then go to no expert and count in no stats); None = all. Set by
+    # engine/graph_runner.py while it captures a decode forward (a tensor the graph recomputes
+    # from its inputs at every replay).
+    real_rows: torch.Tensor | None = None
 
 
 @dataclass(eq=False)
@@ -189,12 +196,18 @@ class ExpertParallelDispatch:
         if st._load is None:
             st._load = torch.zeros(self.placement.n_experts, dtype=torch.long, device=dev)
             st._received = torch.zeros((), dtype=torch.long, device=dev)
-        st._load.index_add_(0, ids.reshape(-1), torch.ones(t * k, dtype=torch.long, device=dev))
+        real = self.step.real_rows
+        real = real[:t] if real is not None else None  # [T] bool, or None: every row is a request's
+        counted = (torch.ones(t * k, dtype=torch.long, device=dev) if real is None
+                   else real.repeat_interleave(k).long())
+        st._load.index_add_(0, ids.reshape(-1), counted)
         # which rank computes each slot: an expert's copies take its tokens in turn (by token
         # index, offset by rank), so each copy gets an even share, as engine/ep_placement.py plans
         tok = torch.arange(t, device=dev)[:, None]
         dest = self._holders[ids, (tok + self.rank) % self._n_holders[ids]]  # [T, k]
         mine = dest[None] == self._ranks  # [world, T, k]: slots rank r computes
+        if real is not None:  # a padding row's slots go nowhere
+            mine = mine & real[None, :, None]
         lid = torch.where(mine, self._local_index[dest, ids][None], -1)  # [world, T, k]
         w = torch.where(mine, weights.float()[None], 0.0)
         # one message per row: x's bytes, then k local ids and k weights (int32 and float32 bits)
@@ -250,6 +263,7 @@ def install_expert_parallel(model: DeepseekV3ForCausalLM, placement: ExpertPlace
         moe.expert_parallel = True
         moe.experts_forward = ExpertParallelDispatch(  # type: ignore[method-assign]
             placement, rank, {e: moe.experts[e] for e in sorted(local)}, c.hidden_size, group, step=step)
+    model.ep_rank = step  # what engine/graph_runner.py marks a bucket's padding rows in
     return step
 
 

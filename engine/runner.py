@@ -211,7 +211,7 @@ class ModelRunner:
     @torch.inference_mode()
     def decode_step(self, batch: list[DecodeInput], sampling: list[tuple[SamplingParams, int]],
                     slots: list[int] | None = None, began: torch.cuda.Event | None = None,
-                    bucket: int | None = None) -> torch.Tensor:
+                    bucket: int | None = None, eager: bool = False) -> torch.Tensor:
         """`decode` then `sample_batch`: [B, 2] float64 on the device, row i = (token id,
         log-probability) of batch[i] (`pack_step`); with `slots` the tokens are also written
         into the future map there. An all-greedy batch replayed from a graph takes the graph's
@@ -228,9 +228,10 @@ class ModelRunner:
         smallest that fits: an EP rank's step, where every rank replays the same bucket (their
         MoE all-to-alls are captured in it). Raises ValueError when that graph cannot run the
         batch (no graphs, or a context wider than the captured tables): an eager step here would
-        leave the other ranks' collectives unmatched."""
+        leave the other ranks' collectives unmatched. eager: no graph even where one fits (an EP
+        rank's step that every rank runs eagerly)."""
         rows = SamplingRows.build(sampling, self.device)
-        logits, slot_t, greedy = self._forward_step(batch, slots, began, bucket)
+        logits, slot_t, greedy = self._forward_step(batch, slots, began, bucket, eager)
         if greedy is not None and not rows.any_sampled:
             return greedy
         tokens, logprobs = sample_batch(logits, rows)
@@ -239,11 +240,14 @@ class ModelRunner:
         return pack_step(tokens, logprobs)
 
     def _forward_step(self, batch: list[DecodeInput], slots: list[int] | None,
-                      began: torch.cuda.Event | None = None, forced: int | None = None
+                      began: torch.cuda.Event | None = None, forced: int | None = None, eager: bool = False
                       ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """(logits [B, vocab] float32, the slots as a device tensor or None, and after a graph
         replay its greedy pack [B, 2] float64 with its tokens already at the slots, else None);
         `began` is recorded just before the forward is queued."""
+        if forced is not None and not self.fast:
+            raise ValueError(f"decode step of {len(batch)} rows cannot replay graph bucket {forced}: no graphs "
+                             "on the plain path")
         if not self.fast:
             ids = self.future.resolve(torch.tensor([b.input_token for b in batch], dtype=torch.long,
                                                    device=self.device))
@@ -258,8 +262,11 @@ class ModelRunner:
         bs = self.pool.config.block_size
         if forced is not None and (self.graphs is None or forced not in self.graphs.graphs or forced < len(batch)):
             raise ValueError(f"decode step of {len(batch)} rows cannot replay graph bucket {forced}")
-        bucket = forced if forced is not None else (self.graphs.bucket(len(batch)) if self.graphs is not None
-                                                    else None)
+        if eager:
+            bucket = None
+        else:
+            bucket = forced if forced is not None else (self.graphs.bucket(len(batch)) if self.graphs is not None
+                                                        else None)
         if self.tables is None:  # eager fast mode: tables that grow with the batches seen
             self.tables = BlockTables(2 * len(batch) + 1, 1, self.device)
         try:
@@ -281,9 +288,9 @@ class ModelRunner:
         return self.model.logits(hidden), slot_t, None
 
     def decode_tokens(self, batch: list[DecodeInput], sampling: list[tuple[SamplingParams, int]],
-                      bucket: int | None = None) -> tuple[list[int], list[float]]:
+                      bucket: int | None = None, eager: bool = False) -> tuple[list[int], list[float]]:
         """`decode_step` with its one device-to-host copy: (tokens, logprobs) as lists."""
-        return unpack_step(self.decode_step(batch, sampling, bucket=bucket).cpu())
+        return unpack_step(self.decode_step(batch, sampling, bucket=bucket, eager=eager).cpu())
 
     def spec_decode(self, batch: list[SpecInput]) -> list[SpecOutput]:
         """One MTP speculative step (draft, then verify) for every request; see engine/spec_decode.py."""

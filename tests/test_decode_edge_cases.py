@@ -90,6 +90,8 @@ def test_expert_parallel_engine_is_built_on_cuda(tiny_model) -> None:
     built = []
 
     class Engine:  # stands in for decode_worker/ep_ranks.py's EpEngine
+        fast = True  # its ranks run the fast path (which has graphs)
+
         def __init__(self, opts, loaded, pool_config, seed) -> None:
             from decode_worker.ep_pool import EpKvPool
             shape = (pool_config.num_blocks, pool_config.num_layers, pool_config.block_size, pool_config.kv_dim)

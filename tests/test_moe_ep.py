@@ -72,6 +72,24 @@ def _rank(rank: int, world: int, port: int, out_dir: str) -> None:
                 "pairs": (stats.pairs_sent, stats.pairs_received),
                 "load": stats.expert_load.tolist(),
             }
+        # a graph bucket's step: 6 rows on every rank (uniform), some of them padding (real_rows)
+        model = build_model(c, seed=3)
+        moe = moe_layers(model)[0]
+        x = torch.randn(6, c.hidden_size, generator=torch.Generator().manual_seed(7 + rank))
+        real = torch.tensor([True, False, True, True, False, False]) if rank == 0 else torch.zeros(6, dtype=torch.bool)
+        with torch.inference_mode():
+            ids, w = moe.gate(x)
+            dense = moe.experts_forward(x, ids, w)
+            step = install_expert_parallel(model, ExpertPlacement.contiguous(c.n_routed_experts, world), rank)
+            step.uniform, step.real_rows = True, real
+            got = moe.experts_forward(x, ids, w)
+            step.uniform, step.real_rows = False, None
+        results["padded"] = {
+            "real_err": float((got[real] - dense[real]).abs().max()) if real.any() else 0.0,
+            "padding_zero": bool((got[~real] == 0).all()),
+            "load": int(step.stats.expert_load.sum()), "want_load": int(real.sum()) * c.num_experts_per_tok,
+            "received": step.stats.pairs_received, "collectives": step.stats.collectives,
+        }
         with open(f"{out_dir}/rank{rank}.json", "w") as f:
             json.dump(results, f)
     finally:
@@ -102,6 +120,12 @@ def test_dispatch_combine_equals_dense_moe(tmp_path, one_torch_thread):
         # every pair sent is received by someone
         sent = sum(results[(case, r)]["pairs"][0] for r in (0, 1))
         assert sent == sum(results[(case, r)]["pairs"][1] for r in (0, 1)) == k * sum(map(sum, token_counts))
+    # padding rows of a graph bucket (real_rows False) reach no expert and count nowhere; rank 1's
+    # six rows are all padding (an idle rank) and still join both collectives
+    padded = [per_rank[r]["padded"] for r in (0, 1)]
+    assert all(p["real_err"] < 1e-6 and p["padding_zero"] and p["load"] == p["want_load"] for p in padded), padded
+    assert padded[1]["want_load"] == 0 and all(p["collectives"] == 2 for p in padded)
+    assert sum(p["received"] for p in padded) == 3 * k  # rank 0's three real rows × k slots
 
 
 def test_counts_that_do_not_match_the_tokens_are_refused():

@@ -283,7 +283,8 @@ class WorkerRuntime:
         graphs = role == discovery_pb2.ROLE_DECODE and self.device.type == "cuda" and not opts.disable_cuda_graph
         # MTP steps' graphs hold (k + 1) rows per request (none on EP ranks: their MTP steps run eagerly)
         k = opts.speculative_num_steps if engine is None else 0
-        reserve = (graph_reserve_bytes(cfg, opts.max_running)
+        # an EP rank's MoE layers run on the rows every rank sent it (ep_size × its bucket)
+        reserve = (graph_reserve_bytes(cfg, opts.max_running * max(1, opts.ep_size))
                    + (graph_reserve_bytes(cfg, opts.max_running * (k + 1)) if k else 0)) if graphs else 0
         pool_config = dataclasses.replace(pool_config, num_blocks=pool_blocks(opts, self.loaded, pool_config, reserve))
         self.engine = None
@@ -305,13 +306,17 @@ class WorkerRuntime:
         else:  # --- EP hook: the ranks' pools (num_blocks each) and lock-step runner (decode_worker/ep_ranks.py)
             self.engine = engine(opts, self.loaded, pool_config, hash_seed(self.loaded.name, weights=self.loaded.fingerprint))
             self.pool, self.runner = self.engine.pool, self.engine
-            if graphs:  # every rank captures its graphs, MoE all-to-alls included, before any request
+            # every rank captures its graphs, MoE all-to-alls included, before any request (not
+            # with MTP: an EP worker's MTP steps run eagerly, and plain decode steps never come)
+            if graphs and self.engine.fast and not opts.speculative_num_steps:
                 used = self.engine.capture_graphs(opts.max_running, self.context_length)
                 if used > reserve:
                     log.warning("CUDA graphs took %s on one EP rank, more than the %s reserved from "
                                 "--mem-fraction-static", format_bytes(used), format_bytes(reserve))
             elif self.device.type == "cuda":
-                log.info("decode on CUDA without graphs: --disable-cuda-graph (expert-parallel ranks step eagerly)")
+                log.info("decode on CUDA without graphs (expert-parallel ranks step eagerly): %s",
+                         "--disable-cuda-graph" if opts.disable_cuda_graph else
+                         "MTP steps" if opts.speculative_num_steps else "the plain path")
         self.planner = self._chunk_planner()
         self.pipeline = None
         if opts.pp_size > 1:
