@@ -153,3 +153,39 @@ def wait_until(cond, what: str, timeout: float = 15.0) -> None:
     while not cond():
         assert time.time() < deadline, what
         time.sleep(0.02)
+
+
+def scrape_metrics(address: str) -> dict[str, float]:
+    """The unlabelled samples of a worker's /metrics at `address` (host:port), by name."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+    with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    return {s.name: s.value for fam in text_string_to_metric_families(text) for s in fam.samples if not s.labels}
+
+
+def serve_at_once(prompts: list[list[int]], max_tokens: int, **cluster_args: Any
+                  ) -> tuple[list[Any], dict[int, dict[str, float]], dict[int, Any], dict[str, int | None]]:
+    """Send every prompt at once through a local cluster of separate processes (`tandem up`'s
+    `cli.cluster.LocalCluster(model=TINY, metrics=True, **cluster_args)`), greedy, max_tokens
+    each. Returns the results, per worker role the /metrics samples (`scrape_metrics`) and the
+    discovery record, and each process's exit code after the cluster stopped."""
+    from cli.client import frontend_stub, generate
+    from cli.cluster import LocalCluster
+    from engine.model_source import TINY
+
+    async def main():
+        cluster = LocalCluster(model=TINY, metrics=True, **cluster_args)
+        async with cluster:
+            ch, stub = frontend_stub(cluster.router_address, cluster.client_tls)
+            try:
+                results = await asyncio.gather(*(generate(stub, token_ids=p, max_tokens=max_tokens, timeout_s=120)
+                                                 for p in prompts))
+            finally:
+                await ch.close()
+            records = {i.role: i for i in cluster.instances.values() if i.metrics_address}
+            metrics = {role: await asyncio.to_thread(scrape_metrics, i.metrics_address) for role, i in records.items()}
+        return results, metrics, records, {name: proc.returncode for name, proc in cluster.procs.items()}
+
+    return asyncio.run(main())

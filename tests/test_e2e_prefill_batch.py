@@ -5,48 +5,23 @@ prefill worker's /metrics show that its forwards carried chunks of several promp
 
 from __future__ import annotations
 
-import asyncio
-import urllib.request
-
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
-from cli.client import frontend_stub, generate
-from cli.cluster import LocalCluster
 from common.pb.tandem.v1 import discovery_pb2
-from engine.model_source import TINY
 from engine.reference import reference_generate
+from harness import serve_at_once
 
 pytestmark = pytest.mark.e2e
 PROMPT_TOKENS, CHUNK = 256, 32  # 8 chunks per prompt
 
 
-def _scrape(address: str) -> dict[str, float]:
-    with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as resp:
-        text = resp.read().decode()
-    return {s.name: s.value for fam in text_string_to_metric_families(text) for s in fam.samples if not s.labels}
-
-
 def _serve_at_once(prompts: list[list[int]], namespace: str, tmp_path, chunk: int, budget: int):
     """Send every prompt at once through a local cluster (6 greedy tokens each); returns the
     results and the prefill and decode workers' /metrics samples."""
-    async def main():
-        cluster = LocalCluster(model=TINY, namespace=namespace, metrics=True, log_dir=str(tmp_path),
-                               worker_args=["--num-blocks", "512", "--chunk-size", str(chunk),
-                                            "--max-prefill-tokens", str(budget)])
-        async with cluster:
-            ch, stub = frontend_stub(cluster.router_address, cluster.client_tls)
-            try:
-                results = await asyncio.gather(*(generate(stub, token_ids=p, max_tokens=6, timeout_s=120)
-                                                 for p in prompts))
-            finally:
-                await ch.close()
-            by_role = {i.role: i.metrics_address for i in cluster.instances.values() if i.metrics_address}
-            prefill = await asyncio.to_thread(_scrape, by_role[discovery_pb2.ROLE_PREFILL])
-            decode = await asyncio.to_thread(_scrape, by_role[discovery_pb2.ROLE_DECODE])
-        return results, prefill, decode
-
-    return asyncio.run(main())
+    results, metrics, _, _ = serve_at_once(prompts, 6, namespace=namespace, log_dir=str(tmp_path),
+                                           worker_args=["--num-blocks", "512", "--chunk-size", str(chunk),
+                                                        "--max-prefill-tokens", str(budget)])
+    return results, metrics[discovery_pb2.ROLE_PREFILL], metrics[discovery_pb2.ROLE_DECODE]
 
 
 def test_concurrent_prompts_share_prefill_forwards_and_match_reference(tiny_model, tmp_path):
