@@ -10,19 +10,28 @@ stage 1, so the chunks of one request fill the pipeline.
 
 Transport: torch.distributed process groups built directly over a TCPStore (gloo on CPU, NCCL
 on CUDA), not the global default group, so several pipelines may live in one process (tests).
-Messages from stage k to k+1, one tag each (gloo matches p2p messages per pair and tag in
-order): a header int64[5] = (op, start, end, num_blocks, final), the block table int64[num_blocks]
-and the hidden states [end - start, hidden] in the model dtype. The last stage sends stage 0 an
-ack int64[2] = (start, end) per chunk and, for a final chunk, float32 logits [vocab].
+Messages from stage k to k+1 (the forward group), one tag each (gloo matches p2p messages per
+pair and tag in order): a header int64[5] = (op, start, end, num_blocks, final), the block table
+int64[num_blocks] and the hidden states [end - start, hidden] in the model dtype. The last stage
+sends stage 0 an ack int64[2] = (start, end) per chunk and, for a final chunk, float32 logits
+[vocab], on a group of their own: NCCL runs a pair's operations in order on one stream, so a
+receive of an ack posted on the forward pair would hold back the next chunk's send. At start
+every pair is opened in a fixed order (`_handshake`: NCCL sets a pair up at its first operation).
+On CUDA stage 0's collector thread polls the works instead of waiting on them (a wait would make
+the default stream, on which stage 0 computes, wait for the ack), and stages time their compute
+by their own stream, not the whole device (whose NCCL streams hold later chunks' receives).
 
 KV: every stage writes its own layers of the one KV pool. On CPU the pool tensor lives in shared
 memory (`share_memory_`), handed to the stages by torch.multiprocessing, so the pool that stage 0
 registered for transfer holds all layers and the block export is unchanged. On CUDA the same
-hand-over shares the pool through CUDA IPC (it stays on stage 0's GPU; a stage on another GPU
-writes and reads its layers across the GPUs' link through `PagedKvCache`'s device moves). That
-multi-GPU path is written but has not been run: a faster design keeps each stage's layers on
-its own GPU (a pool per stage, `[blocks, stage_layers, block_size, kv_dim]`) and exports one
-descriptor per block per stage, with the decode worker's pool split the same way.
+hand-over shares the pool through CUDA IPC (it stays on stage 0's GPU; a stage on GPU i + s
+writes and reads its layers across the GPUs' link through `PagedKvCache`'s device moves: at a
+128K-token prompt about 1.5 % of a chunk's attention time by arithmetic). Each stage moves its
+layers to its GPU and makes their fast forms again there (`_stage_layers_to`: the stacked MoE
+experts, the fused projections, the compiled functions). That multi-GPU path is written but has
+not been run. A pool per stage in its own HBM, `[blocks, stage_layers, block_size, kv_dim]`,
+with one transfer per stage into the decode worker's layers, would also free stage 0's GPU of
+the other stages' KV.
 """
 
 from __future__ import annotations
@@ -110,10 +119,69 @@ def _make_group(backend: str, store: dist.Store, rank: int, size: int,
 
 
 def stage_device(device: torch.device, rank: int) -> torch.device:
-    """One GPU per stage when there are several (rank mod GPU count); the CPU stays the CPU."""
+    """Stage `rank`'s device: GPU i + rank from stage 0's cuda:i (Pipeline checks they exist);
+    the CPU stays the CPU."""
     if device.type != "cuda":
         return device
-    return torch.device("cuda", rank % torch.cuda.device_count())
+    base = device.index if device.index is not None else 0
+    return torch.device("cuda", base + rank)
+
+
+def _make_groups(backend: str, store: dist.Store, rank: int, size: int,
+                 timeout: datetime.timedelta) -> tuple[Any, Any]:
+    """(forward group: headers, block tables and hidden states from stage k to k + 1; return
+    group: the last stage's acks and logits to stage 0). Two groups because NCCL runs one
+    pair's sends and receives on one stream in order: stage 0's posted receive of an ack would
+    hold back its next chunk's send to stage 1 on a shared pair."""
+    return (_make_group(backend, dist.PrefixStore("fwd", store), rank, size, timeout),
+            _make_group(backend, dist.PrefixStore("ret", store), rank, size, timeout))
+
+
+def _handshake(pg: Any, pg_ret: Any, rank: int, size: int, dev: torch.device) -> None:
+    """Open every pair the pipeline uses, in an order with no wait cycle: NCCL sets a pair's
+    communicator up at its first operation, and both sides must join it (stage 0's first
+    operation with the last stage would otherwise be the wait for an ack that needs a chunk)."""
+    t = torch.zeros(1, dtype=torch.long, device=dev)
+    if rank > 0:
+        pg.recv([t], rank - 1, TAG_HEADER).wait()
+    if rank < size - 1:
+        pg.send([t], rank + 1, TAG_HEADER).wait()
+    if rank == size - 1:
+        pg_ret.send([t], 0, TAG_ACK).wait()
+    if rank == 0:
+        pg_ret.recv([t], size - 1, TAG_ACK).wait()
+    _sync_stream(dev)
+
+
+def _sync_stream(dev: torch.device) -> None:
+    """Wait for this thread's current stream (CUDA): not the whole device, whose NCCL streams
+    hold receives posted for later chunks."""
+    if dev.type == "cuda":
+        torch.cuda.current_stream(dev).synchronize()
+
+
+def _stage_layers_to(model: torch.nn.Module, layers: tuple[int, int], dev: torch.device, last: bool) -> None:
+    """A stage process on its own GPU: its layers (and on the last stage the final norm and
+    lm_head) moved there, in the fast forms stage 0's runner gave the model: the fused MoE
+    experts stacked again on this GPU (a layer's stacks are plain tensors, which `.to()` leaves
+    behind), the attentions' fused input projection, the compiled hot functions."""
+    from engine.kernels.fused import use_fused_hot_path, use_fused_projections
+    from engine.kernels.grouped_experts import use_grouped_experts
+    from engine.model import MoE
+
+    stage = torch.nn.ModuleList(model.model.layers[i] for i in range(*layers))
+    fast = any(isinstance(m, MoE) and m.grouped is not None for m in stage.modules())
+    for m in stage.modules():
+        if isinstance(m, MoE):
+            m.grouped = None
+    stage.to(dev)
+    if last:
+        model.model.norm.to(dev)
+        model.lm_head.to(dev)
+    if fast:
+        use_grouped_experts(stage)
+        use_fused_projections(stage)
+        use_fused_hot_path()
 
 
 def _stage_main(rank: int, size: int, port: int, backend: str, model: torch.nn.Module, kv: torch.Tensor,
@@ -122,17 +190,15 @@ def _stage_main(rank: int, size: int, port: int, backend: str, model: torch.nn.M
     """Body of stage process `rank` >= 1: receive, run layers [start, stop), pass on; until STOP."""
     torch.set_num_threads(threads)
     dev = stage_device(torch.device(device), rank)
+    last = rank == size - 1
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
-        for i in range(*layers):  # this stage's layers on its own GPU (untested, see module doc)
-            model.model.layers[i].to(dev)
-        model.model.norm.to(dev)
-        model.lm_head.to(dev)
+        _stage_layers_to(model, layers, dev, last)
     store = dist.TCPStore("127.0.0.1", port, size, is_master=False,
                           timeout=datetime.timedelta(seconds=timeout_s))
-    pg = _make_group(backend, store, rank, size, datetime.timedelta(seconds=timeout_s))
+    pg, pg_ret = _make_groups(backend, store, rank, size, datetime.timedelta(seconds=timeout_s))
+    _handshake(pg, pg_ret, rank, size, dev)
     pool = _SharedPool(kv_config, kv)
-    last = rank == size - 1
     hidden_size = model.config.hidden_size
     dtype = model.dtype
     pending: deque[tuple[Any, Any]] = deque()  # (work, tensor kept alive until sent)
@@ -154,15 +220,14 @@ def _stage_main(rank: int, size: int, port: int, backend: str, model: torch.nn.M
                 cache = PagedKvCache(pool, [(blocks.tolist(), start, end - start)])
                 began = time.time_ns()
                 x = model.run_layers(x, positions, [end - start], cache, *layers)
-                if dev.type == "cuda":
-                    torch.cuda.synchronize(dev)  # the interval is the compute's, not its launch's
+                _sync_stream(dev)  # the interval is the compute's, not its launch's
                 header[HEADER_LEN + 2 * rank:HEADER_LEN + 2 * rank + 2] = torch.tensor([began, time.time_ns()])
                 if last:
                     if final:
                         logits = model.logits(model.model.norm(x[-1:]))[0].contiguous()  # [vocab] float32
-                        pending.append((pg.send([logits], 0, TAG_LOGITS), logits))
+                        pending.append((pg_ret.send([logits], 0, TAG_LOGITS), logits))
                     ack = torch.cat([torch.tensor([start, end], dtype=torch.long, device=dev), header[HEADER_LEN:]])
-                    pending.append((pg.send([ack], 0, TAG_ACK), ack))
+                    pending.append((pg_ret.send([ack], 0, TAG_ACK), ack))
                 else:
                     out_header = header.clone()
                     x = x.contiguous()
@@ -172,8 +237,10 @@ def _stage_main(rank: int, size: int, port: int, backend: str, model: torch.nn.M
                     pending.popleft()[0].wait()
         while pending:
             pending.popleft()[0].wait()
+        if dev.type == "cuda":  # a CUDA work's wait() orders streams only: let the last sends (STOP) finish
+            torch.cuda.synchronize(dev)
     finally:
-        del pg
+        del pg, pg_ret
     # Skip the interpreter's teardown (seconds of finalizers for torch and the shared model
     # on a busy machine): everything this process owned is released by the kernel.
     logging.shutdown()
@@ -210,10 +277,13 @@ class Pipeline:
         self.size = len(ranges)
         self.device = device
         backend = "nccl" if device.type == "cuda" else "gloo"
-        if device.type == "cuda" and torch.cuda.device_count() < self.size:
+        base = (device.index or 0) if device.type == "cuda" else 0
+        if device.type == "cuda" and torch.cuda.device_count() < base + self.size:
             # NCCL refuses two ranks on one GPU
-            raise ValueError(f"--pp-size {self.size} on CUDA needs {self.size} GPUs, "
+            raise ValueError(f"--pp-size {self.size} from --device cuda:{base} needs GPUs {base}..{base + self.size - 1}, "
                              f"found {torch.cuda.device_count()}")
+        if device.type == "cuda":
+            os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast off (the stages inherit it)
         if device.type == "cpu":
             # the stages read the same weights through shared memory: no copy, no reload
             model.share_memory()
@@ -228,11 +298,13 @@ class Pipeline:
                                   self.ranges[rank], str(device), threads, timeout_s))
             p.start()
             self.procs.append(p)
-        self.pg = _make_group(backend, self._store, 0, self.size, timeout)
+        self.pg, self.pg_ret = _make_groups(backend, self._store, 0, self.size, timeout)
+        _handshake(self.pg, self.pg_ret, 0, self.size, device)
+        self._wait_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._acks: queue.Queue[tuple[_Chunk, asyncio.AbstractEventLoop] | None] = queue.Queue()
         self._collector = threading.Thread(target=self._collect, name="pipeline-acks", daemon=True)
-        self._collector.start()
         self.closed = False
+        self._collector.start()
         self.max_in_flight = 0  # most chunks of one request in the pipeline at once (overlap > 1)
         log.info("prefill pipeline: %d stages over layers %s (%s)", self.size, self.ranges, backend)
 
@@ -255,8 +327,7 @@ class Pipeline:
         began = time.time_ns()
         x = self.model.model.embed_tokens(ids)  # [chunk, hidden]
         x = self.model.run_layers(x, positions, [end - start], cache, *self.ranges[0]).contiguous()
-        if dev.type == "cuda":
-            torch.cuda.synchronize(dev)
+        _sync_stream(dev)
         times = [began, time.time_ns()] + [0] * (2 * (self.size - 1))
         header = torch.tensor([OP_CHUNK, start, end, nb, int(final), *times], dtype=torch.long, device=dev)
         blocks = torch.tensor(block_ids[:nb], dtype=torch.long, device=dev)
@@ -265,9 +336,9 @@ class Pipeline:
         # post the receives before the sends: the last stage may answer at once
         if final:
             chunk.logits = torch.empty(self.model.config.vocab_size, dtype=torch.float32, device=dev)
-            chunk.logits_work = self.pg.recv([chunk.logits], last, TAG_LOGITS)
+            chunk.logits_work = self.pg_ret.recv([chunk.logits], last, TAG_LOGITS)
         ack = torch.empty(2 + 2 * self.size, dtype=torch.long, device=dev)
-        chunk.ack = self.pg.recv([ack], last, TAG_ACK)
+        chunk.ack = self.pg_ret.recv([ack], last, TAG_ACK)
         chunk.ack_tensor = ack
         for t, tag in ((header, TAG_HEADER), (blocks, TAG_BLOCKS), (x, TAG_HIDDEN)):
             chunk.keep.append(self.pg.send([t], 1, tag))
@@ -283,16 +354,38 @@ class Pipeline:
                 return
             chunk, loop = item
             error: BaseException | None = None
+            works = [w for w in (chunk.logits_work, chunk.ack, *chunk.keep) if hasattr(w, "wait")]
             try:
-                if chunk.logits_work is not None:
-                    chunk.logits_work.wait()
-                chunk.ack.wait()
-                for w in chunk.keep:
-                    if hasattr(w, "wait"):
-                        w.wait()
+                self._complete(works)
             except Exception as exc:  # noqa: BLE001 - handed to the awaiting request
-                error = PipelineError(f"prefill pipeline transport failed: {exc}")
+                error = exc if isinstance(exc, PipelineError) else PipelineError(
+                    f"prefill pipeline transport failed: {exc}")
             loop.call_soon_threadsafe(_resolve, chunk.done, error)
+
+    def _complete(self, works: list[Any]) -> None:
+        """Return once every work has completed (PipelineError when a stage dies first). On CUDA
+        a work's wait() only makes the current stream wait, which on this thread would be the
+        device's default stream, the one stage 0 computes on: its next chunk would queue behind
+        this chunk's ack. So there the works are polled, and waited on (for their errors) on a
+        stream of this thread's own once complete. Gloo's waits block, as wanted."""
+        if self._wait_stream is None:  # gloo: wait() blocks this thread (its p2p works complete only in wait())
+            for w in works:
+                w.wait()
+            return
+        last_check = time.monotonic()
+        for w in works:
+            pause = 0.0002
+            while not w.is_completed():
+                time.sleep(pause)
+                pause = min(0.005, pause * 2)  # short for a short chunk, cheap for a long one
+                if time.monotonic() - last_check > 0.5:
+                    last_check = time.monotonic()
+                    dead = self.dead_stages()
+                    if dead or self.closed:
+                        raise PipelineError(f"prefill pipeline stage process(es) {dead} died" if dead
+                                            else "prefill pipeline closed")
+            with torch.cuda.stream(self._wait_stream):
+                w.wait()
 
     # --- event loop ----------------------------------------------------------------------------
 
