@@ -305,6 +305,33 @@ def test_a_forced_graph_bucket_pads_and_an_empty_share_replays() -> None:
 
 
 @cuda
+def test_a_pipeline_stage_remakes_its_layers_fast_forms() -> None:
+    """engine/pipeline.py `_stage_layers_to`, on one GPU (a stage on another GPU does the same
+    there): the stage's MoE layers get stacks of their own on the stage's device (a stack is a
+    plain tensor that `.to()` leaves behind), and its layers compute what they did."""
+    from engine.kv_cache_contiguous import ContiguousKvCache
+    from engine.model_source import TINY, load_model
+    from engine.pipeline import _stage_layers_to
+    from engine.runner import ModelRunner
+    loaded = load_model(TINY, dtype=torch.bfloat16)
+    c = loaded.config
+    pool = KvPool(KvPoolConfig(num_blocks=8, block_size=16, num_layers=c.num_kv_layers, kv_dim=c.kv_dim,
+                               dtype=torch.bfloat16), 1, "cuda")
+    model = ModelRunner(loaded.model.to("cuda"), pool).model  # the fast forms, as stage 0's runner makes them
+    x = torch.randn(12, c.hidden_size, device="cuda", dtype=torch.bfloat16)
+    positions = torch.arange(12, device="cuda")
+    with torch.inference_mode():
+        want = model.run_layers(x, positions, [12], ContiguousKvCache(c.num_hidden_layers))
+        old = [m.grouped.gate_up for m in model.modules() if isinstance(m, MoE)]
+        _stage_layers_to(model, (0, c.num_hidden_layers), torch.device("cuda", 0), last=True)
+        moes = [m for m in model.modules() if isinstance(m, MoE)]
+        assert all(m.grouped is not None and m.grouped.gate_up.is_cuda for m in moes)
+        assert all(m.grouped.gate_up.data_ptr() != o.data_ptr() for m, o in zip(moes, old))  # stacked again
+        got = model.run_layers(x, positions, [12], ContiguousKvCache(c.num_hidden_layers))
+    torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
+
+
+@cuda
 def test_graph_replay_equals_eager_fast_step_and_plain_path() -> None:
     from engine.model_source import TINY, load_model
     from engine.runner import DecodeInput, ModelRunner
