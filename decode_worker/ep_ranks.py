@@ -9,7 +9,7 @@ worker is one *step* in lock-step over all ranks: rank 0 sends each child its sh
 pipe, runs its own share, and collects each rank's results. A rank with no work still runs the
 step's MoE collectives (`idle_forward`).
 
-Devices (`ep_devices`): on a CPU every rank is a CPU process and the group is gloo; from
+Devices (engine/rank_devices.py): on a CPU every rank is a CPU process and the group is gloo; from
 `--device cuda:i` rank r owns GPU i + r and the group is NCCL (NVLink multicast off:
 NCCL_NVLS_ENABLE=0, as on the lent machines). Each rank runs the worker's `ModelRunner` over
 its own pool: on a GPU the fast path (paged MLA decode kernel, its local experts in the fused
@@ -30,7 +30,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import multiprocessing.connection
-import os
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -46,6 +45,7 @@ from engine.kv_pool import KvPool, KvPoolConfig, PagedKvCache
 from engine.model import DeepseekV3ForCausalLM
 from engine.ep_placement import ExpertPlacement
 from engine.moe_ep import EpRank, ep_rank_of, idle_forward, idle_mtp_forward, install_expert_parallel, select_backend
+from engine.rank_devices import collective_backend, rank_devices
 from engine.mtp import MTP_MODULE, pool_has_mtp, prefill_mtp_rows
 from engine.runner import DecodeInput, ModelRunner
 from engine.spec_decode import SpecInput, SpecOutput, spec_forward
@@ -157,16 +157,15 @@ def _moved(out: SpecOutput, device: torch.device | str) -> SpecOutput:
 
 
 def _decode_share(runner: ModelRunner, work: RankWork) -> tuple[list[int], list[float]]:
+    """The step's bucket on every rank: a graph replay padded to it (all padding when idle), or
+    with bucket 0 an eager step on every rank (a rank whose rows fit a graph must not replay
+    one: its captured collectives would meet the others' eager ones)."""
     batch = [DecodeInput(list(b), n, t) for (b, n, _), t in zip(work.seqs, work.token_ids)]
-    if work.bucket:  # a graph replay, padded to the step's bucket (all padding when idle)
-        return runner.decode_tokens(batch, list(work.sampling), bucket=work.bucket)
-    if not batch:
+    if not batch and not work.bucket:
         with torch.inference_mode():
             idle_forward(runner.model)
         return [], []
-    # eager on every rank (a rank whose rows fit a graph must not replay one: its captured
-    # collectives would meet the others' eager ones)
-    return runner.decode_tokens(batch, list(work.sampling), eager=True)
+    return runner.decode_tokens(batch, list(work.sampling), bucket=work.bucket)
 
 
 def _prefill_share(model: DeepseekV3ForCausalLM, pool: KvPool, work: RankWork) -> torch.Tensor:
@@ -190,31 +189,13 @@ def _prefill_share(model: DeepseekV3ForCausalLM, pool: KvPool, work: RankWork) -
         return hidden[last]
 
 
-def ep_devices(device: torch.device | str, ep_size: int) -> list[torch.device]:
-    """Each rank's device: the CPU for every rank, or from the worker's cuda:i, GPU i + r for
-    rank r. Raises ValueError (naming --ep-size and --device) when there are too few GPUs."""
-    device = torch.device(device)
-    if device.type != "cuda":
-        return [torch.device("cpu")] * ep_size
-    first = device.index if device.index is not None else torch.cuda.current_device()
-    have = torch.cuda.device_count()
-    if first + ep_size > have:
-        raise ValueError(f"--ep-size {ep_size} from --device cuda:{first} needs GPUs {first}..{first + ep_size - 1}; "
-                         f"this machine has {have}")
-    return [torch.device("cuda", first + r) for r in range(ep_size)]
-
-
-def _group_backend(device: torch.device) -> str:
-    return "nccl" if device.type == "cuda" else "gloo"
-
-
 def _init_group(rank: int, world: int, store: dist.Store, timeout_s: float, device: torch.device) -> None:
     if dist.is_initialized():
         raise RuntimeError("torch.distributed is already initialized in this process: one EP decode worker "
                            "per process")
     if device.type == "cuda":
         torch.cuda.set_device(device)  # NCCL binds this process's communicator to its GPU
-    dist.init_process_group(_group_backend(device), store=store, rank=rank, world_size=world,
+    dist.init_process_group(collective_backend(device), store=store, rank=rank, world_size=world,
                             timeout=timedelta(seconds=timeout_s))
 
 
@@ -283,7 +264,7 @@ class EpEngine:
                  model: DeepseekV3ForCausalLM | None = None, device: torch.device | str | None = None) -> None:
         """`model`: rank 0's model to turn into an EP rank in place (its other experts are freed);
         None = load `spec` again (when the loaded model is shared, as in tests). `device`: rank
-        0's (default: the model's, else the CPU); the other ranks' follow (`ep_devices`)."""
+        0's (default: the model's, else the CPU); the other ranks' follow (engine/rank_devices.py)."""
         self.world = ep_size
         n_experts = model_experts(spec)
         self.placement = placement or ExpertPlacement.contiguous(n_experts, ep_size)
@@ -292,17 +273,15 @@ class EpEngine:
                              f"{self.placement.world_size} ranks; need {n_experts} over --ep-size {ep_size}")
         if device is None:
             device = model.model.embed_tokens.weight.device if model is not None else "cpu"
-        self.devices = ep_devices(device, ep_size)
+        self.devices = rank_devices(device, ep_size, "--ep-size")
         on_cuda = self.devices[0].type == "cuda"
         dtype = model.dtype if model is not None else (torch.bfloat16 if on_cuda else torch.float32)
         self.backend = select_backend(backend, self.devices[0])
         log.info("expert parallelism: %d ranks on %s, %d routed experts (%s per rank, %d redundant copies), "
                  "all-to-all backend %s (torch.distributed %s)", ep_size, ", ".join(map(str, self.devices)),
                  n_experts, "/".join(str(len(self.placement.local_experts(r))) for r in range(ep_size)),
-                 len(self.placement.replicas), self.backend, _group_backend(self.devices[0]))
+                 len(self.placement.replicas), self.backend, collective_backend(self.devices[0]))
         shape = (rank_config.num_blocks, rank_config.num_layers, rank_config.block_size, rank_config.kv_dim)
-        if on_cuda:
-            os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast off (ranks inherit it)
         # each rank's pool on its own device, allocated here (where the worker's transfer agents
         # register them) and handed to the rank: shared memory on a CPU, CUDA IPC on GPUs
         shares = [torch.zeros(shape, dtype=rank_config.dtype, device=d) for d in self.devices]

@@ -148,7 +148,7 @@ class DecodeServicer(SessionMixin, pb_grpc.DecodeServiceServicer):
         """
         # the agent of the pool that holds the blocks (on an EP worker, the owning rank's), and
         # the blocks' ids in that pool
-        agent, desc, metadata, local_ids = self.rt.transfer_target(prompt.block_ids)
+        (agent, desc, metadata), local_ids = self.rt.transfer_target(prompt.block_ids)
         sent_key = (address, agent.name)
         dst = prefill_pb2.KvDestination(
             backend=self.rt.opts.transfer_backend, agent_name=agent.name,
@@ -290,7 +290,7 @@ class DecodeServicer(SessionMixin, pb_grpc.DecodeServiceServicer):
             return resp.notified
 
         # a late transfer's notification arrives at the agent of the pool that holds the blocks
-        agent = self.rt.transfer_target(given)[0] if given else None
+        agent = self.rt.transfer_target(given)[0].agent if given else None
         self.fence.hold(request_id, given, abandon, lambda: nothing_listens(address),
                         notification(request_id, secret), agent=agent)
         prompt.block_ids.extend(self.rt.pool.allocate_beside(given, len(given)))  # PoolExhausted.needed: len(given)

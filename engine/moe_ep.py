@@ -100,8 +100,6 @@ class EpRank:
     Every rank must see the same counts.
     """
 
-    placement: ExpertPlacement
-    rank: int
     stats: EpStats = field(default_factory=EpStats)
     counts: Sequence[int] | None = None
     # True: every rank has as many tokens as this one (a decode step padded to a common CUDA graph
@@ -120,22 +118,24 @@ class ExpertParallelDispatch:
 
     `experts` maps each local expert id to its MLP (their weights are stacked into one
     `GroupedExperts`, the MLPs' parameters becoming views of the stacks); `group` is None for
-    the default group; `step` is the rank's shared `EpRank` (its counts and stats).
+    the default group; `step` is the rank's `EpRank` its layers share (counts and stats; a new
+    one when None).
     """
 
     placement: ExpertPlacement
     rank: int
     experts: dict[int, nn.Module]
-    hidden_size: int
     group: dist.ProcessGroup | None = None
-    stats: EpStats | None = None
     step: EpRank | None = None
+
+    @property
+    def stats(self) -> EpStats:
+        return self.step.stats
 
     def __post_init__(self) -> None:
         p = self.placement
         if self.step is None:
-            self.step = EpRank(p, self.rank, self.stats or EpStats())
-        self.stats = self.step.stats
+            self.step = EpRank()
         self._local = p.local_experts(self.rank)
         if sorted(self.experts) != self._local:
             raise ValueError(f"rank {self.rank} must hold experts {self._local}, got {sorted(self.experts)}")
@@ -179,7 +179,8 @@ class ExpertParallelDispatch:
 
         Every rank of the group must call this for the same layer at the same time. The split
         sizes are T on every rank when `step.uniform`, else `step.counts` when set (both with no
-        host sync: CUDA graph safe), else gathered from the ranks first. Raises ValueError when the counts do not give this rank T tokens.
+        host sync: CUDA graph safe), else gathered from the ranks first. Raises ValueError when
+        the counts do not give this rank T tokens.
         """
         world = self.placement.world_size
         t, k = ids.shape
@@ -250,7 +251,7 @@ def install_expert_parallel(model: DeepseekV3ForCausalLM, placement: ExpertPlace
     c = model.config
     if len(placement.owner) != c.n_routed_experts:
         raise ValueError(f"placement of {len(placement.owner)} experts for a model with {c.n_routed_experts}")
-    step = EpRank(placement, rank, EpStats(timed=model.model.embed_tokens.weight.device.type != "cuda"))
+    step = EpRank(EpStats(timed=model.model.embed_tokens.weight.device.type != "cuda"))
     local = set(placement.local_experts(rank))
     for moe in moe_layers(model, main_only=False):
         for e in range(c.n_routed_experts):
@@ -262,8 +263,8 @@ def install_expert_parallel(model: DeepseekV3ForCausalLM, placement: ExpertPlace
         moe.grouped = None
         moe.expert_parallel = True
         moe.experts_forward = ExpertParallelDispatch(  # type: ignore[method-assign]
-            placement, rank, {e: moe.experts[e] for e in sorted(local)}, c.hidden_size, group, step=step)
-    model.ep_rank = step  # what engine/graph_runner.py marks a bucket's padding rows in
+            placement, rank, {e: moe.experts[e] for e in sorted(local)}, group, step=step)
+    model.ep_rank = step  # ep_rank_of; engine/graph_runner.py marks a bucket's padding rows in it
     return step
 
 
@@ -295,12 +296,12 @@ def idle_mtp_forward(model: DeepseekV3ForCausalLM, k: int = 0) -> None:
 
 
 def ep_rank_of(model: DeepseekV3ForCausalLM) -> EpRank:
-    """The `EpRank` that install_expert_parallel gave model's MoE layers. Raises ValueError for
-    a model that is not an EP rank."""
-    for moe in moe_layers(model, main_only=False):
-        if isinstance(moe.experts_forward, ExpertParallelDispatch):
-            return moe.experts_forward.step
-    raise ValueError("the model is not an expert-parallel rank (install_expert_parallel)")
+    """The `EpRank` install_expert_parallel gave the model. Raises ValueError for a model that
+    is not an EP rank."""
+    step = getattr(model, "ep_rank", None)
+    if step is None:
+        raise ValueError("the model is not an expert-parallel rank (install_expert_parallel)")
+    return step
 
 
 def select_backend(requested: str, device: torch.device | str) -> str:

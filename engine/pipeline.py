@@ -53,6 +53,7 @@ import torch.distributed as dist
 
 from common import tracing
 from engine.kv_pool import KvPoolConfig, PagedKvCache
+from engine.rank_devices import collective_backend, rank_devices
 
 if TYPE_CHECKING:
     from worker.host import WorkerRuntime
@@ -118,15 +119,6 @@ def _make_group(backend: str, store: dist.Store, rank: int, size: int,
     return dist.ProcessGroupGloo(store, rank, size, timeout)
 
 
-def stage_device(device: torch.device, rank: int) -> torch.device:
-    """Stage `rank`'s device: GPU i + rank from stage 0's cuda:i (Pipeline checks they exist);
-    the CPU stays the CPU."""
-    if device.type != "cuda":
-        return device
-    base = device.index if device.index is not None else 0
-    return torch.device("cuda", base + rank)
-
-
 def _make_groups(backend: str, store: dist.Store, rank: int, size: int,
                  timeout: datetime.timedelta) -> tuple[Any, Any]:
     """(forward group: headers, block tables and hidden states from stage k to k + 1; return
@@ -189,7 +181,7 @@ def _stage_main(rank: int, size: int, port: int, backend: str, model: torch.nn.M
                 timeout_s: float) -> None:
     """Body of stage process `rank` >= 1: receive, run layers [start, stop), pass on; until STOP."""
     torch.set_num_threads(threads)
-    dev = stage_device(torch.device(device), rank)
+    dev = torch.device(device)
     last = rank == size - 1
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
@@ -276,14 +268,8 @@ class Pipeline:
         self.ranges = list(ranges)
         self.size = len(ranges)
         self.device = device
-        backend = "nccl" if device.type == "cuda" else "gloo"
-        base = (device.index or 0) if device.type == "cuda" else 0
-        if device.type == "cuda" and torch.cuda.device_count() < base + self.size:
-            # NCCL refuses two ranks on one GPU
-            raise ValueError(f"--pp-size {self.size} from --device cuda:{base} needs GPUs {base}..{base + self.size - 1}, "
-                             f"found {torch.cuda.device_count()}")
-        if device.type == "cuda":
-            os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast off (the stages inherit it)
+        backend = collective_backend(device)
+        devices = rank_devices(device, self.size, "--pp-size")  # stage s on GPU i + s
         if device.type == "cpu":
             # the stages read the same weights through shared memory: no copy, no reload
             model.share_memory()
@@ -295,7 +281,7 @@ class Pipeline:
         for rank in range(1, self.size):
             p = ctx.Process(target=_stage_main, name=f"prefill-stage-{rank}", daemon=True,
                             args=(rank, self.size, self._store.port, backend, model, pool_kv, pool_config,
-                                  self.ranges[rank], str(device), threads, timeout_s))
+                                  self.ranges[rank], str(devices[rank]), threads, timeout_s))
             p.start()
             self.procs.append(p)
         self.pg, self.pg_ret = _make_groups(backend, self._store, 0, self.size, timeout)

@@ -211,7 +211,7 @@ class ModelRunner:
     @torch.inference_mode()
     def decode_step(self, batch: list[DecodeInput], sampling: list[tuple[SamplingParams, int]],
                     slots: list[int] | None = None, began: torch.cuda.Event | None = None,
-                    bucket: int | None = None, eager: bool = False) -> torch.Tensor:
+                    bucket: int | None = None) -> torch.Tensor:
         """`decode` then `sample_batch`: [B, 2] float64 on the device, row i = (token id,
         log-probability) of batch[i] (`pack_step`); with `slots` the tokens are also written
         into the future map there. An all-greedy batch replayed from a graph takes the graph's
@@ -224,14 +224,14 @@ class ModelRunner:
         host's planning), so that began → a later event times the step's device work without
         the host's share (OverlapRunner's device-busy figure).
 
-        bucket: replay this graph bucket (>= len(batch); batch may then be empty) instead of the
-        smallest that fits: an EP rank's step, where every rank replays the same bucket (their
-        MoE all-to-alls are captured in it). Raises ValueError when that graph cannot run the
-        batch (no graphs, or a context wider than the captured tables): an eager step here would
-        leave the other ranks' collectives unmatched. eager: no graph even where one fits (an EP
-        rank's step that every rank runs eagerly)."""
+        bucket: None = the smallest graph that fits (or an eager step); an EP rank's step, where
+        every rank must do the same (their MoE all-to-alls are captured in the graphs), says which:
+        0 = eager even where a graph fits, N = replay bucket N (>= len(batch); batch may then be
+        empty). Raises ValueError when bucket N cannot run the batch (no graphs, or a context
+        wider than the captured tables): an eager step then would leave the other ranks'
+        collectives unmatched."""
         rows = SamplingRows.build(sampling, self.device)
-        logits, slot_t, greedy = self._forward_step(batch, slots, began, bucket, eager)
+        logits, slot_t, greedy = self._forward_step(batch, slots, began, bucket)
         if greedy is not None and not rows.any_sampled:
             return greedy
         tokens, logprobs = sample_batch(logits, rows)
@@ -240,14 +240,13 @@ class ModelRunner:
         return pack_step(tokens, logprobs)
 
     def _forward_step(self, batch: list[DecodeInput], slots: list[int] | None,
-                      began: torch.cuda.Event | None = None, forced: int | None = None, eager: bool = False
+                      began: torch.cuda.Event | None = None, forced: int | None = None
                       ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """(logits [B, vocab] float32, the slots as a device tensor or None, and after a graph
         replay its greedy pack [B, 2] float64 with its tokens already at the slots, else None);
         `began` is recorded just before the forward is queued."""
-        if forced is not None and not self.fast:
-            raise ValueError(f"decode step of {len(batch)} rows cannot replay graph bucket {forced}: no graphs "
-                             "on the plain path")
+        if forced and (self.graphs is None or forced not in self.graphs.graphs or forced < len(batch)):
+            raise ValueError(f"decode step of {len(batch)} rows cannot replay graph bucket {forced}")
         if not self.fast:
             ids = self.future.resolve(torch.tensor([b.input_token for b in batch], dtype=torch.long,
                                                    device=self.device))
@@ -260,13 +259,10 @@ class ModelRunner:
             return self.model.logits(hidden), slot_t, None
         from engine.decode_batch import AbsorbedDecodeKv, BlockTables, DecodePlan
         bs = self.pool.config.block_size
-        if forced is not None and (self.graphs is None or forced not in self.graphs.graphs or forced < len(batch)):
-            raise ValueError(f"decode step of {len(batch)} rows cannot replay graph bucket {forced}")
-        if eager:
-            bucket = None
+        if forced is None:
+            bucket = self.graphs.bucket(len(batch)) if self.graphs is not None else None
         else:
-            bucket = forced if forced is not None else (self.graphs.bucket(len(batch)) if self.graphs is not None
-                                                        else None)
+            bucket = forced or None  # 0: eager
         if self.tables is None:  # eager fast mode: tables that grow with the batches seen
             self.tables = BlockTables(2 * len(batch) + 1, 1, self.device)
         try:
@@ -274,7 +270,7 @@ class ModelRunner:
                                     pad_row=self.graphs.pad_row if bucket else 0,
                                     out=self.graphs.inputs(bucket) if bucket else None)
         except ValueError:  # a context wider than the captured tables: one eager step, own tables
-            if forced is not None:
+            if forced:
                 raise
             bucket, plan = None, DecodePlan.build(batch, bs, self.device, None, slots)
         slot_t = None if slots is None else plan.slots
@@ -288,9 +284,9 @@ class ModelRunner:
         return self.model.logits(hidden), slot_t, None
 
     def decode_tokens(self, batch: list[DecodeInput], sampling: list[tuple[SamplingParams, int]],
-                      bucket: int | None = None, eager: bool = False) -> tuple[list[int], list[float]]:
+                      bucket: int | None = None) -> tuple[list[int], list[float]]:
         """`decode_step` with its one device-to-host copy: (tokens, logprobs) as lists."""
-        return unpack_step(self.decode_step(batch, sampling, bucket=bucket, eager=eager).cpu())
+        return unpack_step(self.decode_step(batch, sampling, bucket=bucket).cpu())
 
     def spec_decode(self, batch: list[SpecInput]) -> list[SpecOutput]:
         """One MTP speculative step (draft, then verify) for every request; see engine/spec_decode.py."""

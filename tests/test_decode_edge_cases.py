@@ -111,7 +111,7 @@ def test_expert_parallel_engine_is_built_on_cuda(tiny_model) -> None:
                        loaded, engine=Engine)
     try:
         assert built and rt.engine is built[0] and rt.runner is built[0] and rt.pool is built[0].pool
-        assert len(rt.rank_agents) == 1  # rank 1's pool has a transfer agent of its own
+        assert len(rt.endpoints) == 2  # rank 1's pool has a transfer agent of its own
         assert built[0].captured == (rt.opts.max_running, rt.context_length)  # the ranks' decode graphs
     finally:
         rt.close()

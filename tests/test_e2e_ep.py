@@ -81,7 +81,7 @@ def test_single_request_with_an_idle_rank(cluster, stub, tiny_model):
         # the record names rank 1's agent: the prefill worker checks a destination against it
         record = rt.instance("127.0.0.1:1")
         assert [(a.name, a.capacity_blocks) for a in record.rank_transfer_agents] == [
-            (rt.rank_agents[0].name, cluster.worker_opts.num_blocks)]
+            (rt.endpoints[1].agent.name, cluster.worker_opts.num_blocks)]
         assert record.kv_capacity_blocks == 2 * cluster.worker_opts.num_blocks
 
 
@@ -120,7 +120,7 @@ def test_a_rank_agents_destination_is_checked_against_its_own_record(cluster):
         pytest.skip("needs a second rank")
     from common.pb.tandem.v1 import prefill_pb2, prefill_pb2_grpc
     rt = cluster.decode.runtime
-    agent, desc, nb = rt.rank_agents[0], rt.rank_pool_descs[0], cluster.worker_opts.num_blocks
+    (agent, desc, metadata), nb = rt.endpoints[1], cluster.worker_opts.num_blocks
 
     def refusal(block_ids, metadata):
         req = prefill_pb2.PrefillRequest(request_id="evil-ep", token_ids=[21, 22, 23], destination=prefill_pb2.KvDestination(
@@ -133,7 +133,7 @@ def test_a_rank_agents_destination_is_checked_against_its_own_record(cluster):
         assert bool((rt.pool.ranks[1].kv == before).all())  # nothing written
         return e.value
 
-    err = refusal([nb], rt.rank_transfer_metadata[0])  # in the worker's 2 × nb blocks, past rank 1's nb
+    err = refusal([nb], metadata)  # in the worker's 2 × nb blocks, past rank 1's nb
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and err.details().startswith("destination.block_ids")
     assert f"{nb} blocks" in err.details(), err.details()
     err = refusal([0], rt.transfer_metadata)  # rank 0's metadata sent under rank 1's name

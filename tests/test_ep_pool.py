@@ -81,27 +81,14 @@ def test_fresh_blocks_come_from_the_rank_of_the_request():
         pool.allocate_beside(b.block_ids, 4)
 
 
-def test_ep_devices():
-    from decode_worker.ep_ranks import ep_devices
-    assert ep_devices("cpu", 3) == [torch.device("cpu")] * 3
+def test_rank_devices():
+    from engine.rank_devices import collective_backend, rank_devices
+    assert rank_devices("cpu", 3, "--ep-size") == [torch.device("cpu")] * 3
+    assert collective_backend(torch.device("cpu")) == "gloo" and collective_backend(torch.device("cuda", 1)) == "nccl"
     if torch.cuda.is_available():
         n = torch.cuda.device_count()
-        assert ep_devices("cuda:0", n) == [torch.device("cuda", r) for r in range(n)]
+        assert rank_devices("cuda:0", n, "--ep-size") == [torch.device("cuda", r) for r in range(n)]
     else:  # the check that needs no GPU: asking for more GPUs than the machine has
         import pytest
-        with pytest.raises(ValueError, match="--ep-size 2 from --device cuda:1 needs GPUs 1..2; this machine has 0"):
-            ep_devices("cuda:1", 2)
-
-
-def test_transfer_agents_of_a_record():
-    from common.pb.tandem.v1 import discovery_pb2
-    from worker.peers import transfer_agents
-    one = discovery_pb2.Instance(transfer_agent_name="d", transfer_metadata_sha256=b"x", kv_capacity_blocks=64)
-    assert transfer_agents(one) == {"d": (b"x", 64)}
-    ep = discovery_pb2.Instance(transfer_agent_name="d", transfer_metadata_sha256=b"x", kv_capacity_blocks=3 * 16,
-                                rank_transfer_agents=[discovery_pb2.RankTransferAgent(name="d-ep1", metadata_sha256=b"y",
-                                                                                     capacity_blocks=16),
-                                                      discovery_pb2.RankTransferAgent(name="d-ep2", metadata_sha256=b"z",
-                                                                                     capacity_blocks=16)])
-    assert transfer_agents(ep) == {"d": (b"x", 16), "d-ep1": (b"y", 16), "d-ep2": (b"z", 16)}
-    assert transfer_agents(discovery_pb2.Instance()) == {}  # a router's record: no agent
+        with pytest.raises(ValueError, match="--pp-size 2 from --device cuda:1 needs GPUs 1..2; this machine has 0"):
+            rank_devices("cuda:1", 2, "--pp-size")

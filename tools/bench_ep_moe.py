@@ -82,7 +82,7 @@ def _rank(rank: int, a: argparse.Namespace, port: int, out_dir: str) -> None:
         ep = _build_moe(c, device, dtype, seed=1)
         placement = ExpertPlacement.contiguous(c.n_routed_experts, a.world)
         local = placement.local_experts(rank)
-        dispatch = ExpertParallelDispatch(placement, rank, {e: ep.experts[e] for e in local}, c.hidden_size)
+        dispatch = ExpertParallelDispatch(placement, rank, {e: ep.experts[e] for e in local})
         for e in range(c.n_routed_experts):
             if e not in local:
                 ep.experts[e] = torch.nn.Module()

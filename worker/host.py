@@ -14,7 +14,7 @@ import sys
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable, Sequence, TypeVar
+from typing import Any, Awaitable, Callable, NamedTuple, Sequence, TypeVar
 
 import grpc
 import torch
@@ -246,6 +246,15 @@ def pool_blocks(opts: WorkerOptions, loaded: LoadedModel, pool_config: KvPoolCon
     return blocks
 
 
+class TransferEndpoint(NamedTuple):
+    """A transfer agent of this worker, the pool it registered and its metadata: one per EP rank
+    (rank 0's is the worker's own)."""
+
+    agent: Any  # kv_transfer.KvTransferAgent
+    desc: Any  # kv_transfer.PoolDescriptor
+    metadata: bytes
+
+
 class WorkerRuntime:
     """Model, pool, runner, KV event log and transfer agent of one worker process."""
 
@@ -280,9 +289,10 @@ class WorkerRuntime:
         pool_config = KvPoolConfig(num_blocks=1, block_size=opts.block_size, num_layers=cfg.num_kv_layers,
                                    kv_dim=cfg.kv_dim, dtype=kv_cache_torch_dtype(opts.kv_cache_dtype, model_dtype),
                                    scale=opts.kv_cache_scale)
-        graphs = role == discovery_pb2.ROLE_DECODE and self.device.type == "cuda" and not opts.disable_cuda_graph
-        # MTP steps' graphs hold (k + 1) rows per request (none on EP ranks: their MTP steps run eagerly)
-        k = opts.speculative_num_steps if engine is None else 0
+        # decode graphs; not on EP ranks with MTP, whose steps all run eagerly
+        graphs = (role == discovery_pb2.ROLE_DECODE and self.device.type == "cuda" and not opts.disable_cuda_graph
+                  and not (engine is not None and opts.speculative_num_steps))
+        k = opts.speculative_num_steps if engine is None else 0  # MTP steps' graphs: (k + 1) rows per request
         # an EP rank's MoE layers run on the rows every rank sent it (ep_size × its bucket)
         reserve = (graph_reserve_bytes(cfg, opts.max_running * max(1, opts.ep_size))
                    + (graph_reserve_bytes(cfg, opts.max_running * (k + 1)) if k else 0)) if graphs else 0
@@ -306,9 +316,8 @@ class WorkerRuntime:
         else:  # --- EP hook: the ranks' pools (num_blocks each) and lock-step runner (decode_worker/ep_ranks.py)
             self.engine = engine(opts, self.loaded, pool_config, hash_seed(self.loaded.name, weights=self.loaded.fingerprint))
             self.pool, self.runner = self.engine.pool, self.engine
-            # every rank captures its graphs, MoE all-to-alls included, before any request (not
-            # with MTP: an EP worker's MTP steps run eagerly, and plain decode steps never come)
-            if graphs and self.engine.fast and not opts.speculative_num_steps:
+            # every rank captures its graphs, MoE all-to-alls included, before any request
+            if graphs and self.engine.fast:
                 used = self.engine.capture_graphs(opts.max_running, self.context_length)
                 if used > reserve:
                     log.warning("CUDA graphs took %s on one EP rank, more than the %s reserved from "
@@ -359,39 +368,50 @@ class WorkerRuntime:
         from kv_transfer import create_agent, prepare_pool
         from kv_transfer.ucx_bind import confine_ucx
         confine_ucx(opts.host)  # NIXL's UCX listeners on --host's interface only (before UCX starts)
-        # An EP worker registers each rank's pool with an agent of its own (`rank_agents`, ranks
-        # 1..N-1; rank 0's is `agent`): a rank's pool lives on its own device
+        # An EP worker registers each rank's pool with an agent of its own: a rank's pool lives
+        # on its own device (rank 0's agent is the worker's, named after the instance)
         rank_pools = self.pool.ranks if self.engine is not None else [self.pool]
-        self.rank_agents: list[Any] = []
+        agents: list[Any] = []
         try:
             for p in rank_pools:
                 prepare_pool(p.kv, opts.transfer_backend)  # host pools into shared memory for shm
-            self.agent = create_agent(opts.transfer_backend, self.instance_id)
-            for r in range(1, len(rank_pools)):
-                self.rank_agents.append(create_agent(opts.transfer_backend, f"{self.instance_id}-ep{r}"))
+            for r in range(len(rank_pools)):
+                agents.append(create_agent(opts.transfer_backend, f"{self.instance_id}-ep{r}" if r else self.instance_id))
         except BaseException:
-            for a in self.rank_agents:
+            for a in agents:
                 a.close()
             if self.engine is not None:  # do not leave EP rank processes behind
                 self.engine.close()
             raise
-        self.pool_desc = self.agent.register_pool(rank_pools[0].kv)
-        self.rank_pool_descs = [a.register_pool(p.kv) for a, p in zip(self.rank_agents, rank_pools[1:])]
-        # Read once: their digests go into the discovery record, and a decode worker sends these
-        # very bytes to prefill workers, which compare them with the digest (worker/peers.py).
-        self.transfer_metadata = self.agent.metadata()
-        self.rank_transfer_metadata = [a.metadata() for a in self.rank_agents]
+        # The metadata is read once: its digest goes into the discovery record, and a decode
+        # worker sends these very bytes to prefill workers, which compare them with the digest
+        # (worker/peers.py).
+        self.endpoints: list[TransferEndpoint] = []
+        for a, p in zip(agents, rank_pools):
+            desc = a.register_pool(p.kv)  # before the metadata, which describes the registered memory
+            self.endpoints.append(TransferEndpoint(a, desc, a.metadata()))
 
-    def transfer_target(self, block_ids: list[int]) -> tuple[Any, Any, bytes, list[int]]:
-        """Where a prefill worker writes these blocks of this worker's pool: (the transfer agent,
-        its PoolDescriptor, its metadata, the blocks' ids in that agent's pool). On an EP worker
-        the owning rank's agent and local ids (block_ids: one request's, global, non-empty)."""
+    @property
+    def agent(self) -> Any:
+        """The worker's transfer agent (rank 0's on an EP worker)."""
+        return self.endpoints[0].agent
+
+    @property
+    def pool_desc(self) -> Any:
+        return self.endpoints[0].desc
+
+    @property
+    def transfer_metadata(self) -> bytes:
+        return self.endpoints[0].metadata
+
+    def transfer_target(self, block_ids: list[int]) -> tuple[TransferEndpoint, list[int]]:
+        """Where a prefill worker writes these blocks of this worker's pool: the endpoint (agent,
+        PoolDescriptor, metadata) of the pool that holds them, and their ids in it. On an EP
+        worker the owning rank's, with local ids (block_ids: one request's, global, non-empty)."""
         if self.engine is None:
-            return self.agent, self.pool_desc, self.transfer_metadata, list(block_ids)
+            return self.endpoints[0], list(block_ids)
         rank, local = self.pool.split(block_ids)
-        if rank == 0:
-            return self.agent, self.pool_desc, self.transfer_metadata, local
-        return self.rank_agents[rank - 1], self.rank_pool_descs[rank - 1], self.rank_transfer_metadata[rank - 1], local
+        return self.endpoints[rank], local
 
     def load(self) -> kv_events_pb2.WorkerLoad:
         """The load this worker reports to routers (KvEventService.WatchLoad): requests served,
@@ -631,8 +651,8 @@ class WorkerRuntime:
             weights_fingerprint=self.loaded.fingerprint,
             transfer_metadata_sha256=metadata_digest(self.transfer_metadata),
             rank_transfer_agents=[discovery_pb2.RankTransferAgent(
-                name=a.name, metadata_sha256=metadata_digest(m), capacity_blocks=d.num_blocks)
-                for a, m, d in zip(self.rank_agents, self.rank_transfer_metadata, self.rank_pool_descs)])
+                name=e.agent.name, metadata_sha256=metadata_digest(e.metadata), capacity_blocks=e.desc.num_blocks)
+                for e in self.endpoints[1:]])
 
     def close(self) -> None:
         if self.engine is not None:  # stop the EP ranks from the model thread, between steps
@@ -645,9 +665,8 @@ class WorkerRuntime:
             self._prefill_lane.shutdown()
         if self.pipeline is not None:
             self.pipeline.close()
-        self.agent.close()
-        for a in self.rank_agents:
-            a.close()
+        for e in self.endpoints:
+            e.agent.close()
 
 
 async def _unless_stopped(coro, stop: asyncio.Event) -> bool:
