@@ -92,3 +92,17 @@ def test_rank_devices():
         import pytest
         with pytest.raises(ValueError, match="--pp-size 2 from --device cuda:1 needs GPUs 1..2; this machine has 0"):
             rank_devices("cuda:1", 2, "--pp-size")
+
+
+def test_transfer_agents_of_a_record():
+    from common.pb.tandem.v1 import discovery_pb2
+    from worker.peers import transfer_agents
+    one = discovery_pb2.Instance(transfer_agent_name="d", transfer_metadata_sha256=b"x", kv_capacity_blocks=64)
+    assert transfer_agents(one) == {"d": (b"x", 64)}
+    ep = discovery_pb2.Instance(transfer_agent_name="d", transfer_metadata_sha256=b"x", kv_capacity_blocks=3 * 16,
+                                rank_transfer_agents=[discovery_pb2.RankTransferAgent(name="d-ep1", metadata_sha256=b"y",
+                                                                                     capacity_blocks=16),
+                                                      discovery_pb2.RankTransferAgent(name="d-ep2", metadata_sha256=b"z",
+                                                                                     capacity_blocks=16)])
+    assert transfer_agents(ep) == {"d": (b"x", 16), "d-ep1": (b"y", 16), "d-ep2": (b"z", 16)}
+    assert transfer_agents(discovery_pb2.Instance()) == {}  # a router's record: no agent
