@@ -269,6 +269,34 @@ def test_fused_experts_skip_slots_without_expert_on_cuda() -> None:
 
 
 @cuda
+def test_one_token_runs_a_block_per_pair_and_equals_its_row_in_a_batch() -> None:
+    """A decode step at batch 1 skips the align launch (a block per pair, fused_moe.PAIR_BLOCKS):
+    its per-slot outputs equal the reference and, bit for bit, the same token's row in a batch
+    of 5 (aligned blocks), with and without the shared experts' chunks and -1 slots."""
+    from engine.kernels.fused_moe import fused_experts, fused_experts_reference
+    g = torch.Generator(device="cuda").manual_seed(5)
+    gate_up = torch.randn(16, 256, 128, device="cuda", generator=g).bfloat16() * 0.05
+    down = torch.randn(16, 128, 128, device="cuda", generator=g).bfloat16() * 0.05
+    shared = (torch.randn(256, 128, device="cuda", generator=g).bfloat16() * 0.05,
+              torch.randn(256, 128, device="cuda", generator=g).bfloat16() * 0.05,
+              torch.randn(128, 256, device="cuda", generator=g).bfloat16() * 0.05)
+    x = torch.randn(5, 128, device="cuda", generator=g).bfloat16()
+    routed = torch.stack([torch.randperm(16, device="cuda", generator=g)[:6] for _ in range(5)])
+    for sh in (None, shared):
+        ids = routed if sh is None else torch.cat((routed, torch.tensor([[16, 17]] * 5, device="cuda")), 1)
+        for no_expert in (False, True):
+            ids = ids.clone()
+            if no_expert:
+                ids[:, ::3] = -1
+            w = torch.rand(ids.shape, device="cuda", generator=g)
+            one = fused_experts(x[:1], ids[:1], w[:1], gate_up, down, shared=sh, sum_slots=False, no_expert=no_expert)
+            batch = fused_experts(x, ids, w, gate_up, down, shared=sh, sum_slots=False, no_expert=no_expert)
+            want = fused_experts_reference(x[:1], ids[:1], w[:1], gate_up, down, shared=sh, sum_slots=False)
+            assert torch.equal(one[0], batch[0]), (sh is None, no_expert)
+            assert (one - want).norm() / want.norm() < 1e-2, (sh is None, no_expert)
+
+
+@cuda
 def test_cuda_sampling_equals_cpu_for_the_same_logits() -> None:
     logits = torch.randn(32, 32000, generator=torch.Generator().manual_seed(1)) * 4
     rows = [(SamplingParams(temperature=0.9, top_p=0.95 if i % 3 else 1.0, seed=i * 7919), i) for i in range(32)]

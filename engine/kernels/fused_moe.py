@@ -135,16 +135,29 @@ if triton is not None:
             seen += tl.sum(onehot, axis=0)
             seen_s += tl.sum(oh_s, axis=0)
 
+    @triton.jit
+    def _block(rows_ptr, bexp_ptr, pid_m, P, BLOCK_M: tl.constexpr, PAIR_BLOCKS: tl.constexpr):
+        """(expert, rows [BLOCK_M]) of block pid_m: from `align`'s output, or with PAIR_BLOCKS
+        (one token: its pairs have distinct experts) block b is pair b alone, its expert read
+        from the ids themselves (bexp_ptr: the flat int64 ids; no align launch); padding rows = P."""
+        if PAIR_BLOCKS:
+            e = tl.load(bexp_ptr + pid_m).to(tl.int32)
+            rows = tl.where(tl.arange(0, BLOCK_M) == 0, pid_m, P)
+        else:
+            e = tl.load(bexp_ptr + pid_m)
+            rows = tl.load(rows_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+        return e, rows
+
     @triton.jit(do_not_specialize=["P"])
     def _gate_up_kernel(x_ptr, w_ptr, sg_ptr, su_ptr, out_ptr, rows_ptr, bexp_ptr, P, E, E_ROUTED, K, I, TOP_K,
                         stride_x, stride_we, stride_wn, stride_s, stride_o,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        PAIR_BLOCKS: tl.constexpr):
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
-        e = tl.load(bexp_ptr + pid_m)
-        if e >= E:
+        e, rows = _block(rows_ptr, bexp_ptr, pid_m, P, BLOCK_M, PAIR_BLOCKS)
+        if (e >= E) | (e < 0):  # past the last used block, or a pair with no expert (-1)
             return
-        rows = tl.load(rows_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
         valid = rows < P
         tok = rows // TOP_K
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -180,13 +193,13 @@ if triton is not None:
     @triton.jit(do_not_specialize=["P"])
     def _down_kernel(h_ptr, w_ptr, sd_ptr, out_ptr, rows_ptr, bexp_ptr, scale_ptr, P, E, E_ROUTED, K, N,
                      stride_h, stride_we, stride_wn, stride_sd, stride_o,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     PAIR_BLOCKS: tl.constexpr):
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
-        e = tl.load(bexp_ptr + pid_m)
-        if e >= E:
+        e, rows = _block(rows_ptr, bexp_ptr, pid_m, P, BLOCK_M, PAIR_BLOCKS)
+        if (e >= E) | (e < 0):
             return
-        rows = tl.load(rows_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
         valid = rows < P
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_k = tl.arange(0, BLOCK_K)
@@ -290,19 +303,25 @@ def fused_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gat
     bm = block_m_for(p if pairs_hint is None else pairs_hint, e_all)
     bm, bn, bk, warps, stages = tiles or (bm, *TILES[bm])
     flat = ids.reshape(-1)
-    rows, bexp = (align_triton(flat, e, bm, n_shared) if p <= ALIGN_ONE_PROGRAM_MAX_PAIRS
-                  else align(flat, e_all, bm))
+    # one token (a decode step at batch 1): its k pairs have k distinct experts, so a block per
+    # pair reads each expert's weights once, as align's blocks would, without align's launch
+    pair_blocks = t == 1
+    if pair_blocks:
+        rows, bexp = flat, flat.contiguous()  # rows unused: the kernels take block b = pair b
+    else:
+        rows, bexp = (align_triton(flat, e, bm, n_shared) if p <= ALIGN_ONE_PROGRAM_MAX_PAIRS
+                      else align(flat, e_all, bm))
     nb = bexp.numel()
     h = torch.empty((p, inter), dtype=x.dtype, device=x.device)
     _gate_up_kernel[(nb, triton.cdiv(inter, bn))](
         x, gate_up, sg, su, h, rows, bexp, p, e_all, e, hidden, inter, k,
         x.stride(0), gate_up.stride(0), gate_up.stride(1), sg.stride(0) if shared is not None else 0, h.stride(0),
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, PAIR_BLOCKS=pair_blocks, num_warps=warps, num_stages=stages)
     y = (torch.zeros if no_expert else torch.empty)((p, hidden), dtype=torch.float32, device=x.device)
     _down_kernel[(nb, triton.cdiv(hidden, bn))](
         h, down, sd, y, rows, bexp, weights.reshape(-1).float(), p, e_all, e, inter, hidden,
         h.stride(0), down.stride(0), down.stride(1), sd.stride(0) if shared is not None else 0, y.stride(0),
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, PAIR_BLOCKS=pair_blocks, num_warps=warps, num_stages=stages)
     return _slot_result(y.view(t, k, hidden), x.dtype, sum_slots)
 
 
