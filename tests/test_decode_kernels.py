@@ -350,9 +350,12 @@ def test_a_pipeline_stage_remakes_its_layers_fast_forms() -> None:
     positions = torch.arange(12, device="cuda")
     with torch.inference_mode():
         want = model.run_layers(x, positions, [12], ContiguousKvCache(c.num_hidden_layers))
-        old = [m.grouped.gate_up for m in model.modules() if isinstance(m, MoE)]
+        # the stage's layers only: the MTP layer after them (an MoE too) is no stage's
+        stage = torch.nn.ModuleList(model.model.layers[i] for i in range(c.num_hidden_layers))
+        old = [m.grouped.gate_up for m in stage.modules() if isinstance(m, MoE)]
         _stage_layers_to(model, (0, c.num_hidden_layers), torch.device("cuda", 0), last=True)
-        moes = [m for m in model.modules() if isinstance(m, MoE)]
+        moes = [m for m in stage.modules() if isinstance(m, MoE)]
+        assert len(moes) == len(old) > 0
         assert all(m.grouped is not None and m.grouped.gate_up.is_cuda for m in moes)
         assert all(m.grouped.gate_up.data_ptr() != o.data_ptr() for m, o in zip(moes, old))  # stacked again
         got = model.run_layers(x, positions, [12], ContiguousKvCache(c.num_hidden_layers))
