@@ -165,6 +165,9 @@ def test_cluster_gives_workers_the_daemon_and_caps_prefill_only(tmp_path, monkey
         LocalCluster(log_dir=str(tmp_path), mps=True, mps_prefill_percent=0)
     with pytest.raises(ValueError, match="give --mps too"):
         LocalCluster(log_dir=str(tmp_path), mps_prefill_percent=50)
+    # not given: half the SMs under MPS (the measured default), no cap without MPS
+    assert LocalCluster(log_dir=str(tmp_path), mps=True).mps_prefill_percent == 50
+    assert LocalCluster(log_dir=str(tmp_path)).mps is None
     with pytest.raises(ValueError, match="--mocker runs simulated workers"):
         LocalCluster(log_dir=str(tmp_path), mps=True, num_mocker=2)
     with pytest.raises(ValueError, match="'below' or 'normal', got 'low'"):

@@ -53,6 +53,7 @@ for p in (ROOT, ROOT / "tools"):
 
 from bench_decode import bench_config, bench_engine, bench_hf, bytes_per_step  # noqa: E402
 import host_profile  # noqa: E402
+from cli.cluster import MPS_PREFILL_PERCENT  # noqa: E402
 from engine.config import ModelConfig  # noqa: E402
 from engine.loader import load_checkpoint, save_checkpoint  # noqa: E402
 from engine.model import DeepseekV3ForCausalLM, _param_seed, tied_aliases  # noqa: E402
@@ -474,8 +475,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                    "--connections; with --routers N > 1, use several so that every router gets some)")
     p.add_argument("--mps", action="store_true", help="tandem up --mps: the workers' kernels run side by side "
                    "on the GPU under CUDA MPS (the in-process figures are taken without it)")
-    p.add_argument("--mps-prefill-percent", type=int, default=100, help="with --mps: tandem up "
-                   "--mps-prefill-percent (the prefill worker's share of the GPU's multiprocessors)")
+    p.add_argument("--mps-prefill-percent", type=int, default=None, help="with --mps: tandem up "
+                   "--mps-prefill-percent (the prefill worker's share of the GPU's multiprocessors; "
+                   f"default {MPS_PREFILL_PERCENT}, tandem up's)")
     p.add_argument("--mps-prefill-priority", choices=("below", "normal"), default="below",
                    help="with --mps: tandem up --mps-prefill-priority")
     p.add_argument("--profile-decode-host", type=int, default=0, metavar="SECONDS",
@@ -491,6 +493,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.profile_decode_host > 0 and shutil.which("py-spy") is None:
         p.error("--profile-decode-host needs py-spy on PATH (pip install py-spy, or put the bin folder of the "
                 "environment that has it on PATH)")
+    if args.mps_prefill_percent is not None and not args.mps:
+        p.error("--mps-prefill-percent caps the prefill worker under MPS: give --mps too")
+    args.mps_prefill_percent = args.mps_prefill_percent or MPS_PREFILL_PERCENT
     up_extra = ("--mps", "--mps-prefill-percent", str(args.mps_prefill_percent),
                 "--mps-prefill-priority", args.mps_prefill_priority) if args.mps else ()
     device = torch.device(args.device)
