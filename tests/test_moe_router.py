@@ -187,12 +187,14 @@ def _margins(x, moe, c) -> torch.Tensor:
 
 
 @cuda
-@pytest.mark.parametrize("experts,k,groups,topk_group,shared,hidden", [
-    (64, 6, 1, 1, 2, 2048),  # config M of tools/bench_serving_gpu.py
-    (32, 4, 4, 2, 1, 1024),  # config S (tools/bench_decode.py): group-limited
-    (256, 8, 8, 4, 1, 512),  # DeepSeek-V3's gate shape (narrower hidden)
+@pytest.mark.parametrize("experts,k,groups,topk_group,shared,hidden,other_tiles", [
+    (64, 6, 1, 1, 2, 2048, (256, 8, 2)),  # config M of tools/bench_serving_gpu.py
+    (32, 4, 4, 2, 1, 1024, (256, 8, 2)),  # config S (tools/bench_decode.py): group-limited
+    (256, 8, 8, 4, 1, 512, (128, 8, 2)),  # DeepSeek-V3's gate shape (narrower hidden)
 ])
-def test_route_kernel_matches_reference(tiny_model, experts, k, groups, topk_group, shared, hidden) -> None:
+@pytest.mark.parametrize("default", [True, False])  # the default tiles, or others tools/bench_moe_router.py tries
+def test_route_kernel_matches_reference(tiny_model, experts, k, groups, topk_group, shared, hidden, other_tiles,
+                                        default) -> None:
     c = _config(tiny_model, n_routed_experts=experts, num_experts_per_tok=k, n_group=groups,
                 topk_group=topk_group, n_shared_experts=shared, hidden_size=hidden, moe_intermediate_size=64)
     moe = _moe(build_model(c, seed=3, dtype=torch.bfloat16, device="cuda"))
@@ -200,7 +202,8 @@ def test_route_kernel_matches_reference(tiny_model, experts, k, groups, topk_gro
     for t in (1, 7, 64, 300, 5000):
         x = torch.randn(t, hidden, device="cuda", dtype=torch.bfloat16)
         assert kernel_applies(x, c)
-        ids, w = route_with_shared(x, moe.gate.weight, moe.gate.e_score_correction_bias, c, shared)
+        ids, w = route_with_shared(x, moe.gate.weight, moe.gate.e_score_correction_bias, c, shared,
+                                   tiles=None if default else other_tiles)
         want_ids, want_w = route_with_shared_reference(x, moe.gate.weight, moe.gate.e_score_correction_bias, c, shared)
         clear = _margins(x, moe, c) > 1e-5
         assert clear.float().mean() > 0.9, t
@@ -232,3 +235,20 @@ def test_moe_with_shared_kernels_match_reference_on_cuda(tiny_model) -> None:
         kernel = g.forward(x, ids, w).float()
         twin = fused_experts_reference(x, ids, w, g.gate_up, g.down, shared=g.shared).float()
         assert (kernel - twin).norm() / twin.norm() < 1e-2, t
+
+
+def test_bench_moe_router_compares_weights_by_expert_and_needs_cuda() -> None:
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
+    import bench_moe_router
+    ids = torch.tensor([[5, 2, 9], [1, 0, 3]])
+    w = torch.tensor([[0.5, 0.2, 0.3], [0.1, 0.6, 0.3]])
+    # the same (expert, weight) pairs in another slot order compare equal
+    assert torch.equal(bench_moe_router.by_id(ids, w), bench_moe_router.by_id(ids[:, [2, 0, 1]], w[:, [2, 0, 1]]))
+    c, shared = bench_moe_router.gate_config("M")
+    assert (c.hidden_size, c.n_routed_experts, c.num_experts_per_tok, shared) == (2048, 64, 6, 2)
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit) as exc:  # a clear error, not a kernel launch on the CPU
+            bench_moe_router.main([])
+        assert exc.value.code == 2

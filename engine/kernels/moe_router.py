@@ -129,11 +129,19 @@ def kernel_applies(x: torch.Tensor, c) -> bool:
     return triton is not None and x.is_cuda and grouped_ok and c.num_experts_per_tok <= e
 
 
+def default_tiles(block_e: int) -> tuple[int, int, int]:
+    """(BLOCK_K, num_warps, num_stages) of the routing kernel for BLOCK_E experts. One choice for
+    every T: BLOCK_K sets the order of the gate GEMM's sums, so a token's scores must not depend
+    on how many tokens share its forward (tools/bench_moe_router.py sweeps the alternatives)."""
+    return (64 if block_e <= 64 else 32), 4, 3
+
+
 def route_with_shared(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor, c,
-                      num_shared: int) -> tuple[torch.Tensor, torch.Tensor]:
+                      num_shared: int, tiles: tuple[int, int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Routing of x [T, hidden] with the shared experts' slots appended: the same contract as
     `route_with_shared_reference`, one Triton launch where `kernel_applies` (no host sync: CUDA
-    graph safe), the reference elsewhere."""
+    graph safe), the reference elsewhere. tiles: (BLOCK_K, num_warps, num_stages) instead of
+    `default_tiles` (tuning)."""
     if not kernel_applies(x, c):
         return route_with_shared_reference(x, gate_weight, bias, c, num_shared)
     if x.dtype != gate_weight.dtype:
@@ -148,11 +156,12 @@ def route_with_shared(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Te
     if t == 0:
         return ids, weights
     block_e = max(16, triton.next_power_of_2(e))
+    block_k, warps, stages = tiles or default_tiles(block_e)
     _route_kernel[(triton.cdiv(t, BLOCK_T),)](
         x, gate_weight, bias.float(), ids, weights, t, hidden, x.stride(0), gate_weight.stride(0),
         ids.stride(0), float(c.routed_scaling_factor), E=e, BLOCK_E=block_e, G=c.n_group,
         TOPK_GROUP=c.topk_group, TOP_K=k, N_SHARED=num_shared,
         BLOCK_SLOTS=max(2, triton.next_power_of_2(slots)), NORM=bool(c.norm_topk_prob),
-        BLOCK_T=BLOCK_T, BLOCK_K=64 if block_e <= 64 else 32,
-        IEEE=x.dtype == torch.float32 or gate_weight.dtype == torch.float32, num_warps=4, num_stages=3)
+        BLOCK_T=BLOCK_T, BLOCK_K=block_k,
+        IEEE=x.dtype == torch.float32 or gate_weight.dtype == torch.float32, num_warps=warps, num_stages=stages)
     return ids, weights

@@ -1,0 +1,145 @@
+"""The MoE routing kernel's tiles: time per call and agreement with the default, per tile choice.
+
+`engine/kernels/moe_router.py` runs a MoE layer's whole routing (gate GEMM, sigmoid, bias,
+group mask, top-k, weights) as one program per 16 tokens. At a decode step of a few tokens that
+one program walks the gate weight ([E, hidden] bf16: 256 KB for the 16B config M) alone, and the
+time is the latency of its loop over the hidden dimension (run 16 on one H200: 15 us a layer,
+0.39 ms of M's 2.98 ms step at batch 1). This script times the kernel for each (BLOCK_K,
+num_warps, num_stages) at several token counts, in CUDA graphs of `--reps` calls (the form a
+decode step replays), and checks each choice's experts against the default tiles' (near-ties may
+differ: the sum order changes with BLOCK_K) and its weights against the reference
+(`route_with_shared_reference`). One BLOCK_K serves every token count (the kernel's default
+must not depend on T: a token's scores would then depend on its batch), so pick by the sum over
+the decode and prefill sizes that matter.
+
+Usage (CUDA only):
+    python tools/bench_moe_router.py [--configs M,S,V3] [--tokens 1,16,64,1024,8192] [--out FILE]
+
+Prints one row per (config, tiles, T) and the best tiles per config by the time summed over
+--tokens; --out writes the rows as JSON lines. A tile choice that does not fit the GPU (shared
+memory) gets its error in place of a time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+for p in (ROOT, ROOT / "tools"):
+    if str(p) not in sys.path:
+        sys.path.insert(0, str(p))
+
+from engine.config import ModelConfig  # noqa: E402
+from engine.kernels.moe_router import default_tiles, route_with_shared, route_with_shared_reference  # noqa: E402
+
+# (hidden, routed experts, top-k, groups, top groups, shared experts): the bench configs' gates
+GATES = {"S": (1024, 32, 4, 4, 2, 1), "M": (2048, 64, 6, 1, 1, 2), "V3": (7168, 256, 8, 8, 4, 1)}
+
+
+def gate_config(name: str) -> tuple[ModelConfig, int]:
+    """(ModelConfig with that gate's shapes and V3 routing, shared slots)."""
+    hidden, e, k, groups, top_groups, shared = GATES[name]
+    return dataclasses.replace(ModelConfig.tiny(), hidden_size=hidden, n_routed_experts=e, num_experts_per_tok=k,
+                               n_group=groups, topk_group=top_groups), shared
+
+
+def by_id(ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """weights [T, slots] reordered by each token's expert ids (the kernel's slot order is its
+    arg-max order, the reference's torch.topk's)."""
+    return weights.gather(1, ids.argsort(1))
+
+
+def time_call(fn, reps: int, iters: int) -> float:
+    """Microseconds per call of fn, replayed `iters` times in a CUDA graph of `reps` calls."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()  # compile and warm outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(reps):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1e3 / (iters * reps)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--configs", default="M,S,V3", help=f"comma list of {', '.join(GATES)}")
+    ap.add_argument("--tokens", default="1,16,64,1024,8192", help="token counts per call")
+    ap.add_argument("--block-k", default="32,64,128,256,512")
+    ap.add_argument("--warps", default="4,8")
+    ap.add_argument("--stages", default="2,3,4")
+    ap.add_argument("--reps", type=int, default=20, help="calls per CUDA graph")
+    ap.add_argument("--iters", type=int, default=20, help="graph replays timed")
+    ap.add_argument("--out", type=Path, help="also write the rows as JSON lines here")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        ap.error("needs a CUDA device: the routing kernel runs only there (its CPU form is the reference)")
+    tokens = [int(t) for t in args.tokens.split(",")]
+    rows = []
+    for name in args.configs.split(","):
+        c, shared = gate_config(name)
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        w = (torch.randn(c.n_routed_experts, c.hidden_size, device="cuda", generator=gen) * 0.02).bfloat16()
+        bias = torch.randn(c.n_routed_experts, device="cuda", generator=gen) * 0.01
+        xs = {t: torch.randn(t, c.hidden_size, device="cuda", generator=gen).bfloat16() for t in tokens}
+        block_e = max(16, 1 << (c.n_routed_experts - 1).bit_length())
+        base = default_tiles(block_e)
+        want = {t: route_with_shared(xs[t], w, bias, c, shared, tiles=base) for t in tokens}
+        ref = {t: route_with_shared_reference(xs[t], w, bias, c, shared) for t in tokens}
+        grid = itertools.product(*([int(v) for v in s.split(",")] for s in (args.block_k, args.warps, args.stages)))
+        for tiles in grid:
+            for t in tokens:
+                row = {"config": name, "tokens": t, "block_k": tiles[0], "warps": tiles[1], "stages": tiles[2],
+                       "default": tiles == base}
+                try:
+                    ids, wts = route_with_shared(xs[t], w, bias, c, shared, tiles=tiles)
+                    row["us"] = time_call(lambda t=t, tiles=tiles: route_with_shared(xs[t], w, bias, c, shared,
+                                                                                    tiles=tiles),
+                                          args.reps, args.iters)
+                except Exception as exc:  # noqa: BLE001 - a tile choice that does not fit is a result
+                    row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
+                    rows.append(row)
+                    print(json.dumps(row))
+                    break
+                same = (ids.sort(1).values == want[t][0].sort(1).values).all(1)
+                row["same_experts_as_default"] = same.float().mean().item()
+                # weights of the tokens whose experts match the reference's (near-ties aside)
+                match = (ids.sort(1).values == ref[t][0].sort(1).values).all(1)
+                row["same_experts_as_reference"] = match.float().mean().item()
+                row["max_weight_err"] = ((by_id(ids, wts) - by_id(*ref[t]))[match].abs().max().item()
+                                         if match.any() else None)
+                rows.append(row)
+                print(json.dumps(row))
+        ok = {}
+        for r in rows:
+            if r["config"] == name and "us" in r:
+                ok.setdefault((r["block_k"], r["warps"], r["stages"]), {})[r["tokens"]] = r["us"]
+        full = {k: sum(v.values()) for k, v in ok.items() if len(v) == len(tokens)}
+        if full:
+            best = min(full, key=full.get)
+            print(f"{name}: default {base} {full.get(base, float('nan')):.1f} us summed over {tokens}; "
+                  f"best {best} {full[best]:.1f} us ({', '.join(f'{t}: {ok[best][t]:.1f}' for t in tokens)})")
+    if args.out:
+        args.out.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
