@@ -188,11 +188,12 @@ def _margins(x, moe, c) -> torch.Tensor:
 
 @cuda
 @pytest.mark.parametrize("experts,k,groups,topk_group,shared,hidden,other_tiles", [
-    (64, 6, 1, 1, 2, 2048, (256, 8, 2)),  # config M of tools/bench_serving_gpu.py
-    (32, 4, 4, 2, 1, 1024, (256, 8, 2)),  # config S (tools/bench_decode.py): group-limited
-    (256, 8, 8, 4, 1, 512, (128, 8, 2)),  # DeepSeek-V3's gate shape (narrower hidden)
+    (64, 6, 1, 1, 2, 2048, (256, 8, 2, 0)),  # config M of tools/bench_serving_gpu.py
+    (32, 4, 4, 2, 1, 1024, (128, 4, 2, 4)),  # config S (tools/bench_decode.py): group-limited
+    (256, 8, 8, 4, 1, 512, (64, 8, 2, 16)),  # DeepSeek-V3's gate shape (narrower hidden; splits past it)
 ])
-@pytest.mark.parametrize("default", [True, False])  # the default tiles, or others tools/bench_moe_router.py tries
+# the default tiles, or others tools/bench_moe_router.py tries (a bigger BLOCK_K, a split gate GEMM)
+@pytest.mark.parametrize("default", [True, False])
 def test_route_kernel_matches_reference(tiny_model, experts, k, groups, topk_group, shared, hidden, other_tiles,
                                         default) -> None:
     c = _config(tiny_model, n_routed_experts=experts, num_experts_per_tok=k, n_group=groups,
@@ -213,6 +214,10 @@ def test_route_kernel_matches_reference(tiny_model, experts, k, groups, topk_gro
         torch.testing.assert_close(w[:, :k].gather(1, order_got)[clear], want_w[:, :k].gather(1, order_want)[clear],
                                    atol=1e-5, rtol=1e-5)
         assert torch.equal(ids[:, k:], want_ids[:, k:]) and torch.equal(w[:, k:], want_w[:, k:])
+        # a token's routing does not depend on the tokens beside it: the first three alone, bit for bit
+        few = route_with_shared(x[:3], moe.gate.weight, moe.gate.e_score_correction_bias, c, shared,
+                                tiles=None if default else other_tiles)
+        assert torch.equal(few[0], ids[:3]) and torch.equal(few[1], w[:3]), t
 
 
 @cuda

@@ -5,7 +5,8 @@ group mask, top-k, weights) as one program per 16 tokens. At a decode step of a 
 one program walks the gate weight ([E, hidden] bf16: 256 KB for the 16B config M) alone, and the
 time is the latency of its loop over the hidden dimension (run 16 on one H200: 15 us a layer,
 0.39 ms of M's 2.98 ms step at batch 1). This script times the kernel for each (BLOCK_K,
-num_warps, num_stages) at several token counts, in CUDA graphs of `--reps` calls (the form a
+num_warps, num_stages, SPLIT) at several token counts (SPLIT s > 0: s programs per 16 tokens
+compute the gate GEMM's partial sums first, one more launch), in CUDA graphs of `--reps` calls (the form a
 decode step replays), and checks each choice's experts against the default tiles' (near-ties may
 differ: the sum order changes with BLOCK_K) and its weights against the reference
 (`route_with_shared_reference`). One BLOCK_K serves every token count (the kernel's default
@@ -13,7 +14,7 @@ must not depend on T: a token's scores would then depend on its batch), so pick 
 the decode and prefill sizes that matter.
 
 Usage (CUDA only):
-    python tools/bench_moe_router.py [--configs M,S,V3] [--tokens 1,16,64,1024,8192] [--out FILE]
+    python tools/bench_moe_router.py [--configs M,S,V3] [--tokens 1,16,64,1024,8192] [--splits 0,4,16] [--out FILE]
 
 Prints one row per (config, tiles, T) and the best tiles per config by the time summed over
 --tokens; --out writes the rows as JSON lines. A tile choice that does not fit the GPU (shared
@@ -80,11 +81,12 @@ def time_call(fn, reps: int, iters: int) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--configs", default="M,S,V3", help=f"comma list of {', '.join(GATES)}")
+    ap.add_argument("--configs", default="M,S", help=f"comma list of {', '.join(GATES)}")
     ap.add_argument("--tokens", default="1,16,64,1024,8192", help="token counts per call")
-    ap.add_argument("--block-k", default="32,64,128,256")
+    ap.add_argument("--block-k", default="64,128,256")
     ap.add_argument("--warps", default="4,8")
     ap.add_argument("--stages", default="2,3")
+    ap.add_argument("--splits", default="0,4,16", help="SPLIT values (0: the gate GEMM in the routing program)")
     ap.add_argument("--reps", type=int, default=20, help="calls per CUDA graph")
     ap.add_argument("--iters", type=int, default=20, help="graph replays timed")
     ap.add_argument("--out", type=Path, help="also write the rows as JSON lines here")
@@ -103,11 +105,12 @@ def main(argv: list[str] | None = None) -> int:
         base = default_tiles(block_e)
         want = {t: route_with_shared(xs[t], w, bias, c, shared, tiles=base) for t in tokens}
         ref = {t: route_with_shared_reference(xs[t], w, bias, c, shared) for t in tokens}
-        grid = itertools.product(*([int(v) for v in s.split(",")] for s in (args.block_k, args.warps, args.stages)))
+        grid = itertools.product(*([int(v) for v in s.split(",")]
+                                   for s in (args.block_k, args.warps, args.stages, args.splits)))
         for tiles in grid:
             for t in tokens:
                 row = {"config": name, "tokens": t, "block_k": tiles[0], "warps": tiles[1], "stages": tiles[2],
-                       "default": tiles == base}
+                       "split": tiles[3], "default": tiles == base}
                 try:
                     ids, wts = route_with_shared(xs[t], w, bias, c, shared, tiles=tiles)
                     row["us"] = time_call(lambda t=t, tiles=tiles: route_with_shared(xs[t], w, bias, c, shared,
@@ -130,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
         ok = {}
         for r in rows:
             if r["config"] == name and "us" in r:
-                ok.setdefault((r["block_k"], r["warps"], r["stages"]), {})[r["tokens"]] = r["us"]
+                ok.setdefault((r["block_k"], r["warps"], r["stages"], r["split"]), {})[r["tokens"]] = r["us"]
         full = {k: sum(v.values()) for k, v in ok.items() if len(v) == len(tokens)}
         if full:
             best = min(full, key=full.get)

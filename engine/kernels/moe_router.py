@@ -36,21 +36,15 @@ except ImportError:  # pragma: no cover - depends on the machine
 BLOCK_T = 16  # tokens per program (tl.dot's smallest M)
 
 if triton is not None:
-    @triton.jit(do_not_specialize=["T"])
-    def _route_kernel(x_ptr, w_ptr, bias_ptr, ids_ptr, wout_ptr, T, H, stride_x, stride_w, stride_o,
-                      scale, E: tl.constexpr, BLOCK_E: tl.constexpr, G: tl.constexpr,
-                      TOPK_GROUP: tl.constexpr, TOP_K: tl.constexpr, N_SHARED: tl.constexpr,
-                      BLOCK_SLOTS: tl.constexpr, NORM: tl.constexpr, BLOCK_T: tl.constexpr,
-                      BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
-        offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-        offs_e = tl.arange(0, BLOCK_E)
+    @triton.jit
+    def _gate_gemm(x_ptr, w_ptr, offs_t, tmask, offs_e, emask, k_lo, k_hi, stride_x, stride_w,
+                   BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
+        """[BLOCK_T, BLOCK_E] float32: x[offs_t, k_lo:k_hi] @ w[offs_e, k_lo:k_hi]^T."""
         offs_k = tl.arange(0, BLOCK_K)
-        tmask = offs_t < T
-        emask = offs_e < E
         acc = tl.zeros((BLOCK_T, BLOCK_E), dtype=tl.float32)
-        for k0 in range(0, H, BLOCK_K):
+        for k0 in range(k_lo, k_hi, BLOCK_K):
             kk = k0 + offs_k
-            kmask = kk < H
+            kmask = kk < k_hi
             a = tl.load(x_ptr + offs_t[:, None].to(tl.int64) * stride_x + kk[None, :],
                         mask=tmask[:, None] & kmask[None, :], other=0.0)
             w = tl.load(w_ptr + offs_e[None, :] * stride_w + kk[:, None],
@@ -59,6 +53,44 @@ if triton is not None:
                 acc = tl.dot(a, w, acc, input_precision="ieee")
             else:  # bf16/fp16 products are exact in the float32 accumulator: tensor cores
                 acc = tl.dot(a, w, acc)
+        return acc
+
+    @triton.jit(do_not_specialize=["T"])
+    def _gate_partial_kernel(x_ptr, w_ptr, part_ptr, T, H, K_SPLIT, stride_x, stride_w, E: tl.constexpr,
+                             BLOCK_E: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
+                             IEEE: tl.constexpr):
+        """Split-K gate GEMM: program (t, s) writes its 16 tokens' logits over hidden columns
+        s·K_SPLIT .. (s+1)·K_SPLIT to part[s] ([SPLIT, T, BLOCK_E] float32), so that a few tokens'
+        256 KB gate weight is read by SPLIT programs at once instead of one."""
+        offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+        s = tl.program_id(1)
+        offs_e = tl.arange(0, BLOCK_E)
+        tmask = offs_t < T
+        emask = offs_e < E
+        k_lo = s * K_SPLIT
+        acc = _gate_gemm(x_ptr, w_ptr, offs_t, tmask, offs_e, emask, k_lo, tl.minimum(k_lo + K_SPLIT, H),
+                         stride_x, stride_w, BLOCK_T, BLOCK_E, BLOCK_K, IEEE)
+        o = (s.to(tl.int64) * T + offs_t[:, None]) * BLOCK_E + offs_e[None, :]
+        tl.store(part_ptr + o, acc, mask=tmask[:, None])
+
+    @triton.jit(do_not_specialize=["T"])
+    def _route_kernel(x_ptr, w_ptr, bias_ptr, ids_ptr, wout_ptr, part_ptr, T, H, stride_x, stride_w, stride_o,
+                      scale, E: tl.constexpr, BLOCK_E: tl.constexpr, G: tl.constexpr,
+                      TOPK_GROUP: tl.constexpr, TOP_K: tl.constexpr, N_SHARED: tl.constexpr,
+                      BLOCK_SLOTS: tl.constexpr, NORM: tl.constexpr, BLOCK_T: tl.constexpr,
+                      BLOCK_K: tl.constexpr, IEEE: tl.constexpr, SPLIT: tl.constexpr):
+        offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+        offs_e = tl.arange(0, BLOCK_E)
+        tmask = offs_t < T
+        emask = offs_e < E
+        if SPLIT == 0:  # the whole gate GEMM in this program
+            acc = _gate_gemm(x_ptr, w_ptr, offs_t, tmask, offs_e, emask, 0, H, stride_x, stride_w,
+                             BLOCK_T, BLOCK_E, BLOCK_K, IEEE)
+        else:  # the split-K partials of _gate_partial_kernel, summed in split order (batch-invariant)
+            acc = tl.zeros((BLOCK_T, BLOCK_E), dtype=tl.float32)
+            for s in tl.static_range(SPLIT):
+                o = (s * T + offs_t[:, None].to(tl.int64)) * BLOCK_E + offs_e[None, :]
+                acc += tl.load(part_ptr + o, mask=tmask[:, None], other=0.0)
         scores = tl.sigmoid(acc)  # [BT, BE]
         bias = tl.load(bias_ptr + offs_e, mask=emask, other=0.0)
         choice = tl.where(emask[None, :], scores + bias[None, :], float("-inf"))
@@ -129,19 +161,23 @@ def kernel_applies(x: torch.Tensor, c) -> bool:
     return triton is not None and x.is_cuda and grouped_ok and c.num_experts_per_tok <= e
 
 
-def default_tiles(block_e: int) -> tuple[int, int, int]:
-    """(BLOCK_K, num_warps, num_stages) of the routing kernel for BLOCK_E experts. One choice for
-    every T: BLOCK_K sets the order of the gate GEMM's sums, so a token's scores must not depend
-    on how many tokens share its forward (tools/bench_moe_router.py sweeps the alternatives)."""
-    return (64 if block_e <= 64 else 32), 4, 3
+def default_tiles(block_e: int) -> tuple[int, int, int, int]:
+    """(BLOCK_K, num_warps, num_stages, SPLIT) of the routing kernel for BLOCK_E experts. One
+    choice for every T: BLOCK_K and SPLIT set the order of the gate GEMM's sums, so a token's
+    scores must not depend on how many tokens share its forward (tools/bench_moe_router.py
+    sweeps the alternatives). SPLIT 0: the routing program runs the whole gate GEMM; SPLIT s > 0:
+    s programs per 16 tokens compute its partial sums first (`_gate_partial_kernel`, one more
+    launch), which the routing program adds in split order."""
+    return (64 if block_e <= 64 else 32), 4, 3, 0
 
 
-def route_with_shared(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor, c,
-                      num_shared: int, tiles: tuple[int, int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def route_with_shared(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor, c, num_shared: int,
+                      tiles: tuple[int, int, int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Routing of x [T, hidden] with the shared experts' slots appended: the same contract as
-    `route_with_shared_reference`, one Triton launch where `kernel_applies` (no host sync: CUDA
-    graph safe), the reference elsewhere. tiles: (BLOCK_K, num_warps, num_stages) instead of
-    `default_tiles` (tuning)."""
+    `route_with_shared_reference`, one Triton launch (two with a split gate GEMM) where
+    `kernel_applies` (no host sync: CUDA graph safe), the reference elsewhere. tiles: (BLOCK_K,
+    num_warps, num_stages, SPLIT) instead of `default_tiles` (tuning). Raises ValueError for a
+    SPLIT below 0."""
     if not kernel_applies(x, c):
         return route_with_shared_reference(x, gate_weight, bias, c, num_shared)
     if x.dtype != gate_weight.dtype:
@@ -156,12 +192,23 @@ def route_with_shared(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Te
     if t == 0:
         return ids, weights
     block_e = max(16, triton.next_power_of_2(e))
-    block_k, warps, stages = tiles or default_tiles(block_e)
-    _route_kernel[(triton.cdiv(t, BLOCK_T),)](
-        x, gate_weight, bias.float(), ids, weights, t, hidden, x.stride(0), gate_weight.stride(0),
+    block_k, warps, stages, split = tiles or default_tiles(block_e)
+    if split < 0:
+        raise ValueError(f"routing kernel SPLIT must be >= 0, got {split}")
+    ieee = x.dtype == torch.float32 or gate_weight.dtype == torch.float32
+    blocks = triton.cdiv(t, BLOCK_T)
+    part = ids  # unread without a split
+    if split:
+        # each split a whole number of BLOCK_K columns; trailing splits past the hidden size add zeros
+        k_split = triton.cdiv(triton.cdiv(hidden, split), block_k) * block_k
+        part = torch.empty(split, t, block_e, dtype=torch.float32, device=x.device)
+        _gate_partial_kernel[(blocks, split)](
+            x, gate_weight, part, t, hidden, k_split, x.stride(0), gate_weight.stride(0), E=e, BLOCK_E=block_e,
+            BLOCK_T=BLOCK_T, BLOCK_K=block_k, IEEE=ieee, num_warps=warps, num_stages=stages)
+    _route_kernel[(blocks,)](
+        x, gate_weight, bias.float(), ids, weights, part, t, hidden, x.stride(0), gate_weight.stride(0),
         ids.stride(0), float(c.routed_scaling_factor), E=e, BLOCK_E=block_e, G=c.n_group,
         TOPK_GROUP=c.topk_group, TOP_K=k, N_SHARED=num_shared,
         BLOCK_SLOTS=max(2, triton.next_power_of_2(slots)), NORM=bool(c.norm_topk_prob),
-        BLOCK_T=BLOCK_T, BLOCK_K=block_k,
-        IEEE=x.dtype == torch.float32 or gate_weight.dtype == torch.float32, num_warps=warps, num_stages=stages)
+        BLOCK_T=BLOCK_T, BLOCK_K=block_k, IEEE=ieee, SPLIT=split, num_warps=warps, num_stages=stages)
     return ids, weights
