@@ -147,7 +147,8 @@ def test_warm_up_compiles_every_tile_size(tiny_model) -> None:
     model = build_model(tiny_model.config, seed=1)
     assert warm_up_fused_experts(model) == 0  # nothing stacked yet: nothing to warm up
     use_grouped_experts(model)
-    assert warm_up_fused_experts(model) == len(TILES)  # (the torch twin on a CPU)
+    # every tile size, and one token (the block-per-pair form); the torch twin on a CPU
+    assert warm_up_fused_experts(model) == len(TILES) + 1
 
 
 def test_block_m_grows_with_the_rows_per_expert() -> None:
@@ -270,7 +271,7 @@ def test_fused_experts_skip_slots_without_expert_on_cuda() -> None:
 
 @cuda
 def test_one_token_runs_a_block_per_pair_and_equals_its_row_in_a_batch() -> None:
-    """A decode step at batch 1 skips the align launch (a block per pair, fused_moe.PAIR_BLOCKS):
+    """A decode step at batch 1 skips the align launch (a block per pair: the kernels' PAIR_BLOCKS):
     its per-slot outputs equal the reference and, bit for bit, the same token's row in a batch
     of 5 (aligned blocks), with and without the shared experts' chunks and -1 slots."""
     from engine.kernels.fused_moe import fused_experts, fused_experts_reference
@@ -293,6 +294,8 @@ def test_one_token_runs_a_block_per_pair_and_equals_its_row_in_a_batch() -> None
             batch = fused_experts(x, ids, w, gate_up, down, shared=sh, sum_slots=False, no_expert=no_expert)
             want = fused_experts_reference(x[:1], ids[:1], w[:1], gate_up, down, shared=sh, sum_slots=False)
             assert torch.equal(one[0], batch[0]), (sh is None, no_expert)
+            if no_expert:  # a slot without expert here gives exactly 0
+                assert not one[0, ::3].any()
             assert (one - want).norm() / want.norm() < 1e-2, (sh is None, no_expert)
 
 

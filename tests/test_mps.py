@@ -165,9 +165,16 @@ def test_cluster_gives_workers_the_daemon_and_caps_prefill_only(tmp_path, monkey
         LocalCluster(log_dir=str(tmp_path), mps=True, mps_prefill_percent=0)
     with pytest.raises(ValueError, match="give --mps too"):
         LocalCluster(log_dir=str(tmp_path), mps_prefill_percent=50)
-    # not given: half the SMs under MPS (the measured default), no cap without MPS
+    # not given: half the SMs under MPS (the measured default); without MPS the cluster sets no
+    # cap (the caller's own variable passes through untouched)
     assert LocalCluster(log_dir=str(tmp_path), mps=True).mps_prefill_percent == 50
-    assert LocalCluster(log_dir=str(tmp_path)).mps is None
+    plain = LocalCluster(log_dir=str(tmp_path / "p"), etcd="127.0.0.1:1")
+    plain.log_dir.mkdir(parents=True)  # start() makes it
+    monkeypatch.setattr(subprocess, "Popen", FakePopen)
+    plain.spawn("prefill", "prefill")
+    monkeypatch.setattr(subprocess, "Popen", real_popen)
+    plain.procs.clear()
+    assert envs["prefill"]["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "20" and "CUDA_MPS_PIPE_DIRECTORY" not in envs["prefill"]
     with pytest.raises(ValueError, match="--mocker runs simulated workers"):
         LocalCluster(log_dir=str(tmp_path), mps=True, num_mocker=2)
     with pytest.raises(ValueError, match="'below' or 'normal', got 'low'"):
@@ -185,4 +192,13 @@ def test_tandem_up_mps_without_the_daemon_fails_before_starting_anything(tmp_pat
                        capture_output=True, text=True, timeout=60)
     assert r.returncode != 0
     assert "--mps: nvidia-cuda-mps-control is not on PATH" in r.stderr + r.stdout
+    assert "Traceback" not in r.stderr
+
+
+def test_tandem_up_refuses_a_prefill_cap_without_mps(tmp_path):
+    env = {**os.environ, "TANDEM_MPS_PREFILL_PERCENT": "30"}  # the variable, as the flag would
+    r = subprocess.run([sys.executable, "-m", "cli.main", "up", "--insecure", "--http-port", "-1", "--port", "0"],
+                       cwd=Path(__file__).resolve().parent.parent, env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0
+    assert "--mps-prefill-percent caps the prefill worker under MPS: give --mps too" in r.stderr + r.stdout
     assert "Traceback" not in r.stderr

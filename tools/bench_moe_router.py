@@ -16,8 +16,8 @@ the decode and prefill sizes that matter.
 Usage (CUDA only):
     python tools/bench_moe_router.py [--configs M,S,V3] [--tokens 1,16,64,1024,8192] [--splits 0,4,16] [--out FILE]
 
-Prints one row per (config, tiles, T) and the best tiles per config by the time summed over
---tokens; --out writes the rows as JSON lines. A tile choice that does not fit the GPU (shared
+Prints one row per (config, tiles, T), the best tiles per config by the time summed over
+--tokens and the fastest at each T; --out writes the rows as JSON lines. A tile choice that does not fit the GPU (shared
 memory) gets its error in place of a time.
 """
 
@@ -139,6 +139,11 @@ def main(argv: list[str] | None = None) -> int:
             best = min(full, key=full.get)
             print(f"{name}: default {base} {full.get(base, float('nan')):.1f} us summed over {tokens}; "
                   f"best {best} {full[best]:.1f} us ({', '.join(f'{t}: {ok[best][t]:.1f}' for t in tokens)})")
+            for t in tokens:  # the sum is the long prefill's; a decode step cares about its own T
+                at_t = {k: v[t] for k, v in ok.items() if t in v}
+                fastest = min(at_t, key=at_t.get)
+                print(f"  T={t}: default {ok.get(base, {}).get(t, float('nan')):.1f} us, fastest {fastest} "
+                      f"{at_t[fastest]:.1f} us")
     if args.out:
         args.out.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return 0

@@ -495,7 +495,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 "environment that has it on PATH)")
     if args.mps_prefill_percent is not None and not args.mps:
         p.error("--mps-prefill-percent caps the prefill worker under MPS: give --mps too")
-    args.mps_prefill_percent = args.mps_prefill_percent or MPS_PREFILL_PERCENT
+    if args.mps and args.mps_prefill_percent is None:
+        args.mps_prefill_percent = MPS_PREFILL_PERCENT
     up_extra = ("--mps", "--mps-prefill-percent", str(args.mps_prefill_percent),
                 "--mps-prefill-priority", args.mps_prefill_priority) if args.mps else ()
     device = torch.device(args.device)

@@ -15,6 +15,10 @@ spread over many programs (the memory-bound regime of decode).
   result does not depend on which other rows share the step (seeded sampling stays
   reproducible across batches and migration).
 
+A forward of one token (a decode step at batch 1) skips the sort: its k pairs have k distinct
+experts, so the kernels take block b = pair b alone, its expert read from the routing ids
+(`PAIR_BLOCKS`), one launch fewer per layer with the same result bits.
+
 No host sync: the padded sizes are upper bounds known from the shapes, so the layer can be
 captured in a CUDA graph. The design is that of the fused MoE kernels of SGLang and vLLM
 (`fused_moe_kernel` with `moe_align_block_size`); the code is this project's own.

@@ -16,7 +16,7 @@ In forwards of up to SHARED_IN_KERNEL_MAX_TOKENS tokens (every decode step) the 
 run in the same launches, as S more experts read in place from the shared MLP's own weights (S = the shared MLP's intermediate ÷ the routed experts'), each token's
 shared slots appended after its routed ones by the routing kernel
 (engine/kernels/moe_router.py): one MoE layer of a decode step is then the routing kernel, the
-pairs' sort, the two GEMM kernels and the sum over slots, where the shared MLP alone took four
+pairs' sort (none for a single token: a block per pair), the two GEMM kernels and the sum over slots, where the shared MLP alone took four
 launches (gate, up, SwiGLU, down) and routing about six.
 
 Reference: `engine.model.MoE.experts_forward`'s loop over experts plus `MoE.shared_experts`
@@ -139,8 +139,9 @@ def warm_up_token_counts(num_experts: int, top_k: int) -> list[int]:
 @torch.inference_mode()
 def warm_up_fused_experts(model: torch.nn.Module) -> int:
     """Run one MoE layer's routing kernel (with and without the shared slots), its shared MLP on
-    its own, and its routed experts at `warm_up_token_counts` (random inputs and routing),
-    compiling the Triton kernels of every BLOCK_M before a request needs them (several seconds
+    its own, and its routed experts at one token (the kernels' block-per-pair form) and at
+    `warm_up_token_counts` (random inputs and routing), compiling the Triton kernels of every
+    BLOCK_M before a request needs them (several seconds
     in all, which would otherwise land on the first requests' TTFT). Returns the number of calls
     (0 without a grouped MoE layer)."""
     from engine.model import MoE
@@ -153,7 +154,7 @@ def warm_up_fused_experts(model: torch.nn.Module) -> int:
         return 0
     g = stacked(moe)
     experts, slots = g.num_experts + g.num_shared, moe.gate.c.num_experts_per_tok + g.num_shared
-    counts = warm_up_token_counts(experts, slots)
+    counts = [1, *warm_up_token_counts(experts, slots)]  # 1: a prefill of one token, an eager decode step
     gen = torch.Generator(device=g.gate_up.device).manual_seed(0)
     x = torch.randn(2, g.gate_up.shape[2], device=g.gate_up.device, dtype=g.gate_up.dtype, generator=gen)
     for shared in {0, g.num_shared}:  # the routing kernel's variants: prefill's and decode's
