@@ -8,7 +8,7 @@ time is the latency of its loop over the hidden dimension (run 16 on one H200: 1
 num_warps, num_stages, SPLIT) at several token counts (SPLIT s > 0: s programs per 16 tokens
 compute the gate GEMM's partial sums first, one more launch), in CUDA graphs of `--reps` calls (the form a
 decode step replays), and checks each choice's experts against the default tiles' (near-ties may
-differ: the sum order changes with BLOCK_K) and its weights against the reference
+differ: the sum order changes with BLOCK_K and SPLIT) and its weights against the reference
 (`route_with_shared_reference`). One BLOCK_K serves every token count (the kernel's default
 must not depend on T: a token's scores would then depend on its batch), so pick by the sum over
 the decode and prefill sizes that matter.
@@ -105,9 +105,9 @@ def main(argv: list[str] | None = None) -> int:
         base = default_tiles(block_e)
         want = {t: route_with_shared(xs[t], w, bias, c, shared, tiles=base) for t in tokens}
         ref = {t: route_with_shared_reference(xs[t], w, bias, c, shared) for t in tokens}
-        grid = itertools.product(*([int(v) for v in s.split(",")]
-                                   for s in (args.block_k, args.warps, args.stages, args.splits)))
-        for tiles in grid:
+        grid = list(itertools.product(*([int(v) for v in s.split(",")]
+                                        for s in (args.block_k, args.warps, args.stages, args.splits))))
+        for tiles in ([base] if base not in grid else []) + grid:  # the default always, first
             for t in tokens:
                 row = {"config": name, "tokens": t, "block_k": tiles[0], "warps": tiles[1], "stages": tiles[2],
                        "split": tiles[3], "default": tiles == base}

@@ -1,4 +1,5 @@
-"""A decode step's MoE routing in one Triton kernel, with the shared experts' slots appended.
+"""A forward's MoE routing in one Triton kernel (two with a split gate GEMM at a few tokens), with
+the shared experts' slots appended.
 
 `engine.model.route` (sigmoid scores of a float32 gate GEMM, the bias-corrected choice,
 group-limited top-k, renormalised weights times routed_scaling_factor) runs as about half a
@@ -34,6 +35,11 @@ except ImportError:  # pragma: no cover - depends on the machine
     triton = None
 
 BLOCK_T = 16  # tokens per program (tl.dot's smallest M)
+# With a split gate GEMM, up to this many tokens its SPLIT partial sums come from programs of their
+# own (a scratch of SPLIT × T × BLOCK_E float32: 4 MB at 256 tokens of a 256-expert gate, SPLIT
+# 16); above it the routing program sums the same splits in the same order itself (the same bits:
+# a forward of many tokens has programs enough, and a prefill's scratch would be gigabytes)
+SPLIT_PARTIALS_MAX_TOKENS = 256
 
 if triton is not None:
     @triton.jit
@@ -78,7 +84,8 @@ if triton is not None:
                       scale, E: tl.constexpr, BLOCK_E: tl.constexpr, G: tl.constexpr,
                       TOPK_GROUP: tl.constexpr, TOP_K: tl.constexpr, N_SHARED: tl.constexpr,
                       BLOCK_SLOTS: tl.constexpr, NORM: tl.constexpr, BLOCK_T: tl.constexpr,
-                      BLOCK_K: tl.constexpr, IEEE: tl.constexpr, SPLIT: tl.constexpr):
+                      BLOCK_K: tl.constexpr, IEEE: tl.constexpr, SPLIT: tl.constexpr, K_SPLIT,
+                      PARTIALS: tl.constexpr):
         offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
         offs_e = tl.arange(0, BLOCK_E)
         tmask = offs_t < T
@@ -86,11 +93,17 @@ if triton is not None:
         if SPLIT == 0:  # the whole gate GEMM in this program
             acc = _gate_gemm(x_ptr, w_ptr, offs_t, tmask, offs_e, emask, 0, H, stride_x, stride_w,
                              BLOCK_T, BLOCK_E, BLOCK_K, IEEE)
-        else:  # the split-K partials of _gate_partial_kernel, summed in split order (batch-invariant)
+        else:  # split-K: each split's sum from zero, the splits added in order (batch-invariant)
             acc = tl.zeros((BLOCK_T, BLOCK_E), dtype=tl.float32)
             for s in tl.static_range(SPLIT):
-                o = (s * T + offs_t[:, None].to(tl.int64)) * BLOCK_E + offs_e[None, :]
-                acc += tl.load(part_ptr + o, mask=tmask[:, None], other=0.0)
+                if PARTIALS:  # computed by _gate_partial_kernel's SPLIT programs (a few tokens)
+                    o = (T.to(tl.int64) * s + offs_t[:, None]) * BLOCK_E + offs_e[None, :]
+                    acc += tl.load(part_ptr + o, mask=tmask[:, None], other=0.0)
+                else:  # the same sums here (many tokens: no scratch of T × SPLIT rows)
+                    k_lo = s * K_SPLIT
+                    acc += _gate_gemm(x_ptr, w_ptr, offs_t, tmask, offs_e, emask, k_lo,
+                                      tl.minimum(k_lo + K_SPLIT, H), stride_x, stride_w,
+                                      BLOCK_T, BLOCK_E, BLOCK_K, IEEE)
         scores = tl.sigmoid(acc)  # [BT, BE]
         bias = tl.load(bias_ptr + offs_e, mask=emask, other=0.0)
         choice = tl.where(emask[None, :], scores + bias[None, :], float("-inf"))
@@ -166,8 +179,9 @@ def default_tiles(block_e: int) -> tuple[int, int, int, int]:
     choice for every T: BLOCK_K and SPLIT set the order of the gate GEMM's sums, so a token's
     scores must not depend on how many tokens share its forward (tools/bench_moe_router.py
     sweeps the alternatives). SPLIT 0: the routing program runs the whole gate GEMM; SPLIT s > 0:
-    s programs per 16 tokens compute its partial sums first (`_gate_partial_kernel`, one more
-    launch), which the routing program adds in split order."""
+    the gate GEMM in s column ranges, each summed from zero and added in split order: up to
+    SPLIT_PARTIALS_MAX_TOKENS tokens by s programs per 16 tokens first (`_gate_partial_kernel`,
+    one more launch), above it by the routing program itself (the same bits)."""
     return (64 if block_e <= 64 else 32), 4, 3, 0
 
 
@@ -197,10 +211,11 @@ def route_with_shared(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Te
         raise ValueError(f"routing kernel SPLIT must be >= 0, got {split}")
     ieee = x.dtype == torch.float32 or gate_weight.dtype == torch.float32
     blocks = triton.cdiv(t, BLOCK_T)
-    part = ids  # unread without a split
-    if split:
-        # each split a whole number of BLOCK_K columns; trailing splits past the hidden size add zeros
-        k_split = triton.cdiv(triton.cdiv(hidden, split), block_k) * block_k
+    part = ids  # unread without partials
+    # each split a whole number of BLOCK_K columns; trailing splits past the hidden size add zeros
+    k_split = triton.cdiv(triton.cdiv(hidden, split), block_k) * block_k if split else hidden
+    partials = 0 < split and t <= SPLIT_PARTIALS_MAX_TOKENS
+    if partials:
         part = torch.empty(split, t, block_e, dtype=torch.float32, device=x.device)
         _gate_partial_kernel[(blocks, split)](
             x, gate_weight, part, t, hidden, k_split, x.stride(0), gate_weight.stride(0), E=e, BLOCK_E=block_e,
@@ -210,5 +225,6 @@ def route_with_shared(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Te
         ids.stride(0), float(c.routed_scaling_factor), E=e, BLOCK_E=block_e, G=c.n_group,
         TOPK_GROUP=c.topk_group, TOP_K=k, N_SHARED=num_shared,
         BLOCK_SLOTS=max(2, triton.next_power_of_2(slots)), NORM=bool(c.norm_topk_prob),
-        BLOCK_T=BLOCK_T, BLOCK_K=block_k, IEEE=ieee, SPLIT=split, num_warps=warps, num_stages=stages)
+        BLOCK_T=BLOCK_T, BLOCK_K=block_k, IEEE=ieee, SPLIT=split, K_SPLIT=k_split, PARTIALS=partials,
+        num_warps=warps, num_stages=stages)
     return ids, weights
