@@ -277,7 +277,8 @@ def build_parser(command: str | None = None, full: bool = True) -> argparse.Argu
          "workers, stopped with the cluster (needs nvidia-cuda-mps-control from the driver). The workers all use "
          "one GPU unless the config file gives each role a device; sharing it, they then run their kernels side by "
          "side instead of taking turns: under load (64 streams on one H200) lower TTFT and TPOT and more "
-         "tokens/s; a lone stream's steps slower; off by default (docs/operations.md, 'Sharing one GPU between workers', has the measured trade-off)", kind=bool)
+         "tokens/s; a lone stream's steps slower; off by default (docs/operations.md, 'Sharing one GPU between "
+         "workers', has the measured trade-off)", kind=bool)
     _arg(p, "--mps-prefill-percent", None, "with --mps: the share (1-100) of the GPU's multiprocessors each "
          "prefill worker may occupy, leaving the rest to the decode steps, which stay uncapped "
          "(CUDA_MPS_ACTIVE_THREAD_PERCENTAGE; 100 = no cap; unset = 50 with --mps)", kind=int)

@@ -306,12 +306,12 @@ def fused_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gat
     p = t * k
     bm = block_m_for(p if pairs_hint is None else pairs_hint, e_all)
     bm, bn, bk, warps, stages = tiles or (bm, *TILES[bm])
-    flat = ids.reshape(-1)
+    flat = ids.reshape(-1).contiguous()
     # one token (a decode step at batch 1): its k pairs have k distinct experts, so a block per
     # pair reads each expert's weights once, as align's blocks would, without align's launch
     pair_blocks = t == 1
     if pair_blocks:
-        rows, bexp = flat, flat.contiguous()  # rows unused: the kernels take block b = pair b
+        rows = bexp = flat  # the ids are the blocks' experts; rows unread (block b = pair b)
     else:
         rows, bexp = (align_triton(flat, e, bm, n_shared) if p <= ALIGN_ONE_PROGRAM_MAX_PAIRS
                       else align(flat, e_all, bm))
