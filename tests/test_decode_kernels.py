@@ -12,6 +12,7 @@ step; sampling on the GPU against the CPU for the same logits.
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 import torch
@@ -251,6 +252,34 @@ def test_align_kernel_equals_torch_align(experts: int, shared: int) -> None:
                     ids[::5] = -1
                 want, got = align(ids, experts + shared, block_m), align_triton(ids, experts, block_m, shared)
                 assert torch.equal(want[0], got[0]) and torch.equal(want[1], got[1]), (pairs, block_m, no_expert)
+    # other launch shapes (tools/bench_moe_align.py's sweep) give the same rows
+    for block_p, warps in ((16, 1), (256, 16), (32, 8)):
+        if block_p * experts > 32768:
+            continue
+        ids = _skewed_ids(512, experts + shared, 528, "cuda")
+        want, got = align(ids, experts + shared, 16), align_triton(ids, experts, 16, shared, tiles=(block_p, warps))
+        assert torch.equal(want[0], got[0]) and torch.equal(want[1], got[1]), (block_p, warps)
+
+
+def test_bench_moe_align_picks_the_fastest_choice_that_gave_align_s_rows_everywhere() -> None:
+    import sys
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
+    import bench_moe_align
+
+    def rows(tiles, us, same=True):
+        return [{"block_p": tiles[0], "warps": tiles[1], "tokens": t, "us": u, "same_rows": same}
+                for t, u in us.items()]
+
+    good = rows((128, 4), {2: 5.0, 64: 19.0})
+    faster = rows((64, 8), {2: 4.0, 64: 9.0})
+    wrong = rows((256, 16), {2: 1.0, 64: 1.0}, same=False)  # other rows: out, however fast
+    failed = rows((32, 16), {2: 1.0}) + [{"block_p": 32, "warps": 16, "tokens": 64, "error": "OutOfResources"}]
+    assert bench_moe_align.pick(good + faster + wrong + failed, [2, 64]) == ((64, 8), 13.0)
+    assert bench_moe_align.pick(wrong + failed, [2, 64]) is None
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit) as exc:  # a clear error, not a kernel launch on the CPU
+            bench_moe_align.main([])
+        assert exc.value.code == 2
 
 
 @cuda

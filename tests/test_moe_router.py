@@ -260,3 +260,25 @@ def test_bench_moe_router_compares_weights_by_expert_and_needs_cuda() -> None:
         with pytest.raises(SystemExit) as exc:  # a clear error, not a kernel launch on the CPU
             bench_moe_router.main([])
         assert exc.value.code == 2
+
+
+def test_bench_moe_router_picks_the_fastest_decode_tiles_that_keep_the_prefill_fast() -> None:
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
+    from bench_moe_router import pick
+
+    def rows(tiles, us, agree=1.0, default=False):
+        return [{"block_k": tiles[0], "warps": tiles[1], "stages": tiles[2], "split": tiles[3], "tokens": t,
+                 "us": u, "same_experts_as_reference": agree, "default": default} for t, u in us.items()]
+
+    base = rows((64, 4, 3, 0), {1: 15.0, 64: 16.0, 8192: 100.0}, default=True)
+    split = rows((64, 4, 3, 16), {1: 4.0, 64: 5.0, 8192: 105.0})  # decode 9 us, prefill within 10 %
+    faster_decode = rows((128, 8, 2, 16), {1: 3.0, 64: 4.0, 8192: 140.0})  # prefill 40 % slower: out
+    wrong = rows((256, 4, 2, 4), {1: 2.0, 64: 2.0, 8192: 90.0}, agree=0.5)  # disagrees with the reference
+    partial = rows((64, 8, 2, 4), {1: 1.0, 64: 1.0})  # not measured at 8192
+    tokens = [1, 64, 8192]
+    assert pick(base + split + faster_decode + wrong + partial, tokens) == ((64, 4, 3, 16), 9.0)
+    assert pick(base + faster_decode, tokens) == ((64, 4, 3, 0), 31.0)  # the default, when nothing beats it
+    assert pick(wrong, tokens) is None  # with no default row, agreement is held to 99 %
+    assert pick([], tokens) is None

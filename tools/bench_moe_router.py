@@ -14,7 +14,7 @@ must not depend on T: a token's scores would then depend on its batch), so pick 
 the decode and prefill sizes that matter.
 
 Usage (CUDA only):
-    python tools/bench_moe_router.py [--configs M,S,V3] [--tokens 1,16,64,1024,8192] [--splits 0,4,16] [--out FILE]
+    python tools/bench_moe_router.py [--configs M,S,V3] [--tokens 1,16,64,1024,8192] [--splits 0,4,16] [--out FILE] [--pick]
 
 Prints one row per (config, tiles, T), the best tiles per config by the time summed over
 --tokens and the fastest at each T; --out writes the rows as JSON lines. A tile choice that does not fit the GPU (shared
@@ -79,6 +79,35 @@ def time_call(fn, reps: int, iters: int) -> float:
     return start.elapsed_time(end) * 1e3 / (iters * reps)
 
 
+DECODE_MAX_TOKENS = 256  # token counts up to this are a decode step's; larger ones a prefill's
+PREFILL_SLACK = 1.10  # a pick may be this much slower than the fastest at a prefill's token count
+
+
+def pick(rows: list[dict], tokens: list[int]) -> tuple[tuple[int, int, int, int], float] | None:
+    """(tiles, their time summed over the decode token counts) of the tiles for `default_tiles`:
+    the least decode time among the choices measured at every T whose experts agree with the
+    reference as often as the default's (within 1 %) and whose time at each T above
+    DECODE_MAX_TOKENS is within PREFILL_SLACK of the fastest there. None when nothing qualifies."""
+    times: dict[tuple, dict[int, float]] = {}
+    agree: dict[tuple, float] = {}
+    for r in rows:
+        if "us" in r:
+            key = (r["block_k"], r["warps"], r["stages"], r["split"])
+            times.setdefault(key, {})[r["tokens"]] = r["us"]
+            agree[key] = min(agree.get(key, 1.0), r["same_experts_as_reference"])
+    base = next((agree[(r["block_k"], r["warps"], r["stages"], r["split"])] for r in rows
+                 if r.get("default") and "us" in r), 1.0)
+    full = {k: v for k, v in times.items() if len(v) == len(tokens) and agree[k] >= base - 0.01}
+    big = [t for t in tokens if t > DECODE_MAX_TOKENS]
+    fastest = {t: min(v[t] for v in full.values()) for t in big} if full else {}
+    fit = {k: sum(u for t, u in v.items() if t <= DECODE_MAX_TOKENS) for k, v in full.items()
+           if all(v[t] <= PREFILL_SLACK * fastest[t] for t in big)}
+    if not fit:
+        return None
+    best = min(fit, key=fit.get)
+    return best, fit[best]
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--configs", default="M,S", help=f"comma list of {', '.join(GATES)}")
@@ -90,6 +119,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=20, help="calls per CUDA graph")
     ap.add_argument("--iters", type=int, default=20, help="graph replays timed")
     ap.add_argument("--out", type=Path, help="also write the rows as JSON lines here")
+    ap.add_argument("--pick", action="store_true",
+                    help="print, per config, a JSON line {\"pick\": ...}: the tiles for the routing kernel's "
+                    "default at that gate's BLOCK_E (moe_router.MEASURED_TILES): the least time over the decode "
+                    f"sizes (T <= {DECODE_MAX_TOKENS}) among those within {PREFILL_SLACK:.2f} x the fastest at every "
+                    "larger T")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         ap.error("needs a CUDA device: the routing kernel runs only there (its CPU form is the reference)")
@@ -144,6 +178,13 @@ def main(argv: list[str] | None = None) -> int:
                 fastest = min(at_t, key=at_t.get)
                 print(f"  T={t}: default {ok.get(base, {}).get(t, float('nan')):.1f} us, fastest {fastest} "
                       f"{at_t[fastest]:.1f} us")
+            if args.pick:
+                chosen = pick([r for r in rows if r["config"] == name], tokens)
+                if chosen is not None:
+                    print(json.dumps({"pick": {"config": name, "block_e": block_e, "tiles": list(chosen[0]),
+                                               "decode_us": chosen[1], "default_decode_us":
+                                               sum(ok.get(base, {}).get(t, float("nan")) for t in tokens
+                                                   if t <= DECODE_MAX_TOKENS)}}))
     if args.out:
         args.out.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return 0

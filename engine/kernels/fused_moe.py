@@ -242,21 +242,38 @@ TILES = {16: (32, 128, 4, 4), 32: (64, 64, 4, 4), 64: (128, 64, 4, 4), 128: (128
 ALIGN_ONE_PROGRAM_MAX_PAIRS = 16384
 
 
+# (BLOCK_P, num_warps) of the align program per BLOCK_E at a decode step's tile sizes (BLOCK_M
+# up to ALIGN_DECODE_MAX_BLOCK_M: a few pairs per expert), where a sweep on a GPU picked them
+# (tools/bench_moe_align.py --pick). Any choice gives the same result (integer sums), only the
+# time differs; keyed by BLOCK_M, so the start-up warm-up's one call per BLOCK_M compiles them
+ALIGN_DECODE_TILES: dict[int, tuple[int, int]] = {}
+ALIGN_DECODE_MAX_BLOCK_M = 32
+
+
+def align_tiles(block_m: int, block_e: int) -> tuple[int, int]:
+    """(BLOCK_P, num_warps) of `align_triton` for blocks of block_m rows and a one-hot tile
+    BLOCK_E wide."""
+    if block_m <= ALIGN_DECODE_MAX_BLOCK_M and block_e in ALIGN_DECODE_TILES:
+        return ALIGN_DECODE_TILES[block_e]
+    return max(16, min(128, 8192 // block_e)), (8 if block_e > 64 else 4)
+
+
 def align_triton(flat_ids: torch.Tensor, num_experts: int, block_m: int,
-                 num_shared: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+                 num_shared: int = 0, tiles: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """`align(flat_ids, num_experts + num_shared, block_m)` as one Triton program (CUDA): the
     same rows and block experts (pairs of one expert in their own order), one launch instead of
     about a dozen. num_experts: the routed experts (the one-hot tile's width), num_shared: ids
-    num_experts .. num_experts + num_shared - 1 after them."""
+    num_experts .. num_experts + num_shared - 1 after them; tiles: (BLOCK_P, num_warps) instead
+    of `align_tiles` (tuning: the pairs taken per loop step, a power of two >= 16)."""
     p = flat_ids.numel()
     nb = -(-(p + min(num_experts + num_shared, p) * (block_m - 1)) // block_m)
     rows = torch.empty(nb * block_m, dtype=torch.int32, device=flat_ids.device)
     bexp = torch.empty(nb, dtype=torch.int32, device=flat_ids.device)
     block_e = triton.next_power_of_2(num_experts)
-    block_p = max(16, min(128, 8192 // block_e))
+    block_p, warps = tiles or align_tiles(block_m, block_e)
     _align_kernel[(1,)](flat_ids, rows, bexp, p, num_experts, nb, BLOCK_M=block_m, BLOCK_P=block_p,
                         BLOCK_E=block_e, N_SHARED=num_shared, BLOCK_S=max(2, triton.next_power_of_2(num_shared)),
-                        num_warps=8 if block_e > 64 else 4)
+                        num_warps=warps)
     return rows, bexp
 
 

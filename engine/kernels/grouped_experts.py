@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 
 from engine.kernels.fused_moe import fused_experts, fused_experts_reference, shared_chunks
-from engine.kernels.moe_router import route_with_shared
+from engine.kernels.moe_router import SPLIT_PARTIALS_MAX_TOKENS, route_with_shared
 
 
 class GroupedExperts:
@@ -157,8 +157,12 @@ def warm_up_fused_experts(model: torch.nn.Module) -> int:
     counts = [1, *warm_up_token_counts(experts, slots)]  # 1: a prefill of one token, an eager decode step
     gen = torch.Generator(device=g.gate_up.device).manual_seed(0)
     x = torch.randn(2, g.gate_up.shape[2], device=g.gate_up.device, dtype=g.gate_up.dtype, generator=gen)
-    for shared in {0, g.num_shared}:  # the routing kernel's variants: prefill's and decode's
-        route_with_shared(x, moe.gate.weight, moe.gate.e_score_correction_bias, moe.gate.c, shared)
+    # the routing kernel's variants: prefill's and decode's, and with a split gate GEMM both of
+    # its forms (partial sums in a launch of their own up to SPLIT_PARTIALS_MAX_TOKENS, above it not)
+    for t in (2, SPLIT_PARTIALS_MAX_TOKENS + 1):
+        xt = torch.randn(t, g.gate_up.shape[2], device=g.gate_up.device, dtype=g.gate_up.dtype, generator=gen)
+        for shared in {0, g.num_shared}:
+            route_with_shared(xt, moe.gate.weight, moe.gate.e_score_correction_bias, moe.gate.c, shared)
     if moe.shared_experts is not None:  # its own GEMMs and compiled SwiGLU, which a long prefill runs
         moe.shared_experts(x)
     for t in counts:

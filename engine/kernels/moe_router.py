@@ -182,7 +182,13 @@ def default_tiles(block_e: int) -> tuple[int, int, int, int]:
     the gate GEMM in s column ranges, each summed from zero and added in split order: up to
     SPLIT_PARTIALS_MAX_TOKENS tokens by s programs per 16 tokens first (`_gate_partial_kernel`,
     one more launch), above it by the routing program itself (the same bits)."""
-    return (64 if block_e <= 64 else 32), 4, 3, 0
+    return MEASURED_TILES.get(block_e, ((64 if block_e <= 64 else 32), 4, 3, 0))
+
+
+# default_tiles per BLOCK_E where a sweep on a GPU picked them (`tools/bench_moe_router.py
+# --pick`: the least time over the decode sizes, T <= 256, among the choices within 10 % of the
+# fastest at every larger T, so a prefill loses little); other gates keep the first kernel's tiles
+MEASURED_TILES: dict[int, tuple[int, int, int, int]] = {}
 
 
 def route_with_shared(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor, c, num_shared: int,
