@@ -80,7 +80,7 @@ def time_call(fn, reps: int, iters: int) -> float:
 
 
 DECODE_MAX_TOKENS = 256  # token counts up to this are a decode step's; larger ones a prefill's
-PREFILL_SLACK = 1.10  # a pick may be this much slower than the fastest at a prefill's token count
+PREFILL_SLACK = 1.25  # a pick may be this much slower than the fastest at a prefill's token count (there the kernel is <0.1 % of the forward)
 
 
 def pick(rows: list[dict], tokens: list[int]) -> tuple[tuple[int, int, int, int], float] | None:

@@ -246,7 +246,7 @@ ALIGN_ONE_PROGRAM_MAX_PAIRS = 16384
 # up to ALIGN_DECODE_MAX_BLOCK_M: a few pairs per expert), where a sweep on a GPU picked them
 # (tools/bench_moe_align.py --pick). Any choice gives the same result (integer sums), only the
 # time differs; keyed by BLOCK_M, so the start-up warm-up's one call per BLOCK_M compiles them
-ALIGN_DECODE_TILES: dict[int, tuple[int, int]] = {}
+ALIGN_DECODE_TILES: dict[int, tuple[int, int]] = {32: (128, 4), 64: (128, 8)}
 ALIGN_DECODE_MAX_BLOCK_M = 32
 
 
