@@ -11,6 +11,7 @@ import sys
 from cli import certs, config, config_show, health
 from cli.flags import add_flags, add_option, build
 from cli.top import add_parser as add_top_parser
+from common.gc_pauses import own_process
 
 
 def _router(args: argparse.Namespace) -> int:
@@ -20,6 +21,7 @@ def _router(args: argparse.Namespace) -> int:
     tracing.setup("router")
     opts = build(RouterOptions, args)
     set_tls(opts.tls)
+    own_process()  # the router's heap is frozen once it serves (--gc-freeze)
     asyncio.run(run(opts))
     return 0
 
@@ -36,6 +38,7 @@ def _worker(args: argparse.Namespace) -> int:
     # interval a thread that wants it back (a finished CUDA event, a stream to write) can wait
     # that long behind the other, longer than a whole step on a GPU (--gil-switch-interval-us).
     sys.setswitchinterval(opts.gil_switch_interval_us / 1e6)
+    own_process()  # the worker's heap is frozen once it serves (--gc-freeze)
     if args.command == "prefill":
         from prefill_worker.main import run
     else:

@@ -13,6 +13,7 @@ from typing import Callable
 
 from common import metrics as metrics_http
 from common.block_hash import hash_seed
+from common.gc_pauses import freeze_startup_heap
 from common.lifecycle import install_stop_signals
 from common.grpc_server import (Keepalive, RunningServer, add_lenient_service, advertised_host, set_keepalive,
                                 start_server)
@@ -58,6 +59,7 @@ class RouterOptions:
     advertise_host: str = ""  # host workers and clients reach this router at (etcd record); "" = host
     namespace: str = "default"
     lease_ttl_s: float = 10.0
+    gc_freeze: bool = True  # gc.freeze() the start-up heap once serving (common/gc_pauses.py)
     router_mode: str = "kv"  # kv | approx | round-robin | random | least-loaded
     prefill_weight: float = 0.0  # cost of one uncached block relative to one active decode block; 0 = derived
     router_temperature: float = 0.0  # 0 = lowest cost always wins
@@ -302,6 +304,8 @@ async def run(opts: RouterOptions, ready: Callable[[RunningServer, FrontendServi
         log.info("router front needs API keys: %d loaded from %s%s", len(keys), opts.api_keys,
                  " (SIGHUP reloads them)" if reload_on_hup else "")
     health.start()  # here, so that the finally below always stops it
+    if opts.gc_freeze:  # the tokenizer, tables and gRPC state: full collections then skip them
+        freeze_startup_heap()
     log.info("router serving %s on %s", name, address)
     if ready:
         ready(server, servicer)

@@ -132,6 +132,10 @@ DECODE_COUNTERS = ("tandem_worker_decode_steps", "tandem_worker_decode_step_rows
                    "tandem_worker_decode_device_wait_seconds")
 
 
+# every worker's garbage collections (all generations; prefill and decode workers summed)
+GC_COUNTERS = ("tandem_worker_gc_seconds", "tandem_worker_gc_collections")
+
+
 def _worker_counters(urls: list[str], names: tuple[str, ...], attempts: int = 10) -> dict[str, float]:
     """Counters `names` (without _total) so far, summed over the processes (only a decode
     worker counts these). A worker whose loop does not answer a scrape in time leaves its
@@ -284,6 +288,7 @@ def serve_and_bench(model_dir: Path, contexts: list[int], concurrencies: list[in
             t0 = time.time()
             spec0 = _worker_counters(metrics_urls, SPEC_COUNTERS) if spec else {}
             decode0 = _worker_counters(metrics_urls, DECODE_COUNTERS)
+            gc0 = _worker_counters(metrics_urls, GC_COUNTERS)
             spies = {}
             if profile_s > 0 and not out:  # the first bench only: the decode worker and the router
                 steps = "tandem_worker_decode_steps"
@@ -297,7 +302,13 @@ def serve_and_bench(model_dir: Path, contexts: list[int], concurrencies: list[in
             summary = doc.get("summary", {})
             if summary.get("duration_s"):
                 summary.update(decode_phases(doc.get("requests", []), summary["duration_s"]))
-            summary.update(_decode_figures(decode0, _worker_counters(metrics_urls, DECODE_COUNTERS)))
+            decode1 = _worker_counters(metrics_urls, DECODE_COUNTERS)
+            summary.update(_decode_figures(decode0, decode1))
+            gc1 = _worker_counters(metrics_urls, GC_COUNTERS)
+            steps = decode1["tandem_worker_decode_steps"] - decode0["tandem_worker_decode_steps"]
+            summary["workers_gc_collections"] = gc1[GC_COUNTERS[1]] - gc0[GC_COUNTERS[1]]
+            summary["workers_gc_ms_per_decode_step"] = (1e3 * (gc1[GC_COUNTERS[0]] - gc0[GC_COUNTERS[0]]) / steps
+                                                        if steps else None)
             for key, spy in spies.items():
                 summary[key] = spy.result()
                 print(json.dumps({key: {k: v for k, v in summary[key].items()
@@ -316,7 +327,8 @@ def serve_and_bench(model_dir: Path, contexts: list[int], concurrencies: list[in
                               "mean_tpot_ms": summary.get("mean_tpot_ms"),
                               "mean_ttft_ms": summary.get("mean_ttft_ms"),
                               "failed": summary.get("failed"),
-                              **{k: summary.get(k) for k in ("first_gap_ms", "steady_ms_per_token", "decoding_mean")},
+                              **{k: summary.get(k) for k in ("first_gap_ms", "steady_ms_per_token", "decoding_mean",
+                                                             "workers_gc_collections", "workers_gc_ms_per_decode_step")},
                               **{k: v for k, v in summary.items() if k.startswith("decode_")}}), flush=True)
             if r.returncode != 0:
                 print(r.stdout[-2000:], r.stderr[-2000:], flush=True)
@@ -556,7 +568,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                                "prefill_workers": args.prefill_workers, "mps": args.mps,
                                "mps_prefill_percent": args.mps_prefill_percent if args.mps else None,
                                "mps_prefill_priority": args.mps_prefill_priority if args.mps else None,
-                               **{k: s.get(k) for k in ("first_gap_ms", "steady_ms_per_token", "decoding_mean")},
+                               **{k: s.get(k) for k in ("first_gap_ms", "steady_ms_per_token", "decoding_mean",
+                                                         "workers_gc_collections", "workers_gc_ms_per_decode_step")},
                                "bound_ms_per_step": 1e3 * bound_s, "failed": s.get("failed"),
                                **{k: v for k, v in s.items() if k.startswith("decode_")},
                                **({k: s[k] for k in ("host_profile", "router_host_profile") if k in s})}

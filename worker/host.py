@@ -23,6 +23,7 @@ from common import metrics as metrics_http
 from common import tls, tracing
 from common.block_hash import hash_seed
 from common.env import TEST_INSTANCE_ID_VAR, read_env
+from common.gc_pauses import freeze_startup_heap, process_clock
 from common.lifecycle import install_stop_signals
 from common.grpc_server import RunningServer, advertised_host, start_server
 from common.pb.tandem.v1 import discovery_pb2, kv_events_pb2, kv_events_pb2_grpc
@@ -63,6 +64,7 @@ class WorkerOptions:
     solo_wait_s: float = 5.0  # decode: seconds a request that fits only alone may wait for admission
     stream_interval: int = 1  # decode: generated tokens per stream message (SGLang's --stream-interval)
     gil_switch_interval_us: int = 200  # sys.setswitchinterval of the worker process, in microseconds
+    gc_freeze: bool = True  # gc.freeze() the start-up heap once serving (common/gc_pauses.py)
     chunk_size: int = 0  # prefill chunk in tokens (dynamic chunking: the base chunk); 0 = auto (resolved_chunk_size); alias --chunked-prefill-size
     max_prefill_tokens: int = 16384  # token budget of one prefill forward (chunks of concurrent prompts packed)
     prefill_tokens_per_decode_step: int = 1024  # decode: local prefill tokens between two decode steps while requests decode; 0 = off
@@ -346,6 +348,7 @@ class WorkerRuntime:
         self.draining = False  # set on SIGTERM: new requests are refused with UNAVAILABLE
         self.in_flight = 0  # requests being served (prefill: including their transfers)
         self.prefill_queued_tokens = 0  # prompt tokens submitted for prefill here and not yet computed
+        self.gc_clock = process_clock()  # this process's collections, for the metrics
         self.metrics = WorkerMetrics(self)
         # One thread for all model work: forwards never run concurrently, the event loop
         # keeps serving RPCs, and the pool's accounting stays on the loop thread. A decode
@@ -731,6 +734,8 @@ async def serve_worker(runtime: WorkerRuntime, add_services: Sequence[Callable[[
         if not registered:
             log.info("%s stopped before it was registered in etcd", runtime.instance_id)
             return
+    if opts.gc_freeze:  # after the model, graphs and warm-up: full collections then skip all of it
+        freeze_startup_heap()
     log.info("%s serving on %s (model %s)", runtime.instance_id, address, runtime.loaded.name)
     o = runtime.opts
     log.info("prefill batching: --chunk-size %d, --max-prefill-tokens %d, dynamic chunking %s%s", o.chunk_size,

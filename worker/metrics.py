@@ -138,6 +138,17 @@ class WorkerMetrics:
             for key, st in per_backend.items():
                 fam.add_metric([key], getattr(st, field))
             yield fam
+        clock = getattr(rt, "gc_clock", None)
+        if clock is not None:
+            for name, doc, values in (
+                    ("tandem_worker_gc_collections", "garbage collections of this process by generation", clock.collections),
+                    ("tandem_worker_gc_seconds", "seconds this process's garbage collections took, by generation (the "
+                     "process's threads wait meanwhile: a decode step's host work is late by as much; --gc-freeze "
+                     "keeps the start-up heap out of them)", clock.seconds)):
+                fam = CounterMetricFamily(name, doc, labels=["generation"])
+                for gen, v in enumerate(values):
+                    fam.add_metric([str(gen)], v)
+                yield fam
         blocks = rt.pool.blocks
         total = blocks.num_blocks
         used = total - blocks.num_free

@@ -1,0 +1,53 @@
+"""common/gc_pauses.py: the start-up heap frozen only in a server's own process, and collections timed."""
+
+from __future__ import annotations
+
+import gc
+import subprocess
+import sys
+import textwrap
+
+from common import gc_pauses
+
+
+def test_clock_counts_and_times_collections_by_generation() -> None:
+    clock = gc_pauses.GcClock().install()
+    try:
+        gc.collect(2)
+        gc.collect(0)
+        assert clock.collections[2] >= 1 and clock.collections[0] >= 1
+        assert clock.seconds[2] > 0.0
+        before = list(clock.collections)
+    finally:
+        clock.uninstall()
+    gc.collect(2)
+    assert clock.collections == before  # uninstalled: no longer counted
+    assert gc_pauses.process_clock() is gc_pauses.process_clock()  # one per process
+
+
+def test_a_server_inside_another_program_leaves_its_heap_unfrozen() -> None:
+    # this pytest process never called own_process(): freezing would keep the suite's cycles for good
+    assert not gc_pauses._OWNS_PROCESS
+    before = gc.get_freeze_count()
+    assert gc_pauses.freeze_startup_heap() == 0
+    assert gc.get_freeze_count() == before
+
+
+def test_a_server_process_freezes_what_is_alive_and_still_collects_new_cycles() -> None:
+    code = textwrap.dedent("""
+        import gc
+        from common import gc_pauses
+        startup = [[i] for i in range(50000)]  # long-lived start-up objects
+        gc_pauses.own_process()
+        frozen = gc_pauses.freeze_startup_heap()
+        assert frozen == gc.get_freeze_count() and frozen >= 50000, frozen
+        class Node: pass
+        a, b = Node(), Node()
+        a.peer, b.peer = b, a  # a cycle allocated after the freeze
+        del a, b
+        assert gc.collect() >= 2  # still found and freed
+        print("ok", frozen)
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("ok ")
