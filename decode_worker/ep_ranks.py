@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from common.gc_pauses import freeze_startup_heap, own_process
 from decode_worker.ep_pool import EpKvPool
 from engine.block_pool import BlockId
 from engine.kv_pool import KvPool, KvPoolConfig, PagedKvCache
@@ -208,10 +209,11 @@ def _ep_model(spec: str, seed: int, placement: ExpertPlacement, rank: int, devic
 
 def _rank_main(rank: int, world: int, port: int, spec: str, seed: int, threads: int, timeout_s: float,
                placement: ExpertPlacement, rank_config: KvPoolConfig, hash_seed: int, kv: torch.Tensor,
-               dtype: torch.dtype, conn: multiprocessing.connection.Connection) -> None:
+               dtype: torch.dtype, conn: multiprocessing.connection.Connection, gc_freeze: bool = False) -> None:
     """A child rank: join the group, build the model with this rank's experts on kv's device
     and a runner over its pool (kv: this rank's storage, shared memory or CUDA IPC), then serve
-    steps until rank 0 sends None or the pipe closes."""
+    steps until rank 0 sends None or the pipe closes. gc_freeze: freeze the start-up heap once
+    warmed up (the worker's --gc-freeze: a collection in one rank stalls every rank's step)."""
     torch.set_num_threads(threads)
     store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=timedelta(seconds=timeout_s))
     _init_group(rank, world, store, timeout_s, kv.device)
@@ -219,6 +221,9 @@ def _rank_main(rank: int, world: int, port: int, spec: str, seed: int, threads: 
         model, step = _ep_model(spec, seed, placement, rank, kv.device, dtype)
         runner = ModelRunner(model, KvPool(rank_config, hash_seed, kv=kv))
         _warm_up(runner)
+        if gc_freeze:
+            own_process()  # a process of the worker's own
+            freeze_startup_heap()
         conn.send(("ready", None))
         while True:
             try:
@@ -261,10 +266,13 @@ class EpEngine:
 
     def __init__(self, spec: str, seed: int, ep_size: int, backend: str, threads: int, timeout_s: float,
                  rank_config: KvPoolConfig, hash_seed: int, placement: ExpertPlacement | None = None,
-                 model: DeepseekV3ForCausalLM | None = None, device: torch.device | str | None = None) -> None:
+                 model: DeepseekV3ForCausalLM | None = None, device: torch.device | str | None = None,
+                 gc_freeze: bool = False) -> None:
         """`model`: rank 0's model to turn into an EP rank in place (its other experts are freed);
         None = load `spec` again (when the loaded model is shared, as in tests). `device`: rank
-        0's (default: the model's, else the CPU); the other ranks' follow (engine/rank_devices.py)."""
+        0's (default: the model's, else the CPU); the other ranks' follow (engine/rank_devices.py).
+        gc_freeze: the other ranks' processes freeze their start-up heap once warmed up (rank 0
+        is the worker's process, which freezes its own once serving: --gc-freeze)."""
         self.world = ep_size
         n_experts = model_experts(spec)
         self.placement = placement or ExpertPlacement.contiguous(n_experts, ep_size)
@@ -301,7 +309,7 @@ class EpEngine:
             ours, theirs = ctx.Pipe()
             p = ctx.Process(target=_rank_main, name=f"ep-rank-{rank}", daemon=True,
                             args=(rank, ep_size, store.port, spec, seed, threads, timeout_s, self.placement,
-                                  rank_config, hash_seed, shares[rank], dtype, theirs))
+                                  rank_config, hash_seed, shares[rank], dtype, theirs, gc_freeze))
             p.start()
             theirs.close()
             self._conns.append(ours)
@@ -483,5 +491,5 @@ def ep_engine_factory(own_model: bool) -> Callable[[Any, Any, KvPoolConfig, int]
         timeout_s = max(300.0 if device.type == "cuda" else 60.0, opts.stall_timeout_s)
         return EpEngine(opts.model, opts.seed, opts.ep_size, opts.ep_backend, opts.torch_threads,
                         timeout_s, rank_config, hash_seed, placement,
-                        model=loaded.model if own_model else None, device=device)
+                        model=loaded.model if own_model else None, device=device, gc_freeze=opts.gc_freeze)
     return start
