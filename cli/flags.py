@@ -43,10 +43,10 @@ HELP = {
                               "(sys.setswitchinterval): the model thread and the event loop hand it to each other "
                               "many times per decode step, and at Python's default 5,000 a woken thread can wait "
                               "longer than a whole step on a GPU; 1 to 5000",
-    "gc_freeze": "freeze the garbage collector's view of everything alive once the worker serves (gc.freeze "
-                 "after the model, CUDA graphs and warm-up), so a full collection walks only what requests "
-                 "allocated since, not the whole start-up heap (tens of ms with a model loaded, decode steps "
-                 "idle meanwhile); --no-gc-freeze to compare",
+    "gc_freeze": "just before the process starts serving (a worker: model, CUDA graphs and warm-up done), "
+                 "collect once and gc.freeze() what is alive, so that later full collections walk only what "
+                 "requests allocated since, not the whole start-up heap (~70 ms a collection for the imports "
+                 "alone; every thread waits meanwhile, decode steps too); --no-gc-freeze to compare",
     "chunk_size": "prefill chunk size in tokens (the base chunk with dynamic chunking); 0 = 8192 on a GPU, 256 on CPU; alias --chunked-prefill-size",
     "max_prefill_tokens": "token budget of one prefill forward (a prefill worker's, or a decode worker's local "
                           "prefills); the next chunks of concurrent prompts "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import importlib
 import logging
 import math
 import signal
@@ -260,6 +261,10 @@ async def run(opts: RouterOptions, ready: Callable[[RunningServer, FrontendServi
                "ListModels": ("unary", pb.ListModelsRequest, pb.ListModelsResponse),
                "ExplainRoute": ("unary", pb.GenerateRequest, pb.ExplainRouteResponse),
                "ClusterStatus": ("unary", pb.ClusterStatusRequest, pb.ClusterStatusResponse)}
+    if opts.gc_freeze:  # the tokenizer, tables and imports, before any server takes a request
+        if opts.http_port != HTTP_OFF:
+            importlib.import_module("router.http_api")  # the HTTP stack's imports are start-up state too
+        freeze_startup_heap()
     server = await start_server(f"{opts.host}:{opts.port}", [lambda s: add_lenient_service(s, SERVICE, servicer, methods)],
                                 [SERVICE], internal=False,  # clients are not cluster processes: certificates optional
                                 interceptors=[ApiKeyCheck(keys)] if keys else (), reuse_port=opts.reuse_port)
@@ -304,8 +309,6 @@ async def run(opts: RouterOptions, ready: Callable[[RunningServer, FrontendServi
         log.info("router front needs API keys: %d loaded from %s%s", len(keys), opts.api_keys,
                  " (SIGHUP reloads them)" if reload_on_hup else "")
     health.start()  # here, so that the finally below always stops it
-    if opts.gc_freeze:  # the tokenizer, tables and gRPC state: full collections then skip them
-        freeze_startup_heap()
     log.info("router serving %s on %s", name, address)
     if ready:
         ready(server, servicer)

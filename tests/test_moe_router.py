@@ -273,8 +273,8 @@ def test_bench_moe_router_picks_the_fastest_decode_tiles_that_keep_the_prefill_f
                  "us": u, "same_experts_as_reference": agree, "default": default} for t, u in us.items()]
 
     base = rows((64, 4, 3, 0), {1: 15.0, 64: 16.0, 8192: 100.0}, default=True)
-    split = rows((64, 4, 3, 16), {1: 4.0, 64: 5.0, 8192: 105.0})  # decode 9 us, prefill within 10 %
-    faster_decode = rows((128, 8, 2, 16), {1: 3.0, 64: 4.0, 8192: 140.0})  # prefill 40 % slower: out
+    split = rows((64, 4, 3, 16), {1: 4.0, 64: 5.0, 8192: 120.0})  # decode 9 us, prefill within 25 %
+    faster_decode = rows((128, 8, 2, 16), {1: 3.0, 64: 4.0, 8192: 130.0})  # prefill 30 % slower: out
     wrong = rows((256, 4, 2, 4), {1: 2.0, 64: 2.0, 8192: 90.0}, agree=0.5)  # disagrees with the reference
     partial = rows((64, 8, 2, 4), {1: 1.0, 64: 1.0})  # not measured at 8192
     tokens = [1, 64, 8192]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import io
 import json
 import logging
@@ -159,6 +160,11 @@ def test_cluster_status_metrics_and_top(cluster, capsys):
     assert value(decode, "tandem_worker_generated_tokens_total") == 3
     assert value(decode, "tandem_worker_running_requests") == 0
     assert value(decode, "tandem_worker_kv_blocks") == 512
+    # the process's garbage collections, by generation (a full one at least: the start-up's own)
+    gc.collect()
+    decode = scrape(by_role["decode"].metrics_address)
+    assert value(decode, "tandem_worker_gc_collections_total", generation="2") >= 1
+    assert value(decode, "tandem_worker_gc_seconds_total", generation="2") > 0
     prefill = scrape(by_role["prefill"].metrics_address)
     assert value(prefill, "tandem_worker_kv_transfers_total") == 1
 

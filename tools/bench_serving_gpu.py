@@ -132,15 +132,18 @@ DECODE_COUNTERS = ("tandem_worker_decode_steps", "tandem_worker_decode_step_rows
                    "tandem_worker_decode_device_wait_seconds")
 
 
-# every worker's garbage collections (all generations; prefill and decode workers summed)
+# the decode worker's garbage collections (all generations): its pages alone carry DECODE_ONLY
 GC_COUNTERS = ("tandem_worker_gc_seconds", "tandem_worker_gc_collections")
+DECODE_ONLY = "tandem_worker_prefill_channels"  # a gauge only decode workers export
 
 
-def _worker_counters(urls: list[str], names: tuple[str, ...], attempts: int = 10) -> dict[str, float]:
+def _worker_counters(urls: list[str], names: tuple[str, ...], attempts: int = 10,
+                     only_with: str | None = None) -> dict[str, float]:
     """Counters `names` (without _total) so far, summed over the processes (only a decode
-    worker counts these). A worker whose loop does not answer a scrape in time leaves its
-    families out of that page (common/metrics.py); such a page is read again, up to `attempts`
-    times, rather than counted as zero. Raises RuntimeError if no page has names[0]."""
+    worker counts these; `only_with`: only the pages that have that family). A worker whose
+    loop does not answer a scrape in time leaves its families out of that page
+    (common/metrics.py); such a page is read again, up to `attempts` times, rather than
+    counted as zero. Raises RuntimeError if no page has names[0]."""
     import urllib.request
     got = dict.fromkeys(names, 0.0)
     seen = 0
@@ -152,6 +155,8 @@ def _worker_counters(urls: list[str], names: tuple[str, ...], attempts: int = 10
             if names[0] not in text:
                 time.sleep(0.5)  # a worker's scrape that skipped its counters: read it again
                 continue
+            if only_with is not None and only_with not in text:
+                break  # another role's page
             for line in text.splitlines():
                 name = line.split("{", 1)[0].split(" ", 1)[0].removesuffix("_total")  # counters: NAME_total
                 if name in got:
@@ -288,7 +293,7 @@ def serve_and_bench(model_dir: Path, contexts: list[int], concurrencies: list[in
             t0 = time.time()
             spec0 = _worker_counters(metrics_urls, SPEC_COUNTERS) if spec else {}
             decode0 = _worker_counters(metrics_urls, DECODE_COUNTERS)
-            gc0 = _worker_counters(metrics_urls, GC_COUNTERS)
+            gc0 = _worker_counters(metrics_urls, GC_COUNTERS, only_with=DECODE_ONLY)
             spies = {}
             if profile_s > 0 and not out:  # the first bench only: the decode worker and the router
                 steps = "tandem_worker_decode_steps"
@@ -304,10 +309,10 @@ def serve_and_bench(model_dir: Path, contexts: list[int], concurrencies: list[in
                 summary.update(decode_phases(doc.get("requests", []), summary["duration_s"]))
             decode1 = _worker_counters(metrics_urls, DECODE_COUNTERS)
             summary.update(_decode_figures(decode0, decode1))
-            gc1 = _worker_counters(metrics_urls, GC_COUNTERS)
+            gc1 = _worker_counters(metrics_urls, GC_COUNTERS, only_with=DECODE_ONLY)
             steps = decode1["tandem_worker_decode_steps"] - decode0["tandem_worker_decode_steps"]
-            summary["workers_gc_collections"] = gc1[GC_COUNTERS[1]] - gc0[GC_COUNTERS[1]]
-            summary["workers_gc_ms_per_decode_step"] = (1e3 * (gc1[GC_COUNTERS[0]] - gc0[GC_COUNTERS[0]]) / steps
+            summary["decode_gc_collections"] = gc1[GC_COUNTERS[1]] - gc0[GC_COUNTERS[1]]
+            summary["decode_gc_ms_per_step"] = (1e3 * (gc1[GC_COUNTERS[0]] - gc0[GC_COUNTERS[0]]) / steps
                                                         if steps else None)
             for key, spy in spies.items():
                 summary[key] = spy.result()
@@ -327,8 +332,7 @@ def serve_and_bench(model_dir: Path, contexts: list[int], concurrencies: list[in
                               "mean_tpot_ms": summary.get("mean_tpot_ms"),
                               "mean_ttft_ms": summary.get("mean_ttft_ms"),
                               "failed": summary.get("failed"),
-                              **{k: summary.get(k) for k in ("first_gap_ms", "steady_ms_per_token", "decoding_mean",
-                                                             "workers_gc_collections", "workers_gc_ms_per_decode_step")},
+                              **{k: summary.get(k) for k in ("first_gap_ms", "steady_ms_per_token", "decoding_mean")},
                               **{k: v for k, v in summary.items() if k.startswith("decode_")}}), flush=True)
             if r.returncode != 0:
                 print(r.stdout[-2000:], r.stderr[-2000:], flush=True)
@@ -568,8 +572,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                                "prefill_workers": args.prefill_workers, "mps": args.mps,
                                "mps_prefill_percent": args.mps_prefill_percent if args.mps else None,
                                "mps_prefill_priority": args.mps_prefill_priority if args.mps else None,
-                               **{k: s.get(k) for k in ("first_gap_ms", "steady_ms_per_token", "decoding_mean",
-                                                         "workers_gc_collections", "workers_gc_ms_per_decode_step")},
+                               **{k: s.get(k) for k in ("first_gap_ms", "steady_ms_per_token", "decoding_mean")},
                                "bound_ms_per_step": 1e3 * bound_s, "failed": s.get("failed"),
                                **{k: v for k, v in s.items() if k.startswith("decode_")},
                                **({k: s[k] for k in ("host_profile", "router_host_profile") if k in s})}

@@ -702,6 +702,8 @@ async def serve_worker(runtime: WorkerRuntime, add_services: Sequence[Callable[[
     from discovery.registration import Registration
 
     opts = runtime.opts
+    if opts.gc_freeze:  # the model, graphs and warm-up are built, nothing is served or registered yet:
+        freeze_startup_heap()  # its one collection delays no request, and no request's objects are frozen
     events = KvEventServicer(runtime.events, runtime.load)
     server = await start_server(
         f"{opts.host}:{opts.port}",
@@ -734,8 +736,6 @@ async def serve_worker(runtime: WorkerRuntime, add_services: Sequence[Callable[[
         if not registered:
             log.info("%s stopped before it was registered in etcd", runtime.instance_id)
             return
-    if opts.gc_freeze:  # after the model, graphs and warm-up: full collections then skip all of it
-        freeze_startup_heap()
     log.info("%s serving on %s (model %s)", runtime.instance_id, address, runtime.loaded.name)
     o = runtime.opts
     log.info("prefill batching: --chunk-size %d, --max-prefill-tokens %d, dynamic chunking %s%s", o.chunk_size,
