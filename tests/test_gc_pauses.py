@@ -53,3 +53,33 @@ def test_a_server_process_freezes_what_is_alive_and_still_collects_new_cycles() 
                          cwd=Path(__file__).resolve().parent.parent)
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("ok ")
+
+
+def test_a_worker_freezes_before_its_server_starts_unless_told_not_to(tiny_model, monkeypatch) -> None:
+    import asyncio
+
+    import worker.host as host
+    from common.pb.tandem.v1 import discovery_pb2
+
+    events: list[str] = []
+    monkeypatch.setattr(host, "freeze_startup_heap", lambda: events.append("freeze") or 0)
+    real_start = host.start_server
+
+    async def start_server(*args, **kwargs):
+        events.append("server")
+        return await real_start(*args, **kwargs)
+
+    monkeypatch.setattr(host, "start_server", start_server)
+
+    async def serve(freeze: bool) -> None:
+        rt = host.WorkerRuntime(discovery_pb2.ROLE_DECODE, host.WorkerOptions(
+            model=tiny_model.name, num_blocks=8, port=0, gc_freeze=freeze), tiny_model)
+        stop = asyncio.Event()
+        task = asyncio.create_task(host.serve_worker(rt, [], [], ready=lambda s: stop.set(), stop=stop))
+        await asyncio.wait_for(task, 30)
+
+    asyncio.run(serve(True))
+    assert events == ["freeze", "server"]  # nothing served yet when the heap is frozen
+    events.clear()
+    asyncio.run(serve(False))
+    assert events == ["server"]  # --no-gc-freeze
