@@ -280,5 +280,9 @@ def test_bench_moe_router_picks_the_fastest_decode_tiles_that_keep_the_prefill_f
     tokens = [1, 64, 8192]
     assert pick(base + split + faster_decode + wrong + partial, tokens) == ((64, 4, 3, 16), 9.0)
     assert pick(base + faster_decode, tokens) == ((64, 4, 3, 0), 31.0)  # the default, when nothing beats it
+    slow_prefill = rows((64, 4, 3, 0), {1: 15.0, 64: 16.0, 8192: 200.0}, default=True)
+    fast_prefill = rows((32, 4, 3, 0), {1: 30.0, 64: 30.0, 8192: 100.0})
+    assert pick(slow_prefill + fast_prefill, tokens) == ((32, 4, 3, 0), 60.0)  # the default's prefill is out
+    assert pick(slow_prefill + rows((16, 4, 3, 0), {1: 30.0, 64: 30.0}), tokens) == ((64, 4, 3, 0), 31.0)
     assert pick(wrong, tokens) is None  # with no default row, agreement is held to 99 %
     assert pick([], tokens) is None

@@ -14,7 +14,7 @@ must not depend on T: a token's scores would then depend on its batch), so pick 
 the decode and prefill sizes that matter.
 
 Usage (CUDA only):
-    python tools/bench_moe_router.py [--configs M,S,V3] [--tokens 1,16,64,1024,8192] [--splits 0,4,16] [--out FILE] [--pick]
+    python tools/bench_moe_router.py [--configs M,S,V3] [--tokens 1,16,64,256,1024,8192] [--splits 0,4,16] [--out FILE] [--pick]
 
 Prints one row per (config, tiles, T), the best tiles per config by the time summed over
 --tokens and the fastest at each T; --out writes the rows as JSON lines. A tile choice that does not fit the GPU (shared
@@ -87,7 +87,9 @@ def pick(rows: list[dict], tokens: list[int]) -> tuple[tuple[int, int, int, int]
     """(tiles, their time summed over the decode token counts) of the tiles for `default_tiles`:
     the least decode time among the choices measured at every T whose experts agree with the
     reference as often as the default's (within 1 %) and whose time at each T above
-    DECODE_MAX_TOKENS is within PREFILL_SLACK of the fastest there. None when nothing qualifies."""
+    DECODE_MAX_TOKENS is within PREFILL_SLACK of the fastest there; the default's own tiles
+    when none is (they are what runs today). None when nothing qualifies and the default was
+    not measured."""
     times: dict[tuple, dict[int, float]] = {}
     agree: dict[tuple, float] = {}
     for r in rows:
@@ -102,7 +104,10 @@ def pick(rows: list[dict], tokens: list[int]) -> tuple[tuple[int, int, int, int]
     fastest = {t: min(v[t] for v in full.values()) for t in big} if full else {}
     fit = {k: sum(u for t, u in v.items() if t <= DECODE_MAX_TOKENS) for k, v in full.items()
            if all(v[t] <= PREFILL_SLACK * fastest[t] for t in big)}
+    default = next(((r["block_k"], r["warps"], r["stages"], r["split"]) for r in rows if r.get("default")), None)
     if not fit:
+        if default in full:
+            return default, sum(u for t, u in full[default].items() if t <= DECODE_MAX_TOKENS)
         return None
     best = min(fit, key=fit.get)
     return best, fit[best]
@@ -111,7 +116,7 @@ def pick(rows: list[dict], tokens: list[int]) -> tuple[tuple[int, int, int, int]
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--configs", default="M,S", help=f"comma list of {', '.join(GATES)}")
-    ap.add_argument("--tokens", default="1,16,64,1024,8192", help="token counts per call")
+    ap.add_argument("--tokens", default="1,16,64,256,1024,8192", help="token counts per call")
     ap.add_argument("--block-k", default="64,128,256")
     ap.add_argument("--warps", default="4,8")
     ap.add_argument("--stages", default="2,3")
