@@ -125,6 +125,7 @@ class OverlapLoop(DeferredFrees):
             rt.events.publish()
             if not batch and self._inflight is None:
                 sched._last_step = None
+                self.runner.idle()
                 sched._wake.clear()
                 await sched._wake.wait()
                 continue
@@ -145,6 +146,7 @@ class OverlapLoop(DeferredFrees):
                 sched.count_step(len(batch))
             rt.stats.decode_device_wait_seconds = self.runner.device_wait_s
             rt.stats.decode_device_busy_seconds = self.runner.device_busy_s
+            rt.stats.decode_device_idle_seconds = self.runner.device_idle_s
             deferred = self._deferred
             self._inflight, self._deferred, self._settling = launched, [], True
             if previous is not None:

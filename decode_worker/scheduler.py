@@ -84,6 +84,7 @@ class DecodeScheduler:
         self.steps = 0
         self.stream_interval = runtime.opts.stream_interval  # tokens per stream message (--stream-interval)
         self._last_step: float | None = None  # perf_counter of the last launch (None after idling)
+        self._last_rows = 0  # requests in that launch
         self.failed: BaseException | None = None
         self.on_failure = None  # async callable: the worker marks itself NOT_SERVING
         k = runtime.opts.speculative_num_steps  # hook: MTP speculative steps (spec_step.py)
@@ -107,7 +108,12 @@ class DecodeScheduler:
         if self._last_step is not None:
             stats.decode_busy_steps += 1
             stats.decode_step_seconds += now - self._last_step
+            # the previous step's requests each waited this long for their next token: the sum
+            # over rows / the rows is the time per token a stream sees (a step of a large batch
+            # counts once per request in it, as in the clients' TPOT; the cadence counts it once)
+            stats.decode_row_seconds += self._last_rows * (now - self._last_step)
         self._last_step = now
+        self._last_rows = rows
         stats.decode_steps += 1
         stats.decode_step_rows += rows
         self.steps += 1

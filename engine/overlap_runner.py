@@ -48,6 +48,11 @@ class OverlapRunner:
         # device seconds the collected steps ran, from CUDA events around each step (so the
         # device's busy share of wall time tells a host-bound loop from a device-bound one)
         self.device_busy_s = 0.0
+        # device seconds between one collected step's end (its copy event) and the next collected
+        # step's start (its `began`): the stream ran nothing of the loop's then, waiting for the
+        # host to queue the step (the next plan's upload, queued before `began`, counts here too)
+        self.device_idle_s = 0.0
+        self._last_end: torch.cuda.Event | None = None
         # HOST_BUFFERS turns, each a pinned [max_batch, 2] float64 buffer a step's result lands
         # in and its two timing events (step start, copy done), made once and used again: at
         # most two steps are in flight and a turn is read when its step is collected, so step
@@ -87,7 +92,15 @@ class OverlapRunner:
             # queued; reached once the stream got there) and ends at `event`: a host that queues
             # the step late leaves the device idle, and that wait is not counted as busy
             self.device_busy_s += step.began.elapsed_time(step.event) / 1e3
+            if self._last_end is not None:
+                self.device_idle_s += max(0.0, self._last_end.elapsed_time(step.began)) / 1e3
+            self._last_end = step.event
         return unpack_step(step.host)
+
+    def idle(self) -> None:
+        """The loop has no step to run and waits for work: the gap before its next step is no
+        wait for the host, so it is not counted in `device_idle_s`."""
+        self._last_end = None
 
     def step(self, batch: list[DecodeInput] | None, slots: list[int], sampling: list[tuple[SamplingParams, int]],
              previous: LaunchedStep | None) -> tuple[LaunchedStep | None, tuple[list[int], list[float]] | None]:

@@ -45,6 +45,9 @@ def test_overlap_greedy_equals_reference_and_frees_blocks(tiny_model) -> None:
     st = rt.stats  # the step cadence counters (tandem_worker_decode_*)
     assert st.decode_steps > 0 and st.decode_step_rows > st.decode_steps  # several requests per step
     assert 0 < st.decode_busy_steps < st.decode_steps and st.decode_step_seconds > 0
+    # rows × step time: between the mean batch's worth (1 row) and every row (all the steps' rows)
+    assert st.decode_step_seconds < st.decode_row_seconds < st.decode_step_seconds * st.decode_step_rows
+    assert st.decode_device_idle_seconds == 0.0  # CPU: no CUDA events, nothing timed
 
 
 def test_overlap_sampling_equals_plain_loop(tiny_model) -> None:

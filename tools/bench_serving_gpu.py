@@ -129,7 +129,8 @@ SPEC_COUNTERS = ("tandem_worker_spec_verify_steps", "tandem_worker_spec_emitted_
 # the decode loop's cadence counters (docs/observability.md): steps, rows, wall and device seconds
 DECODE_COUNTERS = ("tandem_worker_decode_steps", "tandem_worker_decode_step_rows", "tandem_worker_decode_busy_steps",
                    "tandem_worker_decode_step_seconds", "tandem_worker_decode_device_busy_seconds",
-                   "tandem_worker_decode_device_wait_seconds")
+                   "tandem_worker_decode_device_wait_seconds", "tandem_worker_decode_device_idle_seconds",
+                   "tandem_worker_decode_row_seconds")
 
 
 # the decode worker's garbage collections (all generations): its pages alone carry DECODE_ONLY
@@ -175,11 +176,16 @@ def _decode_figures(before: dict[str, float], after: dict[str, float]) -> dict[s
     d = {k.removeprefix("tandem_worker_decode_"): after[k] - before[k] for k in DECODE_COUNTERS}
     if not d["steps"]:
         return {"decode_mean_batch": None, "decode_cadence_ms": None, "decode_device_ms_per_step": None,
-                "decode_host_wait_ms_per_step": None}
+                "decode_host_wait_ms_per_step": None, "decode_device_idle_ms_per_step": None,
+                "decode_row_weighted_ms": None}
     return {"decode_mean_batch": d["step_rows"] / d["steps"],
             "decode_cadence_ms": 1e3 * d["step_seconds"] / d["busy_steps"] if d["busy_steps"] else None,
             "decode_device_ms_per_step": 1e3 * d["device_busy_seconds"] / d["steps"],
-            "decode_host_wait_ms_per_step": 1e3 * d["device_wait_seconds"] / d["steps"]}
+            "decode_host_wait_ms_per_step": 1e3 * d["device_wait_seconds"] / d["steps"],
+            # the device's gaps between steps, waiting for the host (CUDA events)
+            "decode_device_idle_ms_per_step": 1e3 * d["device_idle_seconds"] / d["busy_steps"] if d["busy_steps"] else None,
+            # the time per token as a stream sees it, from the worker's side (compare the clients' TPOT)
+            "decode_row_weighted_ms": 1e3 * d["row_seconds"] / d["step_rows"] if d["step_rows"] else None}
 
 
 @contextlib.contextmanager

@@ -212,6 +212,8 @@ class WorkerStats:
     decode_step_seconds: float = 0.0  # decode: wall time between those launches (/ busy steps = the cadence)
     decode_device_wait_seconds: float = 0.0  # decode (overlap): host time spent waiting for a step's result
     decode_device_busy_seconds: float = 0.0  # decode (overlap, CUDA): device time the steps ran (CUDA events)
+    decode_device_idle_seconds: float = 0.0  # decode (overlap, CUDA): device time between a step's end and the next's start
+    decode_row_seconds: float = 0.0  # decode: sum over busy steps of rows × seconds until the next launch
     transfer_by_backend: dict[str, BackendTransferStats] = field(default_factory=dict)
 
     def backend(self, name: str) -> BackendTransferStats:

@@ -69,6 +69,13 @@ WORKER_COUNTERS: dict[str, tuple[str, str, bool]] = {
                                    "CUDA events around each step's forward and result copy, the first recorded once the "
                                    "host has planned the step (/ wall time = the device's busy share; / steps = "
                                    "the device time of a step)", False),
+    "decode_device_idle_seconds": ("tandem_worker_decode_device_idle_seconds", "decode, overlap scheduler on CUDA: "
+                                   "device seconds between a step's result copy and the next step's start (CUDA events; "
+                                   "the device waited for the host then: / busy steps = the idle gap a step leaves)",
+                                   False),
+    "decode_row_seconds": ("tandem_worker_decode_row_seconds", "decode: each busy step's requests × the seconds until "
+                           "the next launch, summed (/ step rows = the time per token a stream sees, as the clients' "
+                           "TPOT weighs a step: once per request in it)", False),
     "spec_verify_steps": ("tandem_worker_spec_verify_steps", "decode: MTP verify steps", False),
     "spec_emitted_tokens": ("tandem_worker_spec_emitted_tokens", "decode: tokens emitted by MTP verify steps "
                             "(accept length = emitted / verify steps)", False),
