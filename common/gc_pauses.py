@@ -14,14 +14,13 @@ their warm-up.
 
 `GcClock` times every collection through `gc.callbacks` (the time between its "start" and
 "stop" calls), per generation; `process_clock()` is the process's one clock, installed on first
-use, which a worker's metrics export (tandem_worker_gc_collections / _gc_seconds).
+use, which a worker's metrics install and export (tandem_worker_gc_collections / _gc_seconds).
 """
 
 from __future__ import annotations
 
 import gc
 import logging
-import threading
 import time
 
 log = logging.getLogger(__name__)
@@ -55,14 +54,14 @@ def freeze_startup_heap() -> int:
 class GcClock:
     """Collections and their seconds per generation (0, 1, 2) since `install`, from gc.callbacks.
 
-    The callback runs in whichever thread triggered the collection, with the GIL held; the
-    counters are plain lists updated under that lock and read by a scrape on another thread
-    (a read may miss the collection in progress, nothing more)."""
+    The callback runs in whichever thread triggered the collection, with the GIL held, and a
+    process runs one collection at a time, so one start time serves; the counters are plain
+    lists read by a scrape on another thread (a read may miss the collection in progress)."""
 
     def __init__(self) -> None:
         self.collections = [0, 0, 0]
         self.seconds = [0.0, 0.0, 0.0]
-        self._started: dict[int, float] = {}  # thread id -> perf_counter at "start"
+        self._began: float | None = None  # perf_counter at the running collection's "start"
         self._installed = False
 
     def install(self) -> GcClock:
@@ -77,15 +76,13 @@ class GcClock:
             self._installed = False
 
     def _callback(self, phase: str, info: dict) -> None:
-        tid = threading.get_ident()
         if phase == "start":
-            self._started[tid] = time.perf_counter()
-            return
-        began = self._started.pop(tid, None)
-        gen = min(max(int(info.get("generation", 0)), 0), 2)
-        if began is not None:
+            self._began = time.perf_counter()
+        elif self._began is not None:  # "stop" (a clock installed mid-collection skips that one)
+            gen = info["generation"]
             self.collections[gen] += 1
-            self.seconds[gen] += time.perf_counter() - began
+            self.seconds[gen] += time.perf_counter() - self._began
+            self._began = None
 
 
 _PROCESS_CLOCK: GcClock | None = None

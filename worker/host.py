@@ -23,7 +23,7 @@ from common import metrics as metrics_http
 from common import tls, tracing
 from common.block_hash import hash_seed
 from common.env import TEST_INSTANCE_ID_VAR, read_env
-from common.gc_pauses import freeze_startup_heap, process_clock
+from common.gc_pauses import freeze_startup_heap
 from common.lifecycle import install_stop_signals
 from common.grpc_server import RunningServer, advertised_host, start_server
 from common.pb.tandem.v1 import discovery_pb2, kv_events_pb2, kv_events_pb2_grpc
@@ -350,7 +350,6 @@ class WorkerRuntime:
         self.draining = False  # set on SIGTERM: new requests are refused with UNAVAILABLE
         self.in_flight = 0  # requests being served (prefill: including their transfers)
         self.prefill_queued_tokens = 0  # prompt tokens submitted for prefill here and not yet computed
-        self.gc_clock = process_clock()  # this process's collections, for the metrics
         self.metrics = WorkerMetrics(self)
         # One thread for all model work: forwards never run concurrently, the event loop
         # keeps serving RPCs, and the pool's accounting stays on the loop thread. A decode

@@ -17,6 +17,7 @@ from typing import Any, Callable, Iterator
 from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily
 
+from common.gc_pauses import process_clock
 from common.metrics import LATENCY_BUCKETS, FunctionCollector, counter, gauge
 
 # WorkerStats field -> (metric name without _total, help, labelled by transfer backend).
@@ -119,6 +120,7 @@ class WorkerMetrics:
         self.transfer_duration = Histogram(
             "tandem_worker_kv_transfer_duration_seconds", "prefill: one KV transfer, submission to completion",
             ["backend"], buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.gc_clock = process_clock()  # this process's collections (installed once per process)
         self.running_fn: Callable[[], int] | None = None
         self.prefill_channels_fn: Callable[[], int] | None = None
         self.collector = FunctionCollector(self._collect)
@@ -145,17 +147,16 @@ class WorkerMetrics:
             for key, st in per_backend.items():
                 fam.add_metric([key], getattr(st, field))
             yield fam
-        clock = getattr(rt, "gc_clock", None)
-        if clock is not None:
-            for name, doc, values in (
-                    ("tandem_worker_gc_collections", "garbage collections of this process by generation", clock.collections),
-                    ("tandem_worker_gc_seconds", "seconds this process's garbage collections took, by generation (the "
-                     "process's threads wait meanwhile: a decode step's host work is late by as much; --gc-freeze "
-                     "keeps the start-up heap out of them)", clock.seconds)):
-                fam = CounterMetricFamily(name, doc, labels=["generation"])
-                for gen, v in enumerate(values):
-                    fam.add_metric([str(gen)], v)
-                yield fam
+        for name, doc, values in (
+                ("tandem_worker_gc_collections", "garbage collections of this process by generation",
+                 self.gc_clock.collections),
+                ("tandem_worker_gc_seconds", "seconds this process's garbage collections took, by generation (the "
+                 "process's threads wait meanwhile: a decode step's host work is late by as much; --gc-freeze "
+                 "keeps the start-up heap out of them)", self.gc_clock.seconds)):
+            fam = CounterMetricFamily(name, doc, labels=["generation"])
+            for gen, v in enumerate(values):
+                fam.add_metric([str(gen)], v)
+            yield fam
         blocks = rt.pool.blocks
         total = blocks.num_blocks
         used = total - blocks.num_free
