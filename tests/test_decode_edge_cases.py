@@ -4,6 +4,7 @@ worker start-up) found by review; each test names the defect it pins."""
 from __future__ import annotations
 
 import dataclasses
+import os
 import types
 
 import pytest
@@ -204,6 +205,36 @@ def test_bench_serving_cluster_does_not_take_http_port_8000(monkeypatch, tmp_pat
         bench.serve_and_bench(tmp_path, [64], [1], 8, 50461, tmp_path, {})
     cmd = seen[0]
     assert "--http-port" in cmd and cmd[cmd.index("--http-port") + 1] in ("-1", "0"), cmd
+    sys.modules.pop("bench_serving_gpu", None)
+
+
+def test_bench_serving_prefill_device_config(monkeypatch, tmp_path) -> None:
+    """--prefill-device: a config file `tandem up --config` hands to its prefill workers, which
+    `tandem config show` reads back; a GPU this machine lacks is refused by name."""
+    import importlib
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    monkeypatch.syspath_prepend(str(root / "tools"))
+    bench = importlib.import_module("bench_serving_gpu")
+    errors = []
+    monkeypatch.delenv("TANDEM_DEVICE", raising=False)
+    path = bench.devices_config("cpu", tmp_path, errors.append)
+    assert not errors
+    env = {k: v for k, v in os.environ.items() if k != "TANDEM_DEVICE"}  # the environment outranks the file
+    shown = subprocess.run([sys.executable, "-m", "cli.main", "config", "show", "prefill", "--config", str(path)],
+                           cwd=root, capture_output=True, text=True, timeout=60, env=env)
+    assert shown.returncode == 0, shown.stderr
+    assert any(line.startswith('device = "cpu"') and line.rstrip().endswith("prefill.device")
+               for line in shown.stdout.splitlines()), shown.stdout
+    far = torch.cuda.device_count() + 1 if torch.cuda.is_available() else 1
+    bench.devices_config(f"cuda:{far}", tmp_path, errors.append)
+    assert len(errors) == 1 and f"--prefill-device cuda:{far}" in errors[0] and "CUDA device(s)" in errors[0]
+    monkeypatch.setenv("TANDEM_DEVICE", "cuda:0")  # would place the prefill workers over the file's say
+    bench.devices_config("cpu", tmp_path, errors.append)
+    assert len(errors) == 2 and "TANDEM_DEVICE" in errors[1]
     sys.modules.pop("bench_serving_gpu", None)
 
 

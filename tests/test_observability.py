@@ -167,6 +167,10 @@ def test_cluster_status_metrics_and_top(cluster, capsys):
     assert value(decode, "tandem_worker_gc_seconds_total", generation="2") > 0
     prefill = scrape(by_role["prefill"].metrics_address)
     assert value(prefill, "tandem_worker_kv_transfers_total") == 1
+    # the one prompt's forward ran on the prefill worker (its device time: wall time on a CPU)
+    assert value(prefill, "tandem_worker_prefill_forwards_total") == 1
+    assert value(prefill, "tandem_worker_prefill_device_seconds_total") > 0
+    assert value(decode, "tandem_worker_prefill_device_seconds_total") == 0
 
 
 def test_refused_decode_calls_are_retried_in_migration_spans(cluster, spans):

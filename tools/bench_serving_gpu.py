@@ -138,6 +138,21 @@ GC_COUNTERS = ("tandem_worker_gc_seconds", "tandem_worker_gc_collections")
 DECODE_ONLY = "tandem_worker_prefill_channels"  # a gauge only decode workers export
 
 
+# every worker's prefill forwards (prefill workers', and a decode worker's local ones)
+PREFILL_COUNTERS = ("tandem_worker_prefill_device_seconds", "tandem_worker_prefill_forwards")
+
+
+def _prefill_figures(before: dict[str, float], after: dict[str, float], summary: dict) -> dict[str, float | None]:
+    """The prefill forwards' device time over one bench: `prefill_device_share` of the bench's
+    duration (on one GPU shared by the workers, the share of the device the decode steps could
+    not have) and `prefill_device_ms_per_request` (per completed request)."""
+    seconds = after[PREFILL_COUNTERS[0]] - before[PREFILL_COUNTERS[0]]
+    duration, done = summary.get("duration_s"), summary.get("completed")
+    return {"prefill_device_share": seconds / duration if duration else None,
+            "prefill_device_ms_per_request": 1e3 * seconds / done if done else None,
+            "prefill_forwards": after[PREFILL_COUNTERS[1]] - before[PREFILL_COUNTERS[1]]}
+
+
 def _worker_counters(urls: list[str], names: tuple[str, ...], attempts: int = 10,
                      only_with: str | None = None) -> dict[str, float]:
     """Counters `names` (without _total) so far, summed over the processes (only a decode
@@ -300,6 +315,7 @@ def serve_and_bench(model_dir: Path, contexts: list[int], concurrencies: list[in
             spec0 = _worker_counters(metrics_urls, SPEC_COUNTERS) if spec else {}
             decode0 = _worker_counters(metrics_urls, DECODE_COUNTERS)
             gc0 = _worker_counters(metrics_urls, GC_COUNTERS, only_with=DECODE_ONLY)
+            prefill0 = _worker_counters(metrics_urls, PREFILL_COUNTERS)
             spies = {}
             if profile_s > 0 and not out:  # the first bench only: the decode worker and the router
                 steps = "tandem_worker_decode_steps"
@@ -316,6 +332,7 @@ def serve_and_bench(model_dir: Path, contexts: list[int], concurrencies: list[in
             decode1 = _worker_counters(metrics_urls, DECODE_COUNTERS)
             summary.update(_decode_figures(decode0, decode1))
             gc1 = _worker_counters(metrics_urls, GC_COUNTERS, only_with=DECODE_ONLY)
+            summary.update(_prefill_figures(prefill0, _worker_counters(metrics_urls, PREFILL_COUNTERS), summary))
             steps = decode1["tandem_worker_decode_steps"] - decode0["tandem_worker_decode_steps"]
             summary["decode_gc_collections"] = gc1[GC_COUNTERS[1]] - gc0[GC_COUNTERS[1]]
             summary["decode_gc_ms_per_step"] = (1e3 * (gc1[GC_COUNTERS[0]] - gc0[GC_COUNTERS[0]]) / steps
@@ -347,6 +364,22 @@ def serve_and_bench(model_dir: Path, contexts: list[int], concurrencies: list[in
         if after is not None:
             out["after"] = after(port)
     return out
+
+
+def devices_config(prefill_device: str, folder: Path, error: Callable[[str], Any]) -> Path:
+    """A config file for `tandem up --config` placing the prefill workers on `prefill_device`
+    (the decode worker keeps --device auto: the first GPU), written in `folder`; `error` is
+    called with a message when this machine has no such device."""
+    if os.environ.get("TANDEM_DEVICE", prefill_device) != prefill_device:
+        error(f"--prefill-device {prefill_device}: TANDEM_DEVICE={os.environ['TANDEM_DEVICE']} is set, and the "
+              "environment outranks a config file: unset it")
+    dev = torch.device(prefill_device)
+    if dev.type == "cuda" and (not torch.cuda.is_available() or (dev.index or 0) >= torch.cuda.device_count()):
+        error(f"--prefill-device {prefill_device}: this machine has "
+              f"{torch.cuda.device_count() if torch.cuda.is_available() else 0} CUDA device(s)")
+    path = folder / "bench_serving_devices.toml"
+    path.write_text(f'[prefill]\ndevice = "{prefill_device}"\n')
+    return path
 
 
 def greedy_outputs(port: int, texts: list[str], max_tokens: int) -> list[list[int]]:
@@ -510,6 +543,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--waves", type=float, default=0, help="requests per bench as a multiple of its concurrency "
                    "(1: every request arrives at once and, once all are prefilled, the decode steps run with no "
                    "prefill beside them); 0 = the default (2 × concurrency at contexts up to 2K, else 1 ×)")
+    p.add_argument("--prefill-device", default="", metavar="DEVICE",
+                   help="the prefill workers' device (e.g. cuda:1: prefill and decode on GPUs of their own, as "
+                        "disaggregated serving deploys them; written into a config file for tandem up --config); "
+                        "default: the same GPU as the decode worker")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
     if args.profile_decode_host > 0 and shutil.which("py-spy") is None:
@@ -525,6 +562,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if device.type == "cuda" and not torch.cuda.is_available():
         p.error(f"--device {args.device}: this machine has no CUDA device (torch {torch.__version__}); "
                 "run on a GPU machine, or pass --device cpu (with --smoke for a quick check)")
+    if args.prefill_device:
+        up_extra += ("--config", str(devices_config(args.prefill_device, Path(tempfile.mkdtemp(prefix="bench-serving-")),
+                                                      p.error)))
     contexts = [int(x) for x in args.contexts.split(",")]
     concs = [int(x) for x in args.concurrency.split(",")]
     doc: dict[str, Any] = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
@@ -578,7 +618,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                                "prefill_workers": args.prefill_workers, "mps": args.mps,
                                "mps_prefill_percent": args.mps_prefill_percent if args.mps else None,
                                "mps_prefill_priority": args.mps_prefill_priority if args.mps else None,
-                               **{k: s.get(k) for k in ("first_gap_ms", "steady_ms_per_token", "decoding_mean")},
+                               **{k: s.get(k) for k in ("first_gap_ms", "steady_ms_per_token", "decoding_mean",
+                                                        "prefill_device_share", "prefill_device_ms_per_request",
+                                                        "prefill_forwards")},
+                               "prefill_device": args.prefill_device or None,
                                "bound_ms_per_step": 1e3 * bound_s, "failed": s.get("failed"),
                                **{k: v for k, v in s.items() if k.startswith("decode_")},
                                **({k: s[k] for k in ("host_profile", "router_host_profile") if k in s})}
@@ -609,13 +652,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         out.write_text(json.dumps(doc, indent=1) + "\n")
     print("| config | context | concurrency | stream interval | served tok/s | served decode tok/s (c / TPOT) | "
           "in-process tok/s | served decode / in-process | worker's mean batch | transformers tok/s | bound tok/s | "
-          "in-process/bound | TPOT ms | TTFT ms |")
+          "in-process/bound | TPOT ms | TTFT ms | prefill's device share |")
     for r in doc["rows"]:
         sv, sd, ip = r["served_tok_s"] or 0.0, r["served_decode_tok_s"] or 0.0, r["inprocess_tok_s"] or 0.0
         print(f"| {r['config']} | {r['context']} | {r['concurrency']} | {r['stream_interval']} | {sv:.0f} | {sd:.0f} | "
               f"{ip:.0f} | {sd / ip if ip else 0:.2f} | {r.get('decode_mean_batch') or 0:.1f} | "
               f"{'—' if r['transformers_tok_s'] is None else format(r['transformers_tok_s'], '.0f')} | {r['bound_tok_s']:.0f} | "
-              f"{ip / r['bound_tok_s']:.2f} | {r['tpot_ms'] or 0:.2f} | {r['mean_ttft_ms'] or 0:.0f} |")
+              f"{ip / r['bound_tok_s']:.2f} | {r['tpot_ms'] or 0:.2f} | {r['mean_ttft_ms'] or 0:.0f} | "
+              f"{r.get('prefill_device_share') or 0:.2f} |")
     if doc.get("mtp"):
         print("| k | concurrency | tokens/s per user | × k = 0 | accept length | TPOT ms | identical outputs (tokens) vs k = 0 |")
         for r in doc["mtp"]:

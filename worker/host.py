@@ -32,6 +32,7 @@ from discovery.endpoints import check_etcd_tls
 from worker.kv_event_service import KvEventServicer
 from engine.capacity import (device_memory_bytes, format_bytes, graph_reserve_bytes, module_bytes,
                              pool_blocks_from_memory)
+from engine.device_clock import ForwardClock
 from engine.kv_events import KvEventLog
 from engine.chunking import ChunkPlanner, make_planner, profile_lengths
 from engine.kv_pool import KV_CACHE_DTYPES, KvPool, KvPoolConfig, PoolExhausted, PromptBlocks, kv_cache_torch_dtype
@@ -357,11 +358,13 @@ class WorkerRuntime:
         # decode steps (worker/model_lane.py).
         self._model_lane = ModelLane("model", self.device)
         self._prefill_lane: ModelLane | None = None
-        run_prefill, forward = self.run_model, self._prefill_forward
+        # the prefill forwards' device time (tandem_worker_prefill_device_seconds_total), timed
+        # on the stream each runs on
+        self.prefill_clock = ForwardClock(self.device)
+        run_prefill, forward = self.run_model, self.prefill_clock.wrap(self._prefill_forward)
         if role == discovery_pb2.ROLE_DECODE and self.device.type == "cuda" and engine is None:
             self._prefill_lane = ModelLane("prefill", self.device)
-            run_prefill, forward = self._prefill_lane.run, StreamForward(self._prefill_forward, self.device,
-                                                                         opts.prefill_sm_count)
+            run_prefill, forward = self._prefill_lane.run, StreamForward(forward, self.device, opts.prefill_sm_count)
         # Every single-process prefill (remote RPCs, local and re-prefills) goes through one
         # batcher, so concurrent prompts share forwards. The EP engine has no batched call:
         # its chunks run one per forward, through the same queue.

@@ -157,6 +157,12 @@ class WorkerMetrics:
             for gen, v in enumerate(values):
                 fam.add_metric([str(gen)], v)
             yield fam
+        clock = getattr(rt, "prefill_clock", None)
+        if clock is not None:
+            yield counter("tandem_worker_prefill_device_seconds", "device seconds of this worker's prefill forwards "
+                          "(CUDA events around each forward on its stream; wall time on a CPU). / wall time = "
+                          "the share of the device prefill took: on a GPU shared with a decode worker, time "
+                          "its decode steps could not have", clock.seconds())
         blocks = rt.pool.blocks
         total = blocks.num_blocks
         used = total - blocks.num_free
