@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from engine.kernels.fused import use_fused_projections
-from engine.kernels.fused_moe import fused_experts_reference, shared_chunks
+from engine.kernels.fused_moe import fused_experts, fused_experts_reference, shared_chunks
 from engine.kernels.grouped_experts import use_grouped_experts, warm_up_fused_experts
-from engine.kernels.moe_router import kernel_applies, route_with_shared, route_with_shared_reference
+from engine.kernels.moe_router import kernel_applies, route_grouped, route_with_shared, route_with_shared_reference
 from engine.model import (HOT, MLAttention, MoE, add_rms_norm, apply_rope, build_model, rms_norm, rope_latent,
                           route, slot_sum)
 
@@ -221,6 +221,49 @@ def test_route_kernel_matches_reference(tiny_model, experts, k, groups, topk_gro
             few = route_with_shared(x[lo:lo + 3], moe.gate.weight, moe.gate.e_score_correction_bias, c, shared,
                                     tiles=None if default else other_tiles)
             assert torch.equal(few[0], ids[lo:lo + 3]) and torch.equal(few[1], w[lo:lo + 3]), (t, lo)
+
+
+@cuda
+@pytest.mark.parametrize("experts,k,groups,topk_group,shared,hidden", [
+    (64, 6, 1, 1, 2, 2048),  # config M (a split gate GEMM: partials up to 256 tokens, then in the program)
+    (32, 4, 4, 2, 1, 1024),  # config S: group-limited
+    (256, 8, 8, 4, 1, 512),  # DeepSeek-V3's gate shape
+])
+def test_route_grouped_lists_each_experts_pairs_and_the_kernels_give_the_sorts_bits(
+        tiny_model, experts, k, groups, topk_group, shared, hidden) -> None:
+    """route_grouped: the same ids and weights as route_with_shared, bit for bit, and each
+    expert's pairs listed once (in any order); fused_experts on those lists (no sort) gives the
+    sorted path's result bit for bit, per slot and summed, at decode and MTP-verify sizes."""
+    c = _config(tiny_model, n_routed_experts=experts, num_experts_per_tok=k, n_group=groups,
+                topk_group=topk_group, n_shared_experts=shared, hidden_size=hidden, moe_intermediate_size=64)
+    model = build_model(c, seed=4, dtype=torch.bfloat16, device="cuda")
+    use_grouped_experts(model)
+    moe = _moe(model)
+    g = moe.grouped
+    for t in (2, 7, 64, 256, 300, 1024):
+        x = torch.randn(t, hidden, device="cuda", dtype=torch.bfloat16)
+        ids, w, (rows, counts) = route_grouped(x, moe.gate.weight, moe.gate.e_score_correction_bias, c, g.num_shared)
+        want_ids, want_w = route_with_shared(x, moe.gate.weight, moe.gate.e_score_correction_bias, c, g.num_shared)
+        assert torch.equal(ids, want_ids) and torch.equal(w, want_w), t
+        flat = ids.reshape(-1)
+        assert int(counts.sum()) == t * k, t
+        for e in range(experts):
+            listed = torch.sort(rows[e, :int(counts[e])]).values
+            assert torch.equal(listed, torch.nonzero(flat == e)[:, 0].to(torch.int32)), (t, e)
+        for sum_slots in (False, True):
+            sorted_path = fused_experts(x, ids, w, g.gate_up, g.down, shared=g.shared, sum_slots=sum_slots)
+            listed_path = fused_experts(x, ids, w, g.gate_up, g.down, shared=g.shared, sum_slots=sum_slots,
+                                        expert_rows=(rows, counts))
+            assert torch.equal(sorted_path, listed_path), (t, sum_slots)
+        # and through the layer's own call (what a decode step runs), in a CUDA graph
+        eager = g.forward_gated(x, moe.gate, with_shared=True, sum_slots=False)
+        assert torch.equal(eager, fused_experts(x, ids, w, g.gate_up, g.down, shared=g.shared, sum_slots=False)), t
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            replayed = g.forward_gated(x, moe.gate, with_shared=True, sum_slots=False)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(replayed, eager), t
 
 
 @cuda

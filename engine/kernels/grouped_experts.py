@@ -15,8 +15,9 @@ the same computation runs in torch (`fused_moe.fused_experts_reference`).
 In forwards of up to SHARED_IN_KERNEL_MAX_TOKENS tokens (every decode step) the shared experts
 run in the same launches, as S more experts read in place from the shared MLP's own weights (S = the shared MLP's intermediate ÷ the routed experts'), each token's
 shared slots appended after its routed ones by the routing kernel
-(engine/kernels/moe_router.py): one MoE layer of a decode step is then the routing kernel, the
-pairs' sort (none for a single token: a block per pair), the two GEMM kernels and the sum over slots, where the shared MLP alone took four
+(engine/kernels/moe_router.py): one MoE layer of a decode step is then the routing kernel (which
+also lists each expert's pairs, `route_grouped`, so no sort runs; for a single token a block per
+pair), the two GEMM kernels and the sum over slots, where the shared MLP alone took four
 launches (gate, up, SwiGLU, down) and routing about six.
 
 Reference: `engine.model.MoE.experts_forward`'s loop over experts plus `MoE.shared_experts`
@@ -29,7 +30,7 @@ from __future__ import annotations
 import torch
 
 from engine.kernels.fused_moe import fused_experts, fused_experts_reference, shared_chunks
-from engine.kernels.moe_router import SPLIT_PARTIALS_MAX_TOKENS, route_with_shared
+from engine.kernels.moe_router import SPLIT_PARTIALS_MAX_TOKENS, route_grouped, route_with_shared
 
 
 class GroupedExperts:
@@ -97,6 +98,11 @@ class GroupedExperts:
     # kernel's tiles, not by launches. A decode step's rows (batch × (1 + MTP drafts)) stay
     # below it up to --max-running 256 with k = 3 drafts; a larger one takes the GEMMs too.
     SHARED_IN_KERNEL_MAX_TOKENS = 1024
+    # Forwards of 2 to this many tokens (every decode step, MTP verify steps up to --max-running
+    # 256 with k = 3) take the routing kernel's per-expert pair lists (`route_grouped`) instead
+    # of the sort before the fused kernels (`fused_moe.align_triton`: one program, 17 us a layer
+    # at batch 64 of config M on an H200, longer with more pairs). A token alone needs neither.
+    EXPERT_ROWS_MAX_TOKENS = 1024
 
     def forward_gated(self, x: torch.Tensor, gate: torch.nn.Module, with_shared: bool,
                       sum_slots: bool = True) -> torch.Tensor:
@@ -104,9 +110,16 @@ class GroupedExperts:
         (the engine.model.TopkRouter), plus the shared experts in the same launches when
         with_shared (which needs `shared`): one routing launch and the fused experts' launches.
         [T, hidden] in x's dtype, or per slot with sum_slots=False (as `forward`)."""
-        ids, weights = route_with_shared(x, gate.weight, gate.e_score_correction_bias, gate.c,
-                                         self.num_shared if with_shared else 0)
-        return self.forward(x, ids, weights, sum_slots)
+        num_shared = self.num_shared if with_shared else 0
+        if not (x.is_cuda and 1 < x.shape[0] <= self.EXPERT_ROWS_MAX_TOKENS and num_shared == self.num_shared):
+            ids, weights = route_with_shared(x, gate.weight, gate.e_score_correction_bias, gate.c, num_shared)
+            return self.forward(x, ids, weights, sum_slots)
+        # the routing kernel lists each expert's pairs as it routes them: the fused kernels need no sort
+        ids, weights, rows = route_grouped(x, gate.weight, gate.e_score_correction_bias, gate.c, num_shared)
+        if rows is None:  # a gate the routing kernel does not run (its torch twin routed): the sort
+            return self.forward(x, ids, weights, sum_slots)
+        return fused_experts(x, ids, weights, self.gate_up, self.down, shared=self.shared, sum_slots=sum_slots,
+                             expert_rows=rows)
 
 def use_grouped_experts(model: torch.nn.Module) -> int:
     """Switch every MoE layer of model to the grouped forward; returns the number switched.
@@ -140,7 +153,8 @@ def warm_up_token_counts(num_experts: int, top_k: int) -> list[int]:
 def warm_up_fused_experts(model: torch.nn.Module) -> int:
     """Run one MoE layer's routing kernel (with and without the shared slots), its shared MLP on
     its own, and its routed experts at one token (the kernels' block-per-pair form) and at
-    `warm_up_token_counts` (random inputs and routing), compiling the Triton kernels of every
+    `warm_up_token_counts` (random inputs and routing; up to EXPERT_ROWS_MAX_TOKENS also routed by
+    the layer's gate, the form without the sort), compiling the Triton kernels of every
     BLOCK_M before a request needs them (several seconds
     in all, which would otherwise land on the first requests' TTFT). Returns the number of calls
     (0 without a grouped MoE layer)."""
@@ -169,4 +183,8 @@ def warm_up_fused_experts(model: torch.nn.Module) -> int:
         x = torch.randn(t, g.gate_up.shape[2], device=g.gate_up.device, dtype=g.gate_up.dtype, generator=gen)
         ids = torch.randint(0, experts, (t, slots), device=x.device, generator=gen)
         g.forward(x, ids, torch.ones(ids.shape, device=x.device))
+        # a decode step's form, the routing kernel's pair lists (not an expert-parallel rank's
+        # local experts: their layer routes over every rank's)
+        if 1 < t <= g.EXPERT_ROWS_MAX_TOKENS and moe.grouped is g:
+            g.forward_gated(x, moe.gate, with_shared=g.num_shared > 0)
     return len(counts)

@@ -85,7 +85,7 @@ if triton is not None:
                       TOPK_GROUP: tl.constexpr, TOP_K: tl.constexpr, N_SHARED: tl.constexpr,
                       BLOCK_SLOTS: tl.constexpr, NORM: tl.constexpr, BLOCK_T: tl.constexpr,
                       BLOCK_K: tl.constexpr, IEEE: tl.constexpr, SPLIT: tl.constexpr, K_SPLIT,
-                      PARTIALS: tl.constexpr):
+                      PARTIALS: tl.constexpr, rows_ptr, counts_ptr, GROUP: tl.constexpr):
         offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
         offs_e = tl.arange(0, BLOCK_E)
         tmask = offs_t < T
@@ -136,6 +136,9 @@ if triton is not None:
             slot_ids = tl.where(here, ei[:, None].to(tl.int64), slot_ids)
             slot_w = tl.where(here, wi[:, None], slot_w)
             total += wi
+            if GROUP:  # the pair (token, slot i) into its expert's rows, at the next free place
+                place = tl.atomic_add(counts_ptr + ei, tl.full((BLOCK_T,), 1, tl.int32), mask=tmask)
+                tl.store(rows_ptr + ei.to(tl.int64) * T + place, (offs_t * stride_o + i).to(tl.int32), mask=tmask)
         if NORM:
             slot_w = slot_w / (total[:, None] + 1e-20)
         slot_w = slot_w * scale
@@ -198,8 +201,34 @@ def route_with_shared(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Te
     `kernel_applies` (no host sync: CUDA graph safe), the reference elsewhere. tiles: (BLOCK_K,
     num_warps, num_stages, SPLIT) instead of `default_tiles` (tuning). Raises ValueError for a
     SPLIT below 0."""
+    ids, weights, _ = _route(x, gate_weight, bias, c, num_shared, tiles, group=False)
+    return ids, weights
+
+
+def route_grouped(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor, c, num_shared: int,
+                  tiles: tuple[int, int, int, int] | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+    """`route_with_shared`, and where the kernel runs also each routed expert's pairs, for the
+    fused MoE kernels to take without a sort (`fused_moe.fused_experts(expert_rows=...)`):
+
+    rows [E, T] int32: rows[e, :counts[e]] are the flat pair indices (token × slots + slot) whose
+        slot chose expert e, in no particular order (each pair takes its place with an atomic
+        add: which pair lands first varies between runs, but the fused kernels compute every
+        pair's row alone, so the results do not); the rest is unwritten;
+    counts [E] int32: pairs per expert (one more launch: they start from zero).
+
+    The shared experts' slots are not listed (every token has them: the fused kernels read them
+    from the slot layout). Returns (ids, weights, (rows, counts)), or (ids, weights, None) where
+    the kernel does not run."""
+    return _route(x, gate_weight, bias, c, num_shared, tiles, group=True)
+
+
+def _route(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor, c, num_shared: int,
+           tiles: tuple[int, int, int, int] | None, group: bool
+           ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+    """The routing of `route_with_shared` / `route_grouped` (group: also the experts' rows)."""
     if not kernel_applies(x, c):
-        return route_with_shared_reference(x, gate_weight, bias, c, num_shared)
+        return (*route_with_shared_reference(x, gate_weight, bias, c, num_shared), None)
     if x.dtype != gate_weight.dtype:
         x = x.to(gate_weight.dtype)
     t, hidden = x.shape
@@ -209,8 +238,10 @@ def route_with_shared(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Te
     slots = k + num_shared
     ids = torch.empty(t, slots, dtype=torch.int64, device=x.device)
     weights = torch.empty(t, slots, dtype=torch.float32, device=x.device)
+    grouped = (torch.empty(e, t, dtype=torch.int32, device=x.device),
+               torch.zeros(e, dtype=torch.int32, device=x.device)) if group else None
     if t == 0:
-        return ids, weights
+        return ids, weights, grouped
     block_e = max(16, triton.next_power_of_2(e))
     block_k, warps, stages, split = tiles or default_tiles(block_e)
     if split < 0:
@@ -232,5 +263,6 @@ def route_with_shared(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Te
         TOPK_GROUP=c.topk_group, TOP_K=k, N_SHARED=num_shared,
         BLOCK_SLOTS=max(2, triton.next_power_of_2(slots)), NORM=bool(c.norm_topk_prob),
         BLOCK_T=BLOCK_T, BLOCK_K=block_k, IEEE=ieee, SPLIT=split, K_SPLIT=k_split, PARTIALS=partials,
+        rows_ptr=grouped[0] if group else ids, counts_ptr=grouped[1] if group else ids, GROUP=group,
         num_warps=warps, num_stages=stages)
-    return ids, weights
+    return ids, weights, grouped
