@@ -12,6 +12,7 @@ synchronous and its wall time is the device time.
 from __future__ import annotations
 
 import collections
+import logging
 import threading
 import time
 from typing import Any, Callable, TypeVar
@@ -19,6 +20,7 @@ from typing import Any, Callable, TypeVar
 import torch
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 
 class ForwardClock:
@@ -41,33 +43,52 @@ class ForwardClock:
         self._lock = threading.Lock()
 
     def timed(self, fn: Callable[..., T], *args: Any) -> T:
-        """fn(*args), its device time counted (CUDA: the current stream's events around it)."""
+        """fn(*args), its device time counted once it returns (CUDA: the current stream's events
+        around it). A call that raises is not counted (its events could not be trusted)."""
         if not self.cuda:
             began = time.perf_counter()
-            try:
-                return fn(*args)
-            finally:
-                with self._lock:
-                    self._seconds += time.perf_counter() - began
-        start = torch.cuda.Event(enable_timing=True)
-        end = torch.cuda.Event(enable_timing=True)
-        stream = torch.cuda.current_stream(self.device)
-        start.record(stream)
-        try:
-            return fn(*args)
-        finally:
-            end.record(stream)
+            out = fn(*args)
             with self._lock:
+                self._seconds += time.perf_counter() - began
+            return out
+        stream = torch.cuda.current_stream(self.device)
+        start = self._record(stream)
+        out = fn(*args)
+        end = self._record(stream) if start is not None else None
+        with self._lock:
+            if end is not None:
                 self._pending.append((start, end))
+            self._drain()  # here too: with no scrape (metrics off) the events must not pile up
+        return out
+
+    def _record(self, stream: Any) -> Any:
+        """A timing event recorded on `stream`, or None once recording failed (a stream of a
+        green context, --prefill-sm-count, may refuse an event of the primary context): the
+        clock then stops counting rather than fail the forwards it times."""
+        if not self.cuda:
+            return None
+        try:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record(stream)
+            return event
+        except RuntimeError as exc:
+            log.warning("prefill device time not counted from here on: recording a CUDA event failed (%s)", exc)
+            self.cuda = False
+            self._seconds = float("nan")
+            return None
 
     def wrap(self, fn: Callable[..., T]) -> Callable[..., T]:
         """fn with every call `timed`."""
         return lambda *args: self.timed(fn, *args)
 
     def seconds(self) -> float:
-        """Device seconds of the calls finished on the device so far."""
+        """Device seconds of the calls finished on the device so far (NaN once recording failed)."""
         with self._lock:
-            while self._pending and self._pending[0][1].query():
-                start, end = self._pending.popleft()
-                self._seconds += start.elapsed_time(end) / 1e3
+            self._drain()
             return self._seconds
+
+    def _drain(self) -> None:
+        """Add the calls whose end event has completed (the lock held; one stream: in order)."""
+        while self._pending and self._pending[0][1].query():
+            start, end = self._pending.popleft()
+            self._seconds += start.elapsed_time(end) / 1e3

@@ -373,7 +373,12 @@ def devices_config(prefill_device: str, folder: Path, error: Callable[[str], Any
     if os.environ.get("TANDEM_DEVICE", prefill_device) != prefill_device:
         error(f"--prefill-device {prefill_device}: TANDEM_DEVICE={os.environ['TANDEM_DEVICE']} is set, and the "
               "environment outranks a config file: unset it")
-    dev = torch.device(prefill_device)
+    if os.environ.get("TANDEM_CONFIG"):
+        error(f"--prefill-device {prefill_device}: TANDEM_CONFIG is set; the bench passes a config file of its own")
+    try:
+        dev = torch.device(prefill_device)
+    except RuntimeError as exc:
+        return error(f"--prefill-device {prefill_device}: {exc}")
     if dev.type == "cuda" and (not torch.cuda.is_available() or (dev.index or 0) >= torch.cuda.device_count()):
         error(f"--prefill-device {prefill_device}: this machine has "
               f"{torch.cuda.device_count() if torch.cuda.is_available() else 0} CUDA device(s)")

@@ -19,11 +19,11 @@ A forward of one token (a decode step at batch 1) skips the sort: its k pairs ha
 experts, so the kernels take block b = pair b alone, its expert read from the routing ids
 (`PAIR_BLOCKS`), one launch fewer per layer with the same result bits. Forwards of up to a
 thousand tokens (decode steps) skip it too: the routing kernel lists each expert's pairs as it
-routes them (`moe_router.route_grouped`, an atomic add per pair), and block b is tile
-b % ceil(T / BLOCK_M) of expert b // ceil(T / BLOCK_M) (`EXPERT_BLOCKS`; an expert has each token
-once at most, so that many tiles hold it; a tile past its count exits at once). The sort's
-single program took 17 us a MoE layer at batch 64 of the 16B config on an H200; the lists cost
-a zeroed counter array. Same tiles, same rows: the same result bits as the sorted blocks.
+routes them (`moe_router.route_grouped`, an atomic add per pair), and each block finds its
+expert and tile from a prefix sum of the experts' counts (`EXPERT_BLOCKS`: the same blocks in
+the same order as align's, the same grid). The sort's single program took 17 us a MoE layer at
+batch 64 of the 16B config on an H200; the lists cost a zeroed counter array, and each block
+a read of the E counts. Same tiles, same rows: the same result bits as the sorted blocks.
 
 No host sync: the padded sizes are upper bounds known from the shapes, so the layer can be
 captured in a CUDA graph. The design is that of the fused MoE kernels of SGLang and vLLM
@@ -146,41 +146,52 @@ if triton is not None:
             seen_s += tl.sum(oh_s, axis=0)
 
     @triton.jit
-    def _block(rows_ptr, bexp_ptr, pid_m, P, E, E_ROUTED, TOKENS, MT, SLOTS,
-               BLOCK_M: tl.constexpr, PAIR_BLOCKS: tl.constexpr, EXPERT_BLOCKS: tl.constexpr):
+    def _block(rows_ptr, bexp_ptr, pid_m, P, E, E_ROUTED, TOKENS, SLOTS,
+               BLOCK_M: tl.constexpr, PAIR_BLOCKS: tl.constexpr, EXPERT_BLOCKS: tl.constexpr,
+               BLOCK_E: tl.constexpr):
         """(expert, rows [BLOCK_M]) of block pid_m: from `align`'s output, or with PAIR_BLOCKS
         (one token: its pairs have distinct experts) block b is pair b alone, its expert read
         from the ids themselves (bexp_ptr: the flat int64 ids; no align launch), or with
-        EXPERT_BLOCKS block b is tile b % MT of expert b // MT: a routed expert's rows from the
-        routing kernel's lists (rows_ptr [E_ROUTED, TOKENS], bexp_ptr its counts; expert E, which
-        exits, for a tile past the count), shared chunk j's the tokens' slot SLOTS - (E - E_ROUTED)
-        + j (the routing kernel appends them last). Padding rows = P."""
+        EXPERT_BLOCKS from the routing kernel's lists (rows_ptr [E_ROUTED, TOKENS], bexp_ptr
+        their counts): the blocks in align's order, each routed expert's ceil(count / BLOCK_M)
+        tiles in expert order (the program finds its own from a prefix sum of the counts), then
+        each shared chunk's tiles over every token (chunk j is the tokens' slot SLOTS - (E -
+        E_ROUTED) + j: the routing kernel appends them last); expert E (exit) past them.
+        Padding rows = P."""
         if PAIR_BLOCKS:
             e = tl.load(bexp_ptr + pid_m).to(tl.int32)
             rows = tl.where(tl.arange(0, BLOCK_M) == 0, pid_m, P)
         elif EXPERT_BLOCKS:
-            e = pid_m // MT
-            idx = (pid_m % MT) * BLOCK_M + tl.arange(0, BLOCK_M)
-            if e < E_ROUTED:
-                count = tl.load(bexp_ptr + e)
+            offs_e = tl.arange(0, BLOCK_E)
+            counts = tl.minimum(tl.load(bexp_ptr + offs_e, mask=offs_e < E_ROUTED, other=0), TOKENS)
+            tiles = (counts + BLOCK_M - 1) // BLOCK_M
+            ends = tl.cumsum(tiles, 0)  # each routed expert's last tile + 1
+            if pid_m < tl.sum(tiles, 0):
+                e = tl.sum((ends <= pid_m).to(tl.int32), 0)
+                mine = offs_e == e
+                idx = (pid_m - tl.sum(tl.where(mine, ends - tiles, 0), 0)) * BLOCK_M + tl.arange(0, BLOCK_M)
+                count = tl.sum(tl.where(mine, counts, 0), 0)
                 rows = tl.load(rows_ptr + e.to(tl.int64) * TOKENS + idx, mask=idx < count, other=P)
-                e = tl.where((pid_m % MT) * BLOCK_M < count, e, E)
-            else:
+            else:  # the shared chunks' tiles (past the last one: e >= E, the block exits)
+                per = (TOKENS + BLOCK_M - 1) // BLOCK_M
+                b = pid_m - tl.sum(tiles, 0)
+                e = E_ROUTED + b // per
+                idx = (b % per) * BLOCK_M + tl.arange(0, BLOCK_M)
                 rows = tl.where(idx < TOKENS, idx * SLOTS + SLOTS - E + e, P)
         else:
             e = tl.load(bexp_ptr + pid_m)
             rows = tl.load(rows_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
         return e, rows
 
-    @triton.jit(do_not_specialize=["P", "TOKENS", "MT"])
+    @triton.jit(do_not_specialize=["P", "TOKENS"])
     def _gate_up_kernel(x_ptr, w_ptr, sg_ptr, su_ptr, out_ptr, rows_ptr, bexp_ptr, P, E, E_ROUTED, K, I, TOP_K,
-                        stride_x, stride_we, stride_wn, stride_s, stride_o, TOKENS, MT,
+                        stride_x, stride_we, stride_wn, stride_s, stride_o, TOKENS,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        PAIR_BLOCKS: tl.constexpr, EXPERT_BLOCKS: tl.constexpr):
+                        PAIR_BLOCKS: tl.constexpr, EXPERT_BLOCKS: tl.constexpr, BLOCK_E: tl.constexpr):
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
-        e, rows = _block(rows_ptr, bexp_ptr, pid_m, P, E, E_ROUTED, TOKENS, MT, TOP_K, BLOCK_M, PAIR_BLOCKS,
-                         EXPERT_BLOCKS)
+        e, rows = _block(rows_ptr, bexp_ptr, pid_m, P, E, E_ROUTED, TOKENS, TOP_K, BLOCK_M, PAIR_BLOCKS,
+                         EXPERT_BLOCKS, BLOCK_E)
         if (e >= E) | (e < 0):  # past the last used block, or a pair with no expert (-1)
             return
         valid = rows < P
@@ -215,15 +226,15 @@ if triton is not None:
         o_ptrs = out_ptr + rows[:, None].to(tl.int64) * stride_o + offs_n[None, :]
         tl.store(o_ptrs, h.to(out_ptr.dtype.element_ty), mask=valid[:, None] & nmask[None, :])
 
-    @triton.jit(do_not_specialize=["P", "TOKENS", "MT"])
+    @triton.jit(do_not_specialize=["P", "TOKENS"])
     def _down_kernel(h_ptr, w_ptr, sd_ptr, out_ptr, rows_ptr, bexp_ptr, scale_ptr, P, E, E_ROUTED, K, N,
-                     stride_h, stride_we, stride_wn, stride_sd, stride_o, TOKENS, MT, SLOTS,
+                     stride_h, stride_we, stride_wn, stride_sd, stride_o, TOKENS, SLOTS,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     PAIR_BLOCKS: tl.constexpr, EXPERT_BLOCKS: tl.constexpr):
+                     PAIR_BLOCKS: tl.constexpr, EXPERT_BLOCKS: tl.constexpr, BLOCK_E: tl.constexpr):
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
-        e, rows = _block(rows_ptr, bexp_ptr, pid_m, P, E, E_ROUTED, TOKENS, MT, SLOTS, BLOCK_M, PAIR_BLOCKS,
-                         EXPERT_BLOCKS)
+        e, rows = _block(rows_ptr, bexp_ptr, pid_m, P, E, E_ROUTED, TOKENS, SLOTS, BLOCK_M, PAIR_BLOCKS,
+                         EXPERT_BLOCKS, BLOCK_E)
         if (e >= E) | (e < 0):
             return
         valid = rows < P
@@ -328,11 +339,11 @@ def fused_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gat
         pairs_hint: the pairs expected to have an expert, for the tile size (`block_m_for`);
             default all T × k (an EP rank passes its share: most of its slots are -1).
         expert_rows: (rows [E, T] int32, counts [E] int32) from `moe_router.route_grouped`: each
-            routed expert's pairs, so that no sort runs (one launch fewer per layer); block b
-            is then tile b % ceil(T / BLOCK_M) of expert b // ceil(T / BLOCK_M) (a tile past the
-            expert's count exits at once), the S shared chunks being the ids' last S slots of
-            every token. Each pair's row is computed by the same tiles as with the sort, so the
-            result is the same, bit for bit. Not with no_expert.
+            routed expert's pairs, so that no sort runs; the blocks are align's (each expert's
+            tiles in expert order, found by each block from a prefix sum of the counts), the S
+            shared chunks being the ids' last S slots of every token. Each pair's row is
+            computed by the same tiles as with the sort, so the result is the same, bit for
+            bit. Not with no_expert.
     Returns:
         [T, hidden] in x's dtype: sum over k of weight × expert(x), the sum in float32 in slot order.
     Raises:
@@ -353,19 +364,19 @@ def fused_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gat
     bm = block_m_for(p if pairs_hint is None else pairs_hint, e_all)
     bm, bn, bk, warps, stages = tiles or (bm, *TILES[bm])
     flat = ids.reshape(-1).contiguous()
+    block_e = max(16, triton.next_power_of_2(e))  # the routed experts' counts, read whole by each block
     if expert_rows is not None and no_expert:
         raise ValueError("fused_experts: expert_rows lists routed pairs; ids with -1 (no_expert) need the sort")
     # one token (a decode step at batch 1): its k pairs have k distinct experts, so a block per
     # pair reads each expert's weights once, as align's blocks would, without align's launch
     pair_blocks = t == 1
     expert_blocks = expert_rows is not None and not pair_blocks
-    mt = triton.cdiv(t, bm)  # tiles per expert with expert_rows (an expert has each token once at most)
     if pair_blocks:
         rows = bexp = flat  # the ids are the blocks' experts; rows unread (block b = pair b)
         nb = p
-    elif expert_blocks:
+    elif expert_blocks:  # align's bound on the blocks: every expert's tiles, at most one part-filled
         rows, bexp = expert_rows
-        nb = e_all * mt
+        nb = -(-(p + min(e_all, p) * (bm - 1)) // bm)
     else:
         rows, bexp = (align_triton(flat, e, bm, n_shared) if p <= ALIGN_ONE_PROGRAM_MAX_PAIRS
                       else align(flat, e_all, bm))
@@ -374,14 +385,14 @@ def fused_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gat
     _gate_up_kernel[(nb, triton.cdiv(inter, bn))](
         x, gate_up, sg, su, h, rows, bexp, p, e_all, e, hidden, inter, k,
         x.stride(0), gate_up.stride(0), gate_up.stride(1), sg.stride(0) if shared is not None else 0, h.stride(0),
-        t, mt, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, PAIR_BLOCKS=pair_blocks, EXPERT_BLOCKS=expert_blocks,
-        num_warps=warps, num_stages=stages)
+        t, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, PAIR_BLOCKS=pair_blocks, EXPERT_BLOCKS=expert_blocks,
+        BLOCK_E=block_e, num_warps=warps, num_stages=stages)
     y = (torch.zeros if no_expert else torch.empty)((p, hidden), dtype=torch.float32, device=x.device)
     _down_kernel[(nb, triton.cdiv(hidden, bn))](
         h, down, sd, y, rows, bexp, weights.reshape(-1).float(), p, e_all, e, inter, hidden,
         h.stride(0), down.stride(0), down.stride(1), sd.stride(0) if shared is not None else 0, y.stride(0),
-        t, mt, k, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, PAIR_BLOCKS=pair_blocks, EXPERT_BLOCKS=expert_blocks,
-        num_warps=warps, num_stages=stages)
+        t, k, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, PAIR_BLOCKS=pair_blocks, EXPERT_BLOCKS=expert_blocks,
+        BLOCK_E=block_e, num_warps=warps, num_stages=stages)
     return _slot_result(y.view(t, k, hidden), x.dtype, sum_slots)
 
 

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.kernels.fused_moe import fused_experts, fused_experts_reference, shared_chunks
+from engine.kernels.fused_moe import block_m_for, fused_experts, fused_experts_reference, shared_chunks
 from engine.kernels.moe_router import SPLIT_PARTIALS_MAX_TOKENS, route_grouped, route_with_shared
 
 
@@ -183,8 +183,10 @@ def warm_up_fused_experts(model: torch.nn.Module) -> int:
         x = torch.randn(t, g.gate_up.shape[2], device=g.gate_up.device, dtype=g.gate_up.dtype, generator=gen)
         ids = torch.randint(0, experts, (t, slots), device=x.device, generator=gen)
         g.forward(x, ids, torch.ones(ids.shape, device=x.device))
-        # a decode step's form, the routing kernel's pair lists (not an expert-parallel rank's
-        # local experts: their layer routes over every rank's)
-        if 1 < t <= g.EXPERT_ROWS_MAX_TOKENS and moe.grouped is g:
-            g.forward_gated(x, moe.gate, with_shared=g.num_shared > 0)
+        # a decode step's form, the routing kernel's pair lists, at this BLOCK_M wherever a forward
+        # of up to EXPERT_ROWS_MAX_TOKENS reaches it (not an expert-parallel rank's local experts:
+        # their layer routes over every rank's)
+        listed = min(t, g.EXPERT_ROWS_MAX_TOKENS)
+        if 1 < listed and moe.grouped is g and block_m_for(listed * slots, experts) == block_m_for(t * slots, experts):
+            g.forward_gated(x[:listed], moe.gate, with_shared=g.num_shared > 0)
     return len(counts)

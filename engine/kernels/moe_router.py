@@ -106,7 +106,12 @@ if triton is not None:
                                       BLOCK_T, BLOCK_E, BLOCK_K, IEEE)
         scores = tl.sigmoid(acc)  # [BT, BE]
         bias = tl.load(bias_ptr + offs_e, mask=emask, other=0.0)
-        choice = tl.where(emask[None, :], scores + bias[None, :], float("-inf"))
+        choice = scores + bias[None, :]
+        # a token whose hidden state holds a NaN: its choices below every real one, so that its
+        # k picks are still k distinct experts < E (argmax has no NaN order: it would pick one
+        # expert k times, or a padding column, and the pair lists assume neither)
+        choice = tl.where(choice == choice, choice, -1.0e38)  # two of them still sum to a finite group score
+        choice = tl.where(emask[None, :], choice, float("-inf"))
         if TOPK_GROUP < G:  # keep the topk_group groups whose two best choices sum highest
             EG: tl.constexpr = BLOCK_E // G  # BLOCK_E == E here (the wrapper checks)
             c3 = tl.reshape(choice, (BLOCK_T, G, EG))
@@ -137,8 +142,10 @@ if triton is not None:
             slot_w = tl.where(here, wi[:, None], slot_w)
             total += wi
             if GROUP:  # the pair (token, slot i) into its expert's rows, at the next free place
-                place = tl.atomic_add(counts_ptr + ei, tl.full((BLOCK_T,), 1, tl.int32), mask=tmask)
-                tl.store(rows_ptr + ei.to(tl.int64) * T + place, (offs_t * stride_o + i).to(tl.int32), mask=tmask)
+                ok = tmask & (ei < E)  # always (distinct experts < E, above): bounds kept regardless
+                place = tl.atomic_add(counts_ptr + ei, tl.full((BLOCK_T,), 1, tl.int32), mask=ok, sem="relaxed")
+                tl.store(rows_ptr + ei.to(tl.int64) * T + place, (offs_t * stride_o + i).to(tl.int32),
+                         mask=ok & (place < T))
         if NORM:
             slot_w = slot_w / (total[:, None] + 1e-20)
         slot_w = slot_w * scale
