@@ -313,9 +313,8 @@ def serve_and_bench(model_dir: Path, contexts: list[int], concurrencies: list[in
                        "--connections", str(connections))
             t0 = time.time()
             spec0 = _worker_counters(metrics_urls, SPEC_COUNTERS) if spec else {}
-            decode0 = _worker_counters(metrics_urls, DECODE_COUNTERS)
+            decode0 = _worker_counters(metrics_urls, DECODE_COUNTERS + PREFILL_COUNTERS)
             gc0 = _worker_counters(metrics_urls, GC_COUNTERS, only_with=DECODE_ONLY)
-            prefill0 = _worker_counters(metrics_urls, PREFILL_COUNTERS)
             spies = {}
             if profile_s > 0 and not out:  # the first bench only: the decode worker and the router
                 steps = "tandem_worker_decode_steps"
@@ -329,10 +328,10 @@ def serve_and_bench(model_dir: Path, contexts: list[int], concurrencies: list[in
             summary = doc.get("summary", {})
             if summary.get("duration_s"):
                 summary.update(decode_phases(doc.get("requests", []), summary["duration_s"]))
-            decode1 = _worker_counters(metrics_urls, DECODE_COUNTERS)
+            decode1 = _worker_counters(metrics_urls, DECODE_COUNTERS + PREFILL_COUNTERS)
             summary.update(_decode_figures(decode0, decode1))
             gc1 = _worker_counters(metrics_urls, GC_COUNTERS, only_with=DECODE_ONLY)
-            summary.update(_prefill_figures(prefill0, _worker_counters(metrics_urls, PREFILL_COUNTERS), summary))
+            summary.update(_prefill_figures(decode0, decode1, summary))
             steps = decode1["tandem_worker_decode_steps"] - decode0["tandem_worker_decode_steps"]
             summary["decode_gc_collections"] = gc1[GC_COUNTERS[1]] - gc0[GC_COUNTERS[1]]
             summary["decode_gc_ms_per_step"] = (1e3 * (gc1[GC_COUNTERS[0]] - gc0[GC_COUNTERS[0]]) / steps

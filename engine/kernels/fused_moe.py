@@ -51,6 +51,12 @@ def block_m_for(pairs: int, num_experts: int) -> int:
     return 16 if mean <= 16 else 32 if mean <= 32 else 64 if mean <= 96 else 128
 
 
+def max_blocks(pairs: int, num_experts: int, block_m: int) -> int:
+    """Blocks of block_m rows that `pairs` pairs over num_experts experts fill at most, each
+    expert's group padded to whole blocks: the fused kernels' grid (known on the host)."""
+    return -(-(pairs + min(num_experts, pairs) * (block_m - 1)) // block_m)
+
+
 def align(flat_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Pairs grouped by expert, each group padded to a multiple of block_m.
 
@@ -64,11 +70,11 @@ def align(flat_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch
         rows [NB × block_m] int32: pair indices, each expert's group contiguous in expert order
             (pairs of one expert in their own order), padding = P;
         block_expert [NB] int32: the expert of each block, E for a block past the last used.
-        NB = ceil((P + min(E, P) × (block_m − 1)) / block_m), an upper bound known on the host.
+        NB = `max_blocks(P, E, block_m)`, an upper bound known on the host.
     """
     p = flat_ids.numel()
     dev = flat_ids.device
-    nb = -(-(p + min(num_experts, p) * (block_m - 1)) // block_m)
+    nb = max_blocks(p, num_experts, block_m)
     ids = torch.where(flat_ids < 0, num_experts, flat_ids)  # no-expert pairs: a group E after the rest
     counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=dev)
     counts.scatter_add_(0, ids, torch.ones_like(ids))
@@ -166,7 +172,8 @@ if triton is not None:
             counts = tl.minimum(tl.load(bexp_ptr + offs_e, mask=offs_e < E_ROUTED, other=0), TOKENS)
             tiles = (counts + BLOCK_M - 1) // BLOCK_M
             ends = tl.cumsum(tiles, 0)  # each routed expert's last tile + 1
-            if pid_m < tl.sum(tiles, 0):
+            routed = tl.sum(tiles, 0)
+            if pid_m < routed:
                 e = tl.sum((ends <= pid_m).to(tl.int32), 0)
                 mine = offs_e == e
                 idx = (pid_m - tl.sum(tl.where(mine, ends - tiles, 0), 0)) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -174,7 +181,7 @@ if triton is not None:
                 rows = tl.load(rows_ptr + e.to(tl.int64) * TOKENS + idx, mask=idx < count, other=P)
             else:  # the shared chunks' tiles (past the last one: e >= E, the block exits)
                 per = (TOKENS + BLOCK_M - 1) // BLOCK_M
-                b = pid_m - tl.sum(tiles, 0)
+                b = pid_m - routed
                 e = E_ROUTED + b // per
                 idx = (b % per) * BLOCK_M + tl.arange(0, BLOCK_M)
                 rows = tl.where(idx < TOKENS, idx * SLOTS + SLOTS - E + e, P)
@@ -299,7 +306,7 @@ def align_triton(flat_ids: torch.Tensor, num_experts: int, block_m: int,
     num_experts .. num_experts + num_shared - 1 after them; tiles: (BLOCK_P, num_warps) instead
     of `align_tiles` (tuning: the pairs taken per loop step, a power of two >= 16)."""
     p = flat_ids.numel()
-    nb = -(-(p + min(num_experts + num_shared, p) * (block_m - 1)) // block_m)
+    nb = max_blocks(p, num_experts + num_shared, block_m)
     rows = torch.empty(nb * block_m, dtype=torch.int32, device=flat_ids.device)
     bexp = torch.empty(nb, dtype=torch.int32, device=flat_ids.device)
     block_e = triton.next_power_of_2(num_experts)
@@ -374,9 +381,9 @@ def fused_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gat
     if pair_blocks:
         rows = bexp = flat  # the ids are the blocks' experts; rows unread (block b = pair b)
         nb = p
-    elif expert_blocks:  # align's bound on the blocks: every expert's tiles, at most one part-filled
+    elif expert_blocks:  # align's grid
         rows, bexp = expert_rows
-        nb = -(-(p + min(e_all, p) * (bm - 1)) // bm)
+        nb = max_blocks(p, e_all, bm)
     else:
         rows, bexp = (align_triton(flat, e, bm, n_shared) if p <= ALIGN_ONE_PROGRAM_MAX_PAIRS
                       else align(flat, e_all, bm))
