@@ -2,10 +2,11 @@
 
 `DecodePlan` is what the host prepares once per step (FlashInfer's plan/run split): input ids,
 positions, the padded block tables and context lengths, copied to the device without a sync.
-`AbsorbedDecodeKv` is the model's KvCache for such a step on CUDA: it stores each layer's new
-latents and runs paged MLA decode attention on the latent pool with MLA's weight absorption
-(engine/kernels/mla_decode.py), so a step never expands the cached latents per head and never
-loops over sequences. It reads and writes FP8 pools (saturating cast on write, scale on read).
+`AbsorbedDecodeKv` is the model's KvCache for such a step on CUDA: it writes each layer's new
+latents (engine/kernels/latent_store.py, one kernel with the queries' rope) and runs paged MLA
+decode attention on the latent pool with MLA's weight absorption (engine/kernels/mla_decode.py),
+so a step never expands the cached latents per head and never loops over sequences. It reads
+and writes FP8 pools (saturating cast on write, scale on read).
 """
 
 from __future__ import annotations
@@ -15,8 +16,9 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.kernels.latent_store import rope_latent_store, rope_latent_store_reference, triton
 from engine.kernels.mla_decode import mla_decode
-from engine.kv_pool import FP8, KvPool
+from engine.kv_pool import KvPool
 from engine.upload import PinnedRing
 
 
@@ -175,16 +177,19 @@ class AbsorbedDecodeKv:
         lens: [B] int32 context lengths including the new token (written at lens - 1).
         attention: the decode attention kernel, `mla_decode` (Triton) on GPUs;
             tests pass `engine.kernels.mla_decode.mla_decode_reference` to check the rest on CPU.
+    The latent write and the query's rope run as `rope_latent_store` (one Triton kernel) on a
+    CUDA pool, as its plain twin `rope_latent_store_reference` elsewhere (tests on a CPU).
     """
 
-    attends = True  # engine/model.py MLAttention: this cache runs the attention itself
+    attends = True  # engine/model.py MLAttention: this cache ropes, stores and attends itself
 
     def __init__(self, pool: KvPool, tables: torch.Tensor, lens: torch.Tensor,
                  attention: AttentionFn = mla_decode) -> None:
         self.kv = pool.kv  # [blocks, layers, block_size, kv_dim]
-        self.quantized = pool.config.quantized
         self.scale = pool.config.scale
         self.tables, self.lens, self.attention = tables, lens, attention
+        self.rope_store = (rope_latent_store if self.kv.is_cuda and triton is not None
+                           else rope_latent_store_reference)
         bs = pool.config.block_size
         pos = (lens - 1).long()
         self.w_blk = tables.long().gather(1, (pos // bs)[:, None])[:, 0]  # [B]
@@ -193,22 +198,17 @@ class AbsorbedDecodeKv:
     def update(self, layer: int, latent: torch.Tensor) -> list[torch.Tensor]:
         raise NotImplementedError("AbsorbedDecodeKv runs attention itself (see attend)")
 
-    def _store(self, layer: int, latent: torch.Tensor) -> None:
-        if not self.quantized:
-            self.kv[self.w_blk, layer, self.w_off] = latent.to(self.kv.dtype)
-            return
-        fmax = torch.finfo(FP8).max  # a cast beyond e4m3's range gives NaN: saturate first
-        q = (latent.float() / self.scale).clamp(-fmax, fmax).to(FP8)
-        self.kv.view(torch.uint8)[self.w_blk, layer, self.w_off] = q.view(torch.uint8)
+    def attend(self, layer: int, kv_a: torch.Tensor, q_nope: torch.Tensor, q_pe: torch.Tensor,
+               rope: tuple[torch.Tensor, torch.Tensor], attn: torch.nn.Module) -> torch.Tensor:
+        """Store the tokens' latents; return the attention output [B, H, v_head_dim] (contiguous).
 
-    def attend(self, layer: int, latent: torch.Tensor, q_nope: torch.Tensor, q_pe: torch.Tensor,
-               attn: torch.nn.Module) -> torch.Tensor:
-        """Store latent [B, kv_dim]; return attention output [B, H, v_head_dim].
-
-        q_nope [B, H, nope], q_pe [B, H, rope] (rope applied); attn is the MLAttention module.
+        kv_a [B, kv_dim] (kv_a_proj_with_mqa's output), q_nope [B, H, nope], q_pe [B, H, rope]
+        (before rope), rope = (cos, sin) [B, rope]; attn is the MLAttention module.
         """
         c = attn.c
-        self._store(layer, latent)
+        norm = attn.kv_a_layernorm
+        q_pe = self.rope_store(q_pe, kv_a, rope[0], rope[1], norm.weight, norm.eps, c.kv_lora_rank,
+                               c.rope_interleave, self.kv, layer, self.w_blk, self.w_off, self.scale)
         h = c.num_attention_heads
         w = attn.kv_b_proj.weight.view(h, c.qk_nope_head_dim + c.v_head_dim, c.kv_lora_rank)
         w_uk, w_uv = w.split([c.qk_nope_head_dim, c.v_head_dim], dim=1)  # [H, nope|v, R]
@@ -216,4 +216,9 @@ class AbsorbedDecodeKv:
         # q_lat and q_pe go to the kernel apart: no [B, H, R + rope] concatenation per layer
         o_lat = self.attention(q_lat, self.kv, layer, self.tables, self.lens, c.kv_lora_rank,
                                attn.softmax_scale, self.scale, q_pe=q_pe)  # [B, H, R]
-        return torch.einsum("bhr,hvr->bhv", o_lat.to(q_nope.dtype), w_uv)  # [B, H, v]
+        # W_UV per head as one batched GEMM over heads, written straight into a [B, H, v] tensor:
+        # einsum's result would be [H, B, v] in memory, and o_proj's reshape to [B, H * v] then
+        # copied it (a kernel a layer at B > 1)
+        out = torch.empty(q_nope.shape[0], h, c.v_head_dim, dtype=q_nope.dtype, device=q_nope.device)
+        torch.bmm(o_lat.to(q_nope.dtype).transpose(0, 1), w_uv.transpose(1, 2), out=out.transpose(0, 1))
+        return out

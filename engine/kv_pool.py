@@ -154,6 +154,20 @@ class KvPool:
         self.blocks.free(block_ids)
 
 
+def write_rows(kv: torch.Tensor, blk: torch.Tensor, layer: int, off: torch.Tensor, latent: torch.Tensor,
+               quantized: bool, scale: float) -> None:
+    """Write latent [T, kv_dim] to the pool kv [blocks, layers, block_size, kv_dim] at rows
+    (blk[t], layer, off[t]) (blk, off: [T] int64 on kv's device). FP8 pools (`quantized`) store
+    latent / scale, saturated first: a cast of a value beyond e4m3's range gives NaN. Indexing
+    goes through byte views there: index_put / gather kernels cover uint8 on every device."""
+    if not quantized:
+        kv[blk, layer, off] = latent.to(kv.device, kv.dtype)
+        return
+    fmax = torch.finfo(FP8).max
+    q = (latent.float() / scale).clamp(-fmax, fmax).to(FP8)
+    kv.view(torch.uint8)[blk, layer, off] = q.view(torch.uint8).to(kv.device)
+
+
 class PagedKvCache:
     """The engine's KvCache over a KvPool for one forward pass (see engine/model.py contract).
 
@@ -194,14 +208,7 @@ class PagedKvCache:
 
     def write(self, layer: int, latent: torch.Tensor) -> None:
         """Write latent [T, kv_dim] (the batch's new tokens in order) to their (block, layer, offset) slots."""
-        if not self._quantized:
-            self.kv[self._w_blk, layer, self._w_off] = latent.to(self.kv.device, self.kv.dtype)
-            return
-        # FP8: a cast of a value beyond e4m3's range gives NaN, so saturate first. Indexing goes
-        # through byte views: index_put / gather kernels cover uint8 on every device.
-        fmax = torch.finfo(FP8).max
-        q = (latent.float() / self._scale).clamp(-fmax, fmax).to(FP8)
-        self.kv.view(torch.uint8)[self._w_blk, layer, self._w_off] = q.view(torch.uint8).to(self.kv.device)
+        write_rows(self.kv, self._w_blk, layer, self._w_off, latent, self._quantized, self._scale)
 
     def _gather(self, layer: int, table: torch.Tensor, dev: torch.device, dtype: torch.dtype) -> torch.Tensor:
         """Rows of the blocks `table` at `layer`, [len(table) * block_size, kv_dim], dequantized."""

@@ -288,11 +288,12 @@ class MLAttention(nn.Module):
             q = self.q_b_proj(self.q_a_layernorm(q))
         q = q.view(t, c.num_attention_heads, c.qk_head_dim)  # [T, H, qk_head_dim]
         q_nope, q_pe = q.split([c.qk_nope_head_dim, c.qk_rope_head_dim], dim=-1)
+        if getattr(kv, "attends", False):  # the GPU decode step: engine/decode_batch.py ropes,
+            # normalises and stores the latent itself (one kernel), then attends
+            return self.o_proj(kv.attend(layer_idx, kv_a, q_nope, q_pe, rope, self).reshape(t, -1))
         cos, sin = rope
         q_pe, latent = HOT.rope_latent(q_pe, kv_a, cos, sin, self.kv_a_layernorm.weight,
                                        self.kv_a_layernorm.eps, c.kv_lora_rank, c.rope_interleave)
-        if getattr(kv, "attends", False):  # the GPU decode step: engine/decode_batch.py
-            return self.o_proj(kv.attend(layer_idx, latent, q_nope, q_pe, self).reshape(t, -1))
         if getattr(kv, "pack", False) and q_nope.dtype in (torch.bfloat16, torch.float16):
             kv.write(layer_idx, latent)  # a prefill batch on CUDA: short chunks in one call
             return self.o_proj(self._packed_attention(q_nope, q_pe, positions, q_lens, kv, layer_idx).reshape(t, -1))

@@ -1,0 +1,164 @@
+"""A decode step's per-layer latent write and query rope in one Triton kernel.
+
+Before a layer's MLA decode attention, each new token needs, from kv_a_proj_with_mqa's output
+kv_a [T, R + P] (c_kv then k_pe) and its query's rope part q_pe [T, H, P]:
+
+    latent = (RMSNorm(c_kv) · kv_a_layernorm.weight, rope(k_pe))      -> the pool row of (token, layer)
+    q_pe   = rope(q_pe)                                                -> the attention's query
+
+`engine.model.rope_latent` computes the two, and the decode step then wrote the latent with an
+index_put: on a GPU that was four kernels a layer (the compiled rope_latent's three and the
+index kernel; 8.2 µs of config M's batch-1 step per layer and 12.6 µs at batch 64 on an H200,
+docs/bench/profile_decode_M_run17.jsonl). `rope_latent_store` is one: a program per token
+normalises and ropes the latent, writes it to its (block, layer, offset) slot of the pool (FP8
+pools: divided by the pool's scale and saturated, as `engine.kv_pool.write_rows`), and ropes
+the token's H query rows.
+
+The kernel rounds where the plain functions round (the normalised row to the model dtype before
+the weight; each rope product, then their sum), so in bf16 its values are those of
+`rope_latent_store_reference` but for the RMS's summation order and rsqrt (tests allow one
+rounding step and count the identical share). The reference is `engine.model.rope_latent`
+(the plain function, not the compiled one) plus `engine.kv_pool.write_rows`; the decode step on
+a CPU (tests) runs it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.kv_pool import FP8, write_rows
+
+try:  # the GPU machine has triton; CPU-only installs need not
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - depends on the machine
+    triton = None
+
+
+def rope_latent_store_reference(q_pe: torch.Tensor, kv_a: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                                norm_weight: torch.Tensor, eps: float, rank: int, interleave: bool,
+                                kv: torch.Tensor, layer: int, w_blk: torch.Tensor, w_off: torch.Tensor,
+                                kv_scale: float = 1.0) -> torch.Tensor:
+    """What `rope_latent_store` computes, in plain torch.
+
+    Args:
+        q_pe: [T, H, P] the queries' rope part, before rope (may be a strided view).
+        kv_a: [T, R + P] kv_a_proj_with_mqa's output (c_kv, then k_pe; rows may be strided).
+        cos, sin: [T, P] (engine.model.rope_cos_sin, the model dtype).
+        norm_weight: [R] kv_a_layernorm's weight; eps its epsilon; rank R (kv_lora_rank).
+        interleave: the checkpoint's rope_interleave (engine.model.apply_rope).
+        kv: [blocks, layers, block_size, R + P] the pool (model dtype, or float8_e4m3fn holding
+            latent / kv_scale); layer: the pool layer written.
+        w_blk, w_off: [T] int64 the block and the offset in it of each token's row.
+        kv_scale: FP8 pools' scale (ignored for other dtypes).
+    Returns:
+        q_pe roped, [T, H, P] contiguous, q_pe's dtype. Writes row (w_blk[t], layer, w_off[t]).
+    """
+    from engine.model import rope_latent
+    q, latent = rope_latent(q_pe, kv_a, cos, sin, norm_weight, eps, rank, interleave)
+    write_rows(kv, w_blk, layer, w_off, latent, kv.dtype == FP8, kv_scale)
+    return q.contiguous()
+
+
+if triton is not None:
+
+    @triton.jit
+    def _round(x, dtype: tl.constexpr):
+        # a value rounded to the model dtype, back in float32 (where the plain function rounds)
+        return x.to(dtype).to(tl.float32)
+
+    @triton.jit
+    def _rope(ptr, offs_p, P: tl.constexpr, pmask, cos, sin, INTERLEAVE: tl.constexpr, dtype: tl.constexpr):
+        # engine.model.apply_rope on the rows at ptr [..., P] (ptr broadcast against offs_p):
+        # x' = x's dims as [even..., odd...] when interleaved; out = x'·cos + rotate_half(x')·sin
+        half: tl.constexpr = P // 2
+        lo = offs_p < half
+        if INTERLEAVE:
+            src = tl.where(lo, 2 * offs_p, 2 * (offs_p - half) + 1)
+            mate = src ^ 1  # x' at j ± half is the other element of j's pair
+        else:
+            src = offs_p
+            mate = tl.where(lo, offs_p + half, offs_p - half)
+        x = tl.load(ptr + src, mask=pmask, other=0.0).to(tl.float32)
+        xm = tl.load(ptr + mate, mask=pmask, other=0.0).to(tl.float32)
+        xm = tl.where(lo, -xm, xm)  # rotate_half: (-x2, x1)
+        return _round(_round(x * cos, dtype) + _round(xm * sin, dtype), dtype)
+
+    @triton.jit
+    def _rope_latent_store(QPE, KVA, Cos, Sin, NormW, KV, Blk, Off, OutQ,
+                           layer, eps, inv_scale, fmax,
+                           stride_qt, stride_qh, stride_at, stride_ct, stride_st,
+                           stride_kblk, stride_klayer, stride_ktok, stride_ot, stride_oh,
+                           H: tl.constexpr, R: tl.constexpr, P: tl.constexpr,
+                           BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
+                           INTERLEAVE: tl.constexpr, IS_FP8: tl.constexpr):
+        t = tl.program_id(0).to(tl.int64)
+        dtype: tl.constexpr = OutQ.dtype.element_ty
+        offs_r = tl.arange(0, BLOCK_R)
+        rmask = offs_r < R
+        offs_p = tl.arange(0, BLOCK_P)
+        pmask = offs_p < P
+        row = KVA + t * stride_at
+        # RMSNorm(c_kv) as engine.model.rms_norm: float32, rounded back, then times the weight
+        c = tl.load(row + offs_r, mask=rmask, other=0.0).to(tl.float32)
+        c = _round(c * tl.math.rsqrt(tl.sum(c * c, 0) / R + eps), dtype)
+        w = tl.load(NormW + offs_r, mask=rmask, other=0.0).to(tl.float32)
+        c = _round(w * c, dtype)
+        cos = tl.load(Cos + t * stride_ct + offs_p, mask=pmask, other=0.0).to(tl.float32)
+        sin = tl.load(Sin + t * stride_st + offs_p, mask=pmask, other=0.0).to(tl.float32)
+        k = _rope(row + R, offs_p, P, pmask, cos, sin, INTERLEAVE, dtype)
+        dst = (KV + tl.load(Blk + t) * stride_kblk + layer * stride_klayer + tl.load(Off + t) * stride_ktok)
+        if IS_FP8:  # latent / scale, saturated to e4m3's range (a cast beyond it is NaN)
+            c = tl.minimum(tl.maximum(c * inv_scale, -fmax), fmax)
+            k = tl.minimum(tl.maximum(k * inv_scale, -fmax), fmax)
+        tl.store(dst + offs_r, c.to(KV.dtype.element_ty), mask=rmask)
+        tl.store(dst + R + offs_p, k.to(KV.dtype.element_ty), mask=pmask)
+        # the token's H query rows
+        offs_h = tl.arange(0, BLOCK_H)
+        hmask = offs_h < H
+        qrow = QPE + t * stride_qt + offs_h[:, None] * stride_qh
+        q = _rope(qrow, offs_p[None, :], P, hmask[:, None] & pmask[None, :], cos[None, :], sin[None, :],
+                  INTERLEAVE, dtype)
+        tl.store(OutQ + t * stride_ot + offs_h[:, None] * stride_oh + offs_p[None, :], q.to(dtype),
+                 mask=hmask[:, None] & pmask[None, :])
+
+
+def rope_latent_store(q_pe: torch.Tensor, kv_a: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                      norm_weight: torch.Tensor, eps: float, rank: int, interleave: bool,
+                      kv: torch.Tensor, layer: int, w_blk: torch.Tensor, w_off: torch.Tensor,
+                      kv_scale: float = 1.0) -> torch.Tensor:
+    """`rope_latent_store_reference` as one Triton kernel (a program per token); the same
+    arguments and result. kv_a's and q_pe's last dimension must be contiguous (the decode step's
+    views of the fused projection's output are). FP8 pools: the row is multiplied by the float32
+    reciprocal of kv_scale, which is what torch's CUDA division by a Python number does (on a
+    CPU torch divides, which can differ in the last bit before the e4m3 rounding).
+
+    Raises RuntimeError when triton is not installed, ValueError on a dimension mismatch.
+    """
+    if triton is None:
+        raise RuntimeError("rope_latent_store needs triton (pip install triton; it ships with CUDA torch)")
+    t, h, p = q_pe.shape
+    if kv_a.shape != (t, rank + p) or kv.shape[-1] != rank + p or cos.shape != (t, p) or p % 2:
+        raise ValueError(f"q_pe {tuple(q_pe.shape)}, kv_a {tuple(kv_a.shape)}, cos {tuple(cos.shape)}, "
+                         f"pool rows {kv.shape[-1]}, kv_lora_rank {rank}: need kv_a [T, R + P], cos [T, P], "
+                         "pool rows R + P and an even P")
+    if q_pe.stride(-1) != 1 or kv_a.stride(-1) != 1 or cos.stride(-1) != 1 or sin.stride(-1) != 1:
+        raise ValueError("rope_latent_store needs contiguous last dimensions")
+    out = torch.empty((t, h, p), dtype=q_pe.dtype, device=q_pe.device)
+    if t == 0:
+        return out
+    is_fp8 = kv.dtype == FP8
+    _rope_latent_store[(t,)](
+        q_pe, kv_a, cos, sin, norm_weight, kv, w_blk, w_off, out,
+        layer, eps, _reciprocal32(kv_scale) if is_fp8 else 1.0, torch.finfo(FP8).max,
+        q_pe.stride(0), q_pe.stride(1), kv_a.stride(0), cos.stride(0), sin.stride(0),
+        kv.stride(0), kv.stride(1), kv.stride(2), out.stride(0), out.stride(1),
+        H=h, R=rank, P=p, BLOCK_H=triton.next_power_of_2(h), BLOCK_R=triton.next_power_of_2(rank),
+        BLOCK_P=triton.next_power_of_2(p), INTERLEAVE=interleave, IS_FP8=is_fp8, num_warps=4)
+    return out
+
+
+def _reciprocal32(x: float) -> float:
+    """1 / x computed in float32, as ATen's CUDA division by a scalar computes it."""
+    one = torch.ones((), dtype=torch.float32)
+    return (one / torch.tensor(x, dtype=torch.float32)).item()

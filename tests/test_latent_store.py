@@ -1,0 +1,85 @@
+"""The decode step's latent write + query rope (engine/kernels/latent_store.py).
+
+On a CPU: the plain twin writes exactly the token's (block, layer, offset) rows, the values of
+`rope_latent`, saturated in FP8 pools. On CUDA: the Triton kernel against the twin in bf16 and
+FP8, on the views the decode step passes (slices of one fused projection output), at config M's
+and DeepSeek-V3's head counts and at 1 to 300 tokens.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.kernels.latent_store import rope_latent_store, rope_latent_store_reference
+from engine.kv_pool import FP8
+from engine.model import rope_cos_sin, rope_latent
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (run on the lent H200)")
+
+
+def _inputs(t: int, h: int, rank: int, rope: int, dtype: torch.dtype, device: str, seed: int = 0):
+    """q_pe and kv_a as views of one [T, H * (128 + rope) + rank + rope] projection output (the
+    decode step's fused q_proj / kv_a_proj_with_mqa GEMM), cos / sin at positions 1,000.., a norm
+    weight and write slots (distinct blocks where there are enough)."""
+    g = torch.Generator().manual_seed(seed)
+    qk = 128 + rope
+    out = (torch.randn(t, h * qk + rank + rope, generator=g) * 2).to(dtype).to(device)
+    q_pe = out[:, : h * qk].view(t, h, qk)[..., 128:]
+    kv_a = out[:, h * qk:]
+    cos, sin = rope_cos_sin(torch.arange(1000, 1000 + t, device=device), rope, 10000.0, dtype)
+    weight = (torch.rand(rank, generator=g) + 0.5).to(dtype).to(device)
+    blocks = max(t, 4) + 3
+    w_blk = torch.randperm(blocks, generator=g)[:t].to(device)
+    w_off = torch.randint(0, 16, (t,), generator=g).to(device)
+    return q_pe, kv_a, cos, sin, weight, blocks, w_blk, w_off
+
+
+def test_reference_writes_the_tokens_rows_and_saturates_fp8() -> None:
+    t, h, rank, rope = 5, 3, 32, 16
+    q_pe, kv_a, cos, sin, weight, blocks, w_blk, w_off = _inputs(t, h, rank, rope, torch.float32, "cpu")
+    want_q, latent = rope_latent(q_pe, kv_a, cos, sin, weight, 1e-6, rank, True)
+    kv = torch.full((blocks, 3, 16, rank + rope), 7.0)
+    got_q = rope_latent_store_reference(q_pe, kv_a, cos, sin, weight, 1e-6, rank, True, kv, 2, w_blk, w_off)
+    assert torch.equal(got_q, want_q) and got_q.is_contiguous()
+    assert torch.equal(kv[w_blk, 2, w_off], latent)
+    kv[w_blk, 2, w_off] = 7.0
+    assert bool((kv == 7.0).all()), "a row other than the tokens' was written"
+    # FP8: latent / scale, values beyond e4m3's range saturated (a plain cast would give NaN)
+    kv8 = torch.zeros((blocks, 3, 16, rank + rope), dtype=FP8)
+    scale = 1e-3
+    rope_latent_store_reference(q_pe, kv_a, cos, sin, weight, 1e-6, rank, True, kv8, 0, w_blk, w_off, scale)
+    stored = kv8[w_blk, 0, w_off].float()
+    fmax = torch.finfo(FP8).max
+    assert not stored.isnan().any()
+    big = (latent / scale).abs() > fmax
+    assert big.any() and bool((stored[big].abs() == fmax).all())
+    assert torch.equal(stored[~big], (latent / scale)[~big].to(FP8).float())
+
+
+@cuda
+@pytest.mark.parametrize("h,fp8", [(16, False), (16, True), (128, False)])
+@pytest.mark.parametrize("t", [1, 64, 300])
+@pytest.mark.parametrize("interleave", [True, False])
+def test_kernel_equals_its_twin(h: int, fp8: bool, t: int, interleave: bool) -> None:
+    rank, rope = 512, 64
+    q_pe, kv_a, cos, sin, weight, blocks, w_blk, w_off = _inputs(t, h, rank, rope, torch.bfloat16, "cuda", seed=t)
+    dtype, scale = (FP8, 0.37) if fp8 else (torch.bfloat16, 1.0)
+    kv_want = torch.zeros((blocks, 3, 16, rank + rope), device="cuda").to(dtype)
+    kv_got = kv_want.clone()
+    want = rope_latent_store_reference(q_pe, kv_a, cos, sin, weight, 1e-6, rank, interleave, kv_want, 1,
+                                       w_blk, w_off, scale)
+    got = rope_latent_store(q_pe, kv_a, cos, sin, weight, 1e-6, rank, interleave, kv_got, 1, w_blk, w_off, scale)
+    # the ropes round where the plain functions round: the same bits
+    assert torch.equal(got, want)
+    a, b = kv_want.float(), kv_got.float()
+    assert torch.equal(a[..., rank:], b[..., rank:])
+    # the norm differs in its sum's order and rsqrt: at most a rounding step, on few values
+    rows_a, rows_b = a[w_blk, 1, w_off, :rank], b[w_blk, 1, w_off, :rank]
+    same = (rows_a == rows_b).float().mean().item()
+    step, tiny = (2.0 ** -3, 2.0 ** -9) if fp8 else (2.0 ** -7, 1e-6)  # e4m3: 3 mantissa bits, 2^-9 subnormal step
+    assert same >= 0.98, same
+    assert torch.allclose(rows_a, rows_b, rtol=step, atol=tiny)
+    a[w_blk, 1, w_off] = 0.0
+    b[w_blk, 1, w_off] = 0.0
+    assert not a.any() and not b.any(), "a row other than the tokens' was written"
