@@ -128,8 +128,8 @@ def rope_latent_store(q_pe: torch.Tensor, kv_a: torch.Tensor, cos: torch.Tensor,
                       kv: torch.Tensor, layer: int, w_blk: torch.Tensor, w_off: torch.Tensor,
                       kv_scale: float = 1.0) -> torch.Tensor:
     """`rope_latent_store_reference` as one Triton kernel (a program per token); the same
-    arguments and result. kv_a's and q_pe's last dimension must be contiguous (the decode step's
-    views of the fused projection's output are). FP8 pools: the row is multiplied by the float32
+    arguments and result. Inputs whose last dimension is strided are copied first (the decode
+    step's views of the fused projection's output need no copy). FP8 pools: the row is multiplied by the float32
     reciprocal of kv_scale, which is what torch's CUDA division by a Python number does (on a
     CPU torch divides, which can differ in the last bit before the e4m3 rounding).
 
@@ -142,8 +142,7 @@ def rope_latent_store(q_pe: torch.Tensor, kv_a: torch.Tensor, cos: torch.Tensor,
         raise ValueError(f"q_pe {tuple(q_pe.shape)}, kv_a {tuple(kv_a.shape)}, cos {tuple(cos.shape)}, "
                          f"pool rows {kv.shape[-1]}, kv_lora_rank {rank}: need kv_a [T, R + P], cos [T, P], "
                          "pool rows R + P and an even P")
-    if q_pe.stride(-1) != 1 or kv_a.stride(-1) != 1 or cos.stride(-1) != 1 or sin.stride(-1) != 1:
-        raise ValueError("rope_latent_store needs contiguous last dimensions")
+    q_pe, kv_a, cos, sin = (x if x.stride(-1) == 1 else x.contiguous() for x in (q_pe, kv_a, cos, sin))
     out = torch.empty((t, h, p), dtype=q_pe.dtype, device=q_pe.device)
     if t == 0:
         return out
