@@ -1,12 +1,16 @@
 """The decode step's latent write + query rope (engine/kernels/latent_store.py).
 
 On a CPU: the plain twin writes exactly the token's (block, layer, offset) rows, the values of
-`rope_latent`, saturated in FP8 pools. On CUDA: the Triton kernel against the twin in bf16 and
+`rope_latent`, saturated in FP8 pools; with `TRITON_INTERPRET=1` and triton installed, the
+kernel itself in float32 through Triton's interpreter (its bf16 casts truncate, so float32
+only). On CUDA: the Triton kernel against the twin in bf16 and
 FP8, on the views the decode step passes (slices of one fused projection output), at config M's
 and DeepSeek-V3's head counts and at 1 to 300 tokens.
 """
 
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
@@ -16,6 +20,9 @@ from engine.kv_pool import FP8
 from engine.model import rope_cos_sin, rope_latent
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (run on the lent H200)")
+interpreter = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1" or __import__("importlib").util.find_spec("triton") is None,
+    reason="needs triton and TRITON_INTERPRET=1 (the kernel on a CPU through Triton's interpreter)")
 
 
 def _inputs(t: int, h: int, rank: int, rope: int, dtype: torch.dtype, device: str, seed: int = 0):
@@ -83,3 +90,22 @@ def test_kernel_equals_its_twin(h: int, fp8: bool, t: int, interleave: bool) -> 
     a[w_blk, 1, w_off] = 0.0
     b[w_blk, 1, w_off] = 0.0
     assert not a.any() and not b.any(), "a row other than the tokens' was written"
+
+
+@interpreter
+@pytest.mark.parametrize("t,h,rank,rope,interleave", [(1, 16, 512, 64, True), (5, 16, 512, 64, False),
+                                                      (3, 3, 24, 12, True), (2, 128, 512, 64, True)])
+def test_kernel_in_the_interpreter(t: int, h: int, rank: int, rope: int, interleave: bool) -> None:
+    """float32: the ropes bit for bit, the norm within a float32 rounding step, no other row."""
+    q_pe, kv_a, cos, sin, weight, blocks, w_blk, w_off = _inputs(t, h, rank, rope, torch.float32, "cpu", seed=t)
+    kv_want = torch.randn((blocks, 3, 16, rank + rope))
+    kv_got = kv_want.clone()
+    want = rope_latent_store_reference(q_pe, kv_a, cos, sin, weight, 1e-6, rank, interleave, kv_want, 2,
+                                       w_blk, w_off)
+    got = rope_latent_store(q_pe, kv_a, cos, sin, weight, 1e-6, rank, interleave, kv_got, 2, w_blk, w_off)
+    assert torch.equal(got, want)
+    assert torch.equal(kv_want[..., rank:], kv_got[..., rank:])
+    assert torch.allclose(kv_want, kv_got, rtol=1e-6, atol=0)  # the norm: a few float32 ulps
+    kv_want[w_blk, 2, w_off] = 0.0
+    kv_got[w_blk, 2, w_off] = 0.0
+    assert torch.equal(kv_want, kv_got), "a row other than the tokens' was written"
