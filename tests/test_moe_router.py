@@ -329,3 +329,50 @@ def test_bench_moe_router_picks_the_fastest_decode_tiles_that_keep_the_prefill_f
     assert pick(slow_prefill + rows((16, 4, 3, 0), {1: 30.0, 64: 30.0}), tokens) == ((64, 4, 3, 0), 31.0)
     assert pick(wrong, tokens) is None  # with no default row, agreement is held to 99 %
     assert pick([], tokens) is None
+
+
+interpreter = pytest.mark.skipif(
+    __import__("os").environ.get("TRITON_INTERPRET") != "1" or __import__("importlib").util.find_spec("triton") is None,
+    reason="needs triton and TRITON_INTERPRET=1 (the kernels on a CPU through Triton's interpreter)")
+
+
+@interpreter
+@pytest.mark.parametrize("experts,k,groups,topk_group,shared", [(64, 6, 1, 1, 2), (32, 4, 4, 2, 1)])
+def test_route_grouped_in_the_interpreter(tiny_model, monkeypatch, experts, k, groups, topk_group, shared) -> None:
+    """float32 on a CPU: what the CUDA test above checks (the lists hold each expert's pairs;
+    the fused kernels on them give the sorted path's bits), with several tiles per expert, and
+    a token whose hidden state holds a NaN still gets k distinct experts below E."""
+    from engine.kernels import fused_moe, moe_router
+    monkeypatch.setattr(moe_router, "kernel_applies", lambda x, c: True)
+    c = _config(tiny_model, n_routed_experts=experts, num_experts_per_tok=k, n_group=groups,
+                topk_group=topk_group, n_shared_experts=shared, hidden_size=64, moe_intermediate_size=32)
+    model = build_model(c, seed=4, dtype=torch.float32)
+    use_grouped_experts(model)
+    moe = _moe(model)
+    g = moe.grouped
+    gen = torch.Generator().manual_seed(1)
+    for t, block_m in ((2, None), (9, None), (200, 16)):  # 200 tokens: up to 3 tiles of 16 per expert
+        if block_m is not None:  # several tiles per expert
+            monkeypatch.setattr(fused_moe, "block_m_for", lambda *a, **kw: block_m)
+        x = torch.randn(t, c.hidden_size, generator=gen)
+        ids, w, (rows, counts) = route_grouped(x, moe.gate.weight, moe.gate.e_score_correction_bias, c, g.num_shared)
+        want_ids, want_w = route_with_shared(x, moe.gate.weight, moe.gate.e_score_correction_bias, c, g.num_shared)
+        assert torch.equal(ids, want_ids) and torch.equal(w, want_w), t
+        flat = ids.reshape(-1)
+        assert int(counts.sum()) == t * k, t
+        for e in range(experts):
+            listed = torch.sort(rows[e, :int(counts[e])]).values
+            assert torch.equal(listed, torch.nonzero(flat == e)[:, 0].to(torch.int32)), (t, e)
+        if block_m is not None:
+            assert int(counts.max()) > 2 * block_m, "the case meant to give experts several tiles does not"
+        for sum_slots in (False, True):
+            sorted_path = fused_experts(x, ids, w, g.gate_up, g.down, shared=g.shared, sum_slots=sum_slots)
+            listed_path = fused_experts(x, ids, w, g.gate_up, g.down, shared=g.shared, sum_slots=sum_slots,
+                                        expert_rows=(rows, counts))
+            assert torch.equal(sorted_path, listed_path), (t, sum_slots)
+    x = torch.randn(3, c.hidden_size, generator=gen)
+    x[1, 5] = float("nan")
+    ids, _, (rows, counts) = route_grouped(x, moe.gate.weight, moe.gate.e_score_correction_bias, c, g.num_shared)
+    routed = ids[1, :k]
+    assert len(set(routed.tolist())) == k and int(routed.max()) < experts
+    assert int(counts.sum()) == 3 * k
