@@ -16,6 +16,7 @@ formula are unchanged; both workers must agree on dtype and scale (checked per r
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -158,14 +159,27 @@ def write_rows(kv: torch.Tensor, blk: torch.Tensor, layer: int, off: torch.Tenso
                quantized: bool, scale: float) -> None:
     """Write latent [T, kv_dim] to the pool kv [blocks, layers, block_size, kv_dim] at rows
     (blk[t], layer, off[t]) (blk, off: [T] int64 on kv's device). FP8 pools (`quantized`) store
-    latent / scale, saturated first: a cast of a value beyond e4m3's range gives NaN. Indexing
-    goes through byte views there: index_put / gather kernels cover uint8 on every device."""
+    latent × `reciprocal32(scale)`, saturated first: a cast of a value beyond e4m3's range gives
+    NaN (a NaN stays NaN). Indexing goes through byte views there: index_put / gather kernels
+    cover uint8 on every device."""
     if not quantized:
         kv[blk, layer, off] = latent.to(kv.device, kv.dtype)
         return
-    fmax = torch.finfo(FP8).max
-    q = (latent.float() / scale).clamp(-fmax, fmax).to(FP8)
+    q = (latent.float() * reciprocal32(scale)).clamp(-FP8_MAX, FP8_MAX).to(FP8)
     kv.view(torch.uint8)[blk, layer, off] = q.view(torch.uint8).to(kv.device)
+
+
+FP8_MAX = float(torch.finfo(FP8).max)  # 448: e4m3's largest finite value
+
+
+@functools.lru_cache(maxsize=64)
+def reciprocal32(scale: float) -> float:
+    """1 / scale as the float32 division of float32(scale), the one multiplier every FP8 pool
+    write uses (the prefill's `write_rows` on any device, the decode step's Triton kernel), so
+    the two write the same bytes for the same latent. A division by the Python number would not
+    be one rule: torch's CUDA kernel multiplies by a reciprocal it computes (in float32 before
+    torch 2.10, from a double since), its CPU kernel divides."""
+    return float(np.float32(1.0) / np.float32(scale))
 
 
 class PagedKvCache:

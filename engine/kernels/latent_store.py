@@ -11,13 +11,14 @@ index_put: on a GPU that was four kernels a layer (the compiled rope_latent's th
 index kernel; 8.2 µs of config M's batch-1 step per layer and 12.6 µs at batch 64 on an H200,
 docs/bench/profile_decode_M_run17.jsonl). `rope_latent_store` is one: a program per token
 normalises and ropes the latent, writes it to its (block, layer, offset) slot of the pool (FP8
-pools: divided by the pool's scale and saturated, as `engine.kv_pool.write_rows`), and ropes
-the token's H query rows.
+pools: times the reciprocal of the pool's scale and saturated, as `engine.kv_pool.write_rows`),
+and ropes the token's H query rows (a program per 16 heads).
 
 The kernel rounds where the plain functions round (the normalised row to the model dtype before
-the weight; each rope product, then their sum), so in bf16 its values are those of
-`rope_latent_store_reference` but for the RMS's summation order and rsqrt (tests allow one
-rounding step and count the identical share). The reference is `engine.model.rope_latent`
+the weight; each rope product, then their sum), so in bf16 its ropes are the bits of
+`rope_latent_store_reference`, and its normalised latent differs only through the RMS's
+summation order and rsqrt: a float32 ulp there can move a value by up to two bf16 rounding steps
+once the weight multiplies it (tests allow two and count the identical share). The reference is `engine.model.rope_latent`
 (the plain function, not the compiled one) plus `engine.kv_pool.write_rows`; the decode step on
 a CPU (tests) runs it.
 """
@@ -26,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.kv_pool import FP8, write_rows
+from engine.kv_pool import FP8, FP8_MAX, reciprocal32, write_rows
 
 try:  # the GPU machine has triton; CPU-only installs need not
     import triton
@@ -92,29 +93,34 @@ if triton is not None:
                            H: tl.constexpr, R: tl.constexpr, P: tl.constexpr,
                            BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
                            INTERLEAVE: tl.constexpr, IS_FP8: tl.constexpr):
+        # program (t, hb): token t's query heads hb·BLOCK_H.. (BLOCK_H ≤ 16 keeps a program's
+        # tiles in registers at DeepSeek-V3's 128 heads); the programs hb = 0 also write the latent
         t = tl.program_id(0).to(tl.int64)
+        hb = tl.program_id(1)
         dtype: tl.constexpr = OutQ.dtype.element_ty
-        offs_r = tl.arange(0, BLOCK_R)
-        rmask = offs_r < R
         offs_p = tl.arange(0, BLOCK_P)
         pmask = offs_p < P
         row = KVA + t * stride_at
-        # RMSNorm(c_kv) as engine.model.rms_norm: float32, rounded back, then times the weight
-        c = tl.load(row + offs_r, mask=rmask, other=0.0).to(tl.float32)
-        c = _round(c * tl.math.rsqrt(tl.sum(c * c, 0) / R + eps), dtype)
-        w = tl.load(NormW + offs_r, mask=rmask, other=0.0).to(tl.float32)
-        c = _round(w * c, dtype)
         cos = tl.load(Cos + t * stride_ct + offs_p, mask=pmask, other=0.0).to(tl.float32)
         sin = tl.load(Sin + t * stride_st + offs_p, mask=pmask, other=0.0).to(tl.float32)
-        k = _rope(row + R, offs_p, P, pmask, cos, sin, INTERLEAVE, dtype)
-        dst = (KV + tl.load(Blk + t) * stride_kblk + layer * stride_klayer + tl.load(Off + t) * stride_ktok)
-        if IS_FP8:  # latent / scale, saturated to e4m3's range (a cast beyond it is NaN)
-            c = tl.minimum(tl.maximum(c * inv_scale, -fmax), fmax)
-            k = tl.minimum(tl.maximum(k * inv_scale, -fmax), fmax)
-        tl.store(dst + offs_r, c.to(KV.dtype.element_ty), mask=rmask)
-        tl.store(dst + R + offs_p, k.to(KV.dtype.element_ty), mask=pmask)
-        # the token's H query rows
-        offs_h = tl.arange(0, BLOCK_H)
+        if hb == 0:
+            offs_r = tl.arange(0, BLOCK_R)
+            rmask = offs_r < R
+            # RMSNorm(c_kv) as engine.model.rms_norm: float32, rounded back, then times the weight
+            c = tl.load(row + offs_r, mask=rmask, other=0.0).to(tl.float32)
+            c = _round(c * tl.math.rsqrt(tl.sum(c * c, 0) / R + eps), dtype)
+            w = tl.load(NormW + offs_r, mask=rmask, other=0.0).to(tl.float32)
+            c = _round(w * c, dtype)
+            k = _rope(row + R, offs_p, P, pmask, cos, sin, INTERLEAVE, dtype)
+            dst = KV + tl.load(Blk + t) * stride_kblk + layer * stride_klayer + tl.load(Off + t) * stride_ktok
+            if IS_FP8:  # latent × 1/scale, saturated to e4m3's range (a cast beyond it is NaN); NaN stays NaN
+                c = tl.minimum(tl.maximum(c * inv_scale, -fmax, propagate_nan=tl.PropagateNan.ALL), fmax,
+                               propagate_nan=tl.PropagateNan.ALL)
+                k = tl.minimum(tl.maximum(k * inv_scale, -fmax, propagate_nan=tl.PropagateNan.ALL), fmax,
+                               propagate_nan=tl.PropagateNan.ALL)
+            tl.store(dst + offs_r, c.to(KV.dtype.element_ty), mask=rmask)
+            tl.store(dst + R + offs_p, k.to(KV.dtype.element_ty), mask=pmask)
+        offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
         hmask = offs_h < H
         qrow = QPE + t * stride_qt + offs_h[:, None] * stride_qh
         q = _rope(qrow, offs_p[None, :], P, hmask[:, None] & pmask[None, :], cos[None, :], sin[None, :],
@@ -127,37 +133,36 @@ def rope_latent_store(q_pe: torch.Tensor, kv_a: torch.Tensor, cos: torch.Tensor,
                       norm_weight: torch.Tensor, eps: float, rank: int, interleave: bool,
                       kv: torch.Tensor, layer: int, w_blk: torch.Tensor, w_off: torch.Tensor,
                       kv_scale: float = 1.0) -> torch.Tensor:
-    """`rope_latent_store_reference` as one Triton kernel (a program per token); the same
-    arguments and result. Inputs whose last dimension is strided are copied first (the decode
-    step's views of the fused projection's output need no copy). FP8 pools: the row is multiplied by the float32
-    reciprocal of kv_scale, which is what torch's CUDA division by a Python number does (on a
-    CPU torch divides, which can differ in the last bit before the e4m3 rounding).
+    """`rope_latent_store_reference` as one Triton kernel (a program per token and 16 query
+    heads); the same arguments and result. Inputs whose last dimension is strided are copied
+    first (the decode step's views of the fused projection's output need no copy). FP8 pools:
+    the row times `engine.kv_pool.reciprocal32(kv_scale)`, the multiplier of every FP8 write.
 
-    Raises RuntimeError when triton is not installed, ValueError on a dimension mismatch.
+    Raises RuntimeError when triton is not installed, ValueError on a shape mismatch.
     """
     if triton is None:
         raise RuntimeError("rope_latent_store needs triton (pip install triton; it ships with CUDA torch)")
     t, h, p = q_pe.shape
-    if kv_a.shape != (t, rank + p) or kv.shape[-1] != rank + p or cos.shape != (t, p) or p % 2:
-        raise ValueError(f"q_pe {tuple(q_pe.shape)}, kv_a {tuple(kv_a.shape)}, cos {tuple(cos.shape)}, "
-                         f"pool rows {kv.shape[-1]}, kv_lora_rank {rank}: need kv_a [T, R + P], cos [T, P], "
-                         "pool rows R + P and an even P")
-    q_pe, kv_a, cos, sin = (x if x.stride(-1) == 1 else x.contiguous() for x in (q_pe, kv_a, cos, sin))
+    if (kv_a.shape != (t, rank + p) or kv.shape[-1] != rank + p or cos.shape != (t, p) or sin.shape != (t, p)
+            or norm_weight.shape != (rank,) or w_blk.shape != (t,) or w_off.shape != (t,) or p % 2):
+        raise ValueError(f"q_pe {tuple(q_pe.shape)}, kv_a {tuple(kv_a.shape)}, cos/sin {tuple(cos.shape)}/"
+                         f"{tuple(sin.shape)}, weight {tuple(norm_weight.shape)}, slots {tuple(w_blk.shape)}/"
+                         f"{tuple(w_off.shape)}, pool rows {kv.shape[-1]}, kv_lora_rank {rank}: need kv_a [T, R + P], "
+                         "cos and sin [T, P], weight [R], slots [T], pool rows R + P and an even P")
+    q_pe, kv_a, cos, sin, kv_rows = (x if x.stride(-1) == 1 else x.contiguous() for x in (q_pe, kv_a, cos, sin, kv))
+    if kv_rows is not kv:
+        raise ValueError("rope_latent_store writes the pool in place: its rows must be contiguous")
+    w_blk, w_off = w_blk.long(), w_off.long()  # a no-op for the decode step's int64 slots
     out = torch.empty((t, h, p), dtype=q_pe.dtype, device=q_pe.device)
     if t == 0:
         return out
     is_fp8 = kv.dtype == FP8
-    _rope_latent_store[(t,)](
+    block_h = min(16, triton.next_power_of_2(h))
+    _rope_latent_store[(t, triton.cdiv(h, block_h))](
         q_pe, kv_a, cos, sin, norm_weight, kv, w_blk, w_off, out,
-        layer, eps, _reciprocal32(kv_scale) if is_fp8 else 1.0, torch.finfo(FP8).max,
+        layer, eps, reciprocal32(kv_scale) if is_fp8 else 1.0, FP8_MAX,
         q_pe.stride(0), q_pe.stride(1), kv_a.stride(0), cos.stride(0), sin.stride(0),
         kv.stride(0), kv.stride(1), kv.stride(2), out.stride(0), out.stride(1),
-        H=h, R=rank, P=p, BLOCK_H=triton.next_power_of_2(h), BLOCK_R=triton.next_power_of_2(rank),
+        H=h, R=rank, P=p, BLOCK_H=block_h, BLOCK_R=triton.next_power_of_2(rank),
         BLOCK_P=triton.next_power_of_2(p), INTERLEAVE=interleave, IS_FP8=is_fp8, num_warps=4)
     return out
-
-
-def _reciprocal32(x: float) -> float:
-    """1 / x computed in float32, as ATen's CUDA division by a scalar computes it."""
-    one = torch.ones((), dtype=torch.float32)
-    return (one / torch.tensor(x, dtype=torch.float32)).item()
