@@ -1,11 +1,14 @@
 """Signal handling for the staged lifecycle: the first SIGTERM/SIGINT asks to drain and
-stop, a second one exits at once (DESIGN.md section 3, "Draining")."""
+stop, a second one exits at once (docs/operations.md, draining); child processes that exit with
+their worker."""
 
 from __future__ import annotations
 
 import asyncio
 import os
 import signal
+import threading
+import time
 from typing import Callable
 
 
@@ -46,3 +49,23 @@ async def wait_set(event: asyncio.Event, timeout_s: float) -> bool:
         return True
     except (TimeoutError, asyncio.TimeoutError):
         return False
+
+
+def exit_with_parent(parent_pid: int, poll_s: float = 0.5) -> threading.Thread:
+    """In a child process a worker spawned (a pipeline stage, an expert-parallel rank): exit at
+    once (status 1) when the process parent_pid is gone, so that a worker killed or stopped
+    during its start-up leaves no process behind. Daemon children are ended by their parent's
+    normal exit only, and a worker waiting for its children in a collective's set-up cannot run
+    a signal handler until that wait ends. Polls os.getppid() every poll_s seconds (a child is
+    re-parented when its parent dies): Linux's PR_SET_PDEATHSIG would fire when the parent's
+    spawning thread ends, not the process. Returns the watching thread (a daemon)."""
+
+    def watch() -> None:
+        while True:
+            if os.getppid() != parent_pid:
+                os._exit(1)
+            time.sleep(poll_s)
+
+    t = threading.Thread(target=watch, name="exit-with-parent", daemon=True)
+    t.start()
+    return t

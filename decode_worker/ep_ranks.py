@@ -30,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import multiprocessing.connection
+import os
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -40,6 +41,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from common.gc_pauses import freeze_startup_heap, own_process
+from common.lifecycle import exit_with_parent
 from decode_worker.ep_pool import EpKvPool
 from engine.block_pool import BlockId
 from engine.kv_pool import KvPool, KvPoolConfig, PagedKvCache
@@ -209,11 +211,15 @@ def _ep_model(spec: str, seed: int, placement: ExpertPlacement, rank: int, devic
 
 def _rank_main(rank: int, world: int, port: int, spec: str, seed: int, threads: int, timeout_s: float,
                placement: ExpertPlacement, rank_config: KvPoolConfig, hash_seed: int, kv: torch.Tensor,
-               dtype: torch.dtype, conn: multiprocessing.connection.Connection, gc_freeze: bool = False) -> None:
+               dtype: torch.dtype, conn: multiprocessing.connection.Connection, gc_freeze: bool = False,
+               parent_pid: int | None = None) -> None:
     """A child rank: join the group, build the model with this rank's experts on kv's device
     and a runner over its pool (kv: this rank's storage, shared memory or CUDA IPC), then serve
     steps until rank 0 sends None or the pipe closes. gc_freeze: freeze the start-up heap once
-    warmed up (the worker's --gc-freeze: a collection in one rank stalls every rank's step)."""
+    warmed up (the worker's --gc-freeze: a collection in one rank stalls every rank's step).
+    parent_pid: the worker's process; the rank exits once it is gone (even mid start-up)."""
+    if parent_pid is not None:
+        exit_with_parent(parent_pid)
     torch.set_num_threads(threads)
     store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=timedelta(seconds=timeout_s))
     _init_group(rank, world, store, timeout_s, kv.device)
@@ -309,7 +315,7 @@ class EpEngine:
             ours, theirs = ctx.Pipe()
             p = ctx.Process(target=_rank_main, name=f"ep-rank-{rank}", daemon=True,
                             args=(rank, ep_size, store.port, spec, seed, threads, timeout_s, self.placement,
-                                  rank_config, hash_seed, shares[rank], dtype, theirs, gc_freeze))
+                                  rank_config, hash_seed, shares[rank], dtype, theirs, gc_freeze, os.getpid()))
             p.start()
             theirs.close()
             self._conns.append(ours)

@@ -52,6 +52,7 @@ import torch
 import torch.distributed as dist
 
 from common import tracing
+from common.lifecycle import exit_with_parent
 from engine.kv_pool import KvPoolConfig, PagedKvCache
 from engine.rank_devices import collective_backend, rank_devices
 
@@ -178,8 +179,10 @@ def _stage_layers_to(model: torch.nn.Module, layers: tuple[int, int], dev: torch
 
 def _stage_main(rank: int, size: int, port: int, backend: str, model: torch.nn.Module, kv: torch.Tensor,
                 kv_config: KvPoolConfig, layers: tuple[int, int], device: str, threads: int,
-                timeout_s: float) -> None:
-    """Body of stage process `rank` >= 1: receive, run layers [start, stop), pass on; until STOP."""
+                timeout_s: float, parent_pid: int) -> None:
+    """Body of stage process `rank` >= 1: receive, run layers [start, stop), pass on; until STOP
+    (or until the worker process parent_pid is gone)."""
+    exit_with_parent(parent_pid)
     torch.set_num_threads(threads)
     dev = torch.device(device)
     last = rank == size - 1
@@ -281,7 +284,7 @@ class Pipeline:
         for rank in range(1, self.size):
             p = ctx.Process(target=_stage_main, name=f"prefill-stage-{rank}", daemon=True,
                             args=(rank, self.size, self._store.port, backend, model, pool_kv, pool_config,
-                                  self.ranges[rank], str(devices[rank]), threads, timeout_s))
+                                  self.ranges[rank], str(devices[rank]), threads, timeout_s, os.getpid()))
             p.start()
             self.procs.append(p)
         self.pg, self.pg_ret = _make_groups(backend, self._store, 0, self.size, timeout)
