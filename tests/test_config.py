@@ -230,3 +230,24 @@ def test_config_show_names_a_value_the_command_would_refuse(tmp_path, capsys):
     capsys.readouterr()
     assert tandem(["config", "show", "--config", path]) == 0  # the overview notes it only
     assert "would refuse this: --stream-interval" in capsys.readouterr().out
+
+
+def test_one_roles_options_reach_that_role_only(tmp_path, monkeypatch, capsys):
+    """`tandem up` runs every process with one environment and one file: TANDEM_EP_SIZE and
+    a [worker] pp_size configure the role they apply to and leave the other at its default (a
+    prefill worker refused --ep-size, a decode worker --pp-size); the other role's flag, or its
+    key in that role's own table, is refused by name."""
+    monkeypatch.setenv("TANDEM_EP_SIZE", "2")
+    path = write(tmp_path, "[worker]\npp_size = 3\npp_layer_partition = \"1,1,1\"\n")
+    decode, prefill = effective(["decode", "--config", path]), effective(["prefill", "--config", path])
+    assert (decode["ep_size"].value, decode["ep_size"].source) == (2, "env TANDEM_EP_SIZE")
+    assert "pp_size" not in decode and "ep_size" not in prefill
+    assert (prefill["pp_size"].value, prefill["pp_layer_partition"].value) == (3, "1,1,1")
+    for argv, message in ((["prefill", "--ep-size", "2"], "--ep-size applies to decode workers only"),
+                          (["decode", "--pp-size=2"], "--pp-size applies to prefill workers only")):
+        with pytest.raises(SystemExit) as exc:
+            build_parser().parse_args(argv)
+        assert exc.value.code == 2 and message in capsys.readouterr().err
+    bad = write(tmp_path, "[prefill]\nep_size = 2\n")
+    with pytest.raises(config.ConfigError, match="ep_size"):
+        effective(["prefill", "--config", bad])
