@@ -100,9 +100,17 @@ def main(argv: list[str] | None = None) -> int:
                    help="tandem-shakespeare (shipped, trained), tandem-tiny (seeded) or a checkpoint folder")
     p.add_argument("--concurrency", type=int, default=8, help="requests in flight")
     p.add_argument("--max-tokens", type=int, default=32, help="tokens to generate per question")
-    p.add_argument("--limit", type=int, default=None, help="send only the first N questions (default: all 80)")
+    p.add_argument("--limit", type=int, default=0, help="send only the first N questions (0 = all 80)")
     a = p.parse_args(argv)
-    return asyncio.run(run_demo(a.model, a.concurrency, a.max_tokens, a.limit))
+    if a.limit < 0:
+        p.error(f"--limit {a.limit}: must be 0 (all) or more")
+    try:
+        return asyncio.run(run_demo(a.model, a.concurrency, a.max_tokens, a.limit or None))
+    except KeyboardInterrupt:
+        return 130
+    except (OSError, RuntimeError, TimeoutError, ValueError) as exc:  # start-up failures: one line, as tandem up
+        print(f"tandem demo: {exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

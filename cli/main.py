@@ -12,6 +12,7 @@ from cli import certs, config, config_show, health
 from cli.flags import add_flags, add_option, build
 from cli.top import add_parser as add_top_parser
 from common.gc_pauses import own_process
+from common.version import VERSION
 
 
 def _router(args: argparse.Namespace) -> int:
@@ -254,6 +255,8 @@ def build_parser(command: str | None = None, full: bool = True) -> argparse.Argu
     _arg(parser, "--log-format", "text", "text or json (one JSON object per line)")
     parser.add_argument("--config", default=argparse.SUPPRESS,
                         help="TOML config file (env TANDEM_CONFIG; precedence flag > env > file > default)")
+    parser.add_argument("--version", action="version", version=f"tandem {VERSION}",
+                        help="print the version every Tandem process reports, and exit")
     sub = parser.add_subparsers(dest="command", required=True)
     if heavy("router"):
         from router.main import RouterOptions

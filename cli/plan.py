@@ -183,9 +183,26 @@ def build_plans(opts: PlanOptions) -> tuple[str, KvFootprint, list[Plan]]:
     return label, fp, plans
 
 
+def context_note(opts: PlanOptions) -> str | None:
+    """A warning when --model's context (its config's max_position_embeddings) is shorter than
+    --input-len + --output-len: its workers would refuse such requests; None otherwise."""
+    if not opts.model:
+        return None
+    from engine.model_source import load_config
+    name, cfg, _ = load_config(opts.model)
+    want = parse_tokens(opts.input_len) + parse_tokens(opts.output_len)
+    if want <= cfg.max_position_embeddings:
+        return None
+    return (f"note: {want:,} tokens per request (--input-len + --output-len) exceed {name}'s context of "
+            f"{cfg.max_position_embeddings:,} tokens; its workers refuse such requests")
+
+
 def main(opts: PlanOptions) -> int:
-    """Print the table (`opts.format`); 0 on success."""
+    """Print the table (`opts.format`), and on stderr a note when the requests exceed --model's
+    context; 0 on success."""
     label, fp, plans = build_plans(opts)
+    if (note := context_note(opts)) is not None:
+        print(note, file=sys.stderr)
     if opts.format == "json":
         print(json.dumps({"model": label, "footprint": asdict(fp),
                           "columns": [{**asdict(p.inputs), **{k: v for k, v in asdict(p).items() if k != "inputs"}}

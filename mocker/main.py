@@ -14,7 +14,9 @@ def add_parser(sub) -> None:
     add_flags(p, MockerOptions, help={
         "model": "the served model's name and limits: tandem-mock (shipped config) or a folder with a config.json; "
                  "no weights are loaded",
-        "num_blocks": "KV pool capacity of each simulated worker, in blocks"})
+        "num_blocks": "KV pool capacity of each simulated worker, in blocks",
+        "chunk_size": "prefill chunk size of each simulated worker, in tokens (one chunk per simulated step, "
+                      "first come first served); alias --chunked-prefill-size"})
     p.set_defaults(func=_run)
 
 

@@ -1,5 +1,7 @@
 import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -8,6 +10,23 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 # Workers started as processes (`--device auto` picks a GPU when there is one) stay on the CPU in
 # float32, so their tokens can equal reference_generate's on a GPU machine too.
 os.environ.setdefault("TANDEM_DEVICE", "cpu")
+
+# Every temporary folder the run's clusters make — `tandem up`'s and the demo's log folders,
+# etcd's data — under one folder: removed when the run passes, kept (and named) when it fails,
+# so a passing `make test` leaves nothing behind in /tmp. Processes the tests start inherit it.
+# pytest's own tmp_path folders stay where they were (their paths' length matters to tests of
+# unix socket paths) and pytest keeps only its last three runs of them.
+os.environ.setdefault("PYTEST_DEBUG_TEMPROOT", tempfile.gettempdir())
+RUN_TMP = tempfile.mkdtemp(prefix="tandem-tests-")
+os.environ["TMPDIR"] = RUN_TMP
+tempfile.tempdir = RUN_TMP
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if exitstatus == 0:
+        shutil.rmtree(RUN_TMP, ignore_errors=True)
+    else:
+        print(f"\nthe run's temporary files (logs of the clusters it started): {RUN_TMP}", file=sys.stderr)
 
 
 @pytest.fixture(scope="session")

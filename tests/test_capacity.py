@@ -9,7 +9,7 @@ from dataclasses import dataclass, replace
 
 import pytest
 
-from cli.plan import PlanOptions, build_plans, register, render, table
+from cli.plan import PlanOptions, build_plans, context_note, register, render, table
 from decode_worker.admission import Admission, Refused
 from decode_worker.retraction import retraction_order
 from engine.capacity import (DEEPSEEK_R1, GIB, PlanInputs, module_bytes, parse_bytes, parse_tokens, plan,
@@ -81,6 +81,14 @@ def test_plan_from_a_model_config_estimates_weights_per_gpu():
     _, _, (p2,) = build_plans(replace(opts, ep_size=2))
     assert fp.bytes_per_token == (32 + 8) * 5 * 4  # tiny: (kv_lora_rank + rope) × (4 layers + MTP) × fp32
     assert 0 < p2.inputs.weight_bytes < p1.inputs.weight_bytes  # routed experts split over EP
+
+
+def test_plan_notes_requests_longer_than_the_models_context():
+    opts = PlanOptions(model="tandem-shakespeare", hbm="141GB", practical_fractions="0.9")
+    note = context_note(opts)  # the defaults, 128K + 8K tokens, against a 2,048-token model
+    assert note is not None and "136,000 tokens" in note and "2,048" in note
+    assert context_note(replace(opts, input_len="1K", output_len="1048")) is None  # exactly the context
+    assert context_note(PlanOptions()) is None  # a preset has no context of its own
 
 
 def test_theoretical_cap_is_pool_over_per_request():

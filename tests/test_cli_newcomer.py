@@ -59,9 +59,19 @@ def test_no_help_text_tool_docstring_or_doc_points_to_design_md():
     texts |= {f"tandem {name} --help": p.format_help() for name, p in subparsers(parser).items()}
     for tool in sorted((ROOT / "tools").glob("*.py")):
         texts[str(tool.relative_to(ROOT))] = tool.read_text().split('"""')[1] if '"""' in tool.read_text() else ""
-    for doc in [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]:
+    for doc in [ROOT / "README.md", ROOT / "pyproject.toml", *sorted((ROOT / "docs").rglob("*.md")),
+                *sorted((ROOT / "proto").rglob("*.proto"))]:  # the protos are the API's reference
         texts[str(doc.relative_to(ROOT))] = doc.read_text()
     assert [name for name, text in texts.items() if "DESIGN.md" in text] == []
+
+
+def test_version_flag_prints_the_version_processes_report(capsys):
+    from cli.main import main
+    from common.version import VERSION
+
+    with pytest.raises(SystemExit) as exc:
+        main(["--version"])
+    assert exc.value.code == 0 and capsys.readouterr().out.strip() == f"tandem {VERSION}"
 
 
 def test_top_prints_tables_when_stdout_is_a_pipe(router):
