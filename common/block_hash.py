@@ -1,7 +1,7 @@
 """Block hashes: the identity of a KV block, shared by router, workers and mocker.
 
-DESIGN.md section 4: a prompt's token ids are cut into blocks of `block_size` tokens; only
-full blocks are hashed; block i's hash chains the previous one:
+A prompt's token ids are cut into blocks of `block_size` tokens; only full blocks are hashed;
+block i's hash chains the previous one:
 
     h_i = XXH3_64(le64(h_{i-1}) || le32(tokens of block i), seed)      (h_{-1} absent)
 

@@ -1,4 +1,4 @@
-"""Mapping of Tandem's typed errors to gRPC status codes (DESIGN.md section 2)."""
+"""Mapping of Tandem's typed errors to gRPC status codes."""
 
 from __future__ import annotations
 

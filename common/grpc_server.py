@@ -1,4 +1,4 @@
-"""Start a grpc.aio server the way every Tandem process does (DESIGN.md section 2).
+"""Start a grpc.aio server the way every Tandem process does.
 
 Every server also serves grpc.health.v1 (overall status "" plus one entry per service) and
 server reflection, following the grpc.aio examples (graceful shutdown with a bounded grace).

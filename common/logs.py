@@ -1,5 +1,5 @@
 """Logging set-up: text (default) or JSON lines, a level per component, and the request id
-and trace id of the request being served on every line (DESIGN.md section 9).
+and trace id of the request being served on every line (docs/observability.md, "Logs").
 
 The servicers set `request_id` (a ContextVar: every RPC runs in its own asyncio task, so the
 value follows the request and never leaks into another one); the trace id comes from the

@@ -1,5 +1,5 @@
-"""OpenTelemetry tracing: one trace per request across router, prefill and decode (DESIGN.md
-section 9; docs/observability.md lists every span).
+"""OpenTelemetry tracing: one trace per request across router, prefill and decode
+(docs/observability.md, "Tracing", lists every span).
 
 Configured only by the standard `OTEL_*` environment variables. Tracing is on when an OTLP
 endpoint is set (`OTEL_EXPORTER_OTLP_ENDPOINT` or `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`), unless

@@ -1,4 +1,4 @@
-"""Request validation shared by the router and the workers (DESIGN.md section 5, step 1).
+"""Request validation shared by the router and the workers (docs/architecture.md, step 1).
 
 Every failure raises InvalidArgument naming the offending field; servers turn it into
 gRPC INVALID_ARGUMENT with that message, and never count it against a worker's health.

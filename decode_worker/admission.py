@@ -1,5 +1,6 @@
 """Admission control for the decode worker: keep the running requests' KV at a practical
-fraction of the pool, so retraction stays rare (DESIGN.md sections 6 and 8).
+fraction of the pool, so retraction stays rare
+(docs/architecture.md, "KV capacity: pool size, admission, retraction").
 
 A request is admitted when the admitted requests' *projected* KV — each one's prompt +
 max_tokens, in blocks, capped at the pool — plus its own fits `practical_fraction` of the

@@ -138,7 +138,7 @@ class EpKvPool:
     def choose_rank(self, token_ids: list[int], seed: int | None = None) -> list[int]:
         """Ranks in order of preference for a new prompt: lowest cost first, where cost =
         blocks to compute (not in that rank's prefix cache) + blocks in use there — the router's
-        kv cost with prefill_weight 1 (DESIGN.md section 4), so requests spread over idle ranks
+        kv cost with prefill_weight 1 (docs/routing.md, "The cost"), so requests spread over idle ranks
         and a shared prefix is reused where it is cached. Ties go to the lower rank."""
         bs = self.block_size
         hashes = block_hashes(token_ids, bs, self.hash_seed if seed is None else seed)

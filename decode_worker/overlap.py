@@ -1,5 +1,5 @@
-"""The overlap scheduler (DESIGN.md section 8): while the device runs step i, the CPU
-post-processes step i − 1 and schedules step i + 1.
+"""The overlap scheduler (docs/architecture.md, "Decode runtime"): while the device runs step i,
+the CPU post-processes step i − 1 and schedules step i + 1.
 
 Loop: schedule step i + 1 (its input token for a request still waiting on step i is the
 placeholder of step i's future-map slot) → one model-thread call that launches step i + 1 and

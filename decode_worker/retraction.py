@@ -1,12 +1,13 @@
-"""Retraction (DESIGN.md section 8): when a decode step needs KV blocks that are not there —
-even after evicting cached prefixes, which `BlockPool.allocate` does by itself, so "free"
-below counts unreferenced cached blocks — retract running requests, fewest generated tokens
-first and the longest prompt breaking ties (SGLang's order: the least work is lost), until the
-rest have blocks for `HEADROOM_STEPS` steps. A retracted request's blocks are freed (its
-prompt's full blocks stay in the prefix cache until evicted) and it waits, ahead of new
-admissions, to resume: it re-prefills locally from prompt + tokens generated so far (all but
-the last token, whose KV the next decode step writes), rejoins the batch, and streams on from
-where it stopped — same queue, same sampling steps, so no token is repeated or lost.
+"""Retraction (docs/architecture.md, "KV capacity: pool size, admission, retraction"): when a
+decode step needs KV blocks that are not there — even after evicting cached prefixes, which
+`BlockPool.allocate` does by itself, so "free" below counts unreferenced cached blocks —
+retract running requests, fewest generated tokens first and the longest prompt breaking ties
+(SGLang's order: the least work is lost), until the rest have blocks for `HEADROOM_STEPS`
+steps. A retracted request's blocks are freed (its prompt's full blocks stay in the prefix
+cache until evicted) and it waits, ahead of new admissions, to resume: it re-prefills locally
+from prompt + tokens generated so far (all but the last token, whose KV the next decode step
+writes), rejoins the batch, and streams on from where it stopped — same queue, same sampling
+steps, so no token is repeated or lost.
 
 Single-threaded: runs on the worker's event loop, between decode steps.
 """
@@ -31,7 +32,7 @@ HEADROOM_STEPS = 8  # retract until the remaining batch has blocks for this many
 
 
 def retraction_order(reqs: Iterable[RunningRequest]) -> list[RunningRequest]:
-    """Victims first: fewest generated tokens, then the longest prompt (DESIGN.md section 8)."""
+    """Victims first: fewest generated tokens, then the longest prompt."""
     return sorted(reqs, key=lambda r: (r.generated, -r.prompt_len))
 
 

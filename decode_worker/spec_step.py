@@ -1,4 +1,5 @@
-"""The decode loop's MTP speculative step (`--speculative-num-steps k`, DESIGN.md section 8).
+"""The decode loop's MTP speculative step (`--speculative-num-steps k`; docs/architecture.md,
+"Decode runtime").
 
 Replaces the scheduler's one-token run → postprocess with: grow each request's blocks for its
 k drafts → one model-thread call (draft with the MTP module, verify in one target forward;

@@ -1,4 +1,4 @@
-"""Exponential back-off with jitter for etcd retries (DESIGN.md section 3)."""
+"""Exponential back-off with jitter for etcd retries."""
 
 from __future__ import annotations
 

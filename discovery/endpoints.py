@@ -1,4 +1,4 @@
-"""etcd endpoint lists and client connection (DESIGN.md section 3).
+"""etcd endpoint lists and client connection.
 
 The `--etcd` flag takes "host:port[,host:port...]"; `connect_first()` returns an aetcd client for
 the first endpoint that answers a read, so a multi-member etcd keeps working when one member is

@@ -1,4 +1,4 @@
-"""A real etcd child process on loopback, for tests and `tandem up` (DESIGN.md section 3).
+"""A real etcd child process on loopback, for tests and `tandem up`.
 
 `EtcdServer` starts the `etcd` binary found on PATH on free 127.0.0.1 ports with its data in a
 temporary folder, waits until it answers on `/health`, and stops it by killing its process group.

@@ -1,4 +1,4 @@
-"""etcd key layout of the discovery records (DESIGN.md section 3).
+"""etcd key layout of the discovery records.
 
     /tandem/v1/{namespace}/instances/{component}/{instance_id}
 
@@ -15,7 +15,7 @@ from common.pb.tandem.v1 import discovery_pb2
 
 ROOT = "/tandem/v1"
 
-# Must match the component names in DESIGN.md section 3 and in deploy/ manifests.
+# Must match the component names of the key layout above and in deploy/ manifests.
 COMPONENT_BY_ROLE: dict[int, str] = {
     discovery_pb2.ROLE_ROUTER: "router",
     discovery_pb2.ROLE_PREFILL: "prefill",

@@ -1,4 +1,4 @@
-"""Lease-backed registration of one instance in etcd (DESIGN.md section 3).
+"""Lease-backed registration of one instance in etcd.
 
 The record lives under `/tandem/v1/{namespace}/instances/{component}/{instance_id}`, attached to
 a lease of `ttl_seconds`. A background task refreshes the lease a third of the way into each
@@ -45,7 +45,7 @@ class Registration:
             when `client_factory` is given.
         namespace: discovery namespace (one key segment).
         instance: the record to publish; its role and instance_id fix the key.
-        ttl_seconds: lease time to live in seconds (default 10, DESIGN.md section 3). etcd leases
+        ttl_seconds: lease time to live in seconds (default 10, `--lease-ttl`). etcd leases
             have whole seconds, so it is rounded up; etcd raises values below its minimum (2 s
             with default settings) and the granted TTL is what the keep-alive uses.
         client_factory: async callable returning a connected aetcd client (used for tests and to

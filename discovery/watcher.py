@@ -1,4 +1,4 @@
-"""A live view of the registered instances of a namespace (DESIGN.md section 3).
+"""A live view of the registered instances of a namespace.
 
 The watcher lists the prefix at revision R (the revision in the response header), then watches
 from R + 1, applying each watch response as a whole. When the watch breaks, is compacted, or

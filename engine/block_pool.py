@@ -6,10 +6,9 @@ cache, and it stays cached after its last reference goes, on an LRU free list, u
 space is needed. Unhashed free blocks are handed out before cached ones (O(1) both ways,
 like vLLM's `v1/core/block_pool.py`).
 
-The pool itself emits the KV events (DESIGN.md section 4) through `events`: BlockStored when
-a hash enters the prefix cache, BlockRemoved when it leaves (eviction), AllBlocksCleared.
-Only one block per hash is ever cached, so "removed" is reported exactly when the last copy
-goes.
+The pool itself emits the KV events through `events`: BlockStored when a hash enters the prefix
+cache, BlockRemoved when it leaves (eviction), AllBlocksCleared. Only one block per hash is ever
+cached, so "removed" is reported exactly when the last copy goes.
 """
 
 from __future__ import annotations

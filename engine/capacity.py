@@ -1,6 +1,6 @@
 """KV capacity arithmetic: the pool a GPU can hold and how many requests fit in it.
 
-DESIGN.md section 6 ("Capacity planning", the seed's table):
+The formulas of the seed's capacity table (docs/bench/capacity.md):
 
     KV pool budget      = HBM × mem_fraction_static − weight bytes
     bytes per token     = (kv_lora_rank + qk_rope_head_dim) × layers × KV bytes per element
@@ -88,7 +88,7 @@ def parse_tokens(text: str) -> int:
 
 @dataclass(frozen=True)
 class KvFootprint:
-    """What one cached token costs: DESIGN.md section 6, "KV cache"."""
+    """What one cached token costs: (kv_lora_rank + qk_rope_head_dim) × layers × bytes per element."""
 
     kv_lora_rank: int  # MLA latent width (elements)
     qk_rope_head_dim: int  # rotary key width (elements)
@@ -141,7 +141,7 @@ class Plan:
 
 
 def plan(inputs: PlanInputs) -> Plan:
-    """DESIGN.md section 6's capacity table for one GPU kind (formulas in the module docstring)."""
+    """The seed's capacity table for one GPU kind (formulas in the module docstring)."""
     pool = int(inputs.hbm_bytes * inputs.mem_fraction_static) - inputs.weight_bytes
     per_request = inputs.cached_tokens * inputs.bytes_per_token
     cap = max(pool, 0) / per_request

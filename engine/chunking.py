@@ -1,9 +1,9 @@
 """Prefill chunk planning: static chunks, or dynamic chunks fitted to a time model.
 
-Dynamic chunking follows DESIGN.md section 7 (after SGLang's dynamic chunked prefill): from
-start-up timings of prefills of several lengths fit `f(l) = a·l² + b·l + c` (seconds for l
-tokens), take the target `T = f(base) − f(0)` (the time of one base chunk with no prefix), and
-for a prefix of L tokens choose the chunk x with `f(L + x) − f(L) = T`:
+Dynamic chunking follows SGLang's dynamic chunked prefill: from start-up timings of prefills of
+several lengths fit `f(l) = a·l² + b·l + c` (seconds for l tokens), take the target
+`T = f(base) − f(0)` (the time of one base chunk with no prefix), and for a prefix of L tokens
+choose the chunk x with `f(L + x) − f(L) = T`:
 
     x = (−B + √(B² + 4aT)) / (2a),   B = 2aL + b
 

@@ -143,7 +143,7 @@ class ModelConfig:
         return frozenset(eos) if isinstance(eos, tuple) else frozenset((eos,))
 
     def kv_bytes_per_token(self, bytes_per_element: int) -> int:
-        """KV cache bytes per token over all KV layers (DESIGN.md section 6)."""
+        """KV cache bytes per token over all KV layers."""
         return self.kv_dim * self.num_kv_layers * bytes_per_element
 
     # ---- HF config.json ---------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""Future-token map for the overlap scheduler (DESIGN.md section 8; SGLang's FutureMap).
+"""Future-token map for the overlap scheduler (SGLang's FutureMap; docs/architecture.md).
 
 Step i's sampled tokens stay on the device: they are written into a ring `tokens` [capacity]
 at slots reserved when step i was launched. Before step i's result reaches the host, the

@@ -1,8 +1,8 @@
 """KV event batches of one worker: a bounded ring with monotonically increasing ids.
 
 The block pool records Stored/Removed/Cleared events as it changes; `publish()` turns the
-pending ones into one batch with the next event id (DESIGN.md section 4). Subscribers that
-are new or fell behind the ring start from a snapshot of every cached block.
+pending ones into one batch with the next event id. Subscribers that are new or fell behind the
+ring start from a snapshot of every cached block.
 """
 
 from __future__ import annotations

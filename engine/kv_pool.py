@@ -2,7 +2,7 @@
 
 Layout `[num_blocks, num_layers, block_size, kv_dim]` (block-major): all of one block's
 bytes, over every layer, are contiguous, so a block is one transfer descriptor and a run of
-consecutive blocks merges into one (DESIGN.md section 6, "few, large descriptors").
+consecutive blocks merges into one (transfers want few, large descriptors).
 kv_dim = kv_lora_rank + qk_rope_head_dim: MLA caches one compressed latent per token per
 layer, so bytes per token = kv_dim × num_layers × element size.
 

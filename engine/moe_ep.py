@@ -272,7 +272,7 @@ def install_expert_parallel(model: DeepseekV3ForCausalLM, placement: ExpertPlace
 def idle_forward(model: DeepseekV3ForCausalLM, main_only: bool = True) -> None:
     """Join one step's collectives with no tokens: every main MoE layer (and the MTP modules'
     unless main_only) with T = 0, so the other ranks' tokens still reach this rank's experts
-    (DESIGN.md section 8). Every rank must run the same layers in the same order."""
+    (docs/architecture.md, "Wide-EP decode"). Every rank must run the same layers in the same order."""
     c = model.config
     x = torch.empty(0, c.hidden_size, dtype=model.dtype, device=model.model.embed_tokens.weight.device)
     ids = torch.empty(0, c.num_experts_per_tok, dtype=torch.long, device=x.device)

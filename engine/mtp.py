@@ -1,4 +1,4 @@
-"""The MTP module's KV in the paged pool (DESIGN.md section 8, "MTP").
+"""The MTP module's KV in the paged pool (docs/architecture.md, "Decode runtime").
 
 Convention (as `DeepseekV3ForCausalLM.mtp_forward` and tools/mtp_accept.py): MTP KV row p
 holds the pair (main final-normed hidden at p, token at p + 1); its output predicts the token

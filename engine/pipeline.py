@@ -1,4 +1,4 @@
-"""Pipeline-parallel chunked prefill (DESIGN.md section 7): the layers split over stage processes.
+"""Pipeline-parallel chunked prefill: the layers split over stage processes.
 
 The prefill worker process is stage 0: it owns scheduling, embeds each chunk, runs its own
 layers and sends the hidden states on; stages 1..N-1 are processes it spawns, each running its

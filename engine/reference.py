@@ -1,4 +1,4 @@
-"""The single-process reference generator (DESIGN.md section 6, "Reference").
+"""The single-process reference generator.
 
 Every runtime path (chunked, pipelined, expert-parallel, speculative, disaggregated, migrated)
 is checked against this function: one un-chunked forward over the whole prompt with an unpaged

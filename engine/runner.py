@@ -302,7 +302,7 @@ class ModelRunner:
     def time_prefill(self, lengths: Sequence[int], repeats: int = 2) -> list[float]:
         """Seconds to prefill `lengths` tokens from scratch (one chunk, unpaged cache), the
         fastest of `repeats` runs each, after one warm-up: the samples of dynamic chunking's
-        fit (DESIGN.md section 7). Token ids are arbitrary (time does not depend on them)."""
+        fit (engine/chunking.py). Token ids are arbitrary (time does not depend on them)."""
         cfg = self.model.config
         out = []
         for i, n in enumerate(lengths):

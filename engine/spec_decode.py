@@ -1,6 +1,6 @@
 """MTP speculative decoding: draft with the MTP module, verify in one target forward, accept.
 
-One speculative step for a batch (DESIGN.md section 8, "MTP"; SGLang's EAGLE/MTP worker):
+One speculative step for a batch (docs/architecture.md, "Decode runtime"; SGLang's EAGLE/MTP worker):
 
 1. *MTP extend*: for each request, the MTP rows of the tokens accepted since its last step
    (pairs (main hidden at p, token p + 1) for p = mtp_start..n-1, where n is the position of
@@ -95,7 +95,8 @@ def spec_forward(model: torch.nn.Module, pool: KvPool, batch: list[SpecInput],
     num_drafts, >= every request's here): then the MTP extend, exactly max(rounds - 1, 0)
     chain forwards and the verify forward always run, a forward with no rows on this rank
     joining the MoE all-to-alls with no tokens (`engine.moe_ep` idle paths), so every rank
-    runs the same collectives in the same order (DESIGN.md section 8). batch may then be empty.
+    runs the same collectives in the same order (docs/architecture.md, "Wide-EP decode"). batch
+    may then be empty.
     """
     lockstep = rounds is not None
     if rounds is None:

@@ -1,4 +1,4 @@
-"""KV block transfer between workers' KV pools (DESIGN.md section 5).
+"""KV block transfer between workers' KV pools (docs/architecture.md, step 4).
 
 `create_agent(backend, name)` returns a `KvTransferAgent` that chooses a backend per peer pair
 (`select.py`): `cuda-ipc` (CUDA pools on one host), `shm` (host pools on one host) or `nixl`

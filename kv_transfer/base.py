@@ -1,4 +1,4 @@
-"""KV block transfer interface (DESIGN.md section 5, the NIXL paragraph).
+"""KV block transfer interface.
 
 A worker owns one KV pool: one contiguous memory region in which block `b` occupies the bytes
 [base + b * stride, base + (b + 1) * stride). With the engine's pool tensor of shape
@@ -173,7 +173,7 @@ def notification(request_id: str, token: bytes = b"") -> bytes:
 
 
 class KvTransferAgent(abc.ABC):
-    """One worker's endpoint for KV block transfers (DESIGN.md section 5).
+    """One worker's endpoint for KV block transfers.
 
     Lifecycle: create -> `register_pool` (once) -> `metadata()` is published (gRPC call or
     discovery record) -> peers call `add_peer` with it -> `write_blocks` / `wait_notification`

@@ -2,8 +2,8 @@
 
 Why: the `nixl-cu13` wheel's UCX has no working CUDA transports on our H200 machine, so NIXL
 stages GPU memory through the host at ~0.5 GB/s, against ~2,000 GB/s for a device-to-device
-copy (DESIGN.md section 5). CUDA IPC maps the peer's pool into this process, and a write is
-`copy_` on the GPU's copy path.
+copy. CUDA IPC maps the peer's pool into this process, and a write is `copy_` on the GPU's copy
+path.
 
 Export: torch's own CUDA IPC (`torch.multiprocessing.reductions.reduce_tensor`, i.e.
 cudaIpcGetMemHandle of the pool's allocation plus torch's reference counter), sent as JSON

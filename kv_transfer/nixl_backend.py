@@ -1,4 +1,4 @@
-"""NIXL backend of `KvTransferAgent`: one-sided WRITEs over UCX (DESIGN.md section 5).
+"""NIXL backend of `KvTransferAgent`: one-sided WRITEs over UCX.
 
 NIXL is imported lazily (`nixl_cu13`, then `nixl`) so the package imports on machines without
 it. Facts about the `nixl-cu13` 1.5.1 wheel this module relies on (measured, not documented):

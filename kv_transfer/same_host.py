@@ -2,9 +2,8 @@
 
 Two worker processes on one host map each other's KV pool (shared memory for host pools, CUDA
 IPC handles for GPU pools), so a write is a plain copy into the peer's memory done by the
-writer: no library, no staging, the copy bandwidth limit (DESIGN.md section 5, NIXL
-paragraph). What a subclass adds is only how a pool is exported and opened (`_export`,
-`_open`) and how bytes are copied (`_copy`).
+writer: no library, no staging, the copy bandwidth limit. What a subclass adds is only how a
+pool is exported and opened (`_export`, `_open`) and how bytes are copied (`_copy`).
 
 Notifications travel over a Unix stream socket in the abstract namespace (no file to clean
 up): every agent listens on one, a writer connects once per peer (in `add_peer`), sends its

@@ -5,7 +5,7 @@ full are posted as a data-only write, in the background, so the next chunk compu
 move; `finish` waits for those writes, then writes what is left — the blocks of the last chunk
 and the partial last block — with the one notification carrying the request id. By the
 `write_blocks` ordering rule the notification reaches the decode worker after every block,
-so it starts decoding only when all of them arrived (issue 10; DESIGN.md section 5).
+so it starts decoding only when all of them arrived (issue 10; docs/architecture.md, step 5).
 
 Exactly one outcome per request: `finish` returns a `SendResult`, or the first failure is
 raised (as `TransferError`) from `on_chunk_done` or `finish`; `aclose` (always, in a

@@ -21,7 +21,8 @@ async def run(opts: WorkerOptions, ready: Callable[[RunningServer, WorkerRuntime
               stop: asyncio.Event | None = None, loaded: LoadedModel | None = None) -> None:
     """Serve a prefill worker until SIGTERM/SIGINT or `stop`; `ready` is called once serving;
     `loaded` shares an already loaded model (tests run several workers in one process)."""
-    if opts.ep_size != 1:  # expert parallelism is a decode-worker runtime (DESIGN.md section 8)
+    # expert parallelism is a decode-worker runtime (docs/architecture.md, "Wide-EP decode")
+    if opts.ep_size != 1:
         raise ValueError(f"--ep-size {opts.ep_size}: expert parallelism applies to decode workers only")
     runtime = WorkerRuntime(discovery_pb2.ROLE_PREFILL, opts, loaded)
     methods = {"Prefill": ("unary", pb.PrefillRequest, pb.PrefillResponse),

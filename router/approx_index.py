@@ -1,5 +1,4 @@
-"""Approximate KV index for engines that publish no KV events (DESIGN.md section 4, "Approximate
-mode").
+"""Approximate KV index for engines that publish no KV events (the router's `approx` mode).
 
 Without events the router cannot know what a worker caches, so it assumes: after routing a
 request to worker w, w holds the request's blocks for `ttl_s` seconds (refreshed whenever

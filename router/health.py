@@ -1,4 +1,4 @@
-"""The router's health tracking of its workers (DESIGN.md section 3, "Health").
+"""The router's health tracking of its workers (docs/operations.md lists its flags and bounds).
 
 Every `interval_s` the tracker calls `grpc.health.v1.Health/Check` (overall service "") on
 each prefill and decode worker the router's WorkerSet knows (whatever its discovery state),

@@ -1,10 +1,10 @@
-"""The router's global KV index: which workers hold which KV blocks (DESIGN.md section 4, "Index").
+"""The router's global KV index: which workers hold which KV blocks (docs/architecture.md, step 2).
 
 A block is identified by its chained 64-bit block hash (`common/block_hash.py`): block i's hash
 covers blocks 0..i, so equal hashes mean equal prefixes, and a flat map
 ``hash -> holders`` is equivalent to a radix tree over the chained hashes (what NVIDIA Dynamo
-calls its indexer). The index is fed by the workers' KV events (DESIGN.md section 4,
-"KV events": ``BlockStored{parent_hash, block_hashes[]}``, ``BlockRemoved{block_hashes[]}``,
+calls its indexer). The index is fed by the workers' KV events
+(``BlockStored{parent_hash, block_hashes[]}``, ``BlockRemoved{block_hashes[]}``,
 ``AllBlocksCleared``, and a full snapshot on (re)subscription) and answers one question on the
 hot path of every request: for a request's block hashes, how many *leading* blocks does each
 worker hold (its overlap)?
@@ -75,7 +75,7 @@ class KvIndexCounters:
 
 
 class KvIndex:
-    """For each block hash, the set of workers holding it (DESIGN.md section 4, "Index").
+    """For each block hash, the set of workers holding it.
 
     Event methods (`apply_stored`, `apply_removed`, `clear_worker`, `replace_worker`) add the
     worker implicitly if it is unknown, so the first event of a new worker needs no separate
@@ -200,7 +200,7 @@ class KvIndex:
         Blocks it already holds are counted (`stored_duplicates`) and otherwise ignored, so a
         repeated event is harmless. A parent the worker does not hold is counted
         (`unknown_parent`) but the blocks are still applied: the event stream is the truth, and
-        a gap is the subscriber's to detect (DESIGN.md section 4, resync from a snapshot).
+        a gap is the subscriber's to detect (router/kv_subscriber.py resyncs from a snapshot).
         Returns the number of blocks newly held.
         """
         bit = self._bit(worker)
@@ -254,7 +254,7 @@ class KvIndex:
         A worker's count stops at its first missing block, even if it holds later ones (a
         later block without its prefix is useless for prefix reuse). Workers with overlap 0 are
         omitted. Cost: one dict probe per block up to the longest overlap + 1, plus one step per
-        worker with a non-zero overlap (hot path of every routing decision, DESIGN.md section 4).
+        worker with a non-zero overlap (hot path of every routing decision).
 
         Args:
             hashes: the request's chained block hashes in prompt order, as Python ints (from

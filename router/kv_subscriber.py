@@ -1,11 +1,11 @@
 """One KvEventService subscription per worker, feeding the router's KvIndex.
 
-DESIGN.md section 4: batches carry a per-worker event id increasing by one. A batch that
-repeats or precedes the last applied id is dropped (counted); a batch that skips ids is a
-gap: the subscription restarts from event 0, which makes the worker send a full snapshot
-that replaces what the index held for it. Restarts back off (up to `max_backoff_s`), so a
-worker that keeps answering with gaps cannot drive a resync loop. When a worker leaves
-discovery its subscription ends and all its blocks leave the index.
+Batches carry a per-worker event id increasing by one. A batch that repeats or precedes the last
+applied id is dropped (counted); a batch that skips ids is a gap: the subscription restarts from
+event 0, which makes the worker send a full snapshot that replaces what the index held for it.
+Restarts back off (up to `max_backoff_s`), so a worker that keeps answering with gaps cannot
+drive a resync loop. When a worker leaves discovery its subscription ends and all its blocks
+leave the index.
 
 Incarnations (issue 20): event ids count within one worker process, named by the incarnation
 in its discovery record and in every batch. When either shows a new incarnation under a known

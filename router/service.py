@@ -1,4 +1,4 @@
-"""FrontendService: the client-facing API (DESIGN.md sections 2, 4 and 5).
+"""FrontendService: the client-facing API (docs/architecture.md, "The path of one request").
 
 Generate: validate → tokenize → route (router/placement.py: decode worker, and prefill worker
 or local prefill) → call the decode worker with the prefill worker's address and the remaining
@@ -264,7 +264,7 @@ class FrontendServicer(pb_grpc.FrontendServiceServicer):
         stops = StopMatcher(params.stop)
         generated: list[int] = []
         cached = 0
-        # Retry and migration (DESIGN.md section 5): when the decode worker fails (refuses the
+        # Retry and migration (docs/operations.md): when the decode worker fails (refuses the
         # call, dies mid-stream, drains), it is set aside and the request continues on another
         # one with prompt + tokens generated so far; sampling resumes at the same step, so the
         # client sees one uninterrupted stream with exactly the tokens a fault-free run gives.

@@ -1,4 +1,4 @@
-"""Capacity planning (DESIGN.md section 6): the seed's table, pool sizing from
+"""Capacity planning (docs/bench/capacity.md): the seed's table, pool sizing from
 --mem-fraction-static, admission control, and the retraction order (unit tests, no servers)."""
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ def plan_main(*argv: str) -> int:
 
 
 def test_seed_table_comes_out_exactly():
-    """288 vs 192 GB HBM at 0.75, 40 GB weights, 136K tokens of 35,136 B (DESIGN.md section 6)."""
+    """288 vs 192 GB HBM at 0.75, 40 GB weights, 136K tokens of 35,136 B (docs/bench/capacity.md)."""
     assert DEEPSEEK_R1.bytes_per_token == 35_136
     label, fp, (b300, b200) = build_plans(PlanOptions())  # the defaults are the seed's inputs
     assert label == "deepseek-r1" and fp.bytes_per_token == 35_136

@@ -1,4 +1,4 @@
-"""Property tests of the prefill chunk planner (DESIGN.md section 7)."""
+"""Property tests of the prefill chunk planner (engine/chunking.py)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Discovery against a real etcd (DESIGN.md section 3): registration, leases, watch, outages.
+"""Discovery against a real etcd: registration, leases, watch, outages.
 
 pytest-asyncio is not used: each test runs its own event loop with asyncio.run(), and creates
 its etcd clients inside it (a grpc.aio channel belongs to the loop that created it).

@@ -1,5 +1,5 @@
-"""SIGTERM drain (DESIGN.md section 3): a stopping worker is marked DRAINING, gets no new
-requests, finishes what it has, then leaves discovery."""
+"""SIGTERM drain (docs/deploy.md, "What a stop does"): a stopping worker is marked DRAINING,
+gets no new requests, finishes what it has, then leaves discovery."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
-"""The prefill runtime end to end (DESIGN.md section 7): disaggregated requests through prefill
-workers with 1, 2 and 3 pipeline stages (real gloo stage processes), static and dynamic chunks,
-prefix reuse, and an FP8 KV pair; greedy tokens equal `reference_generate` in float32.
+"""The prefill runtime end to end: disaggregated requests through prefill workers with 1, 2 and
+3 pipeline stages (real gloo stage processes), static and dynamic chunks, prefix reuse, and an
+FP8 KV pair; greedy tokens equal `reference_generate` in float32.
 
 The decode worker is called directly with the prefill worker's address, so each test picks
 the pipeline it exercises; the KV still travels over NIXL between the pools.

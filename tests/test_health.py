@@ -1,7 +1,7 @@
-"""The router's health tracking (DESIGN.md section 3, "Health"): probes of grpc.health.v1 on
-real in-process grpc.aio servers, the state machine (threshold, recovery, counters), the
-WorkerSet filter, and end to end: a decode worker reporting NOT_SERVING stops being chosen
-while its etcd registration stays, and is chosen again once it reports SERVING.
+"""The router's health tracking (router/health.py): probes of grpc.health.v1 on real in-process
+grpc.aio servers, the state machine (threshold, recovery, counters), the WorkerSet filter, and
+end to end: a decode worker reporting NOT_SERVING stops being chosen while its etcd registration
+stays, and is chosen again once it reports SERVING.
 
 pytest-asyncio is not used: each unit test runs its own loop with asyncio.run().
 """

@@ -1,4 +1,4 @@
-"""KV cache storage dtypes: FP8 bytes per token and the FP8 logits tolerance (DESIGN.md section 6)."""
+"""KV cache storage dtypes: FP8 bytes per token and the FP8 logits tolerance (docs/bench/prefill.md)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""Unit and property tests of router/kv_index.py and router/approx_index.py (DESIGN.md section 4,
-"Index" and "Approximate mode")."""
+"""Unit and property tests of router/kv_index.py and router/approx_index.py."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""kv_transfer over real NIXL/UCX (no mocks), in one process and across two (DESIGN.md §5)."""
+"""kv_transfer over real NIXL/UCX (no mocks), in one process and across two."""
 
 from __future__ import annotations
 
@@ -132,7 +132,7 @@ def _idle_child(conn) -> None:
 
 
 def test_stalled_then_dead_peer_fails_promptly():
-    """DESIGN.md §5: a peer that stalls times out, one that leaves errors, neither hangs."""
+    """A peer that stalls times out, one that leaves errors, neither hangs."""
     ctx = mp.get_context("spawn")
     parent_end, child_end = ctx.Pipe()
     child = ctx.Process(target=_idle_child, args=(child_end,), daemon=True)

@@ -1,6 +1,6 @@
-"""Our model against transformers' own DeepseekV3 implementation (DESIGN.md section 6): a
-checkpoint written by transformers (`save_pretrained`, safetensors) loads with
-engine/loader.py and gives the same logits for the same prompt.
+"""Our model against transformers' own DeepseekV3 implementation: a checkpoint written by
+transformers (`save_pretrained`, safetensors) loads with engine/loader.py and gives the same
+logits for the same prompt.
 
 Skipped where transformers is not installed (it is a `dev` extra; the GPU machine has it)."""
 

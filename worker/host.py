@@ -70,7 +70,7 @@ class WorkerOptions:
     max_prefill_tokens: int = 16384  # token budget of one prefill forward (chunks of concurrent prompts packed)
     prefill_tokens_per_decode_step: int = 1024  # decode: local prefill tokens between two decode steps while requests decode; 0 = off
     prefill_sm_count: int = 0  # decode on CUDA: SMs of the local prefill's green context; 0 = all, shared
-    enable_dynamic_chunking: bool = False  # chunks shrink as the prefix grows (DESIGN.md section 7)
+    enable_dynamic_chunking: bool = False  # chunks shrink as the prefix grows, so each one takes about the same time
     dynamic_chunk_smoothing: float = 0.75  # σ: chunk = base + σ·(x − base)
     pp_size: int = 1  # prefill: pipeline stages (processes); 1 = no pipeline
     pp_layer_partition: str = ""  # prefill: layers per stage "3,1"; empty = as even as possible
@@ -789,7 +789,7 @@ async def _watch_engine(runtime: WorkerRuntime, server: RunningServer) -> None:
 
 
 async def drain(runtime: WorkerRuntime, server: RunningServer, registration, address: str) -> None:
-    """The drain stage (DESIGN.md section 3): report NOT_SERVING, mark the etcd record
+    """The drain stage (docs/deploy.md, "What a stop does"): report NOT_SERVING, mark the etcd record
     DRAINING so routers send nothing new, refuse new requests, and let in-flight ones finish
     (a prefill worker's include their KV transfers, so the decode worker gets its blocks) for
     at most --drain-timeout seconds. Handing unfinished decode requests back for migration

@@ -1,4 +1,4 @@
-"""A MoE layer's routed experts with their weights stacked per expert (DESIGN.md section 12).
+"""A MoE layer's routed experts with their weights stacked per expert.
 
 `GroupedExperts` holds one layer's experts as two stacked tensors (the experts' own nn.Linear
 weights become views of them: no second copy) and runs the routed experts of a step through

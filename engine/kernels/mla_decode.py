@@ -1,4 +1,4 @@
-"""Paged MLA decode attention over the compressed latent pool (DESIGN.md section 12).
+"""Paged MLA decode attention over the compressed latent pool.
 
 With W_UK absorbed into the query and W_UV into the output (DeepSeek-V2 report section
 2.1.2), decode attention of one new token per sequence is, per sequence b and head h:
