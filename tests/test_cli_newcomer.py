@@ -50,7 +50,7 @@ def test_help_imports_neither_torch_nor_fastapi():
     print(f"tandem --help in-process: {float(seconds) * 1000:.0f} ms")
 
 
-def test_no_help_text_tool_docstring_or_doc_points_to_design_md():
+def test_no_help_text_doc_or_code_points_to_design_md():
     from cli.config import subparsers
     from cli.main import build_parser
 
@@ -62,6 +62,11 @@ def test_no_help_text_tool_docstring_or_doc_points_to_design_md():
     for doc in [ROOT / "README.md", ROOT / "pyproject.toml", *sorted((ROOT / "docs").rglob("*.md")),
                 *sorted((ROOT / "proto").rglob("*.proto"))]:  # the protos are the API's reference
         texts[str(doc.relative_to(ROOT))] = doc.read_text()
+    # and the code's comments and docstrings, which readers follow too (this file names it to check)
+    tracked = subprocess.run(["git", "ls-files", "*.py"], cwd=ROOT, capture_output=True, text=True).stdout.split()
+    for name in tracked:
+        if name != "tests/test_cli_newcomer.py":
+            texts[name] = (ROOT / name).read_text()
     assert [name for name, text in texts.items() if "DESIGN.md" in text] == []
 
 
