@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
 import statistics
 import sys
 import time
 from pathlib import Path
+
+import grpc
 
 from cli.client import Completion, frontend_stub, generate
 from cli.cluster import LocalCluster
@@ -102,12 +105,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=32, help="tokens to generate per question")
     p.add_argument("--limit", type=int, default=0, help="send only the first N questions (0 = all 80)")
     a = p.parse_args(argv)
-    if a.limit < 0:
-        p.error(f"--limit {a.limit}: must be 0 (all) or more")
+    for name, least in (("limit", 0), ("concurrency", 1), ("max_tokens", 1)):
+        if getattr(a, name) < least:
+            p.error(f"--{name.replace('_', '-')} {getattr(a, name)}: must be {least} or more")
+    # SIGTERM stops the cluster as Ctrl-C does (its processes run in sessions of their own)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         return asyncio.run(run_demo(a.model, a.concurrency, a.max_tokens, a.limit or None))
     except KeyboardInterrupt:
         return 130
+    except grpc.aio.AioRpcError as exc:  # a request refused (e.g. max_tokens past the context): one line
+        print(f"tandem demo: a request failed: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        return 1
     except (OSError, RuntimeError, TimeoutError, ValueError) as exc:  # start-up failures: one line, as tandem up
         print(f"tandem demo: {exc}", file=sys.stderr)
         return 1

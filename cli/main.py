@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import logging
 import os
+import signal
 import sys
 
 from cli import certs, config, config_show, health
@@ -50,6 +51,11 @@ def _worker(args: argparse.Namespace) -> int:
 
 def _up(args: argparse.Namespace) -> int:
     from cli.cluster import LocalCluster
+
+    # SIGTERM during start-up stops what has started, as Ctrl-C does (its children run in
+    # sessions of their own: killed with the launcher they would keep running); once the cluster
+    # is ready the stop signals below drain it instead
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
 
     if getattr(args, "config", None):
         os.environ["TANDEM_CONFIG"] = args.config  # the children read the same file
@@ -214,6 +220,8 @@ class _OtherRole(argparse.Action):
         self.message = message
 
     def __call__(self, parser, namespace, values, option_string=None) -> None:
+        if self.dest in ("ep_size", "pp_size") and values == "1":
+            return  # one rank or stage is what this role runs anyway: scripts passing it to every worker work
         parser.error(self.message)
 
 
@@ -357,7 +365,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser(command, full=command == "config" or uses_file)
     args, rest = parser.parse_known_args(argv)
     if args.command == "demo":
-        from cli.demo import main as demo_main
+        try:
+            from cli.demo import main as demo_main  # torch's import takes seconds: Ctrl-C may come now
+        except KeyboardInterrupt:
+            return 130
         return demo_main(rest)
     try:
         if args.command == "config":  # before apply: it reports given flags as flags

@@ -190,9 +190,10 @@ def context_note(opts: PlanOptions) -> str | None:
         return None
     from engine.model_source import load_config
     name, cfg, _ = load_config(opts.model)
-    want = parse_tokens(opts.input_len) + parse_tokens(opts.output_len)
-    if want <= cfg.max_position_embeddings:
-        return None
+    prompt = parse_tokens(opts.input_len)
+    want = prompt + parse_tokens(opts.output_len)
+    if want <= cfg.max_position_embeddings and prompt < cfg.max_position_embeddings:
+        return None  # (a prompt of the whole context leaves no room for a token: refused too)
     return (f"note: {want:,} tokens per request (--input-len + --output-len) exceed {name}'s context of "
             f"{cfg.max_position_embeddings:,} tokens; its workers refuse such requests")
 

@@ -58,7 +58,13 @@ def exit_with_parent(parent_pid: int, poll_s: float = 0.5) -> threading.Thread:
     normal exit only, and a worker waiting for its children in a collective's set-up cannot run
     a signal handler until that wait ends. Polls os.getppid() every poll_s seconds (a child is
     re-parented when its parent dies): Linux's PR_SET_PDEATHSIG would fire when the parent's
-    spawning thread ends, not the process. Returns the watching thread (a daemon)."""
+    spawning thread ends, not the process. Also ignores SIGINT (see below). Returns the watching
+    thread (a daemon)."""
+
+    # Ctrl-C in a terminal reaches the whole process group: the worker stops its children itself
+    # (a child taking the SIGINT would die mid-step with a traceback instead)
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
 
     def watch() -> None:
         while True:

@@ -16,14 +16,21 @@ os.environ.setdefault("TANDEM_DEVICE", "cpu")
 # so a passing `make test` leaves nothing behind in /tmp. Processes the tests start inherit it.
 # pytest's own tmp_path folders stay where they were (their paths' length matters to tests of
 # unix socket paths) and pytest keeps only its last three runs of them.
-os.environ.setdefault("PYTEST_DEBUG_TEMPROOT", tempfile.gettempdir())
-RUN_TMP = tempfile.mkdtemp(prefix="tandem-tests-")
-os.environ["TMPDIR"] = RUN_TMP
-tempfile.tempdir = RUN_TMP
+RUN_TMP: str | None = None
+
+
+def pytest_sessionstart(session):
+    global RUN_TMP
+    os.environ.setdefault("PYTEST_DEBUG_TEMPROOT", tempfile.gettempdir())
+    RUN_TMP = tempfile.mkdtemp(prefix="tandem-tests-")
+    os.environ["TMPDIR"] = RUN_TMP
+    tempfile.tempdir = RUN_TMP
 
 
 def pytest_sessionfinish(session, exitstatus):
-    if exitstatus == 0:
+    if RUN_TMP is None:
+        return
+    if exitstatus in (pytest.ExitCode.OK, pytest.ExitCode.NO_TESTS_COLLECTED):
         shutil.rmtree(RUN_TMP, ignore_errors=True)
     else:
         print(f"\nthe run's temporary files (logs of the clusters it started): {RUN_TMP}", file=sys.stderr)

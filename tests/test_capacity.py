@@ -88,6 +88,7 @@ def test_plan_notes_requests_longer_than_the_models_context():
     note = context_note(opts)  # the defaults, 128K + 8K tokens, against a 2,048-token model
     assert note is not None and "136,000 tokens" in note and "2,048" in note
     assert context_note(replace(opts, input_len="1K", output_len="1048")) is None  # exactly the context
+    assert context_note(replace(opts, input_len="2048", output_len="0")) is not None  # no room for a token
     assert context_note(PlanOptions()) is None  # a preset has no context of its own
 
 

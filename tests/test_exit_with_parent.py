@@ -32,8 +32,11 @@ def _alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     # a zombie is gone for this purpose (its parent, the test's parent process, may not reap it)
-    with open(f"/proc/{pid}/stat") as f:
-        return f.read().split(") ", 1)[1][0] != "Z"
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ", 1)[1][0] != "Z"
+    except FileNotFoundError:  # reaped between the two looks
+        return False
 
 
 def test_child_ends_with_its_killed_parent(tmp_path) -> None:
