@@ -223,6 +223,27 @@ def test_route_kernel_matches_reference(tiny_model, experts, k, groups, topk_gro
             assert torch.equal(few[0], ids[lo:lo + 3]) and torch.equal(few[1], w[lo:lo + 3]), (t, lo)
 
 
+def _check_lists_and_bits(x: torch.Tensor, moe: MoE, c) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """route_grouped on x: route_with_shared's ids and weights bit for bit, each routed expert's
+    pairs listed once (in any order), and fused_experts on the lists equal to the sorted path bit
+    for bit, per slot and summed. Returns (ids, weights, the experts' pair counts)."""
+    g, t, k = moe.grouped, x.shape[0], c.num_experts_per_tok
+    ids, w, (rows, counts) = route_grouped(x, moe.gate.weight, moe.gate.e_score_correction_bias, c, g.num_shared)
+    want_ids, want_w = route_with_shared(x, moe.gate.weight, moe.gate.e_score_correction_bias, c, g.num_shared)
+    assert torch.equal(ids, want_ids) and torch.equal(w, want_w), t
+    flat = ids.reshape(-1)
+    assert int(counts.sum()) == t * k, t
+    for e in range(c.n_routed_experts):
+        listed = torch.sort(rows[e, :int(counts[e])]).values
+        assert torch.equal(listed, torch.nonzero(flat == e)[:, 0].to(torch.int32)), (t, e)
+    for sum_slots in (False, True):
+        sorted_path = fused_experts(x, ids, w, g.gate_up, g.down, shared=g.shared, sum_slots=sum_slots)
+        listed_path = fused_experts(x, ids, w, g.gate_up, g.down, shared=g.shared, sum_slots=sum_slots,
+                                    expert_rows=(rows, counts))
+        assert torch.equal(sorted_path, listed_path), (t, sum_slots)
+    return ids, w, counts
+
+
 @cuda
 @pytest.mark.parametrize("experts,k,groups,topk_group,shared,hidden", [
     (64, 6, 1, 1, 2, 2048),  # config M (a split gate GEMM: partials up to 256 tokens, then in the program)
@@ -242,19 +263,7 @@ def test_route_grouped_lists_each_experts_pairs_and_the_kernels_give_the_sorts_b
     g = moe.grouped
     for t in (2, 7, 64, 256, 300, 1024):
         x = torch.randn(t, hidden, device="cuda", dtype=torch.bfloat16)
-        ids, w, (rows, counts) = route_grouped(x, moe.gate.weight, moe.gate.e_score_correction_bias, c, g.num_shared)
-        want_ids, want_w = route_with_shared(x, moe.gate.weight, moe.gate.e_score_correction_bias, c, g.num_shared)
-        assert torch.equal(ids, want_ids) and torch.equal(w, want_w), t
-        flat = ids.reshape(-1)
-        assert int(counts.sum()) == t * k, t
-        for e in range(experts):
-            listed = torch.sort(rows[e, :int(counts[e])]).values
-            assert torch.equal(listed, torch.nonzero(flat == e)[:, 0].to(torch.int32)), (t, e)
-        for sum_slots in (False, True):
-            sorted_path = fused_experts(x, ids, w, g.gate_up, g.down, shared=g.shared, sum_slots=sum_slots)
-            listed_path = fused_experts(x, ids, w, g.gate_up, g.down, shared=g.shared, sum_slots=sum_slots,
-                                        expert_rows=(rows, counts))
-            assert torch.equal(sorted_path, listed_path), (t, sum_slots)
+        ids, w, _ = _check_lists_and_bits(x, moe, c)
         # and through the layer's own call (what a decode step runs), in a CUDA graph
         eager = g.forward_gated(x, moe.gate, with_shared=True, sum_slots=False)
         assert torch.equal(eager, fused_experts(x, ids, w, g.gate_up, g.down, shared=g.shared, sum_slots=False)), t
@@ -355,21 +364,9 @@ def test_route_grouped_in_the_interpreter(tiny_model, monkeypatch, experts, k, g
         if block_m is not None:  # several tiles per expert
             monkeypatch.setattr(fused_moe, "block_m_for", lambda *a, **kw: block_m)
         x = torch.randn(t, c.hidden_size, generator=gen)
-        ids, w, (rows, counts) = route_grouped(x, moe.gate.weight, moe.gate.e_score_correction_bias, c, g.num_shared)
-        want_ids, want_w = route_with_shared(x, moe.gate.weight, moe.gate.e_score_correction_bias, c, g.num_shared)
-        assert torch.equal(ids, want_ids) and torch.equal(w, want_w), t
-        flat = ids.reshape(-1)
-        assert int(counts.sum()) == t * k, t
-        for e in range(experts):
-            listed = torch.sort(rows[e, :int(counts[e])]).values
-            assert torch.equal(listed, torch.nonzero(flat == e)[:, 0].to(torch.int32)), (t, e)
+        _, _, counts = _check_lists_and_bits(x, moe, c)
         if block_m is not None:
             assert int(counts.max()) > 2 * block_m, "the case meant to give experts several tiles does not"
-        for sum_slots in (False, True):
-            sorted_path = fused_experts(x, ids, w, g.gate_up, g.down, shared=g.shared, sum_slots=sum_slots)
-            listed_path = fused_experts(x, ids, w, g.gate_up, g.down, shared=g.shared, sum_slots=sum_slots,
-                                        expert_rows=(rows, counts))
-            assert torch.equal(sorted_path, listed_path), (t, sum_slots)
     x = torch.randn(3, c.hidden_size, generator=gen)
     x[1, 5] = float("nan")
     ids, _, (rows, counts) = route_grouped(x, moe.gate.weight, moe.gate.e_score_correction_bias, c, g.num_shared)
