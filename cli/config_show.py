@@ -26,7 +26,7 @@ import sys
 from typing import Any
 
 from cli.config import ConfigError, Resolved, Schema, config_path, load_file, resolve, subparsers
-from cli.flags import add_argument, options_of
+from cli.flags import OTHER_ROLE_ONLY, add_argument, options_of, refuse_other_role
 
 
 def toml_value(value: Any) -> str | None:
@@ -72,6 +72,8 @@ def show(parser: argparse.ArgumentParser, args: argparse.Namespace, extra: list[
         only = argparse.ArgumentParser(prog=f"tandem config show {args.target}")
         for opt in options_of(subparsers(parser)[args.target]):
             add_argument(only, opt)
+        if args.target in OTHER_ROLE_ONLY:
+            refuse_other_role(only, args.target)
         flags = only.parse_args(extra)
     elif extra:
         raise ConfigError(f"config show: flags {' '.join(extra)} need a subcommand before them")

@@ -191,6 +191,36 @@ class Option:
 ATTR = "tandem_options"  # where a parser keeps its list of Option
 
 
+# Worker options of one role only, which the other role's parser leaves out: their TANDEM_*
+# variables and [worker] or top-level file keys then reach only the role they apply to (one
+# environment or file serves `tandem up`'s every process); the other role's flag is refused by name.
+OTHER_ROLE_ONLY = {"prefill": ("ep_size", "ep_backend", "ep_placement"),  # expert parallelism: decode
+                   "decode": ("pp_size", "pp_layer_partition")}  # pipeline parallelism: prefill
+
+
+class _OtherRole(argparse.Action):
+    """A flag of the other worker role: refused with `message` (argparse's usage error, status 2)."""
+
+    def __init__(self, *args, message: str, **kw) -> None:
+        super().__init__(*args, **kw)
+        self.message = message
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        if self.dest in ("ep_size", "pp_size") and values == "1":
+            return  # one rank or stage is what this role runs anyway: scripts passing it to every worker work
+        parser.error(self.message)
+
+
+def refuse_other_role(parser: argparse.ArgumentParser, role: str) -> None:
+    """Hidden flags on `role`'s parser (prefill or decode) for the other role's OTHER_ROLE_ONLY
+    options: named in a clear error rather than argparse's "unrecognized arguments"."""
+    other = "decode" if role == "prefill" else "prefill"
+    for name in OTHER_ROLE_ONLY[role]:
+        flag = "--" + name.replace("_", "-")
+        parser.add_argument(flag, nargs="?", help=argparse.SUPPRESS, default=argparse.SUPPRESS, action=_OtherRole,
+                            message=f"{flag} applies to {other} workers only (tandem {other})")
+
+
 def options_of(parser: argparse.ArgumentParser) -> list[Option]:
     return getattr(parser, ATTR, [])
 

@@ -10,7 +10,7 @@ import signal
 import sys
 
 from cli import certs, config, config_show, health
-from cli.flags import add_flags, add_option, build
+from cli.flags import OTHER_ROLE_ONLY, add_flags, add_option, build, refuse_other_role
 from cli.top import add_parser as add_top_parser
 from common.gc_pauses import own_process
 from common.version import VERSION
@@ -206,25 +206,6 @@ def _client_tls_args(p: argparse.ArgumentParser) -> None:
 
 # Subcommands whose options come from modules that import torch or FastAPI: only the one being
 # run gets them (so `tandem --help` and the light subcommands start in a fraction of a second).
-# Worker options of one role only, which the other role's parser leaves out: its TANDEM_*
-# variable and a [worker] or top-level file key then reach only the role they apply to (one
-# environment or file serves `tandem up`'s every process), and the other role's flag is unknown.
-OTHER_ROLE_ONLY = {"prefill": ("ep_size", "ep_backend", "ep_placement"),  # expert parallelism: decode
-                   "decode": ("pp_size", "pp_layer_partition")}  # pipeline parallelism: prefill
-
-class _OtherRole(argparse.Action):
-    """A flag of the other worker role: refused with `message` (argparse's usage error, status 2)."""
-
-    def __init__(self, *args, message: str, **kw) -> None:
-        super().__init__(*args, **kw)
-        self.message = message
-
-    def __call__(self, parser, namespace, values, option_string=None) -> None:
-        if self.dest in ("ep_size", "pp_size") and values == "1":
-            return  # one rank or stage is what this role runs anyway: scripts passing it to every worker work
-        parser.error(self.message)
-
-
 HEAVY = {"router": "the client-facing router: gRPC, and the OpenAI-compatible HTTP API with --http-port",
          "prefill": "a prefill worker", "decode": "a decode worker",
          "mocker": "simulated workers (real block pool, KV events, timing model; no model)",
@@ -276,11 +257,7 @@ def build_parser(command: str | None = None, full: bool = True) -> argparse.Argu
             from worker.host import WorkerOptions
             p = sub.add_parser(role, help=HEAVY[role])
             add_flags(p, WorkerOptions, skip=OTHER_ROLE_ONLY[role])
-            for name in OTHER_ROLE_ONLY[role]:  # hidden: named in a clear error, not "unrecognized"
-                flag = "--" + name.replace("_", "-")
-                other = "decode" if role == "prefill" else "prefill"
-                p.add_argument(flag, nargs="?", help=argparse.SUPPRESS, default=argparse.SUPPRESS, action=_OtherRole,
-                               message=f"{flag} applies to {other} workers only (tandem {other})")
+            refuse_other_role(p, role)
             p.set_defaults(func=_worker)
     if heavy("mocker"):
         from mocker.main import add_parser as add_mocker

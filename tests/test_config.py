@@ -248,6 +248,11 @@ def test_one_roles_options_reach_that_role_only(tmp_path, monkeypatch, capsys):
         with pytest.raises(SystemExit) as exc:
             build_parser().parse_args(argv)
         assert exc.value.code == 2 and message in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:  # config show names the role too
+        tandem(["config", "show", "prefill", "--ep-size", "2"])
+    assert exc.value.code == 2 and "--ep-size applies to decode workers only" in capsys.readouterr().err
+    args = build_parser().parse_args(["prefill", "--ep-size", "1"])  # what a prefill worker runs anyway
+    assert not hasattr(args, "ep_size")
     bad = write(tmp_path, "[prefill]\nep_size = 2\n")
     with pytest.raises(config.ConfigError, match="ep_size"):
         effective(["prefill", "--config", bad])
