@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 from common.sampling_params import SamplingParams
+from engine.kernels import greedy_head as greedy_kernel
 from engine.upload import upload
 
 __all__ = ["SamplingParams", "SamplingRows", "sample", "sample_batch", "sampling_logprobs"]
@@ -173,11 +174,14 @@ def greedy_batch(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
     The argmax is taken on the logits themselves (as engine.reference and spec_decode's accept
     do): logits - logsumexp can round two close logits to one value and flip the tie to the
-    lower id. The decode graphs run this very function inside the captured step
-    (engine/graph_runner.py), so a replayed greedy step and an eager one give the same bits."""
-    logits = logits.float()
-    tokens = torch.argmax(logits, dim=-1)
-    return tokens, torch.log_softmax(logits, dim=-1).gather(1, tokens[:, None])[:, 0]
+    lower id. On CUDA (with triton) it runs as `engine.kernels.greedy_head` (two launches
+    spread over the vocabulary: the same tokens, the log-probability up to float32 summation
+    order), elsewhere as its torch twin `greedy_reference`. The decode graphs run this very
+    function inside the captured step (engine/graph_runner.py), so a replayed greedy step and an
+    eager one give the same bits."""
+    if logits.is_cuda and greedy_kernel.triton is not None:
+        return greedy_kernel.greedy_head(logits)
+    return greedy_kernel.greedy_reference(logits)
 
 
 def pack_step(tokens: torch.Tensor, logprobs: torch.Tensor) -> torch.Tensor:

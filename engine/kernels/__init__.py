@@ -10,6 +10,8 @@ computes (tests compare the two over shapes):
 - `latent_store.py`: a decode step's per-layer latent write (RMSNorm, rope, FP8 saturation) and
   its queries' rope in one Triton kernel (reference: `rope_latent_store_reference` =
   `engine.model.rope_latent` plus `engine.kv_pool.write_rows`).
+- `greedy_head.py`: an all-greedy step's argmax and its log-probability in two launches spread
+  over the vocabulary (reference: `greedy_reference`, torch's argmax and log_softmax).
 - `moe_router.py`: a decode step's MoE routing in one Triton kernel (reference:
   `route_with_shared_reference` = `engine.model.route` plus the shared experts' slots).
 """

@@ -3,7 +3,7 @@
 # that one slow file does not use up the call. Logs: $OUT/check_<file>.log.
 set -uo pipefail
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
-files=(tests/test_latent_store.py tests/test_moe_router.py tests/test_decode_kernels.py
+files=(tests/test_latent_store.py tests/test_greedy_head.py tests/test_moe_router.py tests/test_decode_kernels.py
        tests/test_device_clock.py tests/test_model_lane.py tests/test_spec_batch.py
        tests/test_overlap_cuda.py tests/test_decode_edge_cases.py)
 for f in "${files[@]}"; do
