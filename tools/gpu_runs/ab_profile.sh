@@ -11,7 +11,7 @@ tar --exclude=./.devrun --exclude=./.git -cf - . | tar -xf - -C "$base"
 cp -r .devrun/ab/engine .devrun/ab/worker "$base"/ 2>/dev/null
 while read -r f; do [ -n "$f" ] && rm -f "$base/$f"; done < .devrun/ab/DELETED
 echo "base = $(cat .devrun/ab/BASE)"
-for round in 1 2; do
+for round in $(seq 1 "${ROUNDS:-2}"); do
   for side in new base; do
     dir=$here; [ "$side" = base ] && dir=$base
     (cd "$dir" && timeout "${PER_RUN_S:-90}" python3 tools/profile_decode.py --config "${CONFIG:-M}" \
