@@ -149,9 +149,9 @@ def rope_latent_store(q_pe: torch.Tensor, kv_a: torch.Tensor, cos: torch.Tensor,
                          f"{tuple(sin.shape)}, weight {tuple(norm_weight.shape)}, slots {tuple(w_blk.shape)}/"
                          f"{tuple(w_off.shape)}, pool rows {kv.shape[-1]}, kv_lora_rank {rank}: need kv_a [T, R + P], "
                          "cos and sin [T, P], weight [R], slots [T], pool rows R + P and an even P")
-    q_pe, kv_a, cos, sin, kv_rows = (x if x.stride(-1) == 1 else x.contiguous() for x in (q_pe, kv_a, cos, sin, kv))
-    if kv_rows is not kv:
+    if kv.stride(-1) != 1:
         raise ValueError("rope_latent_store writes the pool in place: its rows must be contiguous")
+    q_pe, kv_a, cos, sin = (x if x.stride(-1) == 1 else x.contiguous() for x in (q_pe, kv_a, cos, sin))
     w_blk, w_off = w_blk.long(), w_off.long()  # a no-op for the decode step's int64 slots
     out = torch.empty((t, h, p), dtype=q_pe.dtype, device=q_pe.device)
     if t == 0:
