@@ -1,3 +1,4 @@
+import multiprocessing.util
 import os
 import shutil
 import sys
@@ -22,6 +23,9 @@ RUN_TMP: str | None = None
 def pytest_sessionstart(session):
     global RUN_TMP
     os.environ.setdefault("PYTEST_DEBUG_TEMPROOT", tempfile.gettempdir())
+    # multiprocessing makes its own pymp-* folder once and removes it at interpreter exit; made
+    # inside RUN_TMP it would be gone by then and its finalizer would print a traceback.
+    multiprocessing.util.get_temp_dir()
     RUN_TMP = tempfile.mkdtemp(prefix="tandem-tests-")
     os.environ["TMPDIR"] = RUN_TMP
     tempfile.tempdir = RUN_TMP
