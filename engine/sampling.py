@@ -162,11 +162,14 @@ def sample_batch(logits: torch.Tensor, rows: SamplingRows) -> tuple[torch.Tensor
     if not rows.any_sampled:
         return greedy_batch(logits)
     logp = sampling_logprobs_batch(logits, rows)
-    greedy_tokens = torch.argmax(logits.float(), dim=-1)  # (as in greedy_batch)
+    # Greedy rows of a mixed batch take greedy_batch's token and log-probability, so a greedy
+    # row's numbers do not depend on whether a sampled row shares its step.
+    greedy_tokens, greedy_logp = greedy_batch(logits)
     noise = gumbel_noise(rows.seed, rows.step, logp.shape[-1])
     sampled = torch.argmax(logp + noise, dim=-1)
-    tokens = torch.where(rows.temperature > 0, sampled, greedy_tokens)
-    return tokens, logp.gather(1, tokens[:, None])[:, 0]
+    sampled_logp = logp.gather(1, sampled[:, None])[:, 0]
+    is_sampled = rows.temperature > 0
+    return torch.where(is_sampled, sampled, greedy_tokens), torch.where(is_sampled, sampled_logp, greedy_logp)
 
 
 def greedy_batch(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -24,7 +24,7 @@ from engine.kernels.grouped_experts import use_grouped_experts
 from engine.kernels.mla_decode import mla_decode_reference
 from engine.kv_pool import FP8, KvPool, KvPoolConfig, PagedKvCache
 from engine.model import MoE, build_model
-from engine.sampling import SamplingRows, sample, sample_batch
+from engine.sampling import SamplingRows, greedy_batch, sample, sample_batch
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (run on the lent H200)")
@@ -170,6 +170,20 @@ def test_sample_batch_rows_do_not_depend_on_the_batch() -> None:
     t2, _ = sample_batch(logits[perm], SamplingRows.build([rows[i] for i in perm], "cpu"))
     assert t2.tolist() == [tokens[i].item() for i in perm]
     assert tokens[5].item() == int(logits[5].argmax())
+
+
+@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
+def test_a_greedy_row_gives_the_same_bits_with_or_without_sampled_rows(device: str) -> None:
+    # one rule for greedy rows: greedy_batch's token and log-probability (on CUDA its Triton head,
+    # whose float32 summation order differs from torch's log_softmax)
+    g = torch.Generator().manual_seed(1)
+    logits = (torch.randn(3, 3000, generator=g) * 4).to(device=device, dtype=torch.bfloat16)
+    rows = [(SamplingParams(), 0), (SamplingParams(temperature=0.9, top_p=0.7, seed=5), 2), (SamplingParams(), 0)]
+    tokens, logprobs = sample_batch(logits, SamplingRows.build(rows, device))
+    want_tokens, want_logprobs = greedy_batch(logits)
+    for i in (0, 2):
+        assert tokens[i].item() == want_tokens[i].item()
+        assert logprobs[i].item() == want_logprobs[i].item()  # bit for bit, not close
 
 
 def test_sample_follows_the_distribution() -> None:
