@@ -3,7 +3,8 @@
 One `FrontendService.ClusterStatus` call per refresh (router/status.py): every worker with its
 role, discovery state, health, the router's load on it (in-flight requests; active decode
 blocks or queued prefill tokens), KV capacity and how much of it the router's KV index holds,
-requests routed to it and their predicted prefix hit rate. `--once` prints one table and exits
+requests routed to it and their predicted prefix hit rate. With router replicas, a caption names
+the model's other routers (each counts only its own requests' load). `--once` prints one table and exits
 (for scripts and tests); on a terminal a rich Live table refreshes every `--interval` seconds
 until `q` (or Ctrl-C); when stdout is not a terminal (a pipe, a file) a new table is printed
 every `--interval` seconds instead, as `top -b` does.
@@ -90,8 +91,14 @@ def render(status: pb.ClusterStatusResponse):
         table.add_row(w.instance_id, w.role, w.state, health, str(w.in_flight_requests), load, used,
                       f"{w.indexed_blocks}/{w.kv_capacity_blocks}", str(w.routed_requests),
                       f"{100 * w.hit_rate:.0f}%" if w.routed_requests else "-", w.metrics_address or "-")
-    if not status.workers:
-        table.caption = "no workers in discovery"
+    notes = [] if status.workers else ["no workers in discovery"]
+    if len(status.routers) > 1:  # replicas: the figures above are this router's share of the load
+        others = [r for r in status.routers if r.instance_id != status.router_instance_id]
+        notes.append(f"{len(status.routers)} routers; in flight and load count this one's requests only; others: "
+                     + ", ".join(f"{r.instance_id} (metrics {r.metrics_address or '-'})" for r in others))
+    if notes:
+        table.caption = "\n".join(notes)
+        table.caption_justify = "left"
     return table
 
 

@@ -1,7 +1,7 @@
 """FrontendService.ClusterStatus: the router's view of its workers (what `tandem top` shows).
 
 Everything comes from state the router already keeps: discovery (role, address, state, KV
-capacity, metrics address), health probes, its own load accounting, the KV index (kv mode)
+capacity, metrics address; the model's other routers), health probes, its own load accounting, the KV index (kv mode)
 and the per-worker routing counts (router/metrics.py RouteCounts).
 """
 
@@ -33,6 +33,9 @@ class ClusterView:
                                        running_requests=servicer.running, migrations=servicer.migrations,
                                        metrics_address=self.metrics_address,
                                        weights_fingerprint=self.workers.fingerprint)
+        for r in self.workers.routers():
+            out.routers.append(pb.RouterStatus(instance_id=r.instance_id, address=r.address,
+                                               metrics_address=r.metrics_address, start_time_unix=r.start_time_unix))
         for role in (discovery_pb2.ROLE_PREFILL, discovery_pb2.ROLE_DECODE):
             for inst in sorted(self.workers.candidates(role, serving_only=False), key=lambda i: i.instance_id):
                 wid = inst.instance_id

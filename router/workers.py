@@ -144,6 +144,12 @@ class WorkerSet:
         view, accepted = self._view()
         return [(i, why) for i in view.values() if i.role == role and (why := self.refusal(i, accepted))]
 
+    def routers(self) -> list[discovery_pb2.Instance]:
+        """The routers of this model in discovery now (this one included), by instance id."""
+        view, _ = self._view()
+        return sorted((i for i in view.values() if i.role == discovery_pb2.ROLE_ROUTER and i.model == self.model),
+                      key=lambda i: i.instance_id)
+
     def instance_ids(self) -> list[str]:
         """Every instance in discovery now (any role, state or compatibility)."""
         return list(self._view()[0])

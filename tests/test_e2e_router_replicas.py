@@ -14,6 +14,7 @@ from bench.client import run_load
 from bench.traces import synthetic_prefix
 from cli.client import frontend_stub
 from cli.cluster import LocalCluster
+from cli.top import render
 from common.pb.tandem.v1 import discovery_pb2, frontend_pb2
 from router.main import RouterOptions
 
@@ -38,6 +39,14 @@ def test_two_routers_share_one_port_and_the_address_survives_one(tmp_path):
             assert len(routers) == 2
             assert {r.address for r in routers.values()} == {cluster.router_address}  # one address
             # (ready means both were reached through it and see both workers)
+            ch, stub = frontend_stub(cluster.router_address, cluster.client_tls, own_connection=True)
+            async with ch:
+                status = await stub.ClusterStatus(frontend_pb2.ClusterStatusRequest(), timeout=10)
+            assert [r.instance_id for r in status.routers] == sorted(routers)  # each router names both
+            assert {r.metrics_address for r in status.routers} == {r.metrics_address for r in routers.values()}
+            table = render(status)
+            other = next(i for i in routers if i != status.router_instance_id)
+            assert "2 routers" in table.caption and other in table.caption
 
             results, _ = await run_load(cluster.router_address, reqs, concurrency=8, progress=False,
                                         creds=cluster.client_tls, connections=16, timeout_s=60)

@@ -134,6 +134,8 @@ def test_cluster_status_metrics_and_top(cluster, capsys):
         assert err.value.code() == grpc.StatusCode.NOT_FOUND
         status = stub.ClusterStatus(frontend_pb2.ClusterStatusRequest(), timeout=10)
     assert status.model == cluster.loaded.name and status.mode == "kv"
+    assert [r.instance_id for r in status.routers] == [status.router_instance_id]  # itself, from discovery
+    assert status.routers[0].metrics_address == status.metrics_address
     by_role = {w.role: w for w in status.workers}
     assert set(by_role) == {"prefill", "decode"}
     assert by_role["decode"].instance_id == cluster.decode.runtime.instance_id

@@ -118,7 +118,7 @@ class ClusterStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ClusterStatusResponse(_message.Message):
-    __slots__ = ("router_instance_id", "model", "mode", "running_requests", "migrations", "metrics_address", "workers", "weights_fingerprint")
+    __slots__ = ("router_instance_id", "model", "mode", "running_requests", "migrations", "metrics_address", "workers", "weights_fingerprint", "routers")
     ROUTER_INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
@@ -127,6 +127,7 @@ class ClusterStatusResponse(_message.Message):
     METRICS_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    ROUTERS_FIELD_NUMBER: _ClassVar[int]
     router_instance_id: str
     model: str
     mode: str
@@ -135,7 +136,20 @@ class ClusterStatusResponse(_message.Message):
     metrics_address: str
     workers: _containers.RepeatedCompositeFieldContainer[WorkerStatus]
     weights_fingerprint: str
-    def __init__(self, router_instance_id: _Optional[str] = ..., model: _Optional[str] = ..., mode: _Optional[str] = ..., running_requests: _Optional[int] = ..., migrations: _Optional[int] = ..., metrics_address: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., weights_fingerprint: _Optional[str] = ...) -> None: ...
+    routers: _containers.RepeatedCompositeFieldContainer[RouterStatus]
+    def __init__(self, router_instance_id: _Optional[str] = ..., model: _Optional[str] = ..., mode: _Optional[str] = ..., running_requests: _Optional[int] = ..., migrations: _Optional[int] = ..., metrics_address: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., weights_fingerprint: _Optional[str] = ..., routers: _Optional[_Iterable[_Union[RouterStatus, _Mapping]]] = ...) -> None: ...
+
+class RouterStatus(_message.Message):
+    __slots__ = ("instance_id", "address", "metrics_address", "start_time_unix")
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    METRICS_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    START_TIME_UNIX_FIELD_NUMBER: _ClassVar[int]
+    instance_id: str
+    address: str
+    metrics_address: str
+    start_time_unix: float
+    def __init__(self, instance_id: _Optional[str] = ..., address: _Optional[str] = ..., metrics_address: _Optional[str] = ..., start_time_unix: _Optional[float] = ...) -> None: ...
 
 class WorkerStatus(_message.Message):
     __slots__ = ("instance_id", "role", "address", "state", "healthy", "consecutive_failures", "in_flight_requests", "active_blocks", "queued_prefill_tokens", "kv_capacity_blocks", "indexed_blocks", "routed_requests", "hit_rate", "metrics_address", "weights_fingerprint", "refused")
