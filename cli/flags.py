@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+from collections.abc import Collection
 from typing import Any, Callable, TypeVar
 
 from common.env import env_name, parse_bool
@@ -194,31 +195,35 @@ ATTR = "tandem_options"  # where a parser keeps its list of Option
 # Worker options of one role only, which the other role's parser leaves out: their TANDEM_*
 # variables and [worker] or top-level file keys then reach only the role they apply to (one
 # environment or file serves `tandem up`'s every process); the other role's flag is refused by name.
-OTHER_ROLE_ONLY = {"prefill": ("ep_size", "ep_backend", "ep_placement"),  # expert parallelism: decode
-                   "decode": ("pp_size", "pp_layer_partition")}  # pipeline parallelism: prefill
+# Per worker role, the options only the other role has, each with the value that means "what
+# this role runs anyway" (accepted, so scripts passing it to every worker work) or None.
+OTHER_ROLE_ONLY: dict[str, dict[str, str | None]] = {
+    "prefill": {"ep_size": "1", "ep_backend": None, "ep_placement": None},  # expert parallelism: decode
+    "decode": {"pp_size": "1", "pp_layer_partition": None},  # pipeline parallelism: prefill
+}
 
 
 class _OtherRole(argparse.Action):
-    """A flag of the other worker role: refused with `message` (argparse's usage error, status 2)."""
+    """A flag of the other worker role: refused with `message` (argparse's usage error, status 2),
+    unless it is given `harmless`."""
 
-    def __init__(self, *args, message: str, **kw) -> None:
+    def __init__(self, *args, message: str, harmless: str | None, **kw) -> None:
         super().__init__(*args, **kw)
-        self.message = message
+        self.message, self.harmless = message, harmless
 
     def __call__(self, parser, namespace, values, option_string=None) -> None:
-        if self.dest in ("ep_size", "pp_size") and values == "1":
-            return  # one rank or stage is what this role runs anyway: scripts passing it to every worker work
-        parser.error(self.message)
+        if self.harmless is None or values != self.harmless:
+            parser.error(self.message)
 
 
 def refuse_other_role(parser: argparse.ArgumentParser, role: str) -> None:
     """Hidden flags on `role`'s parser (prefill or decode) for the other role's OTHER_ROLE_ONLY
     options: named in a clear error rather than argparse's "unrecognized arguments"."""
     other = "decode" if role == "prefill" else "prefill"
-    for name in OTHER_ROLE_ONLY[role]:
+    for name, harmless in OTHER_ROLE_ONLY[role].items():
         flag = "--" + name.replace("_", "-")
         parser.add_argument(flag, nargs="?", help=argparse.SUPPRESS, default=argparse.SUPPRESS, action=_OtherRole,
-                            message=f"{flag} applies to {other} workers only (tandem {other})")
+                            message=f"{flag} applies to {other} workers only (tandem {other})", harmless=harmless)
 
 
 def options_of(parser: argparse.ArgumentParser) -> list[Option]:
@@ -255,7 +260,7 @@ def add_option(parser: argparse.ArgumentParser, flag: str, default: Any, help: s
     add_argument(parser, opt)
 
 
-def add_flags(parser: argparse.ArgumentParser, cls: type, skip: tuple[str, ...] = (),
+def add_flags(parser: argparse.ArgumentParser, cls: type, skip: Collection[str] = (),
               help: dict[str, str] | None = None) -> None:
     """One option per field of the options dataclass `cls` (except `skip`); a field without a
     default (a required one, such as the router's etcd) shows as an empty string. `help`
