@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 from cli.mps import CLIENT_VARS, MpsDaemon
+from common.lifecycle import LAUNCHER_ENV
 from common.pb.tandem.v1 import discovery_pb2
 from discovery.etcd_server import EtcdServer
 from discovery.watcher import InstanceWatcher
@@ -99,6 +100,11 @@ class LocalCluster:
             None = MPS_PREFILL_PERCENT (50) with mps, nothing without.
         mps_prefill_priority: with mps, "below" (CUDA_MPS_CLIENT_PRIORITY=1: where both are ready
             the decode worker's kernels go first) or "normal" for the prefill workers.
+        stop_with_launcher: the processes stop when this process is gone without stopping them
+            (SIGKILL, the OOM killer): each router and worker drains and exits on its own
+            (common.lifecycle.stop_with_launcher), the cluster's etcd takes SIGTERM from the
+            kernel (Linux; PR_SET_PDEATHSIG). For `tandem up` and `tandem demo`, whose
+            children run in sessions of their own; call start() from the main thread then.
     """
 
     def __init__(self, model: str = DEFAULT_MODEL, num_prefill: int = 1, num_decode: int = 1,
@@ -108,7 +114,8 @@ class LocalCluster:
                  ready_timeout_s: float = 120.0, metrics: bool = False, num_mocker: int = 0,
                  mocker_args: list[str] | None = None, http_port: int = -1, tls: bool = True,
                  api_keys: str = "", num_routers: int = 1, mocker_processes: int = 1, mps: bool = False,
-                 mps_prefill_percent: int | None = None, mps_prefill_priority: str = "below") -> None:
+                 mps_prefill_percent: int | None = None, mps_prefill_priority: str = "below",
+                 stop_with_launcher: bool = False) -> None:
         if num_routers < 1:
             raise ValueError(f"--routers must be at least 1, got {num_routers}")
         if not ready_timeout_s > 0:
@@ -161,6 +168,7 @@ class LocalCluster:
         self.mps = MpsDaemon(self.log_dir / "mps") if mps else None
         self.mps_prefill_percent = mps_prefill_percent
         self.mps_prefill_below_normal = mps_prefill_priority == "below"
+        self.stop_with_launcher = stop_with_launcher
 
     @property
     def etcd_endpoint(self) -> str:
@@ -177,6 +185,9 @@ class LocalCluster:
         # Without TLS no TANDEM_TLS_* of the caller's shell half-configures the children.
         env = {k: v for k, v in os.environ.items() if self.tls or not k.startswith("TANDEM_TLS_")}
         env["PYTHONUNBUFFERED"] = "1"
+        env.pop(LAUNCHER_ENV, None)
+        if self.stop_with_launcher:
+            env[LAUNCHER_ENV] = str(os.getpid())
         if self.mps is not None and role in ("prefill", "decode"):
             for var in CLIENT_VARS:  # the caller's own cap or priority is not this cluster's
                 env.pop(var, None)
@@ -217,7 +228,8 @@ class LocalCluster:
             if not self._etcd_endpoint:
                 # with TLS, etcd takes only clients with a certificate of the cluster CA (every
                 # process here has one; --etcd is then https://...)
-                self._etcd = EtcdServer(tls=self.ca.issue("etcd", ("etcd",)) if self.ca is not None else None)
+                self._etcd = EtcdServer(tls=self.ca.issue("etcd", ("etcd",)) if self.ca is not None else None,
+                                        stop_with_parent=self.stop_with_launcher)
                 self._etcd.start()
                 self._etcd_endpoint = self._etcd.endpoint
             for i in range(self.num_routers):

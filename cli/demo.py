@@ -65,7 +65,7 @@ def reference_tokens(model_spec: str, prompts: list[str], max_tokens: int) -> li
 async def run_demo(model: str = "tandem-shakespeare", concurrency: int = 8, max_tokens: int = 32,
                    limit: int | None = None) -> int:
     prompts = [q["turns"][0] for q in load_questions()][:limit]
-    cluster = LocalCluster(model=model, namespace="demo")
+    cluster = LocalCluster(model=model, namespace="demo", stop_with_launcher=True)
     print(f"starting local cluster (etcd, router, 1 prefill, 1 decode) for {model}; logs in {cluster.log_dir} ...",
           flush=True)
     t0 = time.perf_counter()

@@ -70,7 +70,7 @@ def _up(args: argparse.Namespace) -> int:
                                tls=not args.insecure, api_keys=args.api_keys, num_routers=args.routers,
                                mocker_processes=args.mocker_processes, ready_timeout_s=args.ready_timeout,
                                mps=args.mps, mps_prefill_percent=args.mps_prefill_percent,
-                               mps_prefill_priority=args.mps_prefill_priority)
+                               mps_prefill_priority=args.mps_prefill_priority, stop_with_launcher=True)
         if args.insecure:
             print("tandem up: WARNING: --insecure: every gRPC port of this cluster serves plaintext with no "
                   "authentication; any local process can call the workers directly", file=sys.stderr, flush=True)
@@ -372,4 +372,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    from common.lifecycle import stop_with_launcher
+    stop_with_launcher()  # a process `tandem up` started stops when it is gone
     sys.exit(main())

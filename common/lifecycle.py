@@ -1,15 +1,18 @@
 """Signal handling for the staged lifecycle: the first SIGTERM/SIGINT asks to drain and
 stop, a second one exits at once (docs/operations.md, draining); child processes that exit with
-their worker."""
+their worker; processes `tandem up` started that stop when it is gone."""
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import signal
 import threading
 import time
 from typing import Callable
+
+log = logging.getLogger(__name__)
 
 
 def install_stop_signals(stop: asyncio.Event, on_second: Callable[[], None] | None = None) -> Callable[[], None]:
@@ -73,5 +76,33 @@ def exit_with_parent(parent_pid: int, poll_s: float = 0.5) -> threading.Thread:
             time.sleep(poll_s)
 
     t = threading.Thread(target=watch, name="exit-with-parent", daemon=True)
+    t.start()
+    return t
+
+
+LAUNCHER_ENV = "TANDEM_LAUNCHER_PID"  # set by cli.cluster.LocalCluster(stop_with_launcher=True)
+
+
+def stop_with_launcher(poll_s: float = 1.0) -> threading.Thread | None:
+    """In a router or worker process `tandem up` (or `tandem demo`) started: when that launcher
+    is gone without stopping its cluster (SIGKILL, the OOM killer), send this process SIGTERM
+    once, so that its own staged stop drains and exits as if the launcher had stopped it, rather
+    than keep holding its port, GPU memory and discovery record. The launcher names itself in
+    TANDEM_LAUNCHER_PID; the variable is taken out of os.environ, so that processes this one
+    starts do not watch the launcher (they watch this process: `exit_with_parent`). Polls
+    os.getppid() every poll_s seconds (a child is re-parented when its parent dies). Returns the
+    watching thread (a daemon), or None when no launcher is named."""
+    value = os.environ.pop(LAUNCHER_ENV, "")
+    if not value.isdigit():
+        return None
+    launcher = int(value)
+
+    def watch() -> None:
+        while os.getppid() == launcher:
+            time.sleep(poll_s)
+        log.warning("the launcher (pid %d) is gone without stopping this process: stopping", launcher)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    t = threading.Thread(target=watch, name="stop-with-launcher", daemon=True)
     t.start()
     return t

@@ -9,6 +9,7 @@ tests simulate a brief etcd outage.
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import json
 import logging
 import os
@@ -17,12 +18,14 @@ import signal
 import socket
 import ssl
 import subprocess
+import sys
 import tempfile
 import time
 import urllib.error
 import urllib.request
 from pathlib import Path
 from types import TracebackType
+from typing import Callable
 
 from common.tls import TlsFiles
 
@@ -51,6 +54,20 @@ def find_etcd_binary() -> str:
     return path
 
 
+def _parent_death_signal() -> Callable[[], None] | None:
+    """A preexec_fn asking Linux to send the child SIGTERM when its parent thread ends; None
+    where prctl is not found. Looked up before the fork: the function the child runs between
+    fork and exec only calls it."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    pr_set_pdeathsig, sigterm = 1, int(signal.SIGTERM)
+    return lambda: prctl(pr_set_pdeathsig, sigterm)
+
+
 def _free_port() -> int:
     # Another process may take the port between close() and etcd's bind; start() retries then.
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
@@ -69,6 +86,9 @@ class EtcdServer:
             over TLS and take only clients with a certificate of that CA (--client-cert-auth),
             on the peer port as well (etcd serves its client API there too); `endpoint` is then
             "https://127.0.0.1:port". None: plaintext.
+        stop_with_parent: on Linux, the kernel sends etcd SIGTERM when the thread that started
+            it ends (PR_SET_PDEATHSIG): from a process's main thread, when the process is gone,
+            SIGKILL included (`tandem up`). Elsewhere, or False: etcd outlives a killed parent.
 
     Usable as a (sync or async) context manager, or through start()/stop().
     """
@@ -80,8 +100,10 @@ class EtcdServer:
         startup_timeout: float = 20.0,
         stop_timeout: float = 5.0,
         tls: TlsFiles | None = None,
+        stop_with_parent: bool = False,
     ) -> None:
         self._binary = binary
+        self._stop_with_parent = stop_with_parent
         self._tls = tls
         self._startup_timeout = startup_timeout
         self._stop_timeout = stop_timeout
@@ -228,6 +250,7 @@ class EtcdServer:
                 stdout=log,
                 stderr=log,
                 start_new_session=True,
+                preexec_fn=_parent_death_signal() if self._stop_with_parent else None,
             )
         logger.debug("spawned etcd pid %d on %s", self._proc.pid, client_url)
 

@@ -1,0 +1,106 @@
+"""`tandem up` killed with SIGKILL (as the OOM killer does): its router, workers and etcd, which run
+in sessions of their own, stop by themselves instead of holding the router's port (and a GPU's
+memory) until someone finds them. Real processes: `tandem up` with its own etcd and a simulated
+worker."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from common.lifecycle import LAUNCHER_ENV, stop_with_launcher
+
+pytestmark = pytest.mark.e2e
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _children(pid: int) -> dict[int, str]:
+    """Live processes whose parent is pid -> their command line."""
+    out = {}
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            stat = (d / "stat").read_text()
+            cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        fields = stat.rsplit(")", 1)[1].split()
+        if fields[1] == str(pid) and fields[0] != "Z":
+            out[int(d.name)] = cmd
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"  # a zombie has exited; whoever adopted it reaps it
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_tandem_up_killed_leaves_no_process_and_frees_its_port(tmp_path):
+    port = _free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TANDEM_")}
+    env.update(PYTHONUNBUFFERED="1", TMPDIR=str(tmp_path))
+    up = subprocess.Popen([sys.executable, "-m", "cli.main", "up", "--mocker", "1", "--port", str(port),
+                           "--http-port", "-1", "--insecure"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    children: dict[int, str] = {}
+    try:
+        lines = []
+        deadline = time.monotonic() + 120
+        for line in up.stdout:
+            lines.append(line)
+            if "ready to serve" in line or time.monotonic() > deadline:
+                break
+        assert any("ready to serve" in line for line in lines), "".join(lines)
+        children = _children(up.pid)
+        kinds = sorted(re.sub(r".*cli\.main (\w+).*", r"\1", c) if "cli.main" in c else Path(c.split()[0]).name
+                       for c in children.values())
+        assert kinds == ["etcd", "mocker", "router"], children
+
+        up.send_signal(signal.SIGKILL)
+        up.wait(10)
+        deadline = time.monotonic() + 60  # each drains first (the router's and mocker's drain is short)
+        while any(_alive(p) for p in children) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not [c for p, c in children.items() if _alive(p)]
+        with socket.socket() as s:  # the router's port is free again: a new `tandem up` can take it
+            s.bind(("127.0.0.1", port))
+        log_dir = re.search(r"logs in (\S+);", "".join(lines)).group(1)
+        assert "the launcher (pid" in Path(log_dir, "router.log").read_text()
+    finally:
+        if up.poll() is None:
+            up.kill()
+        for p in children:
+            if _alive(p):
+                os.kill(p, signal.SIGKILL)
+        up.stdout.close()
+
+
+def test_stop_with_launcher_needs_the_variable_and_takes_it_out(monkeypatch):
+    monkeypatch.delenv(LAUNCHER_ENV, raising=False)
+    assert stop_with_launcher() is None
+    monkeypatch.setenv(LAUNCHER_ENV, "not-a-pid")
+    assert stop_with_launcher() is None and LAUNCHER_ENV not in os.environ
+    monkeypatch.setenv(LAUNCHER_ENV, str(os.getppid()))  # this process's parent stays: the watch goes on
+    t = stop_with_launcher(poll_s=0.05)
+    assert t is not None and LAUNCHER_ENV not in os.environ  # the processes it starts do not inherit it
+    time.sleep(0.2)
+    assert t.is_alive()
