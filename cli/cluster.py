@@ -229,7 +229,7 @@ class LocalCluster:
                 # with TLS, etcd takes only clients with a certificate of the cluster CA (every
                 # process here has one; --etcd is then https://...)
                 self._etcd = EtcdServer(tls=self.ca.issue("etcd", ("etcd",)) if self.ca is not None else None,
-                                        stop_with_parent=self.stop_with_launcher)
+                                        parent_dir=str(self.log_dir), stop_with_parent=self.stop_with_launcher)
                 self._etcd.start()
                 self._etcd_endpoint = self._etcd.endpoint
             for i in range(self.num_routers):

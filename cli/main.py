@@ -75,43 +75,47 @@ def _up(args: argparse.Namespace) -> int:
             print("tandem up: WARNING: --insecure: every gRPC port of this cluster serves plaintext with no "
                   "authentication; any local process can call the workers directly", file=sys.stderr, flush=True)
         await cluster.start()
-        routers = f"{args.routers} routers" if args.routers > 1 else "router"
-        print(f"tandem up: {routers} at {cluster.router_address}, etcd at {cluster.etcd_endpoint}, "
-              f"logs in {cluster.log_dir}; Ctrl-C stops everything", flush=True)
-        if args.routers > 1:
-            print(f"  the {args.routers} routers share the port; the kernel spreads connections over them, so a "
-                  "client uses them all when it opens several (tandem bench --connections N)", flush=True)
-        from pathlib import Path
-
-        from cli.client import local_ca_file, write_local_ca
-        router_port = int(cluster.router_address.rsplit(":", 1)[1])
-        ca_file = local_ca_file(router_port)
-        ca_file.unlink(missing_ok=True)  # a plaintext cluster, or one that did not stop cleanly
-        if cluster.ca is not None:
-            # clients on this machine (generate, explain, bench) find it there for this port
-            write_local_ca(router_port, Path(cluster.ca.ca_path).read_bytes())
-            # every certificate is issued: the throw-away CA's key would only let whoever reads
-            # the log folder mint certificates this cluster trusts, so it goes now
-            (Path(cluster.ca.folder) / "ca-key.pem").unlink(missing_ok=True)
-            print(f"  mutual TLS: CA and certificates in {cluster.ca.folder} (the CA's key is deleted); local "
-                  f"clients of port {router_port} use it by themselves, others: export "
-                  f"TANDEM_TLS_CA={cluster.ca.ca_path}", flush=True)
-        if cluster.http_address:
-            print(f"  OpenAI-compatible HTTP API at http://{cluster.http_address}/v1", flush=True)
-        for name, addr in cluster.metrics_addresses().items():
-            print(f"  metrics: {name} at http://{addr}/metrics", flush=True)
-        workers = (f"{args.mocker} simulated decode workers" if args.mocker else
-                   f"{args.prefill} prefill and {args.decode} decode worker{'s' if args.decode != 1 else ''}")
-        print(f"tandem up: ready to serve {cluster.model} ({workers})", flush=True)
-        stop = asyncio.Event()
-        from common.lifecycle import install_stop_signals
-        install_stop_signals(stop, on_second=cluster.kill)
+        ca_file = None
+        # from here on whatever happens (an error, a signal before the handlers below) stops the
+        # cluster in order: its children, in sessions of their own, would otherwise stop only by
+        # themselves (common.lifecycle.stop_with_launcher) once this process is gone
         try:
+            routers = f"{args.routers} routers" if args.routers > 1 else "router"
+            print(f"tandem up: {routers} at {cluster.router_address}, etcd at {cluster.etcd_endpoint}, "
+                  f"logs in {cluster.log_dir}; Ctrl-C stops everything", flush=True)
+            if args.routers > 1:
+                print(f"  the {args.routers} routers share the port; the kernel spreads connections over them, so a "
+                      "client uses them all when it opens several (tandem bench --connections N)", flush=True)
+            from pathlib import Path
+
+            from cli.client import local_ca_file, write_local_ca
+            router_port = int(cluster.router_address.rsplit(":", 1)[1])
+            ca_file = local_ca_file(router_port)
+            ca_file.unlink(missing_ok=True)  # a plaintext cluster, or one that did not stop cleanly
+            if cluster.ca is not None:
+                # clients on this machine (generate, explain, bench) find it there for this port
+                write_local_ca(router_port, Path(cluster.ca.ca_path).read_bytes())
+                # every certificate is issued: the throw-away CA's key would only let whoever reads
+                # the log folder mint certificates this cluster trusts, so it goes now
+                (Path(cluster.ca.folder) / "ca-key.pem").unlink(missing_ok=True)
+                print(f"  mutual TLS: CA and certificates in {cluster.ca.folder} (the CA's key is deleted); local "
+                      f"clients of port {router_port} use it by themselves, others: export "
+                      f"TANDEM_TLS_CA={cluster.ca.ca_path}", flush=True)
+            if cluster.http_address:
+                print(f"  OpenAI-compatible HTTP API at http://{cluster.http_address}/v1", flush=True)
+            for name, addr in cluster.metrics_addresses().items():
+                print(f"  metrics: {name} at http://{addr}/metrics", flush=True)
+            workers = (f"{args.mocker} simulated decode workers" if args.mocker else
+                       f"{args.prefill} prefill and {args.decode} decode worker{'s' if args.decode != 1 else ''}")
+            print(f"tandem up: ready to serve {cluster.model} ({workers})", flush=True)
+            stop = asyncio.Event()
+            from common.lifecycle import install_stop_signals
+            install_stop_signals(stop, on_second=cluster.kill)
             await stop.wait()
         finally:
             print("stopping ...", flush=True)
             await cluster.stop()
-            if cluster.ca is not None:
+            if ca_file is not None and cluster.ca is not None:
                 ca_file.unlink(missing_ok=True)
 
     asyncio.run(main())

@@ -15,6 +15,12 @@ from typing import Callable
 log = logging.getLogger(__name__)
 
 
+# Set by the first stop signal, or once the handlers are restored at the end: the process's own
+# stop is under way (stop_with_launcher then sends no SIGTERM of its own, which would count as a
+# second signal and exit at once, or, with the handlers gone, kill it mid-cleanup)
+STOPPING = threading.Event()
+
+
 def install_stop_signals(stop: asyncio.Event, on_second: Callable[[], None] | None = None) -> Callable[[], None]:
     """Set `stop` on SIGTERM/SIGINT; on a second signal call `on_second` (if given) and exit
     with status 1 at once. Returns a function restoring the previous handlers.
@@ -24,6 +30,7 @@ def install_stop_signals(stop: asyncio.Event, on_second: Callable[[], None] | No
     loop = asyncio.get_running_loop()
 
     def on_signal() -> None:
+        STOPPING.set()
         if stop.is_set():
             if on_second is not None:
                 on_second()
@@ -39,6 +46,7 @@ def install_stop_signals(stop: asyncio.Event, on_second: Callable[[], None] | No
             pass
 
     def restore() -> None:
+        STOPPING.set()  # the process is past serving: its stop is its own from here
         for sig in installed:
             loop.remove_signal_handler(sig)
 
@@ -90,7 +98,8 @@ def stop_with_launcher(poll_s: float = 1.0) -> threading.Thread | None:
     than keep holding its port, GPU memory and discovery record. The launcher names itself in
     TANDEM_LAUNCHER_PID; the variable is taken out of os.environ, so that processes this one
     starts do not watch the launcher (they watch this process: `exit_with_parent`). Polls
-    os.getppid() every poll_s seconds (a child is re-parented when its parent dies). Returns the
+    os.getppid() every poll_s seconds (a child is re-parented when its parent dies), and ends
+    once the process's own stop is under way (STOPPING: a stop signal came). Returns the
     watching thread (a daemon), or None when no launcher is named."""
     value = os.environ.pop(LAUNCHER_ENV, "")
     if not value.isdigit():
@@ -99,7 +108,10 @@ def stop_with_launcher(poll_s: float = 1.0) -> threading.Thread | None:
 
     def watch() -> None:
         while os.getppid() == launcher:
-            time.sleep(poll_s)
+            if STOPPING.wait(poll_s):
+                return  # stopping already (the launcher's SIGTERM): nothing to add
+        if STOPPING.is_set():
+            return
         log.warning("the launcher (pid %d) is gone without stopping this process: stopping", launcher)
         os.kill(os.getpid(), signal.SIGTERM)
 

@@ -64,8 +64,15 @@ def _parent_death_signal() -> Callable[[], None] | None:
         prctl = ctypes.CDLL(None, use_errno=True).prctl
     except (OSError, AttributeError):
         return None
-    pr_set_pdeathsig, sigterm = 1, int(signal.SIGTERM)
-    return lambda: prctl(pr_set_pdeathsig, sigterm)
+    prctl.argtypes = [ctypes.c_int, ctypes.c_ulong]
+    pr_set_pdeathsig, sigterm, parent = 1, int(signal.SIGTERM), os.getpid()
+
+    def preexec() -> None:
+        prctl(pr_set_pdeathsig, sigterm)
+        if os.getppid() != parent:  # the parent died before prctl took effect
+            os._exit(1)
+
+    return preexec
 
 
 def _free_port() -> int:
@@ -86,6 +93,8 @@ class EtcdServer:
             over TLS and take only clients with a certificate of that CA (--client-cert-auth),
             on the peer port as well (etcd serves its client API there too); `endpoint` is then
             "https://127.0.0.1:port". None: plaintext.
+        parent_dir: the folder its temporary folder (data and etcd.log, removed by stop()) is
+            made in; default the system's temporary folder.
         stop_with_parent: on Linux, the kernel sends etcd SIGTERM when the thread that started
             it ends (PR_SET_PDEATHSIG): from a process's main thread, when the process is gone,
             SIGKILL included (`tandem up`). Elsewhere, or False: etcd outlives a killed parent.
@@ -100,9 +109,11 @@ class EtcdServer:
         startup_timeout: float = 20.0,
         stop_timeout: float = 5.0,
         tls: TlsFiles | None = None,
+        parent_dir: str | None = None,
         stop_with_parent: bool = False,
     ) -> None:
         self._binary = binary
+        self._parent_dir = parent_dir
         self._stop_with_parent = stop_with_parent
         self._tls = tls
         self._startup_timeout = startup_timeout
@@ -151,7 +162,7 @@ class EtcdServer:
         binary = self._binary or find_etcd_binary()
         first_start = self._root is None
         if first_start:
-            self._root = Path(tempfile.mkdtemp(prefix="tandem-etcd-"))
+            self._root = Path(tempfile.mkdtemp(prefix="tandem-etcd-", dir=self._parent_dir))
         # Fresh ports only on the first start: a port stolen between probe and bind shows up as
         # an early exit, so retry a couple of times with new ports.
         attempts = 3 if first_start else 1

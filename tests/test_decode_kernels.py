@@ -186,6 +186,18 @@ def test_a_greedy_row_gives_the_same_bits_with_or_without_sampled_rows(device: s
         assert logprobs[i].item() == want_logprobs[i].item()  # bit for bit, not close
 
 
+def test_a_mixed_steps_greedy_rows_come_from_greedy_batch(monkeypatch) -> None:
+    # on a CPU greedy_batch's twin computes what torch did before, so mark its answers instead
+    import engine.sampling as sampling
+    marked = (torch.tensor([7, 8, 9]), torch.tensor([-0.25, -0.5, -0.75]))
+    monkeypatch.setattr(sampling, "greedy_batch", lambda logits: marked)
+    rows = [(SamplingParams(), 0), (SamplingParams(temperature=0.9, seed=5), 2), (SamplingParams(), 0)]
+    tokens, logprobs = sample_batch(torch.randn(3, 50), SamplingRows.build(rows, "cpu"))
+    assert (tokens[0].item(), tokens[2].item()) == (7, 9)
+    assert (logprobs[0].item(), logprobs[2].item()) == (-0.25, -0.75)
+    assert logprobs[1].item() != -0.5  # the sampled row's own draw
+
+
 def test_sample_follows_the_distribution() -> None:
     logits = torch.tensor([0.0, 1.0, 0.5, -1.0, 2.0])
     p = SamplingParams(temperature=1.3, seed=9)

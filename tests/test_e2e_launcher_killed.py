@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from common.lifecycle import LAUNCHER_ENV, stop_with_launcher
+from common.lifecycle import LAUNCHER_ENV, STOPPING, stop_with_launcher
 
 pytestmark = pytest.mark.e2e
 ROOT = Path(__file__).resolve().parent.parent
@@ -85,6 +85,8 @@ def test_tandem_up_killed_leaves_no_process_and_frees_its_port(tmp_path):
             s.bind(("127.0.0.1", port))
         log_dir = re.search(r"logs in (\S+);", "".join(lines)).group(1)
         assert "the launcher (pid" in Path(log_dir, "router.log").read_text()
+        # etcd's data stays where the launcher said its logs are, not somewhere in /tmp
+        assert list(Path(log_dir).glob("tandem-etcd-*/data"))
     finally:
         if up.poll() is None:
             up.kill()
@@ -94,13 +96,24 @@ def test_tandem_up_killed_leaves_no_process_and_frees_its_port(tmp_path):
         up.stdout.close()
 
 
-def test_stop_with_launcher_needs_the_variable_and_takes_it_out(monkeypatch):
+def test_stop_with_launcher_needs_the_variable_and_stands_down_once_stopping(monkeypatch):
     monkeypatch.delenv(LAUNCHER_ENV, raising=False)
     assert stop_with_launcher() is None
     monkeypatch.setenv(LAUNCHER_ENV, "not-a-pid")
     assert stop_with_launcher() is None and LAUNCHER_ENV not in os.environ
-    monkeypatch.setenv(LAUNCHER_ENV, str(os.getppid()))  # this process's parent stays: the watch goes on
-    t = stop_with_launcher(poll_s=0.05)
-    assert t is not None and LAUNCHER_ENV not in os.environ  # the processes it starts do not inherit it
-    time.sleep(0.2)
-    assert t.is_alive()
+    was_stopping = STOPPING.is_set()
+    STOPPING.clear()
+    try:
+        monkeypatch.setenv(LAUNCHER_ENV, str(os.getppid()))  # this process's parent stays: the watch goes on
+        t = stop_with_launcher(poll_s=0.05)
+        assert t is not None and LAUNCHER_ENV not in os.environ  # the processes it starts do not inherit it
+        time.sleep(0.2)
+        assert t.is_alive()
+        STOPPING.set()  # a stop signal came: the watch ends without a signal of its own
+        t.join(5)
+        assert not t.is_alive()
+    finally:
+        if was_stopping:
+            STOPPING.set()
+        else:
+            STOPPING.clear()
