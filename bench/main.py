@@ -17,11 +17,15 @@ import sys
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from typing import TYPE_CHECKING, Callable
 
 from bench import traces
 from bench.client import RequestResult, run_load
 from bench.metrics import summarize, table
 from bench.traces import BenchRequest
+
+if TYPE_CHECKING:
+    from common.tls import TlsCredentials
 
 DATASETS = ("mooncake[:PATH]", "azure:PATH", "sharegpt:PATH", "mt-bench[:PATH]", "synthetic-prefix")
 
@@ -117,19 +121,27 @@ def _need(path: str, name: str) -> str:
     return path
 
 
-async def _model_info(router: str, wait_s: float = 180.0, api_key: str = ""):
+async def _model_info(router: str, wait_s: float = 180.0, api_key: str = "",
+                      credentials: Callable[[], TlsCredentials | None] | None = None):
     """The router's model, once it answers and its set of decode workers has stopped growing
     (so `tandem up --mocker N & tandem bench` works as one command; with a key that is not an
-    admin's, ExplainRoute is refused and the model is taken as soon as the router answers)."""
+    admin's, ExplainRoute is refused and the model is taken as soon as the router answers).
+
+    credentials: when given, looked up again after each failed attempt and, when they changed,
+    used from then on (also as this process's, common.tls.TLS): the CA file a starting
+    `tandem up` leaves for local clients appears only once its cluster is up.
+    Raises RuntimeError naming the router when it does not answer within wait_s seconds."""
     import grpc
 
     from cli.client import frontend_stub
+    from cli.main import no_router_hint
+    from common import tls
     from common.pb.tandem.v1 import frontend_pb2
 
     deadline = time.monotonic() + wait_s
     seen, stable, said = -1, 0, False
     ch, stub = frontend_stub(router, api_key=api_key)
-    async with ch:
+    try:
         while True:
             try:
                 model = (await stub.ListModels(frontend_pb2.ListModelsRequest(), timeout=5)).models[0]
@@ -146,11 +158,21 @@ async def _model_info(router: str, wait_s: float = 180.0, api_key: str = ""):
                     return model
             except grpc.aio.AioRpcError as exc:
                 if time.monotonic() > deadline:
-                    raise RuntimeError(f"router {router} not ready after {wait_s:.0f} s: {exc.code().name}") from None
+                    hint = no_router_hint(exc, router, tls.TLS is not None)
+                    raise RuntimeError(f"router {router} not ready after {wait_s:.0f} s: {exc.code().name}"
+                                       f"{hint}") from None
+                if credentials is not None:
+                    now = credentials()
+                    if (now and now.ca) != (tls.TLS and tls.TLS.ca):
+                        tls.TLS = now
+                        await ch.close()
+                        ch, stub = frontend_stub(router, api_key=api_key)
             if not said:
                 print(f"tandem bench: waiting for the router at {router} and its workers", file=sys.stderr)
                 said = True
             await asyncio.sleep(0.5)
+    finally:
+        await ch.close()
 
 
 def write_results(path: Path, opts: dict, summary: dict, reqs: list[BenchRequest], results: list[RequestResult],
@@ -164,10 +186,11 @@ def write_results(path: Path, opts: dict, summary: dict, reqs: list[BenchRequest
     path.write_text(json.dumps(doc) + "\n")
 
 
-def run(opts: BenchOptions) -> dict:
-    """Run the bench; returns the summary (also printed, and written with --out)."""
+def run(opts: BenchOptions, credentials: Callable[[], TlsCredentials | None] | None = None) -> dict:
+    """Run the bench; returns the summary (also printed, and written with --out). credentials:
+    see `_model_info`."""
     load_requests(opts, 2)  # a bad --dataset fails now, not after waiting for the router
-    model = asyncio.run(_model_info(opts.router, api_key=opts.api_key))
+    model = asyncio.run(_model_info(opts.router, api_key=opts.api_key, credentials=credentials))
     reqs = load_requests(opts, model.vocab_size)
     if opts.arrival == "concurrency":
         reqs = [replace(r, arrival_s=0.0) for r in reqs]
@@ -209,5 +232,7 @@ def _main(args) -> int:
 
     opts = build(BenchOptions, args)
     tls.TLS = client_credentials(opts)  # every channel of this client process (bench/client.py)
-    summary = run(opts)
+    # without --tls-ca, a local `tandem up` still starting may leave its CA file while we wait
+    local = not opts.tls_ca and not opts.tls_cert
+    summary = run(opts, credentials=(lambda: client_credentials(opts)) if local else None)
     return 1 if summary["failed"] else 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import os
 import stat
 import tempfile
@@ -99,7 +100,8 @@ def frontend_stub(address: str, creds: TlsCredentials | None = None, api_key: st
 
 def local_ca_file(port: int) -> Path:
     """Where `tandem up` leaves its CA certificate for clients of its router on `port` (this
-    user's folder under the temp directory; removed when the cluster stops)."""
+    user's folder under the temp directory; removed when the cluster stops, and ignored by
+    clients once the `tandem up` that wrote it is gone: see `LocalCaFile`)."""
     return Path(tempfile.gettempdir()) / f"tandem-{os.getuid()}" / f"up-{port}-ca.pem"
 
 
@@ -114,19 +116,51 @@ def _private(path: Path) -> bool:
             and all(st.st_uid == os.getuid() and not st.st_mode & 0o022 for st in (folder, file)))
 
 
-def write_local_ca(port: int, pem: bytes) -> Path:
-    """Leave the CA certificate of `tandem up`'s router on `port` for local clients (see
-    local_ca_file). Raises PermissionError when the folder is not this user's own."""
-    path = local_ca_file(port)
-    path.parent.mkdir(mode=0o700, exist_ok=True)
-    st = path.parent.lstat()
-    if not path.parent.is_dir() or st.st_uid != os.getuid() or st.st_mode & 0o022:
-        raise PermissionError(f"{path.parent} is not private to this user; not writing the CA there")
-    path.unlink(missing_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-    with os.fdopen(fd, "wb") as f:
-        f.write(pem)
-    return path
+def _held(path: Path) -> bool:
+    """Whether a live process holds path's lock (`LocalCaFile`): the kernel drops a lock when its
+    holder dies, SIGKILL included, so a file left by a killed `tandem up` reads as not held."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)  # (closing it drops a lock this call took)
+    return False
+
+
+class LocalCaFile:
+    """The CA certificate of `tandem up`'s router on `port`, left for local clients at
+    `local_ca_file(port)` and locked (flock) by this process for as long as it is open, so
+    that clients trust it only while its cluster runs; `close()` removes it. Raises
+    PermissionError when the folder is not this user's own."""
+
+    def __init__(self, port: int, pem: bytes) -> None:
+        self.path = path = local_ca_file(port)
+        path.parent.mkdir(mode=0o700, exist_ok=True)
+        st = path.parent.lstat()
+        if not path.parent.is_dir() or st.st_uid != os.getuid() or st.st_mode & 0o022:
+            raise PermissionError(f"{path.parent} is not private to this user; not writing the CA there")
+        # written and locked under another name, then renamed into place: no client sees it
+        # unlocked (the lock belongs to the file, which the rename keeps)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}")
+        tmp.unlink(missing_ok=True)
+        self._fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        fcntl.flock(self._fd, fcntl.LOCK_EX)
+        os.write(self._fd, pem)
+        os.replace(tmp, path)
+
+    def close(self) -> None:
+        if self._fd < 0:
+            return
+        self.path.unlink(missing_ok=True)
+        os.close(self._fd)
+        self._fd = -1
 
 
 def client_credentials(args) -> TlsCredentials | None:
@@ -145,10 +179,13 @@ def client_credentials(args) -> TlsCredentials | None:
 
 def local_ca_for(address: str) -> str:
     """The CA file a running `tandem up` left for a loopback `address` (host:port) of its router,
-    when that file is private to this user (`_private`); "" otherwise."""
+    when that file is private to this user (`_private`) and its `tandem up` still runs
+    (`_held`); "" otherwise."""
     host, _, port = address.rpartition(":")
-    if host in ("127.0.0.1", "localhost", "[::1]") and port.isdigit() and _private(local_ca_file(int(port))):
-        return str(local_ca_file(int(port)))
+    if host in ("127.0.0.1", "localhost", "[::1]") and port.isdigit():
+        path = local_ca_file(int(port))
+        if _private(path) and _held(path):
+            return str(path)
     return ""
 
 

@@ -75,7 +75,7 @@ def _up(args: argparse.Namespace) -> int:
             print("tandem up: WARNING: --insecure: every gRPC port of this cluster serves plaintext with no "
                   "authentication; any local process can call the workers directly", file=sys.stderr, flush=True)
         await cluster.start()
-        ca_file = None
+        local_ca = None
         # from here on whatever happens (an error, a signal before the handlers below) stops the
         # cluster in order: its children, in sessions of their own, would otherwise stop only by
         # themselves (common.lifecycle.stop_with_launcher) once this process is gone
@@ -88,13 +88,12 @@ def _up(args: argparse.Namespace) -> int:
                       "client uses them all when it opens several (tandem bench --connections N)", flush=True)
             from pathlib import Path
 
-            from cli.client import local_ca_file, write_local_ca
+            from cli.client import LocalCaFile, local_ca_file
             router_port = int(cluster.router_address.rsplit(":", 1)[1])
-            ca_file = local_ca_file(router_port)
-            ca_file.unlink(missing_ok=True)  # a plaintext cluster, or one that did not stop cleanly
+            local_ca_file(router_port).unlink(missing_ok=True)  # a plaintext cluster, or one killed
             if cluster.ca is not None:
                 # clients on this machine (generate, explain, bench) find it there for this port
-                write_local_ca(router_port, Path(cluster.ca.ca_path).read_bytes())
+                local_ca = LocalCaFile(router_port, Path(cluster.ca.ca_path).read_bytes())
                 # every certificate is issued: the throw-away CA's key would only let whoever reads
                 # the log folder mint certificates this cluster trusts, so it goes now
                 (Path(cluster.ca.folder) / "ca-key.pem").unlink(missing_ok=True)
@@ -115,8 +114,8 @@ def _up(args: argparse.Namespace) -> int:
         finally:
             print("stopping ...", flush=True)
             await cluster.stop()
-            if ca_file is not None and cluster.ca is not None:
-                ca_file.unlink(missing_ok=True)
+            if local_ca is not None:
+                local_ca.close()
 
     asyncio.run(main())
     return 0

@@ -1,7 +1,8 @@
-"""`tandem up` killed with SIGKILL (as the OOM killer does): its router, workers and etcd, which run
-in sessions of their own, stop by themselves instead of holding the router's port (and a GPU's
-memory) until someone finds them. Real processes: `tandem up` with its own etcd and a simulated
-worker."""
+"""`tandem up` as a user runs it, in real processes (its own etcd, a router, simulated workers):
+killed with SIGKILL (as the OOM killer does), its router, workers and etcd, which run in sessions
+of their own, stop by themselves instead of holding the router's port (and a GPU's memory) until
+someone finds them; started in the background with `tandem bench` right behind it (the README's
+`tandem up --mocker 16 & tandem bench`), the bench waits for it and finds its CA."""
 
 from __future__ import annotations
 
@@ -117,3 +118,25 @@ def test_stop_with_launcher_needs_the_variable_and_stands_down_once_stopping(mon
             STOPPING.set()
         else:
             STOPPING.clear()
+
+
+def test_bench_started_right_after_tandem_up_finds_its_ca_and_runs(tmp_path):
+    port = _free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TANDEM_")}
+    env.update(PYTHONUNBUFFERED="1", TMPDIR=str(tmp_path))  # both look for the CA file under it
+    up = subprocess.Popen([sys.executable, "-m", "cli.main", "up", "--mocker", "2", "--port", str(port),
+                           "--http-port", "-1"], cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
+                          stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        # at once: no CA file yet (TLS is on by default), so the bench starts in plaintext
+        bench = subprocess.run([sys.executable, "-m", "cli.main", "bench", "--router", f"127.0.0.1:{port}",
+                                "--dataset", "synthetic-prefix", "--num-requests", "12", "--timeout", "60"],
+                               cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+        assert bench.returncode == 0, bench.stderr[-2000:]
+        assert "waiting for the router" in bench.stderr  # it did start before the cluster was up
+    finally:
+        up.send_signal(signal.SIGINT)
+        try:
+            up.wait(60)
+        except subprocess.TimeoutExpired:
+            up.kill()

@@ -105,25 +105,33 @@ def test_tandem_up_has_an_insecure_switch():
 
 def test_local_clients_find_the_ca_of_tandem_up(tmp_path):
     """A client of a loopback router whose port has a `tandem up` CA file uses it without
-    --tls-ca; other addresses, or no file, stay plaintext; --tls-ca wins."""
+    --tls-ca; other addresses, or no file, stay plaintext; --tls-ca wins; a file its writer no
+    longer holds (a killed `tandem up`) is not used."""
     import argparse
 
-    from cli.client import client_credentials, write_local_ca
+    from cli.client import LocalCaFile, client_credentials, local_ca_file
     from common.certs import LocalCa
     ca = LocalCa(tmp_path / "tls")
     port = 1  # no real cluster serves port 1
-    path = write_local_ca(port, Path(ca.ca_path).read_bytes())
+    held = LocalCaFile(port, Path(ca.ca_path).read_bytes())
+    path = held.path
     try:
         def args(router, tls_ca=""):
             return argparse.Namespace(router=router, tls_ca=tls_ca, tls_cert="", tls_key="")
+        assert path == local_ca_file(port) and path.read_bytes() == Path(ca.ca_path).read_bytes()
         assert client_credentials(args(f"127.0.0.1:{port}")) is not None
         assert client_credentials(args(f"10.1.2.3:{port}")) is None  # not this machine's cluster
         assert client_credentials(args("127.0.0.1:2")) is None  # no cluster of ours there
         assert client_credentials(args("127.0.0.1:2", tls_ca=ca.ca_path)) is not None
         path.chmod(0o666)  # writable by others: it could have been planted, so it is not trusted
         assert client_credentials(args(f"127.0.0.1:{port}")) is None
+        path.chmod(0o644)
+        os.close(held._fd)  # what a killed writer leaves: the file, no lock
+        held._fd = -1
+        assert path.exists() and client_credentials(args(f"127.0.0.1:{port}")) is None
     finally:
-        path.unlink()
+        held.close()
+        path.unlink(missing_ok=True)
     assert client_credentials(args(f"127.0.0.1:{port}")) is None
 
 
