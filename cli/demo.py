@@ -97,13 +97,15 @@ async def run_demo(model: str = "tandem-shakespeare", concurrency: int = 8, max_
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
+    # help in the other commands' form, "(default X)"; the demo reads no TANDEM_* variable
     p = argparse.ArgumentParser(prog="tandem demo", description=" ".join(__doc__.split("\n\n")[0].split()),
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                epilog="The demo's flags have no TANDEM_* variables.")
     p.add_argument("--model", default="tandem-shakespeare",
-                   help="tandem-shakespeare (shipped, trained), tandem-tiny (seeded) or a checkpoint folder")
-    p.add_argument("--concurrency", type=int, default=8, help="requests in flight")
-    p.add_argument("--max-tokens", type=int, default=32, help="tokens to generate per question")
-    p.add_argument("--limit", type=int, default=0, help="send only the first N questions (0 = all 80)")
+                   help="tandem-shakespeare (shipped, trained), tandem-tiny (seeded) or a checkpoint folder "
+                        "(default %(default)s)")
+    p.add_argument("--concurrency", type=int, default=8, help="requests in flight (default %(default)s)")
+    p.add_argument("--max-tokens", type=int, default=32, help="tokens to generate per question (default %(default)s)")
+    p.add_argument("--limit", type=int, default=0, help="send only the first N questions (default 0: all 80)")
     a = p.parse_args(argv)
     for name, least in (("limit", 0), ("concurrency", 1), ("max_tokens", 1)):
         if getattr(a, name) < least:

@@ -152,7 +152,7 @@ def test_flags_that_were_missing_or_misdescribed():
     gen = tandem("generate", "--help").stdout
     assert "--top-p" in gen and "TANDEM_TOP_P" in gen
     demo = tandem("demo", "--help").stdout
-    assert "(default: 8)" in demo and "(default: 32)" in demo
+    assert "(default 8)" in demo and "(default 32)" in demo and "(default 0: all 80)" in demo
     mocker = tandem("mocker", "--help").stdout
     assert "mem-fraction-static" not in mocker and "tandem-shakespeare" not in mocker and "tandem-mock" in mocker
     router = tandem("router", "--help").stdout
