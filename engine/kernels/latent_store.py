@@ -83,7 +83,10 @@ if triton is not None:
         x = tl.load(ptr + src, mask=pmask, other=0.0).to(tl.float32)
         xm = tl.load(ptr + mate, mask=pmask, other=0.0).to(tl.float32)
         xm = tl.where(lo, -xm, xm)  # rotate_half: (-x2, x1)
-        return _round(_round(x * cos, dtype) + _round(xm * sin, dtype), dtype)
+        # in float32, rounded once: what the compiled rope_latent computes on a GPU (inductor keeps
+        # a bf16 expression's intermediates in float32; the H100 run showed the eager rounding of
+        # each product, which the plain functions do, one bf16 step off on some elements)
+        return _round(x * cos + xm * sin, dtype)
 
     @triton.jit
     def _rope_latent_store(QPE, KVA, Cos, Sin, NormW, KV, Blk, Off, OutQ,
