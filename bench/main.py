@@ -162,7 +162,10 @@ async def _model_info(router: str, wait_s: float = 180.0, api_key: str = "",
                     raise RuntimeError(f"router {router} not ready after {wait_s:.0f} s: {exc.code().name}"
                                        f"{hint}") from None
                 if credentials is not None:
-                    now = credentials()
+                    try:
+                        now = credentials()
+                    except ValueError:  # the CA file went between the look and the read
+                        now = None
                     if (now and now.ca) != (tls.TLS and tls.TLS.ca):
                         tls.TLS = now
                         await ch.close()

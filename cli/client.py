@@ -134,6 +134,44 @@ def _held(path: Path) -> bool:
     return False
 
 
+def _private_folder(folder: Path) -> None:
+    """Make this user's folder for `tandem up`'s files (mode 0700); PermissionError when it is
+    not this user's own or others may write to it."""
+    folder.mkdir(mode=0o700, exist_ok=True)
+    st = folder.lstat()
+    if not folder.is_dir() or st.st_uid != os.getuid() or st.st_mode & 0o022:
+        raise PermissionError(f"{folder} is not private to this user; not writing there")
+
+
+class PortBusy(RuntimeError):
+    """Another `tandem up` of this user serves, starts or stops on the port."""
+
+
+class PortLock:
+    """A `tandem up`'s claim on its router port, held (flock) from before its cluster starts
+    until this process exits: a second `tandem up` on the port is refused before it starts
+    anything (router replicas bind with SO_REUSEPORT, so the port alone would not refuse it
+    while the first is starting), and one that is still stopping keeps the port's files (its
+    CA file) until it is gone. The kernel drops the lock with the process, SIGKILL included.
+    Raises PortBusy naming the port, PermissionError as `_private_folder`."""
+
+    def __init__(self, port: int) -> None:
+        path = local_ca_file(port).with_name(f"up-{port}.lock")
+        _private_folder(path.parent)
+        self._fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(self._fd)
+            raise PortBusy(f"another tandem up serves, starts or stops on port {port} (it holds {path}); "
+                           "stop it first, or pick another --port") from None
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
 class LocalCaFile:
     """The CA certificate of `tandem up`'s router on `port`, left for local clients at
     `local_ca_file(port)` and locked (flock) by this process for as long as it is open, so
@@ -142,10 +180,7 @@ class LocalCaFile:
 
     def __init__(self, port: int, pem: bytes) -> None:
         self.path = path = local_ca_file(port)
-        path.parent.mkdir(mode=0o700, exist_ok=True)
-        st = path.parent.lstat()
-        if not path.parent.is_dir() or st.st_uid != os.getuid() or st.st_mode & 0o022:
-            raise PermissionError(f"{path.parent} is not private to this user; not writing the CA there")
+        _private_folder(path.parent)
         # written and locked under another name, then renamed into place: no client sees it
         # unlocked (the lock belongs to the file, which the rename keeps)
         tmp = path.with_name(f".{path.name}.{os.getpid()}")
@@ -156,9 +191,15 @@ class LocalCaFile:
         os.replace(tmp, path)
 
     def close(self) -> None:
+        """Remove the file, if it is still this one (not another cluster's since)."""
         if self._fd < 0:
             return
-        self.path.unlink(missing_ok=True)
+        try:
+            mine, there = os.fstat(self._fd), os.stat(self.path)
+            if (mine.st_dev, mine.st_ino) == (there.st_dev, there.st_ino):
+                self.path.unlink()
+        except FileNotFoundError:
+            pass
         os.close(self._fd)
         self._fd = -1
 

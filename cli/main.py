@@ -117,7 +117,17 @@ def _up(args: argparse.Namespace) -> int:
             if local_ca is not None:
                 local_ca.close()
 
-    asyncio.run(main())
+    from cli.client import PortBusy, PortLock
+    try:  # a fixed port: claimed before anything starts (--port 0 gets a port no one else has)
+        port_lock = PortLock(args.port) if args.port else None
+    except (PortBusy, PermissionError) as exc:
+        print(f"tandem up: {exc}", file=sys.stderr)
+        return 1
+    try:
+        asyncio.run(main())
+    finally:
+        if port_lock is not None:
+            port_lock.close()
     return 0
 
 
@@ -156,8 +166,12 @@ def _generate(args: argparse.Namespace) -> int:
 def no_router_hint(exc, router: str, tls: bool = True) -> str:
     """For a call that found no router: what to do about it (`tls`: whether the call used TLS)."""
     import grpc
-    if exc.code() != grpc.StatusCode.UNAVAILABLE or "connect" not in (exc.details() or "").lower():
+    details = (exc.details() or "").lower()
+    if exc.code() != grpc.StatusCode.UNAVAILABLE or "connect" not in details:
         return ""
+    if "handshake" in details:  # something answered, but not with a certificate of our CA
+        return (f"\nthe TLS handshake with {router} failed: the router there serves a certificate of another CA "
+                f"than --tls-ca (or TANDEM_TLS_CA), or serves plaintext (then leave --tls-ca out)")
     if not tls:
         return (f"\nno router answered at {router} in plaintext. If one serves TLS there (`tandem up`'s does, and "
                 f"any router given --tls-cert), pass --tls-ca with its cluster CA (or TANDEM_TLS_CA; `tandem up` "

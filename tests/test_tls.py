@@ -135,6 +135,28 @@ def test_local_clients_find_the_ca_of_tandem_up(tmp_path):
     assert client_credentials(args(f"127.0.0.1:{port}")) is None
 
 
+def test_one_tandem_up_per_port_and_each_removes_only_its_own_ca_file(tmp_path):
+    from cli.client import LocalCaFile, PortBusy, PortLock, local_ca_for
+    from common.certs import LocalCa
+    port = 2  # no real cluster serves port 2
+    first = PortLock(port)
+    try:
+        with pytest.raises(PortBusy, match="port 2"):
+            PortLock(port)  # a second tandem up on the port is refused before it starts anything
+    finally:
+        first.close()
+    PortLock(port).close()  # free again once the first is gone
+    # a cluster stopping late must not remove the file of the cluster after it
+    old = LocalCaFile(port, Path(LocalCa(tmp_path / "a").ca_path).read_bytes())
+    new = LocalCaFile(port, Path(LocalCa(tmp_path / "b").ca_path).read_bytes())
+    try:
+        old.close()
+        assert new.path.exists() and local_ca_for(f"127.0.0.1:{port}") == str(new.path)
+    finally:
+        new.close()
+    assert not new.path.exists()
+
+
 def test_a_process_certificate_given_as_the_ca_is_refused_naming_the_flag(tmp_path):
     files = LocalCa(tmp_path).issue("router-0", ("router",))
     with pytest.raises(ValueError, match=r"--tls-ca .*router-0.pem: holds no CA certificate"):
