@@ -39,10 +39,16 @@ def test_two_routers_share_one_port_and_the_address_survives_one(tmp_path):
             assert len(routers) == 2
             assert {r.address for r in routers.values()} == {cluster.router_address}  # one address
             # (ready means both were reached through it and see both workers)
+            # discovery reaches each router's view a moment after readiness (which asks for the
+            # workers, not the routers): each router names both within seconds
             ch, stub = frontend_stub(cluster.router_address, cluster.client_tls, own_connection=True)
             async with ch:
-                status = await stub.ClusterStatus(frontend_pb2.ClusterStatusRequest(), timeout=10)
-            assert [r.instance_id for r in status.routers] == sorted(routers)  # each router names both
+                for _ in range(100):
+                    status = await stub.ClusterStatus(frontend_pb2.ClusterStatusRequest(), timeout=10)
+                    if len(status.routers) == 2:
+                        break
+                    await asyncio.sleep(0.1)
+            assert [r.instance_id for r in status.routers] == sorted(routers)
             assert {r.metrics_address for r in status.routers} == {r.metrics_address for r in routers.values()}
             table = render(status)
             other = next(i for i in routers if i != status.router_instance_id)

@@ -10,6 +10,7 @@ import gc
 import io
 import json
 import logging
+import time
 import urllib.request
 
 import grpc
@@ -134,8 +135,15 @@ def test_cluster_status_metrics_and_top(cluster, capsys):
         assert err.value.code() == grpc.StatusCode.NOT_FOUND
         status = stub.ClusterStatus(frontend_pb2.ClusterStatusRequest(), timeout=10)
     assert status.model == cluster.loaded.name and status.mode == "kv"
-    assert [r.instance_id for r in status.routers] == [status.router_instance_id]  # itself, from discovery
-    assert status.routers[0].metrics_address == status.metrics_address
+    with grpc.insecure_channel(cluster.router.address) as ch:  # itself, from discovery (eventually)
+        stub = frontend_pb2_grpc.FrontendServiceStub(ch)
+        for _ in range(100):
+            seen = stub.ClusterStatus(frontend_pb2.ClusterStatusRequest(), timeout=10)
+            if seen.routers:
+                break
+            time.sleep(0.1)
+    assert [r.instance_id for r in seen.routers] == [seen.router_instance_id]
+    assert seen.routers[0].metrics_address == seen.metrics_address
     by_role = {w.role: w for w in status.workers}
     assert set(by_role) == {"prefill", "decode"}
     assert by_role["decode"].instance_id == cluster.decode.runtime.instance_id
