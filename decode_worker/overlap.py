@@ -8,12 +8,24 @@ device always has the next step queued behind the current one and never waits fo
 trip, and the event loop hands the model thread one job per step (each hand-over waits for the
 event loop's turn, which the streams of every running request share).
 
+With --decode-steps-per-launch N > 1, one model-thread call queues up to N steps back to back
+(step j's input token for a request is the placeholder of its step j − 1): the host's per-step
+work (the hand-over to the model thread, scheduling, post-processing, a session message per
+step) is paid once per launch where the host, not the device, sets the pace. A request joins at
+the next launch; one that ends (eos, a stop string's cancel) in the first of a launch's steps
+still takes a row in the others, whose tokens are dropped; the launch stops short where a
+request's max_tokens or the free KV blocks end. Every token is the one the one-step loop gives
+(same inputs, same step index for seeded sampling).
+
 Consequences handled here:
 - A request finishing at step i (eos) may already be in step i + 1: that token is dropped.
 - Blocks released while a step is in flight (finished or cancelled requests) are freed only
   after that step has completed, so a new prompt's KV (written by a transfer) can never land
   in a block a running step still writes.
 - A request whose last allowed token is in flight is not scheduled again.
+- Blocks for a launch's later steps are taken when the launch is planned; a launch whose next
+  step would need more blocks than are free stops before it (retraction plans for the whole
+  launch: `Retractor.tokens_per_step`).
 
 On a CPU the device is the calling thread: each launch computes at once and the steps run
 sequentially; the loop is then off by default (--disable-overlap-schedule has no effect there)
@@ -76,11 +88,18 @@ def decode_loop(scheduler: DecodeScheduler, runtime):
     """The loop object the scheduler runs, or None for its own plain loop (logged by use_overlap):
     the overlap loop where it is on; MTP on the fast path without overlap keeps the
     device-resident MTP steps (fast forwards, CUDA graphs), post-processed in turn."""
+    loop = None
     if use_overlap(runtime, scheduler.spec is not None):
-        return overlap_loop(scheduler)
-    if scheduler.spec is not None and getattr(runtime.runner, "fast", False) and hasattr(runtime.runner, "spec_step"):
-        return overlap_loop(scheduler, overlapped=False)
-    return None
+        loop = overlap_loop(scheduler)
+    elif scheduler.spec is not None and getattr(runtime.runner, "fast", False) and hasattr(runtime.runner, "spec_step"):
+        loop = overlap_loop(scheduler, overlapped=False)
+    n = steps_per_launch(runtime.opts)
+    if isinstance(loop, OverlapLoop):
+        log.info("decode steps per launch: %d (--decode-steps-per-launch)", n)
+    elif n != getattr(type(runtime.opts), "decode_steps_per_launch", 1):  # said only when asked for
+        log.info("--decode-steps-per-launch %d: no effect (it applies to the overlap loop without MTP; "
+                 "each step launches alone here)", n)
+    return loop
 
 
 class DeferredFrees:
@@ -107,16 +126,45 @@ class DeferredFrees:
 
 
 class OverlapLoop(DeferredFrees):
+    """The one-token overlap loop; `steps_per_launch` steps per model-thread call at most
+    (--decode-steps-per-launch; the scheduler's Retractor must plan that many tokens a step)."""
+
     def __init__(self, scheduler: DecodeScheduler) -> None:
         super().__init__(scheduler)
         rt = scheduler.rt
-        self.runner = OverlapRunner(rt.runner, rt.opts.max_running)
+        self.steps_per_launch = steps_per_launch(rt.opts)
+        self.runner = OverlapRunner(rt.runner, rt.opts.max_running, self.steps_per_launch)
         self.fmap = self.runner.fmap
-        self._inflight: tuple[list[RunningRequest], list[int], LaunchedStep] | None = None
+        # the launch in flight: per step, (its requests, their slots, the launched step)
+        self._inflight: list[tuple[list[RunningRequest], list[int], LaunchedStep]] | None = None
 
     def _schedule(self) -> list[RunningRequest]:
         # a request whose last allowed token is in flight waits for its post-processing
         return [r for r in self.sched._schedule() if r.generated < r.params.max_tokens]
+
+    def _plan(self, batch: list[RunningRequest]) -> list[tuple[list[RunningRequest], list[int], list[DecodeInput],
+                                                                list]]:
+        """The launch's steps: (requests, slots, inputs, sampling) each. Each step's placeholders
+        are appended to its requests' tokens as it is planned (the next step's inputs name them).
+        Step 0 runs the whole batch (_schedule gave it its blocks); a later step runs the rows
+        still below max_tokens, and only if their new blocks are free (taken here)."""
+        pool = self.sched.rt.pool
+        steps, rows = [], batch
+        for j in range(self.steps_per_launch):
+            if j:
+                rows = [r for r in rows if r.generated < r.params.max_tokens]
+                need = sum(max(0, pool.blocks_for(len(r.tokens)) - len(r.block_ids)) for r in rows)
+                if not rows or need > pool.blocks.num_free:
+                    break
+                for r in rows:
+                    pool.grow(r.block_ids, len(r.tokens))
+            slots = self.fmap.reserve(len(rows))
+            inputs = [DecodeInput(r.block_ids, len(r.tokens) - 1, r.tokens[-1]) for r in rows]
+            sampling = [(r.params, r.step_offset + r.generated) for r in rows]
+            for r, slot in zip(rows, slots):
+                r.tokens.append(self.fmap.placeholder(slot))
+            steps.append((rows, slots, inputs, sampling))
+        return steps
 
     async def run(self) -> None:
         sched, rt = self.sched, self.sched.rt
@@ -129,29 +177,22 @@ class OverlapLoop(DeferredFrees):
                 sched._wake.clear()
                 await sched._wake.wait()
                 continue
-            slots: list[int] = []
-            inputs = sampling = None
-            if batch:
-                slots = self.fmap.reserve(len(batch))
-                inputs = [DecodeInput(r.block_ids, len(r.tokens) - 1, r.tokens[-1]) for r in batch]
-                sampling = [(r.params, r.step_offset + r.generated) for r in batch]
-            previous = self._inflight
-            step, result = await rt.run_model(self.runner.step, inputs, slots, sampling,
-                                              previous[2] if previous is not None else None)
-            launched = None
-            if batch:
-                for r, slot in zip(batch, slots):
-                    r.tokens.append(self.fmap.placeholder(slot))
-                launched = (batch, slots, step)
-                sched.count_step(len(batch))
+            plan = self._plan(batch) if batch else []
+            previous = self._inflight or []
+            launched, results = await rt.run_model(self.runner.step, [(i, sl, sa) for _, sl, i, sa in plan],
+                                                   [p[2] for p in previous])
+            for rows, *_ in plan:
+                sched.count_step(len(rows))
+            rt.stats.decode_launches += bool(plan)
             rt.stats.decode_device_wait_seconds = self.runner.device_wait_s
             rt.stats.decode_device_busy_seconds = self.runner.device_busy_s
             rt.stats.decode_device_idle_seconds = self.runner.device_idle_s
             deferred = self._deferred
-            self._inflight, self._deferred, self._settling = launched, [], True
-            if previous is not None:
-                self._postprocess(previous[0], previous[1], *result)
-            for block_ids in deferred:  # their last reader (the previous step) has completed
+            self._inflight = [(rows, slots, step) for (rows, slots, _, _), step in zip(plan, launched)] or None
+            self._deferred, self._settling = [], True
+            for (rows, slots, _), result in zip(previous, results):  # in launch order
+                self._postprocess(rows, slots, *result)
+            for block_ids in deferred:  # their last reader (the previous launch) has completed
                 rt.pool.free(block_ids)
             self._settling = False
 
@@ -177,9 +218,14 @@ class OverlapLoop(DeferredFrees):
                 self.sched._finish(req, TokenOut(finish_reason=reason))
 
 
+def steps_per_launch(opts) -> int:
+    """--decode-steps-per-launch (1 for options that lack it, e.g. an EP rank's)."""
+    return getattr(opts, "decode_steps_per_launch", 1)
+
+
 def _last_index(tokens: list[int], value: int) -> int:
     """Index of value's last occurrence, scanning from the end (a step's placeholder is among
-    the last two entries: at most one later step is in flight)."""
+    the last 2 × steps-per-launch entries: at most one later launch is in flight)."""
     for i in range(len(tokens) - 1, -1, -1):
         if tokens[i] == value:
             return i

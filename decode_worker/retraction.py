@@ -40,7 +40,8 @@ class Retractor:
     """Frees KV for a step by retracting running requests, and resumes them later.
 
     `tokens_per_step` is how many tokens one step writes per request (1 for plain decode; a
-    speculative step writes its drafts too).
+    speculative step writes its drafts too). Where the overlap loop launches several steps at
+    once (--decode-steps-per-launch), a "step" below is one launch: that many times the tokens.
     """
 
     def __init__(self, scheduler: DecodeScheduler, tokens_per_step: int = 1) -> None:
@@ -55,7 +56,8 @@ class Retractor:
     def _tokens_after(self, req: RunningRequest, steps: int) -> int:
         """Tokens req's KV holds after `steps` more steps (no further than its max_tokens)."""
         left = max(1, req.params.max_tokens - req.generated)  # one step per token still to generate
-        return len(req.tokens) - 1 + min(steps * self.tokens_per_step, left)
+        per_launch = getattr(self.sched.overlap, "steps_per_launch", 1)  # decode_worker/overlap.py
+        return len(req.tokens) - 1 + min(steps * self.tokens_per_step * per_launch, left)
 
     def _need(self, reqs: Iterable[RunningRequest], steps: int) -> int:
         """New blocks reqs need so that `steps` more steps fit."""

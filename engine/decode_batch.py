@@ -44,7 +44,11 @@ class BlockTables:
 
     def __init__(self, rows: int, width: int, device: torch.device, fixed: bool = False) -> None:
         self.store = torch.zeros((rows, width), dtype=torch.int32, device=device)
-        self.staging = PinnedRing(device)  # this store's row uploads and the steps' plans (DecodePlan.build)
+        # this store's row uploads and the steps' plans (DecodePlan.build): two a step at most, and
+        # two launches of up to MAX_STEPS_PER_LAUNCH steps in flight, so a buffer comes round
+        # again only once its copy has run
+        from engine.overlap_runner import MAX_STEPS_PER_LAUNCH
+        self.staging = PinnedRing(device, depth=4 * MAX_STEPS_PER_LAUNCH + 2)
         self.fixed = fixed
         self._row: dict[int, int] = {}  # id(block list) -> row
         self._cached: list[list[int] | None] = [None] * rows

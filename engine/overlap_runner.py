@@ -4,10 +4,12 @@
 runner's FutureTokenMap on the device (so step i + 1 can be launched before step i's tokens
 reach the host) and whose sampled tokens go into the map at the step's slots, then starts one
 non-blocking copy of its tokens and log-probabilities into one of a few pinned host buffers
-reused in turn (a step's buffer is written again three launches later, when that step has
-long been collected), with an event behind it. `collect` waits for that event only. `step`
-does both in one call (launch step i + 1, then collect step i), so the scheduler hands the
-model thread one job per step. Sampling (greedy
+reused in turn (a step's buffer is written again only after that step has been collected),
+with an event behind it. `collect` waits for that event only. `step` does both in one call
+(launch the next steps, then collect the previous ones), so the scheduler hands the model
+thread one job per launch: one step, or up to `steps_per_launch` steps queued back to back
+(--decode-steps-per-launch), each step's inputs resolved on the device from the step before
+it. Sampling (greedy
 and seeded) runs on the device (engine/sampling.py): no step syncs. On a CPU every call runs to
 completion at once, so the same code path works, sequentially.
 """
@@ -24,7 +26,7 @@ from engine.runner import DecodeInput, ModelRunner
 from engine.sampling import unpack_step
 
 
-HOST_BUFFERS = 3  # pinned result buffers in turn (see OverlapRunner.__init__)
+MAX_STEPS_PER_LAUNCH = 4  # --decode-steps-per-launch's upper bound (the staging rings' depth assumes it)
 
 
 @dataclass
@@ -37,12 +39,29 @@ class LaunchedStep:
 
 
 class OverlapRunner:
-    def __init__(self, runner: ModelRunner, max_batch: int) -> None:
+    """Launch and collect decode steps for decode_worker/overlap.py.
+
+    Args:
+        runner: the model runner (its future map holds the steps' tokens).
+        max_batch: the largest batch of one step.
+        steps_per_launch: the most steps one `step` call launches (1..MAX_STEPS_PER_LAUNCH).
+
+    Raises:
+        ValueError: steps_per_launch out of range, or a future map too small for two launches'
+            placeholders (2 × steps_per_launch × max_batch slots).
+    """
+
+    def __init__(self, runner: ModelRunner, max_batch: int, steps_per_launch: int = 1) -> None:
         self.runner = runner
         self.device = runner.device
         self.fmap = runner.future
-        if self.fmap.capacity < 2 * max_batch:  # two steps' placeholders are alive at once
-            raise ValueError(f"future map of {self.fmap.capacity} slots is too small for batches of {max_batch}")
+        if not 1 <= steps_per_launch <= MAX_STEPS_PER_LAUNCH:
+            raise ValueError(f"steps per launch must be in 1..{MAX_STEPS_PER_LAUNCH}, got {steps_per_launch}")
+        self.steps_per_launch = steps_per_launch
+        alive = 2 * steps_per_launch  # two launches' steps hold placeholders at once
+        if self.fmap.capacity < alive * max_batch:
+            raise ValueError(f"future map of {self.fmap.capacity} slots is too small for {alive} steps "
+                             f"of up to {max_batch} rows")
         self.cuda = self.device.type == "cuda"
         self.device_wait_s = 0.0  # seconds collect spent waiting for the device, in total
         # device seconds the collected steps ran, from CUDA events around each step (so the
@@ -53,13 +72,14 @@ class OverlapRunner:
         # host to queue the step (the next plan's upload, queued before `began`, counts here too)
         self.device_idle_s = 0.0
         self._last_end: torch.cuda.Event | None = None
-        # HOST_BUFFERS turns, each a pinned [max_batch, 2] float64 buffer a step's result lands
-        # in and its two timing events (step start, copy done), made once and used again: at
-        # most two steps are in flight and a turn is read when its step is collected, so step
-        # i's turn is free again before step i + 2 launches (HOST_BUFFERS = 3 > 2)
+        # turns, each a pinned [max_batch, 2] float64 buffer a step's result lands in and its
+        # two timing events (step start, copy done), made once and used again: a `step` call
+        # launches at most steps_per_launch steps and then collects the previous call's, so
+        # 2 × steps_per_launch turns are in use at once and one more keeps a turn from being
+        # written while its step's result is still being read
         self._turns = ([(torch.empty((max_batch, 2), dtype=torch.float64, pin_memory=True),
                          torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-                        for _ in range(HOST_BUFFERS)] if self.cuda else [])
+                        for _ in range(2 * steps_per_launch + 1)] if self.cuda else [])
         self._launches = 0
 
     @torch.inference_mode()
@@ -71,7 +91,7 @@ class OverlapRunner:
         """
         if not self.cuda:  # (a copy: a graph's output, were one replayed, changes at the next step)
             return LaunchedStep(self.runner.decode_step(batch, sampling, slots).clone(), None)
-        ring, began, event = self._turns[self._launches % HOST_BUFFERS]
+        ring, began, event = self._turns[self._launches % len(self._turns)]
         self._launches += 1
         both = self.runner.decode_step(batch, sampling, slots, began)  # [B, 2] float64 on the device
         host = (ring[: len(batch)] if len(batch) <= ring.shape[0]
@@ -102,12 +122,19 @@ class OverlapRunner:
         wait for the host, so it is not counted in `device_idle_s`."""
         self._last_end = None
 
-    def step(self, batch: list[DecodeInput] | None, slots: list[int], sampling: list[tuple[SamplingParams, int]],
-             previous: LaunchedStep | None) -> tuple[LaunchedStep | None, tuple[list[int], list[float]] | None]:
-        """Launch the next step (when batch is not None), then collect `previous` (when given):
-        (the launched step, previous's tokens and log-probabilities)."""
-        launched = self.launch(batch, slots, sampling) if batch else None
-        return launched, (self.collect(previous) if previous is not None else None)
+    def step(self, steps: list[tuple[list[DecodeInput], list[int], list[tuple[SamplingParams, int]]]],
+             previous: list[LaunchedStep]) -> tuple[list[LaunchedStep], list[tuple[list[int], list[float]]]]:
+        """Launch `steps` (each (batch, slots, sampling) as `launch` takes them, queued in this
+        order: a step's placeholder inputs may name the slots of an earlier one in the list),
+        then collect `previous`: (the launched steps, previous's tokens and log-probabilities,
+        in order).
+
+        Raises:
+            ValueError: more steps than steps_per_launch (their turns would overlap)."""
+        if len(steps) > self.steps_per_launch:
+            raise ValueError(f"{len(steps)} steps in one launch; at most {self.steps_per_launch}")
+        launched = [self.launch(batch, slots, sampling) for batch, slots, sampling in steps]
+        return launched, [self.collect(p) for p in previous]
 
 
 @dataclass

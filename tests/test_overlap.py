@@ -28,7 +28,11 @@ def test_future_map_resolves_placeholders() -> None:
     assert fmap.reserve(2) == [3, 0]  # a ring
 
 
-def test_overlap_greedy_equals_reference_and_frees_blocks(tiny_model) -> None:
+@pytest.mark.parametrize("per_launch", [1, 2, 3])
+def test_overlap_greedy_equals_reference_and_frees_blocks(tiny_model, per_launch) -> None:
+    """Also with several steps per launch (--decode-steps-per-launch): the eos in the first of
+    a launch's steps drops the rest, max_tokens cuts a launch short (lengths 2 and 7 are not
+    multiples of 2 or 3), and the cancelled request's later steps are dropped."""
     prompts = [[(13 * i + j) % 9000 for i in range(n)] for j, n in enumerate([5, 16, 33, 9])]
     lens = [12, 2, 7, 20]
     # request 3 ends at an "eos" mid-way: the step already in flight for it must be dropped
@@ -37,7 +41,8 @@ def test_overlap_greedy_equals_reference_and_frees_blocks(tiny_model) -> None:
     loaded = dataclasses.replace(
         tiny_model, config=dataclasses.replace(tiny_model.config, eos_token_id=(eos,)))
     params = [SamplingParams(max_tokens=n) for n in lens]
-    got, rt = asyncio.run(generate(loaded, 0, prompts, params, overlap=True, cancel=2))
+    got, rt = asyncio.run(generate(loaded, 0, prompts, params, overlap=True, cancel=2,
+                                   decode_steps_per_launch=per_launch))
     for i, (prompt, n) in enumerate(zip(prompts, lens)):
         ref = reference_generate(tiny_model.model, prompt, n, {eos})
         assert got[i] == (ref[:3] if i == 2 else ref)
@@ -45,16 +50,23 @@ def test_overlap_greedy_equals_reference_and_frees_blocks(tiny_model) -> None:
     st = rt.stats  # the step cadence counters (tandem_worker_decode_*)
     assert st.decode_steps > 0 and st.decode_step_rows > st.decode_steps  # several requests per step
     assert 0 < st.decode_busy_steps < st.decode_steps and st.decode_step_seconds > 0
+    # one step per call at 1; with more, most calls launched several (the batch shrinks to one
+    # request near the end, which still takes per_launch steps a call until its eos)
+    assert st.decode_launches == st.decode_steps if per_launch == 1 else st.decode_launches < st.decode_steps
     # rows × step time: between the mean batch's worth (1 row) and every row (all the steps' rows)
     assert st.decode_step_seconds < st.decode_row_seconds < st.decode_step_seconds * st.decode_step_rows
     assert st.decode_device_idle_seconds == 0.0  # CPU: no CUDA events, nothing timed
 
 
-def test_overlap_sampling_equals_plain_loop(tiny_model) -> None:
+@pytest.mark.parametrize("per_launch", [1, 2, 4])
+def test_overlap_sampling_equals_plain_loop(tiny_model, per_launch) -> None:
+    """Seeded sampling gives the plain loop's tokens at any steps per launch: each step keeps
+    its step index."""
     prompts = [[(29 * i + 1) % 9000 for i in range(20)], [4, 5, 6]]
     params = [SamplingParams(max_tokens=10, temperature=0.9, seed=5), SamplingParams(max_tokens=8)]
     plain, _ = asyncio.run(generate(tiny_model, 0, prompts, params))
-    over, _ = asyncio.run(generate(tiny_model, 0, prompts, params, overlap=True))
+    over, _ = asyncio.run(generate(tiny_model, 0, prompts, params, overlap=True,
+                                   decode_steps_per_launch=per_launch))
     assert over == plain
 
 
@@ -79,6 +91,14 @@ def test_disable_overlap_flag_and_env(monkeypatch, argv, env, want) -> None:
     assert build(WorkerOptions, args).disable_overlap_schedule is want
 
 
+@pytest.mark.parametrize("value", [0, 5])
+def test_steps_per_launch_out_of_range_names_the_flag(value) -> None:
+    from worker.host import WorkerOptions
+
+    with pytest.raises(ValueError, match="--decode-steps-per-launch must be in 1..4"):
+        WorkerOptions(decode_steps_per_launch=value)
+
+
 def test_bad_boolean_env_names_the_variable(monkeypatch) -> None:
     from cli import config
     from cli.main import build_parser
@@ -90,7 +110,8 @@ def test_bad_boolean_env_names_the_variable(monkeypatch) -> None:
         config.apply(parser, args)
 
 
-def test_overlap_retraction_loses_no_in_flight_token(tiny_model) -> None:
+@pytest.mark.parametrize("per_launch", [1, 2])
+def test_overlap_retraction_loses_no_in_flight_token(tiny_model, per_launch) -> None:
     """A request retracted while its next token is in flight (the overlap loop launches step
     i + 1 before it post-processes step i) resumes from its last real token: every stream,
     greedy and seeded, equals the one of a pool large enough for all, no token lost or
@@ -100,7 +121,8 @@ def test_overlap_retraction_loses_no_in_flight_token(tiny_model) -> None:
     params.append(SamplingParams(max_tokens=40, ignore_eos=True, temperature=0.9, seed=3))
     roomy, _ = asyncio.run(generate(tiny_model, 0, prompts, params))
     # 9 blocks of 16 tokens: the four need 16 at full length, so the loop must retract
-    tight, rt = asyncio.run(generate(tiny_model, 0, prompts, params, num_blocks=9, overlap=True))
+    tight, rt = asyncio.run(generate(tiny_model, 0, prompts, params, num_blocks=9, overlap=True,
+                                     decode_steps_per_launch=per_launch))
     assert rt.stats.retractions > 0
     assert tight == roomy
     assert roomy[0] == reference_generate(tiny_model.model, prompts[0], 40)

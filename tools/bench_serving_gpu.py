@@ -130,7 +130,7 @@ SPEC_COUNTERS = ("tandem_worker_spec_verify_steps", "tandem_worker_spec_emitted_
 DECODE_COUNTERS = ("tandem_worker_decode_steps", "tandem_worker_decode_step_rows", "tandem_worker_decode_busy_steps",
                    "tandem_worker_decode_step_seconds", "tandem_worker_decode_device_busy_seconds",
                    "tandem_worker_decode_device_wait_seconds", "tandem_worker_decode_device_idle_seconds",
-                   "tandem_worker_decode_row_seconds")
+                   "tandem_worker_decode_row_seconds", "tandem_worker_decode_launches")
 
 
 # the decode worker's garbage collections (all generations): its pages alone carry DECODE_ONLY
@@ -192,8 +192,10 @@ def _decode_figures(before: dict[str, float], after: dict[str, float]) -> dict[s
     if not d["steps"]:
         return {"decode_mean_batch": None, "decode_cadence_ms": None, "decode_device_ms_per_step": None,
                 "decode_host_wait_ms_per_step": None, "decode_device_idle_ms_per_step": None,
-                "decode_row_weighted_ms": None}
+                "decode_row_weighted_ms": None, "decode_steps_per_launch": None}
     return {"decode_mean_batch": d["step_rows"] / d["steps"],
+            # --decode-steps-per-launch at work: steps / model-thread calls (0 calls: not the overlap loop)
+            "decode_steps_per_launch": d["steps"] / d["launches"] if d["launches"] else None,
             "decode_cadence_ms": 1e3 * d["step_seconds"] / d["busy_steps"] if d["busy_steps"] else None,
             "decode_device_ms_per_step": 1e3 * d["device_busy_seconds"] / d["steps"],
             "decode_host_wait_ms_per_step": 1e3 * d["device_wait_seconds"] / d["steps"],
@@ -317,11 +319,12 @@ def serve_and_bench(model_dir: Path, contexts: list[int], concurrencies: list[in
             gc0 = _worker_counters(metrics_urls, GC_COUNTERS, only_with=DECODE_ONLY)
             spies = {}
             if profile_s > 0 and not out:  # the first bench only: the decode worker and the router
-                steps = "tandem_worker_decode_steps"
+                # its own name: the recordings' threads call the lambda after `steps` below is rebound
+                counter = "tandem_worker_decode_steps"
                 spies = {f"{role}_host_profile" if role != "decode" else "host_profile":
                          host_profile.Recording(up.pid, role, profile_s, work,
-                                                lambda: _worker_counters(metrics_urls, DECODE_COUNTERS)[steps],
-                                                decode0[steps])
+                                                lambda: _worker_counters(metrics_urls, DECODE_COUNTERS)[counter],
+                                                decode0[counter])
                          for role in ("decode", "router")}
             r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
             doc = json.loads(res.read_text()) if res.exists() else {}

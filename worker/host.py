@@ -92,6 +92,7 @@ class WorkerOptions:
     torch_threads: int = 1  # intra-op threads for the model (small model: 1 is fastest)
     speculative_num_steps: int = 0  # decode: MTP draft tokens per verify step (0 = off)
     disable_overlap_schedule: bool = False  # decode: run schedule/run/postprocess strictly in turn
+    decode_steps_per_launch: int = 2  # decode, overlap loop without MTP: steps queued per model-thread call
     disable_cuda_graph: bool = False  # decode on CUDA: run each step eagerly instead of replaying a graph
     metrics_port: int = -1  # Prometheus /metrics: -1 = off, 0 = any free port
     ep_size: int = 1  # decode: expert-parallel ranks (processes) forming this worker; 1 = no EP
@@ -118,6 +119,10 @@ class WorkerOptions:
         if not 1 <= self.gil_switch_interval_us <= 5000:
             raise ValueError(f"--gil-switch-interval-us must be in [1, 5000] (Python's default is 5000), "
                              f"got {self.gil_switch_interval_us}")
+        from engine.overlap_runner import MAX_STEPS_PER_LAUNCH
+        if not 1 <= self.decode_steps_per_launch <= MAX_STEPS_PER_LAUNCH:
+            raise ValueError(f"--decode-steps-per-launch must be in 1..{MAX_STEPS_PER_LAUNCH}, "
+                             f"got {self.decode_steps_per_launch}")
         if self.stream_interval < 1:
             raise ValueError(f"--stream-interval must be >= 1 token, got {self.stream_interval}")
         if self.solo_wait_s < 0:
@@ -208,6 +213,7 @@ class WorkerStats:
     prefill_paced_pieces: int = 0  # decode: local prefill pieces let in between two decode steps (prefill_pacing.py)
     prefill_pace_timeouts: int = 0  # decode: of those, pieces that ran after waiting 0.25 s for a decode step
     decode_steps: int = 0  # decode: steps launched
+    decode_launches: int = 0  # decode (overlap): model-thread calls that launched steps (--decode-steps-per-launch)
     decode_step_rows: int = 0  # decode: requests in those steps (rows / steps = the mean batch)
     decode_busy_steps: int = 0  # decode: steps launched right after another (the loop had work throughout)
     decode_step_seconds: float = 0.0  # decode: wall time between those launches (/ busy steps = the cadence)
@@ -305,7 +311,9 @@ class WorkerRuntime:
         self.engine = None
         if engine is None:
             self.pool = KvPool(pool_config, hash_seed(self.loaded.name, weights=self.loaded.fingerprint), device=self.device)
-            self.runner = ModelRunner(self.loaded.model, self.pool, future_capacity=4 * opts.max_running + 16)
+            # two launches of the overlap loop hold placeholders at once (engine/overlap_runner.py)
+            self.runner = ModelRunner(self.loaded.model, self.pool,
+                                      future_capacity=4 * opts.decode_steps_per_launch * opts.max_running + 16)
             if self.runner.fast:  # compile the prefill forward's fused functions now, not in a request
                 log.info("start-up warm-up (fused MoE kernels, torch.compile of the fused functions): %.1f s",
                          self.runner.warm_up_prefill())

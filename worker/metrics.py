@@ -56,6 +56,9 @@ WORKER_COUNTERS: dict[str, tuple[str, str, bool]] = {
     "solo_yields": ("tandem_worker_solo_yields", "decode: requests that fit only alone, retracted after a turn of "
                     "--solo-wait seconds so that requests waiting behind them could run (they resume later)", False),
     "decode_steps": ("tandem_worker_decode_steps", "decode: batched decode steps launched", False),
+    "decode_launches": ("tandem_worker_decode_launches", "decode, overlap scheduler: model-thread calls that "
+                        "launched decode steps (steps / launches = the steps queued per call, "
+                        "--decode-steps-per-launch)", False),
     "decode_step_rows": ("tandem_worker_decode_step_rows", "decode: requests in those steps (rows / steps = the "
                          "mean batch)", False),
     "decode_busy_steps": ("tandem_worker_decode_busy_steps", "decode: steps launched right after the previous one, "
