@@ -1,15 +1,13 @@
 #!/usr/bin/env bash
-# One device call (~560 s): what run 18 (one H100, 2026-12-05) left open. The latent kernel's
-# CUDA tests after its rounding fix and which rounding it follows (latent_rounding.py), the
-# decode-step tests that ran out of time there, then the rest of the kernels' CUDA tests.
-# (Run 18 already measured M's step against dab9b85: ab_profile.sh, docs/benchmarks.md.)
+# One device call (~560 s), what run 19 (one H100, 2026-12-05) left open: the CUDA test files
+# that ran out of their 70 s there (mostly compiling), then S served under MPS at 2 and 1 decode
+# steps per launch, alternating, on this machine (run 19 measured it on an H100 only).
 set -u
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"; export OUT
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader
-python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 t0=$(date +%s)
 run() { local name=$1 limit=$2; shift 2; timeout "$limit" python3 -m pytest -q -p no:cacheprovider "$@" > "$OUT/$name.log" 2>&1; echo "$name rc $? ($(( $(date +%s) - t0 )) s): $(tail -1 "$OUT/$name.log")"; }
-run t_latent 120 tests/test_latent_store.py
-timeout 100 python3 tools/gpu_runs/latent_rounding.py > "$OUT/latent_rounding.log" 2>&1; echo "latent_rounding rc $?"; tail -12 "$OUT/latent_rounding.log"
-run t_decode 300 tests/test_decode_kernels.py -k "mla or graph or greedy or absorbed or one_token or mixed"
+run t_model_lane 120 tests/test_model_lane.py
+run t_spec_batch 150 tests/test_spec_batch.py
+LIMIT_S=150 bash tools/gpu_runs/steps_ab.sh S 2 1 -- --mps
 echo "total $(( $(date +%s) - t0 )) s"
