@@ -134,7 +134,7 @@ async def _model_info(router: str, wait_s: float = 180.0, api_key: str = "",
     import grpc
 
     from cli.client import frontend_stub
-    from cli.main import no_router_hint
+    from cli.client import no_router_hint
     from common import tls
     from common.pb.tandem.v1 import frontend_pb2
 

@@ -235,3 +235,20 @@ CLIENT_TLS_HELP = {
                 "`tandem up` prints its path); empty = plaintext",
     "--tls-cert": "PEM client certificate issued by the cluster CA (optional; with --tls-key)",
     "--tls-key": "PEM private key of --tls-cert"}
+
+
+def no_router_hint(exc, router: str, tls: bool = True) -> str:
+    """For a call that found no router: what to do about it (`tls`: whether the call used TLS)."""
+    details = (exc.details() or "").lower()
+    if exc.code() != grpc.StatusCode.UNAVAILABLE or "connect" not in details:
+        return ""
+    if "handshake" in details:  # something answered, but not with a certificate of our CA
+        return (f"\nthe TLS handshake with {router} failed: the router there serves a certificate of another CA "
+                f"than --tls-ca (or TANDEM_TLS_CA), or serves plaintext (then leave --tls-ca out)")
+    if not tls:
+        return (f"\nno router answered at {router} in plaintext. If one serves TLS there (`tandem up`'s does, and "
+                f"any router given --tls-cert), pass --tls-ca with its cluster CA (or TANDEM_TLS_CA; `tandem up` "
+                f"prints the export line); otherwise start a local cluster with `tandem up`, or pass --router "
+                f"(or TANDEM_ROUTER) with the address of yours")
+    return (f"\nno router at {router}: start a local cluster with `tandem up`, or pass --router "
+            f"(or TANDEM_ROUTER) with the address of yours")

@@ -134,7 +134,7 @@ def _up(args: argparse.Namespace) -> int:
 def _generate(args: argparse.Namespace) -> int:
     import grpc
 
-    from cli.client import client_credentials, frontend_stub, generate
+    from cli.client import client_credentials, frontend_stub, generate, no_router_hint
     from common import tracing
 
     tracing.setup("client")  # with OTEL_EXPORTER_OTLP_ENDPOINT set, the request's trace starts here
@@ -163,28 +163,10 @@ def _generate(args: argparse.Namespace) -> int:
     return asyncio.run(main())
 
 
-def no_router_hint(exc, router: str, tls: bool = True) -> str:
-    """For a call that found no router: what to do about it (`tls`: whether the call used TLS)."""
-    import grpc
-    details = (exc.details() or "").lower()
-    if exc.code() != grpc.StatusCode.UNAVAILABLE or "connect" not in details:
-        return ""
-    if "handshake" in details:  # something answered, but not with a certificate of our CA
-        return (f"\nthe TLS handshake with {router} failed: the router there serves a certificate of another CA "
-                f"than --tls-ca (or TANDEM_TLS_CA), or serves plaintext (then leave --tls-ca out)")
-    if not tls:
-        return (f"\nno router answered at {router} in plaintext. If one serves TLS there (`tandem up`'s does, and "
-                f"any router given --tls-cert), pass --tls-ca with its cluster CA (or TANDEM_TLS_CA; `tandem up` "
-                f"prints the export line); otherwise start a local cluster with `tandem up`, or pass --router "
-                f"(or TANDEM_ROUTER) with the address of yours")
-    return (f"\nno router at {router}: start a local cluster with `tandem up`, or pass --router "
-            f"(or TANDEM_ROUTER) with the address of yours")
-
-
 def _explain(args: argparse.Namespace) -> int:
     import grpc
 
-    from cli.client import client_credentials, frontend_stub
+    from cli.client import client_credentials, frontend_stub, no_router_hint
     from common.pb.tandem.v1 import frontend_pb2
     creds = client_credentials(args)
 

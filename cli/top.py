@@ -108,7 +108,7 @@ async def _run(args: argparse.Namespace) -> int:
     from rich.live import Live
 
     from cli.client import client_credentials, frontend_stub
-    from cli.main import no_router_hint
+    from cli.client import no_router_hint
 
     try:
         creds = client_credentials(args)  # a local `tandem up`'s CA is found as for the other clients

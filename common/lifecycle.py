@@ -77,13 +77,24 @@ def exit_with_parent(parent_pid: int, poll_s: float = 0.5) -> threading.Thread:
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGINT, signal.SIG_IGN)
 
-    def watch() -> None:
-        while True:
-            if os.getppid() != parent_pid:
-                os._exit(1)
-            time.sleep(poll_s)
+    return _watch_parent(parent_pid, poll_s, "exit-with-parent", lambda: os._exit(1))
 
-    t = threading.Thread(target=watch, name="exit-with-parent", daemon=True)
+
+def _watch_parent(parent: int, poll_s: float, name: str, gone: Callable[[], None],
+                  until: threading.Event | None = None) -> threading.Thread:
+    """A daemon thread `name` that polls os.getppid() every poll_s seconds and calls `gone()`
+    once this process's parent is no longer `parent` (it was re-parented: the parent died);
+    it ends without calling it once `until` is set."""
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            if until is not None and until.wait(poll_s):
+                return
+            if until is None:
+                time.sleep(poll_s)
+        gone()
+
+    t = threading.Thread(target=watch, name=name, daemon=True)
     t.start()
     return t
 
@@ -106,15 +117,11 @@ def stop_with_launcher(poll_s: float = 1.0) -> threading.Thread | None:
         return None
     launcher = int(value)
 
-    def watch() -> None:
-        while os.getppid() == launcher:
-            if STOPPING.wait(poll_s):
-                return  # stopping already (the launcher's SIGTERM): nothing to add
-        if STOPPING.is_set():
+    def gone() -> None:
+        if STOPPING.is_set():  # a stop signal came between the last poll and now
             return
         log.warning("the launcher (pid %d) is gone without stopping this process: stopping", launcher)
         os.kill(os.getpid(), signal.SIGTERM)
 
-    t = threading.Thread(target=watch, name="stop-with-launcher", daemon=True)
-    t.start()
-    return t
+    # stopping already (the launcher's SIGTERM): nothing to add
+    return _watch_parent(launcher, poll_s, "stop-with-launcher", gone, until=STOPPING)
