@@ -56,8 +56,10 @@ HELP = {
                           "to bound its activation memory and the wait of a chunk behind it",
     "prefill_tokens_per_decode_step": "decode: while requests decode, a local prefill (no prefill worker, or a "
                                       "re-prefill after retraction) runs at most this many prompt tokens between "
-                                      "two decode steps, so the running streams' inter-token latency stays about "
-                                      "one step plus one piece; with nothing decoding chunks run whole; 0 = off",
+                                      "two decode steps (N times as many between two launches of "
+                                      "--decode-steps-per-launch N), so the running streams' inter-token latency "
+                                      "stays about one step plus one piece; with nothing decoding chunks run whole; "
+                                      "0 = off",
     "prefill_sm_count": "decode on CUDA: run the local prefill (prompts without a prefill worker, re-prefills) "
                         "on a CUDA green context of this many SMs, so the decode steps keep the others whatever "
                         "the prefill runs (kernels of one context otherwise hold SMs the step's short kernels wait "

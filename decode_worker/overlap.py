@@ -24,8 +24,8 @@ Consequences handled here:
   in a block a running step still writes.
 - A request whose last allowed token is in flight is not scheduled again.
 - Blocks for a launch's later steps are taken when the launch is planned; a launch whose next
-  step would need more blocks than are free stops before it (retraction plans for the whole
-  launch: `Retractor.tokens_per_step`).
+  step would need more blocks than are free stops before it (retraction plans the first step
+  only, so a launch never causes a retraction one step at a time would not).
 
 On a CPU the device is the calling thread: each launch computes at once and the steps run
 sequentially; the loop is then off by default (--disable-overlap-schedule has no effect there)
@@ -127,7 +127,7 @@ class DeferredFrees:
 
 class OverlapLoop(DeferredFrees):
     """The one-token overlap loop; `steps_per_launch` steps per model-thread call at most
-    (--decode-steps-per-launch; the scheduler's Retractor must plan that many tokens a step)."""
+    (--decode-steps-per-launch)."""
 
     def __init__(self, scheduler: DecodeScheduler) -> None:
         super().__init__(scheduler)
@@ -170,6 +170,7 @@ class OverlapLoop(DeferredFrees):
         sched, rt = self.sched, self.sched.rt
         while True:
             batch = self._schedule()
+            plan = self._plan(batch) if batch else []  # (its block growth evicts cached blocks too)
             rt.events.publish()
             if not batch and self._inflight is None:
                 sched._last_step = None
@@ -177,7 +178,6 @@ class OverlapLoop(DeferredFrees):
                 sched._wake.clear()
                 await sched._wake.wait()
                 continue
-            plan = self._plan(batch) if batch else []
             previous = self._inflight or []
             launched, results = await rt.run_model(self.runner.step, [(i, sl, sa) for _, sl, i, sa in plan],
                                                    [p[2] for p in previous])

@@ -15,6 +15,10 @@ prefill forward), which keeps both paths as they are and bounds the stall by the
 
 The budget is per decode step, not per prefill: concurrent local prefills take turns (one
 piece per step in all, first come first served), so two of them do not double the stall.
+Where the decode loop launches N steps at once (--decode-steps-per-launch), a piece can only go
+in between two launches, and the loop queues its next launch as soon as one returns: a piece
+is then N × the tokens, one per launch, so a prefill takes as many decode steps as at one step
+per launch (the streams wait one larger piece per N steps).
 """
 
 from __future__ import annotations
@@ -39,9 +43,11 @@ class PrefillPacer:
         decoding: whether requests are decoding now (the scheduler's running list is not empty).
         stats: the worker's WorkerStats: counts prefill_paced_pieces (pieces let in between
             decode steps) and prefill_pace_timeouts (pieces that ran after STEP_WAIT_S without one).
+        steps_per_launch: the decode loop's steps per launch now (a piece is that many steps' tokens).
     """
 
-    def __init__(self, tokens_per_step: int, block_size: int, decoding: Callable[[], bool], stats: Any) -> None:
+    def __init__(self, tokens_per_step: int, block_size: int, decoding: Callable[[], bool], stats: Any,
+                 steps_per_launch: Callable[[], int] = lambda: 1) -> None:
         if tokens_per_step < 0:
             raise ValueError(f"--prefill-tokens-per-decode-step must be >= 0 (0 = off), got {tokens_per_step}")
         self.tokens = max(block_size, tokens_per_step // block_size * block_size) if tokens_per_step else 0
@@ -51,6 +57,7 @@ class PrefillPacer:
         self._stepped = asyncio.Event()  # set at each launched step
         self._last_piece_step = -1  # self._steps when the last paced piece was let in
         self._turn = asyncio.Lock()  # one paced piece at a time across concurrent prefills
+        self._steps_per_launch = steps_per_launch
         self.stats = stats
 
     def step_launched(self) -> None:
@@ -62,9 +69,9 @@ class PrefillPacer:
         return self.tokens > 0 and self._decoding()
 
     def piece_end(self, pos: int, end: int) -> int:
-        """End of the piece starting at token pos of a chunk ending at end: at most `tokens`
-        further, on a block boundary, never past end, always past pos."""
-        cut = (pos // self._block) * self._block + self.tokens
+        """End of the piece starting at token pos of a chunk ending at end: at most `tokens` ×
+        the loop's steps per launch further, on a block boundary, never past end, always past pos."""
+        cut = (pos // self._block) * self._block + self.tokens * max(1, self._steps_per_launch())
         return end if cut >= end else max(cut, pos + 1)
 
     @contextlib.asynccontextmanager

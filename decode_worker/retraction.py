@@ -41,7 +41,10 @@ class Retractor:
 
     `tokens_per_step` is how many tokens one step writes per request (1 for plain decode; a
     speculative step writes its drafts too). Where the overlap loop launches several steps at
-    once (--decode-steps-per-launch), a "step" below is one launch: that many times the tokens.
+    once (--decode-steps-per-launch), only the first step's tokens are planned here: the loop
+    cuts a launch short where the free blocks end (decode_worker/overlap.py `_plan`), and
+    planning the whole launch would retract, or refuse a request that fills the pool, earlier
+    than one step at a time does.
     """
 
     def __init__(self, scheduler: DecodeScheduler, tokens_per_step: int = 1) -> None:
@@ -56,8 +59,7 @@ class Retractor:
     def _tokens_after(self, req: RunningRequest, steps: int) -> int:
         """Tokens req's KV holds after `steps` more steps (no further than its max_tokens)."""
         left = max(1, req.params.max_tokens - req.generated)  # one step per token still to generate
-        per_launch = getattr(self.sched.overlap, "steps_per_launch", 1)  # decode_worker/overlap.py
-        return len(req.tokens) - 1 + min(steps * self.tokens_per_step * per_launch, left)
+        return len(req.tokens) - 1 + min(steps * self.tokens_per_step, left)
 
     def _need(self, reqs: Iterable[RunningRequest], steps: int) -> int:
         """New blocks reqs need so that `steps` more steps fit."""
@@ -78,6 +80,10 @@ class Retractor:
             need = self._need_one(req, 1)
             if need + len(req.block_ids) > pool.config.num_blocks:
                 batch.remove(req)
+                if req.tokens and req.tokens[-1] < 0:
+                    # steps of the overlap loop are in flight for it, their KV within its blocks:
+                    # it ends once they are post-processed, so their tokens are streamed first
+                    continue
                 self.sched._finish(req, _exhausted(f"request needs {need + len(req.block_ids)} KV "
                                                    f"blocks; the pool has {pool.config.num_blocks}"))
             else:

@@ -97,7 +97,8 @@ class DecodeScheduler:
         self.retraction = Retractor(self, tokens_per_step=k + 1)  # an MTP step writes its drafts too
         # local prefills (prefill_outputs) in pieces between decode steps while requests run
         self.pacer = PrefillPacer(runtime.opts.prefill_tokens_per_decode_step, runtime.opts.block_size,
-                                  lambda: bool(self.running), runtime.stats)
+                                  lambda: bool(self.running), runtime.stats,
+                                  lambda: getattr(self.overlap, "steps_per_launch", 1))
         runtime.prefill_pacer = self.pacer
 
     def count_step(self, rows: int) -> None:

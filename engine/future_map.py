@@ -16,7 +16,8 @@ class FutureTokenMap:
     """A device ring of sampled token ids addressed by negative placeholder ids.
 
     capacity must exceed the tokens of every step whose placeholders are still in use (the
-    overlap loop has at most two steps in flight: 2 × max batch is enough). One more entry past
+    overlap loop has at most two launches of N steps in flight, --decode-steps-per-launch:
+    2 × N × max batch is enough). One more entry past
     the ring is a sink: slot -1 (padding rows, steps whose tokens nobody awaits) writes there.
     """
 

@@ -38,7 +38,8 @@ class PinnedRing:
     Here the rows are written straight into the numpy view of one of `depth` pinned buffers
     (grown as needed, never shrunk), copied without blocking, and an event after the copy tells
     when that buffer may be written again: a buffer is reused `depth` calls later, long after
-    its copy ran (a decode step has at most two steps in flight), so the wait is a formality
+    its copy ran (the decode loop has at most two launches of a few steps in flight, and the
+    block tables' ring is deep enough for them), so the wait is a formality
     that only a stalled device would make real. Off CUDA the same staging runs in plain
     buffers and the result is a copy of the buffer (nothing to wait for).
 

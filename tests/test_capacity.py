@@ -245,8 +245,7 @@ def test_retraction_order_fewest_generated_then_longest_prompt():
 
 
 class FakeScheduler:
-    """Just what Retractor touches: running list, runtime (pool, stats), admission, release,
-    _finish, and the loop (`overlap`: None = the plain loop, one step per launch)."""
+    """Just what Retractor touches: running list, runtime (pool, stats), admission, release, _finish."""
 
     def __init__(self, kv: KvPool) -> None:
         from types import SimpleNamespace
@@ -257,7 +256,6 @@ class FakeScheduler:
         self.admission = Admission(kv, practical_fraction=4.0, max_queued=4)
         self.finished: list = []
         self.release = kv.free  # the plain loop frees at once (the overlap loops defer it)
-        self.overlap = None
 
     def _finish(self, req, out) -> None:
         self.running.remove(req)

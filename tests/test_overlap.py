@@ -13,6 +13,7 @@ import torch
 
 from common.sampling_params import SamplingParams
 from decode_helpers import generate
+from decode_worker.overlap import overlap_loop
 from engine.future_map import FutureTokenMap
 from engine.reference import reference_generate
 
@@ -197,3 +198,56 @@ def test_admitted_request_waits_for_blocks_the_overlap_loop_still_holds(tiny_mod
             rt.close()
 
     asyncio.run(main())
+
+
+async def _until_the_pool_ends(loaded, overlap: bool, per_launch: int):
+    """One request whose KV outgrows a 2-block pool (admission would refuse it; here it is
+    added directly): (the tokens it streamed, its error's status, free blocks at the end)."""
+    from common.pb.tandem.v1 import discovery_pb2
+    from decode_worker.scheduler import DecodeScheduler, RunningRequest
+    from worker.host import WorkerOptions, WorkerRuntime
+
+    rt = WorkerRuntime(discovery_pb2.ROLE_DECODE, WorkerOptions(model=loaded.name, num_blocks=2,
+                                                                decode_steps_per_launch=per_launch), loaded)
+    sched = DecodeScheduler(rt)
+    if overlap:
+        sched.overlap = overlap_loop(sched)
+    task = asyncio.create_task(sched.run())
+    try:
+        prompt = list(range(1, 21))
+        blocks = rt.pool.allocate_prompt(prompt)
+        await rt.prefill(blocks.block_ids, prompt, 0)
+        rt.pool.commit_prompt(blocks)
+        req = RunningRequest("r", prompt + [5], len(prompt), blocks.block_ids,
+                             SamplingParams(max_tokens=40, ignore_eos=True))
+        sched.add(req)
+        tokens, error = [], None
+        while error is None:
+            msg = await asyncio.wait_for(req.out.get(), 30)
+            if msg.token is not None:
+                tokens.append(msg.token)
+            error = msg.error
+        for _ in range(100):
+            if sched.overlap is None or sched.overlap.idle:
+                break
+            await asyncio.sleep(0.01)
+        return tokens, error[0], rt.pool.blocks.num_free
+    finally:
+        task.cancel()
+        rt.close()
+
+
+@pytest.mark.parametrize("per_launch", [1, 2, 4])
+def test_a_request_outgrowing_the_pool_gets_its_in_flight_tokens_first(tiny_model, per_launch) -> None:
+    """The overlap loop ends a request whose next step cannot fit the whole pool only once its
+    steps in flight are post-processed: it streams as many tokens as in the plain loop (the
+    loop used to end it at once, dropping them: one token short, N − 1 more at N per launch)."""
+    import grpc
+
+    plain = asyncio.run(_until_the_pool_ends(tiny_model, False, 1))
+    over = asyncio.run(_until_the_pool_ends(tiny_model, True, per_launch))
+    assert plain[1] == over[1] == grpc.StatusCode.RESOURCE_EXHAUSTED
+    # the pool's 32 positions hold the 20-token prompt, the first token and 11 streamed ones;
+    # the 12th streamed token's KV would be the 33rd
+    assert over[0] == plain[0] and len(plain[0]) == 12
+    assert over[2] == plain[2] == 2

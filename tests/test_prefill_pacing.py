@@ -24,6 +24,9 @@ def test_piece_end_cuts_whole_blocks_within_the_chunk():
     assert PrefillPacer(5, 16, lambda: True, WorkerStats()).tokens == 16  # at least one block
     with pytest.raises(ValueError, match="--prefill-tokens-per-decode-step"):
         PrefillPacer(-1, 16, lambda: True, WorkerStats())
+    # two decode steps per launch: a piece goes in per launch, so it holds two steps' tokens
+    two = PrefillPacer(64, 16, lambda: True, WorkerStats(), lambda: 2)
+    assert two.piece_end(0, 1000) == 128 and two.piece_end(40, 1000) == 160 and two.piece_end(0, 100) == 100
 
 
 def test_pieces_wait_for_a_decode_step_each_and_take_turns():
