@@ -90,14 +90,24 @@ class Retractor:
                 total += need
         if total <= pool.blocks.num_free:
             return batch
-        while batch and self._need(batch, HEADROOM_STEPS) > pool.blocks.num_free:
-            if len(self.sched.running) == 1 and self._need(batch, 1) <= pool.blocks.num_free:
+        # Under the overlap loops, blocks released while a step is in flight come back once it
+        # completes (a victim's too): counting them keeps one shortage from retracting every
+        # request, and where they cover the step, this round launches nothing and the loop
+        # collects the step in flight first, freeing them.
+        if total <= self._free_soon():
+            return []
+        while batch and self._need(batch, HEADROOM_STEPS) > self._free_soon():
+            if len(self.sched.running) == 1 and self._need(batch, 1) <= self._free_soon():
                 break  # the last running request keeps going while its own step fits
             victim = retraction_order(self.sched.running)[0]
             self.retract(victim)
             if victim in batch:
                 batch.remove(victim)
-        return batch
+        return batch if self._need(batch, 1) <= pool.blocks.num_free else []
+
+    def _free_soon(self) -> int:
+        """Free blocks now plus those the step in flight's completion frees (overlap loops)."""
+        return self.rt.pool.blocks.num_free + self.sched.pending_free_blocks()
 
     def retract(self, req: RunningRequest) -> None:
         """Take req out of the batch, free its blocks, and queue it to resume."""

@@ -127,6 +127,11 @@ class DecodeScheduler:
         Not once the loop has failed: then nothing completes."""
         return self.overlap is not None and not self.overlap.idle and self.failed is None
 
+    def pending_free_blocks(self) -> int:
+        """Blocks released while a step is in flight, freed once it completes (0 off the overlap
+        loops, which free at once)."""
+        return sum(map(len, getattr(self.overlap, "_deferred", ())))
+
     def add(self, req: RunningRequest) -> None:
         """Take ownership of req (its blocks are freed by the scheduler from now on)."""
         self.admission.turn_starts(req.ticket)  # capacity: a lone request's turn is its decoding time

@@ -8,18 +8,21 @@ from common.pb.tandem.v1 import discovery_pb2
 from common.sampling_params import SamplingParams
 from decode_worker.overlap import overlap_loop
 from decode_worker.scheduler import DecodeScheduler, RunningRequest
+from engine.kv_pool import PoolExhausted
 from engine.sampling import sample
 from worker.host import WorkerOptions, WorkerRuntime
 
 
 async def generate(loaded, k: int, prompts: list[list[int]], params: list[SamplingParams],
                    num_blocks: int = 256, overlap: bool | str = False, cancel: int | None = None,
-                   **worker_options) -> tuple[list[list[int]], WorkerRuntime]:
+                   join_at: list[int] | None = None, **worker_options) -> tuple[list[list[int]], WorkerRuntime]:
     """Prefill each prompt locally, then decode all of them in one continuous batch with
     --speculative-num-steps k (overlap: force the overlap loop, decode_worker/spec_overlap.py's
     for k > 0, even on a CPU; otherwise the scheduler decides, on with a CUDA model unless
     disable_overlap_schedule=True; "in turn": decode_worker/spec_overlap.py's loop without
-    overlap, as on the fast path with --disable-overlap-schedule). Request number `cancel` is cancelled after its third token. Returns (tokens per request, runtime)."""
+    overlap, as on the fast path with --disable-overlap-schedule). Request number `cancel` is cancelled after its third token. join_at[i]: request i is prefilled
+    and added once the loop has launched that many steps (default: all at once). Returns
+    (tokens per request, runtime)."""
     rt = WorkerRuntime(discovery_pb2.ROLE_DECODE,
                        WorkerOptions(model=loaded.name, num_blocks=num_blocks, speculative_num_steps=k,
                                      **worker_options),
@@ -30,19 +33,37 @@ async def generate(loaded, k: int, prompts: list[list[int]], params: list[Sampli
     task = asyncio.create_task(sched.run())
     reqs, outs = [], []
     try:
-        for i, (prompt, sp) in enumerate(zip(prompts, params)):
-            blocks = rt.pool.allocate_prompt(prompt)
+        outs = [[] for _ in prompts]
+
+        async def add(i: int) -> None:
+            prompt, sp = prompts[i], params[i]
+            idle = 0
+            while join_at and sched.steps < join_at[i] and idle < 50:  # (not forever if the loop idles)
+                idle = 0 if sched.running else idle + 1
+                await asyncio.sleep(0.0005)
+            while True:  # blocks held by retracted requests' re-prefills come back
+                try:
+                    blocks = rt.pool.allocate_prompt(prompt)
+                    break
+                except PoolExhausted:
+                    await asyncio.sleep(0.002)
             hidden = await rt.prefill_hidden(blocks.block_ids, prompt, 0, mtp=k > 0)
             first, _ = sample(rt.runner.logits(hidden), sp, 0)
             rt.pool.commit_prompt(blocks)
-            outs.append([first])
+            outs[i].append(first)
             if sp.max_tokens == 1:
                 rt.pool.free(blocks.block_ids)
-                continue
+                return
             req = RunningRequest(f"r{i}", prompt + [first], len(prompt), blocks.block_ids, sp,
                                  hidden=hidden[None] if k else None)
             sched.add(req)
-            reqs.append((req, outs[-1]))
+            reqs.append((req, outs[i]))
+
+        if join_at is None:  # in order, one after the other
+            for i in range(len(prompts)):
+                await add(i)
+        else:  # concurrently, each once the loop has launched join_at[i] steps
+            await asyncio.gather(*(add(i) for i in range(len(prompts))))
         for req, out in reqs:
             while True:
                 msg = await asyncio.wait_for(req.out.get(), 60)

@@ -257,6 +257,9 @@ class FakeScheduler:
         self.finished: list = []
         self.release = kv.free  # the plain loop frees at once (the overlap loops defer it)
 
+    def pending_free_blocks(self) -> int:
+        return 0  # the plain loop: nothing deferred
+
     def _finish(self, req, out) -> None:
         self.running.remove(req)
         self.rt.pool.free(req.block_ids)

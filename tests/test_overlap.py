@@ -251,3 +251,26 @@ def test_a_request_outgrowing_the_pool_gets_its_in_flight_tokens_first(tiny_mode
     # the 12th streamed token's KV would be the 33rd
     assert over[0] == plain[0] and len(plain[0]) == 12
     assert over[2] == plain[2] == 2
+
+
+@pytest.mark.parametrize("per_launch", [1, 2])
+def test_an_overcommitted_pool_under_the_overlap_loop_makes_progress(tiny_model, per_launch) -> None:
+    """Five requests whose KV at full length is far beyond a 7-block pool, joining at different
+    steps (admission would not allow this; here they are added directly). Blocks released while
+    a step is in flight come back only once it completes: retraction used to count them as gone,
+    retract every running request, resume them all at once and start over, with no token made.
+    Every stream must equal the one of a pool large enough for all, and every block come back."""
+    import random
+
+    rnd = random.Random(202)
+    prompts, params, joins = [], [], []
+    for j in range(5):
+        prompts.append([rnd.randint(1, 8999) for _ in range(rnd.randint(3, 30))])
+        params.append(SamplingParams(max_tokens=rnd.randint(2, 40), ignore_eos=True) if rnd.random() < 0.5 else
+                      SamplingParams(max_tokens=rnd.randint(2, 40), ignore_eos=True, temperature=0.9, seed=j))
+        joins.append(rnd.choice([0, 0, 2, 5, 9]))
+    roomy, _ = asyncio.run(generate(tiny_model, 0, prompts, params))
+    tight, rt = asyncio.run(generate(tiny_model, 0, prompts, params, num_blocks=7, overlap=True, join_at=joins,
+                                     decode_steps_per_launch=per_launch))
+    assert tight == roomy
+    assert rt.stats.retractions > 0 and rt.pool.blocks.num_free == 7
