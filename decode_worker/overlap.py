@@ -93,10 +93,10 @@ def decode_loop(scheduler: DecodeScheduler, runtime):
         loop = overlap_loop(scheduler)
     elif scheduler.spec is not None and getattr(runtime.runner, "fast", False) and hasattr(runtime.runner, "spec_step"):
         loop = overlap_loop(scheduler, overlapped=False)
-    n = steps_per_launch(runtime.opts)
+    n = runtime.opts.decode_steps_per_launch
     if isinstance(loop, OverlapLoop):
         log.info("decode steps per launch: %d (--decode-steps-per-launch)", n)
-    elif n != getattr(type(runtime.opts), "decode_steps_per_launch", 1):  # said only when asked for
+    elif n != type(runtime.opts).decode_steps_per_launch:  # said only when asked for (not the default)
         log.info("--decode-steps-per-launch %d: no effect (it applies to the overlap loop without MTP; "
                  "each step launches alone here)", n)
     return loop
@@ -112,6 +112,11 @@ class DeferredFrees:
         self._deferred: list[list] = []  # block lists to free once the step in flight is done
         self._settling = False  # a completed step's post-processing and frees are under way
         scheduler.release = self._release  # hook: the scheduler frees blocks through us
+
+    @property
+    def pending_blocks(self) -> int:
+        """Blocks released while the step in flight runs: free once it has completed."""
+        return sum(map(len, self._deferred))
 
     @property
     def idle(self) -> bool:
@@ -132,7 +137,7 @@ class OverlapLoop(DeferredFrees):
     def __init__(self, scheduler: DecodeScheduler) -> None:
         super().__init__(scheduler)
         rt = scheduler.rt
-        self.steps_per_launch = steps_per_launch(rt.opts)
+        self.steps_per_launch = rt.opts.decode_steps_per_launch
         self.runner = OverlapRunner(rt.runner, rt.opts.max_running, self.steps_per_launch)
         self.fmap = self.runner.fmap
         # the launch in flight: per step, (its requests, their slots, the launched step)
@@ -153,8 +158,7 @@ class OverlapLoop(DeferredFrees):
         for j in range(self.steps_per_launch):
             if j:
                 rows = [r for r in rows if r.generated < r.params.max_tokens]
-                need = sum(max(0, pool.blocks_for(len(r.tokens)) - len(r.block_ids)) for r in rows)
-                if not rows or need > pool.blocks.num_free:
+                if not rows or self.sched.retraction.blocks_for_next_step(rows) > pool.blocks.num_free:
                     break
                 for r in rows:
                     pool.grow(r.block_ids, len(r.tokens))
@@ -216,11 +220,6 @@ class OverlapLoop(DeferredFrees):
             if reason != sampling_pb2.FINISH_REASON_UNSPECIFIED:
                 del req.tokens[idx + 1:]  # a placeholder of the step now in flight, if any
                 self.sched._finish(req, TokenOut(finish_reason=reason))
-
-
-def steps_per_launch(opts) -> int:
-    """--decode-steps-per-launch (1 for options that lack it, e.g. an EP rank's)."""
-    return getattr(opts, "decode_steps_per_launch", 1)
 
 
 def _last_index(tokens: list[int], value: int) -> int:

@@ -65,6 +65,10 @@ class Retractor:
         """New blocks reqs need so that `steps` more steps fit."""
         return sum(self._need_one(r, steps) for r in reqs)
 
+    def blocks_for_next_step(self, reqs: Iterable[RunningRequest]) -> int:
+        """New blocks reqs need for one more step (the overlap loop's later steps of a launch)."""
+        return self._need(reqs, 1)
+
     def _need_one(self, req: RunningRequest, steps: int) -> int:
         """New blocks req needs so that `steps` more steps fit."""
         return max(0, self.rt.pool.blocks_for(self._tokens_after(req, steps)) - len(req.block_ids))

@@ -130,7 +130,7 @@ class DecodeScheduler:
     def pending_free_blocks(self) -> int:
         """Blocks released while a step is in flight, freed once it completes (0 off the overlap
         loops, which free at once)."""
-        return sum(map(len, getattr(self.overlap, "_deferred", ())))
+        return getattr(self.overlap, "pending_blocks", 0)
 
     def add(self, req: RunningRequest) -> None:
         """Take ownership of req (its blocks are freed by the scheduler from now on)."""
