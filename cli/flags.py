@@ -95,12 +95,12 @@ HELP = {
                              "output equals k = 0's; with the overlap scheduler the accept lengths stay "
                              "on the GPU",
     "decode_steps_per_launch": "decode on a GPU, overlap scheduler without MTP: decode steps queued back to back "
-                               "per model-thread call (1..4). 2 pays the per-step host work (hand-over, scheduling, "
-                               "streaming) once per two steps, which matters where the host sets the pace (many "
-                               "short steps: a small model at high concurrency); new requests then join up to one "
-                               "step later, a request ending at the first of the two still takes a row in the "
-                               "second, and tokens reach the stream two steps at a time. 1 = a launch and a stream "
-                               "message per step. Tokens are the same at any value",
+                               "per model-thread call (1..4). N pays the per-step host work (hand-over, scheduling, "
+                               "streaming) once per N steps, which matters where the host sets the pace (many "
+                               "short steps: a small model at high concurrency); new requests then join up to "
+                               "N - 1 steps later, a request ending at the first step of a launch still takes a row "
+                               "in the others, and tokens reach the stream N steps at a time. 1 = a launch and a "
+                               "stream message per step. Tokens are the same at any value",
     "disable_overlap_schedule": "decode: turn the overlap scheduler off, with or without MTP (it runs on "
                                 "CUDA only; on a CPU steps always run in turn)",
     "disable_cuda_graph": "decode on CUDA: run every step eagerly instead of replaying the decode step's "

@@ -45,7 +45,7 @@ def test_overlap_on_cuda_sampled_equals_plain_loop(cuda_model):
     assert over == plain
 
 
-@pytest.mark.parametrize("per_launch", [1, 2])
+@pytest.mark.parametrize("per_launch", [1, 2, 4])
 def test_fast_bf16_overlap_with_graphs_agrees_with_plain_loop(per_launch):
     # The worker's GPU path end to end: bf16 weights (fast mode: graphs captured by the runtime,
     # device-resident block tables, placeholders resolved inside the graph) with the overlap loop

@@ -92,7 +92,7 @@ class WorkerOptions:
     torch_threads: int = 1  # intra-op threads for the model (small model: 1 is fastest)
     speculative_num_steps: int = 0  # decode: MTP draft tokens per verify step (0 = off)
     disable_overlap_schedule: bool = False  # decode: run schedule/run/postprocess strictly in turn
-    decode_steps_per_launch: int = 2  # decode, overlap loop without MTP: steps queued per model-thread call
+    decode_steps_per_launch: int = 4  # decode, overlap loop without MTP: steps queued per model-thread call
     disable_cuda_graph: bool = False  # decode on CUDA: run each step eagerly instead of replaying a graph
     metrics_port: int = -1  # Prometheus /metrics: -1 = off, 0 = any free port
     ep_size: int = 1  # decode: expert-parallel ranks (processes) forming this worker; 1 = no EP
