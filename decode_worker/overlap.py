@@ -185,8 +185,8 @@ class OverlapLoop(DeferredFrees):
             previous = self._inflight or []
             launched, results = await rt.run_model(self.runner.step, [(i, sl, sa) for _, sl, i, sa in plan],
                                                    [p[2] for p in previous])
-            for rows, *_ in plan:
-                sched.count_step(len(rows))
+            if plan:
+                sched.count_launch([len(rows) for rows, *_ in plan])
             rt.stats.decode_launches += bool(plan)
             rt.stats.decode_device_wait_seconds = self.runner.device_wait_s
             rt.stats.decode_device_busy_seconds = self.runner.device_busy_s

@@ -59,7 +59,17 @@ class RunningRequest:
 
     @property
     def generated(self) -> int:
+        """Tokens generated so far, the placeholders of steps in flight included (overlap loop)."""
         return len(self.tokens) - self.prompt_len
+
+    @property
+    def resolved(self) -> int:
+        """Tokens generated so far without the trailing placeholders (ids below 0) of steps still
+        in flight or dropped (a cancelled request's launch: its later steps' tokens never land)."""
+        end = len(self.tokens)
+        while end > self.prompt_len and self.tokens[end - 1] < 0:
+            end -= 1
+        return end - self.prompt_len
 
     def send(self, out: TokenOut, interval: int) -> None:
         """Hand one generated token to the RPC's stream once `interval` tokens are held (the
@@ -84,7 +94,7 @@ class DecodeScheduler:
         self.steps = 0
         self.stream_interval = runtime.opts.stream_interval  # tokens per stream message (--stream-interval)
         self._last_step: float | None = None  # perf_counter of the last launch (None after idling)
-        self._last_rows = 0  # requests in that launch
+        self._last_rows: list[int] = []  # requests in each step of that launch
         self.failed: BaseException | None = None
         self.on_failure = None  # async callable: the worker marks itself NOT_SERVING
         k = runtime.opts.speculative_num_steps  # hook: MTP speculative steps (spec_step.py)
@@ -102,23 +112,32 @@ class DecodeScheduler:
         runtime.prefill_pacer = self.pacer
 
     def count_step(self, rows: int) -> None:
-        """Count one launched decode step of `rows` requests, and the wall time since the previous
-        one when the loop did not idle in between (WorkerStats.decode_*: the step cadence)."""
+        """Count one launched decode step of `rows` requests (count_launch of one step)."""
+        self.count_launch([rows])
+
+    def count_launch(self, rows: list[int]) -> None:
+        """Count one launch of len(rows) decode steps queued back to back (rows[j]: requests in
+        step j; --decode-steps-per-launch) and the wall time since the previous launch when the
+        loop did not idle in between (WorkerStats.decode_*: the step cadence). That time is
+        the previous launch's: its steps ran in it, so it is split evenly over them."""
         now = time.perf_counter()
         stats = self.rt.stats
-        if self._last_step is not None:
-            stats.decode_busy_steps += 1
-            stats.decode_step_seconds += now - self._last_step
-            # the previous step's requests each waited this long for their next token: the sum
-            # over rows / the rows is the time per token a stream sees (a step of a large batch
-            # counts once per request in it, as in the clients' TPOT; the cadence counts it once)
-            stats.decode_row_seconds += self._last_rows * (now - self._last_step)
+        if self._last_step is not None and self._last_rows:
+            span = now - self._last_step
+            stats.decode_busy_steps += len(self._last_rows)
+            stats.decode_step_seconds += span
+            # each of the previous launch's requests waited span / its steps for each token: the
+            # sum over rows / the rows is the time per token a stream sees (a step of a large
+            # batch counts once per request in it, as in the clients' TPOT; the cadence counts
+            # it once)
+            stats.decode_row_seconds += span * sum(self._last_rows) / len(self._last_rows)
         self._last_step = now
-        self._last_rows = rows
-        stats.decode_steps += 1
-        stats.decode_step_rows += rows
-        self.steps += 1
-        self.pacer.step_launched()
+        self._last_rows = list(rows)
+        stats.decode_steps += len(rows)
+        stats.decode_step_rows += sum(rows)
+        self.steps += len(rows)
+        for _ in rows:
+            self.pacer.step_launched()
 
     def frees_pending(self) -> bool:
         """Whether blocks already released will come back to the pool by themselves: the overlap

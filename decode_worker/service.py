@@ -70,7 +70,7 @@ class Prefilled(NamedTuple):
 def _decode_span_attributes(span, running: RunningRequest) -> None:
     """Tokens this call generated (the first one, from prefill, included) and, with MTP, the
     accepted draft tokens and verify steps (decode_worker/spec_step.py counts them)."""
-    span.set_attribute("tandem.decode.tokens", running.generated)
+    span.set_attribute("tandem.decode.tokens", running.resolved)
     if running.mtp_verify_steps:
         span.set_attribute(tracing.MTP_ACCEPTED_TOKENS, running.mtp_accepted_tokens)
         span.set_attribute("tandem.mtp.verify_steps", running.mtp_verify_steps)

@@ -29,6 +29,41 @@ def test_future_map_resolves_placeholders() -> None:
     assert fmap.reserve(2) == [3, 0]  # a ring
 
 
+def test_cadence_counters_split_a_launch_span_over_its_steps(monkeypatch) -> None:
+    """A launch of several steps: the time to the next launch is its steps' (each request of
+    it waited that span / its steps a token), whatever rows its later steps kept."""
+    from types import SimpleNamespace
+
+    from decode_worker import scheduler as sched_mod
+    from worker.host import WorkerStats
+    launched = []
+    fake = SimpleNamespace(rt=SimpleNamespace(stats=WorkerStats()), steps=0, _last_step=None, _last_rows=[],
+                           pacer=SimpleNamespace(step_launched=lambda: launched.append(1)))
+    clock = iter([10.0, 10.3, 10.4])
+    monkeypatch.setattr(sched_mod.time, "perf_counter", lambda: next(clock))
+    count = sched_mod.DecodeScheduler.count_launch
+    count(fake, [4, 4, 2])  # the first launch after idling: no span yet
+    count(fake, [3])  # 0.3 s later
+    count(fake, [3])  # 0.1 s later
+    st = fake.rt.stats
+    assert (st.decode_steps, st.decode_step_rows, fake.steps, len(launched)) == (5, 16, 5, 5)
+    assert st.decode_busy_steps == 4  # the three steps of the first launch and the one of the second
+    assert st.decode_step_seconds == pytest.approx(0.4)
+    # 10 rows waited 0.1 s a token (0.3 s over 3 steps), then 3 rows 0.1 s: 1.3 row-seconds
+    assert st.decode_row_seconds == pytest.approx(0.3 * 10 / 3 + 0.1 * 3)
+
+
+def test_resolved_leaves_out_placeholders_in_flight() -> None:
+    """The decode span's token count (tandem.decode.tokens) of a request cancelled mid-launch:
+    the placeholders of its steps in flight never become tokens."""
+    from decode_worker.scheduler import RunningRequest
+    req = RunningRequest("r", [5, 6, 7, 11, 12, -3, -9], prompt_len=3, block_ids=[], params=SamplingParams())
+    assert (req.generated, req.resolved) == (4, 2)
+    req.tokens[5:] = [13, 14]
+    assert req.resolved == req.generated == 4
+    assert RunningRequest("p", [5, -1], prompt_len=2, block_ids=[], params=SamplingParams()).resolved == 0
+
+
 @pytest.mark.parametrize("per_launch", [1, 2, 3])
 def test_overlap_greedy_equals_reference_and_frees_blocks(tiny_model, per_launch) -> None:
     """Also with several steps per launch (--decode-steps-per-launch): the eos in the first of
