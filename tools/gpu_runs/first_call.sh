@@ -1,14 +1,19 @@
 #!/usr/bin/env bash
-# One device call (~520 s), what run 19 (one H100, 2026-12-05) left open: the overlap loop's CUDA
-# tests after the review's changes to its planning, a CUDA test file that ran out of its 70 s
-# there (mostly compiling), then S served under MPS at 2 and 1 decode steps per launch,
-# alternating, on this machine (run 19 measured it on an H100 only). test_spec_batch: check.sh.
+# One device call (~540 s), what run 20 (one H100, 2026-12-05) left open: the overlap loop's CUDA
+# tests with 4 decode steps per launch (the new default; graphs replayed 4 times back to back),
+# then M served under MPS at concurrency 64 at the default (M was never served with several
+# steps per launch). M's two workers on one GPU want an H200 (needs_h200: an H100's 80 GB barely
+# holds both workers' 31 GB of weights). The same at N = 1 for the A/B: a second call,
+# `TANDEM_DECODE_STEPS_PER_LAUNCH=1 CONCURRENCY=64 LIMIT_S=560 bash tools/gpu_runs/served.sh M --mps`.
+# The first served run after a machine starts is slow whatever N (run 20: cold compile caches):
+# compare only runs after the first of a machine start.
 set -u
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"; export OUT
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader
 t0=$(date +%s)
-run() { local name=$1 limit=$2; shift 2; timeout "$limit" python3 -m pytest -q -p no:cacheprovider "$@" > "$OUT/$name.log" 2>&1; echo "$name rc $? ($(( $(date +%s) - t0 )) s): $(tail -1 "$OUT/$name.log")"; }
-run t_overlap_cuda 120 tests/test_overlap_cuda.py
-run t_model_lane 100 tests/test_model_lane.py
-LIMIT_S=150 bash tools/gpu_runs/steps_ab.sh S 2 1 -- --mps
+timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_overlap_cuda.py > "$OUT/t_overlap_cuda.log" 2>&1
+echo "t_overlap_cuda rc $? ($(( $(date +%s) - t0 )) s): $(grep -E 'passed|failed' "$OUT/t_overlap_cuda.log" | tail -1)"
+CONCURRENCY=64 LIMIT_S=400 TAG=steps4 bash tools/gpu_runs/served.sh M --mps > "$OUT/served_M_steps4.log" 2>&1
+echo "M steps per launch 4: rc $? ($(( $(date +%s) - t0 )) s)"
+grep -E "^\| M " "$OUT/served_M_steps4.log"
 echo "total $(( $(date +%s) - t0 )) s"
