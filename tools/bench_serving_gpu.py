@@ -291,10 +291,12 @@ def serve_and_bench(model_dir: Path, contexts: list[int], concurrencies: list[in
     prefill_workers: `tandem up --prefill` (0: the decode worker prefills every prompt itself,
     on its own CUDA stream beside the decode steps: one process on the GPU instead of two);
     up_extra: more `tandem up` flags (e.g. ("--mps",)); profile_s > 0: py-spy records the
-    decode worker and the router from the start of the first bench to its end (profile_s seconds
-    at most), and that summary gets "host_profile" (the decode worker's) and "router_host_profile"
-    (tools/host_profile.py `Recording`: per thread, functions in ms per decode step of that
-    window, both per step of the decode worker)."""
+    decode worker, the router and the (first) prefill worker from the start of the first bench to
+    its end (profile_s seconds at most), and that summary gets "host_profile" (the decode
+    worker's), "router_host_profile" and "prefill_host_profile" (tools/host_profile.py
+    `Recording`: per thread, functions in ms per decode step of that window, all per step of the
+    decode worker: a run's first requests after a cold start show there what the prefill
+    worker's threads did while their TTFT grew)."""
     env = {**os.environ, "TANDEM_MAX_RUNNING": str(max(concurrencies)),
            "TANDEM_MEM_FRACTION_STATIC": os.environ.get("TANDEM_MEM_FRACTION_STATIC", "0.4"), "TANDEM_MAX_QUEUED": "4096", **env_extra}
     out: dict[tuple[int, int], dict] = {}
@@ -318,14 +320,14 @@ def serve_and_bench(model_dir: Path, contexts: list[int], concurrencies: list[in
             decode0 = _worker_counters(metrics_urls, DECODE_COUNTERS + PREFILL_COUNTERS)
             gc0 = _worker_counters(metrics_urls, GC_COUNTERS, only_with=DECODE_ONLY)
             spies = {}
-            if profile_s > 0 and not out:  # the first bench only: the decode worker and the router
+            if profile_s > 0 and not out:  # the first bench only: the decode worker, the router, a prefill worker
                 # its own name: the recordings' threads call the lambda after `steps` below is rebound
                 counter = "tandem_worker_decode_steps"
                 spies = {f"{role}_host_profile" if role != "decode" else "host_profile":
                          host_profile.Recording(up.pid, role, profile_s, work,
                                                 lambda: _worker_counters(metrics_urls, DECODE_COUNTERS)[counter],
                                                 decode0[counter])
-                         for role in ("decode", "router")}
+                         for role in ("decode", "router", *(("prefill",) if prefill_workers else ()))}
             r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
             doc = json.loads(res.read_text()) if res.exists() else {}
             summary = doc.get("summary", {})
@@ -543,10 +545,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--mps-prefill-priority", choices=("below", "normal"), default="below",
                    help="with --mps: tandem up --mps-prefill-priority")
     p.add_argument("--profile-decode-host", type=int, default=0, metavar="SECONDS",
-                   help="py-spy (on PATH; it needs ptrace rights on the processes) records the decode worker "
-                   "and the router from the start of each cluster's first bench to its end, for SECONDS at most; "
-                   "its row gets host_profile and router_host_profile: per thread, the functions on the stack in ms per decode step of that window "
-                   "(tools/host_profile.py)")
+                   help="py-spy (on PATH; it needs ptrace rights on the processes) records the decode worker, "
+                   "the router and the first prefill worker from the start of each cluster's first bench to its "
+                   "end, for SECONDS at most; its row gets host_profile, router_host_profile and "
+                   "prefill_host_profile: per thread, the functions on the stack in ms per decode step of that "
+                   "window (tools/host_profile.py)")
     p.add_argument("--waves", type=float, default=0, help="requests per bench as a multiple of its concurrency "
                    "(1: every request arrives at once and, once all are prefilled, the decode steps run with no "
                    "prefill beside them); 0 = the default (2 × concurrency at contexts up to 2K, else 1 ×)")
@@ -631,7 +634,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                                "prefill_device": args.prefill_device or None,
                                "bound_ms_per_step": 1e3 * bound_s, "failed": s.get("failed"),
                                **{k: v for k, v in s.items() if k.startswith("decode_")},
-                               **({k: s[k] for k in ("host_profile", "router_host_profile") if k in s})}
+                               **({k: s[k] for k in ("host_profile", "router_host_profile", "prefill_host_profile") if k in s})}
                         doc["rows"].append(row)
                         print(json.dumps({k: v for k, v in row.items() if not k.endswith("host_profile")}), flush=True)
                     if device.type == "cuda":
