@@ -99,8 +99,10 @@ HELP = {
                                "streaming) once per N steps, which matters where the host sets the pace (many "
                                "short steps: a small model at high concurrency); new requests then join up to "
                                "N - 1 steps later, a request ending at the first step of a launch still takes a row "
-                               "in the others, and tokens reach the stream N steps at a time. 1 = a launch and a "
-                               "stream message per step. Tokens are the same at any value",
+                               "in its later steps and in the launch queued behind it (up to 2N - 1 dropped rows), "
+                               "and tokens reach the stream N steps at a time. 1 = a launch and a stream message "
+                               "per step. Tokens are those of 1 for the same batches (bf16 rows may differ where "
+                               "the batches do)",
     "disable_overlap_schedule": "decode: turn the overlap scheduler off, with or without MTP (it runs on "
                                 "CUDA only; on a CPU steps always run in turn)",
     "disable_cuda_graph": "decode on CUDA: run every step eagerly instead of replaying the decode step's "

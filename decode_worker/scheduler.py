@@ -125,6 +125,7 @@ class DecodeScheduler:
         if self._last_step is not None and self._last_rows:
             span = now - self._last_step
             stats.decode_busy_steps += len(self._last_rows)
+            stats.decode_busy_step_rows += sum(self._last_rows)
             stats.decode_step_seconds += span
             # each of the previous launch's requests waited span / its steps for each token: the
             # sum over rows / the rows is the time per token a stream sees (a step of a large

@@ -51,6 +51,8 @@ def test_cadence_counters_split_a_launch_span_over_its_steps(monkeypatch) -> Non
     assert st.decode_step_seconds == pytest.approx(0.4)
     # 10 rows waited 0.1 s a token (0.3 s over 3 steps), then 3 rows 0.1 s: 1.3 row-seconds
     assert st.decode_row_seconds == pytest.approx(0.3 * 10 / 3 + 0.1 * 3)
+    # per busy row: the 0.1 s a token every row waited (the last launch's rows have no span yet)
+    assert st.decode_busy_step_rows == 13 and st.decode_row_seconds / st.decode_busy_step_rows == pytest.approx(0.1)
 
 
 def test_resolved_leaves_out_placeholders_in_flight() -> None:
@@ -64,7 +66,7 @@ def test_resolved_leaves_out_placeholders_in_flight() -> None:
     assert RunningRequest("p", [5, -1], prompt_len=2, block_ids=[], params=SamplingParams()).resolved == 0
 
 
-@pytest.mark.parametrize("per_launch", [1, 2, 3])
+@pytest.mark.parametrize("per_launch", [1, 2, 3, 4])
 def test_overlap_greedy_equals_reference_and_frees_blocks(tiny_model, per_launch) -> None:
     """Also with several steps per launch (--decode-steps-per-launch): the eos in the first of
     a launch's steps drops the rest, max_tokens cuts a launch short (lengths 2 and 7 are not
@@ -146,7 +148,7 @@ def test_bad_boolean_env_names_the_variable(monkeypatch) -> None:
         config.apply(parser, args)
 
 
-@pytest.mark.parametrize("per_launch", [1, 2])
+@pytest.mark.parametrize("per_launch", [1, 2, 4])
 def test_overlap_retraction_loses_no_in_flight_token(tiny_model, per_launch) -> None:
     """A request retracted while its next token is in flight (the overlap loop launches step
     i + 1 before it post-processes step i) resumes from its last real token: every stream,
@@ -288,7 +290,7 @@ def test_a_request_outgrowing_the_pool_gets_its_in_flight_tokens_first(tiny_mode
     assert over[2] == plain[2] == 2
 
 
-@pytest.mark.parametrize("per_launch", [1, 2])
+@pytest.mark.parametrize("per_launch", [1, 2, 4])
 def test_an_overcommitted_pool_under_the_overlap_loop_makes_progress(tiny_model, per_launch) -> None:
     """Five requests whose KV at full length is far beyond a 7-block pool, joining at different
     steps (admission would not allow this; here they are added directly). Blocks released while

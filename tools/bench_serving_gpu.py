@@ -130,7 +130,8 @@ SPEC_COUNTERS = ("tandem_worker_spec_verify_steps", "tandem_worker_spec_emitted_
 DECODE_COUNTERS = ("tandem_worker_decode_steps", "tandem_worker_decode_step_rows", "tandem_worker_decode_busy_steps",
                    "tandem_worker_decode_step_seconds", "tandem_worker_decode_device_busy_seconds",
                    "tandem_worker_decode_device_wait_seconds", "tandem_worker_decode_device_idle_seconds",
-                   "tandem_worker_decode_row_seconds", "tandem_worker_decode_launches")
+                   "tandem_worker_decode_row_seconds", "tandem_worker_decode_launches",
+                   "tandem_worker_decode_busy_step_rows")
 
 
 # the decode worker's garbage collections (all generations): its pages alone carry DECODE_ONLY
@@ -202,7 +203,7 @@ def _decode_figures(before: dict[str, float], after: dict[str, float]) -> dict[s
             # the device's gaps between steps, waiting for the host (CUDA events)
             "decode_device_idle_ms_per_step": 1e3 * d["device_idle_seconds"] / d["busy_steps"] if d["busy_steps"] else None,
             # the time per token as a stream sees it, from the worker's side (compare the clients' TPOT)
-            "decode_row_weighted_ms": 1e3 * d["row_seconds"] / d["step_rows"] if d["step_rows"] else None}
+            "decode_row_weighted_ms": 1e3 * d["row_seconds"] / d["busy_step_rows"] if d["busy_step_rows"] else None}
 
 
 @contextlib.contextmanager

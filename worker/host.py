@@ -215,12 +215,13 @@ class WorkerStats:
     decode_steps: int = 0  # decode: steps launched
     decode_launches: int = 0  # decode (overlap): model-thread calls that launched steps (--decode-steps-per-launch)
     decode_step_rows: int = 0  # decode: requests in those steps (rows / steps = the mean batch)
-    decode_busy_steps: int = 0  # decode: steps launched right after another (the loop had work throughout)
-    decode_step_seconds: float = 0.0  # decode: wall time between those launches (/ busy steps = the cadence)
+    decode_busy_steps: int = 0  # decode: steps whose launch the next launch followed with no idle wait in between
+    decode_busy_step_rows: int = 0  # decode: requests in those steps (row seconds / busy step rows = time per token)
+    decode_step_seconds: float = 0.0  # decode: wall time from each busy launch to the next (/ busy steps = the cadence)
     decode_device_wait_seconds: float = 0.0  # decode (overlap): host time spent waiting for a step's result
     decode_device_busy_seconds: float = 0.0  # decode (overlap, CUDA): device time the steps ran (CUDA events)
     decode_device_idle_seconds: float = 0.0  # decode (overlap, CUDA): device time between a step's end and the next's start
-    decode_row_seconds: float = 0.0  # decode: sum over busy steps of rows × seconds until the next launch
+    decode_row_seconds: float = 0.0  # decode: sum over busy steps of rows × their share of the time to the next launch
     transfer_by_backend: dict[str, BackendTransferStats] = field(default_factory=dict)
 
     def backend(self, name: str) -> BackendTransferStats:

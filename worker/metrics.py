@@ -63,6 +63,8 @@ WORKER_COUNTERS: dict[str, tuple[str, str, bool]] = {
                          "mean batch)", False),
     "decode_busy_steps": ("tandem_worker_decode_busy_steps", "decode: steps followed by the next launch with no "
                           "idle wait for work in between", False),
+    "decode_busy_step_rows": ("tandem_worker_decode_busy_step_rows", "decode: requests in the busy steps (row "
+                              "seconds / busy step rows = the time per token a stream sees)", False),
     "decode_step_seconds": ("tandem_worker_decode_step_seconds", "decode: wall seconds from each busy launch to the "
                             "next (/ busy steps = the step cadence a stream sees)", False),
     "decode_device_wait_seconds": ("tandem_worker_decode_device_wait_seconds", "decode, overlap scheduler: host "
@@ -78,8 +80,9 @@ WORKER_COUNTERS: dict[str, tuple[str, str, bool]] = {
                                    "the device waited for the host then: / busy steps = the idle gap a step leaves)",
                                    False),
     "decode_row_seconds": ("tandem_worker_decode_row_seconds", "decode: each busy step's requests × its share of the "
-                           "seconds until the next launch (the span over its launch's steps), summed (/ step rows = the time per token a stream sees, as the clients' "
-                           "TPOT weighs a step: once per request in it)", False),
+                           "seconds until the next launch (that span split over its launch's steps), summed (/ busy "
+                           "step rows = the time per token a stream sees, as the clients' TPOT weighs a step: once "
+                           "per request in it; per verify step with MTP)", False),
     "spec_verify_steps": ("tandem_worker_spec_verify_steps", "decode: MTP verify steps", False),
     "spec_emitted_tokens": ("tandem_worker_spec_emitted_tokens", "decode: tokens emitted by MTP verify steps "
                             "(accept length = emitted / verify steps)", False),
