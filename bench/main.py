@@ -35,6 +35,7 @@ class BenchOptions:
     """Flags of `tandem bench` (each has a TANDEM_* variable)."""
 
     router: str = "127.0.0.1:50051"  # router address host:port
+    router_wait_s: float = 180.0  # seconds to wait for the router and its workers before the first request
     backend: str = "grpc"  # grpc (FrontendService.Generate) | openai (the router's HTTP API at --http-url)
     http_url: str = "http://127.0.0.1:8000"  # --backend openai: base URL of the OpenAI-compatible API
     dataset: str = "mooncake"  # mooncake[:PATH] | azure:PATH | sharegpt:PATH | mt-bench[:PATH] | synthetic-prefix
@@ -171,7 +172,8 @@ async def _model_info(router: str, wait_s: float = 180.0, api_key: str = "",
                         await ch.close()
                         ch, stub = frontend_stub(router, api_key=api_key)
             if not said:
-                print(f"tandem bench: waiting for the router at {router} and its workers", file=sys.stderr)
+                print(f"tandem bench: waiting for the router at {router} and its workers (up to {wait_s:.0f} s, "
+                      f"--router-wait)", file=sys.stderr)
                 said = True
             await asyncio.sleep(0.5)
     finally:
@@ -193,7 +195,9 @@ def run(opts: BenchOptions, credentials: Callable[[], TlsCredentials | None] | N
     """Run the bench; returns the summary (also printed, and written with --out). credentials:
     see `_model_info`."""
     load_requests(opts, 2)  # a bad --dataset fails now, not after waiting for the router
-    model = asyncio.run(_model_info(opts.router, api_key=opts.api_key, credentials=credentials))
+    if opts.router_wait_s < 0:
+        raise ValueError(f"--router-wait must be >= 0 seconds, got {opts.router_wait_s}")
+    model = asyncio.run(_model_info(opts.router, opts.router_wait_s, api_key=opts.api_key, credentials=credentials))
     reqs = load_requests(opts, model.vocab_size)
     if opts.arrival == "concurrency":
         reqs = [replace(r, arrival_s=0.0) for r in reqs]

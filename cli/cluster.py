@@ -118,6 +118,8 @@ class LocalCluster:
                  stop_with_launcher: bool = False) -> None:
         if num_routers < 1:
             raise ValueError(f"--routers must be at least 1, got {num_routers}")
+        from common.grpc_server import validate_listen_port
+        validate_listen_port(router_port)
         if not ready_timeout_s > 0:
             raise ValueError(f"--ready-timeout must be > 0 seconds, got {ready_timeout_s}")
         if mps_prefill_percent is not None and not mps:

@@ -157,6 +157,8 @@ HELP = {
     "timing": "mocker: JSON timing model (mocker/timing.py fields, e.g. from python -m mocker.calibrate)",
     "tick_s": "mocker: real seconds of engine iterations per wake-up (token streaming granularity)",
     "router": "router address host:port",
+    "router_wait_s": "bench: seconds to wait for the router to answer and its set of decode workers to settle "
+                     "before the first request (a `tandem up` started just before); 0 = fail at once",
     "backend": "bench: grpc (FrontendService.Generate at --router) or openai (POST /v1/completions at --http-url; "
                "the model and its workers are still read from --router)",
     "http_url": "bench --backend openai: base URL of the router's OpenAI-compatible HTTP API",

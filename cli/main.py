@@ -56,9 +56,19 @@ def _up(args: argparse.Namespace) -> int:
     # sessions of their own: killed with the launcher they would keep running); once the cluster
     # is ready the stop signals below drain it instead
     signal.signal(signal.SIGTERM, signal.default_int_handler)
+    # and SIGINT too where it came ignored: a shell script's `tandem up &` starts with SIGINT
+    # ignored (the shell's rule for background jobs), and `kill -INT` then did nothing until ready
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
     if getattr(args, "config", None):
         os.environ["TANDEM_CONFIG"] = args.config  # the children read the same file
+    # what would stop every worker seconds after start: said now, before anything starts
+    from common.grpc_server import validate_listen_port
+    validate_listen_port(args.port)
+    if not args.mocker:
+        from engine.model_source import missing_model
+        if (missing := missing_model(args.model)) is not None:
+            raise missing
 
     async def main() -> None:
         # Children inherit the log settings through their TANDEM_* variables.
@@ -71,6 +81,15 @@ def _up(args: argparse.Namespace) -> int:
                                mocker_processes=args.mocker_processes, ready_timeout_s=args.ready_timeout,
                                mps=args.mps, mps_prefill_percent=args.mps_prefill_percent,
                                mps_prefill_priority=args.mps_prefill_priority, stop_with_launcher=True)
+        # settings a shell exported earlier (the README's mocker example) reach every process:
+        # said here, since only a worker's log would show them otherwise
+        inherited = sorted(k for k in os.environ if k.startswith("TANDEM_")
+                           and k not in ("TANDEM_LOG_LEVEL", "TANDEM_LOG_FORMAT", "TANDEM_CONFIG"))
+        if inherited:
+            shown = [k if any(w in k for w in ("KEY", "TOKEN", "SECRET")) else f"{k}={os.environ[k]}"
+                     for k in inherited]
+            print(f"tandem up: TANDEM_* variables of this shell apply to every process it starts (where it passes "
+                  f"no flag of its own): {', '.join(shown)}", file=sys.stderr, flush=True)
         if args.insecure:
             print("tandem up: WARNING: --insecure: every gRPC port of this cluster serves plaintext with no "
                   "authentication; any local process can call the workers directly", file=sys.stderr, flush=True)

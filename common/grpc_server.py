@@ -72,6 +72,13 @@ class RunningServer:
         await self.server.stop(grace_s)
 
 
+def validate_listen_port(port: int, flag: str = "--port") -> None:
+    """Raises ValueError naming `flag` unless port is 0 (any free port) or a TCP port 1..65535
+    (the OS would take 99999 as 99999 mod 65536, and -1 as 65535)."""
+    if not 0 <= port <= 65535:
+        raise ValueError(f"{flag} must be 0 (any free port) or a TCP port 1-65535, got {port}")
+
+
 async def start_server(address: str, add_services: Sequence[Callable[[grpc.aio.Server], None]],
                        service_names: Sequence[str], internal: bool = True,
                        interceptors: Sequence[grpc.aio.ServerInterceptor] = (),

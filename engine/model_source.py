@@ -41,6 +41,19 @@ def _folder(spec: str) -> Path:
     return SHIPPED.get(spec, Path(spec))
 
 
+def missing_model(spec: str) -> FileNotFoundError | None:
+    """Why --model `spec` cannot be served (the error the workers would raise at start), or None
+    for a built-in name or a folder with a config.json. Cheap: nothing but the folder is read."""
+    if spec in ("", TINY):
+        return None
+    path = _folder(spec)
+    if (path / "config.json").exists():
+        return None
+    what = "no config.json there" if path.is_dir() else "no such built-in model or folder"
+    return FileNotFoundError(f"--model {spec}: {what} (built-in: {SHAKESPEARE}, {TINY}; or a Hugging Face "
+                             f"checkpoint folder)")
+
+
 def model_name(spec: str) -> str:
     """The served name for a spec without loading it: TINY, a shipped model's name, or the folder's name."""
     return TINY if spec in ("", TINY) else _folder(spec).resolve().name
@@ -55,8 +68,8 @@ def load_config(spec: str = DEFAULT_MODEL) -> tuple[str, ModelConfig, Path | Non
     if spec in ("", TINY):
         return TINY, ModelConfig.tiny(), None
     path = _folder(spec)
-    if not (path / "config.json").exists():
-        raise FileNotFoundError(f"--model {spec}: no config.json there (expected a Hugging Face checkpoint folder)")
+    if (missing := missing_model(spec)) is not None:
+        raise missing
     return model_name(spec), ModelConfig.from_json_file(path / "config.json"), path
 
 
@@ -112,7 +125,7 @@ def load_model(spec: str = DEFAULT_MODEL, seed: int = 0, dtype: torch.dtype = to
         return LoadedModel(TINY, config, build_model(config, seed=seed, dtype=dtype).eval(), None,
                            weights_fingerprint(config, seed=seed))
     path = _folder(spec)
-    if not (path / "config.json").exists():
-        raise FileNotFoundError(f"--model {spec}: no config.json there (expected a Hugging Face checkpoint folder)")
+    if (missing := missing_model(spec)) is not None:
+        raise missing
     model, config = load_checkpoint(path, dtype=dtype)
     return LoadedModel(model_name(spec), config, model.eval(), path, weights_fingerprint(config, path))

@@ -17,7 +17,7 @@ from common.block_hash import hash_seed
 from common.gc_pauses import freeze_startup_heap
 from common.lifecycle import install_stop_signals
 from common.grpc_server import (Keepalive, RunningServer, add_lenient_service, advertised_host, set_keepalive,
-                                start_server)
+                                start_server, validate_listen_port)
 from common.pb.tandem.v1 import discovery_pb2
 from common.tls import TlsFiles
 from common.pb.tandem.v1 import frontend_pb2 as pb
@@ -97,6 +97,7 @@ class RouterOptions:
         metrics_http.validate_port(self.metrics_port)
         check_etcd_tls(self.etcd, self.tls_cert)
         validate_http_port(self.http_port)
+        validate_listen_port(self.port)
         if self.reuse_port and (self.port == 0 or self.http_port == 0):
             raise ValueError("--reuse-port shares a port with other routers: give a fixed --port and "
                              f"--http-port (or --http-port -1), got --port {self.port} --http-port {self.http_port}")

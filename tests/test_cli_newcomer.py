@@ -201,6 +201,19 @@ def test_taken_grpc_port_is_one_line_naming_the_flag_and_tandem_up_shows_it(etcd
     assert re.search(rf"router exited during start-up \(router: .*--port {port}: cannot listen", up.stderr), up.stderr
 
 
+@pytest.mark.parametrize("args, said", [(["--port", "99999"], "--port must be 0 (any free port) or a TCP port"),
+                                        (["--port", "-1"], "--port must be 0 (any free port) or a TCP port"),
+                                        (["--model", "tandem-Shakespeare"], "no such built-in model or folder "
+                                         "(built-in: tandem-shakespeare, tandem-tiny")])
+def test_up_refuses_a_bad_port_or_model_before_starting_anything(args, said):
+    # the OS took 99999 as 34463 and -1 as 65535; an unknown model stopped every worker seconds later
+    r = tandem("up", *args, "--insecure", timeout=60)
+    assert r.returncode == 1 and "Traceback" not in r.stderr and said in r.stderr, r.stderr
+    assert "logs in" not in r.stdout + r.stderr  # refused before any process started
+    w = tandem("router", "--etcd", "127.0.0.1:1", "--port", "70000", timeout=60)
+    assert w.returncode == 1 and "--port must be 0 (any free port)" in w.stderr, w.stderr
+
+
 def test_bench_compare_usage_and_header_first():
     r = subprocess.run([PY, "-m", "bench.compare", "--help"], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert r.stdout.startswith("usage: python -m bench.compare")

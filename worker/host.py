@@ -25,7 +25,7 @@ from common.block_hash import hash_seed
 from common.env import TEST_INSTANCE_ID_VAR, read_env
 from common.gc_pauses import freeze_startup_heap
 from common.lifecycle import install_stop_signals
-from common.grpc_server import RunningServer, advertised_host, start_server
+from common.grpc_server import RunningServer, advertised_host, start_server, validate_listen_port
 from common.pb.tandem.v1 import discovery_pb2, kv_events_pb2, kv_events_pb2_grpc
 from common.tls import TlsFiles
 from discovery.endpoints import check_etcd_tls
@@ -109,6 +109,7 @@ class WorkerOptions:
     def __post_init__(self) -> None:
         metrics_http.validate_port(self.metrics_port)
         check_etcd_tls(self.etcd, self.tls_cert)
+        validate_listen_port(self.port)
         for name in ("block_size", "max_prefill_tokens", "max_running", "torch_threads", "ep_size", "pp_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
