@@ -25,6 +25,24 @@ from engine.model_source import DEFAULT_MODEL
 log = logging.getLogger(__name__)
 
 
+def check_port_free(port: int, flag: str = "--port") -> None:
+    """Raises OSError naming `flag` when a socket listens on loopback `port` (a fixed one) now.
+
+    Said before anything starts: a router that cannot listen stops only seconds later."""
+    probe = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    # SO_REUSEADDR: connections of a stopped router left in TIME_WAIT do not count (the
+    # routers bind with it too); without SO_REUSEPORT: fails while a socket listens there.
+    probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        probe.bind(("127.0.0.1", port))
+    except OSError as exc:
+        off = " (--http-port -1 turns the HTTP API off)" if flag == "--http-port" else ""
+        raise OSError(f"{flag} {port} is in use ({exc.strerror}): another tandem up or router "
+                      f"may be serving there; stop it or choose another port{off}") from None
+    finally:
+        probe.close()
+
+
 def _hold_port(held: list[socket.socket], port: int = 0, flag: str = "--port") -> int:
     """A loopback port (0: a free one), held by a bound (not listening) SO_REUSEPORT socket
     appended to `held` until the caller closes it: router replicas bind it with SO_REUSEPORT
@@ -36,17 +54,7 @@ def _hold_port(held: list[socket.socket], port: int = 0, flag: str = "--port") -
             up --routers N`, say) and share its clients instead of failing.
     """
     if port:
-        probe = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        # SO_REUSEADDR: connections of a stopped router left in TIME_WAIT do not count (the
-        # routers bind with it too); without SO_REUSEPORT: fails while a socket listens there.
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            probe.bind(("127.0.0.1", port))
-        except OSError as exc:
-            raise OSError(exc.errno, f"{flag} {port} is in use ({exc.strerror}): another tandem up or router "
-                          "may be serving there; stop it or choose another port") from None
-        finally:
-            probe.close()
+        check_port_free(port, flag)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     if port:  # a fixed port may still have a stopped router's connections in TIME_WAIT
@@ -225,6 +233,10 @@ class LocalCluster:
                 router_port = _hold_port(held, router_port, "--port")
                 if http_port >= 0:
                     http_port = _hold_port(held, http_port, "--http-port")
+            else:  # one router: a fixed port in use fails here too, not seconds later in the router
+                for port, flag in ((router_port, "--port"), (http_port, "--http-port")):
+                    if port > 0:
+                        check_port_free(port, flag)
             if self.mps is not None:
                 await asyncio.to_thread(self.mps.start)  # up to seconds: Ctrl-C stays answered
             if not self._etcd_endpoint:

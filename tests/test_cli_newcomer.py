@@ -195,10 +195,14 @@ def test_taken_grpc_port_is_one_line_naming_the_flag_and_tandem_up_shows_it(etcd
         assert r.returncode == 1 and "Traceback" not in r.stderr
         assert re.search(rf"^tandem router: .*--port {port}: cannot listen on 127.0.0.1:{port}: .*in use", r.stderr,
                          re.M), r.stderr
-        # tandem up names the process and its reason, not only "see logs"
+        # tandem up names the flag before it starts anything, not only "see logs" seconds later
         up = tandem("up", "--model", "tandem-tiny", "--port", port, "--http-port", "-1", "--insecure", timeout=180)
-    assert up.returncode == 1 and "Traceback" not in up.stderr
-    assert re.search(rf"router exited during start-up \(router: .*--port {port}: cannot listen", up.stderr), up.stderr
+        assert up.returncode == 1 and "Traceback" not in up.stderr
+        assert re.search(rf"^tandem up: --port {port} is in use", up.stderr, re.M), up.stderr
+        assert "logs in" not in up.stdout + up.stderr
+        http = tandem("up", "--model", "tandem-tiny", "--port", "0", "--http-port", port, "--insecure", timeout=180)
+    assert http.returncode == 1 and f"--http-port {port} is in use" in http.stderr, http.stderr
+    assert "--http-port -1 turns the HTTP API off" in http.stderr
 
 
 @pytest.mark.parametrize("args, said", [(["--port", "99999"], "--port must be 0 (any free port) or a TCP port"),
