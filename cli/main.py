@@ -345,9 +345,12 @@ def build_parser(command: str | None = None, full: bool = True) -> argparse.Argu
     p = sub.add_parser("demo", help="the README demo: MT-Bench through a local cluster, checked against the reference",
                        add_help=False)
     p.set_defaults(func=None)
+    helps = {a.dest: a.help for a in sub._choices_actions}  # each subcommand's line in `tandem --help`
     for name, p in sub.choices.items():
         if name != "demo":  # demo forwards its flags to cli/demo.py
             p.add_argument("--config", default=argparse.SUPPRESS, help="TOML config file (env TANDEM_CONFIG)")
+        if p.description is None and helps.get(name):  # and at the top of its own --help
+            p.description = helps[name][:1].upper() + helps[name][1:] + "."
     return parser
 
 

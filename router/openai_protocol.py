@@ -115,6 +115,8 @@ class CompletionRequest(_Common):
             if len(prompt) != 1:
                 raise InvalidArgument("prompt", f"one prompt per request, got a batch of {len(prompt)}")
             prompt = prompt[0]
+        if not prompt:  # "" or []: said in this API's terms (the router's check names text / token_ids)
+            raise InvalidArgument("prompt", "is empty")
         req = pb.GenerateRequest(request_id=request_id, model=self.model or "",
                                  sampling=self._sampling(self.max_tokens))
         if isinstance(prompt, str):
@@ -131,6 +133,9 @@ class ContentPart(BaseModel):
     model_config = ConfigDict(extra="allow")
     type: str
     text: str | None = None
+
+
+CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})  # OpenAI's message roles
 
 
 class ChatMessage(BaseModel):
@@ -158,6 +163,11 @@ class ChatCompletionRequest(_Common):
         """The messages as the chat template sees them: role, content (text), name when given."""
         out = []
         for i, m in enumerate(self.messages):
+            if m.role not in CHAT_ROLES:
+                raise InvalidArgument(f"messages[{i}].role", f"must be one of {', '.join(sorted(CHAT_ROLES))}, "
+                                      f"got {m.role!r}")
+            if m.content is None and m.role != "assistant":  # (an assistant's turn of tool calls has none)
+                raise InvalidArgument(f"messages[{i}].content", f"a {m.role} message needs content")
             content = m.content if m.content is not None else ""
             if isinstance(content, list):
                 if any(p.type != "text" for p in content):

@@ -325,3 +325,24 @@ def test_client_gone_after_pipelining_a_second_request_cancels_the_call(stream):
 
     waited = _serve(servicer, fn)
     assert servicer.cancelled >= 1 and waited < 1.5, (servicer.cancelled, waited)
+
+
+@pytest.mark.parametrize("message, param, said", [({"role": "bot", "content": "x"}, "messages[1].role", "must be one of"),
+                                                  ({"role": "user"}, "messages[1].content", "a user message needs content")])
+def test_a_bad_chat_message_is_named_by_its_index(message, param, said):
+    """The message at fault, not the template's error about all of them (param "messages")."""
+    from common.validation import InvalidArgument
+    req = ChatCompletionRequest(messages=[{"role": "system", "content": "s"}, message])
+    with pytest.raises(InvalidArgument, match=said) as exc:
+        req.template_messages()
+    assert exc.value.field == param
+    # an assistant turn of tool calls has no content: still accepted
+    assert ChatCompletionRequest(messages=[{"role": "assistant"}]).template_messages()[0]["content"] == ""
+
+
+@pytest.mark.parametrize("prompt", ["", [], [""]])
+def test_an_empty_completion_prompt_names_prompt(prompt):
+    from common.validation import InvalidArgument
+    with pytest.raises(InvalidArgument, match="prompt: is empty") as exc:
+        CompletionRequest(prompt=prompt).to_generate("r")
+    assert exc.value.field == "prompt"
