@@ -180,6 +180,13 @@ class LocalCluster:
         self.mps_prefill_below_normal = mps_prefill_priority == "below"
         self.stop_with_launcher = stop_with_launcher
 
+    def forget_ca_key(self) -> None:
+        """Delete the throw-away CA's key file once every process has its certificate: it would only
+        let whoever reads the log folder mint certificates this cluster trusts (`ca` keeps the key
+        in memory, for tests that issue more)."""
+        if self.ca is not None:
+            (Path(self.ca.folder) / "ca-key.pem").unlink(missing_ok=True)
+
     @property
     def etcd_endpoint(self) -> str:
         return self._etcd_endpoint

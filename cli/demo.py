@@ -70,6 +70,7 @@ async def run_demo(model: str = "tandem-shakespeare", concurrency: int = 8, max_
           flush=True)
     t0 = time.perf_counter()
     async with cluster:
+        cluster.forget_ca_key()  # as tandem up does: the logs it leaves hold no CA key
         print(f"cluster ready in {time.perf_counter() - t0:.1f} s; router at {cluster.router_address}; "
               f"sending {len(prompts)} MT-Bench questions, {concurrency} in flight, max_tokens={max_tokens}", flush=True)
         t1 = time.perf_counter()

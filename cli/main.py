@@ -113,9 +113,7 @@ def _up(args: argparse.Namespace) -> int:
             if cluster.ca is not None:
                 # clients on this machine (generate, explain, bench) find it there for this port
                 local_ca = LocalCaFile(router_port, Path(cluster.ca.ca_path).read_bytes())
-                # every certificate is issued: the throw-away CA's key would only let whoever reads
-                # the log folder mint certificates this cluster trusts, so it goes now
-                (Path(cluster.ca.folder) / "ca-key.pem").unlink(missing_ok=True)
+                cluster.forget_ca_key()  # every certificate is issued
                 print(f"  mutual TLS: CA and certificates in {cluster.ca.folder} (the CA's key is deleted); local "
                       f"clients of port {router_port} use it by themselves, others: export "
                       f"TANDEM_TLS_CA={cluster.ca.ca_path}", flush=True)
