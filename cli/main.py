@@ -93,7 +93,14 @@ def _up(args: argparse.Namespace) -> int:
         if args.insecure:
             print("tandem up: WARNING: --insecure: every gRPC port of this cluster serves plaintext with no "
                   "authentication; any local process can call the workers directly", file=sys.stderr, flush=True)
-        await cluster.start()
+        try:
+            await cluster.start()
+        except BaseException as exc:  # a failed or interrupted start: its log folder is kept only with logs in it
+            if not any(cluster.log_dir.iterdir()):
+                cluster.log_dir.rmdir()
+            elif str(cluster.log_dir) not in str(exc):
+                print(f"tandem up: stopped during start-up; logs in {cluster.log_dir}", file=sys.stderr, flush=True)
+            raise
         local_ca = None
         # from here on whatever happens (an error, a signal before the handlers below) stops the
         # cluster in order: its children, in sessions of their own, would otherwise stop only by
