@@ -172,7 +172,7 @@ async def _model_info(router: str, wait_s: float = 180.0, api_key: str = "",
                         await ch.close()
                         ch, stub = frontend_stub(router, api_key=api_key)
             if not said:
-                print(f"tandem bench: waiting for the router at {router} and its workers (up to {wait_s:.0f} s, "
+                print(f"tandem bench: waiting for the router at {router} and its workers (up to {wait_s:g} s, "
                       f"--router-wait)", file=sys.stderr)
                 said = True
             await asyncio.sleep(0.5)
@@ -195,8 +195,8 @@ def run(opts: BenchOptions, credentials: Callable[[], TlsCredentials | None] | N
     """Run the bench; returns the summary (also printed, and written with --out). credentials:
     see `_model_info`."""
     load_requests(opts, 2)  # a bad --dataset fails now, not after waiting for the router
-    if opts.router_wait_s < 0:
-        raise ValueError(f"--router-wait must be >= 0 seconds, got {opts.router_wait_s}")
+    if not 0 <= opts.router_wait_s < float("inf"):  # (NaN too)
+        raise ValueError(f"--router-wait must be a finite number of seconds >= 0, got {opts.router_wait_s}")
     model = asyncio.run(_model_info(opts.router, opts.router_wait_s, api_key=opts.api_key, credentials=credentials))
     reqs = load_requests(opts, model.vocab_size)
     if opts.arrival == "concurrency":

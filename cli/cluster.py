@@ -35,6 +35,8 @@ def check_port_free(port: int, flag: str = "--port") -> None:
     probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         probe.bind(("127.0.0.1", port))
+    except OverflowError:  # out of 0-65535: the flag's own check says so
+        raise ValueError(f"{flag} must be a TCP port 0-65535, got {port}") from None
     except OSError as exc:
         off = " (--http-port -1 turns the HTTP API off)" if flag == "--http-port" else ""
         raise OSError(f"{flag} {port} is in use ({exc.strerror}): another tandem up or router "
@@ -226,6 +228,10 @@ class LocalCluster:
         return ["--tls-cert", files.cert, "--tls-key", files.key, "--tls-ca", files.ca]
 
     async def start(self) -> None:
+        if self.num_routers == 1:  # one router: a fixed port in use fails here, before the CA or any process
+            for port, flag in ((self.router_port, "--port"), (self.http_port, "--http-port")):
+                if port > 0:
+                    check_port_free(port, flag)
         if self.tls and self.ca is None:
             from common.certs import LocalCa
             self.ca = LocalCa(self.log_dir / "tls")
@@ -240,10 +246,6 @@ class LocalCluster:
                 router_port = _hold_port(held, router_port, "--port")
                 if http_port >= 0:
                     http_port = _hold_port(held, http_port, "--http-port")
-            else:  # one router: a fixed port in use fails here too, not seconds later in the router
-                for port, flag in ((router_port, "--port"), (http_port, "--http-port")):
-                    if port > 0:
-                        check_port_free(port, flag)
             if self.mps is not None:
                 await asyncio.to_thread(self.mps.start)  # up to seconds: Ctrl-C stays answered
             if not self._etcd_endpoint:

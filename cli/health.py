@@ -2,15 +2,16 @@
 
 Exit status 0 when the server answers SERVING, 1 otherwise (NOT_SERVING while draining or with
 a wedged engine, unreachable, timed out, unknown service), with one line saying which. ADDRESS
-defaults to --router / TANDEM_ROUTER, as for the other clients of a router (`tandem generate`),
-and without those to 127.0.0.1:PORT, PORT being this process's --port / TANDEM_PORT, so inside a
-container that sets TANDEM_PORT (and not TANDEM_ROUTER) the bare `tandem health` probes the
-server next to it.
+defaults to --router, and without it to 127.0.0.1:PORT, PORT being this process's --port /
+TANDEM_PORT, so inside a container that sets TANDEM_PORT the bare `tandem health` probes the
+server next to it. TANDEM_ROUTER, which the router's clients read, is not read here: a shell or
+container that exports it for them would otherwise send every check to the router.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from cli.config import resolve, subparsers
@@ -21,8 +22,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("health", help="check a server's grpc.health.v1 status (exit 0 = SERVING)")
     p.add_argument("address", nargs="?", default="",
                    help="host:port (default: --router, else 127.0.0.1:--port)")
-    add_option(p, "--router", "", "router address host:port, checked when no ADDRESS is given (a router "
-               "`tandem up --port` put elsewhere); empty = 127.0.0.1:--port")
+    # a plain flag, not an option with a TANDEM_ROUTER variable (see the module's docstring)
+    p.add_argument("--router", default="", help="router address host:port, checked when no ADDRESS is given (a "
+                   "router `tandem up --port` put elsewhere; TANDEM_ROUTER is not read here); empty = 127.0.0.1:--port")
     add_option(p, "--port", 50051, "port of the local server to check when no address is given")
     add_option(p, "--service", "", "service name to check ('' = the whole server)")
     add_option(p, "--health-timeout", 2.0, "seconds the check may take", name="health_timeout_s")
@@ -55,6 +57,9 @@ def run(args: argparse.Namespace) -> int:
     from cli.client import local_ca_for
 
     address = args.address or args.router or f"127.0.0.1:{args.port}"
+    if not (args.address or args.router) and os.environ.get("TANDEM_ROUTER"):
+        print(f"tandem health: TANDEM_ROUTER is not read here; checking {address} (pass --router "
+              f"{os.environ['TANDEM_ROUTER']} to check the router)", file=sys.stderr)
     # like tandem generate: a local `tandem up` router is checked over its cluster's TLS
     ca = args.tls_ca or ("" if args.tls_cert else local_ca_for(address))
     files = TlsFiles(args.tls_cert, args.tls_key, ca, client=True)

@@ -8,12 +8,15 @@ import logging
 import os
 import signal
 import sys
+from pathlib import Path
 
 from cli import certs, config, config_show, health
 from cli.flags import OTHER_ROLE_ONLY, add_flags, add_option, build, refuse_other_role
 from cli.top import add_parser as add_top_parser
 from common.gc_pauses import own_process
 from common.version import VERSION
+
+ROOT = Path(__file__).resolve().parent.parent  # the repository root: every process of `tandem up` runs there
 
 
 def _router(args: argparse.Namespace) -> int:
@@ -64,11 +67,19 @@ def _up(args: argparse.Namespace) -> int:
         os.environ["TANDEM_CONFIG"] = args.config  # the children read the same file
     # what would stop every worker seconds after start: said now, before anything starts
     from common.grpc_server import validate_listen_port
+    from router.http_port import validate_port as validate_http_port
     validate_listen_port(args.port)
-    if not args.mocker:
-        from engine.model_source import missing_model
-        if (missing := missing_model(args.model)) is not None:
-            raise missing
+    validate_http_port(args.http_port)
+    if args.port and args.port == args.http_port:
+        raise ValueError(f"--port and --http-port are both {args.port}: give the HTTP API another port (or -1: off)")
+    from engine.model_source import SHIPPED, TINY, missing_model
+    if args.model not in ("", TINY, *SHIPPED) and not Path(args.model).is_absolute():
+        # the processes run in the repository root: a folder relative to here is made absolute
+        # (one relative to the repository root, which worked from anywhere before, still does)
+        here = Path(args.model).resolve()
+        args.model = str(here if here.exists() or not (ROOT / args.model).exists() else ROOT / args.model)
+    if not args.mocker and (missing := missing_model(args.model)) is not None:
+        raise missing
 
     async def main() -> None:
         # Children inherit the log settings through their TANDEM_* variables.
@@ -83,13 +94,13 @@ def _up(args: argparse.Namespace) -> int:
                                mps_prefill_priority=args.mps_prefill_priority, stop_with_launcher=True)
         # settings a shell exported earlier (the README's mocker example) reach every process:
         # said here, since only a worker's log would show them otherwise
+        from common.lifecycle import LAUNCHER_ENV
         inherited = sorted(k for k in os.environ if k.startswith("TANDEM_")
-                           and k not in ("TANDEM_LOG_LEVEL", "TANDEM_LOG_FORMAT", "TANDEM_CONFIG"))
-        if inherited:
-            shown = [k if any(w in k for w in ("KEY", "TOKEN", "SECRET")) else f"{k}={os.environ[k]}"
-                     for k in inherited]
+                           and k not in ("TANDEM_LOG_LEVEL", "TANDEM_LOG_FORMAT", "TANDEM_CONFIG", LAUNCHER_ENV)
+                           and not (args.insecure and k.startswith("TANDEM_TLS_")))  # (spawn drops those)
+        if inherited:  # names only: a value may be a secret
             print(f"tandem up: TANDEM_* variables of this shell apply to every process it starts (where it passes "
-                  f"no flag of its own): {', '.join(shown)}", file=sys.stderr, flush=True)
+                  f"no flag of its own): {', '.join(inherited)}", file=sys.stderr, flush=True)
         if args.insecure:
             print("tandem up: WARNING: --insecure: every gRPC port of this cluster serves plaintext with no "
                   "authentication; any local process can call the workers directly", file=sys.stderr, flush=True)
@@ -112,7 +123,6 @@ def _up(args: argparse.Namespace) -> int:
             if args.routers > 1:
                 print(f"  the {args.routers} routers share the port; the kernel spreads connections over them, so a "
                       "client uses them all when it opens several (tandem bench --connections N)", flush=True)
-            from pathlib import Path
 
             from cli.client import LocalCaFile, local_ca_file
             router_port = int(cluster.router_address.rsplit(":", 1)[1])
@@ -362,6 +372,8 @@ def build_parser(command: str | None = None, full: bool = True) -> argparse.Argu
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     command = command_of(argv)
+    if command == "up":  # before its imports (a second): see _up
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     # `config show` and a config file (checked whole against every subcommand) need every option.
     uses_file = bool(os.environ.get("TANDEM_CONFIG")) or any(a == "--config" or a.startswith("--config=")
                                                              for a in argv)

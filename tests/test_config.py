@@ -180,15 +180,16 @@ def test_health_probe_follows_the_serving_status(monkeypatch, capsys):
             assert await asyncio.to_thread(check, address) == (True, "SERVING")
             monkeypatch.setenv("TANDEM_PORT", str(server.port))  # the container's way: no address
             assert await asyncio.to_thread(health_main, []) == 0
-            # a router elsewhere, as the clients name it: --router or TANDEM_ROUTER before TANDEM_PORT
+            # a router elsewhere: --router before TANDEM_PORT; TANDEM_ROUTER (the clients') is not read, so
+            # a container exporting it for them still checks its own server
             monkeypatch.setenv("TANDEM_PORT", "1")
             assert await asyncio.to_thread(health_main, ["--router", address]) == 0
             monkeypatch.setenv("TANDEM_ROUTER", address)
-            assert await asyncio.to_thread(health_main, []) == 0
-            monkeypatch.setenv("TANDEM_ROUTER", "127.0.0.1:1")  # nothing there: not healthy
-            assert await asyncio.to_thread(health_main, []) == 1
-            monkeypatch.delenv("TANDEM_ROUTER")
+            assert await asyncio.to_thread(health_main, []) == 1  # 127.0.0.1:1: nothing there
             monkeypatch.setenv("TANDEM_PORT", str(server.port))
+            monkeypatch.setenv("TANDEM_ROUTER", "127.0.0.1:1")
+            assert await asyncio.to_thread(health_main, []) == 0
+            monkeypatch.delenv("TANDEM_ROUTER")
             await server.set_serving(False)  # what a draining or wedged worker reports
             assert await asyncio.to_thread(health_main, ["--service", "tandem.v1.FrontendService"]) == 1
             assert await asyncio.to_thread(check, address, "no.such.Service") == (False, "NOT_FOUND: ")
