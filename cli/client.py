@@ -232,9 +232,24 @@ def local_ca_for(address: str) -> str:
 
 CLIENT_TLS_HELP = {
     "--tls-ca": "PEM certificate of the cluster CA: the router's certificate must chain to it (TLS; "
-                "`tandem up` prints its path); empty = plaintext",
+                "`tandem up` prints its path); empty = the CA of a `tandem up` running here whose router "
+                "port --router names on a loopback address, else plaintext",
     "--tls-cert": "PEM client certificate issued by the cluster CA (optional; with --tls-key)",
     "--tls-key": "PEM private key of --tls-cert"}
+
+
+# the request fields a router's INVALID_ARGUMENT names (common/validation.py), as `tandem generate`'s flags
+GENERATE_FLAGS = {"sampling.max_tokens": "--max-tokens", "sampling.temperature": "--temperature",
+                  "sampling.top_p": "--top-p", "sampling.seed": "--seed", "sampling.stop": "--stop",
+                  "text": "the prompt"}
+
+
+def flag_named(details: str) -> str:
+    """A router's error text with its leading request field ("sampling.max_tokens: must be >= 1")
+    named as the CLI flag that set it ("--max-tokens: must be >= 1"); other text unchanged."""
+    field, sep, rest = details.partition(": ")
+    base, bracket, index = field.partition("[")  # sampling.stop[1] -> --stop[1]
+    return f"{GENERATE_FLAGS[base]}{bracket}{index}{sep}{rest}" if sep and base in GENERATE_FLAGS else details
 
 
 def no_router_hint(exc, router: str, tls: bool = True) -> str:

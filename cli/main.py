@@ -72,7 +72,7 @@ def _up(args: argparse.Namespace) -> int:
     validate_http_port(args.http_port)
     if args.port and args.port == args.http_port:
         raise ValueError(f"--port and --http-port are both {args.port}: give the HTTP API another port (or -1: off)")
-    from engine.model_source import SHIPPED, TINY, missing_model
+    from engine.model_source import MOCK, SHIPPED, TINY, missing_model
     if args.model not in ("", TINY, *SHIPPED) and not Path(args.model).is_absolute():
         # the processes run in the repository root: a folder relative to here is made absolute
         # (one relative to the repository root, which worked from anywhere before, still does)
@@ -80,6 +80,9 @@ def _up(args: argparse.Namespace) -> int:
         args.model = str(here if here.exists() or not (ROOT / args.model).exists() else ROOT / args.model)
     if not args.mocker and (missing := missing_model(args.model)) is not None:
         raise missing
+    if not args.mocker and args.model == MOCK:  # its workers would fail loading weights it has not got
+        raise ValueError(f"--model {MOCK} has a config but no weights: it is served by simulated workers "
+                         f"(add --mocker N)")
 
     async def main() -> None:
         # Children inherit the log settings through their TANDEM_* variables.
@@ -168,7 +171,7 @@ def _up(args: argparse.Namespace) -> int:
 def _generate(args: argparse.Namespace) -> int:
     import grpc
 
-    from cli.client import client_credentials, frontend_stub, generate, no_router_hint
+    from cli.client import client_credentials, flag_named, frontend_stub, generate, no_router_hint
     from common import tracing
 
     tracing.setup("client")  # with OTEL_EXPORTER_OTLP_ENDPOINT set, the request's trace starts here
@@ -184,7 +187,7 @@ def _generate(args: argparse.Namespace) -> int:
                                    on_text=lambda t: print(t, end="", flush=True))
         except grpc.aio.AioRpcError as exc:
             hint = no_router_hint(exc, args.router, creds is not None)
-            print(f"tandem generate: {exc.code().name}: {exc.details()}{hint}",
+            print(f"tandem generate: {exc.code().name}: {flag_named(exc.details() or '')}{hint}",
                   file=sys.stderr)
             return 1
         finally:
@@ -280,6 +283,14 @@ def build_parser(command: str | None = None, full: bool = True) -> argparse.Argu
     parser.add_argument("--version", action="version", version=f"tandem {VERSION}",
                         help="print the version every Tandem process reports, and exit")
     sub = parser.add_subparsers(dest="command", required=True)
+    add_parser = sub.add_parser
+
+    def add_with_description(name: str, **kw) -> argparse.ArgumentParser:
+        """sub.add_parser, whose help line (`tandem --help`) also opens the subcommand's own --help."""
+        if kw.get("help") and kw.get("description") is None:
+            kw["description"] = kw["help"][:1].upper() + kw["help"][1:] + "."
+        return add_parser(name, **kw)
+    sub.add_parser = add_with_description  # also for the modules that add their own (mocker, bench, ...)
     if heavy("router"):
         from router.main import RouterOptions
         p = sub.add_parser("router", help=HEAVY["router"])
@@ -360,12 +371,9 @@ def build_parser(command: str | None = None, full: bool = True) -> argparse.Argu
     p = sub.add_parser("demo", help="the README demo: MT-Bench through a local cluster, checked against the reference",
                        add_help=False)
     p.set_defaults(func=None)
-    helps = {a.dest: a.help for a in sub._choices_actions}  # each subcommand's line in `tandem --help`
     for name, p in sub.choices.items():
         if name != "demo":  # demo forwards its flags to cli/demo.py
             p.add_argument("--config", default=argparse.SUPPRESS, help="TOML config file (env TANDEM_CONFIG)")
-        if p.description is None and helps.get(name):  # and at the top of its own --help
-            p.description = helps[name][:1].upper() + helps[name][1:] + "."
     return parser
 
 

@@ -17,7 +17,7 @@ from typing import Callable
 
 from common import tls
 from common.block_hash import hash_seed
-from common.grpc_server import RunningServer, add_lenient_service, start_server
+from common.grpc_server import RunningServer, add_lenient_service, start_server, validate_listen_port
 from common.lifecycle import install_stop_signals
 from common.tls import TlsFiles
 from discovery.endpoints import check_etcd_tls
@@ -72,6 +72,12 @@ class MockerOptions:
             raise ValueError(f"--num-prefill must be >= 0, got {self.num_prefill}")
         if self.speedup <= 0 or self.tick_s <= 0:
             raise ValueError("--speedup and --tick must be > 0")
+        validate_listen_port(self.port)
+        last = self.port + self.num_workers + self.num_prefill - 1  # worker i listens on port + i
+        if self.port and last > 65535:
+            raise ValueError(f"--port {self.port} with {self.num_workers + self.num_prefill} simulated workers "
+                             f"(one port each, from --port up) would need port {last}, past 65535: give a lower "
+                             f"--port, or 0 for any free ports")
 
     def timing_model(self) -> TimingModel:
         """The timing model with this run's speedup. Raises ValueError for a bad --timing file."""

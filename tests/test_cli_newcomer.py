@@ -208,7 +208,9 @@ def test_taken_grpc_port_is_one_line_naming_the_flag_and_tandem_up_shows_it(etcd
 @pytest.mark.parametrize("args, said", [(["--port", "99999"], "--port must be 0 (any free port) or a TCP port"),
                                         (["--port", "-1"], "--port must be 0 (any free port) or a TCP port"),
                                         (["--model", "tandem-Shakespeare"], "no such built-in model or folder "
-                                         "(built-in: tandem-shakespeare, tandem-tiny")])
+                                         "(built-in: tandem-shakespeare, tandem-tiny"),
+                                        (["--model", "tandem-mock"], "no weights: it is served by simulated "
+                                         "workers (add --mocker N)")])
 def test_up_refuses_a_bad_port_or_model_before_starting_anything(args, said):
     # the OS took 99999 as 34463 and -1 as 65535; an unknown model stopped every worker seconds later
     r = tandem("up", *args, "--insecure", timeout=60)
@@ -216,6 +218,29 @@ def test_up_refuses_a_bad_port_or_model_before_starting_anything(args, said):
     assert "logs in" not in r.stdout + r.stderr  # refused before any process started
     w = tandem("router", "--etcd", "127.0.0.1:1", "--port", "70000", timeout=60)
     assert w.returncode == 1 and "--port must be 0 (any free port)" in w.stderr, w.stderr
+
+
+def test_mocker_refuses_ports_past_65535():
+    # worker i listens on --port + i: 65530 with 8 workers ran into the OS's wrap-around
+    r = tandem("mocker", "--port", "65530", "--num-workers", "8", timeout=60)
+    assert r.returncode != 0 and "would need port 65537, past 65535" in r.stderr, r.stderr
+    r = tandem("mocker", "--port", "70000", timeout=60)
+    assert r.returncode != 0 and "--port must be 0 (any free port)" in r.stderr, r.stderr
+
+
+def test_generate_errors_name_its_flags():
+    from cli.client import flag_named
+    assert flag_named("sampling.max_tokens: must be >= 1, got 0") == "--max-tokens: must be >= 1, got 0"
+    assert flag_named("sampling.stop[1]: 300 characters; at most 256") == "--stop[1]: 300 characters; at most 256"
+    assert flag_named("text: prompt is empty") == "the prompt: prompt is empty"
+    assert flag_named("no decode worker") == "no decode worker"  # not a field: unchanged
+    assert flag_named("sampling.unknown: x") == "sampling.unknown: x"
+
+
+def test_each_subcommands_help_opens_with_its_line():
+    for sub, line in (("mocker", "Simulated workers (real block pool"), ("up", "A local cluster: etcd, router"),
+                      ("health", "Check a server's grpc.health.v1 status")):
+        assert line in tandem(sub, "--help").stdout, sub
 
 
 def test_bench_compare_usage_and_header_first():
