@@ -7,10 +7,12 @@ The seam with the gRPC API is `FrontendServicer.Generate` itself: a request is m
 `tandem.v1.GenerateRequest` (router/openai_protocol.py) and run through the same Generate —
 validation, tokenization, routing, retry and migration, stop strings, metrics and spans — with
 `HttpCallContext` standing in for the gRPC servicer context (the three methods Generate uses:
-abort, time_remaining, code). Each request runs in its own task (`Generation`), inside a SERVER
-span; the HTTP side reads its first response (an error before it is a status), then the task
-writes each later one as a server-sent event itself; the client going away cancels the task,
-which cancels the decode call and frees the request's KV blocks on both workers.
+abort, time_remaining, code). Each choice of a request (one, unless `n` > 1 or a batch of
+prompts: router/openai_protocol.py `Choice`) runs in its own task (`Generation`), inside a SERVER
+span; the HTTP side reads every choice's first response (an error before them is a status),
+then each task writes its later ones as server-sent events itself; the client going away
+cancels the tasks (`ConnectionWatch`), which cancels the decode calls and frees the request's KV
+blocks on both workers.
 
 With --api-keys, the completions and models routes need `Authorization: Bearer <key>` (401
 with OpenAI's error object when it is missing or unknown) and /metrics an admin key (403 for
@@ -47,8 +49,8 @@ from router.http_front import Front, error_response, validation_error
 from router.http_port import HTTP_OFF, validate_port  # noqa: F401 (re-exported)
 from router.api_keys import KeyRefused, KeyRing, current_tenant
 from router.chat_template import ChatTemplate, TemplateError
-from router.openai_protocol import (FINISH_REASONS, ChatCompletionRequest, CompletionRequest, ResponseShape,
-                                    error_body, param_name, token_logprobs)
+from router.openai_protocol import (FINISH_REASONS, ChatCompletionRequest, Choice, CompletionRequest,
+                                    ResponseShape, error_body, param_name, token_logprobs, usage)
 
 log = logging.getLogger(__name__)
 HTTP_PARSER = "httptools"  # uvicorn's C parser (llhttp); its pure-Python h11 costs more CPU per request
@@ -118,56 +120,30 @@ class ClientGone(Exception):
     """The client closed the connection before the response was ready."""
 
 
-TRANSPORT_POLL_S = 0.25  # how often a request checks that its connection is still open (Generation.watch)
+TRANSPORT_POLL_S = 0.25  # how often a request checks that its connection is still open (ConnectionWatch)
 _GONE = object()  # Generation's last item when its task was cancelled (the client went away)
 
 
 class Generation:
-    """One Generate call in its own task (so that its spans nest and it can be cancelled
-    from the HTTP side whatever that is doing). Its items — (response, perf_counter() when
-    it left Generate), then None at the end or an Aborted — go to a queue that `next()` reads,
-    until `stream_to(sink)`: from then on the task hands each item to the sink itself, with
-    no queue and no second task in between (one event per streamed token).
-
-    `watch(receive)` starts the request's one disconnect watch: the client going away cancels
-    the task (which cancels the decode call and frees its KV blocks on both workers), and a
-    reader waiting in `next()` gets ClientGone."""
+    """One Generate call (one choice of a request) in its own task (so that its spans nest and it
+    can be cancelled from the HTTP side whatever that is doing). Its items — (response,
+    perf_counter() when it left Generate), then None at the end or an Aborted — go to a queue
+    that `next()` reads, until `stream_to(sink)`: from then on the task hands each item to the
+    sink itself, with no queue and no second task in between (one event per streamed token).
+    Cancelling the task (`cancel`, or the request's ConnectionWatch) cancels the decode call and
+    frees its KV blocks on both workers; a reader waiting in `next()` then gets ClientGone."""
 
     def __init__(self, servicer: Any, request: pb.GenerateRequest, span_name: str, headers: dict[str, str]) -> None:
         self._queue: asyncio.Queue = asyncio.Queue()
         self._sink: Callable[[Any], Awaitable[None]] | None = None
-        self._watch: asyncio.Task | None = None
-        self._timer: asyncio.TimerHandle | None = None
         self.started = 0.0  # perf_counter() when Generate was called
+        self.failed: Aborted | None = None  # the error next() raised
         self.last_put = 0.0  # perf_counter() when the response last returned by next() left Generate
         self.task = asyncio.create_task(self._run(servicer, request, span_name, headers),
                                         name=f"http {request.request_id}")
         # cancelled (also before its first step, when _run could not see it): a reader in
         # next() must not wait for ever
         self.task.add_done_callback(lambda t: t.cancelled() and self._queue.put_nowait(_GONE))
-
-    def watch(self, receive: Callable[[], Awaitable[dict]], transport: asyncio.BaseTransport | None = None) -> None:
-        """Cancel the call once ASGI `receive` says the client disconnected (see the class
-        docstring), or once `transport` (the connection, when the server exposes it) is closing.
-        uvicorn also answers `http.disconnect` once the response is complete; by then the call
-        has ended and the cancel does nothing. The transport is polled because uvicorn tells a
-        disconnect only to the connection's last request: a client that pipelined a second
-        request and went away would otherwise leave this one running to its max_tokens."""
-        async def until_gone() -> None:
-            while (await receive())["type"] != "http.disconnect":
-                pass
-            self.task.cancel()
-        self._watch = asyncio.create_task(until_gone(), name=f"{self.task.get_name()} watch")
-        if transport is not None:
-            self._poll(transport)
-
-    def _poll(self, transport: asyncio.BaseTransport) -> None:
-        if self.task.done():
-            return
-        if transport.is_closing():
-            self.task.cancel()
-            return
-        self._timer = asyncio.get_running_loop().call_later(TRANSPORT_POLL_S, self._poll, transport)
 
     async def _deliver(self, item: Any) -> None:
         if self._sink is not None:
@@ -199,6 +175,7 @@ class Generation:
         """
         item = await self._queue.get()
         if isinstance(item, Aborted):
+            self.failed = item
             raise item
         if item is _GONE:
             raise ClientGone
@@ -224,8 +201,54 @@ class Generation:
 
     def cancel(self) -> None:
         self.task.cancel()
-        if self._watch is not None:
-            self._watch.cancel()
+
+
+async def _first(gen: Generation) -> pb.GenerateResponse | None | Aborted | ClientGone:
+    """The Generation's first response (None: it ended without one), or the error next() raised."""
+    try:
+        return await gen.next()
+    except (Aborted, ClientGone) as exc:
+        return exc
+
+
+class ConnectionWatch:
+    """A request's one disconnect watch: cancels every Generation of the request once ASGI
+    `receive` says the client disconnected, or once `transport` (the connection, when the
+    server exposes it) is closing. uvicorn also answers `http.disconnect` once the response is
+    complete; by then the calls have ended and the cancel does nothing. The transport is polled
+    because uvicorn tells a disconnect only to the connection's last request: a client that
+    pipelined a second request and went away would otherwise leave this one running to its
+    max_tokens. One watch per request, however many choices: ASGI's `receive` has one reader."""
+
+    def __init__(self, gens: list[Generation], receive: Callable[[], Awaitable[dict]],
+                 transport: asyncio.BaseTransport | None = None) -> None:
+        self.gens = gens
+        self._timer: asyncio.TimerHandle | None = None
+
+        async def until_gone() -> None:
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            self._cancel_calls()
+        self._watch = asyncio.create_task(until_gone(), name=f"{gens[0].task.get_name()} watch")
+        if transport is not None:
+            self._poll(transport)
+
+    def _cancel_calls(self) -> None:
+        for g in self.gens:
+            g.cancel()
+
+    def _poll(self, transport: asyncio.BaseTransport) -> None:
+        if all(g.task.done() for g in self.gens):
+            return
+        if transport.is_closing():
+            self._cancel_calls()
+            return
+        self._timer = asyncio.get_running_loop().call_later(TRANSPORT_POLL_S, self._poll, transport)
+
+    def cancel(self) -> None:
+        """The response is over: stop watching, and cancel any call still running."""
+        self._cancel_calls()
+        self._watch.cancel()
         if self._timer is not None:
             self._timer.cancel()
 
@@ -241,11 +264,11 @@ def _sse(obj: dict) -> bytes:
 class TextEvents:
     """The server-sent event of a chunk that carries only text (no finish reason, no logprobs,
     not the first): the chunk's bytes around its text are the same for every token of a
-    response, so they are encoded once and each event is prefix + the text as a JSON string +
-    suffix, byte for byte what `_sse(shape.chunk(text, None, None))` gives."""
+    choice, so they are encoded once and each event is prefix + the text as a JSON string +
+    suffix, byte for byte what `_sse(shape.chunk(text, None, None, index=index))` gives."""
 
-    def __init__(self, shape: ResponseShape) -> None:
-        whole = _sse(shape.chunk(_MARK, None, None))
+    def __init__(self, shape: ResponseShape, index: int = 0) -> None:
+        whole = _sse(shape.chunk(_MARK, None, None, index=index))
         self.prefix, self.suffix = whole.split(_JSON.encode(_MARK).encode())
 
     def __call__(self, text: str) -> bytes:
@@ -256,62 +279,92 @@ DONE = b"data: [DONE]\n\n"
 
 
 class _EventStream(Response):
-    """Server-sent events of one Generation, written by the Generation's own task as each
-    response leaves Generate (`Generation.stream_to`), through uvicorn's own send (the
-    middlewares' send wrappers only watch for the response's start, which goes through
-    them). The client leaving cancels the Generation (`Generation.watch`), as does any other end
-    of the response."""
+    """Server-sent events of a request's Generations (one per choice), each written by its
+    Generation's own task as each response leaves Generate (`Generation.stream_to`), through
+    uvicorn's own send (the middlewares' send wrappers only watch for the response's start,
+    which goes through them). The choices' chunks interleave as they come, each naming its
+    index; once every choice has finished come the usage chunk (with include_usage) and
+    `data: [DONE]`. An error of a choice after the 200 went out is one more event, then
+    `[DONE]`, and the other choices are cancelled. The client leaving cancels every choice
+    (ConnectionWatch), as does any other end of the response."""
 
-    def __init__(self, api: "OpenAIFrontend", generation: Generation, first: pb.GenerateResponse | None,
-                 shape: ResponseShape, req: Any, headers: dict[str, str]) -> None:
+    def __init__(self, api: "OpenAIFrontend", gens: list[Generation], firsts: list[pb.GenerateResponse | None],
+                 choices: list[Choice], shape: ResponseShape, req: Any, headers: dict[str, str],
+                 watch: ConnectionWatch) -> None:
         # no Response.__init__: its headers would carry a Content-Length (the body is chunked)
         self.status_code, self.background, self.body = 200, None, b""
         self.raw_headers = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
                             *((k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in headers.items())]
-        self.api, self.generation, self.first, self.shape, self.req = api, generation, first, shape, req
-        self._first_event, self._closed = True, False
-        self._text = TextEvents(shape)
+        self.api, self.gens, self.firsts, self.choices = api, gens, firsts, choices
+        self.shape, self.req, self.watch = shape, req, watch
+        self._closed = False  # the response's [DONE] went out
+        self._usages: list[pb.Usage | None] = [None] * len(gens)  # each choice's, once finished
+
+    def _choice_sink(self, c: Choice, event: Callable[..., Awaitable[None]]) -> Callable[[Any], Awaitable[None]]:
+        """What handles the items of choice c's Generation (see Generation)."""
+        text_event = TextEvents(self.shape, c.index)
+        first_event, done = True, False
+        req, shape, api = self.req, self.shape, self.api
+
+        async def item(it: Any) -> None:
+            nonlocal first_event, done
+            if self._closed or done:
+                return
+            if isinstance(it, Aborted):  # after the 200 went out: the error as one more event, and the end
+                self._closed = True
+                await event(_sse(api.aborted_body(it, req, c.prompt_index)))
+                await event(DONE)
+                self.watch.cancel()  # the other choices
+                return
+            if it is None:  # Generate ended (after its finish, which ends the choice first)
+                done = True
+                await self._choice_done(c, None, event)
+                return
+            out, left = it
+            finish = FINISH_REASONS.get(out.finish_reason)
+            if out.text and not (finish or first_event or req.want_logprobs):
+                await event(text_event(out.text), left, False)  # most events: text only
+            elif out.text or finish or first_event or req.want_logprobs:
+                lp = api._logprobs(shape.chat, out) if req.want_logprobs else None
+                await event(_sse(shape.chunk(out.text, finish, lp, first=first_event, index=c.index)), left,
+                            first_event)
+                first_event = False
+            if finish:
+                done = True
+                await self._choice_done(c, out.usage, event)
+        return item
+
+    async def _choice_done(self, c: Choice, u: pb.Usage | None, event: Callable[..., Awaitable[None]]) -> None:
+        self._usages[c.index] = u if u is not None else pb.Usage()
+        if self._closed or any(x is None for x in self._usages):
+            return
+        self._closed = True  # the last choice: the response's end
+        if self.req.include_usage:
+            await event(_sse(self.shape.usage_chunk(usage(self._usages, self.req.n))))
+        await event(DONE)
 
     async def __call__(self, scope, receive, send) -> None:
         raw_send = scope.get("tandem.send", send)
         timings = self.api.timings
 
-        async def event(body: bytes, left_generate: float | None = None) -> None:
+        async def event(body: bytes, left_generate: float | None = None, first: bool = False) -> None:
             await raw_send({"type": "http.response.body", "body": body, "more_body": True})
             if left_generate is not None:
-                (timings.first_s if self._first_event else timings.token_s).append(time.perf_counter() - left_generate)
+                (timings.first_s if first else timings.token_s).append(time.perf_counter() - left_generate)
 
-        async def item(it: Any) -> None:  # one item of the Generation (see Generation)
-            if self._closed:
-                return
-            if it is None or isinstance(it, Aborted):
-                if it is not None:  # after the 200 went out: the error as one more event
-                    await event(_sse(self.api.aborted_body(it, self.req)))
-                self._closed = True
-                await event(DONE)
-                return
-            out, left = it
-            finish = FINISH_REASONS.get(out.finish_reason)
-            if out.text and not (finish or self._first_event or self.req.want_logprobs):
-                await event(self._text(out.text), left)  # most events: text only
-            elif out.text or finish or self._first_event or self.req.want_logprobs:
-                lp = self.api._logprobs(self.shape.chat, out) if self.req.want_logprobs else None
-                await event(_sse(self.shape.chunk(out.text, finish, lp, first=self._first_event)), left)
-                self._first_event = False
-            if finish:
-                if self.req.include_usage:
-                    await event(_sse(self.shape.usage_chunk(out.usage)))
-                self._closed = True
-                await event(DONE)
-
-        gen = self.generation
+        sinks = [self._choice_sink(c, event) for c in self.choices]
         try:
             await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
-            await item((self.first, gen.last_put) if self.first is not None else None)
-            await gen.stream_to(item)  # returns at the call's end, or once the client went away
+            for sink, first, gen in zip(sinks, self.firsts, self.gens):
+                await sink((first, gen.last_put) if first is not None else None)
+            # each returns at its call's end, or once the client went away
+            if len(self.gens) == 1:
+                await self.gens[0].stream_to(sinks[0])
+            else:
+                await asyncio.gather(*(gen.stream_to(sink) for gen, sink in zip(self.gens, sinks)))
             await raw_send({"type": "http.response.body", "body": b"", "more_body": False})
         finally:
-            gen.cancel()
+            self.watch.cancel()
 
 
 class OpenAIFrontend:
@@ -351,15 +404,18 @@ class OpenAIFrontend:
         message = str(exc).split(": ", 1)[1] if ": " in str(exc) else str(exc)
         return self.error(400, f"{param}: {message}", "invalid_request_error", param, headers=headers)
 
-    def aborted(self, exc: Aborted, req: Any, headers: dict[str, str]) -> JSONResponse:
-        body = self.aborted_body(exc, req)
+    def aborted(self, exc: Aborted, req: Any, headers: dict[str, str], prompt_index: int | None = None
+                ) -> JSONResponse:
+        body = self.aborted_body(exc, req, prompt_index)
         return JSONResponse(body, status_code=STATUS.get(exc.code, (500,))[0], headers=headers)
 
-    def aborted_body(self, exc: Aborted, req: Any) -> dict:
+    def aborted_body(self, exc: Aborted, req: Any, prompt_index: int | None = None) -> dict:
+        """OpenAI's error object for a call that ended with a gRPC status (prompt_index: the
+        batch prompt the call continued, which a parameter error names)."""
         status, type_ = STATUS.get(exc.code, (500, "internal_error"))
         field, sep, message = exc.details.partition(": ")
         if exc.code == grpc.StatusCode.INVALID_ARGUMENT and sep and " " not in field:
-            param = param_name(field, req)
+            param = param_name(field, req, prompt_index)
             return error_body(f"{param}: {message}", type_, param)
         if exc.code == grpc.StatusCode.NOT_FOUND and field == "model":
             return error_body(exc.details, type_, "model", "model_not_found")
@@ -389,41 +445,53 @@ class OpenAIFrontend:
         try:
             if chat:
                 prompt = self.template.render(req.template_messages(), add_generation_prompt=True)
-                grpc_req = req.to_generate(request_id, prompt)
+                choices = req.to_generate(request_id, prompt)
             else:
-                grpc_req = req.to_generate(request_id)
+                choices = req.to_generate(request_id)
         except InvalidArgument as exc:
             return self.invalid(exc, req, headers)
         except TemplateError as exc:
             return self.error(400, f"messages: {exc}", "invalid_request_error", "messages", headers=headers)
-        gen = Generation(self.servicer, grpc_req, f"POST {route}", dict(request.headers))
+        span, request_headers = f"POST {route}", dict(request.headers)
+        gens = [Generation(self.servicer, c.request, span, request_headers) for c in choices]
         # uvicorn's send is its request cycle's bound method; the cycle holds the connection
         cycle = getattr(request.scope.get("tandem.send"), "__self__", None)
-        gen.watch(request.receive, getattr(cycle, "transport", None))
-        try:
-            first = await gen.next()  # errors before any token: a status
-        except Aborted as exc:
-            gen.cancel()  # the watch
-            return self.aborted(exc, req, headers)
-        except ClientGone:  # e.g. during a long prefill: cancelled, as a disconnect mid-stream is
-            return Response(status_code=499)
+        watch = ConnectionWatch(gens, request.receive, getattr(cycle, "transport", None))
+        try:  # errors before every choice's first response: a status (the first choice's at fault)
+            firsts = ([await _first(gens[0])] if len(gens) == 1  # (no task of gather's for the usual request)
+                      else await asyncio.gather(*(_first(g) for g in gens)))
         except BaseException:
-            gen.cancel()
+            watch.cancel()
             raise
-        self.timings.before_s.append(gen.started - request.scope.get("tandem.arrived", gen.started))
+        for c, first in zip(choices, firsts):
+            if isinstance(first, Aborted):
+                watch.cancel()  # the other choices
+                return self.aborted(first, req, headers, c.prompt_index)
+        if any(isinstance(first, BaseException) for first in firsts):
+            watch.cancel()
+            gone = next(f for f in firsts if isinstance(f, BaseException))
+            if isinstance(gone, ClientGone):  # e.g. during a long prefill: cancelled, as a disconnect mid-stream is
+                return Response(status_code=499)
+            raise gone
+        self.timings.before_s.append(gens[0].started - request.scope.get("tandem.arrived", gens[0].started))
         shape = ResponseShape(chat, request_id, self.servicer.workers.model)
         if req.stream:
-            return _EventStream(self, gen, first, shape, req, headers)
+            return _EventStream(self, gens, firsts, choices, shape, req, headers, watch)
         try:
-            return JSONResponse(await self._collect(gen, first, shape, req), headers=headers)
+            results = await asyncio.gather(*(self._collect(g, first, shape, req) for g, first in zip(gens, firsts)))
+            return JSONResponse(shape.final([r[:3] for r in results], usage([r[3] for r in results], req.n)),
+                                headers=headers)
         except Aborted as exc:
-            return self.aborted(exc, req, headers)
+            failed = next(c for c, g in zip(choices, gens) if g.failed is exc)
+            return self.aborted(exc, req, headers, failed.prompt_index)
         except ClientGone:
             return Response(status_code=499)
         finally:
-            gen.cancel()
+            watch.cancel()
 
-    async def _collect(self, gen: Generation, out: pb.GenerateResponse | None, shape: ResponseShape, req) -> dict:
+    async def _collect(self, gen: Generation, out: pb.GenerateResponse | None, shape: ResponseShape, req
+                       ) -> tuple[str, str, dict | None, pb.Usage]:
+        """One choice's whole answer: (text, finish reason, logprobs, usage)."""
         text: list[str] = []
         ids: list[int] = []
         lps: list[float] = []
@@ -436,7 +504,7 @@ class OpenAIFrontend:
             out = await gen.next()
         assert out is not None and out.finish_reason, "Generate ended without a finish reason"
         logprobs = token_logprobs(shape.chat, self._tokens_text(ids), lps) if req.want_logprobs else None
-        return shape.final("".join(text), FINISH_REASONS[out.finish_reason], out.usage, logprobs)
+        return "".join(text), FINISH_REASONS[out.finish_reason], logprobs, out.usage
 
     # -- the rest ----------------------------------------------------------------------------
     def models(self) -> dict:

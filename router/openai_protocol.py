@@ -3,9 +3,14 @@
 Requests are pydantic models (unknown fields are accepted and ignored, as OpenAI's own
 server-side clients expect); `to_generate` turns one into the gRPC request, so that the HTTP
 API shares the gRPC API's validation (common/validation.py). Fields the engine cannot honour
-are refused by name when set to anything but their no-op value (`n`, `best_of`, `echo`,
+are refused by name when set to anything but their no-op value (`best_of` other than `n`, `echo`,
 `suffix`, `logit_bias`, `presence_penalty`, `frequency_penalty`, `tools`, `response_format`,
 `top_logprobs` > 0, `logprobs` > 0 on /v1/completions).
+
+A request of several choices — `n` > 1, or a completions `prompt` that is a list of prompts —
+becomes one GenerateRequest per choice (`Choice`), choice index = prompt index × n + j as in
+OpenAI's API; with a `seed`, choice j of a prompt samples with seed + j (mod 2^64), so the
+choices differ and each stays reproducible on its own.
 
 The gRPC path names fields as `text`, `token_ids[i]` and `sampling.<name>`; `param_name` maps
 those onto the OpenAI parameter the client sent, so a 400's `param` is what the client wrote.
@@ -14,18 +19,40 @@ those onto the OpenAI parameter the client sent, so a 400's `param` is what the 
 from __future__ import annotations
 
 import time
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Sequence
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from common.pb.tandem.v1 import frontend_pb2 as pb
 from common.pb.tandem.v1 import sampling_pb2
-from common.validation import InvalidArgument
+from common.validation import MAX_REQUEST_ID_CHARS, InvalidArgument
 
 INT32_MIN, INT32_MAX = -2 ** 31, 2 ** 31 - 1  # the gRPC request's int32 fields
+MAX_CHOICES = 128  # choices per request (n × prompts), each a Generate of its own; OpenAI's own limit of n
 
 FINISH_REASONS = {sampling_pb2.FINISH_REASON_LENGTH: "length", sampling_pb2.FINISH_REASON_STOP: "stop",
                   sampling_pb2.FINISH_REASON_EOS: "stop"}
+
+
+@dataclass(frozen=True)
+class Choice:
+    """One choice of a request: its `index` in the response, the prompt it continues
+    (`prompt_index` into the request's prompts; None for a request of one prompt, so that errors
+    name `prompt`, not `prompt[0]`) and its gRPC request."""
+
+    index: int
+    prompt_index: int | None
+    request: pb.GenerateRequest
+
+
+def choice_request_id(request_id: str, index: int, choices: int) -> str:
+    """The gRPC request id of choice `index` of `choices`: the request's own id for one choice, else
+    id-index (the id cut so that the whole stays within MAX_REQUEST_ID_CHARS)."""
+    if choices == 1:
+        return request_id
+    suffix = f"-{index}"
+    return request_id[:MAX_REQUEST_ID_CHARS - len(suffix)] + suffix
 
 
 class StreamOptions(BaseModel):
@@ -54,8 +81,8 @@ class _Common(BaseModel):
     ignore_eos: bool = False  # not OpenAI's: keep generating after the end-of-sequence token (as vLLM)
 
     def _refuse_unsupported(self) -> None:
-        if self.n != 1:
-            raise InvalidArgument("n", f"only n = 1 is supported, got {self.n}")
+        if not 1 <= self.n <= MAX_CHOICES:
+            raise InvalidArgument("n", f"must be in [1, {MAX_CHOICES}], got {self.n}")
         if self.presence_penalty or self.frequency_penalty:
             raise InvalidArgument("presence_penalty" if self.presence_penalty else "frequency_penalty",
                                   "penalties are not supported (leave them 0)")
@@ -64,7 +91,8 @@ class _Common(BaseModel):
         if self.stream_options is not None and not self.stream:
             raise InvalidArgument("stream_options", "only allowed with stream: true")
 
-    def _sampling(self, max_tokens: int | None) -> sampling_pb2.SamplingParams:
+    def _sampling(self, max_tokens: int | None, j: int = 0) -> sampling_pb2.SamplingParams:
+        """The sampling parameters of choice j of a prompt (its seed: seed + j)."""
         s = sampling_pb2.SamplingParams(ignore_eos=self.ignore_eos)
         if max_tokens is not None:
             if not INT32_MIN <= max_tokens <= INT32_MAX:  # the proto's int32 would raise (a 500)
@@ -77,7 +105,7 @@ class _Common(BaseModel):
         if self.seed is not None:
             if not 0 <= self.seed < 2 ** 64:
                 raise InvalidArgument("seed", f"must be in [0, 2^64), got {self.seed}")
-            s.seed = self.seed
+            s.seed = (self.seed + j) % 2 ** 64
         if self.stop is not None:
             s.stop.extend([self.stop] if isinstance(self.stop, str) else self.stop)
         return s
@@ -100,33 +128,47 @@ class CompletionRequest(_Common):
     def want_logprobs(self) -> bool:
         return self.logprobs is not None
 
-    def to_generate(self, request_id: str) -> pb.GenerateRequest:
+    def prompts(self) -> list[str | list[int]]:
+        """The request's prompts: one, or each of a batch (a list of strings or of token lists)."""
+        p = self.prompt
+        return list(p) if isinstance(p, list) and p and isinstance(p[0], (str, list)) else [p]
+
+    def to_generate(self, request_id: str) -> list[Choice]:
+        """One Choice per (prompt, j < n), in index order. Raises InvalidArgument naming the parameter."""
         self._refuse_unsupported()
         if self.echo:
             raise InvalidArgument("echo", "echo is not supported")
         if self.suffix:
             raise InvalidArgument("suffix", "suffix is not supported")
-        if self.best_of not in (None, 1):
-            raise InvalidArgument("best_of", f"only best_of = 1 is supported, got {self.best_of}")
+        if self.best_of not in (None, self.n):
+            raise InvalidArgument("best_of", f"only best_of = n ({self.n}) is supported, got {self.best_of}")
         if self.logprobs not in (None, 0):
             raise InvalidArgument("logprobs", "only the sampled token's log-probability is available: use 0")
-        prompt = self.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-            if len(prompt) != 1:
-                raise InvalidArgument("prompt", f"one prompt per request, got a batch of {len(prompt)}")
-            prompt = prompt[0]
-        if not prompt:  # "" or []: said in this API's terms (the router's check names text / token_ids)
-            raise InvalidArgument("prompt", "is empty")
-        req = pb.GenerateRequest(request_id=request_id, model=self.model or "",
-                                 sampling=self._sampling(self.max_tokens))
-        if isinstance(prompt, str):
-            req.text = prompt
-        else:
-            bad = next((i for i, t in enumerate(prompt) if not INT32_MIN <= t <= INT32_MAX), None)
-            if bad is not None:  # the proto's int32 would raise (a 500); in range, validation checks the vocabulary
-                raise InvalidArgument(f"token_ids[{bad}]", f"not a token id: {prompt[bad]}")
-            req.token_ids.extend(prompt)
-        return req
+        prompts = self.prompts()
+        total = len(prompts) * self.n
+        if total > MAX_CHOICES:
+            raise InvalidArgument("prompt" if len(prompts) > 1 else "n", f"{len(prompts)} prompts × n = {self.n} "
+                                  f"is {total} choices; at most {MAX_CHOICES} per request")
+        batch = len(prompts) > 1
+        out = []
+        for i, prompt in enumerate(prompts):
+            where = f"prompt[{i}]" if batch else "prompt"
+            if not prompt:  # "" or []: said in this API's terms (the router's check names text / token_ids)
+                raise InvalidArgument(where, "is empty")
+            if not isinstance(prompt, str):
+                bad = next((k for k, t in enumerate(prompt) if not INT32_MIN <= t <= INT32_MAX), None)
+                if bad is not None:  # the proto's int32 would raise (a 500); in range, the router checks the vocabulary
+                    raise InvalidArgument(f"{where}[{bad}]", f"not a token id: {prompt[bad]}")
+            for j in range(self.n):
+                index = i * self.n + j
+                req = pb.GenerateRequest(request_id=choice_request_id(request_id, index, total),
+                                         model=self.model or "", sampling=self._sampling(self.max_tokens, j))
+                if isinstance(prompt, str):
+                    req.text = prompt
+                else:
+                    req.token_ids.extend(prompt)
+                out.append(Choice(index, i if batch else None, req))
+        return out
 
 
 class ContentPart(BaseModel):
@@ -179,7 +221,8 @@ class ChatCompletionRequest(_Common):
             out.append(msg)
         return out
 
-    def to_generate(self, request_id: str, prompt: str) -> pb.GenerateRequest:
+    def to_generate(self, request_id: str, prompt: str) -> list[Choice]:
+        """n Choices of the rendered `prompt`. Raises InvalidArgument naming the parameter."""
         self._refuse_unsupported()
         if self.tools:
             raise InvalidArgument("tools", "tool calls are not supported")
@@ -191,17 +234,21 @@ class ChatCompletionRequest(_Common):
                 and self.max_tokens != self.max_completion_tokens:
             raise InvalidArgument("max_completion_tokens", "set max_completion_tokens or max_tokens, not both")
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-        return pb.GenerateRequest(request_id=request_id, model=self.model or "", text=prompt,
-                                  sampling=self._sampling(max_tokens))
+        return [Choice(j, None, pb.GenerateRequest(request_id=choice_request_id(request_id, j, self.n),
+                                                   model=self.model or "", text=prompt,
+                                                   sampling=self._sampling(max_tokens, j)))
+                for j in range(self.n)]
 
 
-def param_name(field: str, request: _Common) -> str:
-    """The OpenAI parameter behind a gRPC-side field name ("sampling.top_p" → "top_p")."""
+def param_name(field: str, request: _Common, prompt_index: int | None = None) -> str:
+    """The OpenAI parameter behind a gRPC-side field name ("sampling.top_p" → "top_p"); a
+    batch's prompt is named with its index (prompt_index 2: "token_ids[5]" → "prompt[2][5]")."""
     chat = isinstance(request, ChatCompletionRequest)
+    prompt = "prompt" if prompt_index is None else f"prompt[{prompt_index}]"
     if field == "text":
-        return "messages" if chat else "prompt"
+        return "messages" if chat else prompt
     if field.startswith("token_ids"):
-        return "prompt" + field.removeprefix("token_ids")
+        return prompt + field.removeprefix("token_ids")
     if field == "sampling.max_tokens":
         return "max_completion_tokens" if chat and request.max_completion_tokens is not None else "max_tokens"
     return field.removeprefix("sampling.")
@@ -212,10 +259,14 @@ def error_body(message: str, type_: str, param: str | None = None, code: str | N
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
-def usage(u: pb.Usage) -> dict:
-    return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
-            "total_tokens": u.prompt_tokens + u.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": u.cached_tokens}}
+def usage(parts: Sequence[pb.Usage], n: int = 1) -> dict:
+    """The `usage` of a response whose choices, in index order (n per prompt), ended with these
+    usages: each prompt counted once (its first choice's prompt and cached tokens, as OpenAI
+    counts a prompt of n choices once), every choice's completion tokens."""
+    prompt = sum(u.prompt_tokens for u in parts[::n])
+    completion = sum(u.completion_tokens for u in parts)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": sum(u.cached_tokens for u in parts[::n])}}
 
 
 def token_logprobs(chat: bool, tokens: list[str], logprobs: list[float]) -> dict:
@@ -239,23 +290,27 @@ class ResponseShape:
     def _head(self, obj: str) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
-    def final(self, text: str, finish: str, u: pb.Usage, logprobs: dict | None) -> dict:
+    def final(self, choices: Sequence[tuple[str, str, dict | None]], usage_: dict) -> dict:
+        """The whole response: choices[i] = (text, finish reason, logprobs) of choice i."""
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-                      "finish_reason": finish}
-            return {**self._head("chat.completion"), "choices": [choice], "usage": usage(u)}
-        choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
-        return {**self._head("text_completion"), "choices": [choice], "usage": usage(u)}
+            return {**self._head("chat.completion"), "choices": [
+                {"index": i, "message": {"role": "assistant", "content": text}, "logprobs": lp,
+                 "finish_reason": finish} for i, (text, finish, lp) in enumerate(choices)], "usage": usage_}
+        return {**self._head("text_completion"), "choices": [
+            {"index": i, "text": text, "logprobs": lp, "finish_reason": finish}
+            for i, (text, finish, lp) in enumerate(choices)], "usage": usage_}
 
-    def chunk(self, text: str, finish: str | None, logprobs: dict | None, first: bool = False) -> dict:
+    def chunk(self, text: str, finish: str | None, logprobs: dict | None, first: bool = False,
+              index: int = 0) -> dict:
+        """A stream chunk of choice `index` (first: its first chunk, which names the role in chat)."""
         if self.chat:
             delta: dict[str, Any] = {"role": "assistant", "content": text} if first else {"content": text}
-            choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+            choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
             return {**self._head("chat.completion.chunk"), "choices": [choice], "usage": None}
-        choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
+        choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
         return {**self._head("text_completion"), "choices": [choice], "usage": None}
 
-    def usage_chunk(self, u: pb.Usage) -> dict:
+    def usage_chunk(self, usage_: dict) -> dict:
         return {**self._head("chat.completion.chunk" if self.chat else "text_completion"), "choices": [],
-                "usage": usage(u)}
+                "usage": usage_}
 

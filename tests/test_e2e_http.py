@@ -168,11 +168,16 @@ def test_seeded_sampling_reproducible_and_equal_grpc(client, stub):
     ({"temperature": -1.0}, "temperature"),
     ({"top_p": 1.5}, "top_p"),
     ({"stop": [""]}, "stop"),
-    ({"n": 2}, "n"),
+    ({"n": 0}, "n"),
+    ({"n": 129}, "n"),
+    ({"prompt": [[1, 2]] * 65, "n": 2}, "prompt"),  # 130 choices
+    ({"prompt": [[1, 2], [1, 999999]]}, "prompt[1][1]"),  # the router's vocabulary check, named in the batch
+    ({"prompt": [[1, 2], [1, 2 ** 40]]}, "prompt[1][1]"),
+    ({"prompt": ["a", ""]}, "prompt[1]"),
+    ({"best_of": 3, "n": 2}, "best_of"),
     ({"logprobs": 3}, "logprobs"),
     ({"prompt": [1, 999999]}, "prompt[1]"),
     ({"prompt": ""}, "prompt"),
-    ({"prompt": ["a", "b"]}, "prompt"),
     ({"extra_body": {"max_tokens": "many"}}, "max_tokens"),
     ({"seed": -3}, "seed"),
     ({"presence_penalty": 0.5}, "presence_penalty"),
@@ -228,6 +233,83 @@ def test_malformed_json_and_unknown_route(cluster):
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
     r = httpx.get(f"{base}/v1/nothing")
     assert r.status_code == 404 and "error" in r.json()
+
+
+def test_n_choices_each_equal_grpc_with_its_seed(client, stub):
+    """n = 3 sampled choices of one prompt: choice j is the gRPC answer with seed + j; the prompt
+    counts once in usage, every choice's tokens do."""
+    ids = prompt_ids(30, offset=31)
+    kw = dict(model="tandem-tiny", prompt=ids, max_tokens=10, temperature=1.0, seed=41)
+    want = [grpc_run(stub, token_ids=ids, sampling=sampling_pb2.SamplingParams(
+        max_tokens=10, temperature=1.0, seed=41 + j)) for j in range(3)]
+    r = client.completions.create(n=3, logprobs=0, **kw)
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    assert [c.text for c in r.choices] == [w[0] for w in want]
+    assert len({c.text for c in r.choices}) == 3  # distinct seeds, distinct answers
+    for c, w in zip(r.choices, want):
+        assert c.logprobs.token_logprobs == pytest.approx(w[1], abs=1e-6) and c.finish_reason == "length"
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens) == (30, 30, 60)
+    chunks = list(client.completions.create(n=3, stream=True, stream_options={"include_usage": True}, **kw))
+    got = ["".join(c.choices[0].text for c in chunks if c.choices and c.choices[0].index == j) for j in range(3)]
+    assert got == [w[0] for w in want]
+    finishes = [(c.choices[0].index, c.choices[0].finish_reason) for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert sorted(finishes) == [(0, "length"), (1, "length"), (2, "length")]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 30
+    chat = client.chat.completions.create(model="tandem-tiny", messages=[{"role": "user", "content": "Hello"}],
+                                          max_tokens=6, n=2, temperature=1.0, seed=3)
+    assert [c.index for c in chat.choices] == [0, 1] and chat.usage.completion_tokens == 12
+    assert all(c.message.role == "assistant" for c in chat.choices)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_batch_of_prompts_answers_each_as_grpc(client, stub, stream, cluster):
+    """A list of prompts with n = 2 (greedy): choice i × 2 + j answers prompt i, as gRPC does."""
+    prompts = [prompt_ids(12 + 5 * i, offset=40 + i + 4 * stream) for i in range(3)]
+    want = [grpc_run(stub, token_ids=p, sampling=sampling_pb2.SamplingParams(max_tokens=7)) for p in prompts]
+    kw = dict(model="tandem-tiny", prompt=prompts, max_tokens=7, n=2)
+    if stream:
+        chunks = list(client.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+        got = ["".join(c.choices[0].text for c in chunks if c.choices and c.choices[0].index == k) for k in range(6)]
+        usage = chunks[-1].usage
+        assert chunks[-1].choices == [] and all(len(c.choices) == 1 for c in chunks[:-1])
+    else:
+        r = client.completions.create(**kw)
+        assert [c.index for c in r.choices] == list(range(6))
+        got, usage = [c.text for c in r.choices], r.usage
+    assert got == [w[0] for w in want for _ in range(2)]
+    assert usage.prompt_tokens == sum(len(p) for p in prompts) and usage.completion_tokens == 6 * 7
+    assert wait_all_free(cluster)
+
+
+def test_a_choice_refused_by_the_router_refuses_the_request_and_frees_the_others(client, cluster):
+    """The second prompt is too long for the context: a 400 naming it; the first prompt's call,
+    started beside it, is cancelled and leaves no block behind."""
+    long = prompt_ids(cluster.router.servicer.context_length + 1, offset=1)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="tandem-tiny", prompt=[prompt_ids(50, offset=2), long], max_tokens=8)
+    assert e.value.body["param"] == "prompt[1]", e.value.body
+    assert wait_all_free(cluster)
+
+
+def test_disconnect_mid_stream_of_several_choices_frees_every_block(cluster):
+    assert wait_all_free(cluster)
+    total = cluster.worker_opts.num_blocks
+    # three choices that fit the pool together (the worker admits by prompt + max_tokens; a choice it
+    # queued would hold back the response's start, which waits for every choice's first token)
+    body = {"model": "tandem-tiny", "prompt": prompt_ids(100, offset=19), "max_tokens": 1500, "stream": True,
+            "ignore_eos": True, "n": 3, "temperature": 1.0}
+    with httpx.Client(timeout=60) as http:
+        with http.stream("POST", f"http://{cluster.router.http_address}/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            seen = set()
+            for line in r.iter_lines():
+                if line.startswith("data:") and line != "data: [DONE]":
+                    seen.add(json.loads(line[5:])["choices"][0]["index"])
+                    if seen == {0, 1, 2}:
+                        break
+            assert cluster.on_loop(lambda: cluster.router.servicer.running) == 3
+            assert cluster.on_loop(lambda: cluster.decode.runtime.pool.blocks.num_free) < total
+    assert wait_all_free(cluster), "blocks still held after the client went away"
 
 
 def router_requests(cluster, code: str, outcome: str) -> float:

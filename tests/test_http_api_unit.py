@@ -346,3 +346,27 @@ def test_an_empty_completion_prompt_names_prompt(prompt):
     with pytest.raises(InvalidArgument, match="prompt: is empty") as exc:
         CompletionRequest(prompt=prompt).to_generate("r")
     assert exc.value.field == "prompt"
+
+
+def test_choices_of_a_batch_with_n_their_ids_seeds_and_order():
+    from common.pb.tandem.v1 import frontend_pb2 as pb
+    from router.openai_protocol import MAX_CHOICES, usage
+    from common.validation import MAX_REQUEST_ID_CHARS
+    rid = "x" * 128
+    choices = CompletionRequest(prompt=[[1, 2], [4, 5], [3]], n=2, seed=2 ** 64 - 1, temperature=1.0).to_generate(rid)
+    assert [(c.index, c.prompt_index) for c in choices] == [(0, 0), (1, 0), (2, 1), (3, 1), (4, 2), (5, 2)]
+    assert [c.request.sampling.seed for c in choices] == [2 ** 64 - 1, 0] * 3  # seed + j, mod 2^64
+    assert [list(c.request.token_ids) for c in choices] == [[1, 2], [1, 2], [4, 5], [4, 5], [3], [3]]
+    assert [c.request.text for c in CompletionRequest(prompt=["a", "b"]).to_generate("r")] == ["a", "b"]
+    assert all(len(c.request.request_id) <= MAX_REQUEST_ID_CHARS for c in choices)
+    assert len({c.request.request_id for c in choices}) == 6 and choices[5].request.request_id.endswith("-5")
+    one = CompletionRequest(prompt=[[1, 2]]).to_generate("r")  # a batch of one: named as one prompt
+    assert [(c.index, c.prompt_index, c.request.request_id) for c in one] == [(0, None, "r")]
+    assert len(CompletionRequest(prompt="a", n=MAX_CHOICES).to_generate("r")) == MAX_CHOICES
+    chat = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], n=3).to_generate("c", "hi")
+    assert [c.request.request_id for c in chat] == ["c-0", "c-1", "c-2"] and not chat[0].request.sampling.HasField("seed")
+    # each prompt counted once (its first choice's), every choice's completion tokens
+    parts = [pb.Usage(prompt_tokens=p, completion_tokens=k, cached_tokens=c)
+             for p, k, c in [(2, 5, 0), (2, 4, 2), (7, 3, 1), (7, 1, 7)]]
+    assert usage(parts, 2) == {"prompt_tokens": 9, "completion_tokens": 13, "total_tokens": 22,
+                               "prompt_tokens_details": {"cached_tokens": 1}}
