@@ -298,6 +298,7 @@ def test_disconnect_mid_stream_of_several_choices_frees_every_block(cluster):
     # queued would hold back the response's start, which waits for every choice's first token)
     body = {"model": "tandem-tiny", "prompt": prompt_ids(100, offset=19), "max_tokens": 1500, "stream": True,
             "ignore_eos": True, "n": 3, "temperature": 1.0}
+    cancelled = router_requests(cluster, "CANCELLED", "cancelled")
     with httpx.Client(timeout=60) as http:
         with http.stream("POST", f"http://{cluster.router.http_address}/v1/completions", json=body) as r:
             assert r.status_code == 200
@@ -305,11 +306,16 @@ def test_disconnect_mid_stream_of_several_choices_frees_every_block(cluster):
             for line in r.iter_lines():
                 if line.startswith("data:") and line != "data: [DONE]":
                     seen.add(json.loads(line[5:])["choices"][0]["index"])
-                    if seen == {0, 1, 2}:
+                    if seen == {0, 1, 2}:  # checked here: leaving the loop may close the stream at once
+                        assert cluster.on_loop(lambda: cluster.router.servicer.running) == 3
+                        assert cluster.on_loop(lambda: cluster.decode.runtime.pool.blocks.num_free) < total
                         break
-            assert cluster.on_loop(lambda: cluster.router.servicer.running) == 3
-            assert cluster.on_loop(lambda: cluster.decode.runtime.pool.blocks.num_free) < total
+            assert seen == {0, 1, 2}
     assert wait_all_free(cluster), "blocks still held after the client went away"
+    deadline = time.time() + 10
+    while router_requests(cluster, "CANCELLED", "cancelled") != cancelled + 3 and time.time() < deadline:
+        time.sleep(0.05)
+    assert router_requests(cluster, "CANCELLED", "cancelled") == cancelled + 3  # all three, none finished
 
 
 def router_requests(cluster, code: str, outcome: str) -> float:
