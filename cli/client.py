@@ -260,6 +260,9 @@ def no_router_hint(exc, router: str, tls: bool = True) -> str:
     if "handshake" in details:  # something answered, but not with a certificate of our CA
         return (f"\nthe TLS handshake with {router} failed: the router there serves a certificate of another CA "
                 f"than --tls-ca (or TANDEM_TLS_CA), or serves plaintext (then leave --tls-ca out)")
+    if "refused" in details:  # nothing listens there: TLS or not is beside the point
+        return (f"\nnothing listens at {router}: start a local cluster with `tandem up`, or pass --router "
+                f"(or TANDEM_ROUTER) with the address of yours")
     if not tls:
         return (f"\nno router answered at {router} in plaintext. If one serves TLS there (`tandem up`'s does, and "
                 f"any router given --tls-cert), pass --tls-ca with its cluster CA (or TANDEM_TLS_CA; `tandem up` "

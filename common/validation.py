@@ -84,10 +84,10 @@ def sampling_from_proto(msg: sampling_pb2.SamplingParams, prompt_tokens: int, co
     temperature = msg.temperature if msg.HasField("temperature") else 0.0
     if not (math.isfinite(temperature) and (temperature == 0.0 or temperature >= MIN_TEMPERATURE)):
         raise InvalidArgument("sampling.temperature",
-                              f"must be 0 (greedy) or a finite number >= {MIN_TEMPERATURE}, got {temperature}")
+                              f"must be 0 (greedy) or a finite number >= {MIN_TEMPERATURE}, got {temperature:.7g}")
     top_p = msg.top_p if msg.HasField("top_p") else 1.0
     if not (0.0 < top_p <= 1.0):
-        raise InvalidArgument("sampling.top_p", f"must be in (0, 1], got {top_p}")
+        raise InvalidArgument("sampling.top_p", f"must be in (0, 1], got {top_p:.7g}")  # (float32: 7 digits)
     if any(s == "" for s in msg.stop):
         raise InvalidArgument("sampling.stop", "stop strings must be non-empty")
     if len(msg.stop) > MAX_STOP_STRINGS:

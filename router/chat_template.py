@@ -10,6 +10,12 @@ read attributes outside the sandbox, and a template error is the request's fault
 A checkpoint without one (tandem-tiny, or a folder without `chat_template`) gets
 DEFAULT_TEMPLATE: one `<role>: <content>` paragraph per message, then `assistant:` when a
 generation prompt is asked for.
+
+A chat reply ends at the end of its turn. Chat models mark it with an end-of-turn token (their
+eos); a model trained on plain text (tandem-shakespeare) has none, and would go on to write the
+other speakers' turns. For those the turn's end is a stop string (`ChatTemplate.turn_end`): the
+checkpoint's `generation_config.json` `stop_strings` (transformers' GenerationConfig field)
+where it has them, and a blank line for DEFAULT_TEMPLATE, whose turns are paragraphs.
 """
 
 from __future__ import annotations
@@ -37,6 +43,10 @@ def _raise_exception(message: str):
     raise TemplateError(message)
 
 
+DEFAULT_TURN_END = ("\n\n",)  # DEFAULT_TEMPLATE's turns are paragraphs
+MAX_TURN_END = 4  # stop strings a checkpoint may give (the request's own share the 16 per request)
+
+
 @dataclass(frozen=True)
 class ChatTemplate:
     """One compiled template with the tokens it may refer to.
@@ -48,6 +58,7 @@ class ChatTemplate:
     source: str
     bos_token: str = ""
     eos_token: str = ""
+    turn_end: tuple[str, ...] = ()  # stop strings that end a chat reply (see the module docstring)
 
     def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         """The prompt for `messages` (each a dict with at least `role` and `content`).
@@ -80,7 +91,8 @@ def _token_text(value) -> str:
     return value if isinstance(value, str) else ""
 
 
-def compile_template(source: str, name: str, bos_token: str = "", eos_token: str = "") -> ChatTemplate:
+def compile_template(source: str, name: str, bos_token: str = "", eos_token: str = "",
+                     turn_end: tuple[str, ...] = ()) -> ChatTemplate:
     """Compile `source`.
 
     Raises:
@@ -90,7 +102,31 @@ def compile_template(source: str, name: str, bos_token: str = "", eos_token: str
         template = _environment().from_string(source)
     except jinja2.TemplateSyntaxError as exc:
         raise ValueError(f"{name}: chat_template is not valid Jinja2: {exc}") from None
-    return ChatTemplate(template, name, bos_token, eos_token)
+    return ChatTemplate(template, name, bos_token, eos_token, turn_end)
+
+
+def load_turn_end(checkpoint_dir: Path | None) -> tuple[str, ...]:
+    """`stop_strings` of checkpoint_dir/generation_config.json (a string or a list of strings), or ().
+
+    Raises:
+        ValueError: the file is not JSON, or stop_strings is not 1 to MAX_TURN_END non-empty
+            strings of at most 256 characters (naming the file).
+    """
+    path = Path(checkpoint_dir) / "generation_config.json" if checkpoint_dir is not None else None
+    if path is None or not path.exists():
+        return ()
+    try:
+        value = json.loads(path.read_text()).get("stop_strings")
+    except (json.JSONDecodeError, AttributeError) as exc:
+        raise ValueError(f"{path}: not a JSON object: {exc}") from None
+    if value is None:
+        return ()
+    stops = [value] if isinstance(value, str) else value
+    if not (isinstance(stops, list) and 1 <= len(stops) <= MAX_TURN_END
+            and all(isinstance(x, str) and 0 < len(x) <= 256 for x in stops)):
+        raise ValueError(f"{path}: stop_strings must be a string or a list of 1 to {MAX_TURN_END} non-empty "
+                         f"strings of at most 256 characters")
+    return tuple(dict.fromkeys(stops))
 
 
 def load_chat_template(checkpoint_dir: Path | None) -> ChatTemplate:
@@ -100,9 +136,10 @@ def load_chat_template(checkpoint_dir: Path | None) -> ChatTemplate:
         ValueError: the file is not JSON, or its chat_template is neither a string nor a list
             of {"name", "template"}, or not valid Jinja2.
     """
+    turn_end = load_turn_end(checkpoint_dir)
     path = Path(checkpoint_dir) / "tokenizer_config.json" if checkpoint_dir is not None else None
     if path is None or not path.exists():
-        return compile_template(DEFAULT_TEMPLATE, "default")
+        return compile_template(DEFAULT_TEMPLATE, "default", turn_end=turn_end or DEFAULT_TURN_END)
     try:
         config = json.loads(path.read_text())
     except json.JSONDecodeError as exc:
@@ -112,8 +149,8 @@ def load_chat_template(checkpoint_dir: Path | None) -> ChatTemplate:
         named = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}
         source = named.get("default")
     if source is None:
-        return compile_template(DEFAULT_TEMPLATE, "default")
+        return compile_template(DEFAULT_TEMPLATE, "default", turn_end=turn_end or DEFAULT_TURN_END)
     if not isinstance(source, str):
         raise ValueError(f"{path}: chat_template must be a string or a list of {{name, template}}")
     return compile_template(source, str(path), _token_text(config.get("bos_token")),
-                            _token_text(config.get("eos_token")))
+                            _token_text(config.get("eos_token")), turn_end)

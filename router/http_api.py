@@ -50,7 +50,8 @@ from router.http_port import HTTP_OFF, validate_port  # noqa: F401 (re-exported)
 from router.api_keys import KeyRefused, KeyRing, current_tenant
 from router.chat_template import ChatTemplate, TemplateError
 from router.openai_protocol import (FINISH_REASONS, ChatCompletionRequest, Choice, CompletionRequest,
-                                    ResponseShape, error_body, param_name, token_logprobs, usage)
+                                    ResponseShape, error_body, in_own_words, param_name, text_offsets,
+                                    token_logprobs, usage)
 
 log = logging.getLogger(__name__)
 HTTP_PARSER = "httptools"  # uvicorn's C parser (llhttp); its pure-Python h11 costs more CPU per request
@@ -303,11 +304,11 @@ class _EventStream(Response):
     def _choice_sink(self, c: Choice, event: Callable[..., Awaitable[None]]) -> Callable[[Any], Awaitable[None]]:
         """What handles the items of choice c's Generation (see Generation)."""
         text_event = TextEvents(self.shape, c.index)
-        first_event, done = True, False
+        first_event, done, chars = True, False, 0  # chars: the choice's text sent so far
         req, shape, api = self.req, self.shape, self.api
 
         async def item(it: Any) -> None:
-            nonlocal first_event, done
+            nonlocal first_event, done, chars
             if self._closed or done:
                 return
             if isinstance(it, Aborted):  # after the 200 went out: the error as one more event, and the end
@@ -325,10 +326,11 @@ class _EventStream(Response):
             if out.text and not (finish or first_event or req.want_logprobs):
                 await event(text_event(out.text), left, False)  # most events: text only
             elif out.text or finish or first_event or req.want_logprobs:
-                lp = api._logprobs(shape.chat, out) if req.want_logprobs else None
+                lp = api._logprobs(shape.chat, out, chars) if req.want_logprobs else None
                 await event(_sse(shape.chunk(out.text, finish, lp, first=first_event, index=c.index)), left,
                             first_event)
                 first_event = False
+            chars += len(out.text)
             if finish:
                 done = True
                 await self._choice_done(c, out.usage, event)
@@ -402,7 +404,8 @@ class OpenAIFrontend:
     def invalid(self, exc: InvalidArgument, req: Any, headers: dict[str, str]) -> JSONResponse:
         param = param_name(exc.field, req)
         message = str(exc).split(": ", 1)[1] if ": " in str(exc) else str(exc)
-        return self.error(400, f"{param}: {message}", "invalid_request_error", param, headers=headers)
+        return self.error(400, f"{param}: {in_own_words(message, param)}", "invalid_request_error", param,
+                          headers=headers)
 
     def aborted(self, exc: Aborted, req: Any, headers: dict[str, str], prompt_index: int | None = None
                 ) -> JSONResponse:
@@ -416,7 +419,7 @@ class OpenAIFrontend:
         field, sep, message = exc.details.partition(": ")
         if exc.code == grpc.StatusCode.INVALID_ARGUMENT and sep and " " not in field:
             param = param_name(field, req, prompt_index)
-            return error_body(f"{param}: {message}", type_, param)
+            return error_body(f"{param}: {in_own_words(message, param)}", type_, param)
         if exc.code == grpc.StatusCode.NOT_FOUND and field == "model":
             return error_body(exc.details, type_, "model", "model_not_found")
         return error_body(exc.details, type_, None, exc.code.name.lower())
@@ -432,8 +435,10 @@ class OpenAIFrontend:
             out.append(text)
         return out
 
-    def _logprobs(self, chat: bool, out: pb.GenerateResponse) -> dict:
-        return token_logprobs(chat, self._tokens_text(list(out.token_ids)), list(out.logprobs))
+    def _logprobs(self, chat: bool, out: pb.GenerateResponse, start: int = 0) -> dict:
+        """The logprobs of one response message whose text starts at character `start` of its choice's."""
+        tokens = self._tokens_text(list(out.token_ids))
+        return token_logprobs(chat, tokens, list(out.logprobs), None if chat else text_offsets(start, tokens))
 
     async def generate(self, request: Request, req: CompletionRequest | ChatCompletionRequest, route: str) -> Response:
         refused = self.authorize(request)  # before anything else: Generation's task inherits the tenant
@@ -445,7 +450,7 @@ class OpenAIFrontend:
         try:
             if chat:
                 prompt = self.template.render(req.template_messages(), add_generation_prompt=True)
-                choices = req.to_generate(request_id, prompt)
+                choices = req.to_generate(request_id, prompt, self.template.turn_end)
             else:
                 choices = req.to_generate(request_id)
         except InvalidArgument as exc:
@@ -493,17 +498,23 @@ class OpenAIFrontend:
                        ) -> tuple[str, str, dict | None, pb.Usage]:
         """One choice's whole answer: (text, finish reason, logprobs, usage)."""
         text: list[str] = []
-        ids: list[int] = []
+        tokens: list[str] = []
+        offsets: list[int] = []
         lps: list[float] = []
+        chars = 0
         while out is not None:
             text.append(out.text)
-            ids.extend(out.token_ids)
-            lps.extend(out.logprobs)
+            if req.want_logprobs:
+                mine = self._tokens_text(list(out.token_ids))
+                tokens.extend(mine)
+                offsets.extend(text_offsets(chars, mine))
+                lps.extend(out.logprobs)
+            chars += len(out.text)
             if out.finish_reason:
                 break
             out = await gen.next()
         assert out is not None and out.finish_reason, "Generate ended without a finish reason"
-        logprobs = token_logprobs(shape.chat, self._tokens_text(ids), lps) if req.want_logprobs else None
+        logprobs = token_logprobs(shape.chat, tokens, lps, offsets) if req.want_logprobs else None
         return "".join(text), FINISH_REASONS[out.finish_reason], logprobs, out.usage
 
     # -- the rest ----------------------------------------------------------------------------

@@ -26,7 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from common.pb.tandem.v1 import frontend_pb2 as pb
 from common.pb.tandem.v1 import sampling_pb2
-from common.validation import MAX_REQUEST_ID_CHARS, InvalidArgument
+from common.validation import MAX_REQUEST_ID_CHARS, MAX_STOP_STRINGS, InvalidArgument
 
 INT32_MIN, INT32_MAX = -2 ** 31, 2 ** 31 - 1  # the gRPC request's int32 fields
 MAX_CHOICES = 128  # choices per request (n × prompts), each a Generate of its own; OpenAI's own limit of n
@@ -91,8 +91,10 @@ class _Common(BaseModel):
         if self.stream_options is not None and not self.stream:
             raise InvalidArgument("stream_options", "only allowed with stream: true")
 
-    def _sampling(self, max_tokens: int | None, j: int = 0) -> sampling_pb2.SamplingParams:
-        """The sampling parameters of choice j of a prompt (its seed: seed + j)."""
+    def _sampling(self, max_tokens: int | None, j: int = 0, turn_end: Sequence[str] = ()
+                  ) -> sampling_pb2.SamplingParams:
+        """The sampling parameters of choice j of a prompt (its seed: seed + j); turn_end: stop
+        strings added to the request's own (a chat reply's end of turn)."""
         s = sampling_pb2.SamplingParams(ignore_eos=self.ignore_eos)
         if max_tokens is not None:
             if not INT32_MIN <= max_tokens <= INT32_MAX:  # the proto's int32 would raise (a 500)
@@ -106,8 +108,12 @@ class _Common(BaseModel):
             if not 0 <= self.seed < 2 ** 64:
                 raise InvalidArgument("seed", f"must be in [0, 2^64), got {self.seed}")
             s.seed = (self.seed + j) % 2 ** 64
-        if self.stop is not None:
-            s.stop.extend([self.stop] if isinstance(self.stop, str) else self.stop)
+        stops = [] if self.stop is None else [self.stop] if isinstance(self.stop, str) else list(self.stop)
+        extra = [t for t in turn_end if t not in stops]
+        if extra and len(stops) + len(extra) > MAX_STOP_STRINGS:
+            raise InvalidArgument("stop", f"{len(stops)} stop strings; at most {MAX_STOP_STRINGS - len(extra)} "
+                                  f"here (a chat reply also stops at the model's end of turn, {extra!r})")
+        s.stop.extend(stops + extra)
         return s
 
     @property
@@ -221,8 +227,9 @@ class ChatCompletionRequest(_Common):
             out.append(msg)
         return out
 
-    def to_generate(self, request_id: str, prompt: str) -> list[Choice]:
-        """n Choices of the rendered `prompt`. Raises InvalidArgument naming the parameter."""
+    def to_generate(self, request_id: str, prompt: str, turn_end: Sequence[str] = ()) -> list[Choice]:
+        """n Choices of the rendered `prompt`, each also stopping at `turn_end` (the model's end of
+        a chat turn: router/chat_template.py). Raises InvalidArgument naming the parameter."""
         self._refuse_unsupported()
         if self.tools:
             raise InvalidArgument("tools", "tool calls are not supported")
@@ -236,7 +243,7 @@ class ChatCompletionRequest(_Common):
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         return [Choice(j, None, pb.GenerateRequest(request_id=choice_request_id(request_id, j, self.n),
                                                    model=self.model or "", text=prompt,
-                                                   sampling=self._sampling(max_tokens, j)))
+                                                   sampling=self._sampling(max_tokens, j, turn_end)))
                 for j in range(self.n)]
 
 
@@ -254,6 +261,12 @@ def param_name(field: str, request: _Common, prompt_index: int | None = None) ->
     return field.removeprefix("sampling.")
 
 
+def in_own_words(message: str, param: str) -> str:
+    """A router message about `param` in the words the client used: the gRPC side says max_tokens
+    where a chat request set max_completion_tokens."""
+    return message.replace("max_tokens (", "max_completion_tokens (") if param == "max_completion_tokens" else message
+
+
 def error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> dict:
     """OpenAI's error object."""
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
@@ -269,13 +282,27 @@ def usage(parts: Sequence[pb.Usage], n: int = 1) -> dict:
             "prompt_tokens_details": {"cached_tokens": sum(u.cached_tokens for u in parts[::n])}}
 
 
-def token_logprobs(chat: bool, tokens: list[str], logprobs: list[float]) -> dict:
+def token_logprobs(chat: bool, tokens: list[str], logprobs: list[float], offsets: list[int] | None = None) -> dict:
     """The `logprobs` of one choice (or one chunk's delta): chat's `content` list, or the
-    completions API's parallel arrays."""
+    completions API's parallel arrays, whose `text_offset` is `offsets` (each token's character
+    offset in the choice's text: `text_offsets`)."""
     if chat:
         return {"content": [{"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
                             for t, lp in zip(tokens, logprobs)]}
-    return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": None, "text_offset": []}
+    return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": None, "text_offset": offsets or []}
+
+
+def text_offsets(start: int, tokens: list[str]) -> list[int]:
+    """Character offsets of a response message's tokens in the choice's text: the message's
+    text starts at `start` (the characters of the messages before it), and each token after the
+    ones before it in the message. (A token's own text is decoded alone, so where a character's
+    bytes span two tokens the offsets inside one message are approximate; each message's first
+    is exact.)"""
+    out, at = [], start
+    for t in tokens:
+        out.append(at)
+        at += len(t)
+    return out
 
 
 class ResponseShape:

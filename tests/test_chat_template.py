@@ -30,8 +30,29 @@ def test_shakespeare_template_equals_transformers(add_generation_prompt):
 
 
 def test_shakespeare_template_refuses_other_roles():
-    with pytest.raises(TemplateError, match="role must be system, user or assistant"):
+    with pytest.raises(TemplateError, match=r"role must be system \(or developer\), user or assistant"):
         load_chat_template(SHIPPED[SHAKESPEARE]).render([{"role": "tool", "content": "x"}])
+    # newer OpenAI clients send a system prompt as "developer": a stage direction too
+    t = load_chat_template(SHIPPED[SHAKESPEARE])
+    assert t.render([{"role": "developer", "content": "Verona."}, {"role": "user", "content": "Hi"}]) == \
+        t.render([{"role": "system", "content": "Verona."}, {"role": "user", "content": "Hi"}])
+
+
+def test_a_chat_turn_ends_where_the_model_says(tmp_path):
+    # tandem-shakespeare has no end-of-turn token: its generation_config.json ends a reply at a blank line
+    assert load_chat_template(SHIPPED[SHAKESPEARE]).turn_end == ("\n\n",)
+    assert load_chat_template(None).turn_end == ("\n\n",)  # the default template's turns are paragraphs
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{{ messages[0]['content'] }}"}))
+    assert load_chat_template(tmp_path).turn_end == ()  # a chat model's template: its eos ends the turn
+    (tmp_path / "generation_config.json").write_text(json.dumps({"stop_strings": "<end>"}))
+    assert load_chat_template(tmp_path).turn_end == ("<end>",)
+    for bad in ([], [""], ["a"] * 5, [1], {"x": 1}):
+        (tmp_path / "generation_config.json").write_text(json.dumps({"stop_strings": bad}))
+        with pytest.raises(ValueError, match="generation_config.json: stop_strings must be"):
+            load_chat_template(tmp_path)
+    (tmp_path / "generation_config.json").write_text("[1]")
+    with pytest.raises(ValueError, match="generation_config.json: not a JSON object"):
+        load_chat_template(tmp_path)
 
 
 def test_default_template_for_a_model_without_one(tmp_path):

@@ -167,6 +167,7 @@ def test_generate_without_a_router_suggests_tandem_up():
         port = s.getsockname()[1]  # nothing listens here once closed
     r = tandem("generate", "hello", "--router", f"127.0.0.1:{port}")
     assert r.returncode == 1 and "UNAVAILABLE" in r.stderr and "`tandem up`" in r.stderr, r.stderr
+    assert f"nothing listens at 127.0.0.1:{port}" in r.stderr and "--tls-ca" not in r.stderr, r.stderr
 
 
 @pytest.mark.parametrize("tool, args", [("train_small.py", ["--out", "OUT"]),

@@ -92,6 +92,11 @@ def test_completions_equal_grpc(client, stub, stream):
                                                 stream=True, stream_options={"include_usage": True}))
         got = "".join(c.choices[0].text for c in chunks if c.choices)
         got_lps = [lp for c in chunks if c.choices and c.choices[0].logprobs for lp in c.choices[0].logprobs.token_logprobs]
+        before = 0  # each chunk's first token sits where the text before it ends
+        for c in chunks[:-1]:
+            if c.choices[0].logprobs and c.choices[0].logprobs.tokens:
+                assert c.choices[0].logprobs.text_offset[0] == before
+            before += len(c.choices[0].text)
         assert chunks[-1].choices == [] and chunks[-1].usage is not None
         assert [c.choices[0].finish_reason for c in chunks[:-1]][-1] == "length"
         got_usage = chunks[-1].usage
@@ -100,6 +105,8 @@ def test_completions_equal_grpc(client, stub, stream):
         got, got_lps, got_usage = r.choices[0].text, r.choices[0].logprobs.token_logprobs, r.usage
         assert r.object == "text_completion" and r.choices[0].finish_reason == "length"
         assert len(r.choices[0].logprobs.tokens) == 12
+        offsets = r.choices[0].logprobs.text_offset  # one per token, from 0, in order
+        assert len(offsets) == 12 and offsets[0] == 0 and offsets == sorted(offsets)
     assert got == text
     assert got_lps == pytest.approx(logprobs, abs=1e-6) and len(got_lps) == 12
     # The same prompt again: the prefix cache answers part of it, on both paths alike.
@@ -118,22 +125,25 @@ def test_text_prompt_and_usage_equal_grpc(client, stub):
 @pytest.mark.parametrize("stream", [False, True])
 def test_chat_equals_grpc_on_the_templated_prompt(client, stub, stream):
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Tell me about Hawaii"}]
-    prompt = load_chat_template(None).render(messages)  # tandem-tiny has no template: the default
-    text, logprobs, usage, _ = grpc_run(stub, text=prompt, sampling=sampling_pb2.SamplingParams(max_tokens=10))
+    template = load_chat_template(None)  # tandem-tiny has no template: the default, whose turn ends at a blank line
+    prompt = template.render(messages)
+    text, logprobs, usage, _ = grpc_run(stub, text=prompt, sampling=sampling_pb2.SamplingParams(
+        max_tokens=10, stop=list(template.turn_end)))
     if stream:
         chunks = list(client.chat.completions.create(model="tandem-tiny", messages=messages, max_completion_tokens=10,
                                                      stream=True, stream_options={"include_usage": True}))
         assert chunks[0].choices[0].delta.role == "assistant"
         got = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-        assert chunks[-1].usage.completion_tokens == 10 and chunks[-1].usage.prompt_tokens == usage.prompt_tokens
+        assert chunks[-1].usage.completion_tokens == usage.completion_tokens
+        assert chunks[-1].usage.prompt_tokens == usage.prompt_tokens
     else:
         r = client.chat.completions.create(model="tandem-tiny", messages=messages, max_completion_tokens=10,
                                            logprobs=True)
         got = r.choices[0].message.content
         assert r.object == "chat.completion" and r.choices[0].message.role == "assistant"
         assert [c.logprob for c in r.choices[0].logprobs.content] == pytest.approx(logprobs, abs=1e-6)
-        assert len(r.choices[0].logprobs.content) == 10
-        assert r.usage.prompt_tokens == usage.prompt_tokens and r.usage.completion_tokens == 10
+        assert len(r.choices[0].logprobs.content) == usage.completion_tokens
+        assert r.usage.prompt_tokens == usage.prompt_tokens and r.usage.completion_tokens == usage.completion_tokens
     assert got == text
 
 
@@ -195,6 +205,8 @@ def test_completions_bad_parameter_is_400_naming_it(client, kw, param):
     ({"messages": []}, "messages"),
     ({"messages": [{"content": "no role"}]}, "messages[0].role"),
     ({"max_completion_tokens": 0}, "max_completion_tokens"),
+    ({"max_completion_tokens": 100000}, "max_completion_tokens"),
+    ({"temperature": 0.0001}, "temperature"),
     ({"top_logprobs": 2, "logprobs": True}, "top_logprobs"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],},
      "messages[0].content"),
@@ -204,6 +216,12 @@ def test_chat_bad_parameter_is_400_naming_it(client, kw, param):
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(**args)
     assert e.value.status_code == 400 and e.value.body["param"] == param, e.value.body
+    message = e.value.body["message"]
+    assert "max_tokens (" not in message and "e-05" not in message, message  # the client's words; no float32 tail
+    if "max_completion_tokens" in kw and kw["max_completion_tokens"] > 1:
+        assert "+ max_completion_tokens (100000) exceeds" in message, message
+    if "temperature" in kw:
+        assert message.endswith("got 0.0001"), message
 
 
 def test_unknown_model_is_404(client):

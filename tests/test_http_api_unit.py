@@ -370,3 +370,17 @@ def test_choices_of_a_batch_with_n_their_ids_seeds_and_order():
              for p, k, c in [(2, 5, 0), (2, 4, 2), (7, 3, 1), (7, 1, 7)]]
     assert usage(parts, 2) == {"prompt_tokens": 9, "completion_tokens": 13, "total_tokens": 22,
                                "prompt_tokens_details": {"cached_tokens": 1}}
+
+
+def test_a_chat_reply_also_stops_at_the_models_end_of_turn():
+    from common.validation import InvalidArgument
+    msgs = [{"role": "user", "content": "hi"}]
+    stops = lambda **kw: list(ChatCompletionRequest(messages=msgs, **kw).to_generate("c", "p", ("\n\n",))[0]
+                              .request.sampling.stop)
+    assert stops() == ["\n\n"] and stops(stop="x") == ["x", "\n\n"] and stops(stop=["\n\n", "y"]) == ["\n\n", "y"]
+    assert stops(stop=["s"] * 15) == ["s"] * 15 + ["\n\n"]
+    with pytest.raises(InvalidArgument, match="16 stop strings; at most 15 here") as exc:
+        stops(stop=[str(i) for i in range(16)])
+    assert exc.value.field == "stop"
+    # a completion has no turns: only its own stop strings
+    assert list(CompletionRequest(prompt="p", stop="x").to_generate("r")[0].request.sampling.stop) == ["x"]
