@@ -31,9 +31,12 @@ $(STAMP): pyproject.toml
 	 fi
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	@if command -v nvidia-smi >/dev/null 2>&1; then $(PY) -m pip install -q "torch>=2.6"; \
-	 else $(PY) -m pip install -q torch==2.13.0 $(TORCH_INDEX); fi
-	$(PY) -m pip install -q -e ".[dev,nixl]"
+	@if command -v nvidia-smi >/dev/null 2>&1; then echo "installing torch (CUDA build: a few GB, minutes)"; \
+	  $(PY) -m pip install -q "torch>=2.6"; \
+	 else echo "installing torch 2.13.0 (CPU build: about 200 MB, a minute or two)"; \
+	  $(PY) -m pip install -q torch==2.13.0 $(TORCH_INDEX); fi
+	@echo "installing tandem and its test tools (pip install -e '.[dev,nixl]': a minute or two)"
+	@$(PY) -m pip install -q -e ".[dev,nixl]"
 	@touch $(STAMP)
 
 # Regenerate common/pb from proto/ (tests/test_proto_fresh.py fails when it is stale).
