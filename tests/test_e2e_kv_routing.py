@@ -81,7 +81,7 @@ def test_explain_shows_every_candidate_with_overlap_and_cost(fleet):
     assert {c.role for c in resp.candidates} == {"prefill", "decode"} and len(resp.candidates) == 4
     chosen = [c for c in resp.candidates if c.chosen]
     assert len(chosen) == 2 and all(c.cost == min(x.cost for x in resp.candidates if x.role == c.role) for c in chosen)
-    assert "overlap" in resp.text
+    assert "overlap" in resp.text and "cost in active decode blocks (docs/routing.md)" in resp.text
 
 
 def test_two_router_replicas_converge(fleet):
