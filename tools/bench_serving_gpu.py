@@ -201,9 +201,9 @@ def _decode_figures(before: dict[str, float], after: dict[str, float]) -> dict[s
             "decode_device_ms_per_step": 1e3 * d["device_busy_seconds"] / d["steps"],
             "decode_host_wait_ms_per_step": 1e3 * d["device_wait_seconds"] / d["steps"],
             # the device's gaps between steps, waiting for the host (CUDA events), per step: every
-            # collected step but one after an idle loop adds its gap (those inside a launch ~0), so
-            # the divisor is every step, as for the device time (busy_steps, the cadence's divisor,
-            # counts fewer where launches hold several steps)
+            # collected step but the first after an idle loop adds its gap (those inside a launch
+            # ~0), so the divisor is every step, as for the device time (busy_steps, the cadence's
+            # divisor, leaves out the last launch's steps before each idle period)
             "decode_device_idle_ms_per_step": 1e3 * d["device_idle_seconds"] / d["steps"],
             # the time per token as a stream sees it, from the worker's side (compare the clients' TPOT)
             "decode_row_weighted_ms": 1e3 * d["row_seconds"] / d["busy_step_rows"] if d["busy_step_rows"] else None}
