@@ -105,26 +105,27 @@ def compile_template(source: str, name: str, bos_token: str = "", eos_token: str
     return ChatTemplate(template, name, bos_token, eos_token, turn_end)
 
 
-def load_turn_end(checkpoint_dir: Path | None) -> tuple[str, ...]:
-    """`stop_strings` of checkpoint_dir/generation_config.json (a string or a list of strings), or ().
+def load_turn_end(checkpoint_dir: Path | None) -> tuple[str, ...] | None:
+    """`stop_strings` of checkpoint_dir/generation_config.json (a string or a list of strings; an
+    empty list: none), or None where neither the file nor the field is there.
 
     Raises:
-        ValueError: the file is not JSON, or stop_strings is not 1 to MAX_TURN_END non-empty
+        ValueError: the file is not UTF-8 JSON, or stop_strings is not 0 to MAX_TURN_END non-empty
             strings of at most 256 characters (naming the file).
     """
     path = Path(checkpoint_dir) / "generation_config.json" if checkpoint_dir is not None else None
     if path is None or not path.exists():
-        return ()
+        return None
     try:
-        value = json.loads(path.read_text()).get("stop_strings")
-    except (json.JSONDecodeError, AttributeError) as exc:
-        raise ValueError(f"{path}: not a JSON object: {exc}") from None
+        value = json.loads(path.read_text(encoding="utf-8-sig")).get("stop_strings")  # (a BOM is allowed)
+    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as exc:
+        raise ValueError(f"{path}: not a JSON object in UTF-8: {exc}") from None
     if value is None:
-        return ()
+        return None
     stops = [value] if isinstance(value, str) else value
-    if not (isinstance(stops, list) and 1 <= len(stops) <= MAX_TURN_END
+    if not (isinstance(stops, list) and len(stops) <= MAX_TURN_END
             and all(isinstance(x, str) and 0 < len(x) <= 256 for x in stops)):
-        raise ValueError(f"{path}: stop_strings must be a string or a list of 1 to {MAX_TURN_END} non-empty "
+        raise ValueError(f"{path}: stop_strings must be a string or a list of at most {MAX_TURN_END} non-empty "
                          f"strings of at most 256 characters")
     return tuple(dict.fromkeys(stops))
 
@@ -139,7 +140,7 @@ def load_chat_template(checkpoint_dir: Path | None) -> ChatTemplate:
     turn_end = load_turn_end(checkpoint_dir)
     path = Path(checkpoint_dir) / "tokenizer_config.json" if checkpoint_dir is not None else None
     if path is None or not path.exists():
-        return compile_template(DEFAULT_TEMPLATE, "default", turn_end=turn_end or DEFAULT_TURN_END)
+        return compile_template(DEFAULT_TEMPLATE, "default", turn_end=DEFAULT_TURN_END if turn_end is None else turn_end)
     try:
         config = json.loads(path.read_text())
     except json.JSONDecodeError as exc:
@@ -149,8 +150,8 @@ def load_chat_template(checkpoint_dir: Path | None) -> ChatTemplate:
         named = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}
         source = named.get("default")
     if source is None:
-        return compile_template(DEFAULT_TEMPLATE, "default", turn_end=turn_end or DEFAULT_TURN_END)
+        return compile_template(DEFAULT_TEMPLATE, "default", turn_end=DEFAULT_TURN_END if turn_end is None else turn_end)
     if not isinstance(source, str):
         raise ValueError(f"{path}: chat_template must be a string or a list of {{name, template}}")
     return compile_template(source, str(path), _token_text(config.get("bos_token")),
-                            _token_text(config.get("eos_token")), turn_end)
+                            _token_text(config.get("eos_token")), turn_end or ())

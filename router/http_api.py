@@ -212,6 +212,31 @@ async def _first(gen: Generation) -> pb.GenerateResponse | None | Aborted | Clie
         return exc
 
 
+async def _firsts(gens: list[Generation]
+                  ) -> tuple[list[pb.GenerateResponse | None], tuple[int, Aborted | ClientGone] | None]:
+    """(every Generation's first response in order, None), or, as soon as one of them fails,
+    ([], (its index, its error)) without waiting for the others' first tokens (a choice queued
+    behind its own request's others would otherwise hold the error back until they finish)."""
+    if len(gens) == 1:  # the usual request: no task
+        first = await _first(gens[0])
+        return ([], (0, first)) if isinstance(first, (Aborted, ClientGone)) else ([first], None)
+    tasks = {asyncio.ensure_future(_first(g)): i for i, g in enumerate(gens)}
+    firsts: list[pb.GenerateResponse | None] = [None] * len(gens)
+    pending = set(tasks)
+    try:
+        while pending:
+            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            failed = [(tasks[t], t.result()) for t in done if isinstance(t.result(), (Aborted, ClientGone))]
+            if failed:
+                return [], min(failed, key=lambda f: f[0])
+            for t in done:
+                firsts[tasks[t]] = t.result()
+        return firsts, None
+    finally:
+        for t in pending:
+            t.cancel()
+
+
 class ConnectionWatch:
     """A request's one disconnect watch: cancels every Generation of the request once ASGI
     `receive` says the client disconnected, or once `transport` (the connection, when the
@@ -304,16 +329,19 @@ class _EventStream(Response):
     def _choice_sink(self, c: Choice, event: Callable[..., Awaitable[None]]) -> Callable[[Any], Awaitable[None]]:
         """What handles the items of choice c's Generation (see Generation)."""
         text_event = TextEvents(self.shape, c.index)
-        first_event, done, chars = True, False, 0  # chars: the choice's text sent so far
+        first_event, done, token_chars = True, False, 0  # token_chars: the choice's tokens' texts so far
         req, shape, api = self.req, self.shape, self.api
 
         async def item(it: Any) -> None:
-            nonlocal first_event, done, chars
+            nonlocal first_event, done, token_chars
             if self._closed or done:
                 return
             if isinstance(it, Aborted):  # after the 200 went out: the error as one more event, and the end
                 self._closed = True
-                await event(_sse(api.aborted_body(it, req, c.prompt_index)))
+                body = api.aborted_body(it, req, c.prompt_index)
+                if len(self.choices) > 1:  # which one (OpenAI's error object has no index of its own)
+                    body["error"]["message"] = f"choice {c.index}: {body['error']['message']}"
+                await event(_sse(body))
                 await event(DONE)
                 self.watch.cancel()  # the other choices
                 return
@@ -326,11 +354,12 @@ class _EventStream(Response):
             if out.text and not (finish or first_event or req.want_logprobs):
                 await event(text_event(out.text), left, False)  # most events: text only
             elif out.text or finish or first_event or req.want_logprobs:
-                lp = api._logprobs(shape.chat, out, chars) if req.want_logprobs else None
+                lp = None
+                if req.want_logprobs:
+                    lp, token_chars = api._logprobs(shape.chat, out, token_chars)
                 await event(_sse(shape.chunk(out.text, finish, lp, first=first_event, index=c.index)), left,
                             first_event)
                 first_event = False
-            chars += len(out.text)
             if finish:
                 done = True
                 await self._choice_done(c, out.usage, event)
@@ -435,10 +464,12 @@ class OpenAIFrontend:
             out.append(text)
         return out
 
-    def _logprobs(self, chat: bool, out: pb.GenerateResponse, start: int = 0) -> dict:
-        """The logprobs of one response message whose text starts at character `start` of its choice's."""
+    def _logprobs(self, chat: bool, out: pb.GenerateResponse, start: int = 0) -> tuple[dict, int]:
+        """The logprobs of one response message whose first token's text starts at character
+        `start` of its choice's tokens' texts (`text_offsets`), and where the next message's starts."""
         tokens = self._tokens_text(list(out.token_ids))
-        return token_logprobs(chat, tokens, list(out.logprobs), None if chat else text_offsets(start, tokens))
+        offsets = None if chat else text_offsets(start, tokens)
+        return token_logprobs(chat, tokens, list(out.logprobs), offsets), start + sum(map(len, tokens))
 
     async def generate(self, request: Request, req: CompletionRequest | ChatCompletionRequest, route: str) -> Response:
         refused = self.authorize(request)  # before anything else: Generation's task inherits the tenant
@@ -462,22 +493,17 @@ class OpenAIFrontend:
         # uvicorn's send is its request cycle's bound method; the cycle holds the connection
         cycle = getattr(request.scope.get("tandem.send"), "__self__", None)
         watch = ConnectionWatch(gens, request.receive, getattr(cycle, "transport", None))
-        try:  # errors before every choice's first response: a status (the first choice's at fault)
-            firsts = ([await _first(gens[0])] if len(gens) == 1  # (no task of gather's for the usual request)
-                      else await asyncio.gather(*(_first(g) for g in gens)))
+        try:  # an error before every choice's first response: a status, at once
+            firsts, failed = await _firsts(gens)
         except BaseException:
             watch.cancel()
             raise
-        for c, first in zip(choices, firsts):
-            if isinstance(first, Aborted):
-                watch.cancel()  # the other choices
-                return self.aborted(first, req, headers, c.prompt_index)
-        if any(isinstance(first, BaseException) for first in firsts):
-            watch.cancel()
-            gone = next(f for f in firsts if isinstance(f, BaseException))
-            if isinstance(gone, ClientGone):  # e.g. during a long prefill: cancelled, as a disconnect mid-stream is
+        if failed is not None:
+            watch.cancel()  # the other choices
+            index, exc = failed
+            if isinstance(exc, ClientGone):  # e.g. during a long prefill: cancelled, as a disconnect mid-stream is
                 return Response(status_code=499)
-            raise gone
+            return self.aborted(exc, req, headers, choices[index].prompt_index)
         self.timings.before_s.append(gens[0].started - request.scope.get("tandem.arrived", gens[0].started))
         shape = ResponseShape(chat, request_id, self.servicer.workers.model)
         if req.stream:
@@ -498,23 +524,20 @@ class OpenAIFrontend:
                        ) -> tuple[str, str, dict | None, pb.Usage]:
         """One choice's whole answer: (text, finish reason, logprobs, usage)."""
         text: list[str] = []
-        tokens: list[str] = []
-        offsets: list[int] = []
+        ids: list[int] = []
         lps: list[float] = []
-        chars = 0
         while out is not None:
             text.append(out.text)
-            if req.want_logprobs:
-                mine = self._tokens_text(list(out.token_ids))
-                tokens.extend(mine)
-                offsets.extend(text_offsets(chars, mine))
-                lps.extend(out.logprobs)
-            chars += len(out.text)
+            ids.extend(out.token_ids)
+            lps.extend(out.logprobs)
             if out.finish_reason:
                 break
             out = await gen.next()
         assert out is not None and out.finish_reason, "Generate ended without a finish reason"
-        logprobs = token_logprobs(shape.chat, tokens, lps, offsets) if req.want_logprobs else None
+        logprobs = None
+        if req.want_logprobs:
+            tokens = self._tokens_text(ids)
+            logprobs = token_logprobs(shape.chat, tokens, lps, None if shape.chat else text_offsets(0, tokens))
         return "".join(text), FINISH_REASONS[out.finish_reason], logprobs, out.usage
 
     # -- the rest ----------------------------------------------------------------------------

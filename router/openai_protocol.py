@@ -153,7 +153,7 @@ class CompletionRequest(_Common):
         prompts = self.prompts()
         total = len(prompts) * self.n
         if total > MAX_CHOICES:
-            raise InvalidArgument("prompt" if len(prompts) > 1 else "n", f"{len(prompts)} prompts × n = {self.n} "
+            raise InvalidArgument("n" if self.n > 1 else "prompt", f"{len(prompts)} prompts × n = {self.n} "
                                   f"is {total} choices; at most {MAX_CHOICES} per request")
         batch = len(prompts) > 1
         out = []
@@ -293,11 +293,10 @@ def token_logprobs(chat: bool, tokens: list[str], logprobs: list[float], offsets
 
 
 def text_offsets(start: int, tokens: list[str]) -> list[int]:
-    """Character offsets of a response message's tokens in the choice's text: the message's
-    text starts at `start` (the characters of the messages before it), and each token after the
-    ones before it in the message. (A token's own text is decoded alone, so where a character's
-    bytes span two tokens the offsets inside one message are approximate; each message's first
-    is exact.)"""
+    """`text_offset` of tokens whose texts follow `start` characters of the choice's earlier
+    tokens' texts: each token's offset in the concatenation of its choice's token texts (each
+    token decoded alone). That concatenation is the choice's text except where a stop string
+    cut it or a character's bytes span two tokens."""
     out, at = [], start
     for t in tokens:
         out.append(at)

@@ -46,13 +46,20 @@ def test_a_chat_turn_ends_where_the_model_says(tmp_path):
     assert load_chat_template(tmp_path).turn_end == ()  # a chat model's template: its eos ends the turn
     (tmp_path / "generation_config.json").write_text(json.dumps({"stop_strings": "<end>"}))
     assert load_chat_template(tmp_path).turn_end == ("<end>",)
-    for bad in ([], [""], ["a"] * 5, [1], {"x": 1}):
+    (tmp_path / "generation_config.json").write_bytes(b"\xef\xbb\xbf" + json.dumps({"stop_strings": ["<e>"]}).encode())
+    assert load_chat_template(tmp_path).turn_end == ("<e>",)  # a BOM is fine
+    (tmp_path / "generation_config.json").write_text(json.dumps({"stop_strings": []}))
+    assert load_chat_template(tmp_path).turn_end == ()  # explicitly none
+    (tmp_path / "tokenizer_config.json").unlink()
+    assert load_chat_template(tmp_path).turn_end == ()  # the default template too, when the file says none
+    for bad in ([""], ["a"] * 5, [1], {"x": 1}):
         (tmp_path / "generation_config.json").write_text(json.dumps({"stop_strings": bad}))
         with pytest.raises(ValueError, match="generation_config.json: stop_strings must be"):
             load_chat_template(tmp_path)
-    (tmp_path / "generation_config.json").write_text("[1]")
-    with pytest.raises(ValueError, match="generation_config.json: not a JSON object"):
-        load_chat_template(tmp_path)
+    for raw in (b"[1]", b"\xff\xfe{}"):
+        (tmp_path / "generation_config.json").write_bytes(raw)
+        with pytest.raises(ValueError, match="generation_config.json: not a JSON object in UTF-8"):
+            load_chat_template(tmp_path)
 
 
 def test_default_template_for_a_model_without_one(tmp_path):

@@ -83,6 +83,24 @@ def wait_all_free(cluster, timeout=10.0) -> bool:
     return True
 
 
+def assert_offsets(tokens: list[str], offsets: list[int]) -> None:
+    """text_offset: each token's offset in its choice's token texts, one per token."""
+    assert offsets == [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))] and len(tokens) > 1
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_text_offsets_with_a_stop_string_that_holds_text_back(client, stream):
+    # the stop-string matcher holds the last len(stop) - 1 characters back, so a message's text
+    # does not start at its first token: the offsets count the tokens' texts, not the messages'
+    kw = dict(model="tandem-tiny", prompt=prompt_ids(30, offset=7), max_tokens=20, logprobs=0, stop="qqqqqqqqqq")
+    if stream:
+        lps = [c.choices[0].logprobs for c in client.completions.create(stream=True, **kw) if c.choices[0].logprobs]
+        assert_offsets([t for lp in lps for t in lp.tokens], [o for lp in lps for o in lp.text_offset])
+    else:
+        lp = client.completions.create(**kw).choices[0].logprobs
+        assert_offsets(lp.tokens, lp.text_offset)
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_completions_equal_grpc(client, stub, stream):
     ids = prompt_ids(40, offset=3 + stream)
@@ -92,11 +110,8 @@ def test_completions_equal_grpc(client, stub, stream):
                                                 stream=True, stream_options={"include_usage": True}))
         got = "".join(c.choices[0].text for c in chunks if c.choices)
         got_lps = [lp for c in chunks if c.choices and c.choices[0].logprobs for lp in c.choices[0].logprobs.token_logprobs]
-        before = 0  # each chunk's first token sits where the text before it ends
-        for c in chunks[:-1]:
-            if c.choices[0].logprobs and c.choices[0].logprobs.tokens:
-                assert c.choices[0].logprobs.text_offset[0] == before
-            before += len(c.choices[0].text)
+        lps = [c.choices[0].logprobs for c in chunks if c.choices and c.choices[0].logprobs]
+        assert_offsets([t for lp in lps for t in lp.tokens], [o for lp in lps for o in lp.text_offset])
         assert chunks[-1].choices == [] and chunks[-1].usage is not None
         assert [c.choices[0].finish_reason for c in chunks[:-1]][-1] == "length"
         got_usage = chunks[-1].usage
@@ -105,8 +120,7 @@ def test_completions_equal_grpc(client, stub, stream):
         got, got_lps, got_usage = r.choices[0].text, r.choices[0].logprobs.token_logprobs, r.usage
         assert r.object == "text_completion" and r.choices[0].finish_reason == "length"
         assert len(r.choices[0].logprobs.tokens) == 12
-        offsets = r.choices[0].logprobs.text_offset  # one per token, from 0, in order
-        assert len(offsets) == 12 and offsets[0] == 0 and offsets == sorted(offsets)
+        assert_offsets(r.choices[0].logprobs.tokens, r.choices[0].logprobs.text_offset)
     assert got == text
     assert got_lps == pytest.approx(logprobs, abs=1e-6) and len(got_lps) == 12
     # The same prompt again: the prefix cache answers part of it, on both paths alike.
@@ -180,7 +194,8 @@ def test_seeded_sampling_reproducible_and_equal_grpc(client, stub):
     ({"stop": [""]}, "stop"),
     ({"n": 0}, "n"),
     ({"n": 129}, "n"),
-    ({"prompt": [[1, 2]] * 65, "n": 2}, "prompt"),  # 130 choices
+    ({"prompt": [[1, 2]] * 65, "n": 2}, "n"),  # 130 choices
+    ({"prompt": [[1, 2]] * 129}, "prompt"),
     ({"prompt": [[1, 2], [1, 999999]]}, "prompt[1][1]"),  # the router's vocabulary check, named in the batch
     ({"prompt": [[1, 2], [1, 2 ** 40]]}, "prompt[1][1]"),
     ({"prompt": ["a", ""]}, "prompt[1]"),
@@ -306,6 +321,19 @@ def test_a_choice_refused_by_the_router_refuses_the_request_and_frees_the_others
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model="tandem-tiny", prompt=[prompt_ids(50, offset=2), long], max_tokens=8)
     assert e.value.body["param"] == "prompt[1]", e.value.body
+    assert wait_all_free(cluster)
+
+
+def test_a_refused_choice_answers_at_once_while_the_others_would_queue(client, cluster):
+    """Three long choices (the worker admits two at a time) and a prompt too long for the context:
+    the 400 comes at once, not after the admitted choices generated their 3,000 tokens."""
+    assert wait_all_free(cluster)
+    long = prompt_ids(cluster.router.servicer.context_length + 1, offset=1)
+    started = time.time()
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="tandem-tiny", prompt=[prompt_ids(100, offset=50 + i) for i in range(3)] + [long],
+                                  max_tokens=3000, extra_body={"ignore_eos": True})
+    assert e.value.body["param"] == "prompt[3]" and time.time() - started < 20, e.value.body
     assert wait_all_free(cluster)
 
 
