@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import sys
 import time
 from dataclasses import dataclass, field
 
@@ -74,6 +75,20 @@ def _http_client(http_url: str, connections: int, api_key: str = ""):
                                  headers={"Authorization": f"Bearer {api_key}"} if api_key else None)
 
 
+PROGRESS_EVERY_S = 15.0  # a progress line this often when stderr is not a terminal
+
+
+async def _progress_lines(results: list, t0: float) -> None:
+    """Every PROGRESS_EVERY_S: one line on stderr with the requests done and failed so far."""
+    while True:
+        await asyncio.sleep(PROGRESS_EVERY_S)
+        done = [r for r in results if r is not None]
+        failed = sum(1 for r in done if not r.ok)
+        print(f"tandem bench: {len(done)}/{len(results)} requests done"
+              + (f" ({failed} failed)" if failed else "") + f", {time.perf_counter() - t0:.0f} s",
+              file=sys.stderr, flush=True)
+
+
 async def run_load(router: str, reqs: list[BenchRequest], speedup: float = 1.0, concurrency: int = 0,
                    timeout_s: float = 600.0, progress: bool = True, http_url: str = "",
                    model: str = "", creds=None, api_key: str = "", connections: int = 1
@@ -88,8 +103,10 @@ async def run_load(router: str, reqs: list[BenchRequest], speedup: float = 1.0, 
     replicas sharing one port each take some of the connections)."""
     from tqdm import tqdm
 
-    # disable=None: tqdm turns itself off when stderr is not a terminal (logs stay readable)
+    # disable=None: tqdm turns itself off when stderr is not a terminal (logs stay readable);
+    # there a line every PROGRESS_EVERY_S says how far the run is instead
     bar = tqdm(total=len(reqs), unit="req", disable=None if progress else True, dynamic_ncols=True)
+    lines = progress and not sys.stderr.isatty()
     results: list[RequestResult | None] = [None] * len(reqs)
     from cli.client import bearer_token
     token = bearer_token(api_key) if api_key else ()
@@ -120,7 +137,12 @@ async def run_load(router: str, reqs: list[BenchRequest], speedup: float = 1.0, 
             if not results[i].ok:
                 bar.set_postfix(failed=sum(1 for r in results if r is not None and not r.ok))
 
-        await asyncio.gather(*(fire(i, r) for i, r in enumerate(reqs)))
+        ticker = asyncio.create_task(_progress_lines(results, t0)) if lines else None
+        try:
+            await asyncio.gather(*(fire(i, r) for i, r in enumerate(reqs)))
+        finally:
+            if ticker is not None:
+                ticker.cancel()
         wall = time.perf_counter() - t0
     bar.close()
     return [r for r in results if r is not None], wall

@@ -452,6 +452,22 @@ def test_bench_backend_openai_equals_grpc(cluster):
         assert sum(n for _, n in h.chunks) == 6 and h.ttft_s is not None and h.ttft_s <= h.end_s - h.start_s
 
 
+def test_bench_says_how_far_it_is_when_stderr_is_no_terminal(cluster, monkeypatch, capsys):
+    """Without a terminal tqdm stays silent; a line every PROGRESS_EVERY_S says how far the run is."""
+    import asyncio
+
+    from bench import client
+    from bench.traces import BenchRequest
+
+    monkeypatch.setattr(client, "PROGRESS_EVERY_S", 0.2)
+    reqs = [BenchRequest(index=i, arrival_s=0.3 * i, output_len=4, token_ids=tuple(prompt_ids(20, offset=60 + i)))
+            for i in range(4)]
+    results, _ = asyncio.run(client.run_load(cluster.router.address, reqs, progress=True))
+    assert all(r.ok for r in results)
+    lines = [x for x in capsys.readouterr().err.splitlines() if x.startswith("tandem bench: ")]
+    assert lines and all(re.match(r"tandem bench: \d/4 requests done, \d+ s$", x) for x in lines), lines
+
+
 def test_disconnect_before_the_first_token_frees_every_block(cluster):
     """The client goes away while its long prompt is still being prefilled."""
     import socket
