@@ -84,10 +84,19 @@ def _up(args: argparse.Namespace) -> int:
         raise ValueError(f"--model {MOCK} has a config but no weights: it is served by simulated workers "
                          f"(add --mocker N)")
 
+    log_parent = Path(args.log_dir).expanduser() if args.log_dir else None
+    if log_parent is not None:
+        if log_parent.exists() and not log_parent.is_dir():
+            raise ValueError(f"--log-dir {args.log_dir}: not a folder")
+        log_parent.mkdir(parents=True, exist_ok=True)  # (an OSError names the path)
+
     async def main() -> None:
         # Children inherit the log settings through their TANDEM_* variables.
         os.environ.update(TANDEM_LOG_LEVEL=args.log_level, TANDEM_LOG_FORMAT=args.log_format)
+        import tempfile
+        log_dir = tempfile.mkdtemp(prefix="tandem-up-", dir=log_parent) if log_parent is not None else None
         cluster = LocalCluster(model=args.model, num_prefill=args.prefill, num_decode=args.decode, etcd=args.etcd,
+                               log_dir=log_dir,
                                router_port=args.port,
                                router_args=["--router-mode", args.router_mode] if args.router_mode else [],
                                metrics=args.metrics, num_mocker=args.mocker, http_port=args.http_port,
@@ -99,7 +108,8 @@ def _up(args: argparse.Namespace) -> int:
         # said here, since only a worker's log would show them otherwise
         from common.lifecycle import LAUNCHER_ENV
         inherited = sorted(k for k in os.environ if k.startswith("TANDEM_")
-                           and k not in ("TANDEM_LOG_LEVEL", "TANDEM_LOG_FORMAT", "TANDEM_CONFIG", LAUNCHER_ENV)
+                           and k not in ("TANDEM_LOG_LEVEL", "TANDEM_LOG_FORMAT", "TANDEM_CONFIG", "TANDEM_LOG_DIR",
+                                         LAUNCHER_ENV)
                            and not (args.insecure and k.startswith("TANDEM_TLS_")))  # (spawn drops those)
         if inherited:  # names only: a value may be a secret
             print(f"tandem up: TANDEM_* variables of this shell apply to every process it starts (where it passes "
@@ -328,6 +338,8 @@ def build_parser(command: str | None = None, full: bool = True) -> argparse.Argu
          "admin key, which tandem up uses to see the router ready); empty = an open front")
     _arg(p, "--insecure", False, "no TLS: every process serves and dials gRPC in plaintext, unauthenticated "
          "(default: mutual TLS with a throw-away CA made at start-up)", kind=bool)
+    _arg(p, "--log-dir", "", "folder in which each run makes its own tandem-up-XXXX folder (every process's log, "
+         "the cluster's etcd data and TLS files; kept after the run); empty = the system's temporary folder")
     _arg(p, "--ready-timeout", 120.0, "seconds to wait for every process to be ready before giving up (a "
          "16B-class checkpoint on a GPU loads, captures its graphs and compiles its kernels in a few minutes)")
     _arg(p, "--mps", False, "NVIDIA GPUs only: start a CUDA MPS (Multi-Process Service) control daemon for the "

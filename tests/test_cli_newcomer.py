@@ -211,7 +211,8 @@ def test_taken_grpc_port_is_one_line_naming_the_flag_and_tandem_up_shows_it(etcd
                                         (["--model", "tandem-Shakespeare"], "no such built-in model or folder "
                                          "(built-in: tandem-shakespeare, tandem-tiny"),
                                         (["--model", "tandem-mock"], "no weights: it is served by simulated "
-                                         "workers (add --mocker N)")])
+                                         "workers (add --mocker N)"),
+                                        (["--log-dir", "README.md"], "--log-dir README.md: not a folder")])
 def test_up_refuses_a_bad_port_or_model_before_starting_anything(args, said):
     # the OS took 99999 as 34463 and -1 as 65535; an unknown model stopped every worker seconds later
     r = tandem("up", *args, "--insecure", timeout=60)

@@ -60,7 +60,7 @@ def test_tandem_up_killed_leaves_no_process_and_frees_its_port(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("TANDEM_")}
     env.update(PYTHONUNBUFFERED="1", TMPDIR=str(tmp_path))
     up = subprocess.Popen([sys.executable, "-m", "cli.main", "up", "--mocker", "1", "--port", str(port),
-                           "--http-port", "-1", "--insecure"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                           "--http-port", "-1", "--insecure", "--log-dir", str(tmp_path / "runs")], cwd=ROOT, env=env, stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True, start_new_session=True)
     children: dict[int, str] = {}
     try:
@@ -85,6 +85,7 @@ def test_tandem_up_killed_leaves_no_process_and_frees_its_port(tmp_path):
         with socket.socket() as s:  # the router's port is free again: a new `tandem up` can take it
             s.bind(("127.0.0.1", port))
         log_dir = re.search(r"logs in (\S+);", "".join(lines)).group(1)
+        assert Path(log_dir).parent == tmp_path / "runs" and Path(log_dir).name.startswith("tandem-up-")  # --log-dir
         assert "the launcher (pid" in Path(log_dir, "router.log").read_text()
         # etcd's data stays where the launcher said its logs are, not somewhere in /tmp
         assert list(Path(log_dir).glob("tandem-etcd-*/data"))
