@@ -240,7 +240,7 @@ CLIENT_TLS_HELP = {
 
 # the request fields a router's INVALID_ARGUMENT names (common/validation.py), as `tandem generate`'s flags
 GENERATE_FLAGS = {"sampling.max_tokens": "--max-tokens", "sampling.temperature": "--temperature",
-                  "sampling.top_p": "--top-p", "sampling.seed": "--seed", "sampling.stop": "--stop",
+                  "sampling.top_p": "--top-p", "sampling.stop": "--stop",
                   "text": "the prompt"}
 
 

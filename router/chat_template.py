@@ -28,6 +28,8 @@ from pathlib import Path
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from common.validation import MAX_STOP_CHARS
+
 # Documented in docs/http-api.md ("Chat templates"); keep them in step.
 DEFAULT_TEMPLATE = (
     "{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n\n{% endfor %}"
@@ -124,9 +126,9 @@ def load_turn_end(checkpoint_dir: Path | None) -> tuple[str, ...] | None:
         return None
     stops = [value] if isinstance(value, str) else value
     if not (isinstance(stops, list) and len(stops) <= MAX_TURN_END
-            and all(isinstance(x, str) and 0 < len(x) <= 256 for x in stops)):
+            and all(isinstance(x, str) and 0 < len(x) <= MAX_STOP_CHARS for x in stops)):
         raise ValueError(f"{path}: stop_strings must be a string or a list of at most {MAX_TURN_END} non-empty "
-                         f"strings of at most 256 characters")
+                         f"strings of at most {MAX_STOP_CHARS} characters")
     return tuple(dict.fromkeys(stops))
 
 
@@ -135,12 +137,15 @@ def load_chat_template(checkpoint_dir: Path | None) -> ChatTemplate:
 
     Raises:
         ValueError: the file is not JSON, or its chat_template is neither a string nor a list
-            of {"name", "template"}, or not valid Jinja2.
+            of {"name", "template"}, or not valid Jinja2; or generation_config.json's
+            stop_strings are unusable (`load_turn_end`).
     """
     turn_end = load_turn_end(checkpoint_dir)
+    default_template = compile_template(DEFAULT_TEMPLATE, "default",
+                                        turn_end=DEFAULT_TURN_END if turn_end is None else turn_end)
     path = Path(checkpoint_dir) / "tokenizer_config.json" if checkpoint_dir is not None else None
     if path is None or not path.exists():
-        return compile_template(DEFAULT_TEMPLATE, "default", turn_end=DEFAULT_TURN_END if turn_end is None else turn_end)
+        return default_template
     try:
         config = json.loads(path.read_text())
     except json.JSONDecodeError as exc:
@@ -150,7 +155,7 @@ def load_chat_template(checkpoint_dir: Path | None) -> ChatTemplate:
         named = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}
         source = named.get("default")
     if source is None:
-        return compile_template(DEFAULT_TEMPLATE, "default", turn_end=DEFAULT_TURN_END if turn_end is None else turn_end)
+        return default_template
     if not isinstance(source, str):
         raise ValueError(f"{path}: chat_template must be a string or a list of {{name, template}}")
     return compile_template(source, str(path), _token_text(config.get("bos_token")),

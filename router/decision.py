@@ -97,10 +97,12 @@ class RouteDecision:
                     + (f" prefill_queue_share={self.prefill_queue_share:.3g}" if self.prefill else "")
                     if self.prefill_weight else "")]
         if self.prefill_weight:  # what the figures mean (every term in active decode blocks)
+            from router.policy import TRANSFER_WEIGHT  # (policy imports this module)
             lines.append("cost in active decode blocks (docs/routing.md), B = full prompt blocks: decode = "
                          "W_u*(B - overlap) + prefill_weight*queued*queue_share + load + request_blocks*requests "
-                         "+ (B - shared) + prefill_weight*overflow (W_u = prefill_weight when it prefills "
-                         "itself, else 1); prefill = prefill_weight*(B - overlap + queued*prefill_queue_share)")
+                         f"+ (B - shared) + prefill_weight*overflow (W_u = prefill_weight when it prefills "
+                         f"itself, else {TRANSFER_WEIGHT:g}); prefill = prefill_weight*(B - overlap + "
+                         f"queued*prefill_queue_share)")
         lines.append(f"{'role':8} {'instance':28} {'overlap':>8} {'queued':>8} {'load':>8} {'shared':>7} {'cost':>9}  chosen")
         chosen = {self.decode.instance_id} | ({self.prefill.instance_id} if self.prefill else set())
         for c in sorted(self.candidates, key=lambda c: (c.role, c.cost)):

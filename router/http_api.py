@@ -70,10 +70,12 @@ STATUS = {
 
 class HttpTimings:
     """Wall time the HTTP layer adds around FrontendServicer.Generate, for the last 100,000
-    requests: `before` from the request's arrival (uvicorn hands it over) to Generate's start
-    (parsing, validation, chat template, the request's task); `first` and `token` from a
-    GenerateResponse leaving Generate to its server-sent event written to the socket (the
-    event's JSON and uvicorn's write), for the first response and for each later one."""
+    requests of one choice (a request of several holds each choice's responses until every
+    choice has its first one: that wait is not the HTTP layer's): `before` from the request's
+    arrival (uvicorn hands it over) to Generate's start (parsing, validation, chat template, the
+    request's task); `first` and `token` from a GenerateResponse leaving Generate to its
+    server-sent event written to the socket (the event's JSON and uvicorn's write), for the first
+    response and for each later one."""
 
     def __init__(self) -> None:
         self.before_s: deque[float] = deque(maxlen=100_000)
@@ -121,6 +123,14 @@ class ClientGone(Exception):
     """The client closed the connection before the response was ready."""
 
 
+class ChoiceFailed(Exception):
+    """A choice's call ended with an error status (`error`) while its answer was collected."""
+
+    def __init__(self, choice: Choice, error: Aborted) -> None:
+        super().__init__(str(error))
+        self.choice, self.error = choice, error
+
+
 TRANSPORT_POLL_S = 0.25  # how often a request checks that its connection is still open (ConnectionWatch)
 _GONE = object()  # Generation's last item when its task was cancelled (the client went away)
 
@@ -138,7 +148,6 @@ class Generation:
         self._queue: asyncio.Queue = asyncio.Queue()
         self._sink: Callable[[Any], Awaitable[None]] | None = None
         self.started = 0.0  # perf_counter() when Generate was called
-        self.failed: Aborted | None = None  # the error next() raised
         self.last_put = 0.0  # perf_counter() when the response last returned by next() left Generate
         self.task = asyncio.create_task(self._run(servicer, request, span_name, headers),
                                         name=f"http {request.request_id}")
@@ -176,7 +185,6 @@ class Generation:
         """
         item = await self._queue.get()
         if isinstance(item, Aborted):
-            self.failed = item
             raise item
         if item is _GONE:
             raise ClientGone
@@ -376,11 +384,11 @@ class _EventStream(Response):
 
     async def __call__(self, scope, receive, send) -> None:
         raw_send = scope.get("tandem.send", send)
-        timings = self.api.timings
+        timings = self.api.timings if len(self.choices) == 1 else None  # (see HttpTimings)
 
         async def event(body: bytes, left_generate: float | None = None, first: bool = False) -> None:
             await raw_send({"type": "http.response.body", "body": body, "more_body": True})
-            if left_generate is not None:
+            if left_generate is not None and timings is not None:
                 (timings.first_s if first else timings.token_s).append(time.perf_counter() - left_generate)
 
         sinks = [self._choice_sink(c, event) for c in self.choices]
@@ -504,40 +512,47 @@ class OpenAIFrontend:
             if isinstance(exc, ClientGone):  # e.g. during a long prefill: cancelled, as a disconnect mid-stream is
                 return Response(status_code=499)
             return self.aborted(exc, req, headers, choices[index].prompt_index)
-        self.timings.before_s.append(gens[0].started - request.scope.get("tandem.arrived", gens[0].started))
+        if len(gens) == 1:  # (see HttpTimings)
+            self.timings.before_s.append(gens[0].started - request.scope.get("tandem.arrived", gens[0].started))
         shape = ResponseShape(chat, request_id, self.servicer.workers.model)
         if req.stream:
             return _EventStream(self, gens, firsts, choices, shape, req, headers, watch)
         try:
-            results = await asyncio.gather(*(self._collect(g, first, shape, req) for g, first in zip(gens, firsts)))
+            results = await asyncio.gather(*(self._collect(c, g, first, shape, req)
+                                             for c, g, first in zip(choices, gens, firsts)))
             return JSONResponse(shape.final([r[:3] for r in results], usage([r[3] for r in results], req.n)),
                                 headers=headers)
-        except Aborted as exc:
-            failed = next(c for c, g in zip(choices, gens) if g.failed is exc)
-            return self.aborted(exc, req, headers, failed.prompt_index)
+        except ChoiceFailed as failed:
+            return self.aborted(failed.error, req, headers, failed.choice.prompt_index)
         except ClientGone:
             return Response(status_code=499)
         finally:
             watch.cancel()
 
-    async def _collect(self, gen: Generation, out: pb.GenerateResponse | None, shape: ResponseShape, req
-                       ) -> tuple[str, str, dict | None, pb.Usage]:
-        """One choice's whole answer: (text, finish reason, logprobs, usage)."""
+    async def _collect(self, c: Choice, gen: Generation, out: pb.GenerateResponse | None, shape: ResponseShape,
+                       req) -> tuple[str, str, dict | None, pb.Usage]:
+        """Choice c's whole answer: (text, finish reason, logprobs, usage).
+
+        Raises:
+            ChoiceFailed: its call ended with an error status.
+            ClientGone: its call was cancelled (the client went away).
+        """
         text: list[str] = []
         ids: list[int] = []
         lps: list[float] = []
-        while out is not None:
-            text.append(out.text)
-            ids.extend(out.token_ids)
-            lps.extend(out.logprobs)
-            if out.finish_reason:
-                break
-            out = await gen.next()
+        try:
+            while out is not None:
+                text.append(out.text)
+                ids.extend(out.token_ids)
+                lps.extend(out.logprobs)
+                if out.finish_reason:
+                    break
+                out = await gen.next()
+        except Aborted as exc:
+            raise ChoiceFailed(c, exc) from None
         assert out is not None and out.finish_reason, "Generate ended without a finish reason"
-        logprobs = None
-        if req.want_logprobs:
-            tokens = self._tokens_text(ids)
-            logprobs = token_logprobs(shape.chat, tokens, lps, None if shape.chat else text_offsets(0, tokens))
+        logprobs = (self._logprobs(shape.chat, pb.GenerateResponse(token_ids=ids, logprobs=lps))[0]
+                    if req.want_logprobs else None)
         return "".join(text), FINISH_REASONS[out.finish_reason], logprobs, out.usage
 
     # -- the rest ----------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """OpenAI's request and response objects, and their mapping onto `tandem.v1.GenerateRequest`.
 
 Requests are pydantic models (unknown fields are accepted and ignored, as OpenAI's own
-server-side clients expect); `to_generate` turns one into the gRPC request, so that the HTTP
+server-side clients expect); `to_generate` turns one into a gRPC request per choice, so that the HTTP
 API shares the gRPC API's validation (common/validation.py). Fields the engine cannot honour
 are refused by name when set to anything but their no-op value (`best_of` other than `n`, `echo`,
 `suffix`, `logit_bias`, `presence_penalty`, `frequency_penalty`, `tools`, `response_format`,
@@ -18,7 +18,9 @@ those onto the OpenAI parameter the client sent, so a 400's `param` is what the 
 
 from __future__ import annotations
 
+import re
 import time
+import uuid
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -46,13 +48,20 @@ class Choice:
     request: pb.GenerateRequest
 
 
-def choice_request_id(request_id: str, index: int, choices: int) -> str:
+def choice_request_id(request_id: str, index: int, choices: int, tag: str) -> str:
     """The gRPC request id of choice `index` of `choices`: the request's own id for one choice, else
-    id-index (the id cut so that the whole stays within MAX_REQUEST_ID_CHARS)."""
+    id-tag-index, `tag` drawn once per request (the id cut so that the whole stays within
+    MAX_REQUEST_ID_CHARS): a client's id "abc-1" must not name choice 1 of another request "abc"
+    (a worker's abandoned-request list is kept by id)."""
     if choices == 1:
         return request_id
-    suffix = f"-{index}"
+    suffix = f"-{tag}-{index}"
     return request_id[:MAX_REQUEST_ID_CHARS - len(suffix)] + suffix
+
+
+def choice_tag() -> str:
+    """A request's tag in its choices' ids (choice_request_id)."""
+    return uuid.uuid4().hex[:8]
 
 
 class StreamOptions(BaseModel):
@@ -122,7 +131,8 @@ class _Common(BaseModel):
 
 
 class CompletionRequest(_Common):
-    """POST /v1/completions: `prompt` is a string or a list of token ids (or a list of one of those)."""
+    """POST /v1/completions: `prompt` is a string or a list of token ids, or a batch: a list of
+    strings or of token-id lists."""
 
     prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: int | None = None
@@ -156,6 +166,7 @@ class CompletionRequest(_Common):
             raise InvalidArgument("n" if self.n > 1 else "prompt", f"{len(prompts)} prompts × n = {self.n} "
                                   f"is {total} choices; at most {MAX_CHOICES} per request")
         batch = len(prompts) > 1
+        tag = choice_tag()
         out = []
         for i, prompt in enumerate(prompts):
             where = f"prompt[{i}]" if batch else "prompt"
@@ -167,7 +178,7 @@ class CompletionRequest(_Common):
                     raise InvalidArgument(f"{where}[{bad}]", f"not a token id: {prompt[bad]}")
             for j in range(self.n):
                 index = i * self.n + j
-                req = pb.GenerateRequest(request_id=choice_request_id(request_id, index, total),
+                req = pb.GenerateRequest(request_id=choice_request_id(request_id, index, total, tag),
                                          model=self.model or "", sampling=self._sampling(self.max_tokens, j))
                 if isinstance(prompt, str):
                     req.text = prompt
@@ -241,7 +252,8 @@ class ChatCompletionRequest(_Common):
                 and self.max_tokens != self.max_completion_tokens:
             raise InvalidArgument("max_completion_tokens", "set max_completion_tokens or max_tokens, not both")
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-        return [Choice(j, None, pb.GenerateRequest(request_id=choice_request_id(request_id, j, self.n),
+        tag = choice_tag()
+        return [Choice(j, None, pb.GenerateRequest(request_id=choice_request_id(request_id, j, self.n, tag),
                                                    model=self.model or "", text=prompt,
                                                    sampling=self._sampling(max_tokens, j, turn_end)))
                 for j in range(self.n)]
@@ -264,7 +276,7 @@ def param_name(field: str, request: _Common, prompt_index: int | None = None) ->
 def in_own_words(message: str, param: str) -> str:
     """A router message about `param` in the words the client used: the gRPC side says max_tokens
     where a chat request set max_completion_tokens."""
-    return message.replace("max_tokens (", "max_completion_tokens (") if param == "max_completion_tokens" else message
+    return re.sub(r"\bmax_tokens\b", "max_completion_tokens", message) if param == "max_completion_tokens" else message
 
 
 def error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> dict:

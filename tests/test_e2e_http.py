@@ -83,9 +83,15 @@ def wait_all_free(cluster, timeout=10.0) -> bool:
     return True
 
 
-def assert_offsets(tokens: list[str], offsets: list[int]) -> None:
-    """text_offset: each token's offset in its choice's token texts, one per token."""
+def assert_offsets(tokens: list[str], offsets: list[int], text: str | None = None) -> None:
+    """text_offset: each token's offset in its choice's token texts, one per token; with the
+    choice's text, each token up to the first one that decodes alone to a partial character is
+    found in the text at its offset."""
     assert offsets == [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))] and len(tokens) > 1
+    if text is not None:
+        whole = [t for t in tokens[:next((i for i, t in enumerate(tokens) if "\ufffd" in t), len(tokens))]]
+        assert len(whole) >= 3, tokens  # (the prompts below were picked so that this checks something)
+        assert all(text[o:o + len(t)] == t for t, o in zip(whole, offsets)), (text, tokens, offsets)
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -111,7 +117,7 @@ def test_completions_equal_grpc(client, stub, stream):
         got = "".join(c.choices[0].text for c in chunks if c.choices)
         got_lps = [lp for c in chunks if c.choices and c.choices[0].logprobs for lp in c.choices[0].logprobs.token_logprobs]
         lps = [c.choices[0].logprobs for c in chunks if c.choices and c.choices[0].logprobs]
-        assert_offsets([t for lp in lps for t in lp.tokens], [o for lp in lps for o in lp.text_offset])
+        assert_offsets([t for lp in lps for t in lp.tokens], [o for lp in lps for o in lp.text_offset], got)
         assert chunks[-1].choices == [] and chunks[-1].usage is not None
         assert [c.choices[0].finish_reason for c in chunks[:-1]][-1] == "length"
         got_usage = chunks[-1].usage
@@ -120,7 +126,7 @@ def test_completions_equal_grpc(client, stub, stream):
         got, got_lps, got_usage = r.choices[0].text, r.choices[0].logprobs.token_logprobs, r.usage
         assert r.object == "text_completion" and r.choices[0].finish_reason == "length"
         assert len(r.choices[0].logprobs.tokens) == 12
-        assert_offsets(r.choices[0].logprobs.tokens, r.choices[0].logprobs.text_offset)
+        assert_offsets(r.choices[0].logprobs.tokens, r.choices[0].logprobs.text_offset, r.choices[0].text)
     assert got == text
     assert got_lps == pytest.approx(logprobs, abs=1e-6) and len(got_lps) == 12
     # The same prompt again: the prefix cache answers part of it, on both paths alike.

@@ -359,12 +359,19 @@ def test_choices_of_a_batch_with_n_their_ids_seeds_and_order():
     assert [list(c.request.token_ids) for c in choices] == [[1, 2], [1, 2], [4, 5], [4, 5], [3], [3]]
     assert [c.request.text for c in CompletionRequest(prompt=["a", "b"]).to_generate("r")] == ["a", "b"]
     assert all(len(c.request.request_id) <= MAX_REQUEST_ID_CHARS for c in choices)
-    assert len({c.request.request_id for c in choices}) == 6 and choices[5].request.request_id.endswith("-5")
+    ids = [c.request.request_id for c in choices]
+    assert len(set(ids)) == 6 and ids[5].endswith("-5") and ids[0].startswith("x" * 100)
+    # a per-request tag: choice 1 of request "abc" is not a request whose own id is "abc-1"
+    other = CompletionRequest(prompt=[[1, 2], [4, 5], [3]], n=2).to_generate(rid)
+    assert not {c.request.request_id for c in other} & set(ids)
+    two = [c.request.request_id for c in CompletionRequest(prompt="p", n=2).to_generate("abc")]
+    assert two[1] != "abc-1" and two[1].startswith("abc-") and two[1].endswith("-1")
     one = CompletionRequest(prompt=[[1, 2]]).to_generate("r")  # a batch of one: named as one prompt
     assert [(c.index, c.prompt_index, c.request.request_id) for c in one] == [(0, None, "r")]
     assert len(CompletionRequest(prompt="a", n=MAX_CHOICES).to_generate("r")) == MAX_CHOICES
     chat = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], n=3).to_generate("c", "hi")
-    assert [c.request.request_id for c in chat] == ["c-0", "c-1", "c-2"] and not chat[0].request.sampling.HasField("seed")
+    assert [c.request.request_id[:2] + c.request.request_id[-2:] for c in chat] == ["c--0", "c--1", "c--2"]
+    assert not chat[0].request.sampling.HasField("seed")
     # each prompt counted once (its first choice's), every choice's completion tokens
     parts = [pb.Usage(prompt_tokens=p, completion_tokens=k, cached_tokens=c)
              for p, k, c in [(2, 5, 0), (2, 4, 2), (7, 3, 1), (7, 1, 7)]]
