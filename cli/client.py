@@ -241,7 +241,7 @@ CLIENT_TLS_HELP = {
 # the request fields a router's INVALID_ARGUMENT names (common/validation.py), as `tandem generate`'s flags
 GENERATE_FLAGS = {"sampling.max_tokens": "--max-tokens", "sampling.temperature": "--temperature",
                   "sampling.top_p": "--top-p", "sampling.stop": "--stop",
-                  "text": "the prompt"}
+                  "text": ""}  # the prompt: its messages say "prompt ..." themselves
 
 
 def flag_named(details: str) -> str:
@@ -249,7 +249,9 @@ def flag_named(details: str) -> str:
     named as the CLI flag that set it ("--max-tokens: must be >= 1"); other text unchanged."""
     field, sep, rest = details.partition(": ")
     base, bracket, index = field.partition("[")  # sampling.stop[1] -> --stop[1]
-    return f"{GENERATE_FLAGS[base]}{bracket}{index}{sep}{rest}" if sep and base in GENERATE_FLAGS else details
+    if not sep or base not in GENERATE_FLAGS:
+        return details
+    return f"{GENERATE_FLAGS[base]}{bracket}{index}{sep}{rest}" if GENERATE_FLAGS[base] else rest
 
 
 def no_router_hint(exc, router: str, tls: bool = True) -> str:

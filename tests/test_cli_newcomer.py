@@ -234,7 +234,7 @@ def test_generate_errors_name_its_flags():
     from cli.client import flag_named
     assert flag_named("sampling.max_tokens: must be >= 1, got 0") == "--max-tokens: must be >= 1, got 0"
     assert flag_named("sampling.stop[1]: 300 characters; at most 256") == "--stop[1]: 300 characters; at most 256"
-    assert flag_named("text: prompt is empty") == "the prompt: prompt is empty"
+    assert flag_named("text: prompt is empty") == "prompt is empty"
     assert flag_named("no decode worker") == "no decode worker"  # not a field: unchanged
     assert flag_named("sampling.unknown: x") == "sampling.unknown: x"
 
