@@ -441,8 +441,7 @@ class OpenAIFrontend:
     def invalid(self, exc: InvalidArgument, req: Any, headers: dict[str, str]) -> JSONResponse:
         param = param_name(exc.field, req)
         message = str(exc).split(": ", 1)[1] if ": " in str(exc) else str(exc)
-        return self.error(400, f"{param}: {in_own_words(message, param)}", "invalid_request_error", param,
-                          headers=headers)
+        return self.error(400, f"{param}: {message}", "invalid_request_error", param, headers=headers)
 
     def aborted(self, exc: Aborted, req: Any, headers: dict[str, str], prompt_index: int | None = None
                 ) -> JSONResponse:

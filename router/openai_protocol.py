@@ -144,10 +144,15 @@ class CompletionRequest(_Common):
     def want_logprobs(self) -> bool:
         return self.logprobs is not None
 
-    def prompts(self) -> list[str | list[int]]:
-        """The request's prompts: one, or each of a batch (a list of strings or of token lists)."""
+    @property
+    def batch(self) -> bool:
+        """Whether `prompt` is a batch: a list of strings or of token lists (of one, too)."""
         p = self.prompt
-        return list(p) if isinstance(p, list) and p and isinstance(p[0], (str, list)) else [p]
+        return isinstance(p, list) and bool(p) and isinstance(p[0], (str, list))
+
+    def prompts(self) -> list[str | list[int]]:
+        """The request's prompts: one, or each of a batch."""
+        return list(self.prompt) if self.batch else [self.prompt]
 
     def to_generate(self, request_id: str) -> list[Choice]:
         """One Choice per (prompt, j < n), in index order. Raises InvalidArgument naming the parameter."""
@@ -165,7 +170,7 @@ class CompletionRequest(_Common):
         if total > MAX_CHOICES:
             raise InvalidArgument("n" if self.n > 1 else "prompt", f"{len(prompts)} prompts × n = {self.n} "
                                   f"is {total} choices; at most {MAX_CHOICES} per request")
-        batch = len(prompts) > 1
+        batch = self.batch  # a batch's prompts are named prompt[i], a batch of one's too
         tag = choice_tag()
         out = []
         for i, prompt in enumerate(prompts):
@@ -275,7 +280,8 @@ def param_name(field: str, request: _Common, prompt_index: int | None = None) ->
 
 def in_own_words(message: str, param: str) -> str:
     """A router message about `param` in the words the client used: the gRPC side says max_tokens
-    where a chat request set max_completion_tokens."""
+    where a chat request set max_completion_tokens (for the router's messages only: this
+    module's own already say what they mean)."""
     return re.sub(r"\bmax_tokens\b", "max_completion_tokens", message) if param == "max_completion_tokens" else message
 
 

@@ -203,6 +203,7 @@ def test_seeded_sampling_reproducible_and_equal_grpc(client, stub):
     ({"prompt": [[1, 2]] * 65, "n": 2}, "n"),  # 130 choices
     ({"prompt": [[1, 2]] * 129}, "prompt"),
     ({"prompt": [[1, 2], [1, 999999]]}, "prompt[1][1]"),  # the router's vocabulary check, named in the batch
+    ({"prompt": [[1, 999999]]}, "prompt[0][1]"),  # a batch of one too
     ({"prompt": [[1, 2], [1, 2 ** 40]]}, "prompt[1][1]"),
     ({"prompt": ["a", ""]}, "prompt[1]"),
     ({"best_of": 3, "n": 2}, "best_of"),
@@ -227,6 +228,7 @@ def test_completions_bad_parameter_is_400_naming_it(client, kw, param):
     ({"messages": [{"content": "no role"}]}, "messages[0].role"),
     ({"max_completion_tokens": 0}, "max_completion_tokens"),
     ({"max_completion_tokens": 100000}, "max_completion_tokens"),
+    ({"max_completion_tokens": 5, "max_tokens": 2}, "max_completion_tokens"),
     ({"temperature": 0.0001}, "temperature"),
     ({"top_logprobs": 2, "logprobs": True}, "top_logprobs"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],},
@@ -239,8 +241,10 @@ def test_chat_bad_parameter_is_400_naming_it(client, kw, param):
     assert e.value.status_code == 400 and e.value.body["param"] == param, e.value.body
     message = e.value.body["message"]
     assert "max_tokens (" not in message and "e-05" not in message, message  # the client's words; no float32 tail
-    if "max_completion_tokens" in kw and kw["max_completion_tokens"] > 1:
+    if kw.get("max_completion_tokens", 0) > 10:
         assert "+ max_completion_tokens (100000) exceeds" in message, message
+    if "max_tokens" in kw:  # our own message, not rewritten
+        assert message == "max_completion_tokens: set max_completion_tokens or max_tokens, not both", message
     if "temperature" in kw:
         assert message.endswith("got 0.0001"), message
 

@@ -340,12 +340,12 @@ def test_a_bad_chat_message_is_named_by_its_index(message, param, said):
     assert ChatCompletionRequest(messages=[{"role": "assistant"}]).template_messages()[0]["content"] == ""
 
 
-@pytest.mark.parametrize("prompt", ["", [], [""]])
-def test_an_empty_completion_prompt_names_prompt(prompt):
+@pytest.mark.parametrize("prompt, field", [("", "prompt"), ([], "prompt"), ([""], "prompt[0]"), (["a", ""], "prompt[1]")])
+def test_an_empty_completion_prompt_names_prompt(prompt, field):
     from common.validation import InvalidArgument
-    with pytest.raises(InvalidArgument, match="prompt: is empty") as exc:
+    with pytest.raises(InvalidArgument, match=rf"{field.replace('[', '.').replace(']', '.')}: is empty") as exc:
         CompletionRequest(prompt=prompt).to_generate("r")
-    assert exc.value.field == "prompt"
+    assert exc.value.field == field
 
 
 def test_choices_of_a_batch_with_n_their_ids_seeds_and_order():
@@ -366,8 +366,9 @@ def test_choices_of_a_batch_with_n_their_ids_seeds_and_order():
     assert not {c.request.request_id for c in other} & set(ids)
     two = [c.request.request_id for c in CompletionRequest(prompt="p", n=2).to_generate("abc")]
     assert two[1] != "abc-1" and two[1].startswith("abc-") and two[1].endswith("-1")
-    one = CompletionRequest(prompt=[[1, 2]]).to_generate("r")  # a batch of one: named as one prompt
-    assert [(c.index, c.prompt_index, c.request.request_id) for c in one] == [(0, None, "r")]
+    one = CompletionRequest(prompt=[[1, 2]]).to_generate("r")  # a batch of one: prompt[0], as sent
+    assert [(c.index, c.prompt_index, c.request.request_id) for c in one] == [(0, 0, "r")]
+    assert CompletionRequest(prompt=[1, 2]).to_generate("r")[0].prompt_index is None
     assert len(CompletionRequest(prompt="a", n=MAX_CHOICES).to_generate("r")) == MAX_CHOICES
     chat = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], n=3).to_generate("c", "hi")
     assert [c.request.request_id[:2] + c.request.request_id[-2:] for c in chat] == ["c--0", "c--1", "c--2"]
