@@ -255,7 +255,7 @@ def test_bench_compare_usage_and_header_first():
     assert "python -m bench.compare" in (ROOT / "README.md").read_text()
 
 
-@pytest.mark.parametrize("tool", ["tools/bench_decode.py", "tools/bench_serving_gpu.py"])
+@pytest.mark.parametrize("tool", ["tools/bench_decode.py", "tools/bench_serving_gpu.py", "tools/bench_moe_branches.py"])
 def test_gpu_benchmarks_say_cuda_is_missing(tool, tmp_path):
     if __import__("torch").cuda.is_available():
         pytest.skip("this machine has CUDA")
