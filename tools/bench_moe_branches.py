@@ -38,12 +38,14 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+for p in (ROOT, ROOT / "tools"):
+    if str(p) not in sys.path:
+        sys.path.insert(0, str(p))
 
 from engine.config import ModelConfig  # noqa: E402
 from engine.kernels.fused_moe import fused_experts  # noqa: E402
 from engine.kernels.moe_router import route_with_shared  # noqa: E402
+from bench_moe_router import time_call  # noqa: E402  (µs per call of a function replayed in a CUDA graph)
 
 # (hidden, routed experts, top-k, shared experts, moe intermediate): M, and a tiny shape for --device cpu
 SHAPES = {"M": (2048, 64, 6, 2, 1408), "tiny": (64, 16, 4, 2, 32)}
@@ -97,27 +99,6 @@ def two_branches(x: torch.Tensor, layer: Layer, c: ModelConfig, s: int, side: to
     return yr + ys
 
 
-def time_graph(fn, iters: int) -> float:
-    """Microseconds per replay of fn captured in a CUDA graph (warmed outside the capture)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) * 1e3 / iters
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--batch", default="1,4,16,64", help="tokens per layer call, comma-separated")
@@ -147,10 +128,10 @@ def main() -> int:
         diff = max(float((y1.float() - y2.float()).norm() / y1.float().norm()) for y1, y2 in zip(a, b))
         row = {"batch": t, "layers": len(layers), "rel_diff": diff, "dtype": str(dtype)}
         if cuda:
-            row["one_branch_us_per_layer"] = time_graph(lambda: [one_branch(x, ly, c, s) for ly in layers],
-                                                        args.iters) / len(layers)
-            row["two_branches_us_per_layer"] = time_graph(lambda: [two_branches(x, ly, c, s, side) for ly in layers],
-                                                          args.iters) / len(layers)
+            row["one_branch_us_per_layer"] = time_call(lambda: [one_branch(x, ly, c, s) for ly in layers],
+                                                       1, args.iters) / len(layers)
+            row["two_branches_us_per_layer"] = time_call(lambda: [two_branches(x, ly, c, s, side) for ly in layers],
+                                                         1, args.iters) / len(layers)
             row["device"] = torch.cuda.get_device_name()
         rows.append(row)
         print(json.dumps(row), flush=True)
