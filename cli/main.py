@@ -8,6 +8,7 @@ import logging
 import os
 import signal
 import sys
+import tempfile
 from pathlib import Path
 
 from cli import certs, config, config_show, health
@@ -93,7 +94,6 @@ def _up(args: argparse.Namespace) -> int:
     async def main() -> None:
         # Children inherit the log settings through their TANDEM_* variables.
         os.environ.update(TANDEM_LOG_LEVEL=args.log_level, TANDEM_LOG_FORMAT=args.log_format)
-        import tempfile
         log_dir = tempfile.mkdtemp(prefix="tandem-up-", dir=log_parent) if log_parent is not None else None
         cluster = LocalCluster(model=args.model, num_prefill=args.prefill, num_decode=args.decode, etcd=args.etcd,
                                log_dir=log_dir,

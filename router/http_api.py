@@ -475,8 +475,10 @@ class OpenAIFrontend:
         """The logprobs of one response message whose first token's text starts at character
         `start` of its choice's tokens' texts (`text_offsets`), and where the next message's starts."""
         tokens = self._tokens_text(list(out.token_ids))
-        offsets = None if chat else text_offsets(start, tokens)
-        return token_logprobs(chat, tokens, list(out.logprobs), offsets), start + sum(map(len, tokens))
+        if chat:  # (chat's logprobs have no offsets)
+            return token_logprobs(chat, tokens, list(out.logprobs)), start
+        offsets, end = text_offsets(start, tokens)
+        return token_logprobs(chat, tokens, list(out.logprobs), offsets), end
 
     async def generate(self, request: Request, req: CompletionRequest | ChatCompletionRequest, route: str) -> Response:
         refused = self.authorize(request)  # before anything else: Generation's task inherits the tenant

@@ -40,7 +40,7 @@ FINISH_REASONS = {sampling_pb2.FINISH_REASON_LENGTH: "length", sampling_pb2.FINI
 @dataclass(frozen=True)
 class Choice:
     """One choice of a request: its `index` in the response, the prompt it continues
-    (`prompt_index` into the request's prompts; None for a request of one prompt, so that errors
+    (`prompt_index` into a batch of prompts; None where `prompt` is not a batch, so that errors
     name `prompt`, not `prompt[0]`) and its gRPC request."""
 
     index: int
@@ -310,16 +310,16 @@ def token_logprobs(chat: bool, tokens: list[str], logprobs: list[float], offsets
     return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": None, "text_offset": offsets or []}
 
 
-def text_offsets(start: int, tokens: list[str]) -> list[int]:
-    """`text_offset` of tokens whose texts follow `start` characters of the choice's earlier
-    tokens' texts: each token's offset in the concatenation of its choice's token texts (each
-    token decoded alone). That concatenation is the choice's text except where a stop string
-    cut it or a character's bytes span two tokens."""
+def text_offsets(start: int, tokens: list[str]) -> tuple[list[int], int]:
+    """(`text_offset` of tokens whose texts follow `start` characters of the choice's earlier
+    tokens' texts, where the next token's text starts): each token's offset in the concatenation
+    of its choice's token texts (each token decoded alone). That concatenation is the choice's
+    text except where a stop string cut it or a character's bytes span two tokens."""
     out, at = [], start
     for t in tokens:
         out.append(at)
         at += len(t)
-    return out
+    return out, at
 
 
 class ResponseShape:
