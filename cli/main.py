@@ -389,6 +389,22 @@ def build_parser(command: str | None = None, full: bool = True) -> argparse.Argu
     return parser
 
 
+def start_up_error(args: argparse.Namespace, exc: BaseException) -> str:
+    """What `tandem COMMAND` prints when it fails to start: the error's text; for a worker that
+    ran out of GPU memory, also a last line saying what to change (torch's message names sizes
+    and its allocator's settings, not this worker's flags). The last line is the one `tandem up`
+    quotes when a worker it started exits."""
+    text = f"tandem {args.command}: {exc}"
+    if type(exc).__name__ != "OutOfMemoryError" or args.command not in ("prefill", "decode"):
+        return text
+    fraction = getattr(args, "mem_fraction_static", 0) or 0
+    share = (f"--mem-fraction-static {fraction} of the GPU holds its weights and KV pool" if fraction
+             else "its weights and KV pool (--num-blocks) come first")
+    return (f"{text}\ntandem {args.command}: out of GPU memory while starting: {share}; its activations, CUDA "
+            "graphs and the GPU's other processes share the rest. Lower --mem-fraction-static (workers sharing "
+            "one GPU each need room for their activations), or give each worker a GPU of its own")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     command = command_of(argv)
@@ -425,7 +441,7 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except (OSError, RuntimeError, TimeoutError, ValueError) as exc:  # start-up failures: one line, no traceback
         logging.getLogger("tandem").debug("start-up failed", exc_info=True)
-        print(f"tandem {args.command}: {exc}", file=sys.stderr)
+        print(start_up_error(args, exc), file=sys.stderr)
         return 1
 
 

@@ -262,3 +262,24 @@ def test_gpu_benchmarks_say_cuda_is_missing(tool, tmp_path):
     r = subprocess.run([PY, tool, "--device", "cuda", "--out", str(tmp_path / "x.json")], cwd=ROOT,
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "no CUDA device" in r.stderr and "--device cpu" in r.stderr, r.stderr[-500:]
+
+
+def test_a_worker_out_of_gpu_memory_at_start_says_which_flag_to_lower():
+    import argparse
+
+    import torch
+
+    from cli.main import start_up_error
+
+    oom = torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 704.00 MiB. GPU 0 has a total "
+                                      "capacity of 79.18 GiB of which 375.62 MiB is free.")
+    lines = start_up_error(argparse.Namespace(command="decode", mem_fraction_static=0.44), oom).splitlines()
+    # torch's sizes first, then the line `tandem up` quotes when the worker exits (its log's last)
+    assert lines[0] == f"tandem decode: {oom}"
+    assert lines[-1].startswith("tandem decode: out of GPU memory while starting: --mem-fraction-static 0.44 ")
+    assert "Lower --mem-fraction-static" in lines[-1] and len(lines) == 2
+    lines = start_up_error(argparse.Namespace(command="prefill", mem_fraction_static=0.0), oom).splitlines()
+    assert "(--num-blocks) come first" in lines[-1]
+    # other failures, and other commands, print the error alone
+    assert start_up_error(argparse.Namespace(command="decode"), ValueError("--port: bad")) == "tandem decode: --port: bad"
+    assert start_up_error(argparse.Namespace(command="router"), oom) == f"tandem router: {oom}"
