@@ -6,7 +6,8 @@
 #    against 220-280, prefill device ms a request 7.7-7.9 against 4.8-6.2): S served once cold
 #    with py-spy on the decode worker, the router and the prefill worker
 #    (--profile-decode-host; py-spy from .devrun/py-spy.xz when it is there), then once warm;
-# Then M at the new default, one run a call (its two workers on one GPU want an H200):
+# Then M at the new default, one run a call (served.sh gives its two workers 0.41 of an 80 GB card
+# each: 0.44 ran out of memory in run 21):
 #   CONCURRENCY=64 LIMIT_S=560 bash tools/gpu_runs/served.sh M --mps
 #   TANDEM_DECODE_STEPS_PER_LAUNCH=1 CONCURRENCY=64 LIMIT_S=560 bash tools/gpu_runs/served.sh M --mps
 # (M's first run on a machine is cold too: compare M runs only after one M run on it.)
