@@ -120,6 +120,17 @@ def _unknown(where: str, key: str, known: list[str], what: str = "key",
     return ConfigError(f"{where}: unknown {what} {key!r}{hint}")
 
 
+def _read(path: str) -> dict[str, Any]:
+    """The TOML file's tables and keys, unchecked. Raises ConfigError (unreadable, syntax)."""
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except OSError as exc:
+        raise ConfigError(f"config file {path}: {exc.strerror or exc}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config file {path}: {exc}") from None
+
+
 def load_file(path: str, schema: Schema) -> dict[str, Any]:
     """Read and check the whole file (not only the part the running subcommand uses).
 
@@ -128,13 +139,7 @@ def load_file(path: str, schema: Schema) -> dict[str, Any]:
     Raises:
         ConfigError: missing or unreadable file, TOML syntax, unknown table or key, wrong type.
     """
-    try:
-        with open(path, "rb") as f:
-            raw = tomllib.load(f)
-    except OSError as exc:
-        raise ConfigError(f"config file {path}: {exc.strerror or exc}") from None
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"config file {path}: {exc}") from None
+    raw = _read(path)
     tables, anywhere = schema.tables(), schema.anywhere()
     out: dict[str, Any] = {}
     for key, value in raw.items():
@@ -151,6 +156,26 @@ def load_file(path: str, schema: Schema) -> dict[str, Any]:
             out[key] = _check(value, anywhere[key], f"config file {path}: {key}")
         else:
             raise _unknown(f"config file {path}", key, list(anywhere) + list(tables))
+    return out
+
+
+def own_values(path: str, command: str, options: list[Option]) -> dict[str, Any]:
+    """`load_file`'s result restricted to `command`'s options, read without the other
+    subcommands' schema (which a torch-free process such as `python -m cli.health` lacks): the
+    top level's keys and those of `command`'s own table that name one of `options`, each
+    type-checked; other keys and tables are not looked at.
+
+    Raises:
+        ConfigError: missing or unreadable file, TOML syntax, a wrong type for one of these keys.
+    """
+    raw = _read(path)
+    known = {o.name: o for o in options}
+    out: dict[str, Any] = {k: _check(v, known[k], f"config file {path}: {k}")
+                           for k, v in raw.items() if k in known and not isinstance(v, dict)}
+    table = raw.get(command)
+    if isinstance(table, dict):
+        out[command] = {k: _check(v, known[k], f"config file {path}: [{command}] {k}")
+                        for k, v in table.items() if k in known}
     return out
 
 

@@ -14,7 +14,7 @@ import argparse
 import os
 import sys
 
-from cli.config import resolve, subparsers
+from cli.config import ConfigError, config_path, own_values, resolve, subparsers
 from cli.flags import add_option, options_of
 
 
@@ -75,14 +75,25 @@ def run(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m cli.health`: the same check without importing the model code (torch), for a
-    container HEALTHCHECK that runs every few seconds; options come from flags and TANDEM_*
-    variables only (the config file's schema needs every subcommand's options)."""
+    container HEALTHCHECK that runs every few seconds. Options come from flags, TANDEM_*
+    variables and the config file (--config / TANDEM_CONFIG) as for `tandem health`; of the file,
+    only this command's keys are read and checked (the top level's and [health]'s): the server
+    beside it checks the whole file when it starts. A file or value that cannot be used, or TLS
+    files that do not go together, is one line and exit status 1 (unhealthy)."""
     parser = argparse.ArgumentParser(prog="python -m cli.health")
+    parser.add_argument("--config", default=argparse.SUPPRESS, help="TOML config file (default: TANDEM_CONFIG)")
     add_parser(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(["health", *(sys.argv[1:] if argv is None else argv)])
-    for name, r in resolve("health", options_of(subparsers(parser)["health"]), args, None, {}).items():
-        setattr(args, name, r.value)
-    return run(args)
+    options = options_of(subparsers(parser)["health"])
+    try:
+        path, _ = config_path(args)
+        data = own_values(path, "health", options) if path else {}
+        for name, r in resolve("health", options, args, path, data).items():
+            setattr(args, name, r.value)
+        return run(args)
+    except (ConfigError, ValueError, OSError) as exc:  # bad TLS files or settings: unhealthy, one line
+        print(f"python -m cli.health: {exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ import yaml
 
 from cli import config
 from cli.main import build_parser
+from router.main import RouterOptions
 
 K8S = Path(__file__).resolve().parent.parent / "deploy" / "k8s"
 MANIFESTS = sorted(p for p in K8S.glob("*.yaml") if p.name != "kustomization.yaml")
@@ -157,6 +158,14 @@ def test_worker_grace_period_covers_the_drain(name, tandem_config):
     drain_s = tandem_config["worker"]["drain_timeout_s"]
     assert spec["terminationGracePeriodSeconds"] >= drain_s + AFTER_DRAIN_S
     assert "lifecycle" not in spec["containers"][0]  # the drain starts on SIGTERM; see the manifest
+
+
+def test_router_grace_period_covers_its_prestop_sleep_and_drain(tandem_config):
+    spec = find("Deployment", "tandem-router")["spec"]["template"]["spec"]
+    sleep = spec["containers"][0]["lifecycle"]["preStop"]
+    sleep_s = float((sleep.get("sleep") or {}).get("seconds") or sleep["exec"]["command"][-1])
+    drain_s = tandem_config.get("router", {}).get("drain_timeout_s", RouterOptions(etcd="127.0.0.1:2379").drain_timeout_s)
+    assert spec["terminationGracePeriodSeconds"] >= sleep_s + drain_s + AFTER_DRAIN_S
 
 
 def test_router_service_and_etcd_endpoint_agree(tandem_config):

@@ -69,7 +69,7 @@ def test_units_configuration_runs_a_cluster(tiny_model, tmp_path):
     assert etcd.endpoint.startswith("https://")
     (tmp_path / "tandem.toml").write_text(local_config(etcd.endpoint, tls_dir))
     base = {k: v for k, v in os.environ.items() if not k.startswith("TANDEM_")}
-    ports, procs = {}, {}
+    ports, procs, envs = {}, {}, {}
     try:
         for role in ("router", "prefill", "decode"):
             env = {**base, **env_file(SYSTEMD / "env" / f"{role}-0.env"), "PYTHONPATH": str(ROOT),
@@ -82,6 +82,7 @@ def test_units_configuration_runs_a_cluster(tiny_model, tmp_path):
             assert env["TANDEM_PORT"].isdigit()  # each instance's port comes from its env file; here a free one
             env["TANDEM_PORT"] = str(free_port())
             ports[role] = int(env["TANDEM_PORT"])
+            envs[role] = env
             with open(tmp_path / f"{role}.log", "wb") as log:
                 procs[role] = subprocess.Popen([sys.executable, "-m", "cli.main", role], env=env, cwd=tmp_path,
                                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -121,6 +122,24 @@ def test_units_configuration_runs_a_cluster(tiny_model, tmp_path):
         tok = tiny_model.tokenizer()
         assert tokens == reference_generate(tiny_model.model, tok.encode("Configured by a file."), 8,
                                             tiny_model.config.eos_token_ids)
+        # the container's HEALTHCHECK (python -m cli.health, no flags) beside each process: the CA from
+        # the file, the instance's certificate from its env file; then the whole TLS set in the file,
+        # as the Kubernetes ConfigMap has it
+        for role in ports:
+            probe = subprocess.run([sys.executable, "-m", "cli.health"], env=envs[role], cwd=tmp_path,
+                                   capture_output=True, text=True, timeout=60)
+            assert probe.returncode == 0 and "SERVING" in probe.stdout, (role, probe.stdout, probe.stderr)
+        env = dict(envs["decode"])
+        all_in_file = tmp_path / "all-tls.toml"
+        all_in_file.write_text((tmp_path / "tandem.toml").read_text() + "\n[health]\n" + "".join(
+            f'{key.removeprefix("TANDEM_").lower()} = "{env.pop(key)}"\n' for key in ("TANDEM_TLS_CERT", "TANDEM_TLS_KEY")))
+        probe = subprocess.run([sys.executable, "-m", "cli.health"], env={**env, "TANDEM_CONFIG": str(all_in_file)},
+                               cwd=tmp_path, capture_output=True, text=True, timeout=60)
+        assert probe.returncode == 0, (probe.stdout, probe.stderr)
+        # without a certificate the worker refuses the check: unhealthy, one line, no traceback
+        probe = subprocess.run([sys.executable, "-m", "cli.health"], env=env, cwd=tmp_path, capture_output=True,
+                               text=True, timeout=60)
+        assert probe.returncode == 1 and "Traceback" not in probe.stderr, probe.stderr
         procs["decode"].send_signal(signal.SIGTERM)  # what systemctl stop sends
         assert procs["decode"].wait(45) == 0  # drained within TimeoutStopSec
     finally:
