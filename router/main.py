@@ -248,7 +248,7 @@ async def run(opts: RouterOptions, ready: Callable[[RunningServer, FrontendServi
     servicer.migration_limit = opts.migration_limit
     servicer.default_deadline_s = opts.default_deadline_s
     servicer.stall = StallRule(opts.token_stall_timeout_s, opts.token_stall_itl_factor)
-    health.on_unhealthy = servicer.evict_worker
+    health.on_unhealthy = servicer.worker_unhealthy
 
     def on_change() -> None:
         if on_membership is not None:

@@ -393,6 +393,20 @@ class FrontendServicer(pb_grpc.FrontendServiceServicer):
         if n:
             log.warning("decode worker %s %s: moving its %d open calls to other workers", instance_id, reason, n)
 
+    def worker_unhealthy(self, instance_id: str, reason: str) -> None:
+        """Health probes found a worker failed (router/health.py `on_unhealthy`): its open calls
+        move to other decode workers, unless none is healthy now. Then they stay on it, since
+        taking them would only fail them: a draining worker (NOT_SERVING) still streams them to
+        the end of its drain, and a hung one's end by the stall rule or their deadline, each
+        then migrating if a worker has come meanwhile. A worker whose process is gone breaks
+        its streams itself."""
+        n = self.open_calls.count(instance_id)
+        if n and not any(c.instance_id != instance_id for c in self.workers.candidates(discovery_pb2.ROLE_DECODE)):
+            log.warning("decode worker %s %s, but no other decode worker is healthy: its %d open calls stay on it",
+                        instance_id, reason, n)
+            return
+        self.evict_worker(instance_id, reason)
+
     def on_membership(self) -> None:
         """After a discovery change: evict the calls of workers that left, then close their channels."""
         present = set(self.workers.instance_ids())

@@ -62,3 +62,37 @@ def test_decode_worker_finishes_in_flight_streams_while_draining(etcd_server, ti
         ch.close()
     finally:
         c.close()
+
+
+def test_the_only_decode_worker_draining_keeps_its_streams(etcd_server, tiny_model):
+    """Its NOT_SERVING makes it unhealthy to the router's probes, but with no other decode
+    worker to move them to, taking its streams would fail them: they stay and run to the end."""
+    c = InProcessCluster(etcd_server.endpoint, tiny_model, namespace="e2e-drain-one")
+    try:
+        router = c.start("router", health_interval_s=0.05, health_failure_threshold=1)
+        c.start("prefill")
+        decode = c.start("decode")
+        c.wait_roles(router, 1, 1)
+        ch = grpc.insecure_channel(router.address)
+        stub = frontend_pb2_grpc.FrontendServiceStub(ch)
+        prompt = [101, 102, 103, 104]
+        call = stub.Generate(frontend_pb2.GenerateRequest(token_ids=prompt, sampling=sampling_pb2.SamplingParams(
+            max_tokens=300, ignore_eos=True)), timeout=120)
+        tokens = list(next(call).token_ids)
+        stopper = threading.Thread(target=c.stop, args=(decode,))
+        stopper.start()
+        health, wid = router.workers.health, decode.runtime.instance_id
+        deadline = time.time() + 10
+        while health.healthy(wid) and time.time() < deadline:  # the probes see the drain's NOT_SERVING
+            time.sleep(0.005)
+        assert not health.healthy(wid)
+        assert decode.runtime.in_flight == 1  # found unhealthy while the stream still ran
+        for msg in call:
+            tokens += list(msg.token_ids)
+        assert tokens == reference_generate(tiny_model.model, prompt, 300)
+        assert router.servicer.migrations == 0
+        stopper.join(60)
+        assert not stopper.is_alive()
+        ch.close()
+    finally:
+        c.close()
