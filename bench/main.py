@@ -158,6 +158,10 @@ async def _model_info(router: str, wait_s: float = 180.0, api_key: str = "",
                 if stable >= 4:
                     return model
             except grpc.aio.AioRpcError as exc:
+                if exc.code() == grpc.StatusCode.UNAUTHENTICATED:  # waiting will not mend a missing or wrong key
+                    what = ("it does not accept the --api-key given" if api_key
+                            else "it takes API keys: give --api-key KEY, or TANDEM_API_KEY")
+                    raise RuntimeError(f"router {router}: UNAUTHENTICATED: {exc.details()} ({what})") from None
                 if time.monotonic() > deadline:
                     hint = no_router_hint(exc, router, tls.TLS is not None)
                     raise RuntimeError(f"router {router} not ready after {wait_s:.0f} s: {exc.code().name}"
@@ -195,6 +199,12 @@ def run(opts: BenchOptions, credentials: Callable[[], TlsCredentials | None] | N
     """Run the bench; returns the summary (also printed, and written with --out). credentials:
     see `_model_info`."""
     load_requests(opts, 2)  # a bad --dataset fails now, not after waiting for the router
+    if opts.out:  # and an --out that cannot be written, not after the whole run
+        out = Path(opts.out)
+        if out.is_dir():
+            raise ValueError(f"--out {opts.out}: is a folder; give a file name (the results' JSON; plots go beside it)")
+        if not out.parent.is_dir():
+            raise ValueError(f"--out {opts.out}: no folder {out.parent}")
     if not 0 <= opts.router_wait_s < float("inf"):  # (NaN too)
         raise ValueError(f"--router-wait must be a finite number of seconds >= 0, got {opts.router_wait_s}")
     model = asyncio.run(_model_info(opts.router, opts.router_wait_s, api_key=opts.api_key, credentials=credentials))

@@ -64,8 +64,16 @@ def _up(args: argparse.Namespace) -> int:
     # ignored (the shell's rule for background jobs), and `kill -INT` then did nothing until ready
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
-    if getattr(args, "config", None):
-        os.environ["TANDEM_CONFIG"] = args.config  # the children read the same file
+    # the children read the same file; they run in the repository root, so a relative path
+    # (--config or TANDEM_CONFIG) is made absolute here, where it was given
+    config_file = getattr(args, "config", None) or os.environ.get("TANDEM_CONFIG")
+    if config_file:
+        os.environ["TANDEM_CONFIG"] = os.path.abspath(config_file)
+    for flag, n in (("--prefill", args.prefill), ("--decode", args.decode), ("--mocker", args.mocker)):
+        if n < 0:
+            raise ValueError(f"{flag} must be >= 0, got {n}")
+    if args.decode + args.mocker < 1:
+        raise ValueError("--decode 0 leaves no decode worker: give --decode 1 or more (or --mocker N)")
     # what would stop every worker seconds after start: said now, before anything starts
     from common.grpc_server import validate_listen_port
     from router.http_port import validate_port as validate_http_port

@@ -66,6 +66,9 @@ class LocalCa:
                 raise ValueError(f"{key_path} is not the key of {self.ca_path}: certificates it signed would "
                                  "not verify against that CA")
             return
+        if reuse and (self.folder / "ca-key.pem").exists():  # a key without its certificate: not ours to replace
+            raise ValueError(f"{self.folder / 'ca-key.pem'} exists but {self.ca_path} does not: put the CA's "
+                             "certificate back beside its key (or use a new folder for a new CA)")
         self.folder.mkdir(parents=True, exist_ok=True)
         self._key = _key()
         subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])

@@ -124,3 +124,17 @@ def test_keys_are_never_readable_by_others_not_even_while_written(tmp_path, monk
         os.umask(old)
     for key in ("ca-key.pem", "a-key.pem"):
         assert stat.S_IMODE((tmp_path / key).stat().st_mode) == 0o600, key
+
+
+def test_a_ca_key_without_its_certificate_is_not_replaced(tmp_path, capsys):
+    """ca.pem gone but ca-key.pem there: a new CA would overwrite the old key, and with it every
+    later certificate of the old CA; the run stops and names both files instead."""
+    out = tmp_path / "tls"
+    assert main(["certs", str(out), "a:decode"]) == 0
+    key = (out / "ca-key.pem").read_bytes()
+    (out / "ca.pem").unlink()
+    capsys.readouterr()
+    assert main(["certs", str(out), "b:decode"]) == 2
+    err = capsys.readouterr().err
+    assert "ca-key.pem exists" in err and "ca.pem" in err and "Traceback" not in err
+    assert (out / "ca-key.pem").read_bytes() == key and not (out / "b.pem").exists()

@@ -283,3 +283,49 @@ def test_a_worker_out_of_gpu_memory_at_start_says_which_flag_to_lower():
     # other failures, and other commands, print the error alone
     assert start_up_error(argparse.Namespace(command="decode"), ValueError("--port: bad")) == "tandem decode: --port: bad"
     assert start_up_error(argparse.Namespace(command="router"), oom) == f"tandem router: {oom}"
+
+
+def test_up_refuses_worker_counts_it_cannot_start_and_passes_an_absolute_config(tmp_path, monkeypatch, capsys):
+    import signal
+
+    from cli.main import main
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "rel.toml").write_text('log_level = "info"\n')
+    monkeypatch.setenv("TANDEM_CONFIG", "restored after the test")  # `up` sets it for its children
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}  # `up` installs its own
+    try:
+        for argv, message in ((["--decode", "-1"], "--decode must be >= 0, got -1"),
+                              (["--prefill", "-1"], "--prefill must be >= 0, got -1"),
+                              (["--mocker", "-1"], "--mocker must be >= 0, got -1"),
+                              (["--decode", "0"], "--decode 0 leaves no decode worker")):
+            assert main(["up", "--config", "rel.toml", *argv]) == 1  # before anything starts
+            assert message in capsys.readouterr().err
+            # the children run in the repository root: they get the file's absolute path
+            assert os.environ["TANDEM_CONFIG"] == str(tmp_path / "rel.toml")
+    finally:
+        for s, h in handlers.items():
+            signal.signal(s, h)
+
+
+def test_a_cuda_device_torch_cannot_use_is_named_by_its_flag():
+    import torch
+
+    from worker.host import WorkerOptions
+
+    if torch.cuda.is_available():
+        count = torch.cuda.device_count()
+        with pytest.raises(ValueError, match=rf"--device cuda:{count}: this machine has {count} CUDA device"):
+            WorkerOptions(device=f"cuda:{count}").torch_device()
+    else:
+        with pytest.raises(ValueError, match="--device cuda:7: this machine has no CUDA device torch can use"):
+            WorkerOptions(device="cuda:7").torch_device()
+
+
+def test_bench_refuses_an_out_it_could_not_write_before_it_runs(tmp_path):
+    from bench.main import BenchOptions, run
+
+    with pytest.raises(ValueError, match="--out .*: is a folder"):
+        run(BenchOptions(out=str(tmp_path), router="127.0.0.1:1", router_wait_s=0))
+    with pytest.raises(ValueError, match="no folder"):
+        run(BenchOptions(out=str(tmp_path / "nope" / "r.json"), router="127.0.0.1:1", router_wait_s=0))

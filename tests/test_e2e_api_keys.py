@@ -203,6 +203,7 @@ def test_local_cluster_with_keys_and_the_cli_clients(etcd_server, tmp_path):
     import os
     import subprocess
     import sys
+    import time
     from pathlib import Path
 
     from cli.cluster import LocalCluster
@@ -227,13 +228,17 @@ def test_local_cluster_with_keys_and_the_cli_clients(etcd_server, tmp_path):
         assert tandem("generate", "To be", "--max-tokens", "3", key=KEYS["bob"]).returncode == 0  # TANDEM_API_KEY
         missing = tandem("generate", "To be", "--max-tokens", "3")
         assert missing.returncode == 1 and "UNAUTHENTICATED" in missing.stderr, missing.stderr
+        # tandem bench without a key: said at once (not after --router-wait), naming the flag
+        started = time.monotonic()
+        bench = tandem("bench", "--num-requests", "1", "--output-tokens", "2", "--router-wait", "60")
+        assert bench.returncode == 1 and "UNAUTHENTICATED" in bench.stderr and "--api-key" in bench.stderr, bench.stderr
+        assert time.monotonic() - started < 30, "bench waited out --router-wait"
         refused = tandem("explain", "To be", key=KEYS["bob"])
         assert refused.returncode == 1 and "PERMISSION_DENIED" in refused.stderr, refused.stderr
         explained = tandem("explain", "To be", key=KEYS["ops"])
         assert explained.returncode == 0 and explained.stdout.strip(), explained.stderr
         # Rotation: bob's key replaced by a new one, then SIGHUP; the router logs the reload.
         import signal
-        import time
         new_key = "tk-bob-rotated-0123456789"
         keys.write_text(KEY_FILE.replace(KEYS["bob"], new_key))
         cluster.procs["router"].send_signal(signal.SIGHUP)

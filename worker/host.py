@@ -155,7 +155,16 @@ class WorkerOptions:
         """The device `--device` names (auto: cuda when present)."""
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        return torch.device(self.device)
+        device = torch.device(self.device)
+        if device.type == "cuda":  # said here, naming the flag, not as torch's assertion deep in the load
+            count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+            if not count:
+                raise ValueError(f"--device {self.device}: this machine has no CUDA device torch can use "
+                                 f"(torch {torch.__version__}, CUDA {torch.version.cuda or 'not built in'}): use cpu or auto")
+            if device.index is not None and device.index >= count:
+                raise ValueError(f"--device {self.device}: this machine has {count} CUDA device"
+                                 f"{'s' if count > 1 else ''} (cuda:0{f' to cuda:{count - 1}' if count > 1 else ''})")
+        return device
 
 
 # --chunk-size 0 (the default) by device: on a GPU a forward needs thousands of tokens to reach
