@@ -90,10 +90,21 @@ def bearer_token(api_key: str) -> list[grpc.aio.ClientInterceptor]:
     return [_UnaryKey(entry), _StreamKey(entry)]
 
 
+def check_port(address: str, flag: str = "--router", given: str = "") -> None:
+    """Refuse a host:port whose port is not 1..65535, naming `flag` and what was given there
+    (default: the address; gRPC would dial the port modulo 65536: 117587 reached 52051).
+    Raises ValueError."""
+    port = address.rpartition(":")[2]
+    if port.lstrip("-").isdigit() and not 1 <= int(port) <= 65535:
+        raise ValueError(f"{flag} {given or address}: the port must be in 1..65535")
+
+
 def frontend_stub(address: str, creds: TlsCredentials | None = None, api_key: str = "",
                   own_connection: bool = False) -> tuple[grpc.aio.Channel, frontend_pb2_grpc.FrontendServiceStub]:
     """A channel to the router at `address`, over TLS with `creds` (plaintext without),
-    sending `api_key` as a bearer token when given; `own_connection`: see common.grpc_server.channel."""
+    sending `api_key` as a bearer token when given; `own_connection`: see common.grpc_server.channel.
+    Raises ValueError when the address's port is out of range (`check_port`)."""
+    check_port(address)
     ch = channel(address, creds, bearer_token(api_key) if api_key else (), own_connection=own_connection)
     return ch, frontend_pb2_grpc.FrontendServiceStub(ch)
 

@@ -54,9 +54,10 @@ def check(address: str, service: str = "", timeout_s: float = 2.0, creds=None) -
 def run(args: argparse.Namespace) -> int:
     from common.tls import TlsFiles
 
-    from cli.client import local_ca_for
+    from cli.client import check_port, local_ca_for
 
     address = args.address or args.router or f"127.0.0.1:{args.port}"
+    check_port(address, *(("ADDRESS",) if args.address else ("--router",) if args.router else ("--port", str(args.port))))
     if not (args.address or args.router) and os.environ.get("TANDEM_ROUTER"):
         print(f"tandem health: TANDEM_ROUTER is not read here; checking {address} (pass --router "
               f"{os.environ['TANDEM_ROUTER']} to check the router)", file=sys.stderr)

@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import logging
 import os
+import shutil
 import signal
 import sys
 import tempfile
@@ -51,6 +52,19 @@ def _worker(args: argparse.Namespace) -> int:
         from decode_worker.main import run
     asyncio.run(run(opts))
     return 0
+
+
+async def _say_exits(cluster, every_s: float = 1.0) -> None:
+    """While `tandem up` serves: say once of each process of the cluster that exits (killed, or
+    failed), with its status and log, since its clients would only see fewer workers."""
+    said: set[str] = set()
+    while True:
+        await asyncio.sleep(every_s)
+        for name, proc in list(cluster.procs.items()):
+            if name not in said and proc.poll() is not None:
+                said.add(name)
+                print(f"tandem up: {name} exited (status {proc.returncode}); the cluster serves on without it; "
+                      f"its log: {cluster.log_dir / (name + '.log')}", file=sys.stderr, flush=True)
 
 
 def _up(args: argparse.Namespace) -> int:
@@ -128,12 +142,13 @@ def _up(args: argparse.Namespace) -> int:
         try:
             await cluster.start()
         except BaseException as exc:  # a failed or interrupted start: its log folder is kept only with logs in it
-            if not any(cluster.log_dir.iterdir()):
-                cluster.log_dir.rmdir()
+            cluster.forget_ca_key()  # no process will need a certificate of this CA again
+            if not any(p.suffix == ".log" for p in cluster.log_dir.rglob("*")):  # tls/ and mps/ alone: no logs
+                shutil.rmtree(cluster.log_dir, ignore_errors=True)
             elif str(cluster.log_dir) not in str(exc):
                 print(f"tandem up: stopped during start-up; logs in {cluster.log_dir}", file=sys.stderr, flush=True)
             raise
-        local_ca = None
+        local_ca, watch = None, None
         # from here on whatever happens (an error, a signal before the handlers below) stops the
         # cluster in order: its children, in sessions of their own, would otherwise stop only by
         # themselves (common.lifecycle.stop_with_launcher) once this process is gone
@@ -161,12 +176,15 @@ def _up(args: argparse.Namespace) -> int:
                 print(f"  metrics: {name} at http://{addr}/metrics", flush=True)
             workers = (f"{args.mocker} simulated decode workers" if args.mocker else
                        f"{args.prefill} prefill and {args.decode} decode worker{'s' if args.decode != 1 else ''}")
-            print(f"tandem up: ready to serve {cluster.model} ({workers})", flush=True)
-            stop = asyncio.Event()
+            stop = asyncio.Event()  # before the ready line: a stop sent on seeing it drains, as later ones do
             from common.lifecycle import install_stop_signals
             install_stop_signals(stop, on_second=cluster.kill)
+            print(f"tandem up: ready to serve {cluster.model} ({workers})", flush=True)
+            watch = asyncio.create_task(_say_exits(cluster), name="child-exits")
             await stop.wait()
         finally:
+            if watch is not None:
+                watch.cancel()
             print("stopping ...", flush=True)
             await cluster.stop()
             if local_ca is not None:

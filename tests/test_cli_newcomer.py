@@ -329,3 +329,26 @@ def test_bench_refuses_an_out_it_could_not_write_before_it_runs(tmp_path):
         run(BenchOptions(out=str(tmp_path), router="127.0.0.1:1", router_wait_s=0))
     with pytest.raises(ValueError, match="no folder"):
         run(BenchOptions(out=str(tmp_path / "nope" / "r.json"), router="127.0.0.1:1", router_wait_s=0))
+
+
+def test_a_failed_start_leaves_no_folder_without_logs_and_no_ca_key(tmp_path):
+    """No etcd on PATH: `tandem up` stops before any process logs; the folder it made (its CA's
+    key among the files) goes with it instead of piling up with a private key in it."""
+    logs = tmp_path / "logs"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TANDEM_")}
+    env["PATH"] = str(Path(PY).parent)  # python, no etcd
+    r = subprocess.run([PY, "-m", "cli.main", "up", "--log-dir", str(logs), "--port", "0", "--http-port", "-1"],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and "etcd" in r.stderr, r.stderr
+    assert list(logs.iterdir()) == [], list(logs.rglob("*"))
+    assert "logs in" not in r.stderr  # no folder of logs to point at
+
+
+def test_client_addresses_with_a_port_out_of_range_are_refused_by_flag(capsys):
+    from cli.main import main
+
+    for argv, said in ((["health", "127.0.0.1:117587"], "ADDRESS 127.0.0.1:117587"),
+                       (["health", "--port", "-3"], "--port -3"),
+                       (["generate", "ROMEO:", "--router", "127.0.0.1:99999"], "--router 127.0.0.1:99999")):
+        assert main(argv) == 1
+        assert f"{said}: the port must be in 1..65535" in capsys.readouterr().err

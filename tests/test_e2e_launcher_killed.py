@@ -141,3 +141,42 @@ def test_bench_started_right_after_tandem_up_finds_its_ca_and_runs(tmp_path):
             up.wait(60)
         except subprocess.TimeoutExpired:
             up.kill()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_tandem_up_says_when_a_process_of_its_cluster_exits(tmp_path):
+    """A worker killed while the cluster serves: `tandem up` says so once (its clients would only
+    see one worker fewer), keeps serving, and still stops in order on SIGTERM."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TANDEM_")}
+    env.update(PYTHONUNBUFFERED="1", TMPDIR=str(tmp_path))
+    up = subprocess.Popen([sys.executable, "-m", "cli.main", "up", "--mocker", "1", "--port", str(_free_port()),
+                           "--http-port", "-1", "--insecure", "--log-dir", str(tmp_path / "runs")], cwd=ROOT, env=env,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    children: dict[int, str] = {}
+    try:
+        lines = []
+        for line in up.stdout:
+            lines.append(line)
+            if "ready to serve" in line:
+                break
+        children = _children(up.pid)
+        mocker = next(p for p, c in children.items() if "cli.main mocker" in c)
+        os.kill(mocker, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        for line in up.stdout:
+            lines.append(line)
+            if "exited" in line or time.monotonic() > deadline:
+                break
+        said = [line for line in lines if "mocker exited" in line]
+        assert said and "status -9" in said[0] and "mocker.log" in said[0], "".join(lines)
+        assert up.poll() is None  # serving on
+        up.send_signal(signal.SIGTERM)
+        rest = up.communicate(timeout=60)[0]
+        assert up.returncode == 0 and "mocker exited" not in rest, rest  # said once; a stop is not news
+    finally:
+        if up.poll() is None:
+            up.kill()
+        for p in children:
+            if _alive(p):
+                os.kill(p, signal.SIGKILL)
+        up.stdout.close()
