@@ -72,6 +72,8 @@ class BenchOptions:
             raise ValueError("--speedup, --load and --rate must be > 0")
         if min(self.num_requests, self.skip, self.max_output_len) < 0 or self.output_tokens < 1 or self.concurrency < 1:
             raise ValueError("--num-requests, --skip, --max-output-len must be >= 0; --output-tokens, --concurrency >= 1")
+        if not self.timeout_s > 0:
+            raise ValueError(f"--timeout must be > 0 seconds (each request's deadline), got {self.timeout_s}")
         if self.connections < 1:
             raise ValueError(f"--connections must be >= 1, got {self.connections}")
         name = self.dataset.split(":", 1)[0]

@@ -154,6 +154,9 @@ def load_file(path: str, schema: Schema) -> dict[str, Any]:
                 out[key][k] = _check(v, tables[key][k], f"config file {path}: [{key}] {k}")
         elif key in anywhere:
             out[key] = _check(value, anywhere[key], f"config file {path}: {key}")
+        elif key in tables:
+            raise ConfigError(f"config file {path}: {key!r} is a table of options: write [{key}] and its keys "
+                              "under it")
         else:
             raise _unknown(f"config file {path}", key, list(anywhere) + list(tables))
     return out

@@ -56,6 +56,8 @@ def run(args: argparse.Namespace) -> int:
 
     from cli.client import check_port, local_ca_for
 
+    if not 0 < args.health_timeout_s < float("inf"):  # (NaN too)
+        raise ValueError(f"--health-timeout must be a finite number of seconds > 0, got {args.health_timeout_s}")
     address = args.address or args.router or f"127.0.0.1:{args.port}"
     check_port(address, *(("ADDRESS",) if args.address else ("--router",) if args.router else ("--port", str(args.port))))
     if not (args.address or args.router) and os.environ.get("TANDEM_ROUTER"):

@@ -204,6 +204,13 @@ def _up(args: argparse.Namespace) -> int:
     return 0
 
 
+def _sampling_seed(seed: int | None) -> int | None:
+    """--seed as the request's uint64 (protobuf's own refusal named no flag). Raises ValueError."""
+    if seed is not None and not 0 <= seed < 2 ** 64:
+        raise ValueError(f"--seed must be in 0..2^64-1, got {seed}")
+    return seed
+
+
 def _generate(args: argparse.Namespace) -> int:
     import grpc
 
@@ -219,7 +226,7 @@ def _generate(args: argparse.Namespace) -> int:
             with tracing.span("tandem.client.generate"):
                 trace_id = tracing.trace_id_hex()
                 c = await generate(stub, text=args.prompt, max_tokens=args.max_tokens, temperature=args.temperature,
-                                   top_p=args.top_p, seed=args.sampling_seed, stop=args.stop,
+                                   top_p=args.top_p, seed=_sampling_seed(args.sampling_seed), stop=args.stop,
                                    on_text=lambda t: print(t, end="", flush=True))
         except grpc.aio.AioRpcError as exc:
             hint = no_router_hint(exc, args.router, creds is not None)
@@ -432,6 +439,15 @@ def start_up_error(args: argparse.Namespace, exc: BaseException) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        return _main(argv)
+    except BrokenPipeError:  # stdout's reader is gone (`tandem config show | head`): no traceback
+        # Python's recipe: point stdout at /dev/null so that its flush at exit fails no more
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
+
+
+def _main(argv: list[str] | None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     command = command_of(argv)
     if command == "up":  # before its imports (a second): see _up

@@ -352,3 +352,27 @@ def test_client_addresses_with_a_port_out_of_range_are_refused_by_flag(capsys):
                        (["generate", "ROMEO:", "--router", "127.0.0.1:99999"], "--router 127.0.0.1:99999")):
         assert main(argv) == 1
         assert f"{said}: the port must be in 1..65535" in capsys.readouterr().err
+
+
+def test_more_bad_values_are_refused_by_flag(tmp_path, capsys):
+    from cli.main import main
+
+    for argv, said in ((["generate", "ROMEO:", "--seed", "-1", "--temperature", "1"], "--seed must be in 0..2^64-1"),
+                       (["health", "--health-timeout", "-1"], "--health-timeout must be a finite number"),
+                       (["health", "--health-timeout", "nan"], "--health-timeout must be a finite number")):
+        assert main(argv) != 0, argv
+        assert said in capsys.readouterr().err, argv
+    with pytest.raises(SystemExit, match="--timeout must be > 0 seconds"):  # bench's options' own check
+        main(["bench", "--timeout", "0"])
+    # a table's name written as a top-level key says so (it suggested the same name)
+    bad = tmp_path / "bad.toml"
+    bad.write_text("up = 5\n")
+    assert main(["config", "show", "--config", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert "'up' is a table of options: write [up]" in err and "did you mean" not in err
+
+
+def test_config_show_into_a_closed_pipe_prints_no_traceback():
+    r = subprocess.run(f"{PY} -m cli.main config show decode | head -1", shell=True, cwd=ROOT, capture_output=True,
+                       text=True, timeout=120)
+    assert r.stdout.startswith("# tandem config show") and "Traceback" not in r.stderr, r.stderr
