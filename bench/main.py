@@ -205,8 +205,7 @@ def run(opts: BenchOptions, credentials: Callable[[], TlsCredentials | None] | N
         out = Path(opts.out)
         if out.is_dir():
             raise ValueError(f"--out {opts.out}: is a folder; give a file name (the results' JSON; plots go beside it)")
-        if not out.parent.is_dir():
-            raise ValueError(f"--out {opts.out}: no folder {out.parent}")
+        out.parent.mkdir(parents=True, exist_ok=True)  # (an OSError names the path)
     if not 0 <= opts.router_wait_s < float("inf"):  # (NaN too)
         raise ValueError(f"--router-wait must be a finite number of seconds >= 0, got {opts.router_wait_s}")
     model = asyncio.run(_model_info(opts.router, opts.router_wait_s, api_key=opts.api_key, credentials=credentials))

@@ -86,7 +86,17 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m cli.health")
     parser.add_argument("--config", default=argparse.SUPPRESS, help="TOML config file (default: TANDEM_CONFIG)")
     add_parser(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(["health", *(sys.argv[1:] if argv is None else argv)])
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # --config is the top-level parser's (as in `tandem --config F health`): moved before "health"
+    front = []
+    for i, a in enumerate(argv):
+        if a.startswith("--config="):
+            front, argv = [a], argv[:i] + argv[i + 1:]
+            break
+        if a == "--config" and i + 1 < len(argv):
+            front, argv = argv[i:i + 2], argv[:i] + argv[i + 2:]
+            break
+    args = parser.parse_args([*front, "health", *argv])
     options = options_of(subparsers(parser)["health"])
     try:
         path, _ = config_path(args)

@@ -56,15 +56,17 @@ def _worker(args: argparse.Namespace) -> int:
 
 async def _say_exits(cluster, every_s: float = 1.0) -> None:
     """While `tandem up` serves: say once of each process of the cluster that exits (killed, or
-    failed), with its status and log, since its clients would only see fewer workers."""
+    failed), with its status and log, since its clients would only see fewer workers (or, for
+    the router, none)."""
     said: set[str] = set()
     while True:
         await asyncio.sleep(every_s)
         for name, proc in list(cluster.procs.items()):
             if name not in said and proc.poll() is not None:
                 said.add(name)
-                print(f"tandem up: {name} exited (status {proc.returncode}); the cluster serves on without it; "
-                      f"its log: {cluster.log_dir / (name + '.log')}", file=sys.stderr, flush=True)
+                print(f"tandem up: {name} exited (status {proc.returncode}); its log: "
+                      f"{cluster.log_dir / (name + '.log')}; the others run on (Ctrl-C stops them)",
+                      file=sys.stderr, flush=True)
 
 
 def _up(args: argparse.Namespace) -> int:
@@ -433,21 +435,12 @@ def start_up_error(args: argparse.Namespace, exc: BaseException) -> str:
     fraction = getattr(args, "mem_fraction_static", 0) or 0
     share = (f"--mem-fraction-static {fraction} of the GPU holds its weights and KV pool" if fraction
              else "its weights and KV pool (--num-blocks) come first")
-    return (f"{text}\ntandem {args.command}: out of GPU memory while starting: {share}; its activations, CUDA "
-            "graphs and the GPU's other processes share the rest. Lower --mem-fraction-static (workers sharing "
-            "one GPU each need room for their activations), or give each worker a GPU of its own")
+    return (f"{text}\ntandem {args.command}: out of GPU memory while starting: {share}; activations, graphs "
+            "and other processes share the rest. Lower --mem-fraction-static (workers sharing a GPU each need "
+            "room beside it), or give each worker its own GPU")
 
 
 def main(argv: list[str] | None = None) -> int:
-    try:
-        return _main(argv)
-    except BrokenPipeError:  # stdout's reader is gone (`tandem config show | head`): no traceback
-        # Python's recipe: point stdout at /dev/null so that its flush at exit fails no more
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 1
-
-
-def _main(argv: list[str] | None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     command = command_of(argv)
     if command == "up":  # before its imports (a second): see _up

@@ -89,8 +89,12 @@ class HealthTracker:
         self._soon: dict[str, asyncio.Task] = {}  # probe_soon's probes in flight (strong references)
         self.rounds = 0
         # Called with (instance id, reason) when a worker turns unhealthy: the router takes its
-        # open calls away (router/inflight.py) instead of waiting on a worker that may never answer.
+        # open calls away (router/inflight.py) instead of waiting on a worker that may never answer,
+        # when another decode worker can take them (router/service.py `worker_unhealthy`).
         self.on_unhealthy: Callable[[str, str], None] | None = None
+        # Called with the instance id when a worker turns healthy again: calls that stayed on an
+        # unhealthy worker for want of another may move now (router/service.py `move_stranded`).
+        self.on_healthy: Callable[[str], None] | None = None
 
     # -- queries ---------------------------------------------------------------------------------
 
@@ -125,6 +129,8 @@ class HealthTracker:
             down = time.monotonic() - st.since
             st.since = time.monotonic()
             log.info("worker %s at %s is healthy again (unhealthy for %.1f s)", instance_id, st.address, down)
+            if self.on_healthy is not None:
+                self.on_healthy(instance_id)
 
     def record_failure(self, instance_id: str, reason: str, conclusive: bool = False) -> None:
         """One failure; `conclusive` (nothing could connect) counts as `failure_threshold` of them."""

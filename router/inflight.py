@@ -5,7 +5,8 @@ A worker that stops answering without closing its connections (a stopped process
 host) leaves its streams open forever: nothing arrives, nothing fails. The router therefore
 ends them itself, and migrates each request exactly as it does after a broken stream:
 
-- when health probes turn the worker unhealthy (router/health.py: `on_unhealthy`),
+- when health probes turn the worker unhealthy (router/health.py: `on_unhealthy`) and another
+  decode worker is healthy, or once one is (router/service.py `worker_unhealthy`, `move_stranded`),
 - when the worker leaves discovery (router/main.py: membership changes),
 - when a running stream has produced no response for `stall_s` seconds (`CallReader`;
   router/stall.py sets it from the worker's observed inter-token latency).

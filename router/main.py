@@ -249,6 +249,7 @@ async def run(opts: RouterOptions, ready: Callable[[RunningServer, FrontendServi
     servicer.default_deadline_s = opts.default_deadline_s
     servicer.stall = StallRule(opts.token_stall_timeout_s, opts.token_stall_itl_factor)
     health.on_unhealthy = servicer.worker_unhealthy
+    health.on_healthy = servicer.move_stranded
 
     def on_change() -> None:
         if on_membership is not None:

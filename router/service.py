@@ -396,16 +396,30 @@ class FrontendServicer(pb_grpc.FrontendServiceServicer):
     def worker_unhealthy(self, instance_id: str, reason: str) -> None:
         """Health probes found a worker failed (router/health.py `on_unhealthy`): its open calls
         move to other decode workers, unless none is healthy now. Then they stay on it, since
-        taking them would only fail them: a draining worker (NOT_SERVING) still streams them to
-        the end of its drain, and a hung one's end by the stall rule or their deadline, each
-        then migrating if a worker has come meanwhile. A worker whose process is gone breaks
-        its streams itself."""
+        taking them would only fail them: a draining worker (NOT_SERVING) streams them on to the
+        end of its drain; a stopped process's streams break when its connection's keepalive
+        (--keepalive-time + --keepalive-timeout) or its lease gives up, a hung engine's by the
+        stall rule once they have a first token, else at their deadline. They move as soon as
+        another decode worker is healthy (`move_stranded`), or migrate when they break."""
         n = self.open_calls.count(instance_id)
-        if n and not any(c.instance_id != instance_id for c in self.workers.candidates(discovery_pb2.ROLE_DECODE)):
+        if n and not self._other_decode(instance_id):
             log.warning("decode worker %s %s, but no other decode worker is healthy: its %d open calls stay on it",
                         instance_id, reason, n)
             return
         self.evict_worker(instance_id, reason)
+
+    def _other_decode(self, instance_id: str) -> bool:
+        return any(c.instance_id != instance_id for c in self.workers.candidates(discovery_pb2.ROLE_DECODE))
+
+    def move_stranded(self, _changed: str = "") -> None:
+        """Move the calls that stayed on an unhealthy decode worker (`worker_unhealthy`) once
+        another decode worker is healthy: after a discovery change or a worker's recovery."""
+        health = self.workers.health
+        if health is None:
+            return
+        for wid in self.open_calls.workers():
+            if not health.healthy(wid) and self._other_decode(wid):
+                self.evict_worker(wid, "unhealthy (another decode worker is healthy now)")
 
     def on_membership(self) -> None:
         """After a discovery change: evict the calls of workers that left, then close their channels."""
@@ -414,4 +428,5 @@ class FrontendServicer(pb_grpc.FrontendServiceServicer):
         for wid in self.open_calls.workers():
             if wid not in present:
                 self.evict_worker(wid, "left discovery")
+        self.move_stranded()
         self.workers.prune()

@@ -327,8 +327,10 @@ def test_bench_refuses_an_out_it_could_not_write_before_it_runs(tmp_path):
 
     with pytest.raises(ValueError, match="--out .*: is a folder"):
         run(BenchOptions(out=str(tmp_path), router="127.0.0.1:1", router_wait_s=0))
-    with pytest.raises(ValueError, match="no folder"):
-        run(BenchOptions(out=str(tmp_path / "nope" / "r.json"), router="127.0.0.1:1", router_wait_s=0))
+    # a folder that is not there yet is made (README: --out /tmp/bench/mock.json), before the run
+    with pytest.raises(RuntimeError, match="not ready"):
+        run(BenchOptions(out=str(tmp_path / "new" / "r.json"), router="127.0.0.1:1", router_wait_s=0))
+    assert (tmp_path / "new").is_dir()
 
 
 def test_a_failed_start_leaves_no_folder_without_logs_and_no_ca_key(tmp_path):
@@ -371,8 +373,3 @@ def test_more_bad_values_are_refused_by_flag(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "'up' is a table of options: write [up]" in err and "did you mean" not in err
 
-
-def test_config_show_into_a_closed_pipe_prints_no_traceback():
-    r = subprocess.run(f"{PY} -m cli.main config show decode | head -1", shell=True, cwd=ROOT, capture_output=True,
-                       text=True, timeout=120)
-    assert r.stdout.startswith("# tandem config show") and "Traceback" not in r.stderr, r.stderr

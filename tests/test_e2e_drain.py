@@ -96,3 +96,39 @@ def test_the_only_decode_worker_draining_keeps_its_streams(etcd_server, tiny_mod
         ch.close()
     finally:
         c.close()
+
+
+def test_streams_kept_on_a_draining_worker_move_once_another_decode_worker_is_up(etcd_server, tiny_model):
+    """The only decode worker drains and keeps its stream (above); a second decode worker then
+    registers: the stream moves to it at once (not at the drain's end), with the same tokens."""
+    c = InProcessCluster(etcd_server.endpoint, tiny_model, namespace="e2e-drain-move")
+    try:
+        router = c.start("router", health_interval_s=0.05, health_failure_threshold=1)
+        c.start("prefill")
+        first = c.start("decode")
+        c.wait_roles(router, 1, 1)
+        ch = grpc.insecure_channel(router.address)
+        stub = frontend_pb2_grpc.FrontendServiceStub(ch)
+        prompt = [101, 102, 103, 104]
+        call = stub.Generate(frontend_pb2.GenerateRequest(token_ids=prompt, sampling=sampling_pb2.SamplingParams(
+            max_tokens=600, ignore_eos=True)), timeout=120)
+        tokens = list(next(call).token_ids)
+        stopper = threading.Thread(target=c.stop, args=(first,))
+        stopper.start()
+        deadline = time.time() + 10
+        while router.workers.health.healthy(first.runtime.instance_id) and time.time() < deadline:
+            time.sleep(0.005)
+        assert first.runtime.in_flight == 1 and router.servicer.migrations == 0  # kept: no other worker
+        c.start("decode")
+        deadline = time.time() + 10
+        while router.servicer.migrations == 0 and time.time() < deadline:  # well before the 30 s drain ends
+            time.sleep(0.01)
+        assert router.servicer.migrations == 1
+        for msg in call:
+            tokens += list(msg.token_ids)
+        assert tokens == reference_generate(tiny_model.model, prompt, 600)
+        stopper.join(60)
+        assert not stopper.is_alive()
+        ch.close()
+    finally:
+        c.close()
