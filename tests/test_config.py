@@ -266,3 +266,17 @@ def test_one_roles_options_reach_that_role_only(tmp_path, monkeypatch, capsys):
     bad = write(tmp_path, "[prefill]\nep_size = 2\n")
     with pytest.raises(config.ConfigError, match="ep_size"):
         effective(["prefill", "--config", bad])
+
+
+def test_container_health_check_takes_its_options_from_a_config_file(tmp_path, capsys):
+    """`python -m cli.health --config FILE` (or TANDEM_CONFIG): the top level's and [health]'s
+    keys of the file; a wrong type there is one line and exit 1, not a usage error."""
+    good = write(tmp_path, 'port = 1\nlog_level = "info"\n[router]\nrouter_mode = "kv"\n[health]\nhealth_timeout_s = 0.5\n')
+    for argv in (["--config", good], [f"--config={good}"]):
+        assert health_main(argv) == 1  # 127.0.0.1:1 from the file: nothing listens there
+        assert "127.0.0.1:1" in capsys.readouterr().err
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[health]\nhealth_timeout_s = "soon"\n')
+    assert health_main(["--config", str(bad)]) == 1
+    err = capsys.readouterr().err
+    assert "health_timeout_s" in err and "Traceback" not in err
