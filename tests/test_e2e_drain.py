@@ -64,32 +64,40 @@ def test_decode_worker_finishes_in_flight_streams_while_draining(etcd_server, ti
         c.close()
 
 
+PROMPT = [101, 102, 103, 104]
+
+
+def _only_decode_worker_draining(c: InProcessCluster, max_tokens: int):
+    """A router probing every 50 ms, a prefill worker and one decode worker, a greedy stream of
+    max_tokens started on it, then its drain (in a thread), until the probes find it unhealthy.
+    Returns (router, decode worker, the call, its tokens so far, the stopping thread, channel)."""
+    router = c.start("router", health_interval_s=0.05, health_failure_threshold=1)
+    c.start("prefill")
+    decode = c.start("decode")
+    c.wait_roles(router, 1, 1)
+    ch = grpc.insecure_channel(router.address)
+    call = frontend_pb2_grpc.FrontendServiceStub(ch).Generate(frontend_pb2.GenerateRequest(
+        token_ids=PROMPT, sampling=sampling_pb2.SamplingParams(max_tokens=max_tokens, ignore_eos=True)), timeout=120)
+    tokens = list(next(call).token_ids)
+    stopper = threading.Thread(target=c.stop, args=(decode,))
+    stopper.start()
+    deadline = time.time() + 10
+    while router.workers.health.healthy(decode.runtime.instance_id) and time.time() < deadline:
+        time.sleep(0.005)  # the probes see the drain's NOT_SERVING
+    assert not router.workers.health.healthy(decode.runtime.instance_id)
+    assert decode.runtime.in_flight == 1 and router.servicer.migrations == 0  # kept while it still runs
+    return router, decode, call, tokens, stopper, ch
+
+
 def test_the_only_decode_worker_draining_keeps_its_streams(etcd_server, tiny_model):
     """Its NOT_SERVING makes it unhealthy to the router's probes, but with no other decode
     worker to move them to, taking its streams would fail them: they stay and run to the end."""
     c = InProcessCluster(etcd_server.endpoint, tiny_model, namespace="e2e-drain-one")
     try:
-        router = c.start("router", health_interval_s=0.05, health_failure_threshold=1)
-        c.start("prefill")
-        decode = c.start("decode")
-        c.wait_roles(router, 1, 1)
-        ch = grpc.insecure_channel(router.address)
-        stub = frontend_pb2_grpc.FrontendServiceStub(ch)
-        prompt = [101, 102, 103, 104]
-        call = stub.Generate(frontend_pb2.GenerateRequest(token_ids=prompt, sampling=sampling_pb2.SamplingParams(
-            max_tokens=300, ignore_eos=True)), timeout=120)
-        tokens = list(next(call).token_ids)
-        stopper = threading.Thread(target=c.stop, args=(decode,))
-        stopper.start()
-        health, wid = router.workers.health, decode.runtime.instance_id
-        deadline = time.time() + 10
-        while health.healthy(wid) and time.time() < deadline:  # the probes see the drain's NOT_SERVING
-            time.sleep(0.005)
-        assert not health.healthy(wid)
-        assert decode.runtime.in_flight == 1  # found unhealthy while the stream still ran
+        router, _, call, tokens, stopper, ch = _only_decode_worker_draining(c, 300)
         for msg in call:
             tokens += list(msg.token_ids)
-        assert tokens == reference_generate(tiny_model.model, prompt, 300)
+        assert tokens == reference_generate(tiny_model.model, PROMPT, 300)
         assert router.servicer.migrations == 0
         stopper.join(60)
         assert not stopper.is_alive()
@@ -103,22 +111,7 @@ def test_streams_kept_on_a_draining_worker_move_once_another_decode_worker_is_up
     registers: the stream moves to it at once (not at the drain's end), with the same tokens."""
     c = InProcessCluster(etcd_server.endpoint, tiny_model, namespace="e2e-drain-move")
     try:
-        router = c.start("router", health_interval_s=0.05, health_failure_threshold=1)
-        c.start("prefill")
-        first = c.start("decode")
-        c.wait_roles(router, 1, 1)
-        ch = grpc.insecure_channel(router.address)
-        stub = frontend_pb2_grpc.FrontendServiceStub(ch)
-        prompt = [101, 102, 103, 104]
-        call = stub.Generate(frontend_pb2.GenerateRequest(token_ids=prompt, sampling=sampling_pb2.SamplingParams(
-            max_tokens=600, ignore_eos=True)), timeout=120)
-        tokens = list(next(call).token_ids)
-        stopper = threading.Thread(target=c.stop, args=(first,))
-        stopper.start()
-        deadline = time.time() + 10
-        while router.workers.health.healthy(first.runtime.instance_id) and time.time() < deadline:
-            time.sleep(0.005)
-        assert first.runtime.in_flight == 1 and router.servicer.migrations == 0  # kept: no other worker
+        router, _, call, tokens, stopper, ch = _only_decode_worker_draining(c, 600)
         c.start("decode")
         deadline = time.time() + 10
         while router.servicer.migrations == 0 and time.time() < deadline:  # well before the 30 s drain ends
@@ -126,7 +119,7 @@ def test_streams_kept_on_a_draining_worker_move_once_another_decode_worker_is_up
         assert router.servicer.migrations == 1
         for msg in call:
             tokens += list(msg.token_ids)
-        assert tokens == reference_generate(tiny_model.model, prompt, 600)
+        assert tokens == reference_generate(tiny_model.model, PROMPT, 600)
         stopper.join(60)
         assert not stopper.is_alive()
         ch.close()

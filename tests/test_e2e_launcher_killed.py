@@ -54,6 +54,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _kill_all(up: subprocess.Popen, children: dict[int, str]) -> None:
+    """SIGKILL whatever of a test's `tandem up` and its children still runs."""
+    if up.poll() is None:
+        up.kill()
+    for p in children:
+        if _alive(p):
+            os.kill(p, signal.SIGKILL)
+    up.stdout.close()
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_tandem_up_killed_leaves_no_process_and_frees_its_port(tmp_path):
     port = _free_port()
@@ -90,12 +100,7 @@ def test_tandem_up_killed_leaves_no_process_and_frees_its_port(tmp_path):
         # etcd's data stays where the launcher said its logs are, not somewhere in /tmp
         assert list(Path(log_dir).glob("tandem-etcd-*/data"))
     finally:
-        if up.poll() is None:
-            up.kill()
-        for p in children:
-            if _alive(p):
-                os.kill(p, signal.SIGKILL)
-        up.stdout.close()
+        _kill_all(up, children)
 
 
 def test_stop_with_launcher_needs_the_variable_and_stands_down_once_stopping(monkeypatch):
@@ -174,9 +179,4 @@ def test_tandem_up_says_when_a_process_of_its_cluster_exits(tmp_path):
         rest = up.communicate(timeout=60)[0]
         assert up.returncode == 0 and "mocker exited" not in rest, rest  # said once; a stop is not news
     finally:
-        if up.poll() is None:
-            up.kill()
-        for p in children:
-            if _alive(p):
-                os.kill(p, signal.SIGKILL)
-        up.stdout.close()
+        _kill_all(up, children)
