@@ -128,6 +128,11 @@ class LocalCluster:
                  stop_with_launcher: bool = False) -> None:
         if num_routers < 1:
             raise ValueError(f"--routers must be at least 1, got {num_routers}")
+        for flag, n in (("--prefill", num_prefill), ("--decode", num_decode), ("--mocker", num_mocker)):
+            if n < 0:
+                raise ValueError(f"{flag} must be >= 0, got {n}")
+        if num_decode + num_mocker < 1:
+            raise ValueError("--decode 0 leaves no decode worker: give --decode 1 or more (or --mocker N)")
         from common.grpc_server import validate_listen_port
         validate_listen_port(router_port)
         if not ready_timeout_s > 0:

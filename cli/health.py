@@ -59,7 +59,8 @@ def run(args: argparse.Namespace) -> int:
     if not 0 < args.health_timeout_s < float("inf"):  # (NaN too)
         raise ValueError(f"--health-timeout must be a finite number of seconds > 0, got {args.health_timeout_s}")
     address = args.address or args.router or f"127.0.0.1:{args.port}"
-    check_port(address, *(("ADDRESS",) if args.address else ("--router",) if args.router else ("--port", str(args.port))))
+    flag, given = ("ADDRESS", "") if args.address else ("--router", "") if args.router else ("--port", str(args.port))
+    check_port(address, flag, given)
     if not (args.address or args.router) and os.environ.get("TANDEM_ROUTER"):
         print(f"tandem health: TANDEM_ROUTER is not read here; checking {address} (pass --router "
               f"{os.environ['TANDEM_ROUTER']} to check the router)", file=sys.stderr)
@@ -84,20 +85,11 @@ def main(argv: list[str] | None = None) -> int:
     beside it checks the whole file when it starts. A file or value that cannot be used, or TLS
     files that do not go together, is one line and exit status 1 (unhealthy)."""
     parser = argparse.ArgumentParser(prog="python -m cli.health")
-    parser.add_argument("--config", default=argparse.SUPPRESS, help="TOML config file (default: TANDEM_CONFIG)")
     add_parser(parser.add_subparsers(dest="command", required=True))
-    argv = list(sys.argv[1:] if argv is None else argv)
-    # --config is the top-level parser's (as in `tandem --config F health`): moved before "health"
-    front = []
-    for i, a in enumerate(argv):
-        if a.startswith("--config="):
-            front, argv = [a], argv[:i] + argv[i + 1:]
-            break
-        if a == "--config" and i + 1 < len(argv):
-            front, argv = argv[i:i + 2], argv[:i] + argv[i + 2:]
-            break
-    args = parser.parse_args([*front, "health", *argv])
-    options = options_of(subparsers(parser)["health"])
+    health = subparsers(parser)["health"]
+    health.add_argument("--config", default=argparse.SUPPRESS, help="TOML config file (default: TANDEM_CONFIG)")
+    args = parser.parse_args(["health", *(sys.argv[1:] if argv is None else argv)])
+    options = options_of(health)
     try:
         path, _ = config_path(args)
         data = own_values(path, "health", options) if path else {}

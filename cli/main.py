@@ -85,11 +85,6 @@ def _up(args: argparse.Namespace) -> int:
     config_file = getattr(args, "config", None) or os.environ.get("TANDEM_CONFIG")
     if config_file:
         os.environ["TANDEM_CONFIG"] = os.path.abspath(config_file)
-    for flag, n in (("--prefill", args.prefill), ("--decode", args.decode), ("--mocker", args.mocker)):
-        if n < 0:
-            raise ValueError(f"{flag} must be >= 0, got {n}")
-    if args.decode + args.mocker < 1:
-        raise ValueError("--decode 0 leaves no decode worker: give --decode 1 or more (or --mocker N)")
     # what would stop every worker seconds after start: said now, before anything starts
     from common.grpc_server import validate_listen_port
     from router.http_port import validate_port as validate_http_port
@@ -119,15 +114,19 @@ def _up(args: argparse.Namespace) -> int:
         # Children inherit the log settings through their TANDEM_* variables.
         os.environ.update(TANDEM_LOG_LEVEL=args.log_level, TANDEM_LOG_FORMAT=args.log_format)
         log_dir = tempfile.mkdtemp(prefix="tandem-up-", dir=log_parent) if log_parent is not None else None
-        cluster = LocalCluster(model=args.model, num_prefill=args.prefill, num_decode=args.decode, etcd=args.etcd,
-                               log_dir=log_dir,
-                               router_port=args.port,
-                               router_args=["--router-mode", args.router_mode] if args.router_mode else [],
-                               metrics=args.metrics, num_mocker=args.mocker, http_port=args.http_port,
-                               tls=not args.insecure, api_keys=args.api_keys, num_routers=args.routers,
-                               mocker_processes=args.mocker_processes, ready_timeout_s=args.ready_timeout,
-                               mps=args.mps, mps_prefill_percent=args.mps_prefill_percent,
-                               mps_prefill_priority=args.mps_prefill_priority, stop_with_launcher=True)
+        try:
+            cluster = LocalCluster(model=args.model, num_prefill=args.prefill, num_decode=args.decode,
+                                   etcd=args.etcd, log_dir=log_dir, router_port=args.port,
+                                   router_args=["--router-mode", args.router_mode] if args.router_mode else [],
+                                   metrics=args.metrics, num_mocker=args.mocker, http_port=args.http_port,
+                                   tls=not args.insecure, api_keys=args.api_keys, num_routers=args.routers,
+                                   mocker_processes=args.mocker_processes, ready_timeout_s=args.ready_timeout,
+                                   mps=args.mps, mps_prefill_percent=args.mps_prefill_percent,
+                                   mps_prefill_priority=args.mps_prefill_priority, stop_with_launcher=True)
+        except BaseException:  # its arguments refused: nothing started, nothing logged
+            if log_dir is not None:
+                os.rmdir(log_dir)
+            raise
         # settings a shell exported earlier (the README's mocker example) reach every process:
         # said here, since only a worker's log would show them otherwise
         from common.lifecycle import LAUNCHER_ENV

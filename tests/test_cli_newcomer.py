@@ -299,10 +299,11 @@ def test_up_refuses_worker_counts_it_cannot_start_and_passes_an_absolute_config(
                               (["--prefill", "-1"], "--prefill must be >= 0, got -1"),
                               (["--mocker", "-1"], "--mocker must be >= 0, got -1"),
                               (["--decode", "0"], "--decode 0 leaves no decode worker")):
-            assert main(["up", "--config", "rel.toml", *argv]) == 1  # before anything starts
+            assert main(["up", "--config", "rel.toml", "--log-dir", "logs", *argv]) == 1  # before anything starts
             assert message in capsys.readouterr().err
             # the children run in the repository root: they get the file's absolute path
             assert os.environ["TANDEM_CONFIG"] == str(tmp_path / "rel.toml")
+        assert list((tmp_path / "logs").iterdir()) == []  # no empty run folder left in --log-dir
     finally:
         for s, h in handlers.items():
             signal.signal(s, h)
