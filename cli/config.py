@@ -241,3 +241,9 @@ def apply(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         setattr(args, name, r.value)
     if path:
         args.config = path
+    flags = {o.name: o.flag for o in options_of(parser)}
+    sub = subparsers(parser).get(args.command)
+    flags.update({o.name: o.flag for o in options_of(sub)} if sub is not None else {})
+    args.set_by = {flags[n]: r.source for n, r in {**top, **mine}.items()
+                   if n in flags and r.source.startswith(("env ", "file "))}
+

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
 from collections.abc import Collection
 from typing import Any, Callable, TypeVar
 
@@ -308,11 +309,37 @@ def _parse_list(raw: str) -> list[str]:
 
 
 
-def build(cls: type[T], args: argparse.Namespace, **overrides: Any) -> T:
-    """Construct cls from parsed args; a bad value exits with the flag named."""
+def _where(source: str) -> str:
+    kind, _, place = source.partition(" ")
+    if kind == "env":
+        return f"the environment variable {place}"
+    path, _, key = place.rpartition(":")
+    return f"{key} in the config file {path}"
+
+
+def name_sources(message: str, set_by: dict[str, str]) -> str:
+    """`message` with a note on where each flag it names got its value, when that was not the
+    command line: an error about `--http-port` caused by TANDEM_HTTP_PORT=-5 should say so
+    (`set_by` is what `apply` left in args.set_by: flag -> "env TANDEM_X" | "file PATH:key")."""
+    named = dict.fromkeys(re.findall(r"--[a-z][a-z0-9-]*", message))
+    notes = [f"{flag} came from {_where(set_by[flag])}" for flag in named if flag in set_by]
+    return f"{message} ({'; '.join(notes)})" if notes else message
+
+
+def construct(cls: type[T], args: argparse.Namespace, **overrides: Any) -> T:
+    """cls from parsed args. Raises ValueError: a bad value, the flag named and, where the value
+    came from a TANDEM_* variable or the config file, where."""
     values = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)}
     values.update(overrides)
     try:
         return cls(**values)
+    except ValueError as exc:
+        raise ValueError(name_sources(str(exc), getattr(args, "set_by", {}))) from None
+
+
+def build(cls: type[T], args: argparse.Namespace, **overrides: Any) -> T:
+    """`construct`, for a process's own options: a bad value exits with the flag named."""
+    try:
+        return construct(cls, args, **overrides)
     except ValueError as exc:
         raise SystemExit(f"tandem: {exc}") from None

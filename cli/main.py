@@ -13,7 +13,7 @@ import tempfile
 from pathlib import Path
 
 from cli import certs, config, config_show, health
-from cli.flags import OTHER_ROLE_ONLY, add_flags, add_option, build, refuse_other_role
+from cli.flags import OTHER_ROLE_ONLY, add_flags, add_option, build, construct, name_sources, refuse_other_role
 from cli.top import add_parser as add_top_parser
 from common.gc_pauses import own_process
 from common.version import VERSION
@@ -52,6 +52,28 @@ def _worker(args: argparse.Namespace) -> int:
         from decode_worker.main import run
     asyncio.run(run(opts))
     return 0
+
+
+def _check_worker_values(up: argparse.Namespace) -> None:
+    """Refuse a worker value `tandem up`'s workers would refuse (from a TANDEM_* variable or the
+    config file: `tandem up` passes none of its own), before etcd and the router start rather
+    than when the workers do, seconds later. Each role's options are resolved as its process
+    will resolve them: `tandem up`'s flags for it, then the variables, the file, the defaults.
+
+    Raises:
+        ValueError: the flag named, where its value came from, and which workers.
+    """
+    from worker.host import WorkerOptions
+    for role, count in (("prefill", up.prefill), ("decode", up.decode)):
+        if count <= 0:
+            continue
+        parser = build_parser(role, full=True)
+        args = parser.parse_args([role, "--port", "0", "--model", up.model])  # as LocalCluster.spawn
+        config.apply(parser, args)
+        try:  # its etcd and certificates are `tandem up`'s, given to it once they exist
+            construct(WorkerOptions, args, etcd="", tls_cert="", tls_key="", tls_ca="")
+        except ValueError as exc:
+            raise ValueError(f"the {role} workers would refuse it: {exc}") from None
 
 
 async def _say_exits(cluster, every_s: float = 1.0) -> None:
@@ -103,6 +125,9 @@ def _up(args: argparse.Namespace) -> int:
     if not args.mocker and args.model == MOCK:  # its workers would fail loading weights it has not got
         raise ValueError(f"--model {MOCK} has a config but no weights: it is served by simulated workers "
                          f"(add --mocker N)")
+
+    if not args.mocker:
+        _check_worker_values(args)
 
     log_parent = Path(args.log_dir).expanduser() if args.log_dir else None
     if log_parent is not None:
@@ -428,7 +453,7 @@ def start_up_error(args: argparse.Namespace, exc: BaseException) -> str:
     ran out of GPU memory, also a last line saying what to change (torch's message names sizes
     and its allocator's settings, not this worker's flags). The last line is the one `tandem up`
     quotes when a worker it started exits."""
-    text = f"tandem {args.command}: {exc}"
+    text = f"tandem {args.command}: {name_sources(str(exc), getattr(args, 'set_by', {}))}"
     if type(exc).__name__ != "OutOfMemoryError" or args.command not in ("prefill", "decode"):
         return text
     fraction = getattr(args, "mem_fraction_static", 0) or 0

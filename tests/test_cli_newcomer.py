@@ -374,3 +374,34 @@ def test_more_bad_values_are_refused_by_flag(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "'up' is a table of options: write [up]" in err and "did you mean" not in err
 
+
+
+def test_an_error_about_a_flag_set_elsewhere_says_where_it_was_set(tmp_path):
+    # TANDEM_HTTP_PORT=-5 said "--http-port must be ...", which no command line had given
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TANDEM_")}
+    r = subprocess.run([PY, "-m", "cli.main", "up", "--insecure"], cwd=ROOT, capture_output=True, text=True,
+                       timeout=60, env={**env, "TANDEM_HTTP_PORT": "-5"})
+    assert r.returncode == 1 and "got -5 (--http-port came from the environment variable TANDEM_HTTP_PORT)" \
+        in r.stderr, r.stderr
+    cfg = tmp_path / "t.toml"
+    cfg.write_text("http_port = -7\n")
+    r = tandem("up", "--insecure", "--config", str(cfg))
+    assert r.returncode == 1 and f"got -7 (--http-port came from http_port in the config file {cfg})" \
+        in r.stderr, r.stderr
+    r = tandem("up", "--insecure", "--config", str(cfg), "--http-port", "-3")  # the flag wins, and says nothing more
+    assert r.returncode == 1 and r.stderr.rstrip().endswith("got -3"), r.stderr
+
+
+def test_up_refuses_a_bad_worker_value_from_the_file_or_environment_before_starting(tmp_path):
+    # the workers refused it only once etcd and the router were up, seconds later
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TANDEM_")}
+    r = subprocess.run([PY, "-m", "cli.main", "up", "--insecure"], cwd=ROOT, capture_output=True, text=True,
+                       timeout=60, env={**env, "TANDEM_MAX_RUNNING": "0"})
+    assert r.returncode == 1 and "the prefill workers would refuse it: --max-running must be >= 1, got 0 " \
+        "(--max-running came from the environment variable TANDEM_MAX_RUNNING)" in r.stderr, r.stderr
+    cfg = tmp_path / "t.toml"
+    cfg.write_text("[decode]\nstream_interval = 0\n")
+    r = tandem("up", "--insecure", "--config", str(cfg), "--prefill", "0")
+    assert r.returncode == 1 and "the decode workers would refuse it: --stream-interval must be >= 1 token" \
+        in r.stderr and "decode.stream_interval in the config file" in r.stderr, r.stderr
+    assert "logs in" not in r.stdout + r.stderr and "Traceback" not in r.stderr  # nothing started
