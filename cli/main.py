@@ -128,6 +128,9 @@ def _up(args: argparse.Namespace) -> int:
 
     if not args.mocker:
         _check_worker_values(args)
+    elif (args.prefill, args.decode) != (1, 1):  # dropped without a word before
+        raise ValueError(f"--mocker {args.mocker} starts simulated workers that each prefill and decode; "
+                         "--prefill and --decode count real workers: leave them out (or --mocker)")
 
     log_parent = Path(args.log_dir).expanduser() if args.log_dir else None
     if log_parent is not None:

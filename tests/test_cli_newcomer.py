@@ -405,3 +405,5 @@ def test_up_refuses_a_bad_worker_value_from_the_file_or_environment_before_start
     assert r.returncode == 1 and "the decode workers would refuse it: --stream-interval must be >= 1 token" \
         in r.stderr and "decode.stream_interval in the config file" in r.stderr, r.stderr
     assert "logs in" not in r.stdout + r.stderr and "Traceback" not in r.stderr  # nothing started
+    r = tandem("up", "--insecure", "--mocker", "2", "--prefill", "3")
+    assert r.returncode == 1 and "--prefill and --decode count real workers" in r.stderr, r.stderr
