@@ -71,8 +71,20 @@ def _http_client(http_url: str, connections: int, api_key: str = ""):
     if not http_url:
         return contextlib.nullcontext()
     import aiohttp
-    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=connections),
+    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=connections, ssl=_https_trust()),
                                  headers={"Authorization": f"Bearer {api_key}"} if api_key else None)
+
+
+def _https_trust():
+    """The certificates an https:// --http-url may chain to: the system's, and the cluster CA of
+    --tls-ca (a router's --http-tls-cert issued by `tandem certs`)."""
+    import ssl
+
+    from common import tls
+    context = ssl.create_default_context()
+    if tls.TLS is not None and tls.TLS.ca:
+        context.load_verify_locations(cadata=tls.TLS.ca.decode())
+    return context
 
 
 PROGRESS_EVERY_S = 15.0  # a progress line this often when stderr is not a terminal

@@ -95,6 +95,8 @@ class LocalCluster:
             is a frontend client's (`cli.client.frontend_stub(address, cluster.client_tls)`;
             it also reads etcd). The cluster's own etcd then serves TLS and takes only clients
             with a certificate of that CA (`etcd_endpoint` is https://...). False: plaintext.
+        https: the routers' HTTP API serves HTTPS with each router's own certificate (needs tls;
+            clients trust the cluster CA, log_dir/tls/ca.pem).
         api_keys: the router's --api-keys file; it must hold an admin key (`admin_key`), which
             the readiness check uses. "" = an open front.
         num_routers: router processes (replicas) on the one router port and HTTP port
@@ -122,12 +124,15 @@ class LocalCluster:
                  worker_args: list[str] | None = None, router_args: list[str] | None = None,
                  log_dir: str | None = None,
                  ready_timeout_s: float = 120.0, metrics: bool = False, num_mocker: int = 0,
-                 mocker_args: list[str] | None = None, http_port: int = -1, tls: bool = True,
+                 mocker_args: list[str] | None = None, http_port: int = -1, tls: bool = True, https: bool = False,
                  api_keys: str = "", num_routers: int = 1, mocker_processes: int = 1, mps: bool = False,
                  mps_prefill_percent: int | None = None, mps_prefill_priority: str = "below",
                  stop_with_launcher: bool = False) -> None:
         if num_routers < 1:
             raise ValueError(f"--routers must be at least 1, got {num_routers}")
+        if https and (not tls or http_port < 0):
+            raise ValueError("--https serves the HTTP API with the routers' cluster certificates: it needs TLS "
+                             "(not --insecure) and the HTTP API (not --http-port -1)")
         for flag, n in (("--prefill", num_prefill), ("--decode", num_decode), ("--mocker", num_mocker)):
             if n < 0:
                 raise ValueError(f"{flag} must be >= 0, got {n}")
@@ -177,7 +182,9 @@ class LocalCluster:
         self.router_address = ""
         self.http_port = http_port
         self.http_address = ""  # host:port of the router's HTTP API; "" when off
+        self.http_url = ""  # http(s)://host:port of it; "" when off
         self.tls = tls
+        self.https = https
         self.ca = None  # common.certs.LocalCa once started with tls
         self.client_tls = None  # common.tls.TlsCredentials of a frontend client (role "client")
         self.api_keys = str(Path(api_keys).resolve()) if api_keys else ""  # the children run in the repo root
@@ -225,12 +232,14 @@ class LocalCluster:
         return proc
 
     def _tls_args(self, name: str, role: str) -> list[str]:
-        """--tls-cert/--tls-key/--tls-ca of a new certificate for this process (none without tls)."""
+        """--tls-cert/--tls-key/--tls-ca of a new certificate for this process (none without tls), and
+        for a router with https the same certificate for its HTTP API."""
         if self.ca is None:
             return []
         roles = ("decode", "prefill") if role == "mocker" else (role,)  # simulated workers of both kinds
         files = self.ca.issue(name, roles)
-        return ["--tls-cert", files.cert, "--tls-key", files.key, "--tls-ca", files.ca]
+        https = ["--http-tls-cert", files.cert, "--http-tls-key", files.key] if self.https and role == "router" else []
+        return ["--tls-cert", files.cert, "--tls-key", files.key, "--tls-ca", files.ca, *https]
 
     async def start(self) -> None:
         if self.num_routers == 1:  # one router: a fixed port in use fails here, before the CA or any process
@@ -320,6 +329,8 @@ class LocalCluster:
         self.instances = dict(view)
         routers = [i for i in view.values() if i.role == discovery_pb2.ROLE_ROUTER]
         self.router_address, self.http_address = routers[0].address, routers[0].http_address
+        if self.http_address:
+            self.http_url = f"{'https' if self.https else 'http'}://{self.http_address}"
         await self._wait_routers_see_workers({i.instance_id for i in routers}, deadline)
 
     async def _wait_routers_see_workers(self, routers: set[str], deadline: float) -> None:

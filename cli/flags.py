@@ -141,6 +141,12 @@ HELP = {
                   "load the workers report, so they place alike); `tandem up --routers N` starts N so",
     "http_port": "router: OpenAI-compatible HTTP API port (/v1/completions, /v1/chat/completions, /v1/models, "
                  "/health, /metrics; -1 = off, 0 = any free port, announced in discovery)",
+    "http_host": "router: address the HTTP API listens on (e.g. 127.0.0.1 behind a TLS proxy while gRPC listens "
+                 "on --host); empty = --host",
+    "http_tls_cert": "router: PEM certificate (chain) for the HTTP API, which then serves HTTPS; with "
+                     "--http-tls-key; empty = plain HTTP (any certificate clients trust, not necessarily the "
+                     "cluster CA's)",
+    "http_tls_key": "router: PEM private key of --http-tls-cert",
     "metrics_port": "Prometheus /metrics port (-1 = off, 0 = any free port, announced in discovery)",
     "kv_recent_s": "kv mode: also count a prefix routed to a worker in the last this many seconds, before its KV "
                    "events arrive (0 = off)",

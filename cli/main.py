@@ -147,7 +147,7 @@ def _up(args: argparse.Namespace) -> int:
                                    etcd=args.etcd, log_dir=log_dir, router_port=args.port,
                                    router_args=["--router-mode", args.router_mode] if args.router_mode else [],
                                    metrics=args.metrics, num_mocker=args.mocker, http_port=args.http_port,
-                                   tls=not args.insecure, api_keys=args.api_keys, num_routers=args.routers,
+                                   tls=not args.insecure, https=args.https, api_keys=args.api_keys, num_routers=args.routers,
                                    mocker_processes=args.mocker_processes, ready_timeout_s=args.ready_timeout,
                                    mps=args.mps, mps_prefill_percent=args.mps_prefill_percent,
                                    mps_prefill_priority=args.mps_prefill_priority, stop_with_launcher=True)
@@ -200,7 +200,8 @@ def _up(args: argparse.Namespace) -> int:
                       f"clients of port {router_port} use it by themselves, others: export "
                       f"TANDEM_TLS_CA={cluster.ca.ca_path}", flush=True)
             if cluster.http_address:
-                print(f"  OpenAI-compatible HTTP API at http://{cluster.http_address}/v1", flush=True)
+                trust = f" (trust {cluster.ca.ca_path}: curl --cacert FILE)" if args.https else ""
+                print(f"  OpenAI-compatible HTTP API at {cluster.http_url}/v1{trust}", flush=True)
             for name, addr in cluster.metrics_addresses().items():
                 print(f"  metrics: {name} at http://{addr}/metrics", flush=True)
             workers = (f"{args.mocker} simulated decode workers" if args.mocker else
@@ -400,6 +401,8 @@ def build_parser(command: str | None = None, full: bool = True) -> argparse.Argu
          "admin key, which tandem up uses to see the router ready); empty = an open front")
     _arg(p, "--insecure", False, "no TLS: every process serves and dials gRPC in plaintext, unauthenticated "
          "(default: mutual TLS with a throw-away CA made at start-up)", kind=bool)
+    _arg(p, "--https", False, "the HTTP API serves HTTPS with the router's certificate from that CA (clients "
+         "trust its ca.pem, e.g. curl --cacert); default: plain HTTP", kind=bool)
     _arg(p, "--log-dir", "", "folder in which each run makes its own tandem-up-XXXX folder (every process's log, "
          "the cluster's etcd data and TLS files; kept after the run); empty = the system's temporary folder")
     _arg(p, "--ready-timeout", 120.0, "seconds to wait for every process to be ready before giving up (a "

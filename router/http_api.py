@@ -645,16 +645,26 @@ def _listen(host: str, port: int, reuse_port: bool = False) -> socket.socket:
 class HttpServer:
     """uvicorn serving `app` on the running event loop (no signal handlers, no logging set-up:
     the router owns both). `await start()`, then `address`; `await stop()` lets requests in
-    flight finish for up to `grace_s`, then cancels them."""
+    flight finish for up to `grace_s`, then cancels them. With `tls_cert` and `tls_key` (PEM
+    files) it serves HTTPS."""
 
-    def __init__(self, app: Front, host: str, port: int, grace_s: float = 2.0, reuse_port: bool = False) -> None:
+    def __init__(self, app: Front, host: str, port: int, grace_s: float = 2.0, reuse_port: bool = False,
+                 tls_cert: str = "", tls_key: str = "") -> None:
         self.config = uvicorn.Config(app, host=host, port=port, lifespan="off", log_config=None, access_log=False,
-                                     timeout_graceful_shutdown=grace_s, log_level="warning", http=HTTP_PARSER)
+                                     timeout_graceful_shutdown=grace_s, log_level="warning", http=HTTP_PARSER,
+                                     ssl_certfile=tls_cert or None, ssl_keyfile=tls_key or None)
+        self.scheme = "https" if tls_cert else "http"
         self.server = uvicorn.Server(self.config)
         self.host, self.port, self.reuse_port = host, port, reuse_port
         self._sock: socket.socket | None = None
         self._ticks: asyncio.Task | None = None
         self.address = ""  # host:port once started
+
+    @property
+    def url(self) -> str:
+        """scheme://host:port once started (an IPv6 host in brackets)."""
+        host, _, port = self.address.rpartition(":")
+        return f"{self.scheme}://{f'[{host}]' if ':' in host else host}:{port}"
 
     async def start(self) -> None:
         """Raises:

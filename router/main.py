@@ -31,6 +31,7 @@ from router.api_keys import ApiKeyCheck, KeyRing
 from router.approx_index import ApproxIndex, KvWithRecent
 from router.health import HealthTracker
 from router.http_port import HTTP_OFF
+from router.http_port import validate_https
 from router.http_port import validate_port as validate_http_port
 from router.kv_index import KvIndex
 from router.kv_subscriber import KvEventSubscriber
@@ -82,6 +83,9 @@ class RouterOptions:
     keepalive_time_s: float = 10.0  # seconds between HTTP/2 keepalive PINGs on every channel to a worker
     keepalive_timeout_s: float = 5.0  # seconds a PING may go unanswered before the channel's calls fail
     http_port: int = -1  # OpenAI-compatible HTTP API (router/http_api.py): -1 = off, 0 = any free port
+    http_host: str = ""  # address the HTTP API listens on; "" = --host
+    http_tls_cert: str = ""  # PEM certificate (chain) the HTTP API serves HTTPS with; "" = plain HTTP
+    http_tls_key: str = ""  # its private key
     reuse_port: bool = False  # share --port and --http-port with other routers of this host (SO_REUSEPORT)
     drain_timeout_s: float = 30.0  # on SIGTERM: let in-flight streams finish for at most this long
     tls_cert: str = ""  # PEM certificate naming role "router" (common/tls.py); with --tls-key and --tls-ca
@@ -97,6 +101,7 @@ class RouterOptions:
         metrics_http.validate_port(self.metrics_port)
         check_etcd_tls(self.etcd, self.tls_cert)
         validate_http_port(self.http_port)
+        validate_https(self.http_port, self.http_tls_cert, self.http_tls_key, self.http_host)
         validate_listen_port(self.port)
         if self.reuse_port and (self.port == 0 or self.http_port == 0):
             raise ValueError("--reuse-port shares a port with other routers: give a fixed --port and "
@@ -287,14 +292,15 @@ async def run(opts: RouterOptions, ready: Callable[[RunningServer, FrontendServi
         from router.http_api import HttpServer, OpenAIFrontend, create_app
         try:
             frontend = OpenAIFrontend(servicer, load_chat_template(ckpt), metrics.registry, keys)
-            http_server = HttpServer(create_app(frontend), opts.host, opts.http_port, reuse_port=opts.reuse_port)
+            http_server = HttpServer(create_app(frontend), opts.http_host or opts.host, opts.http_port,
+                                     reuse_port=opts.reuse_port, tls_cert=opts.http_tls_cert, tls_key=opts.http_tls_key)
             await http_server.start()
         except (OSError, ValueError):
             await server.stop(0)  # as for --metrics-port: leave no server behind
             if metrics_server is not None:
                 metrics_server.close()
             raise
-        log.info("router OpenAI-compatible HTTP API at http://%s/v1", http_server.address)
+        log.info("router OpenAI-compatible HTTP API at %s/v1", http_server.url)
     servicer.cluster_status = ClusterView(instance_id, opts.router_mode, servicer, workers, load, health, index,
                                           metrics_address)
     instance = discovery_pb2.Instance(

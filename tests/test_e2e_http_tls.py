@@ -1,0 +1,102 @@
+"""The router's HTTP API over HTTPS (`tandem up --https`, the router's --http-tls-cert and
+--http-tls-key) and on an address of its own (--http-host): the official `openai` client and
+`tandem bench --backend openai` against real workers over loopback, clients that do not trust
+the certificate or speak plain HTTP refused, and the options' errors before anything listens."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from cli.cluster import LocalCluster
+from engine.model_source import TINY
+from harness import InProcessCluster
+
+pytestmark = pytest.mark.e2e
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def up(etcd_server, tmp_path_factory):
+    """`tandem up --https` as LocalCluster starts it: mutual TLS, the HTTP API on a free port."""
+    cluster = LocalCluster(model=TINY, etcd=etcd_server.endpoint, namespace="e2e-https", http_port=0, https=True,
+                           worker_args=["--num-blocks", "128"], log_dir=str(tmp_path_factory.mktemp("https-logs")))
+    asyncio.run(cluster.start())
+    yield cluster
+    asyncio.run(cluster.stop())
+
+
+def test_https_api_serves_a_client_that_trusts_the_cluster_ca(up):
+    assert up.http_url == f"https://{up.http_address}"
+    with httpx.Client(verify=str(up.ca.ca_path), timeout=60) as http, \
+            openai.OpenAI(base_url=f"{up.http_url}/v1", api_key="none", max_retries=0, http_client=http) as client:
+        model = client.models.list().data[0].id
+        first = client.completions.create(model=model, prompt="To be, or not", max_tokens=8, temperature=0)
+        again = client.completions.create(model=model, prompt="To be, or not", max_tokens=8, temperature=0)
+    assert first.usage.completion_tokens == 8 and first.choices[0].text == again.choices[0].text
+
+
+def test_clients_that_do_not_trust_it_or_speak_plain_http_get_nothing(up):
+    url = f"{up.http_url}/v1/models"
+    with pytest.raises(httpx.ConnectError, match="CERTIFICATE_VERIFY_FAILED"):
+        httpx.get(url, timeout=10)  # the system's trust store does not hold the cluster CA
+    with pytest.raises(httpx.HTTPError):  # plain HTTP to the HTTPS port: no answer that parses
+        httpx.get(url.replace("https://", "http://"), timeout=10)
+    r = httpx.get(url, verify=str(up.ca.ca_path), timeout=10)  # and the port still serves
+    assert r.status_code == 200 and r.json()["data"], r.text
+
+
+def test_bench_openai_backend_over_https_trusts_the_tls_ca(up, tmp_path):
+    out = tmp_path / "bench.json"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TANDEM_")}
+    env["TANDEM_TLS_CA"] = str(up.ca.ca_path)  # the router's gRPC port and the HTTPS API alike
+    r = subprocess.run([sys.executable, "-m", "cli.main", "bench", "--router", up.router_address, "--backend",
+                        "openai", "--http-url", up.http_url, "--dataset", "synthetic-prefix", "--groups", "2",
+                        "--prefix-len", "16", "--suffix-len", "16", "--num-requests", "4", "--output-tokens", "8",
+                        "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=180, env=env)
+    assert r.returncode == 0, r.stderr
+    summary = json.loads(out.read_text())["summary"]
+    assert summary["completed"] == 4 and summary["failed"] == 0, summary
+
+
+def test_http_host_puts_the_http_api_on_its_own_address(etcd_server, tiny_model):
+    c = InProcessCluster(etcd_server.endpoint, tiny_model, namespace="e2e-http-host")
+    try:
+        router = c.start("router", http_port=0, http_host="127.0.0.2")  # loopback, not --host's 127.0.0.1
+        host, _, port = router.http_address.rpartition(":")
+        assert host == "127.0.0.2" and router.address.startswith("127.0.0.1:")  # gRPC stays on --host
+        assert httpx.get(f"http://127.0.0.2:{port}/v1/models", timeout=10).status_code == 200
+        with pytest.raises(httpx.ConnectError):
+            httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=10)
+    finally:
+        c.close()
+
+
+@pytest.mark.parametrize("overrides, said", [
+    ({"http_port": 0, "http_tls_cert": "x.pem"}, "--http-tls-cert and --http-tls-key go together"),
+    ({"http_tls_cert": "x.pem", "http_tls_key": "y.pem"}, "which is off (--http-port -1): give --http-port"),
+    ({"http_host": "127.0.0.2"}, "--http-host set how the HTTP API listens, which is off"),
+    ({"http_port": 0, "http_tls_cert": "README.md", "http_tls_key": "README.md"},
+     "cannot load them as a server certificate and its key"),
+    ({"http_port": 0, "http_tls_cert": "/nonexistent.pem", "http_tls_key": "/nonexistent.pem"},
+     "--http-tls-cert /nonexistent.pem / --http-tls-key /nonexistent.pem: cannot load"),
+])
+def test_https_options_are_checked_before_anything_listens(overrides, said):
+    from router.main import RouterOptions
+    with pytest.raises(ValueError) as err:
+        RouterOptions(etcd="127.0.0.1:2379", **overrides)
+    assert said in str(err.value), err.value
+
+
+@pytest.mark.parametrize("kw", [{"tls": False, "http_port": 0}, {"tls": True, "http_port": -1}])
+def test_up_https_needs_tls_and_the_http_api(kw):
+    with pytest.raises(ValueError, match="--https serves the HTTP API with the routers' cluster certificates"):
+        LocalCluster(model=TINY, https=True, **kw)
