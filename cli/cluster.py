@@ -274,14 +274,11 @@ class LocalCluster:
                            "--http-port", str(http_port), *(["--reuse-port"] if self.num_routers > 1 else []),
                            *(["--api-keys", self.api_keys] if self.api_keys else []), *self.router_args)
             self._spawn_workers()
-            try:
-                await self._wait_ready()
-            except BaseException:
-                await self.stop()
-                raise
+            await self._wait_ready()
         except BaseException:
-            if self.mps is not None:
-                self.mps.stop()  # idempotent: whatever failed after the daemon started
+            # whatever started (etcd and its data folder, the processes, the MPS daemon) stops,
+            # also when the failure or Ctrl-C came while etcd was starting or before a spawn
+            await self.stop()  # idempotent
             raise
         finally:
             for sock in held:

@@ -97,10 +97,25 @@ def _up(args: argparse.Namespace) -> int:
     # SIGTERM during start-up stops what has started, as Ctrl-C does (its children run in
     # sessions of their own: killed with the launcher they would keep running); once the cluster
     # is ready the stop signals below drain it instead
-    signal.signal(signal.SIGTERM, signal.default_int_handler)
     # and SIGINT too where it came ignored: a shell script's `tandem up &` starts with SIGINT
-    # ignored (the shell's rule for background jobs), and `kill -INT` then did nothing until ready
-    signal.signal(signal.SIGINT, signal.default_int_handler)
+    # ignored (the shell's rule for background jobs), and `kill -INT` then did nothing until ready.
+    # A second signal while the first one's clean-up runs kills what started, as it does once
+    # serving: raised again, it cut that clean-up short and left etcd's data and the CA key behind.
+    starting: dict = {}
+
+    def start_up_signal(signum: int, frame: object) -> None:
+        if not starting.get("stopping"):
+            starting["stopping"] = True
+            raise KeyboardInterrupt
+        cluster = starting.get("cluster")
+        if cluster is not None:
+            cluster.forget_ca_key()
+            cluster.kill()
+            print(f"tandem up: killed during start-up; logs in {cluster.log_dir}", file=sys.stderr, flush=True)
+        os._exit(130)
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, start_up_signal)
 
     # the children read the same file; they run in the repository root, so a relative path
     # (--config or TANDEM_CONFIG) is made absolute here, where it was given
@@ -155,6 +170,7 @@ def _up(args: argparse.Namespace) -> int:
             if log_dir is not None:
                 os.rmdir(log_dir)
             raise
+        starting["cluster"] = cluster
         # settings a shell exported earlier (the README's mocker example) reach every process:
         # said here, since only a worker's log would show them otherwise
         from common.lifecycle import LAUNCHER_ENV

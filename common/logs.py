@@ -93,5 +93,8 @@ def setup(level_spec: str = "info", fmt: str = "text", stream=None) -> None:
         root.removeHandler(h)
     root.addHandler(handler)
     root.setLevel(root_level)
+    # torch logs its own bookkeeping at INFO (FakeTensor cache statistics at every exit once
+    # compiled code ran): not this process's news unless asked for (--log-level torch=info)
+    logging.getLogger("torch").setLevel(max(root_level, logging.WARNING))
     for name, level in per.items():
         logging.getLogger(name).setLevel(level)

@@ -180,3 +180,35 @@ def test_tandem_up_says_when_a_process_of_its_cluster_exits(tmp_path):
         assert up.returncode == 0 and "mocker exited" not in rest, rest  # said once; a stop is not news
     finally:
         _kill_all(up, children)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+@pytest.mark.parametrize("signals", [1, 2])
+def test_ctrl_c_while_etcd_starts_leaves_no_process_data_or_ca_key(tmp_path, signals):
+    # Ctrl-C while etcd was starting left etcd's data folder (the clean-up ran only for failures
+    # after the processes were spawned); a second Ctrl-C cut the clean-up short with a traceback
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TANDEM_")}
+    env.update(PYTHONUNBUFFERED="1", TMPDIR=str(tmp_path))
+    up = subprocess.Popen([sys.executable, "-m", "cli.main", "up", "--mocker", "1", "--port", str(_free_port()),
+                           "--http-port", "-1", "--log-dir", str(tmp_path / "runs")], cwd=ROOT, env=env,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    children: dict[int, str] = {}
+    try:
+        while not list((tmp_path / "runs").glob("*/tandem-etcd-*")):  # etcd is starting
+            assert up.poll() is None, "tandem up exited before etcd started"
+            time.sleep(0.01)
+        children = _children(up.pid)
+        for _ in range(signals):
+            up.send_signal(signal.SIGINT)
+            time.sleep(0.05)
+        out = up.communicate(timeout=60)[0]
+        assert up.returncode != 0 and "Traceback" not in out, out
+        deadline = time.monotonic() + 30
+        while any(_alive(p) for p in children) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not [c for p, c in children.items() if _alive(p)]
+        left = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*")
+                      if p.name.startswith("tandem-etcd-") or p.name == "ca-key.pem")
+        assert not left, (left, out)
+    finally:
+        _kill_all(up, children)
