@@ -79,7 +79,9 @@ def test_systemd_analyze_verify_is_silent(tmp_path):
 def test_tandem_units_restart_stop_and_run_unprivileged(name):
     u = unit(SYSTEMD / name)
     role = name.removeprefix("tandem-").split("@")[0]
-    assert u["Service.ExecStart"] == [f"{INSTALLED_TANDEM} {role}"]
+    # its key as a credential: the file stays root-only, only this instance's process gets a copy
+    assert u["Service.ExecStart"] == [f"{INSTALLED_TANDEM} {role} --tls-key ${{CREDENTIALS_DIRECTORY}}/tls-key"]
+    assert u["Service.LoadCredential"] == [f"tls-key:/etc/tandem/tls/{role}-%i-key.pem"]
     assert u["Service.Restart"] == ["on-failure"]
     assert u["Service.KillSignal"] == ["SIGTERM"]
     assert u["Service.KillMode"] == ["mixed"]  # one SIGTERM to the main process: a second skips the drain
@@ -104,5 +106,6 @@ def test_example_config_and_env_files_load_and_fit_the_stop_timeout():
     for env in sorted((SYSTEMD / "env").glob("*.env")):
         names = [line.split("=")[0] for line in env.read_text().splitlines() if line and line[0] != "#"]
         assert names and set(names) <= known, env.name
+        assert "TANDEM_TLS_KEY" not in names  # the unit passes the key (a credential); a file's path would lose
         role = env.name.split("-")[0]
         assert (SYSTEMD / f"tandem-{role}@.service").exists()
