@@ -183,6 +183,7 @@ class LocalCluster:
         self.http_port = http_port
         self.http_address = ""  # host:port of the router's HTTP API; "" when off
         self.http_url = ""  # http(s)://host:port of it; "" when off
+        self.http_scheme = "https" if https else "http"  # what the routers serve (their own settings may say https)
         self.tls = tls
         self.https = https
         self.ca = None  # common.certs.LocalCa once started with tls
@@ -327,7 +328,8 @@ class LocalCluster:
         routers = [i for i in view.values() if i.role == discovery_pb2.ROLE_ROUTER]
         self.router_address, self.http_address = routers[0].address, routers[0].http_address
         if self.http_address:
-            self.http_url = f"{'https' if self.https else 'http'}://{self.http_address}"
+            from router.http_port import url
+            self.http_url = url(self.http_scheme, self.http_address)
         await self._wait_routers_see_workers({i.instance_id for i in routers}, deadline)
 
     async def _wait_routers_see_workers(self, routers: set[str], deadline: float) -> None:

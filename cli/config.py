@@ -244,6 +244,7 @@ def apply(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     flags = {o.name: o.flag for o in options_of(parser)}
     sub = subparsers(parser).get(args.command)
     flags.update({o.name: o.flag for o in options_of(sub)} if sub is not None else {})
-    args.set_by = {flags[n]: r.source for n, r in {**top, **mine}.items()
-                   if n in flags and r.source.startswith(("env ", "file "))}
+    resolved = {flags[n]: r.source for n, r in {**top, **mine}.items() if n in flags}
+    args.set_by = {f: src for f, src in resolved.items() if src.startswith(("env ", "file "))}
+    args.given = {f for f, src in resolved.items() if src.startswith("flag ")}  # on the command line
 

@@ -54,26 +54,40 @@ def _worker(args: argparse.Namespace) -> int:
     return 0
 
 
-def _check_worker_values(up: argparse.Namespace) -> None:
-    """Refuse a worker value `tandem up`'s workers would refuse (from a TANDEM_* variable or the
-    config file: `tandem up` passes none of its own), before etcd and the router start rather
-    than when the workers do, seconds later. Each role's options are resolved as its process
-    will resolve them: `tandem up`'s flags for it, then the variables, the file, the defaults.
+def _check_process_values(up: argparse.Namespace) -> bool:
+    """Refuse a router or worker value `tandem up`'s processes would refuse (from a TANDEM_*
+    variable or the config file), before etcd and the router start rather than when that process
+    does, seconds later. Each role's options are resolved as its process will resolve them: the
+    flags `tandem up` gives it (cluster.LocalCluster.spawn), then the variables, the file, the
+    defaults. Returns whether the routers' HTTP API will serve HTTPS.
 
     Raises:
-        ValueError: the flag named, where its value came from, and which workers.
+        ValueError: the flag named, where its value came from, and which processes.
     """
-    from worker.host import WorkerOptions
-    for role, count in (("prefill", up.prefill), ("decode", up.decode)):
-        if count <= 0:
-            continue
+    from router.main import RouterOptions
+    metrics = ["--metrics-port", "0"] if up.metrics else []  # as LocalCluster.spawn gives them
+    # etcd and certificates are `tandem up`'s, given to each process once they exist
+    outside = dict(etcd="127.0.0.1:2379", tls_cert="", tls_key="", tls_ca="")
+    roles = [("router", RouterOptions, ["--port", str(up.port), "--http-port", str(up.http_port), *metrics,
+                                        *(["--router-mode", up.router_mode] if up.router_mode else [])])]
+    if not up.mocker:
+        from worker.host import WorkerOptions
+        roles += [(role, WorkerOptions, ["--port", "0", *metrics]) for role, n in (("prefill", up.prefill),
+                                                                                   ("decode", up.decode)) if n > 0]
+    https = up.https
+    for role, options, flags in roles:
         parser = build_parser(role, full=True)
-        args = parser.parse_args([role, "--port", "0", "--model", up.model])  # as LocalCluster.spawn
+        args = parser.parse_args([role, "--model", up.model, *flags])
         config.apply(parser, args)
-        try:  # its etcd and certificates are `tandem up`'s, given to it once they exist
-            construct(WorkerOptions, args, etcd="", tls_cert="", tls_key="", tls_ca="")
+        if role == "router" and up.https:  # --https gives each router its certificate
+            args.http_tls_cert = args.http_tls_key = ""
+        try:
+            opts = construct(options, args, **outside)
         except ValueError as exc:
-            raise ValueError(f"the {role} workers would refuse it: {exc}") from None
+            who = ("the routers" if up.routers > 1 else "the router") if role == "router" else f"the {role} workers"
+            raise ValueError(f"{who} would refuse it: {exc}") from None
+        https = https or bool(getattr(opts, "http_tls_cert", ""))
+    return https
 
 
 async def _say_exits(cluster, every_s: float = 1.0) -> None:
@@ -141,11 +155,10 @@ def _up(args: argparse.Namespace) -> int:
         raise ValueError(f"--model {MOCK} has a config but no weights: it is served by simulated workers "
                          f"(add --mocker N)")
 
-    if not args.mocker:
-        _check_worker_values(args)
-    elif (args.prefill, args.decode) != (1, 1):  # dropped without a word before
+    if args.mocker and {"--prefill", "--decode"} & getattr(args, "given", set()):  # dropped without a word before
         raise ValueError(f"--mocker {args.mocker} starts simulated workers that each prefill and decode; "
                          "--prefill and --decode count real workers: leave them out (or --mocker)")
+    serves_https = _check_process_values(args)
 
     log_parent = Path(args.log_dir).expanduser() if args.log_dir else None
     if log_parent is not None:
@@ -171,6 +184,7 @@ def _up(args: argparse.Namespace) -> int:
                 os.rmdir(log_dir)
             raise
         starting["cluster"] = cluster
+        cluster.http_scheme = "https" if serves_https else "http"  # also by the router's own settings
         # settings a shell exported earlier (the README's mocker example) reach every process:
         # said here, since only a worker's log would show them otherwise
         from common.lifecycle import LAUNCHER_ENV

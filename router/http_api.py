@@ -47,6 +47,8 @@ from common.pb.tandem.v1 import frontend_pb2 as pb
 from common.validation import InvalidArgument
 from router.http_front import Front, error_response, validation_error
 from router.http_port import HTTP_OFF, validate_port  # noqa: F401 (re-exported)
+from router.http_port import load_certificate
+from router.http_port import url as http_url
 from router.api_keys import KeyRefused, KeyRing, current_tenant
 from router.chat_template import ChatTemplate, TemplateError
 from router.openai_protocol import (FINISH_REASONS, ChatCompletionRequest, Choice, CompletionRequest,
@@ -649,13 +651,14 @@ class HttpServer:
     files) it serves HTTPS."""
 
     def __init__(self, app: Front, host: str, port: int, grace_s: float = 2.0, reuse_port: bool = False,
-                 tls_cert: str = "", tls_key: str = "") -> None:
+                 tls_cert: str = "", tls_key: str = "", host_flag: str = "--host") -> None:
         self.config = uvicorn.Config(app, host=host, port=port, lifespan="off", log_config=None, access_log=False,
                                      timeout_graceful_shutdown=grace_s, log_level="warning", http=HTTP_PARSER,
                                      ssl_certfile=tls_cert or None, ssl_keyfile=tls_key or None)
         self.scheme = "https" if tls_cert else "http"
+        self.tls_cert, self.tls_key = tls_cert, tls_key
         self.server = uvicorn.Server(self.config)
-        self.host, self.port, self.reuse_port = host, port, reuse_port
+        self.host, self.port, self.reuse_port, self.host_flag = host, port, reuse_port, host_flag
         self._sock: socket.socket | None = None
         self._ticks: asyncio.Task | None = None
         self.address = ""  # host:port once started
@@ -663,8 +666,13 @@ class HttpServer:
     @property
     def url(self) -> str:
         """scheme://host:port once started (an IPv6 host in brackets)."""
-        host, _, port = self.address.rpartition(":")
-        return f"{self.scheme}://{f'[{host}]' if ':' in host else host}:{port}"
+        return http_url(self.scheme, self.address)
+
+    def reload_certificate(self) -> None:
+        """Load --http-tls-cert and --http-tls-key again (SIGHUP: a renewed certificate): new
+        connections get it, open ones keep theirs. Raises ValueError (the old one stays)."""
+        if self.config.ssl is not None:
+            load_certificate(self.config.ssl, self.tls_cert, self.tls_key)
 
     async def start(self) -> None:
         """Raises:
@@ -672,8 +680,8 @@ class HttpServer:
         try:
             self._sock = _listen(self.host, self.port, self.reuse_port)
         except OSError as exc:
-            raise OSError(exc.errno, f"--http-port {self.port}: cannot listen on {self.host}:{self.port}: "
-                                     f"{exc.strerror}") from None
+            raise OSError(exc.errno, f"--http-port {self.port}: cannot listen on {self.host}:{self.port} "
+                                     f"({self.host_flag}): {exc.strerror}") from None
         self._sock.setblocking(False)
         self.address = f"{self.host}:{self._sock.getsockname()[1]}"
         self.config.load()

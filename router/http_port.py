@@ -12,10 +12,17 @@ def validate_port(port: int) -> None:
         raise ValueError(f"--http-port must be -1 (off), 0 (any free port) or a TCP port, got {port}")
 
 
+def url(scheme: str, address: str) -> str:
+    """scheme://host:port of a host:port address, an IPv6 host in brackets."""
+    host, _, port = address.rpartition(":")
+    return f"{scheme}://{f'[{host}]' if ':' in host and not host.startswith('[') else host}:{port}"
+
+
 def validate_https(port: int, cert: str, key: str, host: str = "") -> None:
     """The HTTP API's own listening options: --http-tls-cert and --http-tls-key together, loadable
     as a server certificate and its key (so a wrong file fails at start-up, not at the first
-    client's handshake), and --http-tls-* or --http-host only with the HTTP API on.
+    client's handshake; an encrypted key is refused, not prompted for), and --http-tls-* or
+    --http-host only with the HTTP API on.
 
     Raises:
         ValueError: naming the flags.
@@ -23,12 +30,35 @@ def validate_https(port: int, cert: str, key: str, host: str = "") -> None:
     if bool(cert) != bool(key):
         raise ValueError("--http-tls-cert and --http-tls-key go together (the HTTP API's certificate and its key)")
     if port == HTTP_OFF and (cert or host):
-        given = " and ".join(f for f, v in (("--http-host", host), ("--http-tls-cert", cert)) if v)
-        raise ValueError(f"{given} set how the HTTP API listens, which is off (--http-port -1): give --http-port too")
+        given = [f for f, v in (("--http-host", host), ("--http-tls-cert", cert)) if v]
+        raise ValueError(f"{' and '.join(given)} {'set' if len(given) > 1 else 'sets'} how the HTTP API listens, "
+                         f"which is off (--http-port -1): turn it on with --http-port, or leave "
+                         f"{' and '.join(given)} out")
     if cert:
-        try:
-            ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(cert, key)
-        except OSError as exc:  # ssl.SSLError is one: a key that is not the certificate's, or not PEM
-            what = exc.strerror or getattr(exc, "reason", None) or exc
-            raise ValueError(f"--http-tls-cert {cert} / --http-tls-key {key}: cannot load them as a server "
-                             f"certificate and its key: {what}") from None
+        load_certificate(ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER), cert, key)
+
+
+def load_certificate(context: ssl.SSLContext, cert: str, key: str) -> None:
+    """Load --http-tls-cert and --http-tls-key into `context` (new connections use them).
+
+    Raises:
+        ValueError: unreadable, not PEM, a key that is not the certificate's, or an encrypted key.
+    """
+    try:
+        # an empty passphrase: an encrypted key fails here instead of prompting on the terminal
+        context.load_cert_chain(cert, key, password="")
+    except OSError as exc:  # ssl.SSLError is one
+        what = exc.strerror or getattr(exc, "reason", None) or exc
+        encrypted = "ENCRYPTED" in _head(key)
+        hint = (" (the key is encrypted: give it decrypted, e.g. `openssl pkey -in KEY -out PLAIN`, readable by "
+                "this process only)") if encrypted else ""
+        raise ValueError(f"--http-tls-cert {cert} / --http-tls-key {key}: cannot load them as a server "
+                         f"certificate and its key: {what}{hint}") from None
+
+
+def _head(path: str) -> str:
+    try:
+        with open(path, "rb") as f:
+            return f.read(4096).decode(errors="replace")
+    except OSError:
+        return ""

@@ -10,7 +10,7 @@ import signal
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 from common import metrics as metrics_http
 from common.block_hash import hash_seed
@@ -101,6 +101,8 @@ class RouterOptions:
         metrics_http.validate_port(self.metrics_port)
         check_etcd_tls(self.etcd, self.tls_cert)
         validate_http_port(self.http_port)
+        if self.http_host.startswith("[") and self.http_host.endswith("]"):  # an IPv6 address as URLs write it
+            object.__setattr__(self, "http_host", self.http_host[1:-1])
         validate_https(self.http_port, self.http_tls_cert, self.http_tls_key, self.http_host)
         validate_listen_port(self.port)
         if self.reuse_port and (self.port == 0 or self.http_port == 0):
@@ -220,6 +222,21 @@ async def drain(servicer: FrontendServicer, server: RunningServer, registration:
                     instance.instance_id, timeout_s, servicer.running)
 
 
+def _reload(keys: KeyRing | None, https: Any) -> None:
+    """SIGHUP: load the API key file (`keys`) and the HTTP API's certificate and key (`https`,
+    router.http_api.HttpServer) again; what fails to load is logged and the old one stays."""
+    if keys is not None:
+        keys.reload()
+    if https is not None:
+        try:
+            https.reload_certificate()
+            log.info("SIGHUP: HTTPS certificate loaded again from %s", https.tls_cert)
+        except ValueError as exc:
+            log.error("SIGHUP: HTTPS certificate kept: %s", exc)
+    if keys is None and https is None:
+        log.info("SIGHUP: nothing to reload (no --api-keys, no --http-tls-cert)")
+
+
 def _on_sighup(callback: Callable[[], object]) -> bool:
     """Call `callback` on SIGHUP; False where that cannot be (not the main thread, e.g. a router
     inside a test process, or no signals on this platform)."""
@@ -293,7 +310,8 @@ async def run(opts: RouterOptions, ready: Callable[[RunningServer, FrontendServi
         try:
             frontend = OpenAIFrontend(servicer, load_chat_template(ckpt), metrics.registry, keys)
             http_server = HttpServer(create_app(frontend), opts.http_host or opts.host, opts.http_port,
-                                     reuse_port=opts.reuse_port, tls_cert=opts.http_tls_cert, tls_key=opts.http_tls_key)
+                                     reuse_port=opts.reuse_port, tls_cert=opts.http_tls_cert, tls_key=opts.http_tls_key,
+                                     host_flag="--http-host" if opts.http_host else "--host")
             await http_server.start()
         except (OSError, ValueError):
             await server.stop(0)  # as for --metrics-port: leave no server behind
@@ -312,7 +330,10 @@ async def run(opts: RouterOptions, ready: Callable[[RunningServer, FrontendServi
     await registration.start()
     stop = stop or asyncio.Event()
     restore_signals = install_stop_signals(stop)
-    reload_on_hup = keys is not None and _on_sighup(keys.reload)
+    # SIGHUP reloads what can be reloaded (the API keys, the HTTPS certificate); with neither it
+    # is logged and ignored (by default it would kill the router, as a stray HUP from a closed
+    # terminal or a `systemctl reload` did)
+    reload_on_hup = _on_sighup(lambda: _reload(keys, http_server if opts.http_tls_cert else None))
     if keys is not None:
         log.info("router front needs API keys: %d loaded from %s%s", len(keys), opts.api_keys,
                  " (SIGHUP reloads them)" if reload_on_hup else "")

@@ -407,3 +407,27 @@ def test_up_refuses_a_bad_worker_value_from_the_file_or_environment_before_start
     assert "logs in" not in r.stdout + r.stderr and "Traceback" not in r.stderr  # nothing started
     r = tandem("up", "--insecure", "--mocker", "2", "--prefill", "3")
     assert r.returncode == 1 and "--prefill and --decode count real workers" in r.stderr, r.stderr
+
+
+def test_up_checks_its_processes_values_as_it_will_pass_them(monkeypatch):
+    # tandem up gives every process --metrics-port 0 (with --metrics, the default): a variable the
+    # workers never see is no reason to refuse; a router value is refused before anything starts
+    from cli import config
+    from cli.main import _check_process_values, build_parser
+
+    def check(*argv: str) -> bool:
+        parser = build_parser("up", full=True)
+        args = parser.parse_args(["up", *argv])
+        config.apply(parser, args)
+        return _check_process_values(args)
+
+    for k in [k for k in os.environ if k.startswith("TANDEM_")]:
+        monkeypatch.delenv(k)
+    monkeypatch.setenv("TANDEM_METRICS_PORT", "-2")
+    assert check("--insecure") is False
+    monkeypatch.delenv("TANDEM_METRICS_PORT")
+    assert check("--https") is True
+    monkeypatch.setenv("TANDEM_HTTP_HOST", "127.0.0.1")
+    with pytest.raises(ValueError, match=r"the router would refuse it: --http-host sets how the HTTP API listens.*"
+                                         r"came from the environment variable TANDEM_HTTP_HOST"):
+        check("--mocker", "1", "--http-port", "-1")

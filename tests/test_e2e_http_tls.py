@@ -82,8 +82,8 @@ def test_http_host_puts_the_http_api_on_its_own_address(etcd_server, tiny_model)
 
 @pytest.mark.parametrize("overrides, said", [
     ({"http_port": 0, "http_tls_cert": "x.pem"}, "--http-tls-cert and --http-tls-key go together"),
-    ({"http_tls_cert": "x.pem", "http_tls_key": "y.pem"}, "which is off (--http-port -1): give --http-port"),
-    ({"http_host": "127.0.0.2"}, "--http-host set how the HTTP API listens, which is off"),
+    ({"http_tls_cert": "x.pem", "http_tls_key": "y.pem"}, "which is off (--http-port -1): turn it on with --http-port"),
+    ({"http_host": "127.0.0.2"}, "--http-host sets how the HTTP API listens, which is off"),
     ({"http_port": 0, "http_tls_cert": "README.md", "http_tls_key": "README.md"},
      "cannot load them as a server certificate and its key"),
     ({"http_port": 0, "http_tls_cert": "/nonexistent.pem", "http_tls_key": "/nonexistent.pem"},
@@ -100,3 +100,82 @@ def test_https_options_are_checked_before_anything_listens(overrides, said):
 def test_up_https_needs_tls_and_the_http_api(kw):
     with pytest.raises(ValueError, match="--https serves the HTTP API with the routers' cluster certificates"):
         LocalCluster(model=TINY, https=True, **kw)
+
+
+def _served_certificate_name(address: str, ca: str) -> str:
+    """The common name of the certificate a new TLS connection to address gets."""
+    import socket
+    import ssl
+    host, _, port = address.rpartition(":")
+    context = ssl.create_default_context(cafile=ca)
+    with socket.create_connection((host, int(port)), timeout=10) as raw, \
+            context.wrap_socket(raw, server_hostname=host) as tls:
+        subject = dict(x[0] for x in tls.getpeercert()["subject"])
+    return subject["commonName"]
+
+
+def test_sighup_loads_a_renewed_https_certificate_and_keeps_serving(up):
+    # before: SIGHUP killed a router without --api-keys; a renewed certificate needed a restart
+    import shutil
+    import signal
+    import time
+    ca = str(up.ca.ca_path)
+    assert _served_certificate_name(up.http_address, ca) == "router"
+    renewed = up.ca.issue("router-renewed", ("router",))
+    tls = up.log_dir / "tls"
+    shutil.copy(renewed.cert, tls / "router.pem")
+    shutil.copy(renewed.key, tls / "router-key.pem")
+    up.procs["router"].send_signal(signal.SIGHUP)
+    deadline = time.monotonic() + 10
+    while _served_certificate_name(up.http_address, ca) != "router-renewed":
+        assert time.monotonic() < deadline, "the renewed certificate was not served"
+        time.sleep(0.1)
+    assert up.procs["router"].poll() is None
+    assert httpx.get(f"{up.http_url}/v1/models", verify=ca, timeout=10).status_code == 200
+
+
+def test_tandem_up_prints_the_scheme_its_router_serves(tmp_path):
+    """`tandem up --https`, and HTTPS set by the router's own variables, print https:// URLs that
+    answer (the router's settings used to be printed as http://)."""
+    import re
+    import signal
+    from common.certs import LocalCa
+    own = LocalCa(tmp_path / "own").issue("api", ("router",))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TANDEM_")}
+    for extra, variables, trust in ((["--https"], {}, None),
+                                    ([], {"TANDEM_HTTP_TLS_CERT": own.cert, "TANDEM_HTTP_TLS_KEY": own.key}, own.ca)):
+        up = subprocess.Popen([sys.executable, "-m", "cli.main", "up", "--mocker", "1", "--port", "0", "--http-port",
+                               "0", "--log-dir", str(tmp_path / "runs"), *extra], cwd=ROOT, text=True,
+                              env={**env, **variables, "PYTHONUNBUFFERED": "1"}, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT)
+        try:
+            lines = []
+            for line in up.stdout:
+                lines.append(line)
+                if "ready to serve" in line:
+                    break
+            out = "".join(lines)
+            url = re.search(r"HTTP API at (https://\S+)/v1", out)
+            assert url, out
+            trust = trust or re.search(r"\(trust (\S+):", out).group(1)
+            assert httpx.get(f"{url.group(1)}/v1/models", verify=trust, timeout=10).status_code == 200
+        finally:
+            up.send_signal(signal.SIGINT)
+            up.communicate(timeout=60)
+
+
+def test_an_encrypted_key_is_refused_without_a_prompt_and_a_bracketed_host_taken(tmp_path):
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.serialization import load_pem_private_key
+
+    from common.certs import LocalCa
+    from router.main import RouterOptions
+    files = LocalCa(tmp_path).issue("api", ("router",))
+    key = load_pem_private_key(Path(files.key).read_bytes(), password=None)
+    encrypted = tmp_path / "encrypted-key.pem"
+    encrypted.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                            serialization.BestAvailableEncryption(b"secret")))
+    # stdin closed: a prompt for the passphrase would read nothing and fail differently
+    with pytest.raises(ValueError, match="the key is encrypted: give it decrypted"):
+        RouterOptions(etcd="127.0.0.1:2379", http_port=0, http_tls_cert=files.cert, http_tls_key=str(encrypted))
+    assert RouterOptions(etcd="127.0.0.1:2379", http_port=0, http_host="[::1]").http_host == "::1"
