@@ -38,6 +38,23 @@ def env_file(path: Path) -> dict[str, str]:
     return dict(line.split("=", 1) for line in path.read_text().splitlines() if line.strip() and line[0] != "#")
 
 
+def unit_command(role: str, tls_dir: Path, credentials: Path) -> list[str]:
+    """`tandem`'s arguments in instance 0 of the role's unit, as systemd runs it: each
+    LoadCredential= file copied into `credentials` (systemd's $CREDENTIALS_DIRECTORY; from the
+    test's folder instead of /etc/tandem/tls), and ${CREDENTIALS_DIRECTORY} in ExecStart= set to it."""
+    import shutil
+    text = (SYSTEMD / f"tandem-{role}@.service").read_text()
+    credentials.mkdir()
+    for line in text.splitlines():
+        if line.startswith("LoadCredential="):
+            name, _, source = line.removeprefix("LoadCredential=").partition(":")
+            shutil.copy(source.replace("%i", "0").replace("/etc/tandem/tls", str(tls_dir)), credentials / name)
+    start = next(line for line in text.splitlines() if line.startswith("ExecStart="))
+    argv = start.removeprefix("ExecStart=").replace("${CREDENTIALS_DIRECTORY}", str(credentials)).split()
+    assert argv[0].endswith("/tandem"), start
+    return argv[1:]
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -74,17 +91,18 @@ def test_units_configuration_runs_a_cluster(tiny_model, tmp_path):
         for role in ("router", "prefill", "decode"):
             env = {**base, **env_file(SYSTEMD / "env" / f"{role}-0.env"), "PYTHONPATH": str(ROOT),
                    "PYTHONUNBUFFERED": "1", "TANDEM_CONFIG": str(tmp_path / "tandem.toml")}
-            for key in ("TANDEM_TLS_CERT", "TANDEM_TLS_KEY"):  # /etc/tandem/tls/... -> the test's folder
-                env[key] = env[key].replace("/etc/tandem/tls", str(tls_dir))
+            env["TANDEM_TLS_CERT"] = env["TANDEM_TLS_CERT"].replace("/etc/tandem/tls", str(tls_dir))
+            argv = unit_command(role, tls_dir, tmp_path / f"credentials-{role}")  # the key: a credential
             env.pop("TANDEM_METRICS_PORT")  # fixed ports would collide with parallel runs
             if "TANDEM_HTTP_PORT" in env:  # the router's HTTP API: 8000 in its env file
                 env["TANDEM_HTTP_PORT"] = str(free_port())
             assert env["TANDEM_PORT"].isdigit()  # each instance's port comes from its env file; here a free one
             env["TANDEM_PORT"] = str(free_port())
             ports[role] = int(env["TANDEM_PORT"])
-            envs[role] = env
+            # the probes below run as a container's HEALTHCHECK does, where the key is a variable
+            envs[role] = {**env, "TANDEM_TLS_KEY": str(tls_dir / f"{role}-0-key.pem")}
             with open(tmp_path / f"{role}.log", "wb") as log:
-                procs[role] = subprocess.Popen([sys.executable, "-m", "cli.main", role], env=env, cwd=tmp_path,
+                procs[role] = subprocess.Popen([sys.executable, "-m", "cli.main", *argv], env=env, cwd=tmp_path,
                                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + 180
         for role, port in ports.items():
