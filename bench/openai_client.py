@@ -60,5 +60,8 @@ async def one_openai(http: aiohttp.ClientSession, base_url: str, model: str, req
                             res.chunks.append((now - t0, n))
     except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
         res.error = f"{type(exc).__name__}: {exc}"
+        if isinstance(exc, aiohttp.ServerDisconnectedError) and base_url.startswith("http://"):
+            # what plain HTTP to a port serving HTTPS gets: the TLS server drops the request unanswered
+            res.error += f" (if that port serves HTTPS, give --http-url {base_url.replace('http://', 'https://', 1)})"
     res.end_s = time.perf_counter() - t0
     return res

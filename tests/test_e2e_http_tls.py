@@ -179,3 +179,13 @@ def test_an_encrypted_key_is_refused_without_a_prompt_and_a_bracketed_host_taken
     with pytest.raises(ValueError, match="the key is encrypted: give it decrypted"):
         RouterOptions(etcd="127.0.0.1:2379", http_port=0, http_tls_cert=files.cert, http_tls_key=str(encrypted))
     assert RouterOptions(etcd="127.0.0.1:2379", http_port=0, http_host="[::1]").http_host == "::1"
+
+
+def test_bench_over_plain_http_to_the_https_port_says_to_use_https(up, tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TANDEM_")}
+    env["TANDEM_TLS_CA"] = str(up.ca.ca_path)
+    plain = up.http_url.replace("https://", "http://")
+    r = subprocess.run([sys.executable, "-m", "cli.main", "bench", "--router", up.router_address, "--backend",
+                        "openai", "--http-url", plain, "--num-requests", "1", "--output-tokens", "2"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=180, env=env)
+    assert r.returncode == 1 and f"give --http-url {up.http_url}" in r.stdout + r.stderr, r.stdout + r.stderr
