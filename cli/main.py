@@ -12,7 +12,11 @@ import sys
 import tempfile
 from pathlib import Path
 
-from cli import certs, config, config_show, health
+# gRPC's C core logs at INFO, e.g. a failed TLS handshake as an "I1206 ... ssl_transport_security"
+# line before the client's own one-line error; its errors only, unless the caller asks for more
+os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
+
+from cli import certs, config, config_show, health  # noqa: E402 (after GRPC_VERBOSITY: they import grpc)
 from cli.flags import OTHER_ROLE_ONLY, add_flags, add_option, build, construct, name_sources, refuse_other_role
 from cli.top import add_parser as add_top_parser
 from common.gc_pauses import own_process

@@ -431,3 +431,14 @@ def test_up_checks_its_processes_values_as_it_will_pass_them(monkeypatch):
     with pytest.raises(ValueError, match=r"the router would refuse it: --http-host sets how the HTTP API listens.*"
                                          r"came from the environment variable TANDEM_HTTP_HOST"):
         check("--mocker", "1", "--http-port", "-1")
+
+
+def test_a_failed_tls_handshake_is_one_line_without_grpcs_own_log(router, tmp_path):
+    # gRPC's C core printed "I1206 ... ssl_transport_security.cc ... Handshake failed ..." first
+    from common.certs import LocalCa
+    ca = LocalCa(tmp_path).ca_path  # the router serves plaintext: any CA fails the handshake
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TANDEM_", "GRPC_"))}
+    r = subprocess.run([PY, "-m", "cli.main", "generate", "hi", "--router", router.address, "--max-tokens", "2",
+                        "--tls-ca", str(ca)], cwd=ROOT, capture_output=True, text=True, timeout=60, env=env)
+    assert r.returncode == 1 and "the TLS handshake with" in r.stderr, r.stderr
+    assert "ssl_transport_security" not in r.stderr and not re.search(r"^[IWE]\d{4} ", r.stderr, re.M), r.stderr
