@@ -507,7 +507,10 @@ def start_up_error(args: argparse.Namespace, exc: BaseException) -> str:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     command = command_of(argv)
-    if command == "up":  # before its imports (a second): see _up
+    if command == "up" or signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        # up: before its imports (a second), see _up. Any command: a shell script's `tandem bench &`
+        # starts with SIGINT ignored (the shell's rule for background jobs), so `kill -INT` and
+        # the script's Ctrl-C did nothing; the servers install handlers of their own later
         signal.signal(signal.SIGINT, signal.default_int_handler)
     # `config show` and a config file (checked whole against every subcommand) need every option.
     uses_file = bool(os.environ.get("TANDEM_CONFIG")) or any(a == "--config" or a.startswith("--config=")

@@ -442,3 +442,22 @@ def test_a_failed_tls_handshake_is_one_line_without_grpcs_own_log(router, tmp_pa
                         "--tls-ca", str(ca)], cwd=ROOT, capture_output=True, text=True, timeout=60, env=env)
     assert r.returncode == 1 and "the TLS handshake with" in r.stderr, r.stderr
     assert "ssl_transport_security" not in r.stderr and not re.search(r"^[IWE]\d{4} ", r.stderr, re.M), r.stderr
+
+
+def test_a_command_started_with_sigint_ignored_still_stops_on_it():
+    # a shell script's `tandem bench &` starts with SIGINT ignored; `kill -INT` did nothing
+    import signal
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TANDEM_")}
+    p = subprocess.Popen([PY, "-m", "cli.main", "bench", "--router", "127.0.0.1:1", "--router-wait", "120",
+                          "--num-requests", "1"], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    try:
+        time.sleep(4)  # imported and waiting for the router
+        assert p.poll() is None, p.communicate()
+        p.send_signal(signal.SIGINT)
+        out, err = p.communicate(timeout=20)
+        assert p.returncode != 0 and "Traceback" not in err, err
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.communicate()
