@@ -189,3 +189,21 @@ def serve_at_once(prompts: list[list[int]], max_tokens: int, **cluster_args: Any
         return results, metrics, records, {name: proc.returncode for name, proc in cluster.procs.items()}
 
     return asyncio.run(main())
+
+
+def tandem_up(args: list[str], env: dict[str, str], **popen: Any) -> tuple[Any, str]:
+    """Start `tandem up ARGS` (stdout and stderr together, text) and read its output until it says
+    it is ready to serve, or exits. Returns (the process, what it printed so far)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    up = subprocess.Popen([sys.executable, "-m", "cli.main", "up", *args], cwd=Path(__file__).resolve().parent.parent,
+                          env={**env, "PYTHONUNBUFFERED": "1"}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True, **popen)
+    lines = []
+    for line in up.stdout:
+        lines.append(line)
+        if "ready to serve" in line:
+            break
+    return up, "".join(lines)
+

@@ -18,7 +18,7 @@ import pytest
 
 from cli.cluster import LocalCluster
 from engine.model_source import TINY
-from harness import InProcessCluster
+from harness import InProcessCluster, tandem_up
 
 pytestmark = pytest.mark.e2e
 ROOT = Path(__file__).resolve().parent.parent
@@ -144,17 +144,9 @@ def test_tandem_up_prints_the_scheme_its_router_serves(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("TANDEM_")}
     for extra, variables, trust in ((["--https"], {}, None),
                                     ([], {"TANDEM_HTTP_TLS_CERT": own.cert, "TANDEM_HTTP_TLS_KEY": own.key}, own.ca)):
-        up = subprocess.Popen([sys.executable, "-m", "cli.main", "up", "--mocker", "1", "--port", "0", "--http-port",
-                               "0", "--log-dir", str(tmp_path / "runs"), *extra], cwd=ROOT, text=True,
-                              env={**env, **variables, "PYTHONUNBUFFERED": "1"}, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT)
+        up, out = tandem_up(["--mocker", "1", "--port", "0", "--http-port", "0", "--log-dir", str(tmp_path / "runs"),
+                             *extra], {**env, **variables})
         try:
-            lines = []
-            for line in up.stdout:
-                lines.append(line)
-                if "ready to serve" in line:
-                    break
-            out = "".join(lines)
             url = re.search(r"HTTP API at (https://\S+)/v1", out)
             assert url, out
             trust = trust or re.search(r"\(trust (\S+):", out).group(1)

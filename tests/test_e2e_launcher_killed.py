@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from common.lifecycle import LAUNCHER_ENV, STOPPING, stop_with_launcher
+from harness import tandem_up
 
 pytestmark = pytest.mark.e2e
 ROOT = Path(__file__).resolve().parent.parent
@@ -153,17 +154,12 @@ def test_tandem_up_says_when_a_process_of_its_cluster_exits(tmp_path):
     """A worker killed while the cluster serves: `tandem up` says so once (its clients would only
     see one worker fewer), keeps serving, and still stops in order on SIGTERM."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("TANDEM_")}
-    env.update(PYTHONUNBUFFERED="1", TMPDIR=str(tmp_path))
-    up = subprocess.Popen([sys.executable, "-m", "cli.main", "up", "--mocker", "1", "--port", str(_free_port()),
-                           "--http-port", "-1", "--insecure", "--log-dir", str(tmp_path / "runs")], cwd=ROOT, env=env,
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    env.update(TMPDIR=str(tmp_path))
+    up, out = tandem_up(["--mocker", "1", "--port", str(_free_port()), "--http-port", "-1", "--insecure", "--log-dir",
+                         str(tmp_path / "runs")], env, start_new_session=True)
     children: dict[int, str] = {}
+    lines = [out]
     try:
-        lines = []
-        for line in up.stdout:
-            lines.append(line)
-            if "ready to serve" in line:
-                break
         children = _children(up.pid)
         mocker = next(p for p, c in children.items() if "cli.main mocker" in c)
         os.kill(mocker, signal.SIGKILL)
