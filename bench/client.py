@@ -62,7 +62,7 @@ async def _one(stub: frontend_pb2_grpc.FrontendServiceStub, req: BenchRequest, t
     return res
 
 
-def _http_client(http_url: str, connections: int, api_key: str = ""):
+def _http_client(http_url: str, connections: int, api_key: str = "", ca_file: str = ""):
     """An aiohttp session with a connection per request in flight (sending `api_key` as a
     bearer token), or a null context without http_url. aiohttp, not httpx: its C parser keeps
     the client's own cost out of the TTFT it reports (on the 2-core machine httpx's pure-Python
@@ -71,17 +71,20 @@ def _http_client(http_url: str, connections: int, api_key: str = ""):
     if not http_url:
         return contextlib.nullcontext()
     import aiohttp
-    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=connections, ssl=_https_trust()),
+    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=connections, ssl=_https_trust(ca_file)),
                                  headers={"Authorization": f"Bearer {api_key}"} if api_key else None)
 
 
-def _https_trust():
-    """The certificates an https:// --http-url may chain to: the system's, and the cluster CA of
-    --tls-ca (a router's --http-tls-cert issued by `tandem certs`)."""
+def _https_trust(ca_file: str = ""):
+    """The certificates an https:// --http-url may chain to: the system's (SSL_CERT_FILE), the
+    cluster CA of --tls-ca (a router's --http-tls-cert issued by `tandem certs`, or `tandem up
+    --https`), and --http-ca (a CA of the HTTP API's own)."""
     import ssl
 
     from common import tls
     context = ssl.create_default_context()
+    if ca_file:
+        context.load_verify_locations(cafile=ca_file)
     if tls.TLS is not None and tls.TLS.ca:
         context.load_verify_locations(cadata=tls.TLS.ca.decode())
     return context
@@ -103,14 +106,16 @@ async def _progress_lines(results: list, t0: float) -> None:
 
 async def run_load(router: str, reqs: list[BenchRequest], speedup: float = 1.0, concurrency: int = 0,
                    timeout_s: float = 600.0, progress: bool = True, http_url: str = "",
-                   model: str = "", creds=None, api_key: str = "", connections: int = 1
+                   model: str = "", creds=None, api_key: str = "", connections: int = 1, http_ca: str = ""
                    ) -> tuple[list[RequestResult], float]:
     """Send every request; returns (results in request order, wall seconds of the run).
 
     With `http_url` (e.g. "http://127.0.0.1:8000") the requests go to that OpenAI-compatible
     API for `model` (bench/openai_client.py) instead of `router`'s gRPC API. `creds`
     (common.tls.TlsCredentials): TLS to the router (default: this process's, common/tls.py).
-    `api_key`: sent as a bearer token on both APIs (a router with --api-keys). `connections`:
+    `api_key`: sent as a bearer token on both APIs (a router with --api-keys). `http_ca`: a CA
+    file an https:// API's certificate may chain to, besides the system's and the router's
+    TLS CA (`creds`). `connections`:
     gRPC channels of their own TCP connection, request i on channel i mod connections (router
     replicas sharing one port each take some of the connections)."""
     from tqdm import tqdm
@@ -122,7 +127,7 @@ async def run_load(router: str, reqs: list[BenchRequest], speedup: float = 1.0, 
     results: list[RequestResult | None] = [None] * len(reqs)
     from cli.client import bearer_token
     token = bearer_token(api_key) if api_key else ()
-    async with contextlib.AsyncExitStack() as stack, _http_client(http_url, concurrency or len(reqs), api_key) as http:
+    async with contextlib.AsyncExitStack() as stack, _http_client(http_url, concurrency or len(reqs), api_key, http_ca) as http:
         chans = [await stack.enter_async_context(channel(router, creds, token, own_connection=connections > 1))
                  for _ in range(connections)]
         stubs = [frontend_pb2_grpc.FrontendServiceStub(ch) for ch in chans]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import platform
 import sys
 import time
@@ -38,6 +39,7 @@ class BenchOptions:
     router_wait_s: float = 180.0  # seconds to wait for the router and its workers before the first request
     backend: str = "grpc"  # grpc (FrontendService.Generate) | openai (the router's HTTP API at --http-url)
     http_url: str = "http://127.0.0.1:8000"  # --backend openai: base URL of the OpenAI-compatible API
+    http_ca: str = ""  # --backend openai over https: a CA file its certificate may chain to (besides the system's)
     dataset: str = "mooncake"  # mooncake[:PATH] | azure:PATH | sharegpt:PATH | mt-bench[:PATH] | synthetic-prefix
     num_requests: int = 0  # 0 = every request of the dataset
     skip: int = 0  # start at this row of a trace
@@ -66,6 +68,8 @@ class BenchOptions:
             raise ValueError(f"--backend must be grpc or openai; got {self.backend!r}")
         if self.backend == "openai" and not self.http_url.startswith(("http://", "https://")):
             raise ValueError(f"--http-url must start with http:// or https://; got {self.http_url!r}")
+        if self.http_ca and not os.path.isfile(self.http_ca):
+            raise ValueError(f"--http-ca {self.http_ca}: no such file")
         if self.arrival not in ("trace", "poisson", "concurrency"):
             raise ValueError(f"--arrival must be trace, poisson or concurrency; got {self.arrival!r}")
         if self.speedup <= 0 or self.load <= 0 or self.rate <= 0:
@@ -219,7 +223,7 @@ def run(opts: BenchOptions, credentials: Callable[[], TlsCredentials | None] | N
     results, wall = asyncio.run(run_load(opts.router, reqs, opts.speedup,
                                          opts.concurrency if opts.arrival == "concurrency" else 0, opts.timeout_s,
                                          http_url=http_url, model=model.name, api_key=opts.api_key,
-                                         connections=opts.connections))
+                                         connections=opts.connections, http_ca=opts.http_ca))
     summary = summarize(reqs, results, wall, opts.speedup)
     summary.update(traces.oracle_summary(reqs, model.block_size))
     print(table(summary))

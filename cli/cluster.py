@@ -97,6 +97,9 @@ class LocalCluster:
             with a certificate of that CA (`etcd_endpoint` is https://...). False: plaintext.
         https: the routers' HTTP API serves HTTPS with each router's own certificate (needs tls;
             clients trust the cluster CA, log_dir/tls/ca.pem).
+        router_hosts: addresses the routers are reached at beyond loopback (their --host,
+            --http-host, --advertise-host from variables or the config file), which the routers'
+            certificates name too.
         api_keys: the router's --api-keys file; it must hold an admin key (`admin_key`), which
             the readiness check uses. "" = an open front.
         num_routers: router processes (replicas) on the one router port and HTTP port
@@ -125,6 +128,7 @@ class LocalCluster:
                  log_dir: str | None = None,
                  ready_timeout_s: float = 120.0, metrics: bool = False, num_mocker: int = 0,
                  mocker_args: list[str] | None = None, http_port: int = -1, tls: bool = True, https: bool = False,
+                 router_hosts: tuple[str, ...] = (),
                  api_keys: str = "", num_routers: int = 1, mocker_processes: int = 1, mps: bool = False,
                  mps_prefill_percent: int | None = None, mps_prefill_priority: str = "below",
                  stop_with_launcher: bool = False) -> None:
@@ -186,6 +190,7 @@ class LocalCluster:
         self.http_scheme = "https" if https else "http"  # what the routers serve (their own settings may say https)
         self.tls = tls
         self.https = https
+        self.router_hosts = router_hosts
         self.ca = None  # common.certs.LocalCa once started with tls
         self.client_tls = None  # common.tls.TlsCredentials of a frontend client (role "client")
         self.api_keys = str(Path(api_keys).resolve()) if api_keys else ""  # the children run in the repo root
@@ -238,7 +243,8 @@ class LocalCluster:
         if self.ca is None:
             return []
         roles = ("decode", "prefill") if role == "mocker" else (role,)  # simulated workers of both kinds
-        files = self.ca.issue(name, roles)
+        from common.certs import LOOPBACK
+        files = self.ca.issue(name, roles, hosts=LOOPBACK + (self.router_hosts if role == "router" else ()))
         https = ["--http-tls-cert", files.cert, "--http-tls-key", files.key] if self.https and role == "router" else []
         return ["--tls-cert", files.cert, "--tls-key", files.key, "--tls-ca", files.ca, *https]
 
@@ -302,7 +308,10 @@ class LocalCluster:
             lines = (self.log_dir / f"{name}.log").read_text(errors="replace").strip().splitlines()
         except OSError:
             return "no log"
-        return lines[-1][-300:] if lines else "no output"
+        if not lines:
+            return "no output"
+        # whole: a cut at a fixed length took the flag and path off the front of a long error
+        return lines[-1] if len(lines[-1]) <= 1000 else "..." + lines[-1][-1000:]
 
     async def _wait_ready(self) -> None:
         want = {discovery_pb2.ROLE_ROUTER: self.num_routers, discovery_pb2.ROLE_PREFILL: self.num_prefill,

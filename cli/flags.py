@@ -169,6 +169,9 @@ HELP = {
     "backend": "bench: grpc (FrontendService.Generate at --router) or openai (POST /v1/completions at --http-url; "
                "the model and its workers are still read from --router)",
     "http_url": "bench --backend openai: base URL of the router's OpenAI-compatible HTTP API",
+    "http_ca": "bench --backend openai over https://: a CA certificate file the API's certificate may chain to, "
+               "besides the system's and --tls-ca's (a router whose HTTP API has a certificate of another CA "
+               "than its gRPC port)",
     "dataset": "mooncake[:PATH] | azure:PATH | sharegpt:PATH | mt-bench[:PATH] | synthetic-prefix",
     "num_requests": "requests to send (0 = all)",
     "skip": "start at this row of the trace",
@@ -315,7 +318,7 @@ def _parse_list(raw: str) -> list[str]:
 
 
 
-def _where(source: str) -> str:
+def where_from(source: str) -> str:
     kind, _, place = source.partition(" ")
     if kind == "env":
         return f"the environment variable {place}"
@@ -328,7 +331,7 @@ def name_sources(message: str, set_by: dict[str, str]) -> str:
     command line: an error about `--http-port` caused by TANDEM_HTTP_PORT=-5 should say so
     (`set_by` is what `apply` left in args.set_by: flag -> "env TANDEM_X" | "file PATH:key")."""
     named = dict.fromkeys(re.findall(r"--[a-z][a-z0-9-]*", message))
-    notes = [f"{flag} came from {_where(set_by[flag])}" for flag in named if flag in set_by]
+    notes = [f"{flag} came from {where_from(set_by[flag])}" for flag in named if flag in set_by]
     return f"{message} ({'; '.join(notes)})" if notes else message
 
 

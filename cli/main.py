@@ -17,7 +17,8 @@ from pathlib import Path
 os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
 
 from cli import certs, config, config_show, health  # noqa: E402 (after GRPC_VERBOSITY: they import grpc)
-from cli.flags import OTHER_ROLE_ONLY, add_flags, add_option, build, construct, name_sources, refuse_other_role
+from cli.flags import (OTHER_ROLE_ONLY, add_flags, add_option, build, construct, name_sources, refuse_other_role,
+                       where_from)
 from cli.top import add_parser as add_top_parser
 from common.gc_pauses import own_process
 from common.version import VERSION
@@ -58,12 +59,57 @@ def _worker(args: argparse.Namespace) -> int:
     return 0
 
 
-def _check_process_values(up: argparse.Namespace) -> bool:
+# Options naming files: tandem up's processes run in the repository root, not where it was started
+PATH_OPTIONS = ("tls_cert", "tls_key", "tls_ca", "http_tls_cert", "http_tls_key", "api_keys", "ep_placement")
+
+
+def _absolute_paths(args: argparse.Namespace) -> None:
+    """A relative file path a process of `tandem up` would read from a TANDEM_* variable is made
+    absolute in this environment (which the processes inherit), as --config and --model are; one
+    from the config file is refused (the file is shared, and rewritten by no one).
+
+    Raises:
+        ValueError: a relative path set in the config file, named.
+    """
+    for name in PATH_OPTIONS:
+        value = getattr(args, name, "")
+        flag = "--" + name.replace("_", "-")
+        source = getattr(args, "set_by", {}).get(flag, "")
+        if not value or os.path.isabs(value) or not source:
+            continue
+        if source.startswith("env "):
+            os.environ[source.removeprefix("env ")] = os.path.abspath(value)
+            setattr(args, name, os.path.abspath(value))
+        else:
+            raise ValueError(f"{flag} {value} is a relative path (from {where_from(source)}), and the "
+                             f"processes tandem up starts run in {ROOT}: give it as an absolute path")
+
+
+def _unknown_variables(names: list[str]) -> dict[str, str]:
+    """The names among `names` (TANDEM_* variables) that no option of any subcommand reads ->
+    the name, with the closest known one as a suggestion."""
+    import difflib
+
+    from common.env import TEST_INSTANCE_ID_VAR, TEST_STOP_AFTER_WRITES_VAR
+    from common.lifecycle import LAUNCHER_ENV
+    schema = config.Schema.of(build_parser(full=True))
+    known = {o.env for opts in (schema.top, *schema.commands.values()) for o in opts.values()}
+    known |= {"TANDEM_CONFIG", LAUNCHER_ENV, TEST_INSTANCE_ID_VAR, TEST_STOP_AFTER_WRITES_VAR}
+    out = {}
+    for name in names:
+        if name not in known:
+            close = difflib.get_close_matches(name, sorted(known), n=1, cutoff=0.75)
+            out[name] = f"{name} (did you mean {close[0]}?)" if close else name
+    return out
+
+
+def _check_process_values(up: argparse.Namespace) -> tuple[bool, tuple[str, ...]]:
     """Refuse a router or worker value `tandem up`'s processes would refuse (from a TANDEM_*
     variable or the config file), before etcd and the router start rather than when that process
     does, seconds later. Each role's options are resolved as its process will resolve them: the
     flags `tandem up` gives it (cluster.LocalCluster.spawn), then the variables, the file, the
-    defaults. Returns whether the routers' HTTP API will serve HTTPS.
+    defaults. Returns whether the routers' HTTP API will serve HTTPS, and the hosts it is reached
+    at beyond loopback (its bind and advertised addresses: what `--https` certificates must name).
 
     Raises:
         ValueError: the flag named, where its value came from, and which processes.
@@ -78,11 +124,12 @@ def _check_process_values(up: argparse.Namespace) -> bool:
         from worker.host import WorkerOptions
         roles += [(role, WorkerOptions, ["--port", "0", *metrics]) for role, n in (("prefill", up.prefill),
                                                                                    ("decode", up.decode)) if n > 0]
-    https = up.https
+    https, hosts = up.https, ()
     for role, options, flags in roles:
         parser = build_parser(role, full=True)
         args = parser.parse_args([role, "--model", up.model, *flags])
         config.apply(parser, args)
+        _absolute_paths(args)
         if role == "router" and up.https:  # --https gives each router its certificate
             args.http_tls_cert = args.http_tls_key = ""
         try:
@@ -90,8 +137,19 @@ def _check_process_values(up: argparse.Namespace) -> bool:
         except ValueError as exc:
             who = ("the routers" if up.routers > 1 else "the router") if role == "router" else f"the {role} workers"
             raise ValueError(f"{who} would refuse it: {exc}") from None
-        https = https or bool(getattr(opts, "http_tls_cert", ""))
-    return https
+        if role == "router":
+            https = https or bool(opts.http_tls_cert)
+            hosts = tuple(dict.fromkeys(h for h in (opts.http_host or opts.host, opts.advertise_host)
+                                        if h and h not in ("0.0.0.0", "::", "127.0.0.1", "localhost", "::1")))
+    return https, hosts
+
+
+def _pass_sighup(cluster) -> None:
+    routers = [name for name, proc in cluster.procs.items() if name.startswith("router") and proc.poll() is None]
+    for name in routers:
+        cluster.procs[name].send_signal(signal.SIGHUP)
+    print(f"tandem up: SIGHUP passed to {', '.join(routers)} (they load their API keys and HTTPS certificate "
+          "again)", file=sys.stderr, flush=True)
 
 
 async def _say_exits(cluster, every_s: float = 1.0) -> None:
@@ -162,7 +220,7 @@ def _up(args: argparse.Namespace) -> int:
     if args.mocker and {"--prefill", "--decode"} & getattr(args, "given", set()):  # dropped without a word before
         raise ValueError(f"--mocker {args.mocker} starts simulated workers that each prefill and decode; "
                          "--prefill and --decode count real workers: leave them out (or --mocker)")
-    serves_https = _check_process_values(args)
+    serves_https, router_hosts = _check_process_values(args)
 
     log_parent = Path(args.log_dir).expanduser() if args.log_dir else None
     if log_parent is not None:
@@ -179,7 +237,8 @@ def _up(args: argparse.Namespace) -> int:
                                    etcd=args.etcd, log_dir=log_dir, router_port=args.port,
                                    router_args=["--router-mode", args.router_mode] if args.router_mode else [],
                                    metrics=args.metrics, num_mocker=args.mocker, http_port=args.http_port,
-                                   tls=not args.insecure, https=args.https, api_keys=args.api_keys, num_routers=args.routers,
+                                   tls=not args.insecure, https=args.https, router_hosts=router_hosts,
+                                   api_keys=args.api_keys, num_routers=args.routers,
                                    mocker_processes=args.mocker_processes, ready_timeout_s=args.ready_timeout,
                                    mps=args.mps, mps_prefill_percent=args.mps_prefill_percent,
                                    mps_prefill_priority=args.mps_prefill_priority, stop_with_launcher=True)
@@ -196,9 +255,14 @@ def _up(args: argparse.Namespace) -> int:
                            and k not in ("TANDEM_LOG_LEVEL", "TANDEM_LOG_FORMAT", "TANDEM_CONFIG", "TANDEM_LOG_DIR",
                                          LAUNCHER_ENV)
                            and not (args.insecure and k.startswith("TANDEM_TLS_")))  # (spawn drops those)
+        unknown = _unknown_variables(inherited)
+        inherited = [k for k in inherited if k not in unknown]
         if inherited:  # names only: a value may be a secret
             print(f"tandem up: TANDEM_* variables of this shell apply to every process it starts (where it passes "
                   f"no flag of its own): {', '.join(inherited)}", file=sys.stderr, flush=True)
+        if unknown:  # a misspelt one was listed above as if it applied
+            print(f"tandem up: WARNING: no option reads {', '.join(unknown.values())}: ignored", file=sys.stderr,
+                  flush=True)
         if args.insecure:
             print("tandem up: WARNING: --insecure: every gRPC port of this cluster serves plaintext with no "
                   "authentication; any local process can call the workers directly", file=sys.stderr, flush=True)
@@ -243,6 +307,9 @@ def _up(args: argparse.Namespace) -> int:
             stop = asyncio.Event()  # before the ready line: a stop sent on seeing it drains, as later ones do
             from common.lifecycle import install_stop_signals
             install_stop_signals(stop, on_second=cluster.kill)
+            # SIGHUP reloads the routers' API keys and HTTPS certificate: passed on to them (by
+            # default it would end this process, and the cluster with it, without a word)
+            asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, _pass_sighup, cluster)
             print(f"tandem up: ready to serve {cluster.model} ({workers})", flush=True)
             watch = asyncio.create_task(_say_exits(cluster), name="child-exits")
             await stop.wait()

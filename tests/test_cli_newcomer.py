@@ -424,9 +424,26 @@ def test_up_checks_its_processes_values_as_it_will_pass_them(monkeypatch):
     for k in [k for k in os.environ if k.startswith("TANDEM_")]:
         monkeypatch.delenv(k)
     monkeypatch.setenv("TANDEM_METRICS_PORT", "-2")
-    assert check("--insecure") is False
+    assert check("--insecure") == (False, ())
     monkeypatch.delenv("TANDEM_METRICS_PORT")
-    assert check("--https") is True
+    monkeypatch.setenv("TANDEM_HTTP_HOST", "127.0.0.2")
+    assert check("--https") == (True, ("127.0.0.2",))  # the router's --https certificate names it
+    # a relative file path: made absolute from a variable (the processes run in the repository
+    # root), refused from the config file
+    monkeypatch.setenv("TANDEM_API_KEYS", "keys.toml")
+    check("--mocker", "1")
+    assert os.environ["TANDEM_API_KEYS"] == os.path.abspath("keys.toml")
+    monkeypatch.delenv("TANDEM_API_KEYS")
+    cfg = ROOT / "tests" / "data-relative-path.toml"
+    cfg.write_text('[router]\napi_keys = "keys.toml"\n')
+    try:
+        with pytest.raises(ValueError, match=r"--api-keys keys.toml is a relative path \(from router.api_keys in "
+                                             r"the config file .*give it as an absolute path"):
+            monkeypatch.setenv("TANDEM_CONFIG", str(cfg))  # as tandem up passes --config on
+            check("--mocker", "1")
+    finally:
+        monkeypatch.delenv("TANDEM_CONFIG")
+        cfg.unlink()
     monkeypatch.setenv("TANDEM_HTTP_HOST", "127.0.0.1")
     with pytest.raises(ValueError, match=r"the router would refuse it: --http-host sets how the HTTP API listens.*"
                                          r"came from the environment variable TANDEM_HTTP_HOST"):
@@ -452,7 +469,7 @@ def test_a_command_started_with_sigint_ignored_still_stops_on_it():
                           "--num-requests", "1"], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                          text=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
     try:
-        time.sleep(4)  # imported and waiting for the router
+        assert "waiting for the router" in p.stderr.readline()  # past its imports, and waiting
         assert p.poll() is None, p.communicate()
         p.send_signal(signal.SIGINT)
         out, err = p.communicate(timeout=20)
@@ -461,3 +478,9 @@ def test_a_command_started_with_sigint_ignored_still_stops_on_it():
         if p.poll() is None:
             p.kill()
             p.communicate()
+
+
+def test_up_names_tandem_variables_no_option_reads():
+    from cli.main import _unknown_variables
+    assert _unknown_variables(["TANDEM_HTTP_CERT", "TANDEM_NUM_BLOCKS", "TANDEM_CONFIG", "TANDEM_SAMPLING_SEED"]) == {
+        "TANDEM_HTTP_CERT": "TANDEM_HTTP_CERT (did you mean TANDEM_HTTP_TLS_CERT?)"}

@@ -135,22 +135,36 @@ def test_sighup_loads_a_renewed_https_certificate_and_keeps_serving(up):
 
 
 def test_tandem_up_prints_the_scheme_its_router_serves(tmp_path):
-    """`tandem up --https`, and HTTPS set by the router's own variables, print https:// URLs that
-    answer (the router's settings used to be printed as http://)."""
+    """`tandem up --https` on an address of its own, and HTTPS set by the router's own variables,
+    print https:// URLs that answer (the router's settings used to be printed as http://, and
+    --https certificates named loopback only); SIGHUP to `tandem up` reaches its router;
+    `tandem bench --http-ca` trusts a certificate of another CA than the cluster's."""
     import re
     import signal
     from common.certs import LocalCa
     own = LocalCa(tmp_path / "own").issue("api", ("router",))
     env = {k: v for k, v in os.environ.items() if not k.startswith("TANDEM_")}
-    for extra, variables, trust in ((["--https"], {}, None),
-                                    ([], {"TANDEM_HTTP_TLS_CERT": own.cert, "TANDEM_HTTP_TLS_KEY": own.key}, own.ca)):
+    for extra, variables in ((["--https"], {"TANDEM_HTTP_HOST": "127.0.0.2"}),
+                             ([], {"TANDEM_HTTP_TLS_CERT": own.cert, "TANDEM_HTTP_TLS_KEY": own.key})):
         up, out = tandem_up(["--mocker", "1", "--port", "0", "--http-port", "0", "--log-dir", str(tmp_path / "runs"),
                              *extra], {**env, **variables})
         try:
             url = re.search(r"HTTP API at (https://\S+)/v1", out)
             assert url, out
-            trust = trust or re.search(r"\(trust (\S+):", out).group(1)
+            trust = own.ca if variables.get("TANDEM_HTTP_TLS_CERT") else re.search(r"\(trust (\S+):", out).group(1)
             assert httpx.get(f"{url.group(1)}/v1/models", verify=trust, timeout=10).status_code == 200
+            if extra:
+                assert url.group(1).startswith("https://127.0.0.2:")
+                up.send_signal(signal.SIGHUP)
+                assert "SIGHUP passed to router" in up.stdout.readline()
+                assert httpx.get(f"{url.group(1)}/v1/models", verify=trust, timeout=10).status_code == 200
+            else:
+                router = re.search(r"router at (\S+),", out).group(1)
+                r = subprocess.run([sys.executable, "-m", "cli.main", "bench", "--router", router, "--backend",
+                                    "openai", "--http-url", url.group(1), "--http-ca", own.ca, "--dataset", "mt-bench",
+                                    "--num-requests", "2", "--output-tokens", "4"], cwd=ROOT, capture_output=True,
+                                   text=True, timeout=120, env=env)
+                assert r.returncode == 0, r.stderr
         finally:
             up.send_signal(signal.SIGINT)
             up.communicate(timeout=60)
