@@ -17,8 +17,8 @@ from pathlib import Path
 os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
 
 from cli import certs, config, config_show, health  # noqa: E402 (after GRPC_VERBOSITY: they import grpc)
-from cli.flags import (OTHER_ROLE_ONLY, add_flags, add_option, build, construct, name_sources, refuse_other_role,
-                       where_from)
+from cli.flags import (OTHER_ROLE_ONLY, add_flags, add_option, build, construct, name_sources, options_of,
+                       refuse_other_role, where_from)
 from cli.top import add_parser as add_top_parser
 from common.gc_pauses import own_process
 from common.version import VERSION
@@ -83,6 +83,23 @@ def _absolute_paths(args: argparse.Namespace) -> None:
         else:
             raise ValueError(f"{flag} {value} is a relative path (from {where_from(source)}), and the "
                              f"processes tandem up starts run in {ROOT}: give it as an absolute path")
+
+
+def _elsewhere_hint(command: str, rest: list[str]) -> str:
+    """For `tandem up`: the first unknown flag that is an option of the processes it starts, and
+    how to give it to them (`tandem up --http-host` was a bare usage error)."""
+    if command != "up":
+        return ""
+    for arg in rest:
+        name = arg.split("=", 1)[0]
+        for role in ("router", "prefill", "decode"):
+            sub = config.subparsers(build_parser(role)).get(role)
+            opt = next((o for o in (options_of(sub) if sub is not None else []) if o.flag == name), None)
+            if opt is not None:
+                table = "worker" if role in ("prefill", "decode") else role
+                return (f" ({name} is an option of tandem {role}: give it to the processes tandem up starts as "
+                        f"{opt.env}=VALUE, or as {opt.name} under [{table}] in a --config file)")
+    return ""
 
 
 def _unknown_variables(names: list[str]) -> dict[str, str]:
@@ -594,7 +611,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "config":  # before apply: it reports given flags as flags
             return config_show.show(parser, args, rest)
         if rest:
-            parser.error(f"unrecognized arguments: {' '.join(rest)}")
+            parser.error(f"unrecognized arguments: {' '.join(rest)}{_elsewhere_hint(args.command, rest)}")
         config.apply(parser, args)
     except config.ConfigError as exc:
         print(f"tandem: {exc}", file=sys.stderr)

@@ -484,3 +484,9 @@ def test_up_names_tandem_variables_no_option_reads():
     from cli.main import _unknown_variables
     assert _unknown_variables(["TANDEM_HTTP_CERT", "TANDEM_NUM_BLOCKS", "TANDEM_CONFIG", "TANDEM_SAMPLING_SEED"]) == {
         "TANDEM_HTTP_CERT": "TANDEM_HTTP_CERT (did you mean TANDEM_HTTP_TLS_CERT?)"}
+
+
+def test_up_given_a_flag_of_its_processes_says_how_to_pass_it():
+    r = tandem("up", "--http-host", "127.0.0.2")
+    assert r.returncode == 2 and "--http-host is an option of tandem router: give it to the processes tandem up " \
+        "starts as TANDEM_HTTP_HOST=VALUE, or as http_host under [router]" in r.stderr, r.stderr
