@@ -190,6 +190,7 @@ class LocalCluster:
         self.http_scheme = "https" if https else "http"  # what the routers serve (their own settings may say https)
         self.tls = tls
         self.https = https
+        self.stopping = False  # stop() has begun (tandem up: a signal then kills instead of interrupting it)
         self.router_hosts = router_hosts
         self.ca = None  # common.certs.LocalCa once started with tls
         self.client_tls = None  # common.tls.TlsCredentials of a frontend client (role "client")
@@ -404,6 +405,7 @@ class LocalCluster:
 
     async def stop(self) -> None:
         """SIGTERM every process (workers first, then the router), then stop etcd."""
+        self.stopping = True
         names = sorted(self.procs, key=lambda n: n.startswith("router"))
         for name in names:
             if self.procs[name].poll() is None:

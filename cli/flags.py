@@ -330,6 +330,8 @@ def name_sources(message: str, set_by: dict[str, str]) -> str:
     """`message` with a note on where each flag it names got its value, when that was not the
     command line: an error about `--http-port` caused by TANDEM_HTTP_PORT=-5 should say so
     (`set_by` is what `apply` left in args.set_by: flag -> "env TANDEM_X" | "file PATH:key")."""
+    if "came from" in message:  # the message says where already
+        return message
     named = dict.fromkeys(re.findall(r"--[a-z][a-z0-9-]*", message))
     notes = [f"{flag} came from {where_from(set_by[flag])}" for flag in named if flag in set_by]
     return f"{message} ({'; '.join(notes)})" if notes else message

@@ -12,9 +12,14 @@ import sys
 import tempfile
 from pathlib import Path
 
+# The commands that are clients of a cluster (not its servers)
+CLIENTS = ("generate", "explain", "bench", "top", "health", "config", "certs", "plan")
 # gRPC's C core logs at INFO, e.g. a failed TLS handshake as an "I1206 ... ssl_transport_security"
-# line before the client's own one-line error; its errors only, unless the caller asks for more
-os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
+# line before a client's own one-line error: a client logs its errors only, unless asked for more
+# (servers keep gRPC's warnings: keepalive, GOAWAY). Read at gRPC's import, which is below.
+_RUN_AS_TANDEM = __name__ == "__main__" or os.path.basename(sys.argv[0] if sys.argv else "") == "tandem"
+if _RUN_AS_TANDEM and len(sys.argv) > 1 and sys.argv[1] in CLIENTS:  # (not a test importing this module)
+    os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
 
 from cli import certs, config, config_show, health  # noqa: E402 (after GRPC_VERBOSITY: they import grpc)
 from cli.flags import (OTHER_ROLE_ONLY, add_flags, add_option, build, construct, name_sources, options_of,
@@ -63,15 +68,18 @@ def _worker(args: argparse.Namespace) -> int:
 PATH_OPTIONS = ("tls_cert", "tls_key", "tls_ca", "http_tls_cert", "http_tls_key", "api_keys", "ep_placement")
 
 
-def _absolute_paths(args: argparse.Namespace) -> None:
+def _absolute_paths(args: argparse.Namespace, overridden: set[str]) -> None:
     """A relative file path a process of `tandem up` would read from a TANDEM_* variable is made
     absolute in this environment (which the processes inherit), as --config and --model are; one
-    from the config file is refused (the file is shared, and rewritten by no one).
+    from the config file is refused (the file is shared, and rewritten by no one). `overridden`:
+    options `tandem up` passes a flag of its own for, which the process never reads from there.
 
     Raises:
         ValueError: a relative path set in the config file, named.
     """
     for name in PATH_OPTIONS:
+        if name in overridden:
+            continue
         value = getattr(args, name, "")
         flag = "--" + name.replace("_", "-")
         source = getattr(args, "set_by", {}).get(flag, "")
@@ -81,8 +89,8 @@ def _absolute_paths(args: argparse.Namespace) -> None:
             os.environ[source.removeprefix("env ")] = os.path.abspath(value)
             setattr(args, name, os.path.abspath(value))
         else:
-            raise ValueError(f"{flag} {value} is a relative path (from {where_from(source)}), and the "
-                             f"processes tandem up starts run in {ROOT}: give it as an absolute path")
+            raise ValueError(f"{flag} {value} is a relative path, and the processes tandem up starts run in "
+                             f"{ROOT}: give it as an absolute path (it came from {where_from(source)})")
 
 
 def _elsewhere_hint(command: str, rest: list[str]) -> str:
@@ -92,14 +100,24 @@ def _elsewhere_hint(command: str, rest: list[str]) -> str:
         return ""
     for arg in rest:
         name = arg.split("=", 1)[0]
+        if name in UP_GIVES:
+            return f" ({name}: tandem up gives the processes it starts one of its own)"
+        tables, found = [], None
         for role in ("router", "prefill", "decode"):
             sub = config.subparsers(build_parser(role)).get(role)
             opt = next((o for o in (options_of(sub) if sub is not None else []) if o.flag == name), None)
             if opt is not None:
+                found = found or opt
                 table = "worker" if role in ("prefill", "decode") else role
-                return (f" ({name} is an option of tandem {role}: give it to the processes tandem up starts as "
-                        f"{opt.env}=VALUE, or as {opt.name} under [{table}] in a --config file)")
+                tables += [] if table in tables else [table]
+        if found is not None:
+            return (f" ({name} is an option of the processes tandem up starts: give it as {found.env}=VALUE, or "
+                    f"as {found.name} under {' or '.join(f'[{t}]' for t in tables)} in a --config file)")
     return ""
+
+
+# what LocalCluster.spawn always passes (and --tls-* with TLS on, --metrics-port with --metrics)
+UP_GIVES = ("--etcd", "--namespace", "--model", "--port", "--tls-cert", "--tls-key", "--tls-ca", "--metrics-port")
 
 
 def _unknown_variables(names: list[str]) -> dict[str, str]:
@@ -146,7 +164,9 @@ def _check_process_values(up: argparse.Namespace) -> tuple[bool, tuple[str, ...]
         parser = build_parser(role, full=True)
         args = parser.parse_args([role, "--model", up.model, *flags])
         config.apply(parser, args)
-        _absolute_paths(args)
+        overridden = ({"tls_cert", "tls_key", "tls_ca"} if not up.insecure else set()) | (
+            {"api_keys"} if up.api_keys else set()) | ({"http_tls_cert", "http_tls_key"} if up.https else set())
+        _absolute_paths(args, overridden)
         if role == "router" and up.https:  # --https gives each router its certificate
             args.http_tls_cert = args.http_tls_key = ""
         try:
@@ -156,7 +176,7 @@ def _check_process_values(up: argparse.Namespace) -> tuple[bool, tuple[str, ...]
             raise ValueError(f"{who} would refuse it: {exc}") from None
         if role == "router":
             https = https or bool(opts.http_tls_cert)
-            hosts = tuple(dict.fromkeys(h for h in (opts.http_host or opts.host, opts.advertise_host)
+            hosts = tuple(dict.fromkeys(h for h in (opts.http_host, opts.host, opts.advertise_host)
                                         if h and h not in ("0.0.0.0", "::", "127.0.0.1", "localhost", "::1")))
     return https, hosts
 
@@ -165,6 +185,9 @@ def _pass_sighup(cluster) -> None:
     routers = [name for name, proc in cluster.procs.items() if name.startswith("router") and proc.poll() is None]
     for name in routers:
         cluster.procs[name].send_signal(signal.SIGHUP)
+    if not routers:
+        print("tandem up: SIGHUP: no router runs to pass it to", file=sys.stderr, flush=True)
+        return
     print(f"tandem up: SIGHUP passed to {', '.join(routers)} (they load their API keys and HTTPS certificate "
           "again)", file=sys.stderr, flush=True)
 
@@ -192,15 +215,16 @@ def _up(args: argparse.Namespace) -> int:
     # is ready the stop signals below drain it instead
     # and SIGINT too where it came ignored: a shell script's `tandem up &` starts with SIGINT
     # ignored (the shell's rule for background jobs), and `kill -INT` then did nothing until ready.
-    # A second signal while the first one's clean-up runs kills what started, as it does once
-    # serving: raised again, it cut that clean-up short and left etcd's data and the CA key behind.
+    # A signal while a clean-up runs (the first signal's, or a failed start's) kills what started,
+    # as a second one does once serving: raised there, it cut the clean-up short and left etcd's
+    # data and the CA key behind.
     starting: dict = {}
 
     def start_up_signal(signum: int, frame: object) -> None:
-        if not starting.get("stopping"):
+        cluster = starting.get("cluster")
+        if not starting.get("stopping") and not (cluster is not None and cluster.stopping):
             starting["stopping"] = True
             raise KeyboardInterrupt
-        cluster = starting.get("cluster")
         if cluster is not None:
             cluster.forget_ca_key()
             cluster.kill()
@@ -591,10 +615,10 @@ def start_up_error(args: argparse.Namespace, exc: BaseException) -> str:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     command = command_of(argv)
-    if command == "up" or signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
-        # up: before its imports (a second), see _up. Any command: a shell script's `tandem bench &`
+    if command == "up" or (command in CLIENTS and signal.getsignal(signal.SIGINT) is signal.SIG_IGN):
+        # up: before its imports (a second), see _up. A client: a shell script's `tandem bench &`
         # starts with SIGINT ignored (the shell's rule for background jobs), so `kill -INT` and
-        # the script's Ctrl-C did nothing; the servers install handlers of their own later
+        # the script's Ctrl-C did nothing. Servers keep the shell's rule.
         signal.signal(signal.SIGINT, signal.default_int_handler)
     # `config show` and a config file (checked whole against every subcommand) need every option.
     uses_file = bool(os.environ.get("TANDEM_CONFIG")) or any(a == "--config" or a.startswith("--config=")

@@ -29,6 +29,7 @@ import asyncio
 import json
 import logging
 import socket
+import ssl
 import time
 import uuid
 from collections import deque
@@ -672,6 +673,9 @@ class HttpServer:
         """Load --http-tls-cert and --http-tls-key again (SIGHUP: a renewed certificate): new
         connections get it, open ones keep theirs. Raises ValueError (the old one stays)."""
         if self.config.ssl is not None:
+            # into a context of its own first: a pair that fails half-way (a certificate whose key
+            # is not the one given) would leave the serving context with a certificate and no key
+            load_certificate(ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER), self.tls_cert, self.tls_key)
             load_certificate(self.config.ssl, self.tls_cert, self.tls_key)
 
     async def start(self) -> None:

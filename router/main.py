@@ -346,8 +346,9 @@ async def run(opts: RouterOptions, ready: Callable[[RunningServer, FrontendServi
         await drain(servicer, server, registration, instance, opts.drain_timeout_s)
     finally:
         restore_signals()
-        if reload_on_hup:
+        if reload_on_hup:  # a SIGHUP while draining is ignored, not the default (an exit)
             asyncio.get_running_loop().remove_signal_handler(signal.SIGHUP)
+            signal.signal(signal.SIGHUP, signal.SIG_IGN)
         log.info("%s", servicer.overhead_summary())
         if frontend is not None:
             log.info("%s", frontend.timings.summary())

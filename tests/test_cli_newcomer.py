@@ -409,7 +409,7 @@ def test_up_refuses_a_bad_worker_value_from_the_file_or_environment_before_start
     assert r.returncode == 1 and "--prefill and --decode count real workers" in r.stderr, r.stderr
 
 
-def test_up_checks_its_processes_values_as_it_will_pass_them(monkeypatch):
+def test_up_checks_its_processes_values_as_it_will_pass_them(monkeypatch, tmp_path):
     # tandem up gives every process --metrics-port 0 (with --metrics, the default): a variable the
     # workers never see is no reason to refuse; a router value is refused before anything starts
     from cli import config
@@ -430,20 +430,26 @@ def test_up_checks_its_processes_values_as_it_will_pass_them(monkeypatch):
     assert check("--https") == (True, ("127.0.0.2",))  # the router's --https certificate names it
     # a relative file path: made absolute from a variable (the processes run in the repository
     # root), refused from the config file
-    monkeypatch.setenv("TANDEM_API_KEYS", "keys.toml")
-    check("--mocker", "1")
-    assert os.environ["TANDEM_API_KEYS"] == os.path.abspath("keys.toml")
-    monkeypatch.delenv("TANDEM_API_KEYS")
-    cfg = ROOT / "tests" / "data-relative-path.toml"
+    from common.certs import LocalCa
+    LocalCa(tmp_path / "web").issue("api", ("router",))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("TANDEM_HTTP_HOST")
+    monkeypatch.setenv("TANDEM_HTTP_TLS_CERT", "web/api.pem")
+    monkeypatch.setenv("TANDEM_HTTP_TLS_KEY", "web/api-key.pem")
+    assert check("--mocker", "1") == (True, ())
+    assert os.environ["TANDEM_HTTP_TLS_CERT"] == str(tmp_path / "web" / "api.pem")
+    monkeypatch.delenv("TANDEM_HTTP_TLS_CERT")
+    monkeypatch.delenv("TANDEM_HTTP_TLS_KEY")
+    cfg = tmp_path / "relative-path.toml"
     cfg.write_text('[router]\napi_keys = "keys.toml"\n')
     try:
-        with pytest.raises(ValueError, match=r"--api-keys keys.toml is a relative path \(from router.api_keys in "
-                                             r"the config file .*give it as an absolute path"):
-            monkeypatch.setenv("TANDEM_CONFIG", str(cfg))  # as tandem up passes --config on
+        monkeypatch.setenv("TANDEM_CONFIG", str(cfg))  # as tandem up passes --config on
+        with pytest.raises(ValueError, match=r"--api-keys keys.toml is a relative path.*give it as an absolute path "
+                                             r"\(it came from router.api_keys in the config file"):
             check("--mocker", "1")
+        assert check("--mocker", "1", "--api-keys", "/abs/keys.toml")  # tandem up passes its own: not read
     finally:
         monkeypatch.delenv("TANDEM_CONFIG")
-        cfg.unlink()
     monkeypatch.setenv("TANDEM_HTTP_HOST", "127.0.0.1")
     with pytest.raises(ValueError, match=r"the router would refuse it: --http-host sets how the HTTP API listens.*"
                                          r"came from the environment variable TANDEM_HTTP_HOST"):
@@ -488,5 +494,7 @@ def test_up_names_tandem_variables_no_option_reads():
 
 def test_up_given_a_flag_of_its_processes_says_how_to_pass_it():
     r = tandem("up", "--http-host", "127.0.0.2")
-    assert r.returncode == 2 and "--http-host is an option of tandem router: give it to the processes tandem up " \
-        "starts as TANDEM_HTTP_HOST=VALUE, or as http_host under [router]" in r.stderr, r.stderr
+    assert r.returncode == 2 and "--http-host is an option of the processes tandem up starts: give it as " \
+        "TANDEM_HTTP_HOST=VALUE, or as http_host under [router] in a --config file" in r.stderr, r.stderr
+    r = tandem("up", "--namespace", "x")  # one tandem up sets for them itself
+    assert r.returncode == 2 and "tandem up gives the processes it starts one of its own" in r.stderr, r.stderr

@@ -132,6 +132,13 @@ def test_sighup_loads_a_renewed_https_certificate_and_keeps_serving(up):
         time.sleep(0.1)
     assert up.procs["router"].poll() is None
     assert httpx.get(f"{up.http_url}/v1/models", verify=ca, timeout=10).status_code == 200
+    # a pair that does not load (a certificate half-copied, beside the old key) keeps the served
+    # one whole: it used to leave the serving context with the new certificate and no key
+    shutil.copy(up.ca.issue("router-third", ("router",)).cert, tls / "router.pem")
+    up.procs["router"].send_signal(signal.SIGHUP)
+    time.sleep(1)
+    assert _served_certificate_name(up.http_address, ca) == "router-renewed"
+    assert "HTTPS certificate kept" in (up.log_dir / "router.log").read_text()
 
 
 def test_tandem_up_prints_the_scheme_its_router_serves(tmp_path):
