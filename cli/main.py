@@ -224,7 +224,15 @@ def _up(args: argparse.Namespace) -> int:
         cluster = starting.get("cluster")
         if not starting.get("stopping") and not (cluster is not None and cluster.stopping):
             starting["stopping"] = True
-            raise KeyboardInterrupt
+            task = starting.get("task")
+            if task is None:  # before the event loop: nothing has started
+                raise KeyboardInterrupt
+            # cancelled at its next await, as asyncio.run's own Ctrl-C does, rather than raised
+            # mid-statement: a KeyboardInterrupt inside a logging call can leave the handler's lock
+            # held, and the clean-up's next log line then waits forever
+            task.cancel()
+            task.get_loop().call_soon_threadsafe(lambda: None)  # wakes the loop
+            return
         if cluster is not None:
             cluster.forget_ca_key()
             cluster.kill()
@@ -270,6 +278,7 @@ def _up(args: argparse.Namespace) -> int:
         log_parent.mkdir(parents=True, exist_ok=True)  # (an OSError names the path)
 
     async def main() -> None:
+        starting["task"] = asyncio.current_task()
         # Children inherit the log settings through their TANDEM_* variables.
         os.environ.update(TANDEM_LOG_LEVEL=args.log_level, TANDEM_LOG_FORMAT=args.log_format)
         log_dir = tempfile.mkdtemp(prefix="tandem-up-", dir=log_parent) if log_parent is not None else None
@@ -370,6 +379,10 @@ def _up(args: argparse.Namespace) -> int:
         return 1
     try:
         asyncio.run(main())
+    except asyncio.CancelledError:
+        if not starting.get("stopping"):
+            raise
+        raise KeyboardInterrupt from None  # a stop signal during start-up: status 130
     finally:
         if port_lock is not None:
             port_lock.close()
