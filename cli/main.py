@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import logging
 import os
 import shutil
@@ -120,6 +121,13 @@ def _elsewhere_hint(command: str, rest: list[str]) -> str:
 UP_GIVES = ("--etcd", "--namespace", "--model", "--port", "--tls-cert", "--tls-key", "--tls-ca", "--metrics-port")
 
 
+@functools.cache
+def _every_option_parser() -> argparse.ArgumentParser:
+    """The parser of every subcommand with all its options, built once (tandem up's checks of its
+    processes' values and variables each need it; building it imports every subcommand)."""
+    return build_parser(full=True)
+
+
 def _unknown_variables(names: list[str]) -> dict[str, str]:
     """The names among `names` (TANDEM_* variables) that no option of any subcommand reads ->
     the name, with the closest known one as a suggestion."""
@@ -127,7 +135,7 @@ def _unknown_variables(names: list[str]) -> dict[str, str]:
 
     from common.env import TEST_INSTANCE_ID_VAR, TEST_STOP_AFTER_WRITES_VAR
     from common.lifecycle import LAUNCHER_ENV
-    schema = config.Schema.of(build_parser(full=True))
+    schema = config.Schema.of(_every_option_parser())
     known = {o.env for opts in (schema.top, *schema.commands.values()) for o in opts.values()}
     known |= {"TANDEM_CONFIG", LAUNCHER_ENV, TEST_INSTANCE_ID_VAR, TEST_STOP_AFTER_WRITES_VAR}
     out = {}
@@ -160,8 +168,8 @@ def _check_process_values(up: argparse.Namespace) -> tuple[bool, tuple[str, ...]
         roles += [(role, WorkerOptions, ["--port", "0", *metrics]) for role, n in (("prefill", up.prefill),
                                                                                    ("decode", up.decode)) if n > 0]
     https, hosts = up.https, ()
+    parser = _every_option_parser()
     for role, options, flags in roles:
-        parser = build_parser(role, full=True)
         args = parser.parse_args([role, "--model", up.model, *flags])
         config.apply(parser, args)
         overridden = ({"tls_cert", "tls_key", "tls_ca"} if not up.insecure else set()) | (
