@@ -16,7 +16,7 @@ from common import metrics as metrics_http
 from common.block_hash import hash_seed
 from common.gc_pauses import freeze_startup_heap
 from common.lifecycle import install_stop_signals
-from common.grpc_server import (Keepalive, RunningServer, add_lenient_service, advertised_host, set_keepalive,
+from common.grpc_server import (WILDCARDS, Keepalive, RunningServer, add_lenient_service, advertised_host, set_keepalive,
                                 start_server, validate_listen_port)
 from common.pb.tandem.v1 import discovery_pb2
 from common.tls import TlsFiles
@@ -237,6 +237,19 @@ def _reload(keys: KeyRing | None, https: Any) -> None:
         log.info("SIGHUP: nothing to reload (no --api-keys, no --http-tls-cert)")
 
 
+def _http_record(http_server, opts: RouterOptions, address: str) -> str:
+    """host:port of the HTTP API for the router's discovery record ("" when off): where clients
+    reach it, not what it bound. A specific --http-host is its own address; an API listening on
+    every interface (--http-host, or --host, 0.0.0.0 or ::) is reached at the gRPC record's host
+    (`address`: --advertise-host, or the hostname's address), which a bound "0.0.0.0" is not, and
+    which is the name an HTTPS certificate for this router carries."""
+    if http_server is None:
+        return ""
+    bound = opts.http_host or opts.host
+    host = advertised_host(bound) if bound not in WILDCARDS else address.rpartition(":")[0]
+    return f"{host}:{http_server.port_bound}"
+
+
 def _on_sighup(callback: Callable[[], object]) -> bool:
     """Call `callback` on SIGHUP; False where that cannot be (not the main thread, e.g. a router
     inside a test process, or no signals on this platform)."""
@@ -325,7 +338,7 @@ async def run(opts: RouterOptions, ready: Callable[[RunningServer, FrontendServi
         instance_id=instance_id, role=discovery_pb2.ROLE_ROUTER, address=address, model=name,
         block_size=opts.block_size, hash_seed=hash_seed(name), state=discovery_pb2.INSTANCE_STATE_SERVING,
         start_time_unix=time.time(), version=VERSION, metrics_address=metrics_address,
-        http_address=http_server.address if http_server else "")
+        http_address=_http_record(http_server, opts, address))
     registration = Registration(opts.etcd, opts.namespace, instance, ttl_seconds=opts.lease_ttl_s)
     await registration.start()
     stop = stop or asyncio.Event()

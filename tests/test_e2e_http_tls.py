@@ -80,6 +80,22 @@ def test_http_host_puts_the_http_api_on_its_own_address(etcd_server, tiny_model)
         c.close()
 
 
+@pytest.mark.parametrize("overrides, record", [
+    ({"http_host": "0.0.0.0"}, "127.0.0.1"),  # every interface: the gRPC record's host, not 0.0.0.0
+    ({"host": "0.0.0.0", "advertise_host": "127.0.0.3"}, "127.0.0.3"),  # both on every interface
+    ({"host": "0.0.0.0", "advertise_host": "127.0.0.3", "http_host": "127.0.0.2"}, "127.0.0.2"),
+])
+def test_the_discovery_record_names_where_clients_reach_the_http_api(etcd_server, tiny_model, overrides, record):
+    c = InProcessCluster(etcd_server.endpoint, tiny_model, namespace="e2e-http-record")
+    try:
+        router = c.start("router", http_port=0, **overrides)
+        host, _, port = router.http_address.rpartition(":")
+        assert host == record, router.http_address
+        assert httpx.get(f"http://{router.http_address}/v1/models", timeout=10).status_code == 200
+    finally:
+        c.close()
+
+
 @pytest.mark.parametrize("overrides, said", [
     ({"http_port": 0, "http_tls_cert": "x.pem"}, "--http-tls-cert and --http-tls-key go together"),
     ({"http_tls_cert": "x.pem", "http_tls_key": "y.pem"}, "which is off (--http-port -1): turn it on with --http-port"),
