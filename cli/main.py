@@ -157,6 +157,7 @@ def _check_process_values(up: argparse.Namespace) -> tuple[bool, tuple[str, ...]
     Raises:
         ValueError: the flag named, where its value came from, and which processes.
     """
+    from common.grpc_server import advertised_host
     from router.main import RouterOptions
     metrics = ["--metrics-port", "0"] if up.metrics else []  # as LocalCluster.spawn gives them
     # etcd and certificates are `tandem up`'s, given to each process once they exist
@@ -184,7 +185,10 @@ def _check_process_values(up: argparse.Namespace) -> tuple[bool, tuple[str, ...]
             raise ValueError(f"{who} would refuse it: {exc}") from None
         if role == "router":
             https = https or bool(opts.http_tls_cert)
-            hosts = tuple(dict.fromkeys(h for h in (opts.http_host, opts.host, opts.advertise_host)
+            # the hosts it binds and records: a router on every interface records --advertise-host,
+            # or the hostname's address (common.grpc_server.advertised_host), and so does its HTTP API
+            recorded = advertised_host(opts.host, opts.advertise_host).strip("[]")
+            hosts = tuple(dict.fromkeys(h for h in (opts.http_host, opts.host, opts.advertise_host, recorded)
                                         if h and h not in ("0.0.0.0", "::", "127.0.0.1", "localhost", "::1")))
     return https, hosts
 

@@ -428,6 +428,14 @@ def test_up_checks_its_processes_values_as_it_will_pass_them(monkeypatch, tmp_pa
     monkeypatch.delenv("TANDEM_METRICS_PORT")
     monkeypatch.setenv("TANDEM_HTTP_HOST", "127.0.0.2")
     assert check("--https") == (True, ("127.0.0.2",))  # the router's --https certificate names it
+    # a router on every interface records the hostname's address (a pod's IP), and so does its HTTP
+    # API: the certificate names that address (here a stand-in for the resolver's answer)
+    monkeypatch.delenv("TANDEM_HTTP_HOST")
+    monkeypatch.setenv("TANDEM_HOST", "0.0.0.0")
+    monkeypatch.setattr("socket.gethostbyname", lambda name: "10.1.2.3")
+    assert check("--https") == (True, ("10.1.2.3",))
+    monkeypatch.delenv("TANDEM_HOST")
+    monkeypatch.setenv("TANDEM_HTTP_HOST", "127.0.0.2")
     # a relative file path: made absolute from a variable (the processes run in the repository
     # root), refused from the config file
     from common.certs import LocalCa
