@@ -14,4 +14,6 @@ computes (tests compare the two over shapes):
   over the vocabulary (reference: `greedy_reference`, torch's argmax and log_softmax).
 - `moe_router.py`: a decode step's MoE routing in one Triton kernel (reference:
   `route_with_shared_reference` = `engine.model.route` plus the shared experts' slots).
+- `slot_norm.py`: a MoE layer's per-slot output summed into the residual stream and the next
+  RMSNorm in one Triton kernel (reference: `engine.model.add_rms_norm`).
 """

@@ -41,7 +41,11 @@ def use_fused_hot_path() -> bool:
         compile_ = lambda fn: torch.compile(fn, dynamic=True)  # noqa: E731
         m.HOT.rms_norm = compile_(m.rms_norm)
         m.HOT.silu_mul = compile_(m.silu_mul)
-        m.HOT.add_rms_norm = compile_(m.add_rms_norm)
+        # a MoE layer's per-slot output into the next add + RMSNorm: one Triton kernel
+        # (engine/kernels/slot_norm.py) where the compiled function took two
+        from engine.kernels import slot_norm
+        add_norm = compile_(m.add_rms_norm)
+        m.HOT.add_rms_norm = slot_norm.dispatching(add_norm) if slot_norm.triton is not None else add_norm
         m.HOT.rope_cos_sin = compile_(m.rope_cos_sin)
         m.HOT.apply_rope = compile_(m.apply_rope)
         m.HOT.rope_latent = compile_(m.rope_latent)
@@ -54,7 +58,8 @@ def use_fused_hot_path() -> bool:
                     type(exc).__name__, str(exc)[:300])
         return False
     log.info("fused hot path: RMSNorm, residual add + RMSNorm, rope, rope + latent RMSNorm, routing and "
-             "SwiGLU compiled with torch.compile")
+             "SwiGLU compiled with torch.compile; a MoE output's slots summed into the residual add + RMSNorm "
+             "by a Triton kernel")
     return True
 
 

@@ -1,0 +1,94 @@
+"""A MoE layer's per-slot output summed into the residual stream, and the next RMSNorm, in one
+Triton kernel.
+
+In a decode step each MoE layer leaves its output per slot, [T, slots, hidden] float32 (the
+routed experts' k slots and the shared experts' S after them: engine/kernels/fused_moe.py with
+sum_slots=False), and the next layer's input RMSNorm sums them into the residual stream first
+(engine.model.add_rms_norm with a per-slot delta). Compiled by torch.compile that was two
+kernels a layer (a reduction over the slots, then one over the hidden size: inductor does not
+put two reductions over different axes in one kernel), 1.8 µs each at batch 1 on an H100
+(docs/bench/profile_decode_M_run22_h100.jsonl, 25 MoE layers of config M). Here one program per
+row sums the row's slots in registers, adds the residual, stores it, and normalises it.
+
+The arithmetic is the plain function's (engine.model.add_rms_norm, the reference): the slots'
+float32 sum rounded to the model dtype, added to x and rounded, the RMSNorm of that in float32
+rounded, times the weight, rounded. Only the order of the float32 sums (over slots, and over the
+hidden size for the mean square) may differ from torch's: a last-bit difference at most.
+tests/test_slot_norm.py compares the two, on CUDA and in Triton's interpreter.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+try:  # the GPU machine has triton; CPU-only installs need not
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - depends on the machine
+    triton = None
+
+
+def takes(x: torch.Tensor, delta: torch.Tensor, delta2: torch.Tensor | None) -> bool:
+    """Whether `add_slots_rms_norm` runs for these arguments of add_rms_norm (host-side only):
+    a per-slot float32 delta on CUDA and nothing beside it, rows of unit stride."""
+    return (triton is not None and delta2 is None and delta.dim() == 3 and x.dim() == 2 and x.is_cuda
+            and delta.dtype == torch.float32 and delta.shape[0] == x.shape[0] and delta.shape[2] == x.shape[1]
+            and delta.stride(2) == 1 and x.stride(1) == 1)
+
+
+def add_slots_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
+                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(s, rms_norm(s)) with s = x + delta summed over its slots, both [T, hidden] in x's dtype.
+
+    x [T, hidden]; delta [T, slots, hidden] float32; weight [hidden]. CUDA, or a CPU under
+    TRITON_INTERPRET=1. Raises ValueError on shapes add_rms_norm would not take."""
+    t, hidden = x.shape
+    if delta.dim() != 3 or delta.shape[0] != t or delta.shape[2] != hidden or weight.shape != (hidden,):
+        raise ValueError(f"add_slots_rms_norm takes x [T, H], delta [T, slots, H], weight [H]; got "
+                         f"{tuple(x.shape)}, {tuple(delta.shape)}, {tuple(weight.shape)}")
+    s = torch.empty_like(x, memory_format=torch.contiguous_format)
+    h = torch.empty_like(s)
+    if t == 0:
+        return s, h
+    block = triton.next_power_of_2(hidden)
+    _add_slots_rms_norm_kernel[(t,)](x, delta, weight, s, h, hidden, delta.shape[1], x.stride(0), delta.stride(0),
+                                     delta.stride(1), eps, BLOCK=block, num_warps=4 if block <= 4096 else 8)
+    return s, h
+
+
+def dispatching(plain: Callable) -> Callable:
+    """add_rms_norm that runs `add_slots_rms_norm` where it `takes` the arguments and `plain`
+    (the compiled add_rms_norm) otherwise: the function engine.model.HOT.add_rms_norm holds on
+    GPU workers."""
+    def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float,
+                     delta2: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        if takes(x, delta, delta2):
+            return add_slots_rms_norm(x, delta, weight, eps)
+        return plain(x, delta, weight, eps, delta2)
+    return add_rms_norm
+
+
+if triton is not None:
+
+    @triton.jit
+    def _add_slots_rms_norm_kernel(x_ptr, d_ptr, w_ptr, s_ptr, h_ptr, H, SLOTS, stride_x, stride_dt, stride_ds,
+                                   eps, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        offs = tl.arange(0, BLOCK)
+        m = offs < H
+        acc = tl.zeros((BLOCK,), dtype=tl.float32)
+        d_ptrs = d_ptr + row * stride_dt + offs
+        for _ in range(SLOTS):  # the slots in order, as the kernel wrote them
+            acc += tl.load(d_ptrs, mask=m, other=0.0)
+            d_ptrs += stride_ds
+        dt = s_ptr.dtype.element_ty
+        x = tl.load(x_ptr + row * stride_x + offs, mask=m, other=0.0).to(tl.float32)
+        s = (x + acc.to(dt).to(tl.float32)).to(dt)  # slot_sum rounds, then the residual add rounds
+        tl.store(s_ptr + row * H + offs, s, mask=m)
+        s32 = s.to(tl.float32)
+        r = tl.math.rsqrt(tl.sum(s32 * s32, 0) / H + eps)
+        n = (s32 * r).to(dt).to(tl.float32)
+        w = tl.load(w_ptr + offs, mask=m, other=0.0).to(tl.float32)
+        tl.store(h_ptr + row * H + offs, (w * n).to(dt), mask=m)
