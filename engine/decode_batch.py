@@ -3,7 +3,7 @@
 `DecodePlan` is what the host prepares once per step (FlashInfer's plan/run split): input ids,
 positions, the padded block tables and context lengths, copied to the device without a sync.
 `AbsorbedDecodeKv` is the model's KvCache for such a step on CUDA: it writes each layer's new
-latents (engine/kernels/latent_store.py, one kernel with the queries' rope) and runs paged MLA
+latents (engine/kernels/latent_store.py, one kernel with the queries' rope and W_UK) and runs paged MLA
 decode attention on the latent pool with MLA's weight absorption (engine/kernels/mla_decode.py),
 so a step never expands the cached latents per head and never loops over sequences. It reads
 and writes FP8 pools (saturating cast on write, scale on read).
@@ -181,8 +181,9 @@ class AbsorbedDecodeKv:
         lens: [B] int32 context lengths including the new token (written at lens - 1).
         attention: the decode attention kernel, `mla_decode` (Triton) on GPUs;
             tests pass `engine.kernels.mla_decode.mla_decode_reference` to check the rest on CPU.
-    The latent write and the query's rope run as `rope_latent_store` (one Triton kernel) on a
-    CUDA pool, as its plain twin `rope_latent_store_reference` elsewhere (tests on a CPU).
+    The latent write, the query's rope and the absorbed query run as `rope_latent_store` (one
+    Triton launch) on a CUDA pool, as its plain twin `rope_latent_store_reference` elsewhere
+    (tests on a CPU).
     """
 
     attends = True  # engine/model.py MLAttention: this cache ropes, stores and attends itself
@@ -211,12 +212,14 @@ class AbsorbedDecodeKv:
         """
         c = attn.c
         norm = attn.kv_a_layernorm
-        q_pe = self.rope_store(q_pe, kv_a, rope[0], rope[1], norm.weight, norm.eps, c.kv_lora_rank,
-                               c.rope_interleave, self.kv, layer, self.w_blk, self.w_off, self.scale)
         h = c.num_attention_heads
         w = attn.kv_b_proj.weight.view(h, c.qk_nope_head_dim + c.v_head_dim, c.kv_lora_rank)
         w_uk, w_uv = w.split([c.qk_nope_head_dim, c.v_head_dim], dim=1)  # [H, nope|v, R]
-        q_lat = torch.einsum("bhn,hnr->bhr", q_nope, w_uk)  # absorbed query [B, H, R]
+        # the latent's write, the queries' rope and the absorbed query q_nope · W_UK [B, H, R] in
+        # one launch (on a CPU the plain functions and an einsum)
+        q_pe, q_lat = self.rope_store(q_pe, kv_a, rope[0], rope[1], norm.weight, norm.eps, c.kv_lora_rank,
+                                      c.rope_interleave, self.kv, layer, self.w_blk, self.w_off, self.scale,
+                                      q_nope=q_nope, w_uk=w_uk)
         # q_lat and q_pe go to the kernel apart: no [B, H, R + rope] concatenation per layer
         o_lat = self.attention(q_lat, self.kv, layer, self.tables, self.lens, c.kv_lora_rank,
                                attn.softmax_scale, self.scale, q_pe=q_pe)  # [B, H, R]

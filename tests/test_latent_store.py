@@ -142,3 +142,75 @@ def test_kernel_in_the_interpreter(t: int, h: int, rank: int, rope: int, interle
     kv_want[w_blk, 2, w_off] = 0.0
     kv_got[w_blk, 2, w_off] = 0.0
     assert torch.equal(kv_want, kv_got), "a row other than the tokens' was written"
+
+
+def _absorb_inputs(q_pe: torch.Tensor, rank: int, dtype: torch.dtype, device: str, seed: int = 0):
+    """q_nope as the view the decode step passes (the first 128 of each head's row, beside q_pe in
+    the same projection output) and w_uk as a view of a kv_b_proj weight [H · (128 + 128), R]."""
+    t, h, _ = q_pe.shape
+    g = torch.Generator().manual_seed(seed + 7)
+    q_nope = q_pe.as_strided((t, h, 128), q_pe.stride(), q_pe.storage_offset() - 128)  # the same rows, 128 back
+    kv_b = (torch.randn(h * 256, rank, generator=g) / rank ** 0.5).to(dtype).to(device)
+    w_uk = kv_b.view(h, 256, rank)[:, :128]
+    return q_nope, w_uk
+
+
+@interpreter
+@pytest.mark.parametrize("t,h,rank", [(1, 16, 512), (5, 3, 24), (17, 16, 512), (33, 2, 200)])
+def test_absorbed_query_in_the_same_launch_in_the_interpreter(t: int, h: int, rank: int) -> None:
+    """float32: q_lat within float32 summation order of the einsum it replaces; the rope and the
+    pool as without it."""
+    q_pe, kv_a, cos, sin, weight, blocks, w_blk, w_off = _inputs(t, h, rank, 64, torch.float32, "cpu", seed=t)
+    q_nope, w_uk = _absorb_inputs(q_pe, rank, torch.float32, "cpu")
+    kv_plain = torch.randn((blocks, 3, 16, rank + 64))
+    kv_absorb = kv_plain.clone()
+    q_plain = rope_latent_store(q_pe, kv_a, cos, sin, weight, 1e-6, rank, True, kv_plain, 2, w_blk, w_off)
+    q_got, lat = rope_latent_store(q_pe, kv_a, cos, sin, weight, 1e-6, rank, True, kv_absorb, 2, w_blk, w_off,
+                                   q_nope=q_nope, w_uk=w_uk)
+    assert torch.equal(q_got, q_plain) and torch.equal(kv_absorb, kv_plain)
+    want = rope_latent_store_reference(q_pe, kv_a, cos, sin, weight, 1e-6, rank, True, kv_plain.clone(), 2,
+                                       w_blk, w_off, q_nope=q_nope, w_uk=w_uk)[1]
+    assert lat.shape == (t, h, rank) and lat.is_contiguous()
+    torch.testing.assert_close(lat, want, rtol=1e-5, atol=1e-5)
+
+
+def test_absorbed_query_shapes_are_checked() -> None:
+    if __import__("importlib").util.find_spec("triton") is None:
+        pytest.skip("triton is not installed")
+    q_pe, kv_a, cos, sin, weight, blocks, w_blk, w_off = _inputs(2, 3, 24, 8, torch.float32, "cpu")
+    q_nope, w_uk = _absorb_inputs(q_pe, 24, torch.float32, "cpu")
+    kv = torch.zeros((blocks, 1, 16, 32))
+    with pytest.raises(ValueError, match="need q_nope"):
+        rope_latent_store(q_pe, kv_a, cos, sin, weight, 1e-6, 24, True, kv, 0, w_blk, w_off,
+                          q_nope=q_nope, w_uk=w_uk[:2])
+    with pytest.raises(ValueError, match="unit stride along R"):
+        rope_latent_store(q_pe, kv_a, cos, sin, weight, 1e-6, 24, True, kv, 0, w_blk, w_off,
+                          q_nope=q_nope, w_uk=w_uk.transpose(1, 2).contiguous().transpose(1, 2))
+
+
+@cuda
+@pytest.mark.parametrize("t,h", [(1, 16), (4, 16), (64, 16), (300, 128), (3, 5)])
+@pytest.mark.parametrize("fp8", [False, True])
+def test_absorbed_query_on_cuda(t: int, h: int, fp8: bool) -> None:
+    """bf16: q_lat within a bf16 rounding step or two of the einsum (float32 sums in either,
+    in another order); the rope and the pool exactly as without it."""
+    rank = 512
+    q_pe, kv_a, cos, sin, weight, blocks, w_blk, w_off = _inputs(t, h, rank, 64, torch.bfloat16, "cuda", seed=t)
+    q_nope, w_uk = _absorb_inputs(q_pe, rank, torch.bfloat16, "cuda")
+    dtype, scale = (FP8, 1.1) if fp8 else (torch.bfloat16, 1.0)
+    kv_plain = torch.randn((blocks, 3, 16, rank + 64), device="cuda").to(dtype)
+    kv_absorb = kv_plain.clone()
+    q_plain = rope_latent_store(q_pe, kv_a, cos, sin, weight, 1e-6, rank, True, kv_plain, 2, w_blk, w_off, scale)
+    q_got, lat = rope_latent_store(q_pe, kv_a, cos, sin, weight, 1e-6, rank, True, kv_absorb, 2, w_blk, w_off,
+                                   scale, q_nope=q_nope, w_uk=w_uk)
+    assert torch.equal(q_got, q_plain) and torch.equal(kv_absorb.float(), kv_plain.float())
+    want = torch.einsum("bhn,hnr->bhr", q_nope, w_uk)
+    torch.testing.assert_close(lat.float(), want.float(), rtol=2 ** -7, atol=1e-3)
+    assert (lat != want).float().mean().item() < 0.05
+    graph = torch.cuda.CUDAGraph()  # in a graph: the eager bits
+    with torch.cuda.graph(graph):
+        _, lat_g = rope_latent_store(q_pe, kv_a, cos, sin, weight, 1e-6, rank, True, kv_absorb, 2, w_blk, w_off,
+                                     scale, q_nope=q_nope, w_uk=w_uk)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(lat_g, lat)

@@ -14,6 +14,12 @@ normalises and ropes the latent, writes it to its (block, layer, offset) slot of
 pools: times the reciprocal of the pool's scale and saturated, as `engine.kv_pool.write_rows`),
 and ropes the token's H query rows (a program per 16 heads).
 
+With the queries' non-rope part and each head's W_UK (kv_b_proj's key rows), the same launch
+also computes the absorbed query q_lat = q_nope · W_UK [T, H, R] that MLA decode attention reads
+(programs after the rope's, each 16 tokens × one head × 128 latent columns through tl.dot, float32
+sums rounded once, as the batched GEMM it replaces): at batch 1 on an H100 that GEMM was a launch
+of its own, 3.7 µs a layer (docs/bench/profile_decode_M_run22_h100.jsonl).
+
 The kernel rounds where the plain functions round (the normalised row to the model dtype before
 the weight; each rope product, then their sum), so in bf16 its ropes are the bits of
 `rope_latent_store_reference`, and its normalised latent differs only through the RMS's
@@ -39,7 +45,8 @@ except ImportError:  # pragma: no cover - depends on the machine
 def rope_latent_store_reference(q_pe: torch.Tensor, kv_a: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                                 norm_weight: torch.Tensor, eps: float, rank: int, interleave: bool,
                                 kv: torch.Tensor, layer: int, w_blk: torch.Tensor, w_off: torch.Tensor,
-                                kv_scale: float = 1.0) -> torch.Tensor:
+                                kv_scale: float = 1.0, q_nope: torch.Tensor | None = None,
+                                w_uk: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """What `rope_latent_store` computes, in plain torch.
 
     Args:
@@ -52,13 +59,25 @@ def rope_latent_store_reference(q_pe: torch.Tensor, kv_a: torch.Tensor, cos: tor
             latent / kv_scale); layer: the pool layer written.
         w_blk, w_off: [T] int64 the block and the offset in it of each token's row.
         kv_scale: FP8 pools' scale (ignored for other dtypes).
+        q_nope, w_uk: with both, also the absorbed query: q_nope [T, H, N] (the queries' non-rope
+            part, may be a strided view) times each head's W_UK w_uk [H, N, R] (kv_b_proj's key
+            rows of the head, a view of its weight).
     Returns:
-        q_pe roped, [T, H, P] contiguous, q_pe's dtype. Writes row (w_blk[t], layer, w_off[t]).
+        q_pe roped, [T, H, P] contiguous, q_pe's dtype; with q_nope and w_uk, (that, q_lat [T, H,
+        R] contiguous, q_nope's dtype). Writes row (w_blk[t], layer, w_off[t]).
     """
     from engine.model import rope_latent
     q, latent = rope_latent(q_pe, kv_a, cos, sin, norm_weight, eps, rank, interleave)
     write_rows(kv, w_blk, layer, w_off, latent, kv.dtype == FP8, kv_scale)
-    return q.contiguous()
+    if q_nope is None or w_uk is None:
+        return q.contiguous()
+    return q.contiguous(), torch.einsum("bhn,hnr->bhr", q_nope, w_uk)
+
+
+# (BLOCK_T, BLOCK_L) of the absorbed query's programs: tl.dot's least row count (a decode step at
+# batch 1 pads its one token to 16 rows: the bytes are W_UK's, 128 KB a head), and 128 latent
+# columns, so config M's 16 heads × 512 columns are 64 programs beside the rope's
+ABSORB_TILE = (16, 128)
 
 
 if triton is not None:
@@ -89,17 +108,51 @@ if triton is not None:
         return _round(x * cos + xm * sin, dtype)
 
     @triton.jit
-    def _rope_latent_store(QPE, KVA, Cos, Sin, NormW, KV, Blk, Off, OutQ,
-                           layer, eps, inv_scale, fmax,
+    def _absorb(j, T, QN, WUK, OutL, stride_nt, stride_nh, stride_wh, stride_wn, stride_lt, stride_lh,
+                H: tl.constexpr, R: tl.constexpr, NOPE: tl.constexpr, BLOCK_T: tl.constexpr,
+                BLOCK_N: tl.constexpr, BLOCK_L: tl.constexpr, IEEE: tl.constexpr):
+        # absorb program j: tokens tb·BLOCK_T.., head h, latent columns rb·BLOCK_L..:
+        # q_lat = q_nope [BLOCK_T, NOPE] @ W_UK[h] [NOPE, BLOCK_L], float32 sums, rounded once
+        n_rb: tl.constexpr = (R + BLOCK_L - 1) // BLOCK_L
+        rb = j % n_rb
+        h = (j // n_rb) % H
+        tb = j // (n_rb * H)
+        offs_t = tb.to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+        offs_n = tl.arange(0, BLOCK_N)
+        offs_r = rb * BLOCK_L + tl.arange(0, BLOCK_L)
+        tmask, nmask, rmask = offs_t < T, offs_n < NOPE, offs_r < R
+        a = tl.load(QN + offs_t[:, None] * stride_nt + h * stride_nh + offs_n[None, :],
+                    mask=tmask[:, None] & nmask[None, :], other=0.0)
+        w = tl.load(WUK + h * stride_wh + offs_n[:, None] * stride_wn + offs_r[None, :],
+                    mask=nmask[:, None] & rmask[None, :], other=0.0)
+        if IEEE:  # float32 inputs: full-precision products (tf32 would round them)
+            acc = tl.dot(a, w, input_precision="ieee")
+        else:
+            acc = tl.dot(a, w)
+        tl.store(OutL + offs_t[:, None] * stride_lt + h * stride_lh + offs_r[None, :],
+                 acc.to(OutL.dtype.element_ty), mask=tmask[:, None] & rmask[None, :])
+
+    @triton.jit
+    def _rope_latent_store(QPE, KVA, Cos, Sin, NormW, KV, Blk, Off, OutQ, QN, WUK, OutL,
+                           layer, eps, inv_scale, fmax, T, N_HB,
                            stride_qt, stride_qh, stride_at, stride_ct, stride_st,
                            stride_kblk, stride_klayer, stride_ktok, stride_ot, stride_oh,
+                           stride_nt, stride_nh, stride_wh, stride_wn, stride_lt, stride_lh,
                            H: tl.constexpr, R: tl.constexpr, P: tl.constexpr,
                            BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
-                           INTERLEAVE: tl.constexpr, IS_FP8: tl.constexpr):
-        # program (t, hb): token t's query heads hb·BLOCK_H.. (BLOCK_H ≤ 16 keeps a program's
-        # tiles in registers at DeepSeek-V3's 128 heads); the programs hb = 0 also write the latent
-        t = tl.program_id(0).to(tl.int64)
-        hb = tl.program_id(1)
+                           INTERLEAVE: tl.constexpr, IS_FP8: tl.constexpr,
+                           NOPE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
+                           BLOCK_L: tl.constexpr, IEEE: tl.constexpr):
+        # programs 0 .. T·N_HB - 1: (t, hb), token t's query heads hb·BLOCK_H.. (BLOCK_H ≤ 16 keeps
+        # a program's tiles in registers at DeepSeek-V3's 128 heads); the programs hb = 0 also
+        # write the latent. Programs after them (with q_nope given): the absorbed query, `_absorb`
+        pid = tl.program_id(0)
+        if pid >= T * N_HB:
+            _absorb(pid - T * N_HB, T, QN, WUK, OutL, stride_nt, stride_nh, stride_wh, stride_wn, stride_lt,
+                    stride_lh, H, R, NOPE, BLOCK_T, BLOCK_N, BLOCK_L, IEEE)
+            return
+        t = (pid // N_HB).to(tl.int64)
+        hb = pid % N_HB
         dtype: tl.constexpr = OutQ.dtype.element_ty
         offs_p = tl.arange(0, BLOCK_P)
         pmask = offs_p < P
@@ -135,11 +188,14 @@ if triton is not None:
 def rope_latent_store(q_pe: torch.Tensor, kv_a: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                       norm_weight: torch.Tensor, eps: float, rank: int, interleave: bool,
                       kv: torch.Tensor, layer: int, w_blk: torch.Tensor, w_off: torch.Tensor,
-                      kv_scale: float = 1.0) -> torch.Tensor:
+                      kv_scale: float = 1.0, q_nope: torch.Tensor | None = None,
+                      w_uk: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """`rope_latent_store_reference` as one Triton kernel (a program per token and 16 query
-    heads); the same arguments and result. Inputs whose last dimension is strided are copied
-    first (the decode step's views of the fused projection's output need no copy). FP8 pools:
-    the row times `engine.kv_pool.reciprocal32(kv_scale)`, the multiplier of every FP8 write.
+    heads; with q_nope and w_uk, after them a program per 16 tokens, head and 128 latent columns
+    for the absorbed query, with tl.dot: the W_UK product that was a launch of its own); the
+    same arguments and result. Inputs whose last dimension is strided are copied first (the
+    decode step's views of the fused projection's output need no copy). FP8 pools: the row
+    times `engine.kv_pool.reciprocal32(kv_scale)`, the multiplier of every FP8 write.
 
     Raises RuntimeError when triton is not installed, ValueError on a shape mismatch.
     """
@@ -154,18 +210,34 @@ def rope_latent_store(q_pe: torch.Tensor, kv_a: torch.Tensor, cos: torch.Tensor,
                          "cos and sin [T, P], weight [R], slots [T], pool rows R + P and an even P")
     if kv.stride(-1) != 1:
         raise ValueError("rope_latent_store writes the pool in place: its rows must be contiguous")
+    absorb = q_nope is not None and w_uk is not None
+    if absorb:
+        nope = q_nope.shape[-1]
+        if q_nope.shape[:2] != (t, h) or w_uk.shape != (h, nope, rank) or w_uk.stride(-1) != 1:
+            raise ValueError(f"q_nope {tuple(q_nope.shape)} and w_uk {tuple(w_uk.shape)} (last stride "
+                             f"{w_uk.stride(-1)}): need q_nope [T, H, N] and w_uk [H, N, R] with unit stride along R")
+        q_nope = q_nope if q_nope.stride(-1) == 1 else q_nope.contiguous()
     q_pe, kv_a, cos, sin = (x if x.stride(-1) == 1 else x.contiguous() for x in (q_pe, kv_a, cos, sin))
     w_blk, w_off = w_blk.long(), w_off.long()  # a no-op for the decode step's int64 slots
     out = torch.empty((t, h, p), dtype=q_pe.dtype, device=q_pe.device)
+    q_lat = torch.empty((t, h, rank), dtype=q_nope.dtype, device=q_pe.device) if absorb else out
     if t == 0:
-        return out
+        return (out, q_lat) if absorb else out
     is_fp8 = kv.dtype == FP8
     block_h = min(16, triton.next_power_of_2(h))
-    _rope_latent_store[(t, triton.cdiv(h, block_h))](
-        q_pe, kv_a, cos, sin, norm_weight, kv, w_blk, w_off, out,
-        layer, eps, reciprocal32(kv_scale) if is_fp8 else 1.0, FP8_MAX,
+    n_hb = triton.cdiv(h, block_h)
+    block_t, block_l = ABSORB_TILE
+    n_absorb = triton.cdiv(t, block_t) * h * triton.cdiv(rank, block_l) if absorb else 0
+    qn, wuk = (q_nope, w_uk) if absorb else (out, out)  # unread without absorb (programs past T · N_HB only)
+    _rope_latent_store[(t * n_hb + n_absorb,)](
+        q_pe, kv_a, cos, sin, norm_weight, kv, w_blk, w_off, out, qn, wuk, q_lat,
+        layer, eps, reciprocal32(kv_scale) if is_fp8 else 1.0, FP8_MAX, t, n_hb,
         q_pe.stride(0), q_pe.stride(1), kv_a.stride(0), cos.stride(0), sin.stride(0),
         kv.stride(0), kv.stride(1), kv.stride(2), out.stride(0), out.stride(1),
+        qn.stride(0), qn.stride(1), wuk.stride(0), wuk.stride(1), q_lat.stride(0), q_lat.stride(1),
         H=h, R=rank, P=p, BLOCK_H=block_h, BLOCK_R=triton.next_power_of_2(rank),
-        BLOCK_P=triton.next_power_of_2(p), INTERLEAVE=interleave, IS_FP8=is_fp8, num_warps=4)
-    return out
+        BLOCK_P=triton.next_power_of_2(p), INTERLEAVE=interleave, IS_FP8=is_fp8,
+        NOPE=q_nope.shape[-1] if absorb else 1, BLOCK_T=block_t,
+        BLOCK_N=max(16, triton.next_power_of_2(q_nope.shape[-1])) if absorb else 16, BLOCK_L=block_l,
+        IEEE=absorb and q_nope.dtype == torch.float32, num_warps=4)
+    return (out, q_lat) if absorb else out
