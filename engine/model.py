@@ -87,8 +87,13 @@ def slot_sum(delta: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def sum_parts(dtype: torch.dtype, routed: torch.Tensor, shared: torch.Tensor | None = None) -> torch.Tensor:
     """A MLP's output from its parts (MoE.forward_parts, or a dense MLP's one output): routed
-    (per slot or not, `slot_sum`) plus shared, in that order, as the unfused layer summed them;
+    (per slot or not, `slot_sum`) plus shared (per slot too: one sum over both's slots), in that
+    order, as the unfused layer summed them;
     [T, hidden] in dtype. MoE.forward, add_pending and add_rms_norm all sum through here."""
+    if shared is not None and shared.dim() == 3:  # both per slot (a one-token MoE layer in two
+        # branches, GroupedExperts.forward_branched): one sum over all their slots in order, the
+        # one-branch form's [T, routed + shared slots, hidden] tensor summed
+        return slot_sum(torch.cat((routed, shared), 1), dtype)
     routed = slot_sum(routed, dtype)
     return routed if shared is None else routed + shared
 
@@ -446,13 +451,17 @@ class MoE(nn.Module):
         before its sum, which the next residual add takes instead (DecoderLayer.forward_pending).
         In the GPU fast mode (grouped experts) the sum comes whole: (routed + shared, None), in
         forwards of up to SHARED_IN_KERNEL_MAX_TOKENS tokens still per slot, [T, slots, hidden]
-        float32, for `slot_sum`."""
+        float32, for `slot_sum`; a single token's on CUDA as (routed [1, k, hidden], shared [1,
+        S, hidden]), both per slot (GroupedExperts.forward_branched), for `sum_parts`."""
         g = self.grouped
         if g is not None:
             # the GPU fast mode (engine/kernels/grouped_experts.py): routing in one kernel; up to
             # SHARED_IN_KERNEL_MAX_TOKENS the shared experts run inside the fused MoE launches
             # (one part: routed + shared), above it (a prefill) as their own GEMMs
             if g.shared is not None and x.shape[0] <= g.SHARED_IN_KERNEL_MAX_TOKENS:
+                if x.shape[0] == 1 and x.is_cuda:  # the shared experts beside the routing (a second
+                    # stream): both per slot, summed as one by the next add + RMSNorm
+                    return g.forward_branched(x, self.gate)
                 # per slot: the next add + RMSNorm sums them (slot_sum), two launches fewer
                 return g.forward_gated(x, self.gate, with_shared=True, sum_slots=False), None
             out = g.forward_gated(x, self.gate, with_shared=False)

@@ -17,7 +17,7 @@ from engine.kernels.fused_moe import fused_experts, fused_experts_reference, sha
 from engine.kernels.grouped_experts import use_grouped_experts, warm_up_fused_experts
 from engine.kernels.moe_router import kernel_applies, route_grouped, route_with_shared, route_with_shared_reference
 from engine.model import (HOT, MLAttention, MoE, add_rms_norm, apply_rope, build_model, rms_norm, rope_latent,
-                          route, slot_sum)
+                          route, slot_sum, sum_parts)
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (run on the lent H200)")
 
@@ -276,6 +276,27 @@ def test_route_grouped_lists_each_experts_pairs_and_the_kernels_give_the_sorts_b
 
 
 @cuda
+def test_one_tokens_moe_in_two_branches_replays_in_a_graph_with_the_eager_bits(tiny_model) -> None:
+    c = _config(tiny_model, n_routed_experts=64, num_experts_per_tok=6, n_group=1, topk_group=1,
+                n_shared_experts=2, hidden_size=256, moe_intermediate_size=128)
+    fast = build_model(c, seed=3, dtype=torch.bfloat16, device="cuda")
+    use_grouped_experts(fast)
+    moe = _moe(fast)
+    g = moe.grouped
+    x = torch.randn(1, c.hidden_size, device="cuda", dtype=torch.bfloat16)
+    eager = g.forward_branched(x, moe.gate)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):  # the side stream forks from and joins the capture: two branches
+        replayed = g.forward_branched(x, moe.gate)
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    assert all(torch.equal(a, b) for a, b in zip(replayed, eager))
+    with pytest.raises(ValueError, match="forward_branched takes one token"):
+        g.forward_branched(torch.cat((x, x)), moe.gate)
+
+
+@cuda
 def test_moe_with_shared_kernels_match_reference_on_cuda(tiny_model) -> None:
     c = _config(tiny_model, n_routed_experts=64, num_experts_per_tok=6, n_group=1, topk_group=1,
                 n_shared_experts=2, hidden_size=256, moe_intermediate_size=128)
@@ -287,9 +308,15 @@ def test_moe_with_shared_kernels_match_reference_on_cuda(tiny_model) -> None:
     for t in (1, 7, 64, 300, 2048):  # 2048: a prefill's batch, the shared experts as their own GEMMs
         x = torch.randn(t, c.hidden_size, device="cuda", dtype=torch.bfloat16)
         want = _moe(ref)(x).float()
-        got, none = _moe(fast).forward_parts(x)
-        assert none is None
-        got = slot_sum(got, x.dtype)
+        got, shared = _moe(fast).forward_parts(x)
+        if t == 1:  # one token: the shared experts on a second stream, both parts per slot
+            assert got.shape == (1, 6, c.hidden_size) and shared.shape == (1, 2, c.hidden_size)
+            one = g.forward_gated(x, _moe(fast).gate, with_shared=True, sum_slots=False)
+            assert torch.equal(torch.cat((got, shared), 1), one)  # the same kernels per slot: the same bits
+            got = sum_parts(x.dtype, got, shared)
+        else:
+            assert shared is None
+            got = slot_sum(got, x.dtype)
         assert (got.float() - want).norm() / want.norm() < 1e-2, t
         ids, w = route_with_shared_reference(x, _moe(fast).gate.weight, _moe(fast).gate.e_score_correction_bias, c, 2)
         kernel = g.forward(x, ids, w).float()

@@ -47,6 +47,26 @@ def test_the_kernel_gives_the_reference_bits_in_the_interpreter(dtype) -> None:
                 assert torch.equal(a, b)
 
 
+@interpreter
+def test_two_per_slot_parts_are_summed_as_one_tensor_of_both_slots_in_the_interpreter() -> None:
+    # a one-token MoE layer in two branches: routed [T, k, H] and shared [T, S, H]
+    for dtype in (torch.float32, torch.float16):
+        x, delta, w = _inputs(3, 8, 2048, dtype, "cpu", seed=5)
+        routed, shared = delta[:, :6], delta[:, 6:]
+        got = add_slots_rms_norm(x, routed, w, 1e-6, shared)
+        one = add_slots_rms_norm(x, delta, w, 1e-6)
+        plain = add_rms_norm(x, routed, w, 1e-6, shared)
+        for a, b, c in zip(got, one, plain):
+            assert torch.equal(a, b)  # the same slots in the same order: the same bits
+            torch.testing.assert_close(a, c, rtol=1e-5 if dtype == torch.float32 else 0, atol=1e-6 if dtype == torch.float32 else 0)
+
+
+def test_the_plain_sum_of_two_per_slot_parts_is_the_one_tensor_sum() -> None:
+    x, delta, w = _inputs(2, 8, 64, torch.bfloat16, "cpu", seed=6)
+    for a, b in zip(add_rms_norm(x, delta[:, :6], w, 1e-6, delta[:, 6:]), add_rms_norm(x, delta, w, 1e-6)):
+        assert torch.equal(a, b)
+
+
 def test_shapes_it_does_not_take_are_refused_or_passed_on() -> None:
     x, delta, w = _inputs(2, 3, 16, torch.float32, "cpu")
     assert not takes(x, delta, None)  # a CPU tensor: the plain function runs
@@ -81,7 +101,10 @@ def test_the_dispatch_takes_per_slot_deltas_only() -> None:
     x, delta, w = _inputs(2, 8, 64, torch.bfloat16, "cuda")
     assert takes(x, delta, None)
     assert not takes(x, delta.sum(1).to(x.dtype), None)  # a [T, hidden] delta: the compiled function
-    assert not takes(x, delta, x)  # routed and shared apart
+    assert not takes(x, delta, x)  # a [T, hidden] shared part beside it: the compiled function
+    assert takes(x, delta[:, :6], delta[:, 6:])  # both per slot (a one-token MoE in two branches)
+    two = add_slots_rms_norm(x, delta[:, :6], w, 1e-6, delta[:, 6:])
+    assert all(torch.equal(a, b) for a, b in zip(two, add_slots_rms_norm(x, delta, w, 1e-6)))
     assert not takes(x, delta.half(), None)
 
 

@@ -8,9 +8,10 @@ second stream could run them (about a quarter of the layer's bytes) while the ro
 programs leave most of the GPU idle. This script times both forms of one layer in CUDA graphs,
 each layer with weights of its own (so they come from HBM, as in a decode step, not from L2):
 
-- `one branch` (what a decode step runs): routing with the shared slots appended, then the fused
-  experts over routed and shared slots;
-- `two branches`: the shared experts alone on a second stream (forked from and joined to the
+- `one branch` (what a decode step of 2 or more tokens runs): routing with the shared slots
+  appended, then the fused experts over routed and shared slots;
+- `two branches` (what a decode step at batch 1 runs since run 22 measured it: GroupedExperts.
+  forward_branched): the shared experts alone on a second stream (forked from and joined to the
   captured stream) beside the routing and the fused experts over the routed slots, then the sum.
 
 It prints µs per layer for each form and batch, the difference, and the two forms' largest

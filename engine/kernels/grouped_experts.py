@@ -27,6 +27,8 @@ compare them).
 
 from __future__ import annotations
 
+import threading
+
 import torch
 
 from engine.kernels.fused_moe import block_m_for, fused_experts, fused_experts_reference, shared_chunks
@@ -52,6 +54,11 @@ class GroupedExperts:
         self.intermediate = two_i // 2
         self.shared = shared
         self.num_shared = shared_chunks(shared, self.intermediate)
+        # one token's shared slots (ids E .. E + S - 1, weight 1) for `forward_branched`: made here,
+        # outside any graph capture, so a step reads them without launching anything to fill them
+        dev = gate_up.device
+        self._shared_ids = torch.arange(self.num_experts, self.num_experts + self.num_shared, device=dev)[None]
+        self._shared_ones = torch.ones((1, self.num_shared), dtype=torch.float32, device=dev)
 
     @staticmethod
     @torch.no_grad()
@@ -120,6 +127,48 @@ class GroupedExperts:
             return self.forward(x, ids, weights, sum_slots)
         return fused_experts(x, ids, weights, self.gate_up, self.down, shared=self.shared, sum_slots=sum_slots,
                              expert_rows=rows)
+
+    def forward_branched(self, x: torch.Tensor, gate: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+        """One token's MoE layer (a decode step at batch 1, CUDA) with the shared experts on a
+        second stream beside the routing and the routed experts: (routed [1, k, hidden], shared
+        [1, S, hidden]), both per slot in float32, which `engine.model.sum_parts` (inside the next
+        add + RMSNorm) sums as the one-branch form's [1, k + S, hidden]. The same kernels compute
+        each slot as in `forward_gated` with the shared slots; at batch 1 the routing's few
+        programs left most of the GPU idle while the shared experts waited for them
+        (tools/bench_moe_branches.py: 3.2 µs of a 64.7 µs layer of config M on an H100). In a
+        CUDA graph the two streams are two branches of the graph. Raises ValueError for more
+        than one token or no shared experts."""
+        if x.shape[0] != 1 or self.shared is None:
+            raise ValueError(f"forward_branched takes one token and a layer with shared experts; got "
+                             f"{x.shape[0]} tokens, shared experts {self.shared is not None}")
+        main = torch.cuda.current_stream(x.device)
+        side = _side_stream(x.device)
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            shared = fused_experts(x, self._shared_ids, self._shared_ones, self.gate_up, self.down,
+                                   shared=self.shared, sum_slots=False)
+        ids, weights = route_with_shared(x, gate.weight, gate.e_score_correction_bias, gate.c, 0)
+        routed = fused_experts(x, ids, weights, self.gate_up, self.down, sum_slots=False)
+        main.wait_stream(side)
+        # made on the side stream, read on the main one (the next add + RMSNorm): its memory is
+        # not handed to the side stream again before that read (eager steps; a graph keeps its own)
+        if not torch.cuda.is_current_stream_capturing():
+            shared.record_stream(main)
+        return routed, shared
+
+
+_side = threading.local()
+
+
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    """This thread's second stream on `device` (a decode worker runs forwards on two threads: each
+    its own, so one thread's shared experts never wait behind the other's)."""
+    streams = _side.__dict__.setdefault("streams", {})
+    key = torch.device(device).index if torch.device(device).index is not None else torch.cuda.current_device()
+    if key not in streams:
+        streams[key] = torch.cuda.Stream(device=key)
+    return streams[key]
+
 
 def use_grouped_experts(model: torch.nn.Module) -> int:
     """Switch every MoE layer of model to the grouped forward; returns the number switched.

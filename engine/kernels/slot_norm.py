@@ -10,6 +10,10 @@ put two reductions over different axes in one kernel), 1.8 µs each at batch 1 o
 (docs/bench/profile_decode_M_run22_h100.jsonl, 25 MoE layers of config M). Here one program per
 row sums the row's slots in registers, adds the residual, stores it, and normalises it.
 
+A one-token MoE layer run in two branches (GroupedExperts.forward_branched) leaves two per-slot
+tensors, the routed experts' and the shared experts'; they are summed as one tensor of both's
+slots, in that order.
+
 The arithmetic is the plain function's (engine.model.add_rms_norm, the reference): the slots'
 float32 sum rounded to the model dtype, added to x and rounded, the RMSNorm of that in float32
 rounded, times the weight, rounded. Only the order of the float32 sums (over slots, and over the
@@ -30,31 +34,41 @@ except ImportError:  # pragma: no cover - depends on the machine
     triton = None
 
 
+def _per_slot(x: torch.Tensor, d: torch.Tensor | None) -> bool:
+    return (d is not None and d.dim() == 3 and d.dtype == torch.float32 and d.shape[0] == x.shape[0]
+            and d.shape[2] == x.shape[1] and d.stride(2) == 1)
+
+
 def takes(x: torch.Tensor, delta: torch.Tensor, delta2: torch.Tensor | None) -> bool:
     """Whether `add_slots_rms_norm` runs for these arguments of add_rms_norm (host-side only):
-    a per-slot float32 delta on CUDA and nothing beside it, rows of unit stride."""
-    return (triton is not None and delta2 is None and delta.dim() == 3 and x.dim() == 2 and x.is_cuda
-            and delta.dtype == torch.float32 and delta.shape[0] == x.shape[0] and delta.shape[2] == x.shape[1]
-            and delta.stride(2) == 1 and x.stride(1) == 1)
+    a per-slot float32 delta on CUDA, and beside it nothing or a second per-slot one (a one-token
+    MoE layer's shared experts, GroupedExperts.forward_branched), rows of unit stride."""
+    return (triton is not None and x.dim() == 2 and x.is_cuda and x.stride(1) == 1 and _per_slot(x, delta)
+            and (delta2 is None or _per_slot(x, delta2)))
 
 
-def add_slots_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
-                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(s, rms_norm(s)) with s = x + delta summed over its slots, both [T, hidden] in x's dtype.
+def add_slots_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float,
+                       delta2: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(s, rms_norm(s)) with s = x + delta summed over its slots (then delta2's, as one tensor of
+    both's slots), both [T, hidden] in x's dtype.
 
-    x [T, hidden]; delta [T, slots, hidden] float32; weight [hidden]. CUDA, or a CPU under
-    TRITON_INTERPRET=1. Raises ValueError on shapes add_rms_norm would not take."""
+    x [T, hidden]; delta, delta2 [T, slots, hidden] float32; weight [hidden]. CUDA, or a CPU
+    under TRITON_INTERPRET=1. Raises ValueError on shapes add_rms_norm would not take."""
     t, hidden = x.shape
-    if delta.dim() != 3 or delta.shape[0] != t or delta.shape[2] != hidden or weight.shape != (hidden,):
-        raise ValueError(f"add_slots_rms_norm takes x [T, H], delta [T, slots, H], weight [H]; got "
-                         f"{tuple(x.shape)}, {tuple(delta.shape)}, {tuple(weight.shape)}")
+    if not _per_slot(x, delta) or (delta2 is not None and not _per_slot(x, delta2)) or weight.shape != (hidden,):
+        raise ValueError(f"add_slots_rms_norm takes x [T, H], delta [T, slots, H] float32 (and delta2 so), "
+                         f"weight [H]; got {tuple(x.shape)}, {tuple(delta.shape)}, "
+                         f"{None if delta2 is None else tuple(delta2.shape)}, {tuple(weight.shape)}")
     s = torch.empty_like(x, memory_format=torch.contiguous_format)
     h = torch.empty_like(s)
     if t == 0:
         return s, h
     block = triton.next_power_of_2(hidden)
-    _add_slots_rms_norm_kernel[(t,)](x, delta, weight, s, h, hidden, delta.shape[1], x.stride(0), delta.stride(0),
-                                     delta.stride(1), eps, BLOCK=block, num_warps=4 if block <= 4096 else 8)
+    d2 = delta if delta2 is None else delta2  # unread without delta2 (SLOTS2 = 0)
+    _add_slots_rms_norm_kernel[(t,)](x, delta, d2, weight, s, h, hidden, delta.shape[1],
+                                     0 if delta2 is None else delta2.shape[1], x.stride(0), delta.stride(0),
+                                     delta.stride(1), d2.stride(0), d2.stride(1), eps, BLOCK=block,
+                                     num_warps=4 if block <= 4096 else 8)
     return s, h
 
 
@@ -65,7 +79,7 @@ def dispatching(plain: Callable) -> Callable:
     def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float,
                      delta2: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         if takes(x, delta, delta2):
-            return add_slots_rms_norm(x, delta, weight, eps)
+            return add_slots_rms_norm(x, delta, weight, eps, delta2)
         return plain(x, delta, weight, eps, delta2)
     return add_rms_norm
 
@@ -73,8 +87,8 @@ def dispatching(plain: Callable) -> Callable:
 if triton is not None:
 
     @triton.jit
-    def _add_slots_rms_norm_kernel(x_ptr, d_ptr, w_ptr, s_ptr, h_ptr, H, SLOTS, stride_x, stride_dt, stride_ds,
-                                   eps, BLOCK: tl.constexpr):
+    def _add_slots_rms_norm_kernel(x_ptr, d_ptr, d2_ptr, w_ptr, s_ptr, h_ptr, H, SLOTS, SLOTS2, stride_x,
+                                   stride_dt, stride_ds, stride_d2t, stride_d2s, eps, BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         offs = tl.arange(0, BLOCK)
         m = offs < H
@@ -83,6 +97,10 @@ if triton is not None:
         for _ in range(SLOTS):  # the slots in order, as the kernel wrote them
             acc += tl.load(d_ptrs, mask=m, other=0.0)
             d_ptrs += stride_ds
+        d_ptrs = d2_ptr + row * stride_d2t + offs
+        for _ in range(SLOTS2):  # then the second part's (the shared experts'), as one tensor's
+            acc += tl.load(d_ptrs, mask=m, other=0.0)
+            d_ptrs += stride_d2s
         dt = s_ptr.dtype.element_ty
         x = tl.load(x_ptr + row * stride_x + offs, mask=m, other=0.0).to(tl.float32)
         s = (x + acc.to(dt).to(tl.float32)).to(dt)  # slot_sum rounds, then the residual add rounds
