@@ -65,9 +65,9 @@ def add_slots_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tenso
         return s, h
     block = triton.next_power_of_2(hidden)
     d2 = delta if delta2 is None else delta2  # unread without delta2 (SLOTS2 = 0)
-    _add_slots_rms_norm_kernel[(t,)](x, delta, d2, weight, s, h, hidden, delta.shape[1],
-                                     0 if delta2 is None else delta2.shape[1], x.stride(0), delta.stride(0),
-                                     delta.stride(1), d2.stride(0), d2.stride(1), eps, BLOCK=block,
+    _add_slots_rms_norm_kernel[(t,)](x, delta, d2, weight, s, h, hidden, x.stride(0), delta.stride(0),
+                                     delta.stride(1), d2.stride(0), d2.stride(1), eps, SLOTS=delta.shape[1],
+                                     SLOTS2=0 if delta2 is None else delta2.shape[1], BLOCK=block,
                                      num_warps=4 if block <= 4096 else 8)
     return s, h
 
@@ -87,20 +87,19 @@ def dispatching(plain: Callable) -> Callable:
 if triton is not None:
 
     @triton.jit
-    def _add_slots_rms_norm_kernel(x_ptr, d_ptr, d2_ptr, w_ptr, s_ptr, h_ptr, H, SLOTS, SLOTS2, stride_x,
-                                   stride_dt, stride_ds, stride_d2t, stride_d2s, eps, BLOCK: tl.constexpr):
+    def _add_slots_rms_norm_kernel(x_ptr, d_ptr, d2_ptr, w_ptr, s_ptr, h_ptr, H, stride_x,
+                                   stride_dt, stride_ds, stride_d2t, stride_d2s, eps, SLOTS: tl.constexpr,
+                                   SLOTS2: tl.constexpr, BLOCK: tl.constexpr):
+        # the slot loops unrolled (SLOTS is a model's k + S, a few values): every slot's load can be
+        # in flight at once, where a loop would wait for each before the next (one program a row)
         row = tl.program_id(0).to(tl.int64)
         offs = tl.arange(0, BLOCK)
         m = offs < H
         acc = tl.zeros((BLOCK,), dtype=tl.float32)
-        d_ptrs = d_ptr + row * stride_dt + offs
-        for _ in range(SLOTS):  # the slots in order, as the kernel wrote them
-            acc += tl.load(d_ptrs, mask=m, other=0.0)
-            d_ptrs += stride_ds
-        d_ptrs = d2_ptr + row * stride_d2t + offs
-        for _ in range(SLOTS2):  # then the second part's (the shared experts'), as one tensor's
-            acc += tl.load(d_ptrs, mask=m, other=0.0)
-            d_ptrs += stride_d2s
+        for j in tl.static_range(SLOTS):  # the slots in order, as the kernel wrote them
+            acc += tl.load(d_ptr + row * stride_dt + j * stride_ds + offs, mask=m, other=0.0)
+        for j in tl.static_range(SLOTS2):  # then the second part's (the shared experts'), as one tensor's
+            acc += tl.load(d2_ptr + row * stride_d2t + j * stride_d2s + offs, mask=m, other=0.0)
         dt = s_ptr.dtype.element_ty
         x = tl.load(x_ptr + row * stride_x + offs, mask=m, other=0.0).to(tl.float32)
         s = (x + acc.to(dt).to(tl.float32)).to(dt)  # slot_sum rounds, then the residual add rounds
