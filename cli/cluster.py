@@ -13,6 +13,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from cli.mps import CLIENT_VARS, MpsDaemon
@@ -71,6 +72,24 @@ def _hold_port(held: list[socket.socket], port: int = 0, flag: str = "--port") -
 # four runs a lower TPOT, TTFT and higher throughput than the same call's runs without MPS,
 # where no cap (100) had traded a slower TPOT for TTFT (run 13)
 MPS_PREFILL_PERCENT = 50
+
+
+def metrics_flags(role: str, metrics: bool) -> list[str]:
+    """The metrics flag `LocalCluster` gives a process of `role` (simulated workers serve no /metrics)."""
+    return ["--metrics-port", "0"] if metrics and role != "mocker" else []
+
+
+def role_flags(role: str, port: int = 0, http_port: int = -1, replicas: bool = False, api_keys: str = "",
+               extra: Sequence[str] = ()) -> list[str]:
+    """The flags `LocalCluster` gives a process of `role` beyond --etcd, --namespace, --model, the
+    metrics flag (`metrics_flags`) and its TLS files: a router its ports (port, http_port; with
+    replicas --reuse-port) and --api-keys; a worker or mocker a free port. Then `extra`. `tandem
+    up` resolves each process's options with these before starting anything
+    (cli.main._check_process_values), so what it checks is what the spawn passes."""
+    if role == "router":
+        return ["--port", str(port), "--http-port", str(http_port), *(["--reuse-port"] if replicas else []),
+                *(["--api-keys", api_keys] if api_keys else []), *extra]
+    return ["--port", "0", *extra]
 
 
 class LocalCluster:
@@ -215,10 +234,9 @@ class LocalCluster:
     def spawn(self, name: str, role: str, *args: str) -> subprocess.Popen:
         """Start `tandem <role>` as a child process logging to log_dir/<name>.log."""
         # Explicit flags win over TANDEM_* variables the children inherit (TANDEM_PORT is the router's).
-        metrics = self.metrics and role != "mocker"  # simulated workers serve no /metrics
         cmd = [sys.executable, "-m", "cli.main", role, "--etcd", self._etcd_endpoint,
                "--namespace", self.namespace, "--model", self.model,
-               *(["--metrics-port", "0"] if metrics else []), *self._tls_args(name, role), *args]
+               *metrics_flags(role, self.metrics), *self._tls_args(name, role), *args]
         out = open(self.log_dir / f"{name}.log", "ab")
         # Without TLS no TANDEM_TLS_* of the caller's shell half-configures the children.
         env = {k: v for k, v in os.environ.items() if self.tls or not k.startswith("TANDEM_TLS_")}
@@ -278,9 +296,9 @@ class LocalCluster:
                 self._etcd.start()
                 self._etcd_endpoint = self._etcd.endpoint
             for i in range(self.num_routers):
-                self.spawn("router" if i == 0 else f"router-{i}", "router", "--port", str(router_port),
-                           "--http-port", str(http_port), *(["--reuse-port"] if self.num_routers > 1 else []),
-                           *(["--api-keys", self.api_keys] if self.api_keys else []), *self.router_args)
+                self.spawn("router" if i == 0 else f"router-{i}", "router",
+                           *role_flags("router", router_port, http_port, self.num_routers > 1, self.api_keys,
+                                       self.router_args))
             self._spawn_workers()
             await self._wait_ready()
         except BaseException:
@@ -294,14 +312,14 @@ class LocalCluster:
 
     def _spawn_workers(self) -> None:
         for i in range(self.num_prefill):
-            self.spawn(f"prefill-{i}", "prefill", "--port", "0", *self.worker_args)
+            self.spawn(f"prefill-{i}", "prefill", *role_flags("prefill", extra=self.worker_args))
         for i in range(self.num_decode):
-            self.spawn(f"decode-{i}", "decode", "--port", "0", *self.worker_args)
+            self.spawn(f"decode-{i}", "decode", *role_flags("decode", extra=self.worker_args))
         if self.num_mocker:
             per, extra = divmod(self.num_mocker, self.mocker_processes)
             for i in range(self.mocker_processes):
-                self.spawn("mocker" if i == 0 else f"mocker-{i}", "mocker", "--port", "0",
-                           "--num-workers", str(per + (i < extra)), *self.mocker_args)
+                self.spawn("mocker" if i == 0 else f"mocker-{i}", "mocker",
+                           *role_flags("mocker", extra=["--num-workers", str(per + (i < extra)), *self.mocker_args]))
 
     def _last_line(self, name: str) -> str:
         """The last line a process wrote to its log (its one-line start-up error, if it had one)."""

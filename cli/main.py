@@ -146,6 +146,11 @@ def _unknown_variables(names: list[str]) -> dict[str, str]:
     return out
 
 
+def _router_args(up: argparse.Namespace) -> list[str]:
+    """The router flags of `tandem up`'s own options (LocalCluster's router_args)."""
+    return ["--router-mode", up.router_mode] if up.router_mode else []
+
+
 def _check_process_values(up: argparse.Namespace) -> tuple[bool, tuple[str, ...]]:
     """Refuse a router or worker value `tandem up`'s processes would refuse (from a TANDEM_*
     variable or the config file), before etcd and the router start rather than when that process
@@ -157,17 +162,19 @@ def _check_process_values(up: argparse.Namespace) -> tuple[bool, tuple[str, ...]
     Raises:
         ValueError: the flag named, where its value came from, and which processes.
     """
+    from cli.cluster import metrics_flags, role_flags
     from common.grpc_server import advertised_host
     from router.main import RouterOptions
-    metrics = ["--metrics-port", "0"] if up.metrics else []  # as LocalCluster.spawn gives them
-    # etcd and certificates are `tandem up`'s, given to each process once they exist
+    # etcd and certificates are `tandem up`'s, given to each process once they exist; so is the
+    # router's --api-keys file (read when the cluster starts)
     outside = dict(etcd="127.0.0.1:2379", tls_cert="", tls_key="", tls_ca="")
-    roles = [("router", RouterOptions, ["--port", str(up.port), "--http-port", str(up.http_port), *metrics,
-                                        *(["--router-mode", up.router_mode] if up.router_mode else [])])]
+    roles = [("router", RouterOptions, role_flags("router", up.port, up.http_port, up.routers > 1,
+                                                  extra=_router_args(up)))]
     if not up.mocker:
         from worker.host import WorkerOptions
-        roles += [(role, WorkerOptions, ["--port", "0", *metrics]) for role, n in (("prefill", up.prefill),
-                                                                                   ("decode", up.decode)) if n > 0]
+        roles += [(role, WorkerOptions, role_flags(role)) for role, n in (("prefill", up.prefill),
+                                                                          ("decode", up.decode)) if n > 0]
+    roles = [(role, options, [*metrics_flags(role, up.metrics), *flags]) for role, options, flags in roles]
     https, hosts = up.https, ()
     parser = _every_option_parser()
     for role, options, flags in roles:
@@ -297,7 +304,7 @@ def _up(args: argparse.Namespace) -> int:
         try:
             cluster = LocalCluster(model=args.model, num_prefill=args.prefill, num_decode=args.decode,
                                    etcd=args.etcd, log_dir=log_dir, router_port=args.port,
-                                   router_args=["--router-mode", args.router_mode] if args.router_mode else [],
+                                   router_args=_router_args(args),
                                    metrics=args.metrics, num_mocker=args.mocker, http_port=args.http_port,
                                    tls=not args.insecure, https=args.https, router_hosts=router_hosts,
                                    api_keys=args.api_keys, num_routers=args.routers,
