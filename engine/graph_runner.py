@@ -33,6 +33,7 @@ import torch
 
 from engine.decode_batch import AbsorbedDecodeKv, BlockTables, DecodePlan
 from engine.future_map import FutureTokenMap
+from engine.kernels.grouped_experts import shared_experts_beside
 from engine.kv_pool import KvPool
 from engine.sampling import greedy_batch, pack_step
 
@@ -123,13 +124,15 @@ class DecodeGraphs:
         for bs in reversed(self.sizes):  # largest first: the smaller ones reuse its memory
             self.pad_inputs(bs)
             stream.wait_stream(torch.cuda.current_stream(dev))
-            with torch.cuda.stream(stream), torch.inference_mode():
-                for _ in range(2):  # warm-up outside the graph (allocator, lazy inits, autotune)
-                    self._forward(bs)
-            torch.cuda.current_stream(dev).wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.inference_mode(), torch.cuda.graph(graph, pool=pool_handle):
-                out = self._forward(bs)
+            # a one-token MoE layer's shared experts on a second stream: a branch of the graph
+            with shared_experts_beside():
+                with torch.cuda.stream(stream), torch.inference_mode():
+                    for _ in range(2):  # warm-up outside the graph (allocator, lazy inits, autotune)
+                        self._forward(bs)
+                torch.cuda.current_stream(dev).wait_stream(stream)
+                graph = torch.cuda.CUDAGraph()
+                with torch.inference_mode(), torch.cuda.graph(graph, pool=pool_handle):
+                    out = self._forward(bs)
             self.graphs[bs] = (graph, out)
         torch.cuda.synchronize(dev)
         self.memory_bytes = torch.cuda.memory_reserved(dev) - before

@@ -451,17 +451,20 @@ class MoE(nn.Module):
         before its sum, which the next residual add takes instead (DecoderLayer.forward_pending).
         In the GPU fast mode (grouped experts) the sum comes whole: (routed + shared, None), in
         forwards of up to SHARED_IN_KERNEL_MAX_TOKENS tokens still per slot, [T, slots, hidden]
-        float32, for `slot_sum`; a single token's on CUDA as (routed [1, k, hidden], shared [1,
-        S, hidden]), both per slot (GroupedExperts.forward_branched), for `sum_parts`."""
+        float32, for `slot_sum`; a single token's in the decode graphs (CUDA) as (routed [1, k,
+        hidden], shared [1, S, hidden]), both per slot (GroupedExperts.forward_branched), for
+        `sum_parts`."""
         g = self.grouped
         if g is not None:
             # the GPU fast mode (engine/kernels/grouped_experts.py): routing in one kernel; up to
             # SHARED_IN_KERNEL_MAX_TOKENS the shared experts run inside the fused MoE launches
             # (one part: routed + shared), above it (a prefill) as their own GEMMs
             if g.shared is not None and x.shape[0] <= g.SHARED_IN_KERNEL_MAX_TOKENS:
-                if x.shape[0] == 1 and x.is_cuda:  # the shared experts beside the routing (a second
-                    # stream): both per slot, summed as one by the next add + RMSNorm
-                    return g.forward_branched(x, self.gate)
+                if x.shape[0] == 1 and x.is_cuda:
+                    from engine.kernels.grouped_experts import branching
+                    if branching():  # in the decode graphs: the shared experts beside the routing (a
+                        # second stream), both per slot, summed as one by the next add + RMSNorm
+                        return g.forward_branched(x, self.gate)
                 # per slot: the next add + RMSNorm sums them (slot_sum), two launches fewer
                 return g.forward_gated(x, self.gate, with_shared=True, sum_slots=False), None
             out = g.forward_gated(x, self.gate, with_shared=False)

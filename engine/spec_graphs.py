@@ -32,6 +32,7 @@ import time
 import torch
 
 from engine.graph_runner import PriorityReplay, batch_sizes
+from engine.kernels.grouped_experts import shared_experts_beside
 from engine.kv_pool import KvPool
 from engine.sampling import SamplingRows, seed_int64
 from engine.spec_batch import FastForwards, SpecResult, SpecRow, SpecSlots, step_body
@@ -85,13 +86,14 @@ class SpecGraphs:
         for bs in reversed(self.sizes):  # largest first: the smaller ones reuse its memory
             for sampled in (False, True):
                 stream.wait_stream(torch.cuda.current_stream(dev))
-                with torch.cuda.stream(stream), torch.inference_mode():
-                    for _ in range(2):  # warm-up outside the graph (allocator, autotune)
-                        self._forward(bs, sampled)
-                torch.cuda.current_stream(dev).wait_stream(stream)
-                graph = torch.cuda.CUDAGraph()
-                with torch.inference_mode(), torch.cuda.graph(graph, pool=handle):
-                    out = self._forward(bs, sampled)
+                with shared_experts_beside():  # as the decode graphs (engine/graph_runner.py)
+                    with torch.cuda.stream(stream), torch.inference_mode():
+                        for _ in range(2):  # warm-up outside the graph (allocator, autotune)
+                            self._forward(bs, sampled)
+                    torch.cuda.current_stream(dev).wait_stream(stream)
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.inference_mode(), torch.cuda.graph(graph, pool=handle):
+                        out = self._forward(bs, sampled)
                 self.graphs[bs, sampled] = (graph, out)
         torch.cuda.synchronize(dev)
         self.memory_bytes = torch.cuda.memory_reserved(dev) - before

@@ -14,7 +14,7 @@ import torch
 
 from engine.kernels.fused import use_fused_projections
 from engine.kernels.fused_moe import fused_experts, fused_experts_reference, shared_chunks
-from engine.kernels.grouped_experts import use_grouped_experts, warm_up_fused_experts
+from engine.kernels.grouped_experts import branching, shared_experts_beside, use_grouped_experts, warm_up_fused_experts
 from engine.kernels.moe_router import kernel_applies, route_grouped, route_with_shared, route_with_shared_reference
 from engine.model import (HOT, MLAttention, MoE, add_rms_norm, apply_rope, build_model, rms_norm, rope_latent,
                           route, slot_sum, sum_parts)
@@ -275,6 +275,21 @@ def test_route_grouped_lists_each_experts_pairs_and_the_kernels_give_the_sorts_b
         assert torch.equal(replayed, eager), t
 
 
+def test_branching_is_on_only_inside_its_context_and_only_on_its_thread() -> None:
+    import threading
+    assert not branching()
+    seen = []
+    with shared_experts_beside():
+        assert branching()
+        t = threading.Thread(target=lambda: seen.append(branching()))  # the worker's other model thread
+        t.start()
+        t.join()
+        with shared_experts_beside():
+            assert branching()
+        assert branching()  # a nested exit leaves the outer one on
+    assert not branching() and seen == [False]
+
+
 @cuda
 def test_one_tokens_moe_in_two_branches_replays_in_a_graph_with_the_eager_bits(tiny_model) -> None:
     c = _config(tiny_model, n_routed_experts=64, num_experts_per_tok=6, n_group=1, topk_group=1,
@@ -309,7 +324,10 @@ def test_moe_with_shared_kernels_match_reference_on_cuda(tiny_model) -> None:
         x = torch.randn(t, c.hidden_size, device="cuda", dtype=torch.bfloat16)
         want = _moe(ref)(x).float()
         got, shared = _moe(fast).forward_parts(x)
-        if t == 1:  # one token: the shared experts on a second stream, both parts per slot
+        if t == 1:  # one token, in the decode graphs: the shared experts on a second stream, both per slot
+            assert shared is None  # eager: one stream
+            with shared_experts_beside():
+                got, shared = _moe(fast).forward_parts(x)
             assert got.shape == (1, 6, c.hidden_size) and shared.shape == (1, 2, c.hidden_size)
             one = g.forward_gated(x, _moe(fast).gate, with_shared=True, sum_slots=False)
             assert torch.equal(torch.cat((got, shared), 1), one)  # the same kernels per slot: the same bits

@@ -27,6 +27,7 @@ compare them).
 
 from __future__ import annotations
 
+import contextlib
 import threading
 
 import torch
@@ -160,6 +161,28 @@ class GroupedExperts:
 _side = threading.local()
 
 
+@contextlib.contextmanager
+def shared_experts_beside():
+    """Within this, on this thread, a one-token MoE layer runs its shared experts on a second
+    stream (`GroupedExperts.forward_branched`; engine.model.MoE.forward_parts asks `branching`).
+    The decode and MTP graphs' warm-up and capture run in it (engine/graph_runner.py,
+    engine/spec_graphs.py): there the two streams become two branches of the graph. Eager
+    forwards stay on one stream: at batch 1 they are bound by host time, not by the GPU's idle
+    SMs, and a prefill on a stream of its own (a decode worker's local prefill, possibly in a
+    green context of a few SMs) must not spill work onto an ordinary stream."""
+    before = getattr(_side, "branching", False)
+    _side.branching = True
+    try:
+        yield
+    finally:
+        _side.branching = before
+
+
+def branching() -> bool:
+    """Whether this thread is inside `shared_experts_beside`."""
+    return getattr(_side, "branching", False)
+
+
 def _side_stream(device: torch.device) -> torch.cuda.Stream:
     """This thread's second stream on `device` (a decode worker runs forwards on two threads: each
     its own, so one thread's shared experts never wait behind the other's)."""
@@ -228,6 +251,14 @@ def warm_up_fused_experts(model: torch.nn.Module) -> int:
             route_with_shared(xt, moe.gate.weight, moe.gate.e_score_correction_bias, moe.gate.c, shared)
     if moe.shared_experts is not None:  # its own GEMMs and compiled SwiGLU, which a long prefill runs
         moe.shared_experts(x)
+    if g.shared is not None and moe.grouped is g and g.gate_up.is_cuda:
+        # the decode graphs' one-token form (forward_branched: the routed experts alone are a kernel
+        # variant of their own) and its two-part add + RMSNorm, compiled here: the graphs' eager
+        # warm-up runs them too, but a kernel's first launch must not fall inside a capture
+        routed, shared = g.forward_branched(x[:1], moe.gate)
+        from engine.kernels import slot_norm
+        if slot_norm.triton is not None:
+            slot_norm.add_slots_rms_norm(x[:1], routed, torch.ones_like(x[0]), 1e-6, shared)
     for t in counts:
         x = torch.randn(t, g.gate_up.shape[2], device=g.gate_up.device, dtype=g.gate_up.dtype, generator=gen)
         ids = torch.randint(0, experts, (t, slots), device=x.device, generator=gen)

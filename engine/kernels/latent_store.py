@@ -16,8 +16,8 @@ and ropes the token's H query rows (a program per 16 heads).
 
 With the queries' non-rope part and each head's W_UK (kv_b_proj's key rows), the same launch
 also computes the absorbed query q_lat = q_nope · W_UK [T, H, R] that MLA decode attention reads
-(programs after the rope's, each 16 tokens × one head × 128 latent columns through tl.dot, float32
-sums rounded once, as the batched GEMM it replaces): at batch 1 on an H100 that GEMM was a launch
+(programs after the rope's, each 16 to 64 tokens × one head × 128 latent columns through tl.dot,
+float32 sums rounded once, as the batched GEMM it replaces): at batch 1 on an H100 that GEMM was a launch
 of its own, 3.7 µs a layer (docs/bench/profile_decode_M_run22_h100.jsonl).
 
 The kernel rounds where the plain functions round (the normalised row to the model dtype before
@@ -74,10 +74,17 @@ def rope_latent_store_reference(q_pe: torch.Tensor, kv_a: torch.Tensor, cos: tor
     return q.contiguous(), torch.einsum("bhn,hnr->bhr", q_nope, w_uk)
 
 
-# (BLOCK_T, BLOCK_L) of the absorbed query's programs: tl.dot's least row count (a decode step at
-# batch 1 pads its one token to 16 rows: the bytes are W_UK's, 128 KB a head), and 128 latent
-# columns, so config M's 16 heads × 512 columns are 64 programs beside the rope's
-ABSORB_TILE = (16, 128)
+# The absorbed query's programs: BLOCK_T tokens (tl.dot's least, 16, up to ABSORB_MAX_BLOCK_T as
+# the step grows: each token block reads every head's W_UK once more, from L2 but still bytes) ×
+# BLOCK_L latent columns of one head. A decode step at batch 1 pads its token to 16 rows (the bytes
+# are W_UK's, 128 KB a head); config M's 16 heads × 512 columns are 64 programs beside the rope's
+ABSORB_BLOCK_L = 128
+ABSORB_MAX_BLOCK_T = 64
+
+
+def absorb_block_t(tokens: int) -> int:
+    """BLOCK_T of the absorbed query's programs for a step of `tokens` tokens: 16, 32 or 64."""
+    return min(ABSORB_MAX_BLOCK_T, max(16, triton.next_power_of_2(tokens)))
 
 
 if triton is not None:
@@ -113,10 +120,13 @@ if triton is not None:
                 BLOCK_N: tl.constexpr, BLOCK_L: tl.constexpr, IEEE: tl.constexpr):
         # absorb program j: tokens tb·BLOCK_T.., head h, latent columns rb·BLOCK_L..:
         # q_lat = q_nope [BLOCK_T, NOPE] @ W_UK[h] [NOPE, BLOCK_L], float32 sums, rounded once
+        # the token block varies fastest: programs reading one W_UK tile run side by side (its
+        # bytes from HBM once, then L2), as the batched GEMM read each head's W_UK once
         n_rb: tl.constexpr = (R + BLOCK_L - 1) // BLOCK_L
-        rb = j % n_rb
-        h = (j // n_rb) % H
-        tb = j // (n_rb * H)
+        n_tb = (T + BLOCK_T - 1) // BLOCK_T
+        tb = j % n_tb
+        rb = (j // n_tb) % n_rb
+        h = j // (n_tb * n_rb)
         offs_t = tb.to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
         offs_n = tl.arange(0, BLOCK_N)
         offs_r = rb * BLOCK_L + tl.arange(0, BLOCK_L)
@@ -191,8 +201,8 @@ def rope_latent_store(q_pe: torch.Tensor, kv_a: torch.Tensor, cos: torch.Tensor,
                       kv_scale: float = 1.0, q_nope: torch.Tensor | None = None,
                       w_uk: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """`rope_latent_store_reference` as one Triton kernel (a program per token and 16 query
-    heads; with q_nope and w_uk, after them a program per 16 tokens, head and 128 latent columns
-    for the absorbed query, with tl.dot: the W_UK product that was a launch of its own); the
+    heads; with q_nope and w_uk, after them a program per 16 to 64 tokens, head and 128 latent
+    columns for the absorbed query, with tl.dot: the W_UK product that was a launch of its own); the
     same arguments and result. Inputs whose last dimension is strided are copied first (the
     decode step's views of the fused projection's output need no copy). FP8 pools: the row
     times `engine.kv_pool.reciprocal32(kv_scale)`, the multiplier of every FP8 write.
@@ -226,7 +236,7 @@ def rope_latent_store(q_pe: torch.Tensor, kv_a: torch.Tensor, cos: torch.Tensor,
     is_fp8 = kv.dtype == FP8
     block_h = min(16, triton.next_power_of_2(h))
     n_hb = triton.cdiv(h, block_h)
-    block_t, block_l = ABSORB_TILE
+    block_t, block_l = absorb_block_t(t), ABSORB_BLOCK_L
     n_absorb = triton.cdiv(t, block_t) * h * triton.cdiv(rank, block_l) if absorb else 0
     qn, wuk = (q_nope, w_uk) if absorb else (out, out)  # unread without absorb (programs past T · N_HB only)
     _rope_latent_store[(t * n_hb + n_absorb,)](

@@ -16,8 +16,11 @@ slots, in that order.
 
 The arithmetic is the plain function's (engine.model.add_rms_norm, the reference): the slots'
 float32 sum rounded to the model dtype, added to x and rounded, the RMSNorm of that in float32
-rounded, times the weight, rounded. Only the order of the float32 sums (over slots, and over the
-hidden size for the mean square) may differ from torch's: a last-bit difference at most.
+rounded, times the weight, rounded. The order of the float32 sums (over slots, and over the
+hidden size for the mean square) and the GPU's rsqrt may differ from torch's: a float32 ulp,
+which can move a bf16 value by a rounding step. (The compiled function it replaces added the
+slots' sum to the residual before rounding it, so served values can differ from before in rare
+last bits.)
 tests/test_slot_norm.py compares the two, on CUDA and in Triton's interpreter.
 """
 
@@ -39,12 +42,21 @@ def _per_slot(x: torch.Tensor, d: torch.Tensor | None) -> bool:
             and d.shape[2] == x.shape[1] and d.stride(2) == 1)
 
 
+# A row's slot values the program holds at once (next power of two of hidden × slots): config M's
+# 2,048 × 8 and up to 4,096 × 8 compile without spills on sm_90a; 8,192 × 8 (a 7,168-wide model)
+# spilled even at 16 warps, and takes the compiled function instead
+MAX_ROW_VALUES = 32768
+
+
 def takes(x: torch.Tensor, delta: torch.Tensor, delta2: torch.Tensor | None) -> bool:
     """Whether `add_slots_rms_norm` runs for these arguments of add_rms_norm (host-side only):
     a per-slot float32 delta on CUDA, and beside it nothing or a second per-slot one (a one-token
-    MoE layer's shared experts, GroupedExperts.forward_branched), rows of unit stride."""
+    MoE layer's shared experts, GroupedExperts.forward_branched), rows of unit stride, within
+    MAX_ROW_VALUES."""
     return (triton is not None and x.dim() == 2 and x.is_cuda and x.stride(1) == 1 and _per_slot(x, delta)
-            and (delta2 is None or _per_slot(x, delta2)))
+            and (delta2 is None or _per_slot(x, delta2))
+            and triton.next_power_of_2(x.shape[1]) * (delta.shape[1] + (0 if delta2 is None else delta2.shape[1]))
+            <= MAX_ROW_VALUES)
 
 
 def add_slots_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -65,11 +77,17 @@ def add_slots_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tenso
         return s, h
     block = triton.next_power_of_2(hidden)
     d2 = delta if delta2 is None else delta2  # unread without delta2 (SLOTS2 = 0)
+    slots2 = 0 if delta2 is None else delta2.shape[1]
     _add_slots_rms_norm_kernel[(t,)](x, delta, d2, weight, s, h, hidden, x.stride(0), delta.stride(0),
                                      delta.stride(1), d2.stride(0), d2.stride(1), eps, SLOTS=delta.shape[1],
-                                     SLOTS2=0 if delta2 is None else delta2.shape[1], BLOCK=block,
-                                     num_warps=4 if block <= 4096 else 8)
+                                     SLOTS2=slots2, BLOCK=block, num_warps=_warps(block, delta.shape[1] + slots2))
     return s, h
+
+
+def _warps(block: int, slots: int) -> int:
+    """Warps of a row's program: a thread holds about 128 values of the unrolled slot loads (config
+    M, 2,048 × 8: 4 warps, 176 registers, no spills on sm_90a; 4,096 × 8 at 4 warps spilled)."""
+    return min(16, max(4, triton.next_power_of_2(block * slots // 4096)))
 
 
 def dispatching(plain: Callable) -> Callable:
