@@ -163,7 +163,7 @@ def _check_process_values(up: argparse.Namespace) -> tuple[bool, tuple[str, ...]
         ValueError: the flag named, where its value came from, and which processes.
     """
     from cli.cluster import metrics_flags, role_flags
-    from common.grpc_server import advertised_host
+    from common.grpc_server import advertised_host, unreachable_record
     from router.main import RouterOptions
     # etcd and certificates are `tandem up`'s, given to each process once they exist; so is the
     # router's --api-keys file (read when the cluster starts)
@@ -185,11 +185,17 @@ def _check_process_values(up: argparse.Namespace) -> tuple[bool, tuple[str, ...]
         _absolute_paths(args, overridden)
         if role == "router" and up.https:  # --https gives each router its certificate
             args.http_tls_cert = args.http_tls_key = ""
+        who = ("the routers" if up.routers > 1 else "the router") if role == "router" else f"the {role} workers"
         try:
             opts = construct(options, args, **outside)
         except ValueError as exc:
-            who = ("the routers" if up.routers > 1 else "the router") if role == "router" else f"the {role} workers"
             raise ValueError(f"{who} would refuse it: {exc}") from None
+        if unreachable_record(opts.host, opts.advertise_host):  # tandem up dials each at its record
+            raise ValueError(f"{who} would not be reached: " + name_sources(
+                f"--advertise-host {opts.advertise_host} with --host {opts.host}: it would listen on loopback only and "
+                f"register {opts.advertise_host}, where this cluster's processes dial it and nothing answers; give "
+                f"--host too (0.0.0.0, or {opts.advertise_host}) or leave --advertise-host out",
+                getattr(args, "set_by", {})))
         if role == "router":
             https = https or bool(opts.http_tls_cert)
             # the hosts it binds and records: a router on every interface records --advertise-host,
@@ -197,6 +203,8 @@ def _check_process_values(up: argparse.Namespace) -> tuple[bool, tuple[str, ...]
             recorded = advertised_host(opts.host, opts.advertise_host).strip("[]")
             hosts = tuple(dict.fromkeys(h for h in (opts.http_host, opts.host, opts.advertise_host, recorded)
                                         if h and h not in ("0.0.0.0", "::", "127.0.0.1", "localhost", "::1")))
+            # an --https API on every interface whose certificate names loopback only: said when ready
+            up.loopback_names_only = up.https and (opts.http_host or opts.host) in ("0.0.0.0", "::") and not hosts
     return https, hosts
 
 
@@ -369,6 +377,10 @@ def _up(args: argparse.Namespace) -> int:
             if cluster.http_address:
                 trust = f" (trust {cluster.ca.ca_path}: curl --cacert FILE)" if args.https else ""
                 print(f"  OpenAI-compatible HTTP API at {cluster.http_url}/v1{trust}", flush=True)
+                if getattr(args, "loopback_names_only", False):
+                    print("  note: the HTTP API listens on every interface, but its certificate names loopback only "
+                          "(localhost, 127.0.0.1, ::1): clients on other machines will fail to verify it. Give the "
+                          "router the address they use (docs/security.md, \"HTTPS for the HTTP API\")", flush=True)
             for name, addr in cluster.metrics_addresses().items():
                 print(f"  metrics: {name} at http://{addr}/metrics", flush=True)
             workers = (f"{args.mocker} simulated decode workers" if args.mocker else

@@ -177,6 +177,24 @@ def advertised_host(host: str, advertise_host: str = "") -> str:
     return ip
 
 
+def _loopback(host: str) -> bool:
+    host = host.strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a name other than localhost: taken as reachable from elsewhere
+        return False
+
+
+def unreachable_record(host: str, advertise_host: str) -> bool:
+    """Whether a server listening on `host` and registered at `advertise_host` cannot be reached
+    there: it listens on a loopback address only and advertise_host is not one (an IP of another
+    interface, or a name other than localhost). Only a proxy on this machine that forwards to
+    the loopback port would reach it."""
+    return bool(advertise_host) and host not in WILDCARDS and _loopback(host) and not _loopback(advertise_host)
+
+
 def _bracketed(host: str) -> str:
     try:
         return f"[{host}]" if ipaddress.ip_address(host).version == 6 else host

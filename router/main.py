@@ -17,7 +17,7 @@ from common.block_hash import hash_seed
 from common.gc_pauses import freeze_startup_heap
 from common.lifecycle import install_stop_signals
 from common.grpc_server import (WILDCARDS, Keepalive, RunningServer, add_lenient_service, advertised_host, set_keepalive,
-                                start_server, validate_listen_port)
+                                start_server, unreachable_record, validate_listen_port)
 from common.pb.tandem.v1 import discovery_pb2
 from common.tls import TlsFiles
 from common.pb.tandem.v1 import frontend_pb2 as pb
@@ -306,6 +306,11 @@ async def run(opts: RouterOptions, ready: Callable[[RunningServer, FrontendServi
                                 [SERVICE], internal=False,  # clients are not cluster processes: certificates optional
                                 interceptors=[ApiKeyCheck(keys)] if keys else (), reuse_port=opts.reuse_port)
     address = f"{advertised_host(opts.host, opts.advertise_host)}:{server.port}"
+    if unreachable_record(opts.host, opts.advertise_host):
+        log.warning("listening on %s (loopback) only, but registered at %s: peers that dial it there (the router, "
+                    "the other workers) reach it only through a proxy on this machine that forwards to port %d; "
+                    "--host 0.0.0.0 (or %s) listens where it is registered", opts.host, address, server.port,
+                    opts.advertise_host)
     instance_id = f"router-{uuid.uuid4().hex[:12]}"
     index = overlap if isinstance(overlap, KvIndex) else None
     metrics.bind(servicer, workers, load, health, subscriber, index)

@@ -435,6 +435,17 @@ def test_up_checks_its_processes_values_as_it_will_pass_them(monkeypatch, tmp_pa
     monkeypatch.setattr("socket.gethostbyname", lambda name: "10.1.2.3")
     assert check("--https") == (True, ("10.1.2.3",))
     monkeypatch.delenv("TANDEM_HOST")
+    # advertised where nothing listens (processes on loopback, registered at another address): the
+    # cluster would wait for routers that never see their workers; refused, naming the variable
+    monkeypatch.setenv("TANDEM_ADVERTISE_HOST", "192.0.2.2")
+    with pytest.raises(ValueError, match=r"the router would not be reached: --advertise-host 192.0.2.2 with --host "
+                                         r"127.0.0.1: it would listen on loopback only.*came from the environment "
+                                         r"variable TANDEM_ADVERTISE_HOST"):
+        check("--https")
+    monkeypatch.setenv("TANDEM_HOST", "0.0.0.0")  # listening everywhere: reached at the advertised address
+    assert check("--https") == (True, ("192.0.2.2",))
+    monkeypatch.delenv("TANDEM_HOST")
+    monkeypatch.delenv("TANDEM_ADVERTISE_HOST")
     monkeypatch.setenv("TANDEM_HTTP_HOST", "127.0.0.2")
     # a relative file path: made absolute from a variable (the processes run in the repository
     # root), refused from the config file
@@ -506,3 +517,37 @@ def test_up_given_a_flag_of_its_processes_says_how_to_pass_it():
         "TANDEM_HTTP_HOST=VALUE, or as http_host under [router] in a --config file" in r.stderr, r.stderr
     r = tandem("up", "--namespace", "x")  # one tandem up sets for them itself
     assert r.returncode == 2 and "tandem up gives the processes it starts one of its own" in r.stderr, r.stderr
+
+
+def test_a_record_nothing_answers_at_is_told_apart():
+    from common.grpc_server import unreachable_record
+    assert unreachable_record("127.0.0.1", "192.0.2.2") and unreachable_record("::1", "router.example")
+    assert unreachable_record("localhost", "[2001:db8::1]")
+    assert not unreachable_record("127.0.0.1", "")  # not advertised apart: its own host
+    assert not unreachable_record("0.0.0.0", "192.0.2.2") and not unreachable_record("::", "192.0.2.2")
+    assert not unreachable_record("127.0.0.1", "localhost") and not unreachable_record("127.0.0.1", "127.0.0.5")
+    assert not unreachable_record("10.0.0.5", "router.example")  # a specific interface: a NAT may forward
+
+
+def test_up_notes_an_https_api_on_every_interface_whose_certificate_names_loopback_only(monkeypatch):
+    from cli import config
+    from cli.main import _check_process_values, build_parser
+
+    def note(*argv: str) -> bool:
+        parser = build_parser("up", full=True)
+        args = parser.parse_args(["up", *argv])
+        config.apply(parser, args)
+        _check_process_values(args)
+        return args.loopback_names_only
+
+    for k in [k for k in os.environ if k.startswith("TANDEM_")]:
+        monkeypatch.delenv(k)
+    monkeypatch.setenv("TANDEM_HTTP_HOST", "0.0.0.0")
+    assert note("--https") and not note()  # (without --https the API is plain HTTP: no certificate)
+    monkeypatch.setenv("TANDEM_HOST", "0.0.0.0")
+    monkeypatch.setenv("TANDEM_ADVERTISE_HOST", "192.0.2.2")
+    assert not note("--https")  # the certificate names the advertised address
+    monkeypatch.delenv("TANDEM_HTTP_HOST")
+    monkeypatch.delenv("TANDEM_HOST")
+    monkeypatch.delenv("TANDEM_ADVERTISE_HOST")
+    assert not note("--https")  # on loopback: loopback names are the right ones
