@@ -22,12 +22,26 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from typing import Any
 
 from cli.config import ConfigError, Resolved, Schema, config_path, load_file, resolve, subparsers
 from cli.flags import OTHER_ROLE_ONLY, add_argument, options_of, refuse_other_role
 
+
+
+def _under_up(command: str, problem: str) -> str:
+    """A note for a refusal that `tandem up` makes moot: it passes some of its processes' flags
+    itself (a [router] http_host with the router's own --http-port off is fine for a file meant
+    for tandem up, which turns the API on)."""
+    if command not in ("router", "prefill", "decode"):
+        return ""
+    from cli.main import UP_GIVES
+    passed = [f for f in (*UP_GIVES, *(("--http-port",) if command == "router" else ()))
+              if re.search(re.escape(f) + r"\b", problem)]
+    return (f" (tandem up passes {', '.join(passed)} itself: a file for tandem up is not refused for this)"
+            if passed else "")
 
 def toml_value(value: Any) -> str | None:
     """value as a TOML literal; None (an unset option) has none."""
@@ -91,6 +105,7 @@ def show(parser: argparse.ArgumentParser, args: argparse.Namespace, extra: list[
         if problem and problem == check(command, {opt.name: opt.default for opt in options_of(sub)}):
             problem = ""  # the defaults alone miss it too (the router's --etcd): given at launch, not a setting
         if problem:
+            problem += _under_up(command, problem)
             lines.append(f"# tandem {command} would refuse this: {problem}")
             refused.append(f"tandem config show: [{command}] {problem}")
     print("\n".join(lines), file=out or sys.stdout)

@@ -239,7 +239,13 @@ def test_config_show_names_a_value_the_command_would_refuse(tmp_path, capsys):
     assert tandem(["config", "show", "decode", "--config", path, "--stream-interval", "4"]) == 0  # a flag wins
     capsys.readouterr()
     assert tandem(["config", "show", "--config", path]) == 0  # the overview notes it only
-    assert "would refuse this: --stream-interval" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "would refuse this: --stream-interval" in out and "tandem up passes" not in out
+    # a refusal tandem up makes moot (it turns the HTTP API on itself) says so
+    path = write(tmp_path, '[router]\nhttp_host = "0.0.0.0"\n')
+    assert tandem(["config", "show", "router", "--config", path]) == 2
+    assert ("leave --http-host out (tandem up passes --http-port itself: a file for tandem up is not refused "
+            "for this)") in capsys.readouterr().out
 
 
 def test_one_roles_options_reach_that_role_only(tmp_path, monkeypatch, capsys):
