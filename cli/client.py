@@ -167,18 +167,32 @@ class PortLock:
     Raises PortBusy naming the port, PermissionError as `_private_folder`."""
 
     def __init__(self, port: int) -> None:
-        path = local_ca_file(port).with_name(f"up-{port}.lock")
+        self.path = path = local_ca_file(port).with_name(f"up-{port}.lock")
         _private_folder(path.parent)
-        self._fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+        while True:
+            self._fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+            try:
+                fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(self._fd)
+                raise PortBusy(f"another tandem up serves, starts or stops on port {port} (it holds {path}); "
+                               "stop it first, or pick another --port") from None
+            # the holder before removes the file as it lets go (`close`): a lock taken on that
+            # removed file claims nothing, so take it again on the path's file of now
+            try:
+                there = os.stat(path)
+            except FileNotFoundError:
+                there = None
+            mine = os.fstat(self._fd)
+            if there is not None and (mine.st_dev, mine.st_ino) == (there.st_dev, there.st_ino):
+                return
             os.close(self._fd)
-            raise PortBusy(f"another tandem up serves, starts or stops on port {port} (it holds {path}); "
-                           "stop it first, or pick another --port") from None
 
     def close(self) -> None:
+        """Let go of the port, removing its lock file (still locked, so no claim is lost: see
+        __init__): one file a port used would otherwise stay in the folder."""
         if self._fd >= 0:
+            self.path.unlink(missing_ok=True)
             os.close(self._fd)
             self._fd = -1
 

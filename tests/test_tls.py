@@ -145,6 +145,22 @@ def test_one_tandem_up_per_port_and_each_removes_only_its_own_ca_file(tmp_path):
             PortLock(port)  # a second tandem up on the port is refused before it starts anything
     finally:
         first.close()
+    assert not first.path.exists()  # no lock file left behind for each port ever used
+    # a claimant that opened the file before the holder let go (and removed it) takes its lock on a
+    # removed file: it must notice and claim the path's file of now, not hold a lock nobody sees
+    held = PortLock(port)
+    import fcntl
+    import os
+    stale = os.open(held.path, os.O_RDWR)
+    held.close()
+    fcntl.flock(stale, fcntl.LOCK_EX | fcntl.LOCK_NB)  # (what a racing __init__ would get)
+    again = PortLock(port)  # a new file: not blocked by the stale inode's lock
+    try:
+        with pytest.raises(PortBusy):
+            PortLock(port)
+    finally:
+        again.close()
+        os.close(stale)
     PortLock(port).close()  # free again once the first is gone
     # a cluster stopping late must not remove the file of the cluster after it
     old = LocalCaFile(port, Path(LocalCa(tmp_path / "a").ca_path).read_bytes())
@@ -162,3 +178,28 @@ def test_a_process_certificate_given_as_the_ca_is_refused_naming_the_flag(tmp_pa
     with pytest.raises(ValueError, match=r"--tls-ca .*router-0.pem: holds no CA certificate"):
         TlsFiles("", "", files.cert, client=True).load()
     assert TlsFiles("", "", files.ca, client=True).load().ca  # the CA's own file is fine
+
+
+def test_a_port_lock_taken_on_a_file_removed_meanwhile_is_taken_again(monkeypatch):
+    import fcntl
+    import os
+    from cli import client
+    port = 3  # no real cluster serves port 3
+    real, calls = fcntl.flock, []
+
+    def flock(fd, op):  # the holder lets go (removes the file) between this claimant's open and flock
+        calls.append(fd)
+        if len(calls) == 1:
+            path = client.local_ca_file(port).with_name(f"up-{port}.lock")
+            path.unlink()
+            path.touch(mode=0o600)  # and a third claimant's file appears at the path
+        return real(fd, op)
+
+    monkeypatch.setattr(client.fcntl, "flock", flock)
+    lock = client.PortLock(port)
+    try:
+        assert len(calls) == 2  # the first lock was on the removed file: taken again on the new one
+        mine, there = os.fstat(lock._fd), os.stat(lock.path)
+        assert (mine.st_dev, mine.st_ino) == (there.st_dev, there.st_ino)
+    finally:
+        lock.close()
