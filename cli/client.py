@@ -192,7 +192,12 @@ class PortLock:
         """Let go of the port, removing its lock file (still locked, so no claim is lost: see
         __init__): one file a port used would otherwise stay in the folder."""
         if self._fd >= 0:
-            self.path.unlink(missing_ok=True)
+            try:  # only if the path is still this lock's file (someone may have removed it meanwhile)
+                mine, there = os.fstat(self._fd), os.stat(self.path)
+                if (mine.st_dev, mine.st_ino) == (there.st_dev, there.st_ino):
+                    self.path.unlink()
+            except FileNotFoundError:
+                pass
             os.close(self._fd)
             self._fd = -1
 

@@ -32,16 +32,22 @@ from cli.flags import OTHER_ROLE_ONLY, add_argument, options_of, refuse_other_ro
 
 
 def _under_up(command: str, problem: str) -> str:
-    """A note for a refusal that `tandem up` makes moot: it passes some of its processes' flags
+    """A note for a refusal that `tandem up` can make moot: it passes some of its processes' flags
     itself (a [router] http_host with the router's own --http-port off is fine for a file meant
-    for tandem up, which turns the API on)."""
-    if command not in ("router", "prefill", "decode"):
+    for tandem up, which turns the API on unless given --http-port -1)."""
+    if command not in ("router", "prefill", "decode", "mocker"):
         return ""
     from cli.main import UP_GIVES
+    unless = {"--http-port": "its --http-port is -1", "--metrics-port": "it runs with --no-metrics"}
     passed = [f for f in (*UP_GIVES, *(("--http-port",) if command == "router" else ()))
-              if re.search(re.escape(f) + r"\b", problem)]
-    return (f" (tandem up passes {', '.join(passed)} itself: a file for tandem up is not refused for this)"
-            if passed else "")
+              if re.search(re.escape(f) + r"\b", problem) and not (command == "mocker" and f == "--metrics-port")]
+    if not passed:
+        return ""
+    conditions = [unless[f] for f in passed if f in unless]
+    return (f" (tandem up passes {', '.join(passed)} itself: a file for tandem up is refused for this only "
+            f"where {' or '.join(conditions)})" if conditions else
+            f" (tandem up passes {', '.join(passed)} itself: a file for tandem up is not refused for this)")
+
 
 def toml_value(value: Any) -> str | None:
     """value as a TOML literal; None (an unset option) has none."""

@@ -151,6 +151,13 @@ def _router_args(up: argparse.Namespace) -> list[str]:
     return ["--router-mode", up.router_mode] if up.router_mode else []
 
 
+def _names_loopback(host: str) -> bool:
+    """Whether host is one of the loopback names every cluster certificate carries
+    (common.certs.LOOPBACK: localhost, 127.0.0.1, ::1), bracketed or not."""
+    from common.certs import LOOPBACK
+    return host.strip("[]") in LOOPBACK
+
+
 def _check_process_values(up: argparse.Namespace) -> tuple[bool, tuple[str, ...]]:
     """Refuse a router or worker value `tandem up`'s processes would refuse (from a TANDEM_*
     variable or the config file), before etcd and the router start rather than when that process
@@ -163,13 +170,15 @@ def _check_process_values(up: argparse.Namespace) -> tuple[bool, tuple[str, ...]
         ValueError: the flag named, where its value came from, and which processes.
     """
     from cli.cluster import metrics_flags, role_flags
-    from common.grpc_server import advertised_host, unreachable_record
+    from common.grpc_server import WILDCARDS, advertised_host, unreachable_record
     from router.main import RouterOptions
     # etcd and certificates are `tandem up`'s, given to each process once they exist; so is the
     # router's --api-keys file (read when the cluster starts)
     outside = dict(etcd="127.0.0.1:2379", tls_cert="", tls_key="", tls_ca="")
-    roles = [("router", RouterOptions, role_flags("router", up.port, up.http_port, up.routers > 1,
-                                                  extra=_router_args(up)))]
+    # replicas share a port LocalCluster picks when given 0 (1 stands for it: any fixed port)
+    replicas = up.routers > 1
+    roles = [("router", RouterOptions, role_flags("router", up.port or int(replicas), up.http_port or int(replicas),
+                                                  replicas, extra=_router_args(up)))]
     if not up.mocker:
         from worker.host import WorkerOptions
         roles += [(role, WorkerOptions, role_flags(role)) for role, n in (("prefill", up.prefill),
@@ -191,20 +200,21 @@ def _check_process_values(up: argparse.Namespace) -> tuple[bool, tuple[str, ...]
         except ValueError as exc:
             raise ValueError(f"{who} would refuse it: {exc}") from None
         if unreachable_record(opts.host, opts.advertise_host):  # tandem up dials each at its record
+            table = "router" if role == "router" else "worker"
             raise ValueError(f"{who} would not be reached: " + name_sources(
                 f"--advertise-host {opts.advertise_host} with --host {opts.host}: it would listen on loopback only and "
-                f"register {opts.advertise_host}, where this cluster's processes dial it and nothing answers; give "
-                f"--host too (0.0.0.0, or {opts.advertise_host}) or leave --advertise-host out",
-                getattr(args, "set_by", {})))
+                f"register {opts.advertise_host}, where this cluster's processes dial it and nothing answers; set its "
+                f"host too (TANDEM_HOST=0.0.0.0, or host = \"0.0.0.0\" in the config file's [{table}]) or leave "
+                "--advertise-host out", getattr(args, "set_by", {})))
         if role == "router":
             https = https or bool(opts.http_tls_cert)
             # the hosts it binds and records: a router on every interface records --advertise-host,
             # or the hostname's address (common.grpc_server.advertised_host), and so does its HTTP API
-            recorded = advertised_host(opts.host, opts.advertise_host).strip("[]")
-            hosts = tuple(dict.fromkeys(h for h in (opts.http_host, opts.host, opts.advertise_host, recorded)
-                                        if h and h not in ("0.0.0.0", "::", "127.0.0.1", "localhost", "::1")))
+            recorded = advertised_host(opts.host, opts.advertise_host)
+            hosts = tuple(dict.fromkeys(h.strip("[]") for h in (opts.http_host, opts.host, opts.advertise_host, recorded)
+                                        if h and h not in WILDCARDS and not _names_loopback(h)))
             # an --https API on every interface whose certificate names loopback only: said when ready
-            up.loopback_names_only = up.https and (opts.http_host or opts.host) in ("0.0.0.0", "::") and not hosts
+            up.loopback_names_only = up.https and (opts.http_host or opts.host) in WILDCARDS and not hosts
     return https, hosts
 
 

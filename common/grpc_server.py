@@ -177,22 +177,33 @@ def advertised_host(host: str, advertise_host: str = "") -> str:
     return ip
 
 
-def _loopback(host: str) -> bool:
-    host = host.strip("[]")
-    if host == "localhost":
-        return True
+def _addresses(host: str) -> set:
+    """The IP addresses `host` (a literal, bracketed or not, or a name) stands for here; empty when
+    a name does not resolve."""
+    h = host.strip("[]")
     try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:  # a name other than localhost: taken as reachable from elsewhere
-        return False
+        return {ipaddress.ip_address(h)}
+    except ValueError:
+        pass
+    try:
+        return {ipaddress.ip_address(info[4][0].split("%")[0]) for info in socket.getaddrinfo(h, None)}
+    except (OSError, ValueError):
+        return set()
 
 
 def unreachable_record(host: str, advertise_host: str) -> bool:
     """Whether a server listening on `host` and registered at `advertise_host` cannot be reached
-    there: it listens on a loopback address only and advertise_host is not one (an IP of another
-    interface, or a name other than localhost). Only a proxy on this machine that forwards to
-    the loopback port would reach it."""
-    return bool(advertise_host) and host not in WILDCARDS and _loopback(host) and not _loopback(advertise_host)
+    there: it listens on loopback only (an address, or a name such as localhost that stands for
+    loopback addresses only) and advertise_host stands for none of those addresses (another
+    interface's IP, 127.0.0.2 for 127.0.0.1, ::1 for 127.0.0.1, a name resolving elsewhere or
+    nowhere). Only a proxy on this machine that forwards to the loopback port would reach it.
+    A server on a specific non-loopback interface may be reached through a NAT: not judged."""
+    if not advertise_host or host in WILDCARDS:
+        return False
+    mine = _addresses(host)
+    if not mine or not all(a.is_loopback for a in mine):
+        return False
+    return not mine & _addresses(advertise_host)
 
 
 def _bracketed(host: str) -> str:

@@ -242,11 +242,17 @@ def _http_record(http_server, opts: RouterOptions, address: str) -> str:
     reach it, not what it bound. A specific --http-host is its own address; an API listening on
     every interface (--http-host, or --host, 0.0.0.0 or ::) is reached at the gRPC record's host
     (`address`: --advertise-host, or the hostname's address), which a bound "0.0.0.0" is not, and
-    which is the name an HTTPS certificate for this router carries."""
+    which is the name an HTTPS certificate for this router carries; an IPv4-only API (0.0.0.0)
+    beside an IPv6 record takes the hostname's address, or 127.0.0.1."""
     if http_server is None:
         return ""
     bound = opts.http_host or opts.host
     host = advertised_host(bound) if bound not in WILDCARDS else address.rpartition(":")[0]
+    if bound == "0.0.0.0" and host.startswith("["):  # an IPv4 socket is not reached at an IPv6 record
+        try:
+            host = advertised_host(bound)  # the hostname's (IPv4) address
+        except ValueError:
+            host = "127.0.0.1"
     return f"{host}:{http_server.port_bound}"
 
 
@@ -307,10 +313,9 @@ async def run(opts: RouterOptions, ready: Callable[[RunningServer, FrontendServi
                                 interceptors=[ApiKeyCheck(keys)] if keys else (), reuse_port=opts.reuse_port)
     address = f"{advertised_host(opts.host, opts.advertise_host)}:{server.port}"
     if unreachable_record(opts.host, opts.advertise_host):
-        log.warning("listening on %s (loopback) only, but registered at %s: peers that dial it there (the router, "
-                    "the other workers) reach it only through a proxy on this machine that forwards to port %d; "
-                    "--host 0.0.0.0 (or %s) listens where it is registered", opts.host, address, server.port,
-                    opts.advertise_host)
+        log.warning("listening on %s (loopback) only, but registered at %s: whoever dials it there reaches it only "
+                    "through a proxy on this machine that forwards to port %d; --host 0.0.0.0 (or --host %s) "
+                    "listens where it is registered", opts.host, address, server.port, opts.advertise_host)
     instance_id = f"router-{uuid.uuid4().hex[:12]}"
     index = overlap if isinstance(overlap, KvIndex) else None
     metrics.bind(servicer, workers, load, health, subscriber, index)

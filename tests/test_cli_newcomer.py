@@ -444,8 +444,16 @@ def test_up_checks_its_processes_values_as_it_will_pass_them(monkeypatch, tmp_pa
         check("--https")
     monkeypatch.setenv("TANDEM_HOST", "0.0.0.0")  # listening everywhere: reached at the advertised address
     assert check("--https") == (True, ("192.0.2.2",))
+    monkeypatch.setenv("TANDEM_HOST", "[::]")  # bracketed IPv6: the certificate names bare addresses
+    monkeypatch.setenv("TANDEM_ADVERTISE_HOST", "[2001:db8::5]")
+    assert check("--https") == (True, ("2001:db8::5",))
+    monkeypatch.setenv("TANDEM_HOST", "[::1]")
+    monkeypatch.setenv("TANDEM_ADVERTISE_HOST", "::1")
+    assert check("--https") == (True, ())  # loopback only: no name beyond the ones every certificate has
     monkeypatch.delenv("TANDEM_HOST")
     monkeypatch.delenv("TANDEM_ADVERTISE_HOST")
+    # router replicas share a port tandem up picks when given 0: not refused for --reuse-port
+    assert check("--mocker", "1", "--routers", "2", "--port", "0", "--http-port", "0") == (False, ())
     monkeypatch.setenv("TANDEM_HTTP_HOST", "127.0.0.2")
     # a relative file path: made absolute from a variable (the processes run in the repository
     # root), refused from the config file
@@ -520,13 +528,20 @@ def test_up_given_a_flag_of_its_processes_says_how_to_pass_it():
 
 
 def test_a_record_nothing_answers_at_is_told_apart():
+    import socket
     from common.grpc_server import unreachable_record
-    assert unreachable_record("127.0.0.1", "192.0.2.2") and unreachable_record("::1", "router.example")
+    assert unreachable_record("127.0.0.1", "192.0.2.2") and unreachable_record("::1", "router.invalid")
     assert unreachable_record("localhost", "[2001:db8::1]")
+    # another loopback address is another listener's: nothing answers at 127.0.0.2 or ::1 for 127.0.0.1
+    assert unreachable_record("127.0.0.1", "127.0.0.2") and unreachable_record("[::1]", "127.0.0.1")
     assert not unreachable_record("127.0.0.1", "")  # not advertised apart: its own host
-    assert not unreachable_record("0.0.0.0", "192.0.2.2") and not unreachable_record("::", "192.0.2.2")
-    assert not unreachable_record("127.0.0.1", "localhost") and not unreachable_record("127.0.0.1", "127.0.0.5")
-    assert not unreachable_record("10.0.0.5", "router.example")  # a specific interface: a NAT may forward
+    assert not unreachable_record("0.0.0.0", "192.0.2.2") and not unreachable_record("[::]", "192.0.2.2")
+    assert not unreachable_record("127.0.0.1", "localhost") and not unreachable_record("[::1]", "::1")
+    assert not unreachable_record("10.0.0.5", "router.invalid")  # a specific interface: a NAT may forward
+    # a name is judged by what it resolves to here (a hostname mapped to 127.0.0.1 is reached)
+    name = socket.gethostname()
+    here = {info[4][0] for info in socket.getaddrinfo(name, None)}
+    assert unreachable_record("127.0.0.1", name) == ("127.0.0.1" not in here)
 
 
 def test_up_notes_an_https_api_on_every_interface_whose_certificate_names_loopback_only(monkeypatch):

@@ -244,8 +244,8 @@ def test_config_show_names_a_value_the_command_would_refuse(tmp_path, capsys):
     # a refusal tandem up makes moot (it turns the HTTP API on itself) says so
     path = write(tmp_path, '[router]\nhttp_host = "0.0.0.0"\n')
     assert tandem(["config", "show", "router", "--config", path]) == 2
-    assert ("leave --http-host out (tandem up passes --http-port itself: a file for tandem up is not refused "
-            "for this)") in capsys.readouterr().out
+    assert ("leave --http-host out (tandem up passes --http-port itself: a file for tandem up is refused for this "
+            "only where its --http-port is -1)") in capsys.readouterr().out
 
 
 def test_one_roles_options_reach_that_role_only(tmp_path, monkeypatch, capsys):

@@ -84,6 +84,9 @@ def test_http_host_puts_the_http_api_on_its_own_address(etcd_server, tiny_model)
     ({"http_host": "0.0.0.0"}, "127.0.0.1"),  # every interface: the gRPC record's host, not 0.0.0.0
     ({"host": "0.0.0.0", "advertise_host": "127.0.0.3"}, "127.0.0.3"),  # both on every interface
     ({"host": "0.0.0.0", "advertise_host": "127.0.0.3", "http_host": "127.0.0.2"}, "127.0.0.2"),
+    # an IPv4-only API beside an IPv6 record: not the [::1] it does not listen on (the hostname's
+    # address, or here, where that is loopback, 127.0.0.1)
+    ({"host": "[::1]", "http_host": "0.0.0.0"}, "127.0.0.1"),
 ])
 def test_the_discovery_record_names_where_clients_reach_the_http_api(etcd_server, tiny_model, overrides, record):
     c = InProcessCluster(etcd_server.endpoint, tiny_model, namespace="e2e-http-record")

@@ -161,6 +161,15 @@ def test_one_tandem_up_per_port_and_each_removes_only_its_own_ca_file(tmp_path):
     finally:
         again.close()
         os.close(stale)
+    # a lock whose file someone removed while it was held lets go without removing the next one's
+    first = PortLock(port)
+    first.path.unlink()
+    second = PortLock(port)  # (a new file: the removed one's lock is not seen)
+    first.close()
+    assert second.path.exists()
+    with pytest.raises(PortBusy):
+        PortLock(port)
+    second.close()
     PortLock(port).close()  # free again once the first is gone
     # a cluster stopping late must not remove the file of the cluster after it
     old = LocalCaFile(port, Path(LocalCa(tmp_path / "a").ca_path).read_bytes())

@@ -735,10 +735,9 @@ async def serve_worker(runtime: WorkerRuntime, add_services: Sequence[Callable[[
         [*service_names, "tandem.v1.KvEventService"])
     address = f"{advertised_host(opts.host, opts.advertise_host)}:{server.port}"
     if unreachable_record(opts.host, opts.advertise_host):
-        log.warning("listening on %s (loopback) only, but registered at %s: peers that dial it there (the router, "
-                    "the other workers) reach it only through a proxy on this machine that forwards to port %d; "
-                    "--host 0.0.0.0 (or %s) listens where it is registered", opts.host, address, server.port,
-                    opts.advertise_host)
+        log.warning("listening on %s (loopback) only, but registered at %s: whoever dials it there reaches it only "
+                    "through a proxy on this machine that forwards to port %d; --host 0.0.0.0 (or --host %s) "
+                    "listens where it is registered", opts.host, address, server.port, opts.advertise_host)
     runtime.metrics.bind_loop(asyncio.get_running_loop())
     try:
         metrics_server = metrics_http.serve(runtime.metrics.registry, opts.host, opts.metrics_port,
