@@ -33,8 +33,8 @@ import torch
 
 from engine.decode_batch import AbsorbedDecodeKv, BlockTables, DecodePlan
 from engine.future_map import FutureTokenMap
-from engine.kernels.grouped_experts import shared_experts_beside
 from engine.kv_pool import KvPool
+from engine.model import shared_experts_beside
 from engine.sampling import greedy_batch, pack_step
 
 log = logging.getLogger(__name__)

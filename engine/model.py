@@ -16,7 +16,9 @@ wide; attention expands it through `kv_b_proj` (no weight absorption yet).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import threading
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -111,6 +113,32 @@ class HotPath:
         self.rope_cos_sin, self.apply_rope, self.route = rope_cos_sin, apply_rope, route
         self.rope_latent = rope_latent
         self.fused = False
+
+
+_BRANCHING = threading.local()  # per thread: see shared_experts_beside
+
+
+@contextlib.contextmanager
+def shared_experts_beside():
+    """Within this, on this thread, a one-token MoE layer runs its shared experts on a second
+    stream (engine.kernels.grouped_experts.GroupedExperts.forward_branched; MoE.forward_parts asks
+    `branching`).
+    The decode and MTP graphs' warm-up and capture run in it (engine/graph_runner.py,
+    engine/spec_graphs.py): there the two streams become two branches of the graph. Eager
+    forwards stay on one stream: at batch 1 they are bound by host time, not by the GPU's idle
+    SMs, and a prefill on a stream of its own (a decode worker's local prefill, possibly in a
+    green context of a few SMs) must not spill work onto an ordinary stream."""
+    before = getattr(_BRANCHING, "on", False)
+    _BRANCHING.on = True
+    try:
+        yield
+    finally:
+        _BRANCHING.on = before
+
+
+def branching() -> bool:
+    """Whether this thread is inside `shared_experts_beside`."""
+    return getattr(_BRANCHING, "on", False)
 
 
 class RMSNorm(nn.Module):
@@ -460,11 +488,10 @@ class MoE(nn.Module):
             # SHARED_IN_KERNEL_MAX_TOKENS the shared experts run inside the fused MoE launches
             # (one part: routed + shared), above it (a prefill) as their own GEMMs
             if g.shared is not None and x.shape[0] <= g.SHARED_IN_KERNEL_MAX_TOKENS:
-                if x.shape[0] == 1 and x.is_cuda:
-                    from engine.kernels.grouped_experts import branching
-                    if branching():  # in the decode graphs: the shared experts beside the routing (a
-                        # second stream), both per slot, summed as one by the next add + RMSNorm
-                        return g.forward_branched(x, self.gate)
+                if x.shape[0] == 1 and x.is_cuda and branching():  # in the decode graphs: the shared
+                    # experts beside the routing (a second stream), both per slot, summed as one
+                    # by the next add + RMSNorm
+                    return g.forward_branched(x, self.gate)
                 # per slot: the next add + RMSNorm sums them (slot_sum), two launches fewer
                 return g.forward_gated(x, self.gate, with_shared=True, sum_slots=False), None
             out = g.forward_gated(x, self.gate, with_shared=False)

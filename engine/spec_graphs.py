@@ -32,8 +32,8 @@ import time
 import torch
 
 from engine.graph_runner import PriorityReplay, batch_sizes
-from engine.kernels.grouped_experts import shared_experts_beside
 from engine.kv_pool import KvPool
+from engine.model import shared_experts_beside
 from engine.sampling import SamplingRows, seed_int64
 from engine.spec_batch import FastForwards, SpecResult, SpecRow, SpecSlots, step_body
 

@@ -183,6 +183,8 @@ def test_absorbed_query_shapes_are_checked() -> None:
     with pytest.raises(ValueError, match="need q_nope"):
         rope_latent_store(q_pe, kv_a, cos, sin, weight, 1e-6, 24, True, kv, 0, w_blk, w_off,
                           q_nope=q_nope, w_uk=w_uk[:2])
+    with pytest.raises(ValueError, match="q_nope and w_uk go together"):
+        rope_latent_store(q_pe, kv_a, cos, sin, weight, 1e-6, 24, True, kv, 0, w_blk, w_off, q_nope=q_nope)
     with pytest.raises(ValueError, match="unit stride along R"):
         rope_latent_store(q_pe, kv_a, cos, sin, weight, 1e-6, 24, True, kv, 0, w_blk, w_off,
                           q_nope=q_nope, w_uk=w_uk.transpose(1, 2).contiguous().transpose(1, 2))

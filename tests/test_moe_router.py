@@ -14,10 +14,10 @@ import torch
 
 from engine.kernels.fused import use_fused_projections
 from engine.kernels.fused_moe import fused_experts, fused_experts_reference, shared_chunks
-from engine.kernels.grouped_experts import branching, shared_experts_beside, use_grouped_experts, warm_up_fused_experts
+from engine.kernels.grouped_experts import use_grouped_experts, warm_up_fused_experts
 from engine.kernels.moe_router import kernel_applies, route_grouped, route_with_shared, route_with_shared_reference
-from engine.model import (HOT, MLAttention, MoE, add_rms_norm, apply_rope, build_model, rms_norm, rope_latent,
-                          route, slot_sum, sum_parts)
+from engine.model import (HOT, MLAttention, MoE, add_rms_norm, apply_rope, branching, build_model, rms_norm,
+                          rope_latent, route, shared_experts_beside, slot_sum, sum_parts)
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (run on the lent H200)")
 

@@ -1,7 +1,7 @@
 """The per-slot add + RMSNorm kernel (engine/kernels/slot_norm.py) against engine.model.add_rms_norm,
-its reference: the same bits in float32 and float16 in Triton's interpreter (whose bfloat16 casts
-truncate, so bf16 is checked on CUDA only), within a rounding step in bf16 on CUDA, the same bits
-in a CUDA graph as eagerly, and the dispatch's choice."""
+its reference: within float32's last bits and one float16 step in Triton's interpreter (whose
+bfloat16 casts truncate, so bf16 is checked on CUDA only), within a rounding step in bf16 on
+CUDA, the same bits in a CUDA graph as eagerly, and the dispatch's choice."""
 
 from __future__ import annotations
 
@@ -33,18 +33,21 @@ def _inputs(t: int, slots: int, hidden: int, dtype: torch.dtype, device: str, se
 
 @interpreter
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_the_kernel_gives_the_reference_bits_in_the_interpreter(dtype) -> None:
+def test_the_kernel_matches_the_reference_in_the_interpreter(dtype) -> None:
     for t, slots, hidden in SHAPES:
         x, delta, w = _inputs(t, slots, hidden, dtype, "cpu")
         got, want = add_slots_rms_norm(x, delta, w, 1e-6), add_rms_norm(x, delta, w, 1e-6)
-        for a, b in zip(got, want):
+        for a in got:
             assert a.dtype == dtype and a.shape == (t, hidden)
-            # float32: the sums' order (over slots, and the mean square's) may move the last bits;
-            # float16: the same bits (its rounding hides the order)
+        # the sums' order (over slots, and the mean square's) and rsqrt may move a float32 value's
+        # last bits, and so a float16 value across a rounding edge: within one step of its dtype
+        for a, b in zip(got, want):
             if dtype == torch.float32:
                 torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
             else:
-                assert torch.equal(a, b)
+                torch.testing.assert_close(a, b, rtol=2 ** -10, atol=2 ** -14)
+                if a.numel():
+                    assert (a != b).float().mean().item() < 0.01  # and nearly all the same bits
 
 
 @interpreter
@@ -58,7 +61,8 @@ def test_two_per_slot_parts_are_summed_as_one_tensor_of_both_slots_in_the_interp
         plain = add_rms_norm(x, routed, w, 1e-6, shared)
         for a, b, c in zip(got, one, plain):
             assert torch.equal(a, b)  # the same slots in the same order: the same bits
-            torch.testing.assert_close(a, c, rtol=1e-5 if dtype == torch.float32 else 0, atol=1e-6 if dtype == torch.float32 else 0)
+            torch.testing.assert_close(a, c, rtol=1e-5 if dtype == torch.float32 else 2 ** -10,
+                                       atol=1e-6 if dtype == torch.float32 else 2 ** -14)
 
 
 def test_the_plain_sum_of_two_per_slot_parts_is_the_one_tensor_sum() -> None:
@@ -107,6 +111,7 @@ def test_the_dispatch_takes_per_slot_deltas_only() -> None:
     two = add_slots_rms_norm(x, delta[:, :6], w, 1e-6, delta[:, 6:])
     assert all(torch.equal(a, b) for a, b in zip(two, add_slots_rms_norm(x, delta, w, 1e-6)))
     assert not takes(x, delta.half(), None)
+    assert takes(x, delta, None, w) and not takes(x, delta, None, w.float())  # a float32 weight promotes: compiled
     wide, wide_delta, _ = _inputs(1, 8, 7168, torch.bfloat16, "cuda")  # a row past MAX_ROW_VALUES: compiled
     assert not takes(wide, wide_delta, None)
 

@@ -27,7 +27,6 @@ compare them).
 
 from __future__ import annotations
 
-import contextlib
 import threading
 
 import torch
@@ -145,12 +144,14 @@ class GroupedExperts:
         main = torch.cuda.current_stream(x.device)
         side = _side_stream(x.device)
         side.wait_stream(main)
-        with torch.cuda.stream(side):
-            shared = fused_experts(x, self._shared_ids, self._shared_ones, self.gate_up, self.down,
-                                   shared=self.shared, sum_slots=False)
-        ids, weights = route_with_shared(x, gate.weight, gate.e_score_correction_bias, gate.c, 0)
-        routed = fused_experts(x, ids, weights, self.gate_up, self.down, sum_slots=False)
-        main.wait_stream(side)
+        try:
+            with torch.cuda.stream(side):
+                shared = fused_experts(x, self._shared_ids, self._shared_ones, self.gate_up, self.down,
+                                       shared=self.shared, sum_slots=False)
+            ids, weights = route_with_shared(x, gate.weight, gate.e_score_correction_bias, gate.c, 0)
+            routed = fused_experts(x, ids, weights, self.gate_up, self.down, sum_slots=False)
+        finally:  # joined whatever happened: a capture ending with a branch open would hide the error
+            main.wait_stream(side)
         # made on the side stream, read on the main one (the next add + RMSNorm): its memory is
         # not handed to the side stream again before that read (eager steps; a graph keeps its own)
         if not torch.cuda.is_current_stream_capturing():
@@ -159,28 +160,6 @@ class GroupedExperts:
 
 
 _side = threading.local()
-
-
-@contextlib.contextmanager
-def shared_experts_beside():
-    """Within this, on this thread, a one-token MoE layer runs its shared experts on a second
-    stream (`GroupedExperts.forward_branched`; engine.model.MoE.forward_parts asks `branching`).
-    The decode and MTP graphs' warm-up and capture run in it (engine/graph_runner.py,
-    engine/spec_graphs.py): there the two streams become two branches of the graph. Eager
-    forwards stay on one stream: at batch 1 they are bound by host time, not by the GPU's idle
-    SMs, and a prefill on a stream of its own (a decode worker's local prefill, possibly in a
-    green context of a few SMs) must not spill work onto an ordinary stream."""
-    before = getattr(_side, "branching", False)
-    _side.branching = True
-    try:
-        yield
-    finally:
-        _side.branching = before
-
-
-def branching() -> bool:
-    """Whether this thread is inside `shared_experts_beside`."""
-    return getattr(_side, "branching", False)
 
 
 def _side_stream(device: torch.device) -> torch.cuda.Stream:
@@ -256,9 +235,10 @@ def warm_up_fused_experts(model: torch.nn.Module) -> int:
         # variant of their own) and its two-part add + RMSNorm, compiled here: the graphs' eager
         # warm-up runs them too, but a kernel's first launch must not fall inside a capture
         routed, shared = g.forward_branched(x[:1], moe.gate)
-        from engine.kernels import slot_norm
-        if slot_norm.triton is not None:
-            slot_norm.add_slots_rms_norm(x[:1], routed, torch.ones_like(x[0]), 1e-6, shared)
+        from engine.model import HOT
+        weight = torch.ones_like(x[0])
+        if HOT.fused:  # the add + RMSNorm a step runs on them: the kernel where it takes them
+            HOT.add_rms_norm(x[:1], routed, weight, 1e-6, shared)
     for t in counts:
         x = torch.randn(t, g.gate_up.shape[2], device=g.gate_up.device, dtype=g.gate_up.dtype, generator=gen)
         ids = torch.randint(0, experts, (t, slots), device=x.device, generator=gen)

@@ -220,7 +220,9 @@ def rope_latent_store(q_pe: torch.Tensor, kv_a: torch.Tensor, cos: torch.Tensor,
                          "cos and sin [T, P], weight [R], slots [T], pool rows R + P and an even P")
     if kv.stride(-1) != 1:
         raise ValueError("rope_latent_store writes the pool in place: its rows must be contiguous")
-    absorb = q_nope is not None and w_uk is not None
+    if (q_nope is None) != (w_uk is None):
+        raise ValueError("rope_latent_store: q_nope and w_uk go together (the absorbed query needs both)")
+    absorb = q_nope is not None
     if absorb:
         nope = q_nope.shape[-1]
         if q_nope.shape[:2] != (t, h) or w_uk.shape != (h, nope, rank) or w_uk.stride(-1) != 1:
@@ -236,7 +238,7 @@ def rope_latent_store(q_pe: torch.Tensor, kv_a: torch.Tensor, cos: torch.Tensor,
     is_fp8 = kv.dtype == FP8
     block_h = min(16, triton.next_power_of_2(h))
     n_hb = triton.cdiv(h, block_h)
-    block_t, block_l = absorb_block_t(t), ABSORB_BLOCK_L
+    block_t, block_l = (absorb_block_t(t) if absorb else 16), ABSORB_BLOCK_L  # (one variant without absorb)
     n_absorb = triton.cdiv(t, block_t) * h * triton.cdiv(rank, block_l) if absorb else 0
     qn, wuk = (q_nope, w_uk) if absorb else (out, out)  # unread without absorb (programs past T · N_HB only)
     _rope_latent_store[(t * n_hb + n_absorb,)](

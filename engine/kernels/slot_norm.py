@@ -48,11 +48,15 @@ def _per_slot(x: torch.Tensor, d: torch.Tensor | None) -> bool:
 MAX_ROW_VALUES = 32768
 
 
-def takes(x: torch.Tensor, delta: torch.Tensor, delta2: torch.Tensor | None) -> bool:
+def takes(x: torch.Tensor, delta: torch.Tensor, delta2: torch.Tensor | None,
+          weight: torch.Tensor | None = None) -> bool:
     """Whether `add_slots_rms_norm` runs for these arguments of add_rms_norm (host-side only):
     a per-slot float32 delta on CUDA, and beside it nothing or a second per-slot one (a one-token
     MoE layer's shared experts, GroupedExperts.forward_branched), rows of unit stride, within
-    MAX_ROW_VALUES."""
+    MAX_ROW_VALUES; weight (when given) contiguous in x's dtype (another dtype would promote the
+    plain function's result)."""
+    if weight is not None and not (weight.dtype == x.dtype and weight.is_contiguous()):
+        return False
     return (triton is not None and x.dim() == 2 and x.is_cuda and x.stride(1) == 1 and _per_slot(x, delta)
             and (delta2 is None or _per_slot(x, delta2))
             and triton.next_power_of_2(x.shape[1]) * (delta.shape[1] + (0 if delta2 is None else delta2.shape[1]))
@@ -96,7 +100,7 @@ def dispatching(plain: Callable) -> Callable:
     GPU workers."""
     def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float,
                      delta2: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        if takes(x, delta, delta2):
+        if takes(x, delta, delta2, weight):
             return add_slots_rms_norm(x, delta, weight, eps, delta2)
         return plain(x, delta, weight, eps, delta2)
     return add_rms_norm
