@@ -127,6 +127,15 @@ def _private(path: Path) -> bool:
             and all(st.st_uid == os.getuid() and not st.st_mode & 0o022 for st in (folder, file)))
 
 
+def _is_file_of(fd: int, path: Path) -> bool:
+    """Whether path names the file open at fd (not one removed since, nor another put there)."""
+    try:
+        mine, there = os.fstat(fd), os.stat(path)
+    except FileNotFoundError:
+        return False
+    return (mine.st_dev, mine.st_ino) == (there.st_dev, there.st_ino)
+
+
 def _held(path: Path) -> bool:
     """Whether a live process holds path's lock (`LocalCaFile`): the kernel drops a lock when its
     holder dies, SIGKILL included, so a file left by a killed `tandem up` reads as not held."""
@@ -179,12 +188,7 @@ class PortLock:
                                "stop it first, or pick another --port") from None
             # the holder before removes the file as it lets go (`close`): a lock taken on that
             # removed file claims nothing, so take it again on the path's file of now
-            try:
-                there = os.stat(path)
-            except FileNotFoundError:
-                there = None
-            mine = os.fstat(self._fd)
-            if there is not None and (mine.st_dev, mine.st_ino) == (there.st_dev, there.st_ino):
+            if _is_file_of(self._fd, path):
                 return
             os.close(self._fd)
 
@@ -192,12 +196,8 @@ class PortLock:
         """Let go of the port, removing its lock file (still locked, so no claim is lost: see
         __init__): one file a port used would otherwise stay in the folder."""
         if self._fd >= 0:
-            try:  # only if the path is still this lock's file (someone may have removed it meanwhile)
-                mine, there = os.fstat(self._fd), os.stat(self.path)
-                if (mine.st_dev, mine.st_ino) == (there.st_dev, there.st_ino):
-                    self.path.unlink()
-            except FileNotFoundError:
-                pass
+            if _is_file_of(self._fd, self.path):  # (someone may have removed it meanwhile)
+                self.path.unlink(missing_ok=True)
             os.close(self._fd)
             self._fd = -1
 
@@ -224,12 +224,8 @@ class LocalCaFile:
         """Remove the file, if it is still this one (not another cluster's since)."""
         if self._fd < 0:
             return
-        try:
-            mine, there = os.fstat(self._fd), os.stat(self.path)
-            if (mine.st_dev, mine.st_ino) == (there.st_dev, there.st_ino):
-                self.path.unlink()
-        except FileNotFoundError:
-            pass
+        if _is_file_of(self._fd, self.path):
+            self.path.unlink(missing_ok=True)
         os.close(self._fd)
         self._fd = -1
 

@@ -104,8 +104,9 @@ def _elsewhere_hint(command: str, rest: list[str]) -> str:
         if name in UP_GIVES:
             return f" ({name}: tandem up gives the processes it starts one of its own)"
         tables, found = [], None
+        subs = config.subparsers(_every_option_parser())
         for role in ("router", "prefill", "decode"):
-            sub = config.subparsers(build_parser(role)).get(role)
+            sub = subs.get(role)
             opt = next((o for o in (options_of(sub) if sub is not None else []) if o.flag == name), None)
             if opt is not None:
                 found = found or opt
@@ -186,11 +187,12 @@ def _check_process_values(up: argparse.Namespace) -> tuple[bool, tuple[str, ...]
     roles = [(role, options, [*metrics_flags(role, up.metrics), *flags]) for role, options, flags in roles]
     https, hosts = up.https, ()
     parser = _every_option_parser()
+    # options tandem up passes a flag of its own for: never read from a variable or the file
+    overridden = ({"tls_cert", "tls_key", "tls_ca"} if not up.insecure else set()) | (
+        {"api_keys"} if up.api_keys else set()) | ({"http_tls_cert", "http_tls_key"} if up.https else set())
     for role, options, flags in roles:
         args = parser.parse_args([role, "--model", up.model, *flags])
         config.apply(parser, args)
-        overridden = ({"tls_cert", "tls_key", "tls_ca"} if not up.insecure else set()) | (
-            {"api_keys"} if up.api_keys else set()) | ({"http_tls_cert", "http_tls_key"} if up.https else set())
         _absolute_paths(args, overridden)
         if role == "router" and up.https:  # --https gives each router its certificate
             args.http_tls_cert = args.http_tls_key = ""

@@ -7,6 +7,7 @@ server reflection, following the grpc.aio examples (graceful shutdown with a bou
 from __future__ import annotations
 
 import ipaddress
+import logging
 import socket
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -17,6 +18,7 @@ from grpc_reflection.v1alpha import reflection
 
 from common import tls, tracing
 
+log = logging.getLogger(__name__)
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
 
@@ -204,6 +206,17 @@ def unreachable_record(host: str, advertise_host: str) -> bool:
     if not mine or not all(a.is_loopback for a in mine):
         return False
     return not mine & _addresses(advertise_host)
+
+
+def record_address(host: str, advertise_host: str, port: int) -> str:
+    """host:port of a server's discovery record (`advertised_host`), logging a warning when
+    nothing listens there (`unreachable_record`: a loopback listener registered elsewhere)."""
+    address = f"{advertised_host(host, advertise_host)}:{port}"
+    if unreachable_record(host, advertise_host):
+        log.warning("listening on %s (loopback) only, but registered at %s: whoever dials it there reaches it only "
+                    "through a proxy on this machine that forwards to port %d; --host 0.0.0.0 (or --host %s) "
+                    "listens where it is registered", host, address, port, advertise_host)
+    return address
 
 
 def _bracketed(host: str) -> str:

@@ -663,7 +663,6 @@ class HttpServer:
         self._sock: socket.socket | None = None
         self._ticks: asyncio.Task | None = None
         self.address = ""  # host:port once started (the bound host: 0.0.0.0 for every interface)
-        self.port_bound = 0  # the port once started (an ephemeral one for port 0)
 
     @property
     def url(self) -> str:
@@ -688,8 +687,7 @@ class HttpServer:
             raise OSError(exc.errno, f"--http-port {self.port}: cannot listen on {self.host}:{self.port} "
                                      f"({self.host_flag}): {exc.strerror}") from None
         self._sock.setblocking(False)
-        self.port_bound = self._sock.getsockname()[1]
-        self.address = f"{self.host}:{self.port_bound}"
+        self.address = f"{self.host}:{self._sock.getsockname()[1]}"
         self.config.load()
         self.server.lifespan = self.config.lifespan_class(self.config)
         await self.server.startup(sockets=[self._sock])

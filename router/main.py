@@ -16,8 +16,8 @@ from common import metrics as metrics_http
 from common.block_hash import hash_seed
 from common.gc_pauses import freeze_startup_heap
 from common.lifecycle import install_stop_signals
-from common.grpc_server import (WILDCARDS, Keepalive, RunningServer, add_lenient_service, advertised_host, set_keepalive,
-                                start_server, unreachable_record, validate_listen_port)
+from common.grpc_server import (WILDCARDS, Keepalive, RunningServer, add_lenient_service, advertised_host,
+                                record_address, set_keepalive, start_server, validate_listen_port)
 from common.pb.tandem.v1 import discovery_pb2
 from common.tls import TlsFiles
 from common.pb.tandem.v1 import frontend_pb2 as pb
@@ -253,7 +253,7 @@ def _http_record(http_server, opts: RouterOptions, address: str) -> str:
             host = advertised_host(bound)  # the hostname's (IPv4) address
         except ValueError:
             host = "127.0.0.1"
-    return f"{host}:{http_server.port_bound}"
+    return f"{host}:{http_server.address.rpartition(':')[2]}"
 
 
 def _on_sighup(callback: Callable[[], object]) -> bool:
@@ -311,11 +311,7 @@ async def run(opts: RouterOptions, ready: Callable[[RunningServer, FrontendServi
     server = await start_server(f"{opts.host}:{opts.port}", [lambda s: add_lenient_service(s, SERVICE, servicer, methods)],
                                 [SERVICE], internal=False,  # clients are not cluster processes: certificates optional
                                 interceptors=[ApiKeyCheck(keys)] if keys else (), reuse_port=opts.reuse_port)
-    address = f"{advertised_host(opts.host, opts.advertise_host)}:{server.port}"
-    if unreachable_record(opts.host, opts.advertise_host):
-        log.warning("listening on %s (loopback) only, but registered at %s: whoever dials it there reaches it only "
-                    "through a proxy on this machine that forwards to port %d; --host 0.0.0.0 (or --host %s) "
-                    "listens where it is registered", opts.host, address, server.port, opts.advertise_host)
+    address = record_address(opts.host, opts.advertise_host, server.port)
     instance_id = f"router-{uuid.uuid4().hex[:12]}"
     index = overlap if isinstance(overlap, KvIndex) else None
     metrics.bind(servicer, workers, load, health, subscriber, index)

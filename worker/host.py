@@ -25,8 +25,7 @@ from common.block_hash import hash_seed
 from common.env import TEST_INSTANCE_ID_VAR, read_env
 from common.gc_pauses import freeze_startup_heap
 from common.lifecycle import install_stop_signals
-from common.grpc_server import (RunningServer, advertised_host, start_server, unreachable_record,
-                                validate_listen_port)
+from common.grpc_server import RunningServer, advertised_host, record_address, start_server, validate_listen_port
 from common.pb.tandem.v1 import discovery_pb2, kv_events_pb2, kv_events_pb2_grpc
 from common.tls import TlsFiles
 from discovery.endpoints import check_etcd_tls
@@ -733,11 +732,7 @@ async def serve_worker(runtime: WorkerRuntime, add_services: Sequence[Callable[[
         f"{opts.host}:{opts.port}",
         [*add_services, lambda s: kv_events_pb2_grpc.add_KvEventServiceServicer_to_server(events, s)],
         [*service_names, "tandem.v1.KvEventService"])
-    address = f"{advertised_host(opts.host, opts.advertise_host)}:{server.port}"
-    if unreachable_record(opts.host, opts.advertise_host):
-        log.warning("listening on %s (loopback) only, but registered at %s: whoever dials it there reaches it only "
-                    "through a proxy on this machine that forwards to port %d; --host 0.0.0.0 (or --host %s) "
-                    "listens where it is registered", opts.host, address, server.port, opts.advertise_host)
+    address = record_address(opts.host, opts.advertise_host, server.port)
     runtime.metrics.bind_loop(asyncio.get_running_loop())
     try:
         metrics_server = metrics_http.serve(runtime.metrics.registry, opts.host, opts.metrics_port,

@@ -166,7 +166,8 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream:
     """This thread's second stream on `device` (a decode worker runs forwards on two threads: each
     its own, so one thread's shared experts never wait behind the other's)."""
     streams = _side.__dict__.setdefault("streams", {})
-    key = torch.device(device).index if torch.device(device).index is not None else torch.cuda.current_device()
+    index = torch.device(device).index
+    key = torch.cuda.current_device() if index is None else index
     if key not in streams:
         streams[key] = torch.cuda.Stream(device=key)
     return streams[key]
@@ -230,15 +231,6 @@ def warm_up_fused_experts(model: torch.nn.Module) -> int:
             route_with_shared(xt, moe.gate.weight, moe.gate.e_score_correction_bias, moe.gate.c, shared)
     if moe.shared_experts is not None:  # its own GEMMs and compiled SwiGLU, which a long prefill runs
         moe.shared_experts(x)
-    if g.shared is not None and moe.grouped is g and g.gate_up.is_cuda:
-        # the decode graphs' one-token form (forward_branched: the routed experts alone are a kernel
-        # variant of their own) and its two-part add + RMSNorm, compiled here: the graphs' eager
-        # warm-up runs them too, but a kernel's first launch must not fall inside a capture
-        routed, shared = g.forward_branched(x[:1], moe.gate)
-        from engine.model import HOT
-        weight = torch.ones_like(x[0])
-        if HOT.fused:  # the add + RMSNorm a step runs on them: the kernel where it takes them
-            HOT.add_rms_norm(x[:1], routed, weight, 1e-6, shared)
     for t in counts:
         x = torch.randn(t, g.gate_up.shape[2], device=g.gate_up.device, dtype=g.gate_up.dtype, generator=gen)
         ids = torch.randint(0, experts, (t, slots), device=x.device, generator=gen)
