@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 DEFAULT_MAX_TOKENS = 64
+MAX_TOP_LOGPROBS = 20  # alternatives reported per generated token (OpenAI's own limit of top_logprobs)
 
 
 @dataclass(frozen=True)
@@ -17,6 +18,7 @@ class SamplingParams:
     seed: int = 0  # used when temperature > 0
     stop: tuple[str, ...] = field(default=())
     ignore_eos: bool = False
+    top_logprobs: int = 0  # most likely tokens reported beside each generated one, 0..MAX_TOP_LOGPROBS
 
     @property
     def greedy(self) -> bool:

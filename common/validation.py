@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 
 from common.pb.tandem.v1 import sampling_pb2
-from common.sampling_params import DEFAULT_MAX_TOKENS, SamplingParams
+from common.sampling_params import DEFAULT_MAX_TOKENS, MAX_TOP_LOGPROBS, SamplingParams
 
 
 class InvalidArgument(ValueError):
@@ -69,8 +69,8 @@ def sampling_from_proto(msg: sampling_pb2.SamplingParams, prompt_tokens: int, co
     """Validate sampling fields against the prompt length and the model's context length.
 
     Raises:
-        InvalidArgument: naming sampling.max_tokens, sampling.temperature, sampling.top_p or
-            sampling.stop (call validate_prompt_length first: an over-long prompt is the
+        InvalidArgument: naming sampling.max_tokens, sampling.temperature, sampling.top_p,
+            sampling.stop or sampling.top_logprobs (call validate_prompt_length first: an over-long prompt is the
             prompt's fault, not max_tokens').
     """
     max_tokens = msg.max_tokens if msg.HasField("max_tokens") else min(
@@ -95,11 +95,27 @@ def sampling_from_proto(msg: sampling_pb2.SamplingParams, prompt_tokens: int, co
     for i, stop in enumerate(msg.stop):
         if len(stop) > MAX_STOP_CHARS:
             raise InvalidArgument(f"sampling.stop[{i}]", f"{len(stop)} characters; at most {MAX_STOP_CHARS}")
+    top_logprobs = msg.top_logprobs if msg.HasField("top_logprobs") else 0
+    if not 0 <= top_logprobs <= MAX_TOP_LOGPROBS:
+        raise InvalidArgument("sampling.top_logprobs", f"must be in 0..{MAX_TOP_LOGPROBS}, got {top_logprobs}")
     return SamplingParams(max_tokens=max_tokens, temperature=float(temperature), top_p=float(top_p),
                           seed=msg.seed if msg.HasField("seed") else default_seed,
-                          stop=tuple(msg.stop), ignore_eos=msg.ignore_eos)
+                          stop=tuple(msg.stop), ignore_eos=msg.ignore_eos, top_logprobs=top_logprobs)
+
+
+def top_to_proto(top: tuple[tuple[int, float], ...]) -> sampling_pb2.TopLogprobs:
+    """A token's most likely alternatives, (id, logprob) pairs, as TopLogprobs."""
+    return sampling_pb2.TopLogprobs(token_ids=[i for i, _ in top], logprobs=[lp for _, lp in top])
+
+
+def top_from_proto(msg: sampling_pb2.TopLogprobs, vocab_size: int, limit: int) -> tuple[tuple[int, float], ...]:
+    """TopLogprobs from a peer -> at most `limit` (id, logprob) pairs, ids outside the vocabulary
+    left out (the router turns each id into text)."""
+    pairs = ((i, lp) for i, lp in zip(msg.token_ids, msg.logprobs) if 0 <= i < vocab_size)
+    return tuple(pairs)[:limit]
 
 
 def sampling_to_proto(p: SamplingParams) -> sampling_pb2.SamplingParams:
     return sampling_pb2.SamplingParams(max_tokens=p.max_tokens, temperature=p.temperature, top_p=p.top_p,
-                                       seed=p.seed, stop=list(p.stop), ignore_eos=p.ignore_eos)
+                                       seed=p.seed, stop=list(p.stop), ignore_eos=p.ignore_eos,
+                                       top_logprobs=p.top_logprobs or None)

@@ -51,6 +51,7 @@ from engine.moe_ep import EpRank, ep_rank_of, idle_forward, idle_mtp_forward, in
 from engine.rank_devices import collective_backend, rank_devices
 from engine.mtp import MTP_MODULE, pool_has_mtp, prefill_mtp_rows
 from engine.runner import DecodeInput, ModelRunner
+from engine.sampling import StepTokens
 from engine.spec_decode import SpecInput, SpecOutput, spec_forward
 
 log = logging.getLogger(__name__)
@@ -128,7 +129,8 @@ class StepStats:
 
 def run_work(runner: ModelRunner, work: RankWork | SpecWork | CaptureWork) -> Any:
     """Run one rank's share of a step (its collectives run even when it has no rows):
-    - a decode RankWork: (tokens, logprobs) lists of its sequences, sampled here ([], [] idle);
+    - a decode RankWork: its sequences' StepTokens (tokens, logprobs, tops), sampled here
+      (empty lists when idle);
     - a prefill RankWork: final-normed hidden [len(work.seqs), hidden] of each sequence's last
       new token, on the CPU ([0, hidden] idle);
     - a SpecWork: `spec_forward`'s outputs (the rank's SpecOutputs, [] when idle);
@@ -159,7 +161,7 @@ def _moved(out: SpecOutput, device: torch.device | str) -> SpecOutput:
     return dataclasses.replace(out, target_logits=out.target_logits.to(device), hidden=out.hidden.to(device))
 
 
-def _decode_share(runner: ModelRunner, work: RankWork) -> tuple[list[int], list[float]]:
+def _decode_share(runner: ModelRunner, work: RankWork) -> StepTokens:
     """The step's bucket on every rank: a graph replay padded to it (all padding when idle), or
     with bucket 0 an eager step on every rank (a rank whose rows fit a graph must not replay
     one: its captured collectives would meet the others' eager ones)."""
@@ -167,7 +169,7 @@ def _decode_share(runner: ModelRunner, work: RankWork) -> tuple[list[int], list[
     if not batch and not work.bucket:
         with torch.inference_mode():
             idle_forward(runner.model)
-        return [], []
+        return StepTokens([], [], [])
     return runner.decode_tokens(batch, list(work.sampling), bucket=work.bucket)
 
 
@@ -408,9 +410,9 @@ class EpEngine:
         outs = self.step([SpecWork(tuple(s), rounds) for s in shares])
         return [_moved(outs[r][i], self.devices[0]) for r, i in where]
 
-    def decode_tokens(self, batch: list[DecodeInput], sampling: list) -> tuple[list[int], list[float]]:
+    def decode_tokens(self, batch: list[DecodeInput], sampling: list) -> StepTokens:
         """One decode step for every request, each on its own rank, which samples its rows
-        (engine.runner.ModelRunner.decode_tokens) -> (tokens, logprobs) in batch order."""
+        (engine.runner.ModelRunner.decode_tokens) -> (tokens, logprobs, tops) in batch order."""
         seqs: list[list[tuple[tuple[int, ...], int, int]]] = [[] for _ in range(self.world)]
         tokens: list[list[int]] = [[] for _ in range(self.world)]
         rows: list[list] = [[] for _ in range(self.world)]
@@ -425,7 +427,7 @@ class EpEngine:
         bucket = self._bucket(batch, max(counts))
         outs = self.step([RankWork(tuple(s), tuple(t), counts=counts, sampling=tuple(r), decode=True, bucket=bucket)
                           for s, t, r in zip(seqs, tokens, rows)])
-        return [outs[r][0][i] for r, i in where], [outs[r][1][i] for r, i in where]
+        return StepTokens(*([outs[r][part][i] for r, i in where] for part in range(3)))
 
     def _bucket(self, batch: list[DecodeInput], rows: int) -> int:
         """The graph bucket every rank replays for a step whose largest share is `rows`, or 0

@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING
 from common.pb.tandem.v1 import sampling_pb2
 from engine.overlap_runner import OverlapRunner
 from engine.runner import DecodeInput
+from engine.sampling import StepTokens, for_row
 
 if TYPE_CHECKING:
     from decode_worker.scheduler import DecodeScheduler, RunningRequest
@@ -195,17 +196,16 @@ class OverlapLoop(DeferredFrees):
             self._inflight = [(rows, slots, step) for (rows, slots, _, _), step in zip(plan, launched)] or None
             self._deferred, self._settling = [], True
             for (rows, slots, _), result in zip(previous, results):  # in launch order
-                self._postprocess(rows, slots, *result)
+                self._postprocess(rows, slots, result)
             for block_ids in deferred:  # their last reader (the previous launch) has completed
                 rt.pool.free(block_ids)
             self._settling = False
 
-    def _postprocess(self, batch: list[RunningRequest], slots: list[int], tokens: list[int],
-                     logprobs: list[float]) -> None:
+    def _postprocess(self, batch: list[RunningRequest], slots: list[int], step: StepTokens) -> None:
         from decode_worker.scheduler import TokenOut  # circular: the scheduler imports us
 
         running = set(self.sched.running)
-        for req, slot, token, logprob in zip(batch, slots, tokens, logprobs):
+        for req, slot, token, logprob, top in zip(batch, slots, *step):
             if req not in running or req.cancelled:
                 continue  # finished by an earlier token (its step's token is dropped) or cancelled
             idx = _last_index(req.tokens, self.fmap.placeholder(slot))
@@ -216,7 +216,7 @@ class OverlapLoop(DeferredFrees):
                 reason = sampling_pb2.FINISH_REASON_EOS
             elif generated >= req.params.max_tokens:
                 reason = sampling_pb2.FINISH_REASON_LENGTH
-            req.send(TokenOut(token, logprob), self.sched.stream_interval)
+            req.send(TokenOut(token, logprob, for_row(top, req.params)), self.sched.stream_interval)
             if reason != sampling_pb2.FINISH_REASON_UNSPECIFIED:
                 del req.tokens[idx + 1:]  # a placeholder of the step now in flight, if any
                 self.sched._finish(req, TokenOut(finish_reason=reason))

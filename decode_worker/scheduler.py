@@ -23,6 +23,7 @@ from decode_worker.prefill_pacing import PrefillPacer
 from decode_worker.retraction import Retractor
 from engine.block_pool import BlockId
 from engine.runner import DecodeInput
+from engine.sampling import StepTokens, for_row
 from worker.host import WorkerRuntime
 from decode_worker.overlap import decode_loop
 from decode_worker.spec_step import SpecDecoder
@@ -36,6 +37,7 @@ class TokenOut:
 
     token: int | None = None
     logprob: float = 0.0
+    top: tuple[tuple[int, float], ...] = ()  # its most likely tokens, (id, logprob) (sampling.top_logprobs)
     finish_reason: int = sampling_pb2.FINISH_REASON_UNSPECIFIED
     error: tuple[grpc.StatusCode, str] | None = None
 
@@ -180,20 +182,21 @@ class DecodeScheduler:
             self.rt.pool.grow(req.block_ids, len(req.tokens))  # make_room left enough free blocks
         return batch
 
-    def _postprocess(self, batch: list[RunningRequest], tokens: list[int], logprobs: list[float]) -> None:
-        for req, token, logprob in zip(batch, tokens, logprobs):
+    def _postprocess(self, batch: list[RunningRequest], step: StepTokens) -> None:
+        for req, token, logprob, top in zip(batch, *step):
             if not req.cancelled:
-                self.emit(req, token, logprob)
+                self.emit(req, token, logprob, for_row(top, req.params))
 
-    def emit(self, req: RunningRequest, token: int, logprob: float) -> bool:
-        """Append and stream one generated token; finish req at eos or max_tokens (True then)."""
+    def emit(self, req: RunningRequest, token: int, logprob: float, top: tuple[tuple[int, float], ...] = ()) -> bool:
+        """Append and stream one generated token (with its most likely alternatives `top`, where
+        asked for); finish req at eos or max_tokens (True then)."""
         req.tokens.append(token)
         reason = sampling_pb2.FINISH_REASON_UNSPECIFIED
         if token in self.eos and not req.params.ignore_eos:
             reason = sampling_pb2.FINISH_REASON_EOS
         elif req.generated >= req.params.max_tokens:
             reason = sampling_pb2.FINISH_REASON_LENGTH
-        req.send(TokenOut(token, logprob), self.stream_interval)
+        req.send(TokenOut(token, logprob, top), self.stream_interval)
         if reason != sampling_pb2.FINISH_REASON_UNSPECIFIED:
             self._finish(req, TokenOut(finish_reason=reason))
             return True
@@ -231,6 +234,6 @@ class DecodeScheduler:
                 continue
             inputs = [DecodeInput(r.block_ids, len(r.tokens) - 1, r.tokens[-1]) for r in batch]
             sampling = [(r.params, r.step_offset + r.generated) for r in batch]
-            tokens, logprobs = await self.rt.run_model(self.rt.runner.decode_tokens, inputs, sampling)
+            step = await self.rt.run_model(self.rt.runner.decode_tokens, inputs, sampling)
             self.count_step(len(batch))
-            self._postprocess(batch, tokens, logprobs)
+            self._postprocess(batch, step)

@@ -30,15 +30,15 @@ from common.pb.tandem.v1 import decode_pb2 as pb
 from common.pb.tandem.v1 import decode_pb2_grpc as pb_grpc
 from common.pb.tandem.v1 import prefill_pb2, prefill_pb2_grpc, sampling_pb2
 from common.sampling_params import SamplingParams
-from common.validation import (InvalidArgument, sampling_from_proto, validate_cache_salt, validate_prompt_length,
-                               validate_request_id, validate_token_ids)
+from common.validation import (InvalidArgument, sampling_from_proto, top_from_proto, top_to_proto, validate_cache_salt,
+                               validate_prompt_length, validate_request_id, validate_token_ids)
 from decode_worker.admission import admit_or_abort
 from decode_worker.fence import PrefillFence, nothing_listens
 from decode_worker.scheduler import DecodeScheduler, RunningRequest
 from engine.block_pool import BlockId
 from engine.kv_pool import PoolExhausted, PromptBlocks
 from engine.mtp import hidden_from_bytes
-from engine.sampling import sample
+from engine.sampling import sample, top_logprobs
 from worker.host import WorkerRuntime
 from worker.session import SessionMixin
 from kv_transfer.base import TransferError, notification
@@ -60,11 +60,13 @@ FENCE_ATTEMPT_S = 1.0  # one Abandon attempt: a resumed prefill worker frees the
 
 class Prefilled(NamedTuple):
     """What a prefill gives the decode loop: the first token, and with MTP the last prompt
-    token's final-normed hidden state [1, hidden] (engine/mtp.py)."""
+    token's final-normed hidden state [1, hidden] (engine/mtp.py); `top`: the first token's most
+    likely alternatives, (id, logprob) pairs, where the request asked (sampling.top_logprobs)."""
 
     token: int
     logprob: float
     hidden: torch.Tensor | None
+    top: tuple[tuple[int, float], ...] = ()
 
 
 def _decode_span_attributes(span, running: RunningRequest) -> None:
@@ -189,7 +191,8 @@ class DecodeServicer(SessionMixin, pb_grpc.DecodeServiceServicer):
                                            self.rt.pool.kv.device)[None]
             except ValueError as exc:  # e.g. an older prefill worker: the caller prefills here
                 raise TransferError(f"prefill response unusable for MTP: {exc}") from None
-        return Prefilled(resp.first_token_id, resp.first_token_logprob, hidden)
+        top = top_from_proto(resp.first_token_top_logprobs, self.rt.vocab_size, sampling.top_logprobs)
+        return Prefilled(resp.first_token_id, resp.first_token_logprob, hidden, top)
 
     async def _prefill_address(self, request: pb.DecodeRequest, context: grpc.aio.ServicerContext) -> str:
         """The prefill worker to dial: request.prefill_address when it is a prefill worker of this
@@ -266,7 +269,7 @@ class DecodeServicer(SessionMixin, pb_grpc.DecodeServiceServicer):
         out = await self.rt.prefill_outputs(prompt.block_ids, tokens, start, mtp=spec)
         hidden = out.hidden
         token, logprob = sample(out.logits, params, step=request.sampling_step_offset)
-        return Prefilled(token, logprob, hidden[None] if spec else None)
+        return Prefilled(token, logprob, hidden[None] if spec else None, top_logprobs(out.logits, params))
 
     def _fence(self, address: str, instance_id: str, request_id: str, prompt: PromptBlocks, secret: bytes) -> None:
         """Swap the blocks the prefill worker at `address` was given for fresh ones (the prompt
@@ -330,6 +333,9 @@ class DecodeServicer(SessionMixin, pb_grpc.DecodeServiceServicer):
             validate_prompt_length(len(request.token_ids), self.rt.context_length, "token_ids")
             validate_cache_salt(request.cache_salt)
             params = sampling_from_proto(request.sampling, len(request.token_ids), self.rt.context_length)
+            if params.top_logprobs and self.scheduler.spec is not None:
+                raise InvalidArgument("sampling.top_logprobs", "this decode worker runs speculative decoding (MTP), "
+                                      "which reports the sampled token's log-probability only: use 0")
             prefill_address = await self._prefill_address(request, context)
         except InvalidArgument as exc:
             await abort_invalid(context, exc)
@@ -373,15 +379,16 @@ class DecodeServicer(SessionMixin, pb_grpc.DecodeServiceServicer):
             if remaining is not None:
                 timeout_s = min(timeout_s, remaining / 2)
             try:
-                token, logprob, hidden = await self._prefill(request, request_id, prompt, params, timeout_s,
-                                                             prefill_address)
+                token, logprob, hidden, top = await self._prefill(request, request_id, prompt, params, timeout_s,
+                                                                  prefill_address)
             except PoolExhausted:  # its prefill worker went silent and no fresh blocks are left here
                 await context.abort(grpc.StatusCode.UNAVAILABLE, "prefill worker did not answer and the KV pool has "
                                     "no free blocks for a local prefill")
             pool.commit_prompt(prompt)
             self.rt.events.publish()
             yield pb.DecodeResponse(token_ids=[token], logprobs=[logprob], prompt_tokens=len(tokens),
-                                    cached_tokens=prompt.num_cached_blocks * pool.block_size)
+                                    cached_tokens=prompt.num_cached_blocks * pool.block_size,
+                                    top_logprobs=[top_to_proto(top)] if params.top_logprobs else [])
             if token in self.scheduler.eos and not params.ignore_eos:
                 yield pb.DecodeResponse(finish_reason=sampling_pb2.FINISH_REASON_EOS)
                 return
@@ -407,6 +414,8 @@ class DecodeServicer(SessionMixin, pb_grpc.DecodeServiceServicer):
                             if out.token is not None:
                                 msg.token_ids.append(out.token)
                                 msg.logprobs.append(out.logprob)
+                                if params.top_logprobs:
+                                    msg.top_logprobs.append(top_to_proto(out.top))
                             msg.finish_reason = out.finish_reason or msg.finish_reason
                         yield msg
                         if msg.finish_reason:

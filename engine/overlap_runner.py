@@ -23,7 +23,7 @@ import torch
 
 from common.sampling_params import SamplingParams
 from engine.runner import DecodeInput, ModelRunner
-from engine.sampling import unpack_step
+from engine.sampling import StepTokens, unpack_step
 
 
 MAX_STEPS_PER_LAUNCH = 4  # --decode-steps-per-launch's upper bound (the staging rings' depth assumes it)
@@ -31,9 +31,9 @@ MAX_STEPS_PER_LAUNCH = 4  # --decode-steps-per-launch's upper bound (the staging
 
 @dataclass
 class LaunchedStep:
-    """A step in flight: `host` [B, 2] float64 rows (token id, logprob) filled once `event` completed."""
+    """A step in flight: `host` [B, 2 + 2K] float64 rows (`pack_step`) filled once `event` completed."""
 
-    host: torch.Tensor  # [B, 2] float64: (token id, logprob) per row
+    host: torch.Tensor  # [B, 2 + 2K] float64: (token id, logprob, K top ids, K top logprobs) per row
     event: torch.cuda.Event | None  # None on CPU: already complete
     began: torch.cuda.Event | None = None  # recorded before the step's first kernel (timing on)
 
@@ -93,15 +93,16 @@ class OverlapRunner:
             return LaunchedStep(self.runner.decode_step(batch, sampling, slots).clone(), None)
         ring, began, event = self._turns[self._launches % len(self._turns)]
         self._launches += 1
-        both = self.runner.decode_step(batch, sampling, slots, began)  # [B, 2] float64 on the device
-        host = (ring[: len(batch)] if len(batch) <= ring.shape[0]
-                else torch.empty(both.shape, dtype=both.dtype, pin_memory=True))
+        both = self.runner.decode_step(batch, sampling, slots, began)  # [B, 2 (+ 2K)] float64 on the device
+        host = (ring[: len(batch)] if len(batch) <= ring.shape[0] and both.shape[1] == ring.shape[1]
+                else torch.empty(both.shape, dtype=both.dtype, pin_memory=True))  # (top log-probs: wider)
         host.copy_(both, non_blocking=True)
         event.record()
         return LaunchedStep(host, event, began)
 
-    def collect(self, step: LaunchedStep) -> tuple[list[int], list[float]]:
-        """Wait for a launched step and return its tokens and log-probabilities (the wait's
+    def collect(self, step: LaunchedStep) -> StepTokens:
+        """Wait for a launched step and return its tokens, log-probabilities and top
+        log-probabilities (the wait's
         seconds are added to `device_wait_s`: the host had nothing left to do but wait)."""
         if step.event is not None:
             t0 = time.perf_counter()
@@ -123,7 +124,7 @@ class OverlapRunner:
         self._last_end = None
 
     def step(self, steps: list[tuple[list[DecodeInput], list[int], list[tuple[SamplingParams, int]]]],
-             previous: list[LaunchedStep]) -> tuple[list[LaunchedStep], list[tuple[list[int], list[float]]]]:
+             previous: list[LaunchedStep]) -> tuple[list[LaunchedStep], list[StepTokens]]:
         """Launch `steps` (each (batch, slots, sampling) as `launch` takes them, queued in this
         order: a step's placeholder inputs may name the slots of an earlier one in the list),
         then collect `previous`: (the launched steps, previous's tokens and log-probabilities,

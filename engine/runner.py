@@ -38,7 +38,8 @@ from engine.future_map import FutureTokenMap
 from engine.kv_cache_contiguous import ContiguousKvCache
 from engine.kv_pool import KvPool, PagedKvCache
 from engine.mtp import pool_has_mtp, prefill_mtp_rows
-from engine.sampling import SamplingParams, SamplingRows, pack_step, sample_batch, unpack_step
+from engine.sampling import (SamplingParams, SamplingRows, StepTokens, pack_step, sample_batch, top_logprobs_batch,
+                             unpack_step)
 from engine.spec_batch import SpecResult, SpecRow, SpecSlots, spec_step
 from engine.spec_decode import SpecInput, SpecOutput, spec_forward
 from engine.upload import upload
@@ -213,7 +214,8 @@ class ModelRunner:
                     slots: list[int] | None = None, began: torch.cuda.Event | None = None,
                     bucket: int | None = None) -> torch.Tensor:
         """`decode` then `sample_batch`: [B, 2] float64 on the device, row i = (token id,
-        log-probability) of batch[i] (`pack_step`); with `slots` the tokens are also written
+        log-probability) of batch[i] (`pack_step`), [B, 2 + 2K] where a row asks for its K
+        most likely tokens (`top_logprobs_batch`); with `slots` the tokens are also written
         into the future map there. An all-greedy batch replayed from a graph takes the graph's
         own greedy head (the same `greedy_batch`, the same bits), with no kernel after the replay:
         the result is then a view of the graph's output, valid until the next step (callers
@@ -232,12 +234,13 @@ class ModelRunner:
         collectives unmatched."""
         rows = SamplingRows.build(sampling, self.device)
         logits, slot_t, greedy = self._forward_step(batch, slots, began, bucket)
+        top = top_logprobs_batch(logits, rows) if rows.top_logprobs else None  # (read before the next replay)
         if greedy is not None and not rows.any_sampled:
-            return greedy
+            return greedy if top is None else torch.cat((greedy, top), dim=1)
         tokens, logprobs = sample_batch(logits, rows)
         if slot_t is not None:
             self.future.store(slot_t, tokens)
-        return pack_step(tokens, logprobs)
+        return pack_step(tokens, logprobs, top)
 
     def _forward_step(self, batch: list[DecodeInput], slots: list[int] | None,
                       began: torch.cuda.Event | None = None, forced: int | None = None
@@ -284,8 +287,8 @@ class ModelRunner:
         return self.model.logits(hidden), slot_t, None
 
     def decode_tokens(self, batch: list[DecodeInput], sampling: list[tuple[SamplingParams, int]],
-                      bucket: int | None = None) -> tuple[list[int], list[float]]:
-        """`decode_step` with its one device-to-host copy: (tokens, logprobs) as lists."""
+                      bucket: int | None = None) -> StepTokens:
+        """`decode_step` with its one device-to-host copy: (tokens, logprobs, tops) as lists."""
         return unpack_step(self.decode_step(batch, sampling, bucket=bucket).cpu())
 
     def spec_decode(self, batch: list[SpecInput]) -> list[SpecOutput]:
@@ -318,14 +321,6 @@ class ModelRunner:
                 best = min(best, time.perf_counter() - t0)
             out.append(best)
         return out
-
-
-@torch.inference_mode()
-def sample_to_host(logits: torch.Tensor, sampling: list[tuple[SamplingParams, int]]
-                   ) -> tuple[list[int], list[float]]:
-    """Sample logits [B, vocab] on their device and copy (tokens, logprobs) to the host once
-    (`pack_step`'s [B, 2] float64)."""
-    return unpack_step(pack_step(*sample_batch(logits, SamplingRows.build(sampling, logits.device))).cpu())
 
 
 def _sync(device: torch.device) -> None:

@@ -16,18 +16,25 @@ Gumbel tail at about 16.6: the distribution differs from the exact one only by a
 2^-23 per entry.
 
 `sample` is the one-row form of the same function.
+
+Top log-probabilities (`top_logprobs_batch`): where a row asks for them
+(`SamplingParams.top_logprobs`), the step also reports that row's most likely tokens under the
+very distribution its token was drawn from, so the sampled token's log-probability and its
+alternatives' compare like for like. They travel in the step's one device-to-host copy.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from common.sampling_params import SamplingParams
 from engine.kernels import greedy_head as greedy_kernel
 from engine.upload import upload
 
-__all__ = ["SamplingParams", "SamplingRows", "sample", "sample_batch", "sampling_logprobs"]
+__all__ = ["SamplingParams", "SamplingRows", "StepTokens", "sample", "sample_batch", "sampling_logprobs",
+           "top_logprobs", "top_logprobs_batch"]
 
 _M32 = 0xFFFFFFFF
 
@@ -69,7 +76,8 @@ class SamplingRows:
 
     temperature [B] float32 (0 = greedy), top_p [B] float32, seed [B] int64, step [B] int64
     (index of the token being generated, 0 = first); `any_sampled` / `any_top_p` are known on
-    the host so a greedy batch runs no noise or sort kernels.
+    the host so a greedy batch runs no noise or sort kernels. `top_logprobs`: the most
+    alternatives any row asks for (0 = none: the step reports none, `top_logprobs_batch`).
     """
 
     temperature: torch.Tensor
@@ -78,6 +86,7 @@ class SamplingRows:
     step: torch.Tensor
     any_sampled: bool
     any_top_p: bool
+    top_logprobs: int = 0
 
     @staticmethod
     def build(rows: list[tuple[SamplingParams, int]], device: torch.device | str) -> SamplingRows:
@@ -85,13 +94,14 @@ class SamplingRows:
         for an all-greedy batch (its tensors are never read)."""
         device = torch.device(device)
         any_sampled = any(not p.greedy for p, _ in rows)
+        top = max((p.top_logprobs for p, _ in rows), default=0)
         if not any_sampled:
             z = _zeros(len(rows), device)
-            return SamplingRows(z, z, z, z, False, False)
+            return SamplingRows(z, z, z, z, False, False, top)
         floats = upload([[p.temperature for p, _ in rows], [p.top_p for p, _ in rows]], torch.float32, device)
         ints = upload([[seed_int64(p.seed) for p, _ in rows], [s for _, s in rows]], torch.int64, device)
         return SamplingRows(floats[0], floats[1], ints[0], ints[1], True,
-                            any(not p.greedy and p.top_p < 1.0 for p, _ in rows))
+                            any(not p.greedy and p.top_p < 1.0 for p, _ in rows), top)
 
     def repeat(self, times: int) -> SamplingRows:
         """Each row `times` times in a row ([B] -> [B * times]); an all-greedy batch's tensors
@@ -101,7 +111,7 @@ class SamplingRows:
         def rep(t: torch.Tensor) -> torch.Tensor:  # (expand, not repeat_interleave: never a sync)
             return t[:, None].expand(-1, times).reshape(-1)
         return SamplingRows(rep(self.temperature), rep(self.top_p), rep(self.seed), rep(self.step), True,
-                            self.any_top_p)
+                            self.any_top_p, self.top_logprobs)
 
 
 def seed_int64(seed: int) -> int:
@@ -187,16 +197,52 @@ def greedy_batch(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return greedy_kernel.greedy_reference(logits)
 
 
-def pack_step(tokens: torch.Tensor, logprobs: torch.Tensor) -> torch.Tensor:
-    """A step's (tokens [B], logprobs [B]) as one [B, 2] float64 tensor, so the step needs one
-    device-to-host copy (float64 holds every token id exactly: integers up to 2^53)."""
-    return torch.stack((tokens.double(), logprobs.double()), dim=1)
+def top_logprobs_batch(logits: torch.Tensor, rows: SamplingRows) -> torch.Tensor:
+    """Each row's `rows.top_logprobs` most likely tokens under the distribution it draws from
+    (`sampling_logprobs_batch`), most likely first, as [B, 2K] float64: K token ids, then their K
+    log-probabilities; an entry outside a row's top-p nucleus (log-probability -inf) has id -1.
+    Among equal log-probabilities the order is torch.topk's. No host sync."""
+    k = min(rows.top_logprobs, logits.shape[-1])
+    values, ids = torch.topk(sampling_logprobs_batch(logits, rows), k, dim=-1)
+    ids = torch.where(torch.isinf(values), torch.full_like(ids, -1), ids)
+    return torch.cat((ids.double(), values.double()), dim=1)
 
 
-def unpack_step(host: torch.Tensor) -> tuple[list[int], list[float]]:
-    """`pack_step`'s [B, 2] float64, on the host -> (token ids, logprobs) as lists."""
+class StepTokens(NamedTuple):
+    """A step's results on the host, per row: its token, that token's log-probability, and its
+    most likely tokens as (id, log-probability) pairs (empty when no row asked for them; a row
+    that asked for fewer than the step's K keeps its first ones: `for_row`)."""
+
+    tokens: list[int]
+    logprobs: list[float]
+    tops: list[tuple[tuple[int, float], ...]]
+
+
+def for_row(top: tuple[tuple[int, float], ...], params: SamplingParams) -> tuple[tuple[int, float], ...]:
+    """The alternatives of a step's row that the row's own request asked for (its first
+    `params.top_logprobs`)."""
+    return top[: params.top_logprobs]
+
+
+def pack_step(tokens: torch.Tensor, logprobs: torch.Tensor, top: torch.Tensor | None = None) -> torch.Tensor:
+    """A step's (tokens [B], logprobs [B]) and, where rows asked for them, its top
+    log-probabilities ([B, 2K], `top_logprobs_batch`) as one [B, 2 + 2K] float64 tensor, so the
+    step needs one device-to-host copy (float64 holds every token id exactly: integers up to 2^53)."""
+    both = torch.stack((tokens.double(), logprobs.double()), dim=1)
+    return both if top is None else torch.cat((both, top), dim=1)
+
+
+def unpack_step(host: torch.Tensor) -> StepTokens:
+    """`pack_step`'s [B, 2 + 2K] float64, on the host -> StepTokens (lists)."""
     rows = host.tolist()
-    return [int(t) for t, _ in rows], [lp for _, lp in rows]
+    return StepTokens([int(r[0]) for r in rows], [r[1] for r in rows], [_pairs(r[2:]) for r in rows])
+
+
+def _pairs(top: list[float]) -> tuple[tuple[int, float], ...]:
+    """One row of `top_logprobs_batch` (K ids, then K log-probs) -> (id, logprob) pairs, the
+    entries outside the nucleus (id -1) left out."""
+    k = len(top) // 2
+    return tuple((int(i), lp) for i, lp in zip(top[:k], top[k:]) if i >= 0)
 
 
 def sampling_logprobs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -218,3 +264,13 @@ def sample(logits: torch.Tensor, params: SamplingParams, step: int) -> tuple[int
     """
     tokens, logprobs = sample_batch(logits[None], SamplingRows.build([(params, step)], logits.device))
     return int(tokens[0]), float(logprobs[0])
+
+
+def top_logprobs(logits: torch.Tensor, params: SamplingParams) -> tuple[tuple[int, float], ...]:
+    """One row of logits [vocab] -> its `params.top_logprobs` most likely (token id,
+    log-probability) pairs under the distribution `sample` draws from (`top_logprobs_batch`);
+    () when params asks for none."""
+    if not params.top_logprobs:
+        return ()
+    rows = SamplingRows.build([(params, 0)], logits.device)
+    return _pairs(top_logprobs_batch(logits[None], rows)[0].tolist())

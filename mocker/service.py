@@ -18,7 +18,8 @@ import grpc
 from common.grpc_errors import abort_invalid, check_parsed
 from common.grpc_server import channel
 from common.pb.tandem.v1 import decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc, sampling_pb2
-from common.validation import InvalidArgument, sampling_from_proto, validate_prompt_length, validate_token_ids
+from common.validation import (InvalidArgument, sampling_from_proto, top_to_proto, validate_prompt_length,
+                               validate_token_ids)
 from mocker.driver import RealTimeDriver
 from mocker.engine import Kind, RequestTooLarge, SimRequest, State, output_token
 from worker.session import SessionMixin
@@ -110,8 +111,10 @@ class MockDecodeServicer(_Worker, SessionMixin, decode_pb2_grpc.DecodeServiceSer
                 n, done = req.generated, req.state is State.DONE
                 if n == sent and not done:
                     continue
-                msg = decode_pb2.DecodeResponse(token_ids=[output_token(i) for i in range(sent, n)],
-                                                logprobs=[0.0] * (n - sent))
+                ids = [output_token(i) for i in range(sent, n)]
+                # each token is certain (log-probability 0), so it is its own only alternative
+                msg = decode_pb2.DecodeResponse(token_ids=ids, logprobs=[0.0] * (n - sent), top_logprobs=[
+                    top_to_proto(((t, 0.0),)) for t in ids] if params.top_logprobs else [])
                 if sent == 0 and n:
                     msg.prompt_tokens = len(req.token_ids)
                     msg.cached_tokens = req.cached_tokens

@@ -20,12 +20,12 @@ from common.ratelimit import RateLimitedLog
 from common.grpc_errors import abort_invalid, check_parsed
 from common.pb.tandem.v1 import prefill_pb2 as pb
 from common.pb.tandem.v1 import prefill_pb2_grpc as pb_grpc
-from common.validation import (InvalidArgument, sampling_from_proto, validate_cache_salt, validate_prompt_length,
-                               validate_request_id, validate_token_ids)
+from common.validation import (InvalidArgument, sampling_from_proto, top_to_proto, validate_cache_salt,
+                               validate_prompt_length, validate_request_id, validate_token_ids)
 from engine.kv_pool import PromptBlocks
 from engine.mtp import hidden_to_bytes
 from engine.pipeline import PipelineError
-from engine.sampling import sample
+from engine.sampling import sample, top_logprobs
 from worker.host import WorkerRuntime
 from kv_transfer.base import MAX_NOTIFICATION_TOKEN_BYTES, RemoteBlocks, TransferError, notification
 from kv_transfer.select import CHOICES
@@ -221,6 +221,7 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
                 cached()
                 self.rt.events.publish()
                 token, logprob = sample(logits, params, step=request.sampling_step_offset)
+                top = top_logprobs(logits, params)
                 # The span covers the exposed part: earlier chunks' writes overlapped the prefill.
                 with tracing.span("tandem.kv_transfer", {"tandem.transfer.backend": backend,
                                                          "tandem.transfer.blocks": len(dst.block_ids),
@@ -257,6 +258,7 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
             per.seconds += result.seconds
             per.exposed_seconds += result.exposed_seconds
             return pb.PrefillResponse(first_token_id=token, first_token_logprob=logprob,
+                                      first_token_top_logprobs=top_to_proto(top),
                                       cached_tokens=start, transfer_bytes=result.bytes,
                                       transfer_seconds=result.seconds,
                                       last_hidden=hidden_to_bytes(hidden) if request.return_last_hidden else b"")

@@ -45,6 +45,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from common import tracing
 from common.pb.tandem.v1 import discovery_pb2
 from common.pb.tandem.v1 import frontend_pb2 as pb
+from common.pb.tandem.v1 import sampling_pb2
 from common.validation import InvalidArgument
 from router.http_front import Front, error_response, validation_error
 from router.http_port import HTTP_OFF, validate_port  # noqa: F401 (re-exported)
@@ -478,10 +479,13 @@ class OpenAIFrontend:
         """The logprobs of one response message whose first token's text starts at character
         `start` of its choice's tokens' texts (`text_offsets`), and where the next message's starts."""
         tokens = self._tokens_text(list(out.token_ids))
+        tops = None
+        if out.top_logprobs:  # (the request asked for its tokens' alternatives: one entry a token)
+            tops = [list(zip(self._tokens_text(list(t.token_ids)), t.logprobs)) for t in out.top_logprobs]
         if chat:  # (chat's logprobs have no offsets)
-            return token_logprobs(chat, tokens, list(out.logprobs)), start
+            return token_logprobs(chat, tokens, list(out.logprobs), tops=tops), start
         offsets, end = text_offsets(start, tokens)
-        return token_logprobs(chat, tokens, list(out.logprobs), offsets), end
+        return token_logprobs(chat, tokens, list(out.logprobs), offsets, tops), end
 
     async def generate(self, request: Request, req: CompletionRequest | ChatCompletionRequest, route: str) -> Response:
         refused = self.authorize(request)  # before anything else: Generation's task inherits the tenant
@@ -544,19 +548,21 @@ class OpenAIFrontend:
         text: list[str] = []
         ids: list[int] = []
         lps: list[float] = []
+        tops: list[sampling_pb2.TopLogprobs] = []
         try:
             while out is not None:
                 text.append(out.text)
                 ids.extend(out.token_ids)
                 lps.extend(out.logprobs)
+                tops.extend(out.top_logprobs)
                 if out.finish_reason:
                     break
                 out = await gen.next()
         except Aborted as exc:
             raise ChoiceFailed(c, exc) from None
         assert out is not None and out.finish_reason, "Generate ended without a finish reason"
-        logprobs = (self._logprobs(shape.chat, pb.GenerateResponse(token_ids=ids, logprobs=lps))[0]
-                    if req.want_logprobs else None)
+        whole = pb.GenerateResponse(token_ids=ids, logprobs=lps, top_logprobs=tops)
+        logprobs = self._logprobs(shape.chat, whole)[0] if req.want_logprobs else None
         return "".join(text), FINISH_REASONS[out.finish_reason], logprobs, out.usage
 
     # -- the rest ----------------------------------------------------------------------------

@@ -4,8 +4,13 @@ Requests are pydantic models (unknown fields are accepted and ignored, as OpenAI
 server-side clients expect); `to_generate` turns one into a gRPC request per choice, so that the HTTP
 API shares the gRPC API's validation (common/validation.py). Fields the engine cannot honour
 are refused by name when set to anything but their no-op value (`best_of` other than `n`, `echo`,
-`suffix`, `logit_bias`, `presence_penalty`, `frequency_penalty`, `tools`, `response_format`,
-`top_logprobs` > 0, `logprobs` > 0 on /v1/completions).
+`suffix`, `logit_bias`, `presence_penalty`, `frequency_penalty`, `tools`, `response_format`).
+
+Log-probabilities: chat's `logprobs: true` and the completions API's `logprobs: 0` give each
+generated token's; chat's `top_logprobs: k` and the completions API's `logprobs: k` (k in
+1..20) also its k most likely tokens. All are natural logs under the distribution the token was
+drawn from (greedy: the model's softmax; sampled: tempered, within the top-p nucleus, where
+tokens outside the nucleus are left out of the top list).
 
 A request of several choices — `n` > 1, or a completions `prompt` that is a list of prompts —
 becomes one GenerateRequest per choice (`Choice`), choice index = prompt index × n + j as in
@@ -28,6 +33,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from common.pb.tandem.v1 import frontend_pb2 as pb
 from common.pb.tandem.v1 import sampling_pb2
+from common.sampling_params import MAX_TOP_LOGPROBS
 from common.validation import MAX_REQUEST_ID_CHARS, MAX_STOP_STRINGS, InvalidArgument
 
 INT32_MIN, INT32_MAX = -2 ** 31, 2 ** 31 - 1  # the gRPC request's int32 fields
@@ -105,6 +111,8 @@ class _Common(BaseModel):
         """The sampling parameters of choice j of a prompt (its seed: seed + j); turn_end: stop
         strings added to the request's own (a chat reply's end of turn)."""
         s = sampling_pb2.SamplingParams(ignore_eos=self.ignore_eos)
+        if self.top_count:
+            s.top_logprobs = self.top_count
         if max_tokens is not None:
             if not INT32_MIN <= max_tokens <= INT32_MAX:  # the proto's int32 would raise (a 500)
                 raise InvalidArgument("sampling.max_tokens", f"must be at most {INT32_MAX}, got {max_tokens}")
@@ -129,6 +137,19 @@ class _Common(BaseModel):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    @property
+    def top_count(self) -> int:
+        """How many most likely tokens to report beside each generated one (0 = none)."""
+        return 0
+
+
+def _top_count(value: int | None, name: str) -> int:
+    """A top-log-probabilities count as the client sent it (`name`) -> 0..MAX_TOP_LOGPROBS.
+    Raises InvalidArgument naming `name`."""
+    if value is not None and not 0 <= value <= MAX_TOP_LOGPROBS:
+        raise InvalidArgument(name, f"must be in [0, {MAX_TOP_LOGPROBS}], got {value}")
+    return value or 0
+
 
 class CompletionRequest(_Common):
     """POST /v1/completions: `prompt` is a string or a list of token ids, or a batch: a list of
@@ -143,6 +164,10 @@ class CompletionRequest(_Common):
     @property
     def want_logprobs(self) -> bool:
         return self.logprobs is not None
+
+    @property
+    def top_count(self) -> int:
+        return _top_count(self.logprobs, "logprobs")
 
     @property
     def batch(self) -> bool:
@@ -163,8 +188,6 @@ class CompletionRequest(_Common):
             raise InvalidArgument("suffix", "suffix is not supported")
         if self.best_of not in (None, self.n):
             raise InvalidArgument("best_of", f"only best_of = n ({self.n}) is supported, got {self.best_of}")
-        if self.logprobs not in (None, 0):
-            raise InvalidArgument("logprobs", "only the sampled token's log-probability is available: use 0")
         prompts = self.prompts()
         total = len(prompts) * self.n
         if total > MAX_CHOICES:
@@ -223,6 +246,13 @@ class ChatCompletionRequest(_Common):
     def want_logprobs(self) -> bool:
         return self.logprobs
 
+    @property
+    def top_count(self) -> int:
+        k = _top_count(self.top_logprobs, "top_logprobs")
+        if k and not self.logprobs:
+            raise InvalidArgument("top_logprobs", "needs logprobs: true")
+        return k
+
     def template_messages(self) -> list[dict]:
         """The messages as the chat template sees them: role, content (text), name when given."""
         out = []
@@ -251,8 +281,6 @@ class ChatCompletionRequest(_Common):
             raise InvalidArgument("tools", "tool calls are not supported")
         if self.response_format and self.response_format.get("type", "text") != "text":
             raise InvalidArgument("response_format", "only {\"type\": \"text\"} is supported")
-        if self.top_logprobs:
-            raise InvalidArgument("top_logprobs", "only the sampled token's log-probability is available: use 0")
         if self.max_tokens is not None and self.max_completion_tokens is not None \
                 and self.max_tokens != self.max_completion_tokens:
             raise InvalidArgument("max_completion_tokens", "set max_completion_tokens or max_tokens, not both")
@@ -275,6 +303,8 @@ def param_name(field: str, request: _Common, prompt_index: int | None = None) ->
         return prompt + field.removeprefix("token_ids")
     if field == "sampling.max_tokens":
         return "max_completion_tokens" if chat and request.max_completion_tokens is not None else "max_tokens"
+    if field == "sampling.top_logprobs" and not chat:
+        return "logprobs"
     return field.removeprefix("sampling.")
 
 
@@ -300,14 +330,29 @@ def usage(parts: Sequence[pb.Usage], n: int = 1) -> dict:
             "prompt_tokens_details": {"cached_tokens": sum(u.cached_tokens for u in parts[::n])}}
 
 
-def token_logprobs(chat: bool, tokens: list[str], logprobs: list[float], offsets: list[int] | None = None) -> dict:
+def token_logprobs(chat: bool, tokens: list[str], logprobs: list[float], offsets: list[int] | None = None,
+                   tops: list[list[tuple[str, float]]] | None = None) -> dict:
     """The `logprobs` of one choice (or one chunk's delta): chat's `content` list, or the
     completions API's parallel arrays, whose `text_offset` is `offsets` (each token's character
-    offset in the choice's text: `text_offsets`)."""
+    offset in the choice's text: `text_offsets`). tops: per token, its most likely tokens as
+    (text, logprob), most likely first; None where the request asked for none (the completions
+    API's `top_logprobs` is then null). The completions API gives each token's as a {text:
+    logprob} object, as OpenAI's does: two tokens of one text keep the likelier's."""
     if chat:
-        return {"content": [{"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
-                            for t, lp in zip(tokens, logprobs)]}
-    return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": None, "text_offset": offsets or []}
+        return {"content": [{"token": t, "logprob": lp, "bytes": list(t.encode()),
+                             "top_logprobs": [{"token": a, "logprob": alp, "bytes": list(a.encode())}
+                                              for a, alp in (tops[i] if tops else ())]}
+                            for i, (t, lp) in enumerate(zip(tokens, logprobs))]}
+    top = None if tops is None else [_first_of_each(t) for t in tops]
+    return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": top, "text_offset": offsets or []}
+
+
+def _first_of_each(pairs: list[tuple[str, float]]) -> dict[str, float]:
+    """(text, logprob) pairs, most likely first -> {text: logprob}, each text's first (likeliest)."""
+    out: dict[str, float] = {}
+    for text, lp in pairs:
+        out.setdefault(text, lp)
+    return out
 
 
 def text_offsets(start: int, tokens: list[str]) -> tuple[list[int], int]:

@@ -331,7 +331,8 @@ class FrontendServicer(pb_grpc.FrontendServiceServicer):
                             generated.extend(msg.token_ids[:used])  # nothing past a stop string
                             reason = sampling_pb2.FINISH_REASON_STOP if stopped else msg.finish_reason
                             out = pb.GenerateResponse(request_id=request_id, token_ids=msg.token_ids[:used], text=text,
-                                                      logprobs=msg.logprobs[:used], finish_reason=reason)
+                                                      logprobs=msg.logprobs[:used], finish_reason=reason,
+                                                      top_logprobs=msg.top_logprobs[:used])
                             if reason:
                                 self.load.request_finished(len(generated))
                                 if not stopped:

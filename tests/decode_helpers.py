@@ -15,14 +15,16 @@ from worker.host import WorkerOptions, WorkerRuntime
 
 async def generate(loaded, k: int, prompts: list[list[int]], params: list[SamplingParams],
                    num_blocks: int = 256, overlap: bool | str = False, cancel: int | None = None,
-                   join_at: list[int] | None = None, **worker_options) -> tuple[list[list[int]], WorkerRuntime]:
+                   join_at: list[int] | None = None, tops: list[list] | None = None,
+                   **worker_options) -> tuple[list[list[int]], WorkerRuntime]:
     """Prefill each prompt locally, then decode all of them in one continuous batch with
     --speculative-num-steps k (overlap: force the overlap loop, decode_worker/spec_overlap.py's
     for k > 0, even on a CPU; otherwise the scheduler decides, on with a CUDA model unless
     disable_overlap_schedule=True; "in turn": decode_worker/spec_overlap.py's loop without
     overlap, as on the fast path with --disable-overlap-schedule). Request number `cancel` is cancelled after its third token. join_at[i]: request i is prefilled
-    and added once the loop has launched that many steps (default: all at once). Returns
-    (tokens per request, runtime)."""
+    and added once the loop has launched that many steps (default: all at once). tops: where
+    given, tops[i] gets each decoded token's `TokenOut.top` (the first token, sampled here, has
+    none). Returns (tokens per request, runtime)."""
     rt = WorkerRuntime(discovery_pb2.ROLE_DECODE,
                        WorkerOptions(model=loaded.name, num_blocks=num_blocks, speculative_num_steps=k,
                                      **worker_options),
@@ -70,6 +72,8 @@ async def generate(loaded, k: int, prompts: list[list[int]], params: list[Sampli
                 assert msg.error is None, msg.error
                 if msg.token is not None:
                     out.append(msg.token)
+                    if tops is not None:
+                        tops[outs.index(out)].append(msg.top)
                 if msg.finish_reason:
                     break
                 if req.request_id == f"r{cancel}" and len(out) == 3:

@@ -460,6 +460,17 @@ def test_graph_replay_equals_eager_fast_step_and_plain_path() -> None:
     tokens, logprobs = greedy_batch(fast.graphs.graphs[8][1][0][: len(batch)])
     assert torch.equal(packed[:, 0].long(), tokens) and torch.equal(packed[:, 1], logprobs.double())
     assert torch.equal(fast.future.tokens[torch.tensor(slots, device="cuda")], tokens)
+    # a greedy graphed step whose rows ask for top log-probabilities: the graph's greedy pack,
+    # then the top columns of the graph's logits (read before the next replay)
+    from engine.sampling import SamplingRows, top_logprobs_batch
+    asking = [(SamplingParams(top_logprobs=k), 0) for k in (3, 0, 1, 3, 2)]
+    pool.kv.copy_(before)
+    slots = fast.future.reserve(len(batch))
+    packed = fast.decode_step(batch, asking, slots)
+    logits = fast.graphs.graphs[8][1][0][: len(batch)]
+    assert packed.shape == (len(batch), 2 + 2 * 3)
+    assert torch.equal(packed[:, 0].long(), tokens)
+    assert torch.equal(packed[:, 2:], top_logprobs_batch(logits, SamplingRows.build(asking, "cuda")))
     # a seeded row in a graphed step: sampled after the replay (on the caller's stream, after the
     # graph's greedy write on the replay stream), its token the one the map keeps
     from engine.sampling import SamplingRows, sample_batch

@@ -141,6 +141,45 @@ def test_a_rank_agents_destination_is_checked_against_its_own_record(cluster):
     assert err.details().startswith("destination.agent_metadata"), err.details()
 
 
+def reference_tops(tiny_model, prompt, n, k):
+    """(greedy tokens, each token's k likeliest (id, logprob)) of the reference model."""
+    import torch
+    rows = []
+    tokens = reference_generate(tiny_model.model, prompt, n, sample_fn=lambda row, step: rows.append(row)
+                                or int(torch.argmax(row)))
+    tops = []
+    for row in rows:
+        values, ids = torch.log_softmax(row, -1).topk(k)
+        tops.append((ids.tolist(), values.tolist()))
+    return tokens, tops
+
+
+def test_top_logprobs_from_each_rank_and_a_local_prefill(cluster, tiny_model):
+    """Each rank reports the top log-probabilities of its own rows; a local prefill's first
+    token carries them too (no prefill worker named)."""
+    prompts = [tokens_of(19 + 6 * i, 50 + i) for i in range(3)]
+    ks = [2, 0, 5]
+
+    def one(p, k):
+        with grpc.insecure_channel(cluster.decode.address) as ch:
+            req = decode_pb2.DecodeRequest(request_id=f"top-{len(p)}", token_ids=p, sampling=sampling_pb2.SamplingParams(
+                max_tokens=6, top_logprobs=k, ignore_eos=True))
+            return list(decode_pb2_grpc.DecodeServiceStub(ch).Generate(req, timeout=120))
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        got = list(pool.map(one, prompts, ks))
+    for prompt, k, msgs in zip(prompts, ks, got):
+        tokens, tops = reference_tops(tiny_model, prompt, 6, max(k, 1))
+        assert [t for m in msgs for t in m.token_ids] == tokens
+        top = [t for m in msgs for t in m.top_logprobs]
+        if not k:
+            assert top == []
+            continue
+        assert [list(t.token_ids) for t in top] == [ids for ids, _ in tops]
+        for t, (_, values) in zip(top, tops):
+            assert list(t.logprobs) == pytest.approx(values, abs=1e-5)
+    wait_all_free(cluster)
+
+
 def test_dead_rank_fails_the_loop_not_hangs(cluster):
     """Last in this module (it kills the worker): an EP rank that dies mid-stream fails the
     decode loop (INTERNAL to running requests, NOT_SERVING to health probes), no hang."""
@@ -166,3 +205,4 @@ def test_dead_rank_fails_the_loop_not_hangs(cluster):
         assert time.time() < deadline
         time.sleep(0.05)
     ch.close()
+

@@ -14,6 +14,7 @@ import grpc
 import httpx
 import openai
 import pytest
+import torch
 
 from common.pb.tandem.v1 import frontend_pb2, frontend_pb2_grpc, sampling_pb2
 from worker.host import WorkerOptions
@@ -207,7 +208,8 @@ def test_seeded_sampling_reproducible_and_equal_grpc(client, stub):
     ({"prompt": [[1, 2], [1, 2 ** 40]]}, "prompt[1][1]"),
     ({"prompt": ["a", ""]}, "prompt[1]"),
     ({"best_of": 3, "n": 2}, "best_of"),
-    ({"logprobs": 3}, "logprobs"),
+    ({"logprobs": 21}, "logprobs"),
+    ({"logprobs": -1}, "logprobs"),
     ({"prompt": [1, 999999]}, "prompt[1]"),
     ({"prompt": ""}, "prompt"),
     ({"extra_body": {"max_tokens": "many"}}, "max_tokens"),
@@ -230,7 +232,8 @@ def test_completions_bad_parameter_is_400_naming_it(client, kw, param):
     ({"max_completion_tokens": 100000}, "max_completion_tokens"),
     ({"max_completion_tokens": 5, "max_tokens": 2}, "max_completion_tokens"),
     ({"temperature": 0.0001}, "temperature"),
-    ({"top_logprobs": 2, "logprobs": True}, "top_logprobs"),
+    ({"top_logprobs": 21, "logprobs": True}, "top_logprobs"),
+    ({"top_logprobs": 2}, "top_logprobs"),  # without logprobs: true
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],},
      "messages[0].content"),
 ])
@@ -499,3 +502,64 @@ def test_disconnect_before_the_first_token_frees_every_block(cluster):
     while router_requests(cluster, "CANCELLED", "cancelled") != cancelled + 1 and time.time() < deadline:
         time.sleep(0.05)
     assert router_requests(cluster, "CANCELLED", "cancelled") == cancelled + 1
+
+
+def test_grpc_top_logprobs_equal_the_reference_through_prefill_and_decode_workers(stub, tiny_model):
+    # token 0 comes from the prefill worker's answer, the rest from the decode loop
+    from engine.reference import reference_generate
+    from engine.sampling import sample, sampling_logprobs
+    from common.sampling_params import SamplingParams
+    ids = prompt_ids(26, offset=13)
+    for p in (SamplingParams(max_tokens=6, top_logprobs=4, ignore_eos=True),
+              SamplingParams(max_tokens=6, temperature=0.9, top_p=0.7, seed=5, top_logprobs=20, ignore_eos=True)):
+        rows = []
+
+        def keep(row, step, p=p):
+            rows.append(row)
+            return sample(row, p, step)[0]
+        want = reference_generate(tiny_model.model, ids, p.max_tokens, sample_fn=keep)
+        msgs = list(stub.Generate(frontend_pb2.GenerateRequest(token_ids=ids, sampling=sampling_pb2.SamplingParams(
+            max_tokens=p.max_tokens, temperature=p.temperature, top_p=p.top_p, seed=p.seed,
+            top_logprobs=p.top_logprobs, ignore_eos=True)), timeout=60))
+        assert [t for m in msgs for t in m.token_ids] == want
+        tops = [t for m in msgs for t in m.top_logprobs]
+        assert len(tops) == len(want)
+        for row, top in zip(rows, tops):
+            values, order = sampling_logprobs(row, p).topk(p.top_logprobs)
+            keep_ = ~torch.isinf(values)
+            assert list(top.token_ids) == order[keep_].tolist()
+            assert list(top.logprobs) == pytest.approx(values[keep_].tolist(), abs=1e-5)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_http_top_logprobs_are_the_grpc_ones_as_text(client, stub, tiny_model, stream):
+    ids = prompt_ids(22, offset=17 + stream)
+    msgs = list(stub.Generate(frontend_pb2.GenerateRequest(token_ids=ids, sampling=sampling_pb2.SamplingParams(
+        max_tokens=7, top_logprobs=3, ignore_eos=True)), timeout=60))
+    tok = tiny_model.tokenizer()
+    grpc_tops = [t for m in msgs for t in m.top_logprobs]
+    kw = dict(model="tandem-tiny", prompt=ids, max_tokens=7, logprobs=3, extra_body={"ignore_eos": True})
+    if stream:
+        lps = [c.choices[0].logprobs for c in client.completions.create(stream=True, **kw)
+               if c.choices and c.choices[0].logprobs]
+        tops = [t for lp in lps for t in lp.top_logprobs]
+        tokens = [t for lp in lps for t in lp.tokens]
+    else:
+        lp = client.completions.create(**kw).choices[0].logprobs
+        tops, tokens = lp.top_logprobs, lp.tokens
+    assert len(tops) == len(grpc_tops) == 7
+    for got, want, token in zip(tops, grpc_tops, tokens):
+        first = {}
+        for i, lp in zip(want.token_ids, want.logprobs):
+            first.setdefault(tok.tokenizer.decode([i], skip_special_tokens=False), lp)
+        assert list(got.values()) == pytest.approx(list(first.values()), abs=1e-6)
+        assert token in got  # greedy: the token is the likeliest
+        texts = [tok.tokenizer.decode([i], skip_special_tokens=False) for i in want.token_ids]
+        assert list(got) == list(dict.fromkeys(texts))  # each text once, the likelier first
+    chat = client.chat.completions.create(model="tandem-tiny", messages=[{"role": "user", "content": "hi"}],
+                                          max_completion_tokens=5, logprobs=True, top_logprobs=4)
+    for c in chat.choices[0].logprobs.content:
+        assert len(c.top_logprobs) == 4 and c.top_logprobs[0].token == c.token
+        assert c.top_logprobs[0].logprob == pytest.approx(c.logprob, abs=1e-6)
+        assert [a.logprob for a in c.top_logprobs] == sorted((a.logprob for a in c.top_logprobs), reverse=True)
+        assert all(a.bytes == list(a.token.encode()) for a in c.top_logprobs)

@@ -124,3 +124,14 @@ def test_disaggregated_seeded_sampling_is_reproducible(cluster, stub, shakespear
     b, _ = run(stub, token_ids=prompt, sampling=s)
     assert a == b and len(a) == 16
     assert wait_all_free(cluster)
+
+
+def test_top_logprobs_are_refused_by_a_speculative_decode_worker(cluster, stub) -> None:
+    use_decode(cluster, 1)
+    with pytest.raises(grpc.RpcError) as e:
+        run(stub, token_ids=[5, 6, 7], sampling=sampling_pb2.SamplingParams(max_tokens=3, top_logprobs=2))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert e.value.details().startswith("sampling.top_logprobs: this decode worker runs speculative decoding")
+    got, _ = run(stub, token_ids=[5, 6, 7], sampling=sampling_pb2.SamplingParams(max_tokens=3))  # still serving
+    assert len(got) == 3
+    assert wait_all_free(cluster)

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from common.pb.tandem.v1 import sampling_pb2 as tandem_dot_v1_dot_sampling__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18tandem/v1/frontend.proto\x12\ttandem.v1\x1a\x18tandem/v1/sampling.proto\"\x82\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x11\n\ttoken_ids\x18\x04 \x03(\x05\x12+\n\x08sampling\x18\x05 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\"\xaa\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x10\n\x08logprobs\x18\x04 \x03(\x02\x12.\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x17.tandem.v1.FinishReason\x12\x1f\n\x05usage\x18\x06 \x01(\x0b\x32\x10.tandem.v1.Usage\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"\x13\n\x11ListModelsRequest\":\n\x12ListModelsResponse\x12$\n\x06models\x18\x01 \x03(\x0b\x32\x14.tandem.v1.ModelInfo\"Y\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x16\n\x0e\x63ontext_length\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x12\n\nblock_size\x18\x04 \x01(\r\"\x98\x02\n\x14\x45xplainRouteResponse\x12\x0c\n\x04mode\x18\x01 \x01(\t\x12\x15\n\rprompt_tokens\x18\x02 \x01(\r\x12\x15\n\rprompt_blocks\x18\x03 \x01(\r\x12-\n\ncandidates\x18\x04 \x03(\x0b\x32\x19.tandem.v1.RouteCandidate\x12\x1a\n\x12\x64\x65\x63ode_instance_id\x18\x05 \x01(\t\x12\x1b\n\x13prefill_instance_id\x18\x06 \x01(\t\x12\x1c\n\x14local_prefill_reason\x18\x07 \x01(\t\x12\x18\n\x10\x64\x65\x63ision_seconds\x18\x08 \x01(\x01\x12\x0c\n\x04text\x18\t \x01(\t\x12\x16\n\x0eprefill_weight\x18\n \x01(\x01\"\xa5\x01\n\x0eRouteCandidate\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x16\n\x0eoverlap_blocks\x18\x03 \x01(\r\x12\x0c\n\x04load\x18\x04 \x01(\x01\x12\x0c\n\x04\x63ost\x18\x05 \x01(\x01\x12\x0e\n\x06\x63hosen\x18\x06 \x01(\x08\x12\x15\n\rqueued_blocks\x18\x07 \x01(\x01\x12\x15\n\rshared_blocks\x18\x08 \x01(\r\"\x16\n\x14\x43lusterStatusRequest\"\x88\x02\n\x15\x43lusterStatusResponse\x12\x1a\n\x12router_instance_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0c\n\x04mode\x18\x03 \x01(\t\x12\x18\n\x10running_requests\x18\x04 \x01(\r\x12\x12\n\nmigrations\x18\x05 \x01(\x04\x12\x17\n\x0fmetrics_address\x18\x06 \x01(\t\x12(\n\x07workers\x18\x07 \x03(\x0b\x32\x17.tandem.v1.WorkerStatus\x12\x1b\n\x13weights_fingerprint\x18\x08 \x01(\t\x12(\n\x07routers\x18\t \x03(\x0b\x32\x17.tandem.v1.RouterStatus\"f\n\x0cRouterStatus\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x17\n\x0fmetrics_address\x18\x03 \x01(\t\x12\x17\n\x0fstart_time_unix\x18\x04 \x01(\x01\"\xf8\x02\n\x0cWorkerStatus\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\r\n\x05state\x18\x04 \x01(\t\x12\x0f\n\x07healthy\x18\x05 \x01(\x08\x12\x1c\n\x14\x63onsecutive_failures\x18\x06 \x01(\r\x12\x1a\n\x12in_flight_requests\x18\x07 \x01(\r\x12\x15\n\ractive_blocks\x18\x08 \x01(\x04\x12\x1d\n\x15queued_prefill_tokens\x18\t \x01(\x04\x12\x1a\n\x12kv_capacity_blocks\x18\n \x01(\x04\x12\x16\n\x0eindexed_blocks\x18\x0b \x01(\x04\x12\x17\n\x0frouted_requests\x18\x0c \x01(\x04\x12\x10\n\x08hit_rate\x18\r \x01(\x01\x12\x17\n\x0fmetrics_address\x18\x0e \x01(\t\x12\x1b\n\x13weights_fingerprint\x18\x0f \x01(\t\x12\x0f\n\x07refused\x18\x10 \x01(\t2\xc4\x02\n\x0f\x46rontendService\x12\x45\n\x08Generate\x12\x1a.tandem.v1.GenerateRequest\x1a\x1b.tandem.v1.GenerateResponse0\x01\x12I\n\nListModels\x12\x1c.tandem.v1.ListModelsRequest\x1a\x1d.tandem.v1.ListModelsResponse\x12K\n\x0c\x45xplainRoute\x12\x1a.tandem.v1.GenerateRequest\x1a\x1f.tandem.v1.ExplainRouteResponse\x12R\n\rClusterStatus\x12\x1f.tandem.v1.ClusterStatusRequest\x1a .tandem.v1.ClusterStatusResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18tandem/v1/frontend.proto\x12\ttandem.v1\x1a\x18tandem/v1/sampling.proto\"\x82\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x11\n\ttoken_ids\x18\x04 \x03(\x05\x12+\n\x08sampling\x18\x05 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\"\xd8\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x10\n\x08logprobs\x18\x04 \x03(\x02\x12.\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x17.tandem.v1.FinishReason\x12\x1f\n\x05usage\x18\x06 \x01(\x0b\x32\x10.tandem.v1.Usage\x12,\n\x0ctop_logprobs\x18\x07 \x03(\x0b\x32\x16.tandem.v1.TopLogprobs\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"\x13\n\x11ListModelsRequest\":\n\x12ListModelsResponse\x12$\n\x06models\x18\x01 \x03(\x0b\x32\x14.tandem.v1.ModelInfo\"Y\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x16\n\x0e\x63ontext_length\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x12\n\nblock_size\x18\x04 \x01(\r\"\x98\x02\n\x14\x45xplainRouteResponse\x12\x0c\n\x04mode\x18\x01 \x01(\t\x12\x15\n\rprompt_tokens\x18\x02 \x01(\r\x12\x15\n\rprompt_blocks\x18\x03 \x01(\r\x12-\n\ncandidates\x18\x04 \x03(\x0b\x32\x19.tandem.v1.RouteCandidate\x12\x1a\n\x12\x64\x65\x63ode_instance_id\x18\x05 \x01(\t\x12\x1b\n\x13prefill_instance_id\x18\x06 \x01(\t\x12\x1c\n\x14local_prefill_reason\x18\x07 \x01(\t\x12\x18\n\x10\x64\x65\x63ision_seconds\x18\x08 \x01(\x01\x12\x0c\n\x04text\x18\t \x01(\t\x12\x16\n\x0eprefill_weight\x18\n \x01(\x01\"\xa5\x01\n\x0eRouteCandidate\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x16\n\x0eoverlap_blocks\x18\x03 \x01(\r\x12\x0c\n\x04load\x18\x04 \x01(\x01\x12\x0c\n\x04\x63ost\x18\x05 \x01(\x01\x12\x0e\n\x06\x63hosen\x18\x06 \x01(\x08\x12\x15\n\rqueued_blocks\x18\x07 \x01(\x01\x12\x15\n\rshared_blocks\x18\x08 \x01(\r\"\x16\n\x14\x43lusterStatusRequest\"\x88\x02\n\x15\x43lusterStatusResponse\x12\x1a\n\x12router_instance_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0c\n\x04mode\x18\x03 \x01(\t\x12\x18\n\x10running_requests\x18\x04 \x01(\r\x12\x12\n\nmigrations\x18\x05 \x01(\x04\x12\x17\n\x0fmetrics_address\x18\x06 \x01(\t\x12(\n\x07workers\x18\x07 \x03(\x0b\x32\x17.tandem.v1.WorkerStatus\x12\x1b\n\x13weights_fingerprint\x18\x08 \x01(\t\x12(\n\x07routers\x18\t \x03(\x0b\x32\x17.tandem.v1.RouterStatus\"f\n\x0cRouterStatus\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x17\n\x0fmetrics_address\x18\x03 \x01(\t\x12\x17\n\x0fstart_time_unix\x18\x04 \x01(\x01\"\xf8\x02\n\x0cWorkerStatus\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\r\n\x05state\x18\x04 \x01(\t\x12\x0f\n\x07healthy\x18\x05 \x01(\x08\x12\x1c\n\x14\x63onsecutive_failures\x18\x06 \x01(\r\x12\x1a\n\x12in_flight_requests\x18\x07 \x01(\r\x12\x15\n\ractive_blocks\x18\x08 \x01(\x04\x12\x1d\n\x15queued_prefill_tokens\x18\t \x01(\x04\x12\x1a\n\x12kv_capacity_blocks\x18\n \x01(\x04\x12\x16\n\x0eindexed_blocks\x18\x0b \x01(\x04\x12\x17\n\x0frouted_requests\x18\x0c \x01(\x04\x12\x10\n\x08hit_rate\x18\r \x01(\x01\x12\x17\n\x0fmetrics_address\x18\x0e \x01(\t\x12\x1b\n\x13weights_fingerprint\x18\x0f \x01(\t\x12\x0f\n\x07refused\x18\x10 \x01(\t2\xc4\x02\n\x0f\x46rontendService\x12\x45\n\x08Generate\x12\x1a.tandem.v1.GenerateRequest\x1a\x1b.tandem.v1.GenerateResponse0\x01\x12I\n\nListModels\x12\x1c.tandem.v1.ListModelsRequest\x1a\x1d.tandem.v1.ListModelsResponse\x12K\n\x0c\x45xplainRoute\x12\x1a.tandem.v1.GenerateRequest\x1a\x1f.tandem.v1.ExplainRouteResponse\x12R\n\rClusterStatus\x12\x1f.tandem.v1.ClusterStatusRequest\x1a .tandem.v1.ClusterStatusResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,27 +35,27 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GENERATEREQUEST']._serialized_start=66
   _globals['_GENERATEREQUEST']._serialized_end=196
   _globals['_GENERATERESPONSE']._serialized_start=199
-  _globals['_GENERATERESPONSE']._serialized_end=369
-  _globals['_USAGE']._serialized_start=371
-  _globals['_USAGE']._serialized_end=451
-  _globals['_LISTMODELSREQUEST']._serialized_start=453
-  _globals['_LISTMODELSREQUEST']._serialized_end=472
-  _globals['_LISTMODELSRESPONSE']._serialized_start=474
-  _globals['_LISTMODELSRESPONSE']._serialized_end=532
-  _globals['_MODELINFO']._serialized_start=534
-  _globals['_MODELINFO']._serialized_end=623
-  _globals['_EXPLAINROUTERESPONSE']._serialized_start=626
-  _globals['_EXPLAINROUTERESPONSE']._serialized_end=906
-  _globals['_ROUTECANDIDATE']._serialized_start=909
-  _globals['_ROUTECANDIDATE']._serialized_end=1074
-  _globals['_CLUSTERSTATUSREQUEST']._serialized_start=1076
-  _globals['_CLUSTERSTATUSREQUEST']._serialized_end=1098
-  _globals['_CLUSTERSTATUSRESPONSE']._serialized_start=1101
-  _globals['_CLUSTERSTATUSRESPONSE']._serialized_end=1365
-  _globals['_ROUTERSTATUS']._serialized_start=1367
-  _globals['_ROUTERSTATUS']._serialized_end=1469
-  _globals['_WORKERSTATUS']._serialized_start=1472
-  _globals['_WORKERSTATUS']._serialized_end=1848
-  _globals['_FRONTENDSERVICE']._serialized_start=1851
-  _globals['_FRONTENDSERVICE']._serialized_end=2175
+  _globals['_GENERATERESPONSE']._serialized_end=415
+  _globals['_USAGE']._serialized_start=417
+  _globals['_USAGE']._serialized_end=497
+  _globals['_LISTMODELSREQUEST']._serialized_start=499
+  _globals['_LISTMODELSREQUEST']._serialized_end=518
+  _globals['_LISTMODELSRESPONSE']._serialized_start=520
+  _globals['_LISTMODELSRESPONSE']._serialized_end=578
+  _globals['_MODELINFO']._serialized_start=580
+  _globals['_MODELINFO']._serialized_end=669
+  _globals['_EXPLAINROUTERESPONSE']._serialized_start=672
+  _globals['_EXPLAINROUTERESPONSE']._serialized_end=952
+  _globals['_ROUTECANDIDATE']._serialized_start=955
+  _globals['_ROUTECANDIDATE']._serialized_end=1120
+  _globals['_CLUSTERSTATUSREQUEST']._serialized_start=1122
+  _globals['_CLUSTERSTATUSREQUEST']._serialized_end=1144
+  _globals['_CLUSTERSTATUSRESPONSE']._serialized_start=1147
+  _globals['_CLUSTERSTATUSRESPONSE']._serialized_end=1411
+  _globals['_ROUTERSTATUS']._serialized_start=1413
+  _globals['_ROUTERSTATUS']._serialized_end=1515
+  _globals['_WORKERSTATUS']._serialized_start=1518
+  _globals['_WORKERSTATUS']._serialized_end=1894
+  _globals['_FRONTENDSERVICE']._serialized_start=1897
+  _globals['_FRONTENDSERVICE']._serialized_end=2221
 # @@protoc_insertion_point(module_scope)

@@ -64,17 +64,19 @@ class KvDestination(_message.Message):
     def __init__(self, backend: _Optional[str] = ..., agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., base_address: _Optional[int] = ..., block_stride_bytes: _Optional[int] = ..., device_id: _Optional[int] = ..., first_block_index: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., kv_cache_dtype: _Optional[str] = ..., kv_cache_scale: _Optional[float] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("first_token_id", "first_token_logprob", "cached_tokens", "transfer_bytes", "transfer_seconds", "last_hidden")
+    __slots__ = ("first_token_id", "first_token_logprob", "cached_tokens", "transfer_bytes", "transfer_seconds", "last_hidden", "first_token_top_logprobs")
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_LOGPROB_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_BYTES_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_SECONDS_FIELD_NUMBER: _ClassVar[int]
     LAST_HIDDEN_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     first_token_id: int
     first_token_logprob: float
     cached_tokens: int
     transfer_bytes: int
     transfer_seconds: float
     last_hidden: bytes
-    def __init__(self, first_token_id: _Optional[int] = ..., first_token_logprob: _Optional[float] = ..., cached_tokens: _Optional[int] = ..., transfer_bytes: _Optional[int] = ..., transfer_seconds: _Optional[float] = ..., last_hidden: _Optional[bytes] = ...) -> None: ...
+    first_token_top_logprobs: _sampling_pb2.TopLogprobs
+    def __init__(self, first_token_id: _Optional[int] = ..., first_token_logprob: _Optional[float] = ..., cached_tokens: _Optional[int] = ..., transfer_bytes: _Optional[int] = ..., transfer_seconds: _Optional[float] = ..., last_hidden: _Optional[bytes] = ..., first_token_top_logprobs: _Optional[_Union[_sampling_pb2.TopLogprobs, _Mapping]] = ...) -> None: ...

@@ -1,0 +1,81 @@
+"""Top log-probabilities (sampling.top_logprobs): each decoded token's most likely alternatives,
+under the distribution it was drawn from, equal the reference model's, on the decode loop's
+both paths (the overlap loop and the plain one); and the batched function's own contract."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from common.sampling_params import SamplingParams
+from decode_helpers import generate
+from engine.reference import reference_generate
+from engine.sampling import (SamplingRows, for_row, pack_step, sample, sample_batch, sampling_logprobs,
+                             top_logprobs, top_logprobs_batch, unpack_step)
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+def want_top(row: torch.Tensor, params: SamplingParams) -> list[tuple[int, float]]:
+    """The reference: the distribution `sample` draws from, its k likeliest entries, those
+    outside the top-p nucleus (-inf) left out."""
+    values, ids = sampling_logprobs(row, params).topk(params.top_logprobs)
+    return [(int(i), float(v)) for i, v in zip(ids, values) if not torch.isinf(v)]
+
+
+def assert_top(got, want) -> None:
+    assert [i for i, _ in got] == [i for i, _ in want]
+    assert [lp for _, lp in got] == pytest.approx([lp for _, lp in want], abs=1e-5)
+
+
+def test_a_batch_reports_each_row_its_own_count_under_its_own_distribution():
+    torch.manual_seed(0)
+    logits = torch.randn(4, 300) * 3
+    params = [SamplingParams(top_logprobs=2), SamplingParams(),
+              SamplingParams(temperature=0.7, top_p=0.05, seed=9, top_logprobs=6),  # a nucleus of few tokens
+              SamplingParams(temperature=1.3, seed=1, top_logprobs=20)]
+    rows = SamplingRows.build([(p, 3) for p in params], "cpu")
+    assert rows.top_logprobs == 20
+    step = unpack_step(pack_step(*sample_batch(logits, rows), top_logprobs_batch(logits, rows)))
+    for i, p in enumerate(params):
+        got = for_row(step.tops[i], p)
+        assert_top(got, want_top(logits[i], p) if p.top_logprobs else [])
+        assert got == top_logprobs(logits[i], p)  # the one-row form: the same numbers
+        if p.greedy and got:  # greedy: the token is the likeliest, with the same log-probability
+            assert got[0][0] == step.tokens[i] and got[0][1] == pytest.approx(step.logprobs[i], abs=1e-6)
+        elif got and step.tokens[i] in dict(got):  # sampled: its logprob is its entry's
+            assert dict(got)[step.tokens[i]] == pytest.approx(step.logprobs[i], abs=1e-6)
+    assert 0 < len(step.tops[2]) < 6  # outside the nucleus: left out, not reported as -inf
+    assert step.tokens[2] in dict(step.tops[2])
+
+
+def test_a_step_without_top_logprobs_stays_two_columns():
+    logits = torch.randn(3, 50)
+    rows = SamplingRows.build([(SamplingParams(), 0)] * 3, "cpu")
+    assert rows.top_logprobs == 0
+    packed = pack_step(*sample_batch(logits, rows))
+    assert packed.shape == (3, 2) and unpack_step(packed).tops == [(), (), ()]
+    assert top_logprobs(logits[0], SamplingParams()) == ()
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_decoded_tokens_top_logprobs_equal_the_reference(tiny_model, overlap):
+    prompts = [[(50 + 13 * i + 7 * j) % 1000 for i in range(12 + 3 * j)] for j in range(3)]
+    params = [SamplingParams(max_tokens=8, top_logprobs=5, ignore_eos=True),
+              SamplingParams(max_tokens=8, ignore_eos=True),  # beside them, asks for none
+              SamplingParams(max_tokens=8, temperature=0.8, top_p=0.6, seed=3, top_logprobs=3, ignore_eos=True)]
+    tops = [[] for _ in prompts]
+    got, _ = asyncio.run(generate(tiny_model, 0, prompts, params, overlap=overlap,
+                                  disable_overlap_schedule=not overlap, tops=tops))
+    for prompt, p, tokens, top in zip(prompts, params, got, tops):
+        rows = []
+
+        def keep(row, step, p=p):
+            rows.append(row)
+            return sample(row, p, step)[0]
+        assert tokens == reference_generate(tiny_model.model, prompt, p.max_tokens, sample_fn=keep)
+        assert len(top) == p.max_tokens - 1  # every decoded token (the helper samples the first)
+        for row, t in zip(rows[1:], top):
+            assert_top(t, want_top(row, p) if p.top_logprobs else [])
