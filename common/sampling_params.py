@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 
 DEFAULT_MAX_TOKENS = 64
 MAX_TOP_LOGPROBS = 20  # alternatives reported per generated token (OpenAI's own limit of top_logprobs)
+MAX_LOGIT_BIAS = 1024  # logit_bias entries per request (each is applied to every step's logits)
+LOGIT_BIAS_RANGE = 100.0  # a bias lies in [-100, 100], as in OpenAI's API
 
 
 @dataclass(frozen=True)
@@ -19,6 +21,7 @@ class SamplingParams:
     stop: tuple[str, ...] = field(default=())
     ignore_eos: bool = False
     top_logprobs: int = 0  # most likely tokens reported beside each generated one, 0..MAX_TOP_LOGPROBS
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) added to the logits, ids ascending
 
     @property
     def greedy(self) -> bool:

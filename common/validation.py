@@ -9,7 +9,8 @@ from __future__ import annotations
 import math
 
 from common.pb.tandem.v1 import sampling_pb2
-from common.sampling_params import DEFAULT_MAX_TOKENS, MAX_TOP_LOGPROBS, SamplingParams
+from common.sampling_params import (DEFAULT_MAX_TOKENS, LOGIT_BIAS_RANGE, MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS,
+                                    SamplingParams)
 
 
 class InvalidArgument(ValueError):
@@ -65,12 +66,13 @@ def validate_prompt_length(prompt_tokens: int, context_length: int, field: str) 
 
 
 def sampling_from_proto(msg: sampling_pb2.SamplingParams, prompt_tokens: int, context_length: int,
-                        default_seed: int = 0) -> SamplingParams:
-    """Validate sampling fields against the prompt length and the model's context length.
+                        vocab_size: int, default_seed: int = 0) -> SamplingParams:
+    """Validate sampling fields against the prompt length, the model's context length and its
+    vocabulary (logit_bias's token ids).
 
     Raises:
         InvalidArgument: naming sampling.max_tokens, sampling.temperature, sampling.top_p,
-            sampling.stop or sampling.top_logprobs (call validate_prompt_length first: an over-long prompt is the
+            sampling.stop, sampling.top_logprobs or sampling.logit_bias[id] (call validate_prompt_length first: an over-long prompt is the
             prompt's fault, not max_tokens').
     """
     max_tokens = msg.max_tokens if msg.HasField("max_tokens") else min(
@@ -98,9 +100,18 @@ def sampling_from_proto(msg: sampling_pb2.SamplingParams, prompt_tokens: int, co
     top_logprobs = msg.top_logprobs if msg.HasField("top_logprobs") else 0
     if not 0 <= top_logprobs <= MAX_TOP_LOGPROBS:
         raise InvalidArgument("sampling.top_logprobs", f"must be in 0..{MAX_TOP_LOGPROBS}, got {top_logprobs}")
+    if len(msg.logit_bias) > MAX_LOGIT_BIAS:
+        raise InvalidArgument("sampling.logit_bias", f"{len(msg.logit_bias)} entries; at most {MAX_LOGIT_BIAS}")
+    for token, bias in sorted(msg.logit_bias.items()):
+        if not 0 <= token < vocab_size:
+            raise InvalidArgument(f"sampling.logit_bias[{token}]", f"not a token id of the model's vocabulary "
+                                  f"[0, {vocab_size})")
+        if not -LOGIT_BIAS_RANGE <= bias <= LOGIT_BIAS_RANGE:  # (NaN too)
+            raise InvalidArgument(f"sampling.logit_bias[{token}]", f"must be in [-100, 100], got {bias:.7g}")
     return SamplingParams(max_tokens=max_tokens, temperature=float(temperature), top_p=float(top_p),
                           seed=msg.seed if msg.HasField("seed") else default_seed,
-                          stop=tuple(msg.stop), ignore_eos=msg.ignore_eos, top_logprobs=top_logprobs)
+                          stop=tuple(msg.stop), ignore_eos=msg.ignore_eos, top_logprobs=top_logprobs,
+                          logit_bias=tuple(sorted(msg.logit_bias.items())))
 
 
 def top_to_proto(top: tuple[tuple[int, float], ...]) -> sampling_pb2.TopLogprobs:
@@ -118,4 +129,4 @@ def top_from_proto(msg: sampling_pb2.TopLogprobs, vocab_size: int, limit: int) -
 def sampling_to_proto(p: SamplingParams) -> sampling_pb2.SamplingParams:
     return sampling_pb2.SamplingParams(max_tokens=p.max_tokens, temperature=p.temperature, top_p=p.top_p,
                                        seed=p.seed, stop=list(p.stop), ignore_eos=p.ignore_eos,
-                                       top_logprobs=p.top_logprobs or None)
+                                       top_logprobs=p.top_logprobs or None, logit_bias=dict(p.logit_bias))

@@ -69,6 +69,18 @@ class Prefilled(NamedTuple):
     top: tuple[tuple[int, float], ...] = ()
 
 
+def refuse_under_speculation(params: SamplingParams) -> None:
+    """Raises InvalidArgument naming what an MTP decode worker does not serve: top
+    log-probabilities (its verify step reports the sampled token's only) and logit biases (its
+    draft and verify forwards sample from the plain logits)."""
+    if params.top_logprobs:
+        raise InvalidArgument("sampling.top_logprobs", "this decode worker runs speculative decoding (MTP), "
+                              "which reports the sampled token's log-probability only: use 0")
+    if params.logit_bias:
+        raise InvalidArgument("sampling.logit_bias", "this decode worker runs speculative decoding (MTP), "
+                              "which does not apply logit biases")
+
+
 def _decode_span_attributes(span, running: RunningRequest) -> None:
     """Tokens this call generated (the first one, from prefill, included) and, with MTP, the
     accepted draft tokens and verify steps (decode_worker/spec_step.py counts them)."""
@@ -332,10 +344,10 @@ class DecodeServicer(SessionMixin, pb_grpc.DecodeServiceServicer):
             validate_token_ids(list(request.token_ids), self.rt.vocab_size)
             validate_prompt_length(len(request.token_ids), self.rt.context_length, "token_ids")
             validate_cache_salt(request.cache_salt)
-            params = sampling_from_proto(request.sampling, len(request.token_ids), self.rt.context_length)
-            if params.top_logprobs and self.scheduler.spec is not None:
-                raise InvalidArgument("sampling.top_logprobs", "this decode worker runs speculative decoding (MTP), "
-                                      "which reports the sampled token's log-probability only: use 0")
+            params = sampling_from_proto(request.sampling, len(request.token_ids), self.rt.context_length,
+                                         self.rt.vocab_size)
+            if self.scheduler.spec is not None:
+                refuse_under_speculation(params)
             prefill_address = await self._prefill_address(request, context)
         except InvalidArgument as exc:
             await abort_invalid(context, exc)

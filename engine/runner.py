@@ -216,7 +216,7 @@ class ModelRunner:
         """`decode` then `sample_batch`: [B, 2] float64 on the device, row i = (token id,
         log-probability) of batch[i] (`pack_step`), [B, 2 + 2K] where a row asks for its K
         most likely tokens (`top_logprobs_batch`); with `slots` the tokens are also written
-        into the future map there. An all-greedy batch replayed from a graph takes the graph's
+        into the future map there. An all-greedy batch (no logit bias) replayed from a graph takes the graph's
         own greedy head (the same `greedy_batch`, the same bits), with no kernel after the replay:
         the result is then a view of the graph's output, valid until the next step (callers
         copy it to the host first, as OverlapRunner.launch and decode_tokens do).
@@ -235,7 +235,7 @@ class ModelRunner:
         rows = SamplingRows.build(sampling, self.device)
         logits, slot_t, greedy = self._forward_step(batch, slots, began, bucket)
         top = top_logprobs_batch(logits, rows) if rows.top_logprobs else None  # (read before the next replay)
-        if greedy is not None and not rows.any_sampled:
+        if greedy is not None and not rows.any_sampled and rows.bias is None:
             return greedy if top is None else torch.cat((greedy, top), dim=1)
         tokens, logprobs = sample_batch(logits, rows)
         if slot_t is not None:

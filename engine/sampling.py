@@ -17,6 +17,10 @@ Gumbel tail at about 16.6: the distribution differs from the exact one only by a
 
 `sample` is the one-row form of the same function.
 
+Logit bias (`SamplingParams.logit_bias`): a row's (token id, bias) pairs are added to its
+logits before anything else, so greedy rows take the argmax of the biased logits and every
+reported log-probability is one of the biased distribution.
+
 Top log-probabilities (`top_logprobs_batch`): where a row asks for them
 (`SamplingParams.top_logprobs`), the step also reports that row's most likely tokens under the
 very distribution its token was drawn from, so the sampled token's log-probability and its
@@ -78,6 +82,8 @@ class SamplingRows:
     (index of the token being generated, 0 = first); `any_sampled` / `any_top_p` are known on
     the host so a greedy batch runs no noise or sort kernels. `top_logprobs`: the most
     alternatives any row asks for (0 = none: the step reports none, `top_logprobs_batch`).
+    `bias`: None where no row has a logit bias, else (rows [N] int64, token ids [N] int64,
+    biases [N] float32), every row's pairs in one list (`biased`).
     """
 
     temperature: torch.Tensor
@@ -87,6 +93,7 @@ class SamplingRows:
     any_sampled: bool
     any_top_p: bool
     top_logprobs: int = 0
+    bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     @staticmethod
     def build(rows: list[tuple[SamplingParams, int]], device: torch.device | str) -> SamplingRows:
@@ -95,17 +102,25 @@ class SamplingRows:
         device = torch.device(device)
         any_sampled = any(not p.greedy for p, _ in rows)
         top = max((p.top_logprobs for p, _ in rows), default=0)
+        bias = None
+        if any(p.logit_bias for p, _ in rows):
+            pairs = [(r, t, b) for r, (p, _) in enumerate(rows) for t, b in p.logit_bias]
+            where = upload([[r for r, _, _ in pairs], [t for _, t, _ in pairs]], torch.int64, device)
+            bias = (where[0], where[1], upload([b for _, _, b in pairs], torch.float32, device))
         if not any_sampled:
             z = _zeros(len(rows), device)
-            return SamplingRows(z, z, z, z, False, False, top)
+            return SamplingRows(z, z, z, z, False, False, top, bias)
         floats = upload([[p.temperature for p, _ in rows], [p.top_p for p, _ in rows]], torch.float32, device)
         ints = upload([[seed_int64(p.seed) for p, _ in rows], [s for _, s in rows]], torch.int64, device)
         return SamplingRows(floats[0], floats[1], ints[0], ints[1], True,
-                            any(not p.greedy and p.top_p < 1.0 for p, _ in rows), top)
+                            any(not p.greedy and p.top_p < 1.0 for p, _ in rows), top, bias)
 
     def repeat(self, times: int) -> SamplingRows:
         """Each row `times` times in a row ([B] -> [B * times]); an all-greedy batch's tensors
-        are never read and stay as they are."""
+        are never read and stay as they are. (MTP's verify rows: its workers refuse logit
+        biases, so a batch with one raises ValueError.)"""
+        if self.bias is not None:
+            raise ValueError("logit_bias in a speculative step")
         if not self.any_sampled:
             return self
         def rep(t: torch.Tensor) -> torch.Tensor:  # (expand, not repeat_interleave: never a sync)
@@ -143,9 +158,24 @@ def _nucleus(logp: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     return torch.log_softmax(out, dim=-1)
 
 
+def biased(logits: torch.Tensor, rows: SamplingRows) -> torch.Tensor:
+    """logits [B, V] with each row's logit bias added (a new float32 tensor), or the logits
+    themselves where no row has one."""
+    if rows.bias is None:
+        return logits
+    r, ids, values = rows.bias
+    return logits.float().index_put((r, ids), values, accumulate=True)
+
+
 def sampling_logprobs_batch(logits: torch.Tensor, rows: SamplingRows) -> torch.Tensor:
     """The distributions `sample_batch` draws from, as log-probs [B, V] float32: greedy rows
-    log_softmax(logits); sampled rows log_softmax(logits / T) restricted to the top-p nucleus."""
+    log_softmax(logits); sampled rows log_softmax(logits / T) restricted to the top-p nucleus;
+    the logits biased first (`biased`)."""
+    return _logprobs(biased(logits, rows), rows)
+
+
+def _logprobs(logits: torch.Tensor, rows: SamplingRows) -> torch.Tensor:
+    """`sampling_logprobs_batch` of logits already biased."""
     logits = logits.float()
     if not rows.any_sampled:
         return torch.log_softmax(logits, dim=-1)
@@ -167,11 +197,13 @@ def sample_batch(logits: torch.Tensor, rows: SamplingRows) -> tuple[torch.Tensor
     Returns:
         (tokens [B] int64, logprobs [B] float32): greedy rows take the argmax and its
         log_softmax; sampled rows a Gumbel-max draw from the tempered top-p distribution
-        (`sampling_logprobs_batch`) with its log-probability there.
+        (`sampling_logprobs_batch`) with its log-probability there; both of the biased logits
+        where a row has a logit bias.
     """
+    logits = biased(logits, rows)
     if not rows.any_sampled:
         return greedy_batch(logits)
-    logp = sampling_logprobs_batch(logits, rows)
+    logp = _logprobs(logits, rows)
     # Greedy rows of a mixed batch take greedy_batch's token and log-probability, so a greedy
     # row's numbers do not depend on whether a sampled row shares its step.
     greedy_tokens, greedy_logp = greedy_batch(logits)

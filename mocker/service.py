@@ -43,7 +43,7 @@ class _Worker:
             check_parsed(request)
             validate_token_ids(list(request.token_ids), self.vocab_size)
             validate_prompt_length(len(request.token_ids), self.context_length, "token_ids")
-            return sampling_from_proto(request.sampling, len(request.token_ids), self.context_length)
+            return sampling_from_proto(request.sampling, len(request.token_ids), self.context_length, self.vocab_size)
         except InvalidArgument as exc:
             await abort_invalid(context, exc)
 

@@ -160,7 +160,8 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
     async def _prefill(self, request: pb.PrefillRequest, context: grpc.aio.ServicerContext) -> pb.PrefillResponse:
         try:
             self._validate(request)
-            params = sampling_from_proto(request.sampling, len(request.token_ids), self.rt.context_length)
+            params = sampling_from_proto(request.sampling, len(request.token_ids), self.rt.context_length,
+                                         self.rt.vocab_size)
             await self._authorize(request, context)
         except InvalidArgument as exc:
             await abort_invalid(context, exc)

@@ -4,7 +4,10 @@ Requests are pydantic models (unknown fields are accepted and ignored, as OpenAI
 server-side clients expect); `to_generate` turns one into a gRPC request per choice, so that the HTTP
 API shares the gRPC API's validation (common/validation.py). Fields the engine cannot honour
 are refused by name when set to anything but their no-op value (`best_of` other than `n`, `echo`,
-`suffix`, `logit_bias`, `presence_penalty`, `frequency_penalty`, `tools`, `response_format`).
+`suffix`, `presence_penalty`, `frequency_penalty`, `tools`, `response_format`).
+
+`logit_bias` ({token id as a string: bias in [-100, 100]}) becomes the gRPC request's
+`sampling.logit_bias`; the router checks the ids against the model's vocabulary.
 
 Log-probabilities: chat's `logprobs: true` and the completions API's `logprobs: 0` give each
 generated token's; chat's `top_logprobs: k` and the completions API's `logprobs: k` (k in
@@ -101,8 +104,6 @@ class _Common(BaseModel):
         if self.presence_penalty or self.frequency_penalty:
             raise InvalidArgument("presence_penalty" if self.presence_penalty else "frequency_penalty",
                                   "penalties are not supported (leave them 0)")
-        if self.logit_bias:
-            raise InvalidArgument("logit_bias", "logit_bias is not supported")
         if self.stream_options is not None and not self.stream:
             raise InvalidArgument("stream_options", "only allowed with stream: true")
 
@@ -113,6 +114,14 @@ class _Common(BaseModel):
         s = sampling_pb2.SamplingParams(ignore_eos=self.ignore_eos)
         if self.top_count:
             s.top_logprobs = self.top_count
+        for key, bias in (self.logit_bias or {}).items():
+            try:
+                token = int(key)
+            except ValueError:
+                raise InvalidArgument("logit_bias", f"keys are token ids, got {key!r}") from None
+            if not INT32_MIN <= token <= INT32_MAX:  # the proto's int32 would raise (a 500)
+                raise InvalidArgument(f"logit_bias[{key}]", "not a token id")
+            s.logit_bias[token] = bias
         if max_tokens is not None:
             if not INT32_MIN <= max_tokens <= INT32_MAX:  # the proto's int32 would raise (a 500)
                 raise InvalidArgument("sampling.max_tokens", f"must be at most {INT32_MAX}, got {max_tokens}")

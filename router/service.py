@@ -160,7 +160,7 @@ class FrontendServicer(pb_grpc.FrontendServiceServicer):
             validate_request_id(request.request_id)
             if request.text:
                 tokens = await self._tokenize(request)
-            params = sampling_from_proto(request.sampling, len(tokens), self.context_length,
+            params = sampling_from_proto(request.sampling, len(tokens), self.context_length, self.vocab_size,
                                          default_seed=random.getrandbits(63))
         except InvalidArgument as exc:
             await abort_invalid(context, exc)

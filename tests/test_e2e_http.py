@@ -215,6 +215,10 @@ def test_seeded_sampling_reproducible_and_equal_grpc(client, stub):
     ({"extra_body": {"max_tokens": "many"}}, "max_tokens"),
     ({"seed": -3}, "seed"),
     ({"presence_penalty": 0.5}, "presence_penalty"),
+    ({"logit_bias": {"x": 1}}, "logit_bias"),
+    ({"logit_bias": {"999999": 1}}, "logit_bias[999999]"),  # the router's vocabulary check
+    ({"logit_bias": {"5": 101}}, "logit_bias[5]"),
+    ({"logit_bias": {"99999999999": 1}}, "logit_bias[99999999999]"),
 ])
 def test_completions_bad_parameter_is_400_naming_it(client, kw, param):
     args = {"model": "tandem-tiny", "prompt": [1, 2, 3], "max_tokens": 4, **kw}
@@ -563,3 +567,25 @@ def test_http_top_logprobs_are_the_grpc_ones_as_text(client, stub, tiny_model, s
         assert c.top_logprobs[0].logprob == pytest.approx(c.logprob, abs=1e-6)
         assert [a.logprob for a in c.top_logprobs] == sorted((a.logprob for a in c.top_logprobs), reverse=True)
         assert all(a.bytes == list(a.token.encode()) for a in c.top_logprobs)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_logit_bias_forces_and_bans_tokens(client, stub, stream):
+    ids = prompt_ids(18, offset=23 + stream)
+    msgs = list(stub.Generate(frontend_pb2.GenerateRequest(token_ids=ids, sampling=sampling_pb2.SamplingParams(
+        max_tokens=5, ignore_eos=True)), timeout=60))
+    plain, first = "".join(m.text for m in msgs), msgs[0].token_ids[0]
+    kw = dict(model="tandem-tiny", prompt=ids, max_tokens=5, extra_body={"ignore_eos": True})
+    forced = client.completions.create(logit_bias={"4242": 100}, logprobs=1, **kw)
+    lp = forced.choices[0].logprobs
+    assert len(lp.tokens) == 5 and len(set(lp.tokens)) == 1  # the one forced token, every time
+    assert all(v > -1e-3 for v in lp.token_logprobs)  # of the biased distribution: all but certain
+    if stream:
+        text = "".join(c.choices[0].text for c in client.completions.create(stream=True, logit_bias={
+            str(first): -100}, **kw) if c.choices)
+    else:
+        text = client.completions.create(logit_bias={str(first): -100}, **kw).choices[0].text
+    banned = list(stub.Generate(frontend_pb2.GenerateRequest(token_ids=ids, sampling=sampling_pb2.SamplingParams(
+        max_tokens=5, ignore_eos=True, logit_bias={first: -100.0})), timeout=60))
+    assert first not in [t for m in banned for t in m.token_ids]
+    assert text == "".join(m.text for m in banned) != plain

@@ -126,12 +126,16 @@ def test_disaggregated_seeded_sampling_is_reproducible(cluster, stub, shakespear
     assert wait_all_free(cluster)
 
 
-def test_top_logprobs_are_refused_by_a_speculative_decode_worker(cluster, stub) -> None:
+def test_top_logprobs_and_logit_bias_are_refused_by_a_speculative_decode_worker(cluster, stub) -> None:
     use_decode(cluster, 1)
     with pytest.raises(grpc.RpcError) as e:
         run(stub, token_ids=[5, 6, 7], sampling=sampling_pb2.SamplingParams(max_tokens=3, top_logprobs=2))
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert e.value.details().startswith("sampling.top_logprobs: this decode worker runs speculative decoding")
+    with pytest.raises(grpc.RpcError) as e:
+        run(stub, token_ids=[5, 6, 7], sampling=sampling_pb2.SamplingParams(max_tokens=3, logit_bias={9: 2.0}))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert e.value.details().startswith("sampling.logit_bias: this decode worker runs speculative decoding")
     got, _ = run(stub, token_ids=[5, 6, 7], sampling=sampling_pb2.SamplingParams(max_tokens=3))  # still serving
     assert len(got) == 3
     assert wait_all_free(cluster)

@@ -79,3 +79,52 @@ def test_decoded_tokens_top_logprobs_equal_the_reference(tiny_model, overlap):
         assert len(top) == p.max_tokens - 1  # every decoded token (the helper samples the first)
         for row, t in zip(rows[1:], top):
             assert_top(t, want_top(row, p) if p.top_logprobs else [])
+
+
+def dense_bias(params: SamplingParams, vocab: int) -> torch.Tensor:
+    bias = torch.zeros(vocab)
+    for t, b in params.logit_bias:
+        bias[t] += b
+    return bias
+
+
+def test_logit_bias_moves_only_its_own_rows_draws():
+    from dataclasses import replace
+    torch.manual_seed(1)
+    logits = torch.randn(4, 200) * 2
+    top = int(logits[0].argmax())
+    params = [SamplingParams(logit_bias=((top, -100.0), (7, 0.5))),  # the argmax all but banned
+              SamplingParams(),
+              SamplingParams(temperature=0.9, seed=4, logit_bias=((11, 100.0),), top_logprobs=2),  # forced
+              SamplingParams(temperature=0.9, seed=4)]
+    rows = SamplingRows.build([(p, 2) for p in params], "cpu")
+    tokens, logprobs = sample_batch(logits, rows)
+    alone_tokens, alone_logprobs = sample_batch(logits, SamplingRows.build([(replace(p, logit_bias=()), 2)
+                                                                           for p in params], "cpu"))
+    for i in (1, 3):  # rows without a bias: the same bits as in a batch without any
+        assert tokens[i] == alone_tokens[i] and logprobs[i] == alone_logprobs[i]
+    for i in (0, 2):  # a biased row: the plain draw from its biased logits
+        want = sample(logits[i] + dense_bias(params[i], 200), replace(params[i], logit_bias=()), 2)
+        assert (int(tokens[i]), float(logprobs[i])) == pytest.approx(want, abs=1e-6)
+    assert int(tokens[0]) != top and int(tokens[2]) == 11
+    assert top_logprobs(logits[2], params[2])[0][0] == 11  # the alternatives are of the biased distribution
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_decoded_tokens_with_a_logit_bias_equal_the_reference(tiny_model, overlap):
+    from dataclasses import replace
+    vocab = tiny_model.config.vocab_size
+    prompts = [[(70 + 11 * i + 5 * j) % 1000 for i in range(10 + 4 * j)] for j in range(3)]
+    first = reference_generate(tiny_model.model, prompts[0], 4)
+    params = [SamplingParams(max_tokens=6, ignore_eos=True, logit_bias=tuple((t, -100.0) for t in sorted(set(first)))),
+              SamplingParams(max_tokens=6, ignore_eos=True),
+              SamplingParams(max_tokens=6, temperature=1.1, seed=8, ignore_eos=True, logit_bias=((42, 6.0),))]
+    got, _ = asyncio.run(generate(tiny_model, 0, prompts, params, overlap=overlap,
+                                  disable_overlap_schedule=not overlap))
+    for prompt, p, tokens in zip(prompts, params, got):
+        plain = replace(p, logit_bias=())
+        want = reference_generate(tiny_model.model, prompt, p.max_tokens,
+                                  sample_fn=lambda row, step, p=p, plain=plain: sample(row + dense_bias(p, vocab),
+                                                                                       plain, step)[0])
+        assert tokens == want
+    assert not set(got[0]) & set(first)  # the banned tokens never came

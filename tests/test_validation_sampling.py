@@ -21,10 +21,17 @@ from router.stop_strings import StopMatcher
     (dict(stop=[""]), "sampling.stop"),
     (dict(stop=[f"s{i}" for i in range(17)]), "sampling.stop"),  # more than MAX_STOP_STRINGS
     (dict(stop=["ok", "x" * 257]), "sampling.stop[1]"),  # longer than MAX_STOP_CHARS
+    (dict(top_logprobs=21), "sampling.top_logprobs"),
+    (dict(top_logprobs=-1), "sampling.top_logprobs"),
+    (dict(logit_bias={100: 1.0}), "sampling.logit_bias[100]"),  # outside the vocabulary of 100
+    (dict(logit_bias={-1: 1.0}), "sampling.logit_bias[-1]"),
+    (dict(logit_bias={3: 100.5}), "sampling.logit_bias[3]"),
+    (dict(logit_bias={3: math.nan}), "sampling.logit_bias[3]"),
+    (dict(logit_bias={i: 1.0 for i in range(1025)}), "sampling.logit_bias"),
 ])
 def test_bad_sampling_names_field(fields, field):
     with pytest.raises(InvalidArgument) as e:
-        sampling_from_proto(sampling_pb2.SamplingParams(**fields), prompt_tokens=10, context_length=64)
+        sampling_from_proto(sampling_pb2.SamplingParams(**fields), prompt_tokens=10, context_length=64, vocab_size=100)
     assert e.value.field == field and str(e.value).startswith(field)
 
 
@@ -39,8 +46,16 @@ def test_request_id_length():
         assert e.value.field == "request_id"
 
 
+def test_logit_bias_is_kept_in_id_order_and_goes_back_to_proto_unchanged():
+    from common.validation import sampling_to_proto
+    msg = sampling_pb2.SamplingParams(logit_bias={9: -100.0, 2: 100.0, 5: 0.5}, top_logprobs=3)
+    p = sampling_from_proto(msg, prompt_tokens=10, context_length=64, vocab_size=1000)
+    assert p.logit_bias == ((2, 100.0), (5, 0.5), (9, -100.0)) and p.top_logprobs == 3
+    assert sampling_from_proto(sampling_to_proto(p), prompt_tokens=10, context_length=64, vocab_size=1000) == p
+
+
 def test_defaults():
-    p = sampling_from_proto(sampling_pb2.SamplingParams(), prompt_tokens=10, context_length=64, default_seed=5)
+    p = sampling_from_proto(sampling_pb2.SamplingParams(), prompt_tokens=10, context_length=64, vocab_size=100, default_seed=5)
     assert p == SamplingParams(max_tokens=54, temperature=0.0, top_p=1.0, seed=5)
 
 
