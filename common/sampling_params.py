@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
+
+import numpy as np
 
 DEFAULT_MAX_TOKENS = 64
 MAX_TOP_LOGPROBS = 20  # alternatives reported per generated token (OpenAI's own limit of top_logprobs)
-MAX_LOGIT_BIAS = 1024  # logit_bias entries per request (each is applied to every step's logits)
+# logit_bias entries per request: every step of a batch uploads its rows' entries, so a
+# request's count bounds what it adds to everyone's step
+MAX_LOGIT_BIAS = 300
 LOGIT_BIAS_RANGE = 100.0  # a bias lies in [-100, 100], as in OpenAI's API
 
 
@@ -26,3 +31,10 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @cached_property
+    def bias_arrays(self) -> tuple[np.ndarray, np.ndarray]:
+        """logit_bias as (token ids int64 [N], biases float32 [N]), built once per request (a
+        decode step gathers its rows' arrays every step)."""
+        return (np.array([t for t, _ in self.logit_bias], dtype=np.int64),
+                np.array([b for _, b in self.logit_bias], dtype=np.float32))

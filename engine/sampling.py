@@ -32,6 +32,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple
 
+import numpy as np
 import torch
 from common.sampling_params import SamplingParams
 from engine.kernels import greedy_head as greedy_kernel
@@ -103,10 +104,12 @@ class SamplingRows:
         any_sampled = any(not p.greedy for p, _ in rows)
         top = max((p.top_logprobs for p, _ in rows), default=0)
         bias = None
-        if any(p.logit_bias for p, _ in rows):
-            pairs = [(r, t, b) for r, (p, _) in enumerate(rows) for t, b in p.logit_bias]
-            where = upload([[r for r, _, _ in pairs], [t for _, t, _ in pairs]], torch.int64, device)
-            bias = (where[0], where[1], upload([b for _, _, b in pairs], torch.float32, device))
+        with_bias = [(r, p.bias_arrays) for r, (p, _) in enumerate(rows) if p.logit_bias]
+        if with_bias:
+            ids = np.concatenate([a[0] for _, a in with_bias])
+            at = np.repeat(np.array([r for r, _ in with_bias], dtype=np.int64), [len(a[0]) for _, a in with_bias])
+            where = upload(np.stack((at, ids)), torch.int64, device)
+            bias = (where[0], where[1], upload(np.concatenate([a[1] for _, a in with_bias]), torch.float32, device))
         if not any_sampled:
             z = _zeros(len(rows), device)
             return SamplingRows(z, z, z, z, False, False, top, bias)
