@@ -12,6 +12,7 @@ import signal
 import sys
 import tempfile
 from pathlib import Path
+from typing import NamedTuple
 
 # The commands that are clients of a cluster (not its servers)
 CLIENTS = ("generate", "explain", "bench", "top", "health", "config", "certs", "plan")
@@ -159,13 +160,23 @@ def _names_loopback(host: str) -> bool:
     return host.strip("[]") in LOOPBACK
 
 
-def _check_process_values(up: argparse.Namespace) -> tuple[bool, tuple[str, ...]]:
+class ProcessValues(NamedTuple):
+    """What `_check_process_values` learns of the router's resolved options."""
+
+    https: bool  # its HTTP API serves HTTPS
+    hosts: tuple[str, ...]  # where it is reached beyond loopback: what `--https` certificates must name
+    # an --https API on every interface whose certificate names loopback only (said once ready)
+    loopback_names_only: bool = False
+
+
+def _check_process_values(up: argparse.Namespace) -> ProcessValues:
     """Refuse a router or worker value `tandem up`'s processes would refuse (from a TANDEM_*
     variable or the config file), before etcd and the router start rather than when that process
     does, seconds later. Each role's options are resolved as its process will resolve them: the
     flags `tandem up` gives it (cluster.LocalCluster.spawn), then the variables, the file, the
-    defaults. Returns whether the routers' HTTP API will serve HTTPS, and the hosts it is reached
-    at beyond loopback (its bind and advertised addresses: what `--https` certificates must name).
+    defaults. Returns ProcessValues: whether the routers' HTTP API will serve HTTPS, the hosts it
+    is reached at beyond loopback (its bind and advertised addresses: what `--https` certificates
+    must name), and whether such an API listens on every interface with loopback names only.
 
     Raises:
         ValueError: the flag named, where its value came from, and which processes.
@@ -185,7 +196,7 @@ def _check_process_values(up: argparse.Namespace) -> tuple[bool, tuple[str, ...]
         roles += [(role, WorkerOptions, role_flags(role)) for role, n in (("prefill", up.prefill),
                                                                           ("decode", up.decode)) if n > 0]
     roles = [(role, options, [*metrics_flags(role, up.metrics), *flags]) for role, options, flags in roles]
-    https, hosts = up.https, ()
+    https, hosts, loopback_only = up.https, (), False
     parser = _every_option_parser()
     # options tandem up passes a flag of its own for: never read from a variable or the file
     overridden = ({"tls_cert", "tls_key", "tls_ca"} if not up.insecure else set()) | (
@@ -215,9 +226,8 @@ def _check_process_values(up: argparse.Namespace) -> tuple[bool, tuple[str, ...]
             recorded = advertised_host(opts.host, opts.advertise_host)
             hosts = tuple(dict.fromkeys(h.strip("[]") for h in (opts.http_host, opts.host, opts.advertise_host, recorded)
                                         if h and h not in WILDCARDS and not _names_loopback(h)))
-            # an --https API on every interface whose certificate names loopback only: said when ready
-            up.loopback_names_only = up.https and (opts.http_host or opts.host) in WILDCARDS and not hosts
-    return https, hosts
+            loopback_only = up.https and (opts.http_host or opts.host) in WILDCARDS and not hosts
+    return ProcessValues(https, hosts, loopback_only)
 
 
 def _pass_sighup(cluster) -> None:
@@ -308,7 +318,7 @@ def _up(args: argparse.Namespace) -> int:
     if args.mocker and {"--prefill", "--decode"} & getattr(args, "given", set()):  # dropped without a word before
         raise ValueError(f"--mocker {args.mocker} starts simulated workers that each prefill and decode; "
                          "--prefill and --decode count real workers: leave them out (or --mocker)")
-    serves_https, router_hosts = _check_process_values(args)
+    values = _check_process_values(args)
 
     log_parent = Path(args.log_dir).expanduser() if args.log_dir else None
     if log_parent is not None:
@@ -326,7 +336,7 @@ def _up(args: argparse.Namespace) -> int:
                                    etcd=args.etcd, log_dir=log_dir, router_port=args.port,
                                    router_args=_router_args(args),
                                    metrics=args.metrics, num_mocker=args.mocker, http_port=args.http_port,
-                                   tls=not args.insecure, https=args.https, router_hosts=router_hosts,
+                                   tls=not args.insecure, https=args.https, router_hosts=values.hosts,
                                    api_keys=args.api_keys, num_routers=args.routers,
                                    mocker_processes=args.mocker_processes, ready_timeout_s=args.ready_timeout,
                                    mps=args.mps, mps_prefill_percent=args.mps_prefill_percent,
@@ -336,7 +346,7 @@ def _up(args: argparse.Namespace) -> int:
                 os.rmdir(log_dir)
             raise
         starting["cluster"] = cluster
-        cluster.http_scheme = "https" if serves_https else "http"  # also by the router's own settings
+        cluster.http_scheme = "https" if values.https else "http"  # also by the router's own settings
         # settings a shell exported earlier (the README's mocker example) reach every process:
         # said here, since only a worker's log would show them otherwise
         from common.lifecycle import LAUNCHER_ENV
@@ -389,7 +399,7 @@ def _up(args: argparse.Namespace) -> int:
             if cluster.http_address:
                 trust = f" (trust {cluster.ca.ca_path}: curl --cacert FILE)" if args.https else ""
                 print(f"  OpenAI-compatible HTTP API at {cluster.http_url}/v1{trust}", flush=True)
-                if getattr(args, "loopback_names_only", False):
+                if values.loopback_names_only:
                     print("  note: the HTTP API listens on every interface, but its certificate names loopback only "
                           "(localhost, 127.0.0.1, ::1): clients on other machines will fail to verify it. Give the "
                           "router the address they use (docs/security.md, \"HTTPS for the HTTP API\")", flush=True)

@@ -419,7 +419,7 @@ def test_up_checks_its_processes_values_as_it_will_pass_them(monkeypatch, tmp_pa
         parser = build_parser("up", full=True)
         args = parser.parse_args(["up", *argv])
         config.apply(parser, args)
-        return _check_process_values(args)
+        return _check_process_values(args)[:2]
 
     for k in [k for k in os.environ if k.startswith("TANDEM_")]:
         monkeypatch.delenv(k)
@@ -556,8 +556,7 @@ def test_up_notes_an_https_api_on_every_interface_whose_certificate_names_loopba
         parser = build_parser("up", full=True)
         args = parser.parse_args(["up", *argv])
         config.apply(parser, args)
-        _check_process_values(args)
-        return args.loopback_names_only
+        return _check_process_values(args).loopback_names_only
 
     for k in [k for k in os.environ if k.startswith("TANDEM_")]:
         monkeypatch.delenv(k)
