@@ -38,7 +38,7 @@ class BenchOptions:
     router: str = "127.0.0.1:50051"  # router address host:port
     router_wait_s: float = 180.0  # seconds to wait for the router and its workers before the first request
     backend: str = "grpc"  # grpc (FrontendService.Generate) | openai (the router's HTTP API at --http-url)
-    http_url: str = "http://127.0.0.1:8000"  # --backend openai: base URL of the OpenAI-compatible API
+    http_url: str = ""  # --backend openai: base URL of the OpenAI-compatible API ("" = the router's own, as it says)
     http_ca: str = ""  # --backend openai over https: a CA file its certificate may chain to (besides the system's)
     dataset: str = "mooncake"  # mooncake[:PATH] | azure:PATH | sharegpt:PATH | mt-bench[:PATH] | synthetic-prefix
     num_requests: int = 0  # 0 = every request of the dataset
@@ -66,7 +66,7 @@ class BenchOptions:
     def __post_init__(self) -> None:
         if self.backend not in ("grpc", "openai"):
             raise ValueError(f"--backend must be grpc or openai; got {self.backend!r}")
-        if self.backend == "openai" and not self.http_url.startswith(("http://", "https://")):
+        if self.backend == "openai" and self.http_url and not self.http_url.startswith(("http://", "https://")):
             raise ValueError(f"--http-url must start with http:// or https://; got {self.http_url!r}")
         if self.http_ca and not os.path.isfile(self.http_ca):
             raise ValueError(f"--http-ca {self.http_ca}: no such file")
@@ -104,17 +104,23 @@ def load_requests(opts: BenchOptions, vocab: int) -> list[BenchRequest]:
 def _load(opts: BenchOptions, vocab: int) -> list[BenchRequest]:
     name, _, path = opts.dataset.partition(":")
     n = opts.num_requests or None
+    upto = n + opts.skip if n else None  # rows read before --skip drops its first ones
     if name == "mooncake":
         reqs = traces.load_mooncake(Path(path) if path else traces.DEFAULT_TRACE, vocab, n, opts.skip)
-    elif name == "azure":
-        reqs = traces.load_azure(Path(_need(path, name)), vocab, n, opts.bench_seed)
-    elif name == "sharegpt":
-        reqs = traces.load_sharegpt(Path(_need(path, name)), opts.output_tokens, n)
-    elif name == "mt-bench":
-        reqs = traces.load_mt_bench(Path(path) if path else traces.MT_BENCH, opts.output_tokens, n)
-    else:
+    elif name == "synthetic-prefix":
+        if opts.skip:
+            raise ValueError("--skip starts at a row of a trace or prompt file; --dataset synthetic-prefix draws its "
+                             "requests (change --bench-seed for others)")
         reqs = traces.synthetic_prefix(n or 1000, opts.groups, opts.prefix_len, opts.suffix_len, opts.output_tokens,
                                        vocab, opts.bench_seed)
+    else:
+        if name == "azure":
+            reqs = traces.load_azure(Path(_need(path, name)), vocab, upto, opts.bench_seed)
+        elif name == "sharegpt":
+            reqs = traces.load_sharegpt(Path(_need(path, name)), opts.output_tokens, upto)
+        else:
+            reqs = traces.load_mt_bench(Path(path) if path else traces.MT_BENCH, opts.output_tokens, upto)
+        reqs = _skipped(reqs, opts.skip)
     if opts.arrival == "poisson" or (opts.arrival == "trace" and all(r.arrival_s == 0 for r in reqs)):
         reqs = traces.poisson_arrivals(reqs, opts.rate, opts.bench_seed)
     cap = opts.max_output_len
@@ -122,9 +128,32 @@ def _load(opts: BenchOptions, vocab: int) -> list[BenchRequest]:
             for r in reqs]
 
 
+def _arrival(opts: BenchOptions, reqs: list[BenchRequest]) -> str:
+    """How the requests arrive, as the header says it: a dataset without timestamps (prompts,
+    synthetic) under --arrival trace arrives as a Poisson process at --rate (`_load`)."""
+    if opts.arrival == "concurrency":
+        return f"concurrency {opts.concurrency}"
+    timed = opts.dataset.partition(":")[0] in ("mooncake", "azure")
+    if opts.arrival == "poisson" or not timed:
+        said = "" if opts.arrival == "poisson" else " (the dataset has no timestamps)"
+        return f"poisson at {opts.rate:g} requests/s{said}"
+    return "trace"
+
+
+def _skipped(reqs: list[BenchRequest], skip: int) -> list[BenchRequest]:
+    """reqs from row `skip` on, numbered from 0, their arrivals counted from the first kept one's."""
+    kept = reqs[skip:]
+    t0 = kept[0].arrival_s if kept else 0.0
+    return [replace(r, index=i, arrival_s=r.arrival_s - t0) for i, r in enumerate(kept)]
+
+
+_FILES = {"azure": "an Azure LLM inference trace: a CSV with TIMESTAMP, ContextTokens and GeneratedTokens columns",
+          "sharegpt": "a ShareGPT JSON file: a list of {\"conversations\": [{\"value\": PROMPT}, ...]}"}
+
+
 def _need(path: str, name: str) -> str:
     if not path:
-        raise ValueError(f"--dataset {name} needs a path: {name}:PATH (see ../shared/datasets/README.md)")
+        raise ValueError(f"--dataset {name} needs a path: {name}:PATH, {_FILES[name]}")
     return path
 
 
@@ -216,10 +245,16 @@ def run(opts: BenchOptions, credentials: Callable[[], TlsCredentials | None] | N
     reqs = load_requests(opts, model.vocab_size)
     if opts.arrival == "concurrency":
         reqs = [replace(r, arrival_s=0.0) for r in reqs]
-    http_url = opts.http_url.rstrip("/") if opts.backend == "openai" else ""
+    http_url = ""
+    if opts.backend == "openai":
+        http_url = (opts.http_url or model.http_url).rstrip("/")
+        if not http_url:
+            raise ValueError(f"--backend openai: the router at {opts.router} serves no HTTP API (start it with "
+                             "--http-port), and no --http-url was given")
     target = f"{http_url}/v1/completions" if http_url else opts.router
     print(f"tandem bench: {len(reqs)} requests ({opts.dataset}) to {target} (model {model.name}, block size "
-          f"{model.block_size}), arrival {opts.arrival}, load {opts.load}, speedup {opts.speedup}", file=sys.stderr)
+          f"{model.block_size}), arrival {_arrival(opts, reqs)}, load {opts.load}, speedup {opts.speedup}",
+          file=sys.stderr)
     results, wall = asyncio.run(run_load(opts.router, reqs, opts.speedup,
                                          opts.concurrency if opts.arrival == "concurrency" else 0, opts.timeout_s,
                                          http_url=http_url, model=model.name, api_key=opts.api_key,

@@ -168,7 +168,8 @@ HELP = {
                      "before the first request (a `tandem up` started just before); 0 = fail at once",
     "backend": "bench: grpc (FrontendService.Generate at --router) or openai (POST /v1/completions at --http-url; "
                "the model and its workers are still read from --router)",
-    "http_url": "bench --backend openai: base URL of the router's OpenAI-compatible HTTP API",
+    "http_url": "bench --backend openai: base URL of the router's OpenAI-compatible HTTP API (default: where "
+                "the router at --router says it serves it)",
     "http_ca": "bench --backend openai over https://: a CA certificate file the API's certificate may chain to, "
                "besides the system's and --tls-ca's (a router whose HTTP API has a certificate of another CA "
                "than its gRPC port)",

@@ -340,11 +340,13 @@ async def run(opts: RouterOptions, ready: Callable[[RunningServer, FrontendServi
         log.info("router OpenAI-compatible HTTP API at %s/v1", http_server.url)
     servicer.cluster_status = ClusterView(instance_id, opts.router_mode, servicer, workers, load, health, index,
                                           metrics_address)
+    http_address = _http_record(http_server, opts, address)
+    if http_server is not None:
+        servicer.http_url = f"{http_server.scheme}://{http_address}"
     instance = discovery_pb2.Instance(
         instance_id=instance_id, role=discovery_pb2.ROLE_ROUTER, address=address, model=name,
         block_size=opts.block_size, hash_seed=hash_seed(name), state=discovery_pb2.INSTANCE_STATE_SERVING,
-        start_time_unix=time.time(), version=VERSION, metrics_address=metrics_address,
-        http_address=_http_record(http_server, opts, address))
+        start_time_unix=time.time(), version=VERSION, metrics_address=metrics_address, http_address=http_address)
     registration = Registration(opts.etcd, opts.namespace, instance, ttl_seconds=opts.lease_ttl_s)
     await registration.start()
     stop = stop or asyncio.Event()

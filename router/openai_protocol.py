@@ -1,7 +1,8 @@
 """OpenAI's request and response objects, and their mapping onto `tandem.v1.GenerateRequest`.
 
-Requests are pydantic models (unknown fields are accepted and ignored, as OpenAI's own
-server-side clients expect); `to_generate` turns one into a gRPC request per choice, so that the HTTP
+Requests are pydantic models (`_Body`: unknown fields are accepted and ignored, as OpenAI's own
+server-side clients expect; known ones are checked strictly, so `true` is no integer and `"5"`
+no number; a null stands for the field's default); `to_generate` turns one into a gRPC request per choice, so that the HTTP
 API shares the gRPC API's validation (common/validation.py). Fields the engine cannot honour
 are refused by name when set to anything but their no-op value (`best_of` other than `n`, `echo`,
 `suffix`, `presence_penalty`, `frequency_penalty`, `tools`, `response_format`).
@@ -32,7 +33,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from common.pb.tandem.v1 import frontend_pb2 as pb
 from common.pb.tandem.v1 import sampling_pb2
@@ -73,16 +74,32 @@ def choice_tag() -> str:
     return uuid.uuid4().hex[:8]
 
 
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="allow")
+class _Body(BaseModel):
+    """An object of a request body: unknown fields accepted and ignored; known ones of their
+    declared type, strictly (`"max_tokens": true` or `"n": "2"` is a 400 naming the field, not 1
+    or 2), where an int also passes for a float; a null given for a field that has a default
+    stands for that default (`"n": null` is n = 1), as in OpenAI's API. Required fields stay
+    required."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items()
+                    if v is not None or k not in cls.model_fields or cls.model_fields[k].is_required()}
+        return data
+
+
+class StreamOptions(_Body):
     include_usage: bool = False
 
 
-class _Common(BaseModel):
+class _Common(_Body):
     """Fields both endpoints take. Defaults are the gRPC API's: greedy (temperature 0), top_p 1,
     max_tokens min(64, context left)."""
 
-    model_config = ConfigDict(extra="allow")
     model: str | None = None
     max_tokens: int | None = None
     temperature: float | None = None
@@ -225,17 +242,18 @@ class CompletionRequest(_Common):
         return out
 
 
-class ContentPart(BaseModel):
-    model_config = ConfigDict(extra="allow")
+class ContentPart(_Body):
     type: str
     text: str | None = None
 
 
 CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})  # OpenAI's message roles
+# a participant's name, as OpenAI's API takes it: it goes into the chat template as it is, so a
+# newline in it could write a turn of its own
+NAME_PATTERN = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
+class ChatMessage(_Body):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
@@ -273,11 +291,18 @@ class ChatCompletionRequest(_Common):
                 raise InvalidArgument(f"messages[{i}].content", f"a {m.role} message needs content")
             content = m.content if m.content is not None else ""
             if isinstance(content, list):
+                if not content:
+                    raise InvalidArgument(f"messages[{i}].content", "an empty list of content parts")
                 if any(p.type != "text" for p in content):
                     raise InvalidArgument(f"messages[{i}].content", "only text content parts are supported")
-                content = "".join(p.text or "" for p in content)
+                missing = next((j for j, p in enumerate(content) if p.text is None), None)
+                if missing is not None:
+                    raise InvalidArgument(f"messages[{i}].content[{missing}].text", "a text part needs its text")
+                content = "".join(p.text for p in content)
             msg = {"role": m.role, "content": content}
-            if m.name:
+            if m.name is not None:
+                if not NAME_PATTERN.fullmatch(m.name):
+                    raise InvalidArgument(f"messages[{i}].name", "1 to 64 letters, digits, underscores or hyphens")
                 msg["name"] = m.name
             out.append(msg)
         return out

@@ -86,6 +86,7 @@ class FrontendServicer(pb_grpc.FrontendServiceServicer):
         self.load = load
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
+        self.http_url = ""  # the HTTP API's base URL where clients reach it (router.main sets it; ListModels)
         self.context_length = context_length
         self.on_routed = on_routed  # approx mode: remember the routed blocks
         self.migration_limit = 3  # decode failures one request may survive (retries and migrations)
@@ -200,7 +201,7 @@ class FrontendServicer(pb_grpc.FrontendServiceServicer):
     async def ListModels(self, request: pb.ListModelsRequest, context: grpc.aio.ServicerContext) -> pb.ListModelsResponse:
         return pb.ListModelsResponse(models=[pb.ModelInfo(
             name=self.workers.model, context_length=self.context_length, vocab_size=self.vocab_size,
-            block_size=self.workers.block_size)])
+            block_size=self.workers.block_size, http_url=self.http_url)])
 
     async def ExplainRoute(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> pb.ExplainRouteResponse:
         tokens, _ = await self._validated(request, context)

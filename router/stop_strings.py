@@ -1,5 +1,7 @@
-"""Stop strings over streamed text: holds back just enough text to catch a match that
-spans two deltas, and cuts the output before the first match."""
+"""Stop strings over streamed text: holds back just the text that could begin a match
+spanning two deltas (the longest end of the text that is the start of a stop string), and cuts
+the output before the first match. Text that cannot begin one goes out at once, so a stream
+with a long stop string, or a chat reply with its end-of-turn stop, does not lag behind."""
 
 from __future__ import annotations
 
@@ -8,7 +10,8 @@ class StopMatcher:
     def __init__(self, stop: tuple[str, ...]) -> None:
         self._stop = stop
         self.active = bool(stop)  # False: every delta passes whole (feed returns it as it is)
-        self._hold = max((len(s) for s in stop), default=1) - 1
+        self._hold = max((len(s) for s in stop), default=1) - 1  # the most that can be held
+        self._firsts = frozenset(s[0] for s in stop)
         self._pending = ""
 
     def feed(self, delta: str) -> tuple[str, bool]:
@@ -18,9 +21,19 @@ class StopMatcher:
         if hits:
             out, self._pending = self._pending[: min(hits)], ""
             return out, True
-        cut = max(0, len(self._pending) - self._hold)
+        cut = self._unsafe_from()
         out, self._pending = self._pending[:cut], self._pending[cut:]
         return out, False
+
+    def _unsafe_from(self) -> int:
+        """Where the pending text's end that could still begin a match starts: the smallest i
+        within the last `_hold` characters where pending[i:] is the start of a stop string (it
+        holds no whole one: feed looked); len(pending) when there is none."""
+        p = self._pending
+        for i in range(max(0, len(p) - self._hold), len(p)):
+            if p[i] in self._firsts and any(s.startswith(p[i:]) for s in self._stop):
+                return i
+        return len(p)
 
     def flush(self) -> str:
         out, self._pending = self._pending, ""

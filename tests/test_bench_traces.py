@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import json
 import pytest
 
 from bench import traces
@@ -124,3 +125,23 @@ def test_the_offline_replay_never_beats_the_ttft_bound():
     assert all(r.ok for r in res.results) and len(res.results) == len(reqs)
     for r in res.results:
         assert r.ttft_s >= bounds[r.index] - 1e-9, (r.index, r.ttft_s, bounds[r.index])
+
+
+def test_skip_starts_every_file_dataset_at_its_row_and_the_header_says_how_they_arrive(tmp_path):
+    from bench.main import BenchOptions, _arrival, load_requests
+
+    every = load_requests(BenchOptions(dataset="mt-bench", arrival="concurrency"), 1000)
+    later = load_requests(BenchOptions(dataset="mt-bench", arrival="concurrency", skip=90, num_requests=5), 1000)
+    assert [r.text for r in later] == [r.text for r in every[90:95]] and [r.index for r in later] == list(range(5))
+    share = tmp_path / "share.json"
+    share.write_text(json.dumps([{"conversations": [{"value": f"q{i}"}]} for i in range(6)]))
+    assert [r.text for r in load_requests(BenchOptions(dataset=f"sharegpt:{share}", skip=4), 1000)] == ["q4", "q5"]
+    with pytest.raises(ValueError, match="--skip starts at a row of a trace or prompt file"):
+        load_requests(BenchOptions(dataset="synthetic-prefix", skip=3), 1000)
+    with pytest.raises(ValueError, match=r"--dataset azure needs a path: azure:PATH, an Azure LLM inference trace"):
+        load_requests(BenchOptions(dataset="azure"), 1000)
+    # mt-bench has no timestamps: under --arrival trace it arrives as a Poisson process, and says so
+    assert _arrival(BenchOptions(dataset="mt-bench"), later) == \
+        "poisson at 1 requests/s (the dataset has no timestamps)"
+    assert _arrival(BenchOptions(dataset="mooncake"), later) == "trace"
+    assert _arrival(BenchOptions(arrival="concurrency", concurrency=4), later) == "concurrency 4"

@@ -215,6 +215,10 @@ def test_seeded_sampling_reproducible_and_equal_grpc(client, stub):
     ({"extra_body": {"max_tokens": "many"}}, "max_tokens"),
     ({"seed": -3}, "seed"),
     ({"presence_penalty": 0.5}, "presence_penalty"),
+    ({"logprobs": False}, "logprobs"),  # a count, not a switch: false is no 0 (it turned logprobs on)
+    ({"max_tokens": True}, "max_tokens"),  # (was 1 token)
+    ({"n": "2"}, "n"),
+    ({"stream": "yes"}, "stream"),
     ({"logit_bias": {"x": 1}}, "logit_bias"),
     ({"logit_bias": {"999999": 1}}, "logit_bias[999999]"),  # the router's vocabulary check
     ({"logit_bias": {"5": 101}}, "logit_bias[5]"),
@@ -238,6 +242,10 @@ def test_completions_bad_parameter_is_400_naming_it(client, kw, param):
     ({"temperature": 0.0001}, "temperature"),
     ({"top_logprobs": 21, "logprobs": True}, "top_logprobs"),
     ({"top_logprobs": 2}, "top_logprobs"),  # without logprobs: true
+    ({"messages": [{"role": "user", "content": []}]}, "messages[0].content"),
+    ({"messages": [{"role": "user", "content": [{"type": "text"}]}]}, "messages[0].content[0].text"),
+    ({"messages": [{"role": "user", "content": "hi", "name": "ROMEO\n\nJULIET"}]}, "messages[0].name"),
+    ({"max_completion_tokens": True}, "max_completion_tokens"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],},
      "messages[0].content"),
 ])
@@ -469,6 +477,18 @@ def test_bench_backend_openai_equals_grpc(cluster):
         assert sum(n for _, n in h.chunks) == 6 and h.ttft_s is not None and h.ttft_s <= h.end_s - h.start_s
 
 
+def test_bench_backend_openai_finds_the_routers_http_api_by_itself(cluster, stub, capsys):
+    # before, the bench dialled http://127.0.0.1:8000 unless told --http-url
+    from bench.main import BenchOptions, run
+
+    model = stub.ListModels(frontend_pb2.ListModelsRequest(), timeout=10).models[0]
+    assert model.http_url == f"http://{cluster.router.http_address}"
+    summary = run(BenchOptions(router=cluster.router.address, backend="openai", dataset="mt-bench", num_requests=2,
+                               output_tokens=2, arrival="concurrency", router_wait_s=10))
+    assert summary["completed"] == 2 and summary["failed"] == 0, summary
+    assert f"to {model.http_url}/v1/completions" in capsys.readouterr().err
+
+
 def test_bench_says_how_far_it_is_when_stderr_is_no_terminal(cluster, monkeypatch, capsys):
     """Without a terminal tqdm stays silent; a line every PROGRESS_EVERY_S says how far the run is."""
     import asyncio
@@ -589,3 +609,18 @@ def test_logit_bias_forces_and_bans_tokens(client, stub, stream):
         max_tokens=5, ignore_eos=True, logit_bias={first: -100.0})), timeout=60))
     assert first not in [t for m in banned for t in m.token_ids]
     assert text == "".join(m.text for m in banned) != plain
+
+
+def test_a_null_stands_for_the_default(cluster):
+    # OpenAI's API takes null for any optional field; clients built on it send them
+    base = f"http://{cluster.router.http_address}/v1"
+    nulls = {k: None for k in ("n", "stream", "echo", "presence_penalty", "frequency_penalty", "ignore_eos",
+                               "logprobs", "stream_options", "best_of", "seed", "stop", "temperature")}
+    r = httpx.post(f"{base}/completions", json={"prompt": [1, 2, 3], "max_tokens": 2, **nulls}, timeout=60)
+    assert r.status_code == 200 and len(r.json()["choices"]) == 1 and r.json()["choices"][0]["logprobs"] is None
+    chat = {"messages": [{"role": "user", "content": "hi", "name": None}], "max_completion_tokens": 2, **nulls,
+            "logprobs": None, "top_logprobs": None, "tools": None}
+    r = httpx.post(f"{base}/chat/completions", json=chat, timeout=60)
+    assert r.status_code == 200 and r.json()["choices"][0]["logprobs"] is None, r.text
+    r = httpx.post(f"{base}/chat/completions", json={"messages": None}, timeout=60)  # required: null is no default
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text

@@ -1,6 +1,8 @@
 import math
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 import torch
 
 from common.pb.tandem.v1 import sampling_pb2
@@ -98,3 +100,34 @@ def test_stop_matcher(deltas, stop, sent, stopped):
     if not hit:
         out += m.flush()
     assert (out, hit) == (sent, stopped)
+
+
+def test_stop_matcher_holds_back_only_what_could_begin_a_stop():
+    chat = StopMatcher(("\n\n",))  # a chat reply's end of turn: words go out whole, at once
+    assert [chat.feed(d) for d in ("Hello", " world", "\n", "Next")] == [
+        ("Hello", False), (" world", False), ("", False), ("\nNext", False)]
+    long = StopMatcher(("Z" * 200,))
+    assert long.feed("ROMEO: ") == ("ROMEO: ", False)  # (all of it waited for the 200th character)
+    assert long.feed("ZZ") == ("", False) and long.feed("a") == ("ZZa", False)
+    both = StopMatcher(("abcd", "cx"))
+    assert both.feed("zabc") == ("z", False)  # "abc" may become "abcd"; "c" may become "cx"
+    assert both.feed("x") == ("ab", True)  # "cx" came first
+
+
+@given(text=st.text(alphabet="abc\n", max_size=40), cuts=st.lists(st.integers(0, 40), max_size=8),
+       stops=st.lists(st.text(alphabet="abc\n", min_size=1, max_size=5), min_size=1, max_size=3))
+def test_stop_matcher_sends_the_text_before_the_first_stop_and_holds_nothing_it_need_not(text, cuts, stops):
+    m = StopMatcher(tuple(stops))
+    bounds = sorted({0, len(text), *(c for c in cuts if c <= len(text))})
+    out, hit = "", False
+    for a, b in zip(bounds, bounds[1:]):
+        sent, hit = m.feed(text[a:b])
+        out += sent
+        if hit:
+            break
+        held = text[len(out):b]  # what it keeps back may still begin a stop string, and nothing shorter would do
+        assert held == "" or any(s.startswith(held) for s in stops)
+    first = min((i for i in (text.find(s) for s in stops) if i >= 0), default=None)
+    if not hit:
+        out += m.flush()
+    assert (out, hit) == ((text, False) if first is None else (text[:first], True))

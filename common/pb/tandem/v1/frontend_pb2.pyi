@@ -60,16 +60,18 @@ class ListModelsResponse(_message.Message):
     def __init__(self, models: _Optional[_Iterable[_Union[ModelInfo, _Mapping]]] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("name", "context_length", "vocab_size", "block_size")
+    __slots__ = ("name", "context_length", "vocab_size", "block_size", "http_url")
     NAME_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_LENGTH_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    HTTP_URL_FIELD_NUMBER: _ClassVar[int]
     name: str
     context_length: int
     vocab_size: int
     block_size: int
-    def __init__(self, name: _Optional[str] = ..., context_length: _Optional[int] = ..., vocab_size: _Optional[int] = ..., block_size: _Optional[int] = ...) -> None: ...
+    http_url: str
+    def __init__(self, name: _Optional[str] = ..., context_length: _Optional[int] = ..., vocab_size: _Optional[int] = ..., block_size: _Optional[int] = ..., http_url: _Optional[str] = ...) -> None: ...
 
 class ExplainRouteResponse(_message.Message):
     __slots__ = ("mode", "prompt_tokens", "prompt_blocks", "candidates", "decode_instance_id", "prefill_instance_id", "local_prefill_reason", "decision_seconds", "text", "prefill_weight")
