@@ -13,6 +13,7 @@ MAX_TOP_LOGPROBS = 20  # alternatives reported per generated token (OpenAI's own
 # request's count bounds what it adds to everyone's step
 MAX_LOGIT_BIAS = 300
 LOGIT_BIAS_RANGE = 100.0  # a bias lies in [-100, 100], as in OpenAI's API
+PENALTY_RANGE = 2.0  # presence and frequency penalties lie in [-2, 2], as in OpenAI's API
 
 
 @dataclass(frozen=True)
@@ -27,10 +28,17 @@ class SamplingParams:
     ignore_eos: bool = False
     top_logprobs: int = 0  # most likely tokens reported beside each generated one, 0..MAX_TOP_LOGPROBS
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) added to the logits, ids ascending
+    presence_penalty: float = 0.0  # subtracted once from the logit of each token generated so far
+    frequency_penalty: float = 0.0  # subtracted from a token's logit per time it was generated so far
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def penalized(self) -> bool:
+        """Whether a draw depends on the tokens generated before it (its history)."""
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
     @cached_property
     def bias_arrays(self) -> tuple[np.ndarray, np.ndarray]:

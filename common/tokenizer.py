@@ -8,7 +8,9 @@ tokens appended after the 151,643 base tokens.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
+from functools import cache
 from pathlib import Path
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
@@ -31,6 +33,23 @@ def _build_qwen2(directory: Path) -> Tokenizer:
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in QWEN2_SPECIAL_TOKENS])
     return tok
+
+
+@cache
+def _byte_level_alphabet() -> dict[str, int]:
+    """Byte-level BPE's printable stand-in for each byte (GPT-2's table, which the `tokenizers`
+    ByteLevel pre-tokenizer uses), inverted: character -> byte. Printable Latin-1 bytes stand
+    for themselves; the other 68 bytes take the code points from 256 on, in byte order."""
+    kept = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    out, extra = {chr(b): b for b in kept}, 0
+    for b in range(256):
+        if b not in kept:
+            out[chr(256 + extra)] = b
+            extra += 1
+    return out
+
+
+_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's byte-fallback tokens
 
 
 @dataclass
@@ -58,6 +77,30 @@ class TextTokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for, which may be part of a character (OpenAI's logprobs
+        `bytes`): a byte-level BPE token's own bytes, a byte-fallback token's (<0xNN>) byte,
+        else the UTF-8 of its text decoded alone (special tokens included)."""
+        piece = self.tokenizer.id_to_token(token_id) or ""
+        alphabet = _byte_level_alphabet()
+        if isinstance(self.tokenizer.decoder, decoders.ByteLevel) and piece and all(c in alphabet for c in piece):
+            return bytes(alphabet[c] for c in piece)
+        fallback = _BYTE_FALLBACK.fullmatch(piece)
+        if fallback:
+            return bytes([int(fallback.group(1), 16)])
+        return self.tokenizer.decode([token_id], skip_special_tokens=False).encode()
+
+    def token_shown(self, token_id: int) -> str:
+        """A token as logprobs list it: its text decoded alone, or where its bytes are no whole
+        UTF-8 text (part of a character) `bytes:` and the bytes as \\xNN escapes, as OpenAI's
+        API writes them, so that two such tokens do not both read "\ufffd"."""
+        raw = self.token_bytes(token_id)
+        try:
+            raw.decode()
+        except UnicodeDecodeError:
+            return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
 
 def load_tokenizer(checkpoint_dir: Path | None = None) -> TextTokenizer:

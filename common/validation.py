@@ -7,10 +7,11 @@ gRPC INVALID_ARGUMENT with that message, and never count it against a worker's h
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 from common.pb.tandem.v1 import sampling_pb2
 from common.sampling_params import (DEFAULT_MAX_TOKENS, LOGIT_BIAS_RANGE, MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS,
-                                    SamplingParams)
+                                    PENALTY_RANGE, SamplingParams)
 
 
 class InvalidArgument(ValueError):
@@ -72,7 +73,8 @@ def sampling_from_proto(msg: sampling_pb2.SamplingParams, prompt_tokens: int, co
 
     Raises:
         InvalidArgument: naming sampling.max_tokens, sampling.temperature, sampling.top_p,
-            sampling.stop, sampling.top_logprobs or sampling.logit_bias[id] (call validate_prompt_length first: an over-long prompt is the
+            sampling.stop, sampling.top_logprobs, sampling.logit_bias[id], sampling.presence_penalty
+            or sampling.frequency_penalty (call validate_prompt_length first: an over-long prompt is the
             prompt's fault, not max_tokens').
     """
     max_tokens = msg.max_tokens if msg.HasField("max_tokens") else min(
@@ -108,10 +110,40 @@ def sampling_from_proto(msg: sampling_pb2.SamplingParams, prompt_tokens: int, co
                                   f"[0, {vocab_size})")
         if not -LOGIT_BIAS_RANGE <= bias <= LOGIT_BIAS_RANGE:  # (NaN too)
             raise InvalidArgument(f"sampling.logit_bias[{token}]", f"must be in [-100, 100], got {bias:.7g}")
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = getattr(msg, name)
+        if not -PENALTY_RANGE <= value <= PENALTY_RANGE:  # (NaN too)
+            raise InvalidArgument(f"sampling.{name}", f"must be in [-2, 2], got {value:.7g}")
     return SamplingParams(max_tokens=max_tokens, temperature=float(temperature), top_p=float(top_p),
                           seed=msg.seed if msg.HasField("seed") else default_seed,
                           stop=tuple(msg.stop), ignore_eos=msg.ignore_eos, top_logprobs=top_logprobs,
-                          logit_bias=tuple(sorted(msg.logit_bias.items())))
+                          logit_bias=tuple(sorted(msg.logit_bias.items())),
+                          presence_penalty=float(msg.presence_penalty), frequency_penalty=float(msg.frequency_penalty))
+
+
+def generated_before(token_ids: Sequence[int], step_offset: int, params: SamplingParams) -> list[int]:
+    """The tokens a request generated before this call, as a penalized draw counts them: a
+    migrated request's token_ids end with them (its sampling_step_offset of them); [] for a
+    request without penalties (nothing reads them)."""
+    if not params.penalized or step_offset <= 0:
+        return []
+    return list(token_ids[max(0, len(token_ids) - step_offset):])
+
+
+def refuse_under_speculation(params: SamplingParams, who: str) -> None:
+    """Raises InvalidArgument naming what a decode worker that runs MTP speculative decoding
+    does not serve: top log-probabilities (its verify step reports the sampled token's only),
+    logit biases and penalties (its draft and verify forwards sample from the plain logits).
+    who: the message's subject ("this decode worker runs", "every decode worker runs")."""
+    what = "speculative decoding (MTP), which"
+    if params.top_logprobs:
+        raise InvalidArgument("sampling.top_logprobs", f"{who} {what} reports the sampled token's log-probability "
+                                                       "only: use 0")
+    if params.logit_bias:
+        raise InvalidArgument("sampling.logit_bias", f"{who} {what} does not apply logit biases")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if getattr(params, name):
+            raise InvalidArgument(f"sampling.{name}", f"{who} {what} applies no penalties: use 0")
 
 
 def top_to_proto(top: tuple[tuple[int, float], ...]) -> sampling_pb2.TopLogprobs:
@@ -129,4 +161,6 @@ def top_from_proto(msg: sampling_pb2.TopLogprobs, vocab_size: int, limit: int) -
 def sampling_to_proto(p: SamplingParams) -> sampling_pb2.SamplingParams:
     return sampling_pb2.SamplingParams(max_tokens=p.max_tokens, temperature=p.temperature, top_p=p.top_p,
                                        seed=p.seed, stop=list(p.stop), ignore_eos=p.ignore_eos,
-                                       top_logprobs=p.top_logprobs or None, logit_bias=dict(p.logit_bias))
+                                       top_logprobs=p.top_logprobs or None, logit_bias=dict(p.logit_bias),
+                                       presence_penalty=p.presence_penalty or None,
+                                       frequency_penalty=p.frequency_penalty or None)

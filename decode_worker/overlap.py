@@ -165,7 +165,7 @@ class OverlapLoop(DeferredFrees):
                     pool.grow(r.block_ids, len(r.tokens))
             slots = self.fmap.reserve(len(rows))
             inputs = [DecodeInput(r.block_ids, len(r.tokens) - 1, r.tokens[-1]) for r in rows]
-            sampling = [(r.params, r.step_offset + r.generated) for r in rows]
+            sampling = [r.sampling_row() for r in rows]
             for r, slot in zip(rows, slots):
                 r.tokens.append(self.fmap.placeholder(slot))
             steps.append((rows, slots, inputs, sampling))

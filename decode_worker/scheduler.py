@@ -59,6 +59,16 @@ class RunningRequest:
     hash_seed: int | None = None  # its block-hash seed (its tenant's cache salt); None = the pool's
     held: list[TokenOut] = field(default_factory=list)  # tokens not yet handed to the stream (--stream-interval)
 
+    def sampling_row(self) -> tuple:
+        """The sampling row of its next token (engine.sampling.SamplingRows.build): (params,
+        step index), and for a penalized request the tokens generated so far (those of its
+        migrated-from workers too: token_ids' last step_offset; the overlap loop's placeholders
+        of tokens in flight included)."""
+        step = self.step_offset + self.generated
+        if not self.params.penalized:
+            return self.params, step
+        return self.params, step, self.tokens[self.prompt_len - self.step_offset:]
+
     @property
     def generated(self) -> int:
         """Tokens generated so far, the placeholders of steps in flight included (overlap loop)."""
@@ -233,7 +243,7 @@ class DecodeScheduler:
                 self.count_step(len(batch))
                 continue
             inputs = [DecodeInput(r.block_ids, len(r.tokens) - 1, r.tokens[-1]) for r in batch]
-            sampling = [(r.params, r.step_offset + r.generated) for r in batch]
+            sampling = [r.sampling_row() for r in batch]
             step = await self.rt.run_model(self.rt.runner.decode_tokens, inputs, sampling)
             self.count_step(len(batch))
             self._postprocess(batch, step)

@@ -30,8 +30,9 @@ from common.pb.tandem.v1 import decode_pb2 as pb
 from common.pb.tandem.v1 import decode_pb2_grpc as pb_grpc
 from common.pb.tandem.v1 import prefill_pb2, prefill_pb2_grpc, sampling_pb2
 from common.sampling_params import SamplingParams
-from common.validation import (InvalidArgument, sampling_from_proto, top_from_proto, top_to_proto, validate_cache_salt,
-                               validate_prompt_length, validate_request_id, validate_token_ids)
+from common.validation import (InvalidArgument, generated_before, refuse_under_speculation, sampling_from_proto,
+                               top_from_proto, top_to_proto, validate_cache_salt, validate_prompt_length,
+                               validate_request_id, validate_token_ids)
 from decode_worker.admission import admit_or_abort
 from decode_worker.fence import PrefillFence, nothing_listens
 from decode_worker.scheduler import DecodeScheduler, RunningRequest
@@ -67,18 +68,6 @@ class Prefilled(NamedTuple):
     logprob: float
     hidden: torch.Tensor | None
     top: tuple[tuple[int, float], ...] = ()
-
-
-def refuse_under_speculation(params: SamplingParams) -> None:
-    """Raises InvalidArgument naming what an MTP decode worker does not serve: top
-    log-probabilities (its verify step reports the sampled token's only) and logit biases (its
-    draft and verify forwards sample from the plain logits)."""
-    if params.top_logprobs:
-        raise InvalidArgument("sampling.top_logprobs", "this decode worker runs speculative decoding (MTP), "
-                              "which reports the sampled token's log-probability only: use 0")
-    if params.logit_bias:
-        raise InvalidArgument("sampling.logit_bias", "this decode worker runs speculative decoding (MTP), "
-                              "which does not apply logit biases")
 
 
 def _decode_span_attributes(span, running: RunningRequest) -> None:
@@ -280,8 +269,9 @@ class DecodeServicer(SessionMixin, pb_grpc.DecodeServiceServicer):
         spec = self.scheduler.spec is not None
         out = await self.rt.prefill_outputs(prompt.block_ids, tokens, start, mtp=spec)
         hidden = out.hidden
-        token, logprob = sample(out.logits, params, step=request.sampling_step_offset)
-        return Prefilled(token, logprob, hidden[None] if spec else None, top_logprobs(out.logits, params))
+        history = generated_before(request.token_ids, request.sampling_step_offset, params)
+        token, logprob = sample(out.logits, params, request.sampling_step_offset, history)
+        return Prefilled(token, logprob, hidden[None] if spec else None, top_logprobs(out.logits, params, history))
 
     def _fence(self, address: str, instance_id: str, request_id: str, prompt: PromptBlocks, secret: bytes) -> None:
         """Swap the blocks the prefill worker at `address` was given for fresh ones (the prompt
@@ -347,7 +337,7 @@ class DecodeServicer(SessionMixin, pb_grpc.DecodeServiceServicer):
             params = sampling_from_proto(request.sampling, len(request.token_ids), self.rt.context_length,
                                          self.rt.vocab_size)
             if self.scheduler.spec is not None:
-                refuse_under_speculation(params)
+                refuse_under_speculation(params, "this decode worker runs")
             prefill_address = await self._prefill_address(request, context)
         except InvalidArgument as exc:
             await abort_invalid(context, exc)

@@ -216,12 +216,14 @@ class ModelRunner:
         """`decode` then `sample_batch`: [B, 2] float64 on the device, row i = (token id,
         log-probability) of batch[i] (`pack_step`), [B, 2 + 2K] where a row asks for its K
         most likely tokens (`top_logprobs_batch`); with `slots` the tokens are also written
-        into the future map there. An all-greedy batch (no logit bias) replayed from a graph takes the graph's
+        into the future map there. An all-greedy batch (no logit bias, no penalty) replayed from a graph takes the graph's
         own greedy head (the same `greedy_batch`, the same bits), with no kernel after the replay:
         the result is then a view of the graph's output, valid until the next step (callers
         copy it to the host first, as OverlapRunner.launch and decode_tokens do).
 
-        sampling[i] = (params, step index) of the token batch[i] generates. began: an event
+        sampling[i] = (params, step index) of the token batch[i] generates, with a third item
+        for a penalized request: the tokens it generated so far (placeholders of tokens still in
+        flight are resolved from the future map; engine.sampling.SamplingRows.build). began: an event
         recorded on the current stream just before the step's forward is queued (after the
         host's planning), so that began → a later event times the step's device work without
         the host's share (OverlapRunner's device-busy figure).
@@ -232,10 +234,10 @@ class ModelRunner:
         empty). Raises ValueError when bucket N cannot run the batch (no graphs, or a context
         wider than the captured tables): an eager step then would leave the other ranks'
         collectives unmatched."""
-        rows = SamplingRows.build(sampling, self.device)
+        rows = SamplingRows.build(sampling, self.device, self.future.resolve)
         logits, slot_t, greedy = self._forward_step(batch, slots, began, bucket)
         top = top_logprobs_batch(logits, rows) if rows.top_logprobs else None  # (read before the next replay)
-        if greedy is not None and not rows.any_sampled and rows.bias is None:
+        if greedy is not None and not rows.any_sampled and not rows.adjusts:
             return greedy if top is None else torch.cat((greedy, top), dim=1)
         tokens, logprobs = sample_batch(logits, rows)
         if slot_t is not None:

@@ -17,9 +17,13 @@ Gumbel tail at about 16.6: the distribution differs from the exact one only by a
 
 `sample` is the one-row form of the same function.
 
-Logit bias (`SamplingParams.logit_bias`): a row's (token id, bias) pairs are added to its
-logits before anything else, so greedy rows take the argmax of the biased logits and every
-reported log-probability is one of the biased distribution.
+Logit bias and penalties (`adjusted`): a row's (token id, bias) pairs are added to its logits
+before anything else, and its presence and frequency penalties subtracted (OpenAI's rule: a
+token generated c times so far in the request loses frequency × c + presence × [c > 0]), so
+greedy rows take the argmax of the adjusted logits and every reported log-probability is one of
+the adjusted distribution. A penalized row's history (the tokens it generated before this one)
+comes with its row: (params, step, history); placeholders of tokens still being computed (the
+overlap loop's) are resolved on the device.
 
 Top log-probabilities (`top_logprobs_batch`): where a row asks for them
 (`SamplingParams.top_logprobs`), the step also reports that row's most likely tokens under the
@@ -30,7 +34,7 @@ alternatives' compare like for like. They travel in the step's one device-to-hos
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Callable, NamedTuple, Sequence
 
 import numpy as np
 import torch
@@ -84,7 +88,10 @@ class SamplingRows:
     the host so a greedy batch runs no noise or sort kernels. `top_logprobs`: the most
     alternatives any row asks for (0 = none: the step reports none, `top_logprobs_batch`).
     `bias`: None where no row has a logit bias, else (rows [N] int64, token ids [N] int64,
-    biases [N] float32), every row's pairs in one list (`biased`).
+    biases [N] float32), every row's pairs in one list. `penalty`: None where no row has a
+    penalty, else (rows [P] int64: the penalized rows, presence [P] float32, frequency [P]
+    float32, at [N] int64 into those P, tokens [N] int64: every penalized row's history in one
+    list). Both are applied by `adjusted`.
     """
 
     temperature: torch.Tensor
@@ -95,41 +102,73 @@ class SamplingRows:
     any_top_p: bool
     top_logprobs: int = 0
     bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    penalty: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+
+    @property
+    def adjusts(self) -> bool:
+        """Whether some row's logits change before its draw (a logit bias or a penalty)."""
+        return self.bias is not None or self.penalty is not None
 
     @staticmethod
-    def build(rows: list[tuple[SamplingParams, int]], device: torch.device | str) -> SamplingRows:
-        """rows[i] = (params, step) -> tensors on device: two small host-to-device copies, none
-        for an all-greedy batch (its tensors are never read)."""
+    def build(rows: Sequence[tuple], device: torch.device | str,
+              resolve: Callable[[torch.Tensor], torch.Tensor] | None = None) -> SamplingRows:
+        """rows[i] = (params, step), or (params, step, history) for a penalized row (its tokens
+        generated so far: ids, or the overlap loop's placeholders, which `resolve` turns into
+        ids on the device) -> tensors on device: two small host-to-device copies, none for an
+        all-greedy batch (its tensors are never read), more where rows adjust their logits."""
         device = torch.device(device)
-        any_sampled = any(not p.greedy for p, _ in rows)
-        top = max((p.top_logprobs for p, _ in rows), default=0)
-        bias = None
-        with_bias = [(r, p.bias_arrays) for r, (p, _) in enumerate(rows) if p.logit_bias]
-        if with_bias:
-            ids = np.concatenate([a[0] for _, a in with_bias])
-            at = np.repeat(np.array([r for r, _ in with_bias], dtype=np.int64), [len(a[0]) for _, a in with_bias])
-            where = upload(np.stack((at, ids)), torch.int64, device)
-            bias = (where[0], where[1], upload(np.concatenate([a[1] for _, a in with_bias]), torch.float32, device))
+        params = [r[0] for r in rows]
+        any_sampled = any(not p.greedy for p in params)
+        top = max((p.top_logprobs for p in params), default=0)
+        bias = _bias_rows(params, device)
+        penalty = _penalty_rows(rows, device, resolve)
         if not any_sampled:
             z = _zeros(len(rows), device)
-            return SamplingRows(z, z, z, z, False, False, top, bias)
-        floats = upload([[p.temperature for p, _ in rows], [p.top_p for p, _ in rows]], torch.float32, device)
-        ints = upload([[seed_int64(p.seed) for p, _ in rows], [s for _, s in rows]], torch.int64, device)
+            return SamplingRows(z, z, z, z, False, False, top, bias, penalty)
+        floats = upload([[p.temperature for p in params], [p.top_p for p in params]], torch.float32, device)
+        ints = upload([[seed_int64(p.seed) for p in params], [r[1] for r in rows]], torch.int64, device)
         return SamplingRows(floats[0], floats[1], ints[0], ints[1], True,
-                            any(not p.greedy and p.top_p < 1.0 for p, _ in rows), top, bias)
+                            any(not p.greedy and p.top_p < 1.0 for p in params), top, bias, penalty)
 
     def repeat(self, times: int) -> SamplingRows:
         """Each row `times` times in a row ([B] -> [B * times]); an all-greedy batch's tensors
         are never read and stay as they are. (MTP's verify rows: its workers refuse logit
-        biases, so a batch with one raises ValueError.)"""
-        if self.bias is not None:
-            raise ValueError("logit_bias in a speculative step")
+        biases and penalties, so a batch with one raises ValueError.)"""
+        if self.adjusts:
+            raise ValueError("logit_bias or a penalty in a speculative step")
         if not self.any_sampled:
             return self
         def rep(t: torch.Tensor) -> torch.Tensor:  # (expand, not repeat_interleave: never a sync)
             return t[:, None].expand(-1, times).reshape(-1)
         return SamplingRows(rep(self.temperature), rep(self.top_p), rep(self.seed), rep(self.step), True,
                             self.any_top_p, self.top_logprobs)
+
+
+def _bias_rows(params: list[SamplingParams], device: torch.device) -> tuple | None:
+    """SamplingRows.bias of rows with these params (each request's arrays built once)."""
+    with_bias = [(r, p.bias_arrays) for r, p in enumerate(params) if p.logit_bias]
+    if not with_bias:
+        return None
+    ids = np.concatenate([a[0] for _, a in with_bias])
+    at = np.repeat(np.array([r for r, _ in with_bias], dtype=np.int64), [len(a[0]) for _, a in with_bias])
+    where = upload(np.stack((at, ids)), torch.int64, device)
+    return where[0], where[1], upload(np.concatenate([a[1] for _, a in with_bias]), torch.float32, device)
+
+
+def _penalty_rows(rows: Sequence[tuple], device: torch.device,
+                  resolve: Callable[[torch.Tensor], torch.Tensor] | None) -> tuple | None:
+    """SamplingRows.penalty of these rows: their histories in one upload (O(tokens generated)
+    a step: the overlap loop builds the next step's while the device runs the last)."""
+    pen = [(r, row[0], row[2] if len(row) > 2 else ()) for r, row in enumerate(rows) if row[0].penalized]
+    if not pen:
+        return None
+    tokens = np.concatenate([np.asarray(h, dtype=np.int64).reshape(-1) for _, _, h in pen])
+    at = np.repeat(np.arange(len(pen), dtype=np.int64), [len(h) for _, _, h in pen])
+    pairs = upload(np.stack((at, tokens)), torch.int64, device)
+    weights = upload([[p.presence_penalty for _, p, _ in pen], [p.frequency_penalty for _, p, _ in pen]],
+                     torch.float32, device)
+    tok = resolve(pairs[1]) if resolve is not None else pairs[1]
+    return upload([r for r, _, _ in pen], torch.int64, device), weights[0], weights[1], pairs[0], tok
 
 
 def seed_int64(seed: int) -> int:
@@ -161,24 +200,30 @@ def _nucleus(logp: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     return torch.log_softmax(out, dim=-1)
 
 
-def biased(logits: torch.Tensor, rows: SamplingRows) -> torch.Tensor:
-    """logits [B, V] with each row's logit bias added (a new float32 tensor), or the logits
-    themselves where no row has one."""
-    if rows.bias is None:
-        return logits
-    r, ids, values = rows.bias
-    return logits.float().index_put((r, ids), values, accumulate=True)
+def adjusted(logits: torch.Tensor, rows: SamplingRows) -> torch.Tensor:
+    """logits [B, V] with each row's logit bias added and its penalties subtracted (a new
+    float32 tensor), or the logits themselves where no row has either. No host sync."""
+    if rows.bias is not None:
+        r, ids, values = rows.bias
+        logits = logits.float().index_put((r, ids), values, accumulate=True)
+    if rows.penalty is not None:
+        pen_rows, presence, frequency, at, tokens = rows.penalty
+        counts = torch.zeros((pen_rows.shape[0], logits.shape[-1]), dtype=torch.float32, device=logits.device)
+        counts.index_put_((at, tokens), torch.ones_like(tokens, dtype=torch.float32), accumulate=True)
+        cut = counts * frequency[:, None] + (counts > 0).float() * presence[:, None]
+        logits = logits.float().index_add(0, pen_rows, cut, alpha=-1)
+    return logits
 
 
 def sampling_logprobs_batch(logits: torch.Tensor, rows: SamplingRows) -> torch.Tensor:
     """The distributions `sample_batch` draws from, as log-probs [B, V] float32: greedy rows
     log_softmax(logits); sampled rows log_softmax(logits / T) restricted to the top-p nucleus;
-    the logits biased first (`biased`)."""
-    return _logprobs(biased(logits, rows), rows)
+    the logits adjusted first (`adjusted`: logit bias, penalties)."""
+    return _logprobs(adjusted(logits, rows), rows)
 
 
 def _logprobs(logits: torch.Tensor, rows: SamplingRows) -> torch.Tensor:
-    """`sampling_logprobs_batch` of logits already biased."""
+    """`sampling_logprobs_batch` of logits already adjusted."""
     logits = logits.float()
     if not rows.any_sampled:
         return torch.log_softmax(logits, dim=-1)
@@ -200,10 +245,10 @@ def sample_batch(logits: torch.Tensor, rows: SamplingRows) -> tuple[torch.Tensor
     Returns:
         (tokens [B] int64, logprobs [B] float32): greedy rows take the argmax and its
         log_softmax; sampled rows a Gumbel-max draw from the tempered top-p distribution
-        (`sampling_logprobs_batch`) with its log-probability there; both of the biased logits
-        where a row has a logit bias.
+        (`sampling_logprobs_batch`) with its log-probability there; both of the adjusted
+        logits where a row has a logit bias or a penalty (`adjusted`).
     """
-    logits = biased(logits, rows)
+    logits = adjusted(logits, rows)
     if not rows.any_sampled:
         return greedy_batch(logits)
     logp = _logprobs(logits, rows)
@@ -280,32 +325,36 @@ def _pairs(top: list[float]) -> tuple[tuple[int, float], ...]:
     return tuple((int(i), lp) for i, lp in zip(top[:k], top[k:]) if i >= 0)
 
 
-def sampling_logprobs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+def sampling_logprobs(logits: torch.Tensor, params: SamplingParams, history: Sequence[int] = ()) -> torch.Tensor:
     """The distribution `sample` draws from for one row of logits [vocab], as log-probs [vocab]
-    float32 (greedy: plain log_softmax)."""
-    rows = SamplingRows.build([(params, 0)], logits.device)
+    float32 (greedy: plain log_softmax); history: see `sample`."""
+    rows = SamplingRows.build([(params, 0, history)], logits.device)
     return sampling_logprobs_batch(logits[None], rows)[0]
 
 
-def sample(logits: torch.Tensor, params: SamplingParams, step: int) -> tuple[int, float]:
+def sample(logits: torch.Tensor, params: SamplingParams, step: int, history: Sequence[int] = ()) -> tuple[int, float]:
     """Pick the next token from one row of logits: `sample_batch` for a batch of one.
 
     Args:
         logits: [vocab] logits of the last position (any device).
         params: sampling parameters.
         step: index of the token being generated (0 = first generated token).
+        history: the tokens the request generated before this one (its penalties count them;
+            a migrated request's first token has some).
     Returns:
         (token id, its log-probability under the distribution drawn from).
     """
-    tokens, logprobs = sample_batch(logits[None], SamplingRows.build([(params, step)], logits.device))
+    rows = SamplingRows.build([(params, step, history)], logits.device)
+    tokens, logprobs = sample_batch(logits[None], rows)
     return int(tokens[0]), float(logprobs[0])
 
 
-def top_logprobs(logits: torch.Tensor, params: SamplingParams) -> tuple[tuple[int, float], ...]:
+def top_logprobs(logits: torch.Tensor, params: SamplingParams,
+                 history: Sequence[int] = ()) -> tuple[tuple[int, float], ...]:
     """One row of logits [vocab] -> its `params.top_logprobs` most likely (token id,
     log-probability) pairs under the distribution `sample` draws from (`top_logprobs_batch`);
     () when params asks for none."""
     if not params.top_logprobs:
         return ()
-    rows = SamplingRows.build([(params, 0)], logits.device)
+    rows = SamplingRows.build([(params, 0, history)], logits.device)
     return _pairs(top_logprobs_batch(logits[None], rows)[0].tolist())

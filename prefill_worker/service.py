@@ -20,7 +20,7 @@ from common.ratelimit import RateLimitedLog
 from common.grpc_errors import abort_invalid, check_parsed
 from common.pb.tandem.v1 import prefill_pb2 as pb
 from common.pb.tandem.v1 import prefill_pb2_grpc as pb_grpc
-from common.validation import (InvalidArgument, sampling_from_proto, top_to_proto, validate_cache_salt,
+from common.validation import (InvalidArgument, generated_before, sampling_from_proto, top_to_proto, validate_cache_salt,
                                validate_prompt_length, validate_request_id, validate_token_ids)
 from engine.kv_pool import PromptBlocks
 from engine.mtp import hidden_to_bytes
@@ -221,8 +221,9 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
                 pool.commit_prompt(prompt)
                 cached()
                 self.rt.events.publish()
-                token, logprob = sample(logits, params, step=request.sampling_step_offset)
-                top = top_logprobs(logits, params)
+                history = generated_before(request.token_ids, request.sampling_step_offset, params)
+                token, logprob = sample(logits, params, request.sampling_step_offset, history)
+                top = top_logprobs(logits, params, history)
                 # The span covers the exposed part: earlier chunks' writes overlapped the prefill.
                 with tracing.span("tandem.kv_transfer", {"tandem.transfer.backend": backend,
                                                          "tandem.transfer.blocks": len(dst.block_ids),

@@ -54,7 +54,7 @@ from router.http_port import url as http_url
 from router.api_keys import KeyRefused, KeyRing, current_tenant
 from router.chat_template import ChatTemplate, TemplateError
 from router.openai_protocol import (FINISH_REASONS, ChatCompletionRequest, Choice, CompletionRequest,
-                                    ResponseShape, error_body, in_own_words, param_name, text_offsets,
+                                    ResponseShape, Token, error_body, in_own_words, param_name, text_offsets,
                                     token_logprobs, usage)
 
 log = logging.getLogger(__name__)
@@ -420,7 +420,7 @@ class OpenAIFrontend:
         self.template = template
         self.registry = registry
         self.created = int(time.time())
-        self._token_text: dict[int, str] = {}
+        self._tokens_seen: dict[int, Token] = {}
         self.timings = HttpTimings()
 
     # -- errors ------------------------------------------------------------------------------
@@ -465,26 +465,27 @@ class OpenAIFrontend:
         return error_body(exc.details, type_, None, exc.code.name.lower())
 
     # -- generation --------------------------------------------------------------------------
-    def _tokens_text(self, ids: list[int]) -> list[str]:
-        tok = self.servicer.tokenizer.tokenizer
+    def _tokens(self, ids: list[int]) -> list[Token]:
+        """Each id as logprobs list it (openai_protocol.Token), remembered per id."""
+        tok = self.servicer.tokenizer
         out = []
         for i in ids:
-            text = self._token_text.get(i)
-            if text is None:
-                text = self._token_text[i] = tok.decode([i], skip_special_tokens=False)
-            out.append(text)
+            seen = self._tokens_seen.get(i)
+            if seen is None:
+                seen = self._tokens_seen[i] = Token(tok.token_shown(i), tok.token_bytes(i))
+            out.append(seen)
         return out
 
     def _logprobs(self, chat: bool, out: pb.GenerateResponse, start: int = 0) -> tuple[dict, int]:
         """The logprobs of one response message whose first token's text starts at character
         `start` of its choice's tokens' texts (`text_offsets`), and where the next message's starts."""
-        tokens = self._tokens_text(list(out.token_ids))
+        tokens = self._tokens(list(out.token_ids))
         tops = None
         if out.top_logprobs:  # (the request asked for its tokens' alternatives: one entry a token)
-            tops = [list(zip(self._tokens_text(list(t.token_ids)), t.logprobs)) for t in out.top_logprobs]
+            tops = [list(zip(self._tokens(list(t.token_ids)), t.logprobs)) for t in out.top_logprobs]
         if chat:  # (chat's logprobs have no offsets)
             return token_logprobs(chat, tokens, list(out.logprobs), tops=tops), start
-        offsets, end = text_offsets(start, tokens)
+        offsets, end = text_offsets(start, [t.text for t in tokens])
         return token_logprobs(chat, tokens, list(out.logprobs), offsets, tops), end
 
     async def generate(self, request: Request, req: CompletionRequest | ChatCompletionRequest, route: str) -> Response:

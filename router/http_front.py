@@ -40,10 +40,11 @@ THREAD_BODY = 1 << 20  # bytes; a body this large is validated off the event loo
 
 def loc_name(loc: tuple) -> str:
     """pydantic's ("body", "messages", 0, "content") or ("messages", 0, "content") →
-    "messages[0].content" (FastAPI prefixes "body"; model_validate_json does not)."""
+    "messages[0].content" (FastAPI prefixes "body"; model_validate_json does not); an object's
+    key that is no field name, as logit_bias's token ids, in brackets: "logit_bias[50]"."""
     out = ""
     for part in loc[1:] if loc and loc[0] == "body" else loc:
-        if isinstance(part, int):
+        if isinstance(part, int) or (out and not part.isidentifier()):
             out += f"[{part}]"
         elif part not in UNION_TAGS and not part.startswith(("function-", "list[", "dict[")):  # union member tags
             out += ("." if out else "") + part

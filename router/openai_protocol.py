@@ -5,10 +5,11 @@ server-side clients expect; known ones are checked strictly, so `true` is no int
 no number; a null stands for the field's default); `to_generate` turns one into a gRPC request per choice, so that the HTTP
 API shares the gRPC API's validation (common/validation.py). Fields the engine cannot honour
 are refused by name when set to anything but their no-op value (`best_of` other than `n`, `echo`,
-`suffix`, `presence_penalty`, `frequency_penalty`, `tools`, `response_format`).
+`suffix`, `tools`, `response_format`).
 
 `logit_bias` ({token id as a string: bias in [-100, 100]}) becomes the gRPC request's
 `sampling.logit_bias`; the router checks the ids against the model's vocabulary.
+`presence_penalty` and `frequency_penalty` (each in [-2, 2]) become the gRPC request's own.
 
 Log-probabilities: chat's `logprobs: true` and the completions API's `logprobs: 0` give each
 generated token's; chat's `top_logprobs: k` and the completions API's `logprobs: k` (k in
@@ -31,16 +32,17 @@ import re
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, NamedTuple, Sequence
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from common.pb.tandem.v1 import frontend_pb2 as pb
 from common.pb.tandem.v1 import sampling_pb2
-from common.sampling_params import MAX_TOP_LOGPROBS
+from common.sampling_params import LOGIT_BIAS_RANGE, MAX_TOP_LOGPROBS, PENALTY_RANGE
 from common.validation import MAX_REQUEST_ID_CHARS, MAX_STOP_STRINGS, InvalidArgument
 
 INT32_MIN, INT32_MAX = -2 ** 31, 2 ** 31 - 1  # the gRPC request's int32 fields
+TOKEN_KEY = re.compile(r"0|[1-9][0-9]*", re.ASCII)  # a logit_bias key: a token id as written, one way only
 MAX_CHOICES = 128  # choices per request (n × prompts), each a Generate of its own; OpenAI's own limit of n
 
 FINISH_REASONS = {sampling_pb2.FINISH_REASON_LENGTH: "length", sampling_pb2.FINISH_REASON_STOP: "stop",
@@ -118,9 +120,6 @@ class _Common(_Body):
     def _refuse_unsupported(self) -> None:
         if not 1 <= self.n <= MAX_CHOICES:
             raise InvalidArgument("n", f"must be in [1, {MAX_CHOICES}], got {self.n}")
-        if self.presence_penalty or self.frequency_penalty:
-            raise InvalidArgument("presence_penalty" if self.presence_penalty else "frequency_penalty",
-                                  "penalties are not supported (leave them 0)")
         if self.stream_options is not None and not self.stream:
             raise InvalidArgument("stream_options", "only allowed with stream: true")
 
@@ -131,13 +130,20 @@ class _Common(_Body):
         s = sampling_pb2.SamplingParams(ignore_eos=self.ignore_eos)
         if self.top_count:
             s.top_logprobs = self.top_count
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not -PENALTY_RANGE <= value <= PENALTY_RANGE:  # before the proto's float32 rounds it
+                raise InvalidArgument(name, f"must be in [-2, 2], got {value!r}")
+            if value:
+                setattr(s, name, value)
         for key, bias in (self.logit_bias or {}).items():
-            try:
-                token = int(key)
-            except ValueError:
-                raise InvalidArgument("logit_bias", f"keys are token ids, got {key!r}") from None
+            if not TOKEN_KEY.fullmatch(key):  # (int() takes " 5", "+5", "1_0", "٥", "05": one id, several keys)
+                raise InvalidArgument("logit_bias", f"keys are token ids written in decimal digits, got {key!r}")
+            token = int(key)
             if not INT32_MIN <= token <= INT32_MAX:  # the proto's int32 would raise (a 500)
                 raise InvalidArgument(f"logit_bias[{key}]", "not a token id")
+            if not -LOGIT_BIAS_RANGE <= bias <= LOGIT_BIAS_RANGE:  # checked before the proto's float32 rounds it
+                raise InvalidArgument(f"logit_bias[{key}]", f"must be in [-100, 100], got {bias!r}")
             s.logit_bias[token] = bias
         if max_tokens is not None:
             if not INT32_MIN <= max_tokens <= INT32_MAX:  # the proto's int32 would raise (a 500)
@@ -364,36 +370,46 @@ def usage(parts: Sequence[pb.Usage], n: int = 1) -> dict:
             "prompt_tokens_details": {"cached_tokens": sum(u.cached_tokens for u in parts[::n])}}
 
 
-def token_logprobs(chat: bool, tokens: list[str], logprobs: list[float], offsets: list[int] | None = None,
-                   tops: list[list[tuple[str, float]]] | None = None) -> dict:
+class Token(NamedTuple):
+    """A token as logprobs list it: its text (common.tokenizer.TextTokenizer.token_shown: a
+    token that is part of a character reads `bytes:\\xNN`) and the bytes it stands for."""
+
+    text: str
+    raw: bytes
+
+
+def token_logprobs(chat: bool, tokens: list[Token], logprobs: list[float], offsets: list[int] | None = None,
+                   tops: list[list[tuple[Token, float]]] | None = None) -> dict:
     """The `logprobs` of one choice (or one chunk's delta): chat's `content` list, or the
     completions API's parallel arrays, whose `text_offset` is `offsets` (each token's character
-    offset in the choice's text: `text_offsets`). tops: per token, its most likely tokens as
-    (text, logprob), most likely first; None where the request asked for none (the completions
-    API's `top_logprobs` is then null). The completions API gives each token's as a {text:
-    logprob} object, as OpenAI's does: two tokens of one text keep the likelier's."""
+    offset in the choice's tokens' texts: `text_offsets`). tops: per token, its most likely
+    tokens as (token, logprob), most likely first; None where the request asked for none (the
+    completions API's `top_logprobs` is then null). The completions API gives each token's as a
+    {text: logprob} object, as OpenAI's does: two tokens of one text keep the likelier's."""
     if chat:
-        return {"content": [{"token": t, "logprob": lp, "bytes": list(t.encode()),
-                             "top_logprobs": [{"token": a, "logprob": alp, "bytes": list(a.encode())}
+        return {"content": [{"token": t.text, "logprob": lp, "bytes": list(t.raw),
+                             "top_logprobs": [{"token": a.text, "logprob": alp, "bytes": list(a.raw)}
                                               for a, alp in (tops[i] if tops else ())]}
                             for i, (t, lp) in enumerate(zip(tokens, logprobs))]}
     top = None if tops is None else [_first_of_each(t) for t in tops]
-    return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": top, "text_offset": offsets or []}
+    return {"tokens": [t.text for t in tokens], "token_logprobs": logprobs, "top_logprobs": top,
+            "text_offset": offsets or []}
 
 
-def _first_of_each(pairs: list[tuple[str, float]]) -> dict[str, float]:
-    """(text, logprob) pairs, most likely first -> {text: logprob}, each text's first (likeliest)."""
+def _first_of_each(pairs: list[tuple[Token, float]]) -> dict[str, float]:
+    """(token, logprob) pairs, most likely first -> {text: logprob}, each text's first (likeliest)."""
     out: dict[str, float] = {}
-    for text, lp in pairs:
-        out.setdefault(text, lp)
+    for token, lp in pairs:
+        out.setdefault(token.text, lp)
     return out
 
 
 def text_offsets(start: int, tokens: list[str]) -> tuple[list[int], int]:
     """(`text_offset` of tokens whose texts follow `start` characters of the choice's earlier
     tokens' texts, where the next token's text starts): each token's offset in the concatenation
-    of its choice's token texts (each token decoded alone). That concatenation is the choice's
-    text except where a stop string cut it or a character's bytes span two tokens."""
+    of its choice's token texts (each token decoded alone, or `bytes:\\xNN` for part of a
+    character: Token). That concatenation is the choice's text except where a stop string cut
+    it or a character's bytes span two tokens."""
     out, at = [], start
     for t in tokens:
         out.append(at)

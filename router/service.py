@@ -24,8 +24,9 @@ from common.pb.tandem.v1 import decode_pb2, discovery_pb2, sampling_pb2
 from common.pb.tandem.v1 import frontend_pb2 as pb
 from common.pb.tandem.v1 import frontend_pb2_grpc as pb_grpc
 from common.tokenizer import IncrementalDetokenizer, TextTokenizer
-from common.validation import (InvalidArgument, validate_request_id, sampling_from_proto, sampling_to_proto, validate_prompt_length,
-                               validate_token_ids)
+from common.sampling_params import SamplingParams
+from common.validation import (InvalidArgument, refuse_under_speculation, validate_request_id, sampling_from_proto,
+                               sampling_to_proto, validate_prompt_length, validate_token_ids)
 from router.api_keys import cache_salt
 from router.decision import RouteDecision
 from router.decode_session import DecodeSessions
@@ -276,8 +277,9 @@ class FrontendServicer(pb_grpc.FrontendServiceServicer):
         refused_by: set[str] = set()  # decode workers whose pool cannot hold this request
         for attempt in range(1 + self.migration_limit):
             with self._attempt_span(attempt, failed, len(generated)):
+                unfit = await self._unfit_decoders(params, context)
                 decision, hashes = await self._traced_route(tokens + generated, context, attempt,
-                                                            frozenset(refused_by))
+                                                            frozenset(refused_by) | unfit)
                 self.decision_s.append(decision.seconds)
                 self.decision_cpu_s.append(decision.cpu_seconds)
                 self.decision_hash_s.append(decision.hash_seconds)
@@ -381,6 +383,24 @@ class FrontendServicer(pb_grpc.FrontendServiceServicer):
             log.info("request %s: migrating after %d tokens", request_id, len(generated))
         else:
             self.retries += 1
+
+    async def _unfit_decoders(self, params: SamplingParams, context: grpc.aio.ServicerContext) -> frozenset[str]:
+        """The decode workers that would refuse params: those running MTP speculative decoding,
+        for a request with top log-probabilities, a logit bias or a penalty (their records'
+        speculative_num_steps); INVALID_ARGUMENT naming the field when every one would."""
+        try:
+            refuse_under_speculation(params, "")
+            return frozenset()
+        except InvalidArgument:
+            pass
+        decodes = self.workers.candidates(discovery_pb2.ROLE_DECODE)
+        unfit = frozenset(d.instance_id for d in decodes if d.speculative_num_steps)
+        if decodes and len(unfit) == len(decodes):
+            try:
+                refuse_under_speculation(params, "every decode worker here runs")
+            except InvalidArgument as exc:
+                await abort_invalid(context, exc)
+        return unfit
 
     def _larger_pool(self, worker: str, refused_by: set[str]) -> bool:
         """Whether a decode worker other than those that refused has a larger KV pool than `worker`."""

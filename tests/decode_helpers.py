@@ -87,3 +87,33 @@ async def generate(loaded, k: int, prompts: list[list[int]], params: list[Sampli
         task.cancel()
         rt.close()
     return outs, rt
+
+
+def reference_draws(model, prompt: list[int], max_tokens: int, params: SamplingParams,
+                    eos_token_ids=frozenset(), rows: list | None = None, generated: list[int] = ()) -> list[int]:
+    """reference_generate drawing as `sample` does with params, its logit bias and penalties
+    applied here from their definition (OpenAI's: a token generated c times so far loses
+    frequency × c + presence × [c > 0]) to the reference's own logits; rows: where given, each
+    draw's adjusted logits are appended to it. generated: tokens generated before (a migrated
+    request's: the prompt ends with them; the draws' step indices continue after them)."""
+    from dataclasses import replace
+
+    import torch
+
+    from engine.reference import reference_generate
+    plain = replace(params, logit_bias=(), presence_penalty=0.0, frequency_penalty=0.0)
+    history: list[int] = list(generated)
+
+    def draw(row, step):
+        step += len(generated)
+        row = row.clone()
+        for t, b in params.logit_bias:
+            row[t] += b
+        counts = torch.bincount(torch.tensor(history, dtype=torch.long), minlength=row.shape[0]).float()
+        row -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).float()
+        if rows is not None:
+            rows.append(row)
+        token = sample(row, plain, step)[0]
+        history.append(token)
+        return token
+    return reference_generate(model, prompt, max_tokens, eos_token_ids, sample_fn=draw)

@@ -473,14 +473,14 @@ def test_graph_replay_equals_eager_fast_step_and_plain_path() -> None:
     assert torch.equal(packed[:, 2:], top_logprobs_batch(logits, SamplingRows.build(asking, "cuda")))
     # a greedy graphed step with a logit bias: not the graph's own greedy head, but the argmax of
     # the biased logits, and that token is the one the future map keeps
-    from engine.sampling import biased
+    from engine.sampling import adjusted
     banning = [(SamplingParams(), 0), (SamplingParams(logit_bias=((int(tokens[1]), -100.0),)), 0)] + [
         (SamplingParams(), 0)] * 3
     pool.kv.copy_(before)
     slots = fast.future.reserve(len(batch))
     packed = fast.decode_step(batch, banning, slots)
     logits = fast.graphs.graphs[8][1][0][: len(batch)]
-    want, _ = greedy_batch(biased(logits, SamplingRows.build(banning, "cuda")))
+    want, _ = greedy_batch(adjusted(logits, SamplingRows.build(banning, "cuda")))
     assert torch.equal(packed[:, 0].long(), want) and int(want[1]) != int(tokens[1])
     assert torch.equal(fast.future.tokens[torch.tensor(slots, device="cuda")], want)
     # a seeded row in a graphed step: sampled after the replay (on the caller's stream, after the

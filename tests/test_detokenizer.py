@@ -64,3 +64,14 @@ def test_router_feed_without_stop_strings_sends_every_id_and_the_full_decode(whi
         assert not stopped and used == cut - start
         out, start = out + text, cut
     assert out + stops.flush() == tok.decode(ids)
+
+
+def test_token_bytes_are_a_tokens_own_bytes():
+    from common.tokenizer import load_tokenizer
+    tok = load_tokenizer()
+    assert tok.token_bytes(128) == b"\xc4" and tok.token_shown(128) == "bytes:\\xc4"  # part of a character
+    word = tok.encode(" Hawaii")[0]
+    assert tok.token_bytes(word).decode() == tok.token_shown(word) == tok.tokenizer.decode([word])
+    euro = tok.encode("€")
+    assert b"".join(tok.token_bytes(i) for i in euro) == "€".encode()  # whatever the split, the bytes add up
+    assert tok.token_shown(151643) == "<|endoftext|>"  # a special token: its text

@@ -87,10 +87,10 @@ def wait_all_free(cluster, timeout=10.0) -> bool:
 def assert_offsets(tokens: list[str], offsets: list[int], text: str | None = None) -> None:
     """text_offset: each token's offset in its choice's token texts, one per token; with the
     choice's text, each token up to the first one that decodes alone to a partial character is
-    found in the text at its offset."""
+    found in the text at its offset (a partial one reads `bytes:\\xNN`)."""
     assert offsets == [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))] and len(tokens) > 1
     if text is not None:
-        whole = [t for t in tokens[:next((i for i, t in enumerate(tokens) if "\ufffd" in t), len(tokens))]]
+        whole = [t for t in tokens[:next((i for i, t in enumerate(tokens) if t.startswith("bytes:")), len(tokens))]]
         assert len(whole) >= 3, tokens  # (the prompts below were picked so that this checks something)
         assert all(text[o:o + len(t)] == t for t, o in zip(whole, offsets)), (text, tokens, offsets)
 
@@ -214,7 +214,8 @@ def test_seeded_sampling_reproducible_and_equal_grpc(client, stub):
     ({"prompt": ""}, "prompt"),
     ({"extra_body": {"max_tokens": "many"}}, "max_tokens"),
     ({"seed": -3}, "seed"),
-    ({"presence_penalty": 0.5}, "presence_penalty"),
+    ({"presence_penalty": 2.5}, "presence_penalty"),
+    ({"frequency_penalty": -3}, "frequency_penalty"),
     ({"logprobs": False}, "logprobs"),  # a count, not a switch: false is no 0 (it turned logprobs on)
     ({"max_tokens": True}, "max_tokens"),  # (was 1 token)
     ({"n": "2"}, "n"),
@@ -223,6 +224,13 @@ def test_seeded_sampling_reproducible_and_equal_grpc(client, stub):
     ({"logit_bias": {"999999": 1}}, "logit_bias[999999]"),  # the router's vocabulary check
     ({"logit_bias": {"5": 101}}, "logit_bias[5]"),
     ({"logit_bias": {"99999999999": 1}}, "logit_bias[99999999999]"),
+    ({"logit_bias": {" 5": 1}}, "logit_bias"),
+    ({"logit_bias": {"05": 1}}, "logit_bias"),  # (with "5" it named one id twice)
+    ({"logit_bias": {"1_99": 1}}, "logit_bias"),
+    ({"logit_bias": {"5": 100.000004}}, "logit_bias[5]"),  # (float32 made it 100, "must be in [-100, 100], got 100")
+    ({"logit_bias": {"5": True}}, "logit_bias[5]"),
+    ({"logit_bias": {"5": "1e2"}}, "logit_bias[5]"),
+    ({"frequency_penalty": 2.0000001}, "frequency_penalty"),
 ])
 def test_completions_bad_parameter_is_400_naming_it(client, kw, param):
     args = {"model": "tandem-tiny", "prompt": [1, 2, 3], "max_tokens": 4, **kw}
@@ -575,10 +583,10 @@ def test_http_top_logprobs_are_the_grpc_ones_as_text(client, stub, tiny_model, s
     for got, want, token in zip(tops, grpc_tops, tokens):
         first = {}
         for i, lp in zip(want.token_ids, want.logprobs):
-            first.setdefault(tok.tokenizer.decode([i], skip_special_tokens=False), lp)
+            first.setdefault(tok.token_shown(i), lp)
         assert list(got.values()) == pytest.approx(list(first.values()), abs=1e-6)
         assert token in got  # greedy: the token is the likeliest
-        texts = [tok.tokenizer.decode([i], skip_special_tokens=False) for i in want.token_ids]
+        texts = [tok.token_shown(i) for i in want.token_ids]
         assert list(got) == list(dict.fromkeys(texts))  # each text once, the likelier first
     chat = client.chat.completions.create(model="tandem-tiny", messages=[{"role": "user", "content": "hi"}],
                                           max_completion_tokens=5, logprobs=True, top_logprobs=4)
@@ -586,7 +594,9 @@ def test_http_top_logprobs_are_the_grpc_ones_as_text(client, stub, tiny_model, s
         assert len(c.top_logprobs) == 4 and c.top_logprobs[0].token == c.token
         assert c.top_logprobs[0].logprob == pytest.approx(c.logprob, abs=1e-6)
         assert [a.logprob for a in c.top_logprobs] == sorted((a.logprob for a in c.top_logprobs), reverse=True)
-        assert all(a.bytes == list(a.token.encode()) for a in c.top_logprobs)
+        for a in [c, *c.top_logprobs]:  # a token's own bytes; part of a character reads bytes:\\xNN
+            shown = "bytes:" + "".join(f"\\x{b:02x}" for b in a.bytes)
+            assert a.bytes == list(a.token.encode()) if not a.token.startswith("bytes:") else a.token == shown
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -624,3 +634,43 @@ def test_a_null_stands_for_the_default(cluster):
     assert r.status_code == 200 and r.json()["choices"][0]["logprobs"] is None, r.text
     r = httpx.post(f"{base}/chat/completions", json={"messages": None}, timeout=60)  # required: null is no default
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
+
+
+@pytest.mark.parametrize("via_prefill", [False, True])
+def test_penalties_count_the_tokens_generated_before_a_migration(cluster, tiny_model, via_prefill):
+    # a migrated request arrives with its generated tokens at the end of token_ids
+    # (sampling_step_offset of them): the first token (prefilled here or by the prefill worker)
+    # and every later one count them
+    from decode_helpers import reference_draws
+    from common.pb.tandem.v1 import decode_pb2, decode_pb2_grpc
+    from common.sampling_params import SamplingParams
+    prompt = prompt_ids(15, offset=41 + via_prefill)
+    before = reference_draws(tiny_model.model, prompt, 5, SamplingParams(max_tokens=5))
+    p = SamplingParams(max_tokens=6, ignore_eos=True, presence_penalty=-2.0, frequency_penalty=-1.0,
+                       temperature=0.5, seed=9)
+    want = reference_draws(tiny_model.model, prompt + before, 6, p, generated=before)
+    alone = reference_draws(tiny_model.model, prompt + before, 6, p)  # as if nothing came before
+    assert want != alone  # (so the test can tell)
+    req = decode_pb2.DecodeRequest(request_id=f"pen-{via_prefill}", token_ids=prompt + before,
+                                   sampling_step_offset=len(before),
+                                   prefill_address=cluster.prefill.address if via_prefill else "",
+                                   sampling=sampling_pb2.SamplingParams(
+                                       max_tokens=6, ignore_eos=True, presence_penalty=-2.0, frequency_penalty=-1.0,
+                                       temperature=0.5, seed=9))
+    with grpc.insecure_channel(cluster.decode.address) as ch:
+        got = [t for m in decode_pb2_grpc.DecodeServiceStub(ch).Generate(req, timeout=60) for t in m.token_ids]
+    assert got == want
+
+
+def test_tokens_that_are_part_of_a_character_read_as_their_bytes(client):
+    # byte-level BPE tokens 128, 103 and 159 are single bytes of multi-byte characters: decoded
+    # alone each read "\ufffd", and three alternatives were indistinguishable (and collapsed to
+    # one key in the completions API's object)
+    bias = {"128": 30, "103": 30, "159": 29}
+    chat = client.chat.completions.create(model="tandem-tiny", messages=[{"role": "user", "content": "x"}],
+                                          max_completion_tokens=1, logprobs=True, top_logprobs=3, logit_bias=bias)
+    top = chat.choices[0].logprobs.content[0].top_logprobs
+    assert sorted((a.token, tuple(a.bytes)) for a in top) == [
+        ("bytes:\\xaa", (0xAA,)), ("bytes:\\xc4", (0xC4,)), ("bytes:\\xe3", (0xE3,))]
+    done = client.completions.create(model="tandem-tiny", prompt="ROMEO:\n", max_tokens=1, logprobs=3, logit_bias=bias)
+    assert sorted(done.choices[0].logprobs.top_logprobs[0]) == ["bytes:\\xaa", "bytes:\\xc4", "bytes:\\xe3"]

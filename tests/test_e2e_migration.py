@@ -16,6 +16,7 @@ from common.sampling_params import SamplingParams
 from engine.model_source import TINY
 from engine.reference import reference_generate
 from engine.sampling import sample
+from decode_helpers import reference_draws
 
 pytestmark = pytest.mark.e2e
 N, MAX_TOKENS = 50, 24
@@ -24,6 +25,9 @@ N, MAX_TOKENS = 50, 24
 def sampling(i: int) -> sampling_pb2.SamplingParams:
     if i % 4 == 3:  # a quarter sample with a seed
         return sampling_pb2.SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, temperature=0.9, seed=1000 + i)
+    if i % 4 == 1:  # a quarter with penalties: the new worker counts the tokens generated before it too
+        return sampling_pb2.SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, presence_penalty=-1.5,
+                                           frequency_penalty=-0.5, temperature=0.7 if i % 8 == 1 else 0.0, seed=i)
     return sampling_pb2.SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
 
 
@@ -59,7 +63,11 @@ def test_decode_worker_lost_mid_stream_every_stream_completes_exactly(tiny_model
     results, _ = asyncio.run(main())
     for i, got in enumerate(results):
         s = sampling(i)
-        if s.HasField("temperature"):
+        if s.HasField("presence_penalty"):
+            params = SamplingParams(max_tokens=MAX_TOKENS, temperature=s.temperature, seed=s.seed, ignore_eos=True,
+                                    presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty)
+            ref = reference_draws(tiny_model.model, prompts[i], MAX_TOKENS, params)
+        elif s.HasField("temperature"):
             params = SamplingParams(max_tokens=MAX_TOKENS, temperature=s.temperature, seed=s.seed, ignore_eos=True)
             ref = reference_generate(tiny_model.model, prompts[i], MAX_TOKENS,
                                      sample_fn=lambda row, step, p=params: sample(row, p, step)[0])

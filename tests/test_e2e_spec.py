@@ -126,16 +126,37 @@ def test_disaggregated_seeded_sampling_is_reproducible(cluster, stub, shakespear
     assert wait_all_free(cluster)
 
 
-def test_top_logprobs_and_logit_bias_are_refused_by_a_speculative_decode_worker(cluster, stub) -> None:
+def test_what_mtp_decode_workers_refuse_goes_to_the_others(cluster, stub) -> None:
+    """Top log-probabilities, logit biases and penalties: an MTP decode worker refuses them by
+    name; the router places such requests on plain decode workers, and refuses them by name when
+    every decode worker runs MTP."""
+    from common.pb.tandem.v1 import decode_pb2, decode_pb2_grpc
     use_decode(cluster, 1)
-    with pytest.raises(grpc.RpcError) as e:
-        run(stub, token_ids=[5, 6, 7], sampling=sampling_pb2.SamplingParams(max_tokens=3, top_logprobs=2))
-    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert e.value.details().startswith("sampling.top_logprobs: this decode worker runs speculative decoding")
-    with pytest.raises(grpc.RpcError) as e:
-        run(stub, token_ids=[5, 6, 7], sampling=sampling_pb2.SamplingParams(max_tokens=3, logit_bias={9: 2.0}))
-    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert e.value.details().startswith("sampling.logit_bias: this decode worker runs speculative decoding")
+    asks = [dict(top_logprobs=2), dict(logit_bias={9: 2.0}), dict(presence_penalty=0.5),
+            dict(frequency_penalty=-0.5)]
+    fields = ["top_logprobs", "logit_bias", "presence_penalty", "frequency_penalty"]
+    for ask, field in zip(asks, fields):
+        with pytest.raises(grpc.RpcError) as e:
+            run(stub, token_ids=[5, 6, 7], sampling=sampling_pb2.SamplingParams(max_tokens=3, **ask))
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert e.value.details().startswith(f"sampling.{field}: every decode worker here runs speculative decoding")
+    with grpc.insecure_channel(cluster.decode.address) as ch:  # the worker's own check, sent to it directly
+        with pytest.raises(grpc.RpcError) as e:
+            list(decode_pb2_grpc.DecodeServiceStub(ch).Generate(decode_pb2.DecodeRequest(
+                token_ids=[5, 6, 7], sampling=sampling_pb2.SamplingParams(max_tokens=3, top_logprobs=1)), timeout=30))
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert e.value.details().startswith("sampling.top_logprobs: this decode worker runs speculative decoding")
+    plain = cluster.start("decode")  # a plain decode worker beside the MTP one
+    try:
+        cluster.wait_roles(cluster.router, 1, 2)
+        served = plain.runtime.stats.generated_tokens
+        for i, ask in enumerate(asks * 2):
+            got, msgs = run(stub, token_ids=[5, 6, 7 + i], sampling=sampling_pb2.SamplingParams(max_tokens=3, **ask))
+            assert len(got) == 3
+        assert plain.runtime.stats.generated_tokens == served + 3 * 2 * len(asks)  # every one of them there
+    finally:
+        cluster.stop(plain)
+        cluster.wait_roles(cluster.router, 1, 1)
     got, _ = run(stub, token_ids=[5, 6, 7], sampling=sampling_pb2.SamplingParams(max_tokens=3))  # still serving
     assert len(got) == 3
     assert wait_all_free(cluster)

@@ -128,3 +128,43 @@ def test_decoded_tokens_with_a_logit_bias_equal_the_reference(tiny_model, overla
                                                                                        plain, step)[0])
         assert tokens == want
     assert not set(got[0]) & set(first)  # the banned tokens never came
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_penalized_tokens_equal_the_reference_on_both_loops(tiny_model, overlap):
+    from decode_helpers import reference_draws
+    prompts = [[(90 + 17 * i + 3 * j) % 1000 for i in range(9 + 5 * j)] for j in range(4)]
+    params = [SamplingParams(max_tokens=12, ignore_eos=True, frequency_penalty=2.0, logit_bias=((5, 1.0),)),
+              SamplingParams(max_tokens=12, ignore_eos=True),
+              SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.8, seed=2, presence_penalty=1.5,
+                             frequency_penalty=-0.5, top_logprobs=3),
+              SamplingParams(max_tokens=12, ignore_eos=True, presence_penalty=-2.0, frequency_penalty=-2.0)]
+    tops = [[] for _ in prompts]
+    got, _ = asyncio.run(generate(tiny_model, 0, prompts, params, overlap=overlap,
+                                  disable_overlap_schedule=not overlap, decode_steps_per_launch=3, tops=tops))
+    for prompt, p, tokens, top in zip(prompts, params, got, tops):
+        rows = []
+        assert tokens == reference_draws(tiny_model.model, prompt, p.max_tokens, p, rows=rows)
+        if p.top_logprobs:  # of the penalized distribution
+            from dataclasses import replace
+            plain = replace(p, presence_penalty=0.0, frequency_penalty=0.0)
+            for row, t in zip(rows[1:], top):
+                assert_top(t, want_top(row, plain))
+    plain, _ = asyncio.run(generate(tiny_model, 0, prompts[3:], [params[1]]))
+    assert len(set(plain[0])) == len(plain[0]) and len(set(got[3])) < len(got[3])  # negative penalties: repeats
+
+
+def test_a_penalty_counts_the_history_the_row_brings_and_resolves_placeholders():
+    from engine.future_map import FutureTokenMap
+    fmap = FutureTokenMap(8, "cpu")
+    slots = fmap.reserve(2)
+    fmap.store(torch.tensor(slots), torch.tensor([3, 4]))
+    logits = torch.zeros(2, 10)
+    p = SamplingParams(presence_penalty=0.5, frequency_penalty=1.0)
+    rows = SamplingRows.build([(p, 4, [3, fmap.placeholder(slots[0]), 7, fmap.placeholder(slots[1])]),
+                               (SamplingParams(), 0)], "cpu", fmap.resolve)
+    from engine.sampling import adjusted
+    out = adjusted(logits, rows)
+    want = torch.zeros(10)
+    want[3], want[4], want[7] = -(2 * 1.0 + 0.5), -1.5, -1.5  # 3 came twice (once through its placeholder)
+    assert torch.equal(out[0], want) and torch.equal(out[1], torch.zeros(10))

@@ -675,6 +675,7 @@ class WorkerRuntime:
             state=discovery_pb2.INSTANCE_STATE_SERVING, start_time_unix=self.start_time, version=VERSION,
             metrics_address=self.metrics_address, incarnation=self.incarnation,
             weights_fingerprint=self.loaded.fingerprint,
+            speculative_num_steps=self.opts.speculative_num_steps if self.role == discovery_pb2.ROLE_DECODE else 0,
             transfer_metadata_sha256=metadata_digest(self.transfer_metadata),
             rank_transfer_agents=[discovery_pb2.RankTransferAgent(
                 name=e.agent.name, metadata_sha256=metadata_digest(e.metadata), capacity_blocks=e.desc.num_blocks)

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18tandem/v1/sampling.proto\x12\ttandem.v1\"\xda\x02\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x03\x88\x01\x01\x12\x0c\n\x04stop\x18\x05 \x03(\t\x12\x12\n\nignore_eos\x18\x06 \x01(\x08\x12\x19\n\x0ctop_logprobs\x18\x07 \x01(\x05H\x04\x88\x01\x01\x12<\n\nlogit_bias\x18\x08 \x03(\x0b\x32(.tandem.v1.SamplingParams.LogitBiasEntry\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seedB\x0f\n\r_top_logprobs\"2\n\x0bTopLogprobs\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x02*v\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x02\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x03\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18tandem/v1/sampling.proto\x12\ttandem.v1\"\xc4\x03\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x03\x88\x01\x01\x12\x0c\n\x04stop\x18\x05 \x03(\t\x12\x12\n\nignore_eos\x18\x06 \x01(\x08\x12\x19\n\x0ctop_logprobs\x18\x07 \x01(\x05H\x04\x88\x01\x01\x12<\n\nlogit_bias\x18\x08 \x03(\x0b\x32(.tandem.v1.SamplingParams.LogitBiasEntry\x12\x1d\n\x10presence_penalty\x18\t \x01(\x02H\x05\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\n \x01(\x02H\x06\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seedB\x0f\n\r_top_logprobsB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penalty\"2\n\x0bTopLogprobs\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x02*v\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x02\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x03\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,12 +33,12 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=440
-  _globals['_FINISHREASON']._serialized_end=558
+  _globals['_FINISHREASON']._serialized_start=546
+  _globals['_FINISHREASON']._serialized_end=664
   _globals['_SAMPLINGPARAMS']._serialized_start=40
-  _globals['_SAMPLINGPARAMS']._serialized_end=386
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=271
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=319
-  _globals['_TOPLOGPROBS']._serialized_start=388
-  _globals['_TOPLOGPROBS']._serialized_end=438
+  _globals['_SAMPLINGPARAMS']._serialized_end=492
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=334
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=382
+  _globals['_TOPLOGPROBS']._serialized_start=494
+  _globals['_TOPLOGPROBS']._serialized_end=544
 # @@protoc_insertion_point(module_scope)
