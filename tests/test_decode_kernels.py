@@ -381,11 +381,11 @@ def test_a_forced_graph_bucket_pads_and_an_empty_share_replays() -> None:
     batch = [DecodeInput(t, n, 7 + i) for i, (t, n) in enumerate(zip(tables, (5, 60, 33)))]
     greedy = [(SamplingParams(), 0)] * 3
     before = pool.kv.clone()
-    own, _ = runner.decode_tokens(batch, greedy)  # bucket 4
+    own = runner.decode_tokens(batch, greedy).tokens  # bucket 4
     pool.kv.copy_(before)
     # the same tokens (GEMMs of another row count may round differently: tokens, not log-probs)
     assert runner.decode_tokens(batch, greedy, bucket=16)[0] == own
-    assert runner.decode_tokens([], [], bucket=8) == ([], [])  # an idle rank: all padding
+    assert runner.decode_tokens([], [], bucket=8) == ([], [], [])  # an idle rank: all padding
     with pytest.raises(ValueError, match="cannot replay graph bucket 2"):
         runner.decode_tokens(batch, greedy, bucket=2)  # fewer rows than the batch: refused, no eager step
 

@@ -87,7 +87,7 @@ class Setup:
         inputs = [DecodeInput(b, len(t) - 1, t[-1]) for b, t in self.reqs]
         greedy = [(SamplingParams(), len(t)) for _, t in self.reqs]
         t0 = time.perf_counter()
-        new, _ = self.runner.decode_tokens(inputs, greedy)  # the scheduler's call (one host copy)
+        new = self.runner.decode_tokens(inputs, greedy).tokens  # the scheduler's call (one host copy)
         self.step_times.append(time.perf_counter() - t0)
         for (_, tokens), tok in zip(self.reqs, new):
             tokens.append(tok)
