@@ -41,6 +41,12 @@ class SamplingParams:
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
     @cached_property
+    def plain(self) -> bool:
+        """Greedy, with no logit bias, penalty or top log-probabilities: a decode step of such
+        rows only takes each row's argmax (looked up once per request: every step asks)."""
+        return self.greedy and not self.logit_bias and not self.penalized and not self.top_logprobs
+
+    @cached_property
     def bias_arrays(self) -> tuple[np.ndarray, np.ndarray]:
         """logit_bias as (token ids int64 [N], biases float32 [N]), built once per request (a
         decode step gathers its rows' arrays every step)."""

@@ -121,6 +121,15 @@ def sampling_from_proto(msg: sampling_pb2.SamplingParams, prompt_tokens: int, co
                           presence_penalty=float(msg.presence_penalty), frequency_penalty=float(msg.frequency_penalty))
 
 
+def validate_step_offset(step_offset: int, prompt_tokens: int) -> None:
+    """Raises InvalidArgument naming sampling_step_offset when it counts as generated more
+    tokens than the prompt leaves after its first (a migrated request's token_ids are its
+    prompt, at least one token, then the tokens generated so far)."""
+    if step_offset >= max(prompt_tokens, 1):
+        raise InvalidArgument("sampling_step_offset", f"{step_offset} generated tokens in a prompt of {prompt_tokens}; "
+                              "at least the first token must be the request's own prompt")
+
+
 def generated_before(token_ids: Sequence[int], step_offset: int, params: SamplingParams) -> list[int]:
     """The tokens a request generated before this call, as a penalized draw counts them: a
     migrated request's token_ids end with them (its sampling_step_offset of them); [] for a

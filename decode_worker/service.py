@@ -32,7 +32,7 @@ from common.pb.tandem.v1 import prefill_pb2, prefill_pb2_grpc, sampling_pb2
 from common.sampling_params import SamplingParams
 from common.validation import (InvalidArgument, generated_before, refuse_under_speculation, sampling_from_proto,
                                top_from_proto, top_to_proto, validate_cache_salt, validate_prompt_length,
-                               validate_request_id, validate_token_ids)
+                               validate_request_id, validate_step_offset, validate_token_ids)
 from decode_worker.admission import admit_or_abort
 from decode_worker.fence import PrefillFence, nothing_listens
 from decode_worker.scheduler import DecodeScheduler, RunningRequest
@@ -333,6 +333,7 @@ class DecodeServicer(SessionMixin, pb_grpc.DecodeServiceServicer):
             validate_request_id(request.request_id, internal=True)
             validate_token_ids(list(request.token_ids), self.rt.vocab_size)
             validate_prompt_length(len(request.token_ids), self.rt.context_length, "token_ids")
+            validate_step_offset(request.sampling_step_offset, len(request.token_ids))
             validate_cache_salt(request.cache_salt)
             params = sampling_from_proto(request.sampling, len(request.token_ids), self.rt.context_length,
                                          self.rt.vocab_size)

@@ -118,8 +118,11 @@ class SamplingRows:
         all-greedy batch (its tensors are never read), more where rows adjust their logits."""
         device = torch.device(device)
         params = [r[0] for r in rows]
+        if all(p.plain for p in params):  # the common step: greedy rows asking nothing more
+            z = _zeros(len(rows), device)
+            return SamplingRows(z, z, z, z, False, False)
         any_sampled = any(not p.greedy for p in params)
-        top = max((p.top_logprobs for p in params), default=0)
+        top = max(p.top_logprobs for p in params)
         bias = _bias_rows(params, device)
         penalty = _penalty_rows(rows, device, resolve)
         if not any_sampled:
@@ -315,7 +318,8 @@ def pack_step(tokens: torch.Tensor, logprobs: torch.Tensor, top: torch.Tensor | 
 def unpack_step(host: torch.Tensor) -> StepTokens:
     """`pack_step`'s [B, 2 + 2K] float64, on the host -> StepTokens (lists)."""
     rows = host.tolist()
-    return StepTokens([int(r[0]) for r in rows], [r[1] for r in rows], [_pairs(r[2:]) for r in rows])
+    tops = [_pairs(r[2:]) for r in rows] if host.dim() == 2 and host.shape[1] > 2 else [()] * len(rows)
+    return StepTokens([int(r[0]) for r in rows], [r[1] for r in rows], tops)
 
 
 def _pairs(top: list[float]) -> tuple[tuple[int, float], ...]:

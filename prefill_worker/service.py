@@ -21,7 +21,7 @@ from common.grpc_errors import abort_invalid, check_parsed
 from common.pb.tandem.v1 import prefill_pb2 as pb
 from common.pb.tandem.v1 import prefill_pb2_grpc as pb_grpc
 from common.validation import (InvalidArgument, generated_before, sampling_from_proto, top_to_proto, validate_cache_salt,
-                               validate_prompt_length, validate_request_id, validate_token_ids)
+                               validate_prompt_length, validate_request_id, validate_step_offset, validate_token_ids)
 from engine.kv_pool import PromptBlocks
 from engine.mtp import hidden_to_bytes
 from engine.pipeline import PipelineError
@@ -106,6 +106,7 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
         validate_request_id(request.request_id, internal=True)
         validate_token_ids(list(request.token_ids), self.rt.vocab_size)
         validate_prompt_length(len(request.token_ids), self.rt.context_length, "token_ids")
+        validate_step_offset(request.sampling_step_offset, len(request.token_ids))
         validate_cache_salt(request.cache_salt)
         if len(request.notification_token) > MAX_NOTIFICATION_TOKEN_BYTES:
             raise InvalidArgument("notification_token", f"{len(request.notification_token)} bytes, at most "

@@ -44,9 +44,13 @@ def loc_name(loc: tuple) -> str:
     key that is no field name, as logit_bias's token ids, in brackets: "logit_bias[50]"."""
     out = ""
     for part in loc[1:] if loc and loc[0] == "body" else loc:
-        if isinstance(part, int) or (out and not part.isidentifier()):
+        if isinstance(part, int):
             out += f"[{part}]"
-        elif part not in UNION_TAGS and not part.startswith(("function-", "list[", "dict[")):  # union member tags
+        elif part in UNION_TAGS or part.startswith(("function-", "list[", "dict[")):  # union member tags
+            continue
+        elif out and not part.isidentifier():
+            out += f"[{part}]"
+        else:
             out += ("." if out else "") + part
     return out
 

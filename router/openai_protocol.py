@@ -34,11 +34,11 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Sequence
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
 from common.pb.tandem.v1 import frontend_pb2 as pb
 from common.pb.tandem.v1 import sampling_pb2
-from common.sampling_params import LOGIT_BIAS_RANGE, MAX_TOP_LOGPROBS, PENALTY_RANGE
+from common.sampling_params import LOGIT_BIAS_RANGE, MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS, PENALTY_RANGE
 from common.validation import MAX_REQUEST_ID_CHARS, MAX_STOP_STRINGS, InvalidArgument
 
 INT32_MIN, INT32_MAX = -2 ** 31, 2 ** 31 - 1  # the gRPC request's int32 fields
@@ -116,6 +116,7 @@ class _Common(_Body):
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     ignore_eos: bool = False  # not OpenAI's: keep generating after the end-of-sequence token (as vLLM)
+    _shared: sampling_pb2.SamplingParams | None = PrivateAttr(default=None)  # `_shared_sampling`'s
 
     def _refuse_unsupported(self) -> None:
         if not 1 <= self.n <= MAX_CHOICES:
@@ -123,11 +124,14 @@ class _Common(_Body):
         if self.stream_options is not None and not self.stream:
             raise InvalidArgument("stream_options", "only allowed with stream: true")
 
-    def _sampling(self, max_tokens: int | None, j: int = 0, turn_end: Sequence[str] = ()
-                  ) -> sampling_pb2.SamplingParams:
-        """The sampling parameters of choice j of a prompt (its seed: seed + j); turn_end: stop
-        strings added to the request's own (a chat reply's end of turn)."""
+    def _shared_sampling(self) -> sampling_pb2.SamplingParams:
+        """The sampling parameters every choice of the request shares, checked and built once
+        (a logit_bias of MAX_LOGIT_BIAS entries is not walked again for each of 128 choices)."""
+        if self._shared is not None:
+            return self._shared
         s = sampling_pb2.SamplingParams(ignore_eos=self.ignore_eos)
+        if len(self.logit_bias or ()) > MAX_LOGIT_BIAS:  # before the walk below: its cost grows with the keys
+            raise InvalidArgument("logit_bias", f"{len(self.logit_bias)} entries; at most {MAX_LOGIT_BIAS}")
         if self.top_count:
             s.top_logprobs = self.top_count
         for name in ("presence_penalty", "frequency_penalty"):
@@ -145,6 +149,15 @@ class _Common(_Body):
             if not -LOGIT_BIAS_RANGE <= bias <= LOGIT_BIAS_RANGE:  # checked before the proto's float32 rounds it
                 raise InvalidArgument(f"logit_bias[{key}]", f"must be in [-100, 100], got {bias!r}")
             s.logit_bias[token] = bias
+        self._shared = s
+        return s
+
+    def _sampling(self, max_tokens: int | None, j: int = 0, turn_end: Sequence[str] = ()
+                  ) -> sampling_pb2.SamplingParams:
+        """The sampling parameters of choice j of a prompt (its seed: seed + j); turn_end: stop
+        strings added to the request's own (a chat reply's end of turn)."""
+        s = sampling_pb2.SamplingParams()
+        s.CopyFrom(self._shared_sampling())
         if max_tokens is not None:
             if not INT32_MIN <= max_tokens <= INT32_MAX:  # the proto's int32 would raise (a 500)
                 raise InvalidArgument("sampling.max_tokens", f"must be at most {INT32_MAX}, got {max_tokens}")

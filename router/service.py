@@ -205,8 +205,8 @@ class FrontendServicer(pb_grpc.FrontendServiceServicer):
             block_size=self.workers.block_size, http_url=self.http_url)])
 
     async def ExplainRoute(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> pb.ExplainRouteResponse:
-        tokens, _ = await self._validated(request, context)
-        decision, _ = await self._route(tokens, context)
+        tokens, params = await self._validated(request, context)
+        decision, _ = await self._route(tokens, context, await self._unfit_decoders(params, context))
         return decision_to_proto(decision)
 
     async def ClusterStatus(self, request: pb.ClusterStatusRequest,
@@ -387,15 +387,17 @@ class FrontendServicer(pb_grpc.FrontendServiceServicer):
     async def _unfit_decoders(self, params: SamplingParams, context: grpc.aio.ServicerContext) -> frozenset[str]:
         """The decode workers that would refuse params: those running MTP speculative decoding,
         for a request with top log-probabilities, a logit bias or a penalty (their records'
-        speculative_num_steps); INVALID_ARGUMENT naming the field when every one would."""
+        speculative_num_steps); INVALID_ARGUMENT naming the field when every decode worker
+        in discovery would, draining or set aside ones included (a plain one that is only
+        unavailable for now leaves routing to answer UNAVAILABLE, which clients retry)."""
         try:
             refuse_under_speculation(params, "")
             return frozenset()
         except InvalidArgument:
             pass
-        decodes = self.workers.candidates(discovery_pb2.ROLE_DECODE)
-        unfit = frozenset(d.instance_id for d in decodes if d.speculative_num_steps)
-        if decodes and len(unfit) == len(decodes):
+        known = self.workers.candidates(discovery_pb2.ROLE_DECODE, serving_only=False)
+        unfit = frozenset(d.instance_id for d in known if d.speculative_num_steps)
+        if known and len(unfit) == len(known):
             try:
                 refuse_under_speculation(params, "every decode worker here runs")
             except InvalidArgument as exc:

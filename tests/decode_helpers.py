@@ -59,21 +59,21 @@ async def generate(loaded, k: int, prompts: list[list[int]], params: list[Sampli
             req = RunningRequest(f"r{i}", prompt + [first], len(prompt), blocks.block_ids, sp,
                                  hidden=hidden[None] if k else None)
             sched.add(req)
-            reqs.append((req, outs[i]))
+            reqs.append((req, outs[i], i))
 
         if join_at is None:  # in order, one after the other
             for i in range(len(prompts)):
                 await add(i)
         else:  # concurrently, each once the loop has launched join_at[i] steps
             await asyncio.gather(*(add(i) for i in range(len(prompts))))
-        for req, out in reqs:
+        for req, out, i in reqs:
             while True:
                 msg = await asyncio.wait_for(req.out.get(), 60)
                 assert msg.error is None, msg.error
                 if msg.token is not None:
                     out.append(msg.token)
                     if tops is not None:
-                        tops[outs.index(out)].append(msg.top)
+                        tops[i].append(msg.top)
                 if msg.finish_reason:
                     break
                 if req.request_id == f"r{cancel}" and len(out) == 3:

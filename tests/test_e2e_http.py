@@ -225,6 +225,7 @@ def test_seeded_sampling_reproducible_and_equal_grpc(client, stub):
     ({"logit_bias": {"5": 101}}, "logit_bias[5]"),
     ({"logit_bias": {"99999999999": 1}}, "logit_bias[99999999999]"),
     ({"logit_bias": {" 5": 1}}, "logit_bias"),
+    ({"logit_bias": {str(i): 1 for i in range(301)}}, "logit_bias"),  # counted before each key is checked
     ({"logit_bias": {"05": 1}}, "logit_bias"),  # (with "5" it named one id twice)
     ({"logit_bias": {"1_99": 1}}, "logit_bias"),
     ({"logit_bias": {"5": 100.000004}}, "logit_bias[5]"),  # (float32 made it 100, "must be in [-100, 100], got 100")
@@ -674,3 +675,15 @@ def test_tokens_that_are_part_of_a_character_read_as_their_bytes(client):
         ("bytes:\\xaa", (0xAA,)), ("bytes:\\xc4", (0xC4,)), ("bytes:\\xe3", (0xE3,))]
     done = client.completions.create(model="tandem-tiny", prompt="ROMEO:\n", max_tokens=1, logprobs=3, logit_bias=bias)
     assert sorted(done.choices[0].logprobs.top_logprobs[0]) == ["bytes:\\xaa", "bytes:\\xc4", "bytes:\\xe3"]
+
+
+def test_a_step_offset_beyond_the_prompt_is_refused_by_name(cluster):
+    # it counts the generated tokens at the end of token_ids: more than the prompt holds would
+    # have made a penalized request's history wrap around
+    from common.pb.tandem.v1 import decode_pb2, decode_pb2_grpc
+    with grpc.insecure_channel(cluster.decode.address) as ch:
+        with pytest.raises(grpc.RpcError) as e:
+            list(decode_pb2_grpc.DecodeServiceStub(ch).Generate(decode_pb2.DecodeRequest(
+                token_ids=[5, 6, 7], sampling_step_offset=3, sampling=sampling_pb2.SamplingParams(
+                    max_tokens=2, frequency_penalty=1.0)), timeout=30))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and e.value.details().startswith("sampling_step_offset")

@@ -392,3 +392,11 @@ def test_a_chat_reply_also_stops_at_the_models_end_of_turn():
     assert exc.value.field == "stop"
     # a completion has no turns: only its own stop strings
     assert list(CompletionRequest(prompt="p", stop="x").to_generate("r")[0].request.sampling.stop) == ["x"]
+
+
+def test_loc_name_skips_union_members_and_brackets_object_keys():
+    from router.http_front import loc_name
+    assert loc_name(("messages", 0, "content", "list[ContentPart]", 0, "text")) == "messages[0].content[0].text"
+    assert loc_name(("body", "prompt", "list[int]", 1)) == "prompt[1]"
+    assert loc_name(("logit_bias", "50")) == "logit_bias[50]" and loc_name(("logit_bias", "abc")) == "logit_bias.abc"
+    assert loc_name(("stream_options", "include_usage")) == "stream_options.include_usage"

@@ -102,6 +102,11 @@ def test_stop_matcher(deltas, stop, sent, stopped):
     assert (out, hit) == (sent, stopped)
 
 
+def test_stop_matcher_stops_at_the_first_delta_that_completes_a_match():
+    m = StopMatcher(("abc", "b"))
+    assert m.feed("ab") == ("a", True)  # "b" is complete; "abc" might have become one later
+
+
 def test_stop_matcher_holds_back_only_what_could_begin_a_stop():
     chat = StopMatcher(("\n\n",))  # a chat reply's end of turn: words go out whole, at once
     assert [chat.feed(d) for d in ("Hello", " world", "\n", "Next")] == [
@@ -127,7 +132,11 @@ def test_stop_matcher_sends_the_text_before_the_first_stop_and_holds_nothing_it_
             break
         held = text[len(out):b]  # what it keeps back may still begin a stop string, and nothing shorter would do
         assert held == "" or any(s.startswith(held) for s in stops)
-    first = min((i for i in (text.find(s) for s in stops) if i >= 0), default=None)
     if not hit:
         out += m.flush()
-    assert (out, hit) == ((text, False) if first is None else (text[:first], True))
+    # a stream stops at the first delta that completes a stop string, before the earliest match
+    # in the text up to that delta's end (a later delta's earlier-starting match comes too late)
+    end = next((b for b in bounds[1:] if any(s in text[:b] for s in stops)), None)
+    want = (text, False) if end is None else (text[:min(i for i in (text[:end].find(s) for s in stops) if i >= 0)],
+                                              True)
+    assert (out, hit) == want
