@@ -326,7 +326,8 @@ def _pairs(top: list[float]) -> tuple[tuple[int, float], ...]:
     """One row of `top_logprobs_batch` (K ids, then K log-probs) -> (id, logprob) pairs, the
     entries outside the nucleus (id -1) left out."""
     k = len(top) // 2
-    return tuple((int(i), lp) for i, lp in zip(top[:k], top[k:]) if i >= 0)
+    pairs = tuple(zip(map(int, top[:k]), top[k:]))
+    return pairs if not pairs or pairs[-1][0] >= 0 else tuple(p for p in pairs if p[0] >= 0)  # (-1s come last)
 
 
 def sampling_logprobs(logits: torch.Tensor, params: SamplingParams, history: Sequence[int] = ()) -> torch.Tensor:
