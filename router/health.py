@@ -176,6 +176,12 @@ class HealthTracker:
         except grpc.aio.AioRpcError as exc:
             reason = f"{exc.code().name}: {exc.details()}"
             conclusive = refused_connection(exc)
+        except asyncio.CancelledError:
+            if _being_cancelled():
+                raise  # the tracker is stopping
+            # its channel was closed under the call (the worker left discovery, WorkerSet.prune):
+            # a failed probe, not the end of the tracker (it ended every later round unseen)
+            reason = "channel closed during the probe"
         except Exception as exc:  # noqa: BLE001 - a probe never kills the tracker
             reason = f"{type(exc).__name__}: {exc}"
         else:
@@ -221,7 +227,9 @@ class HealthTracker:
             try:
                 await self.probe_all()
             except asyncio.CancelledError:
-                raise
+                if _being_cancelled():
+                    raise
+                log.warning("health probe round cut short by a closed channel; probing on")
             except Exception:  # noqa: BLE001 - keep probing whatever one round did
                 log.exception("health probe round failed")
             await asyncio.sleep(max(0.0, self.interval_s - (loop.time() - started)))
@@ -240,3 +248,10 @@ class HealthTracker:
         if task is not None or soon:
             # not `await task`: a cancellation of stop() itself still propagates
             await asyncio.wait([*([task] if task is not None else []), *soon])
+
+
+def _being_cancelled() -> bool:
+    """Whether the running task was asked to stop (Task.cancel), as against a CancelledError
+    that grpc.aio raises in a call whose channel was closed under it."""
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0

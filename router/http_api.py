@@ -472,7 +472,8 @@ class OpenAIFrontend:
         for i in ids:
             seen = self._tokens_seen.get(i)
             if seen is None:
-                seen = self._tokens_seen[i] = Token(tok.token_shown(i), tok.token_bytes(i))
+                alone = tok.tokenizer.decode([i], skip_special_tokens=False)
+                seen = self._tokens_seen[i] = Token(tok.token_shown(i), tok.token_bytes(i), len(alone))
             out.append(seen)
         return out
 
@@ -485,7 +486,7 @@ class OpenAIFrontend:
             tops = [list(zip(self._tokens(list(t.token_ids)), t.logprobs)) for t in out.top_logprobs]
         if chat:  # (chat's logprobs have no offsets)
             return token_logprobs(chat, tokens, list(out.logprobs), tops=tops), start
-        offsets, end = text_offsets(start, [t.text for t in tokens])
+        offsets, end = text_offsets(start, [t.chars for t in tokens])
         return token_logprobs(chat, tokens, list(out.logprobs), offsets, tops), end
 
     async def generate(self, request: Request, req: CompletionRequest | ChatCompletionRequest, route: str) -> Response:

@@ -40,26 +40,34 @@ class WorkerLost(Exception):
 class OpenCalls:
     def __init__(self) -> None:
         self._by_worker: dict[str, set[asyncio.Future[str]]] = {}
+        self._plain_only: set[asyncio.Future[str]] = set()  # calls only a decode worker without MTP can take
         self.evicted = 0  # counter: calls taken away from a failed worker
 
     @contextlib.contextmanager
-    def open(self, instance_id: str) -> Iterator[asyncio.Future[str]]:
+    def open(self, instance_id: str, plain_only: bool = False) -> Iterator[asyncio.Future[str]]:
         """Register one call to `instance_id` for its duration; yields its `lost` future, which
-        `evict` resolves with the reason."""
+        `evict` resolves with the reason. plain_only: the request asks for what decode workers
+        running MTP refuse (top log-probabilities, a logit bias, penalties)."""
         lost: asyncio.Future[str] = asyncio.get_running_loop().create_future()
         calls = self._by_worker.setdefault(instance_id, set())
         calls.add(lost)
+        if plain_only:
+            self._plain_only.add(lost)
         try:
             yield lost
         finally:
             calls.discard(lost)
+            self._plain_only.discard(lost)
             if not calls and self._by_worker.get(instance_id) is calls:
                 del self._by_worker[instance_id]
 
-    def evict(self, instance_id: str, reason: str) -> int:
-        """Take every open call away from `instance_id`; returns how many."""
+    def evict(self, instance_id: str, reason: str, keep_plain_only: bool = False) -> int:
+        """Take every open call away from `instance_id` (with keep_plain_only, leave it those
+        only a decode worker without MTP could take: none is healthy); returns how many."""
         n = 0
         for lost in self._by_worker.get(instance_id, ()):
+            if keep_plain_only and lost in self._plain_only:
+                continue
             if not lost.done():
                 lost.set_result(reason)
                 n += 1

@@ -28,6 +28,7 @@ those onto the OpenAI parameter the client sent, so a 400's `param` is what the 
 
 from __future__ import annotations
 
+import math
 import re
 import time
 import uuid
@@ -39,7 +40,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 from common.pb.tandem.v1 import frontend_pb2 as pb
 from common.pb.tandem.v1 import sampling_pb2
 from common.sampling_params import LOGIT_BIAS_RANGE, MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS, PENALTY_RANGE
-from common.validation import MAX_REQUEST_ID_CHARS, MAX_STOP_STRINGS, InvalidArgument
+from common.validation import MAX_REQUEST_ID_CHARS, MAX_STOP_STRINGS, MIN_TEMPERATURE, InvalidArgument
 
 INT32_MIN, INT32_MAX = -2 ** 31, 2 ** 31 - 1  # the gRPC request's int32 fields
 TOKEN_KEY = re.compile(r"0|[1-9][0-9]*", re.ASCII)  # a logit_bias key: a token id as written, one way only
@@ -162,9 +163,16 @@ class _Common(_Body):
             if not INT32_MIN <= max_tokens <= INT32_MAX:  # the proto's int32 would raise (a 500)
                 raise InvalidArgument("sampling.max_tokens", f"must be at most {INT32_MAX}, got {max_tokens}")
             s.max_tokens = max_tokens
+        # checked as sent, before the proto's float32 rounds them (1e-46 became 0: greedy; a top_p
+        # of 1.00000001 became 1); the workers check the float32 values again
         if self.temperature is not None:
+            if not (math.isfinite(self.temperature) and (self.temperature == 0 or self.temperature >= MIN_TEMPERATURE)):
+                raise InvalidArgument("temperature", f"must be 0 (greedy) or a finite number >= {MIN_TEMPERATURE}, "
+                                                     f"got {self.temperature!r}")
             s.temperature = self.temperature
         if self.top_p is not None:
+            if not 0 < self.top_p <= 1:
+                raise InvalidArgument("top_p", f"must be in (0, 1], got {self.top_p!r}")
             s.top_p = self.top_p
         if self.seed is not None:
             if not 0 <= self.seed < 2 ** 64:
@@ -385,10 +393,13 @@ def usage(parts: Sequence[pb.Usage], n: int = 1) -> dict:
 
 class Token(NamedTuple):
     """A token as logprobs list it: its text (common.tokenizer.TextTokenizer.token_shown: a
-    token that is part of a character reads `bytes:\\xNN`) and the bytes it stands for."""
+    token that is part of a character reads `bytes:\\xNN`), the bytes it stands for, and the
+    characters it adds to the choice's text as `text_offset` counts them (its text decoded
+    alone: 1 for part of a character, whose label is longer)."""
 
     text: str
     raw: bytes
+    chars: int
 
 
 def token_logprobs(chat: bool, tokens: list[Token], logprobs: list[float], offsets: list[int] | None = None,
@@ -417,16 +428,16 @@ def _first_of_each(pairs: list[tuple[Token, float]]) -> dict[str, float]:
     return out
 
 
-def text_offsets(start: int, tokens: list[str]) -> tuple[list[int], int]:
+def text_offsets(start: int, chars: list[int]) -> tuple[list[int], int]:
     """(`text_offset` of tokens whose texts follow `start` characters of the choice's earlier
     tokens' texts, where the next token's text starts): each token's offset in the concatenation
-    of its choice's token texts (each token decoded alone, or `bytes:\\xNN` for part of a
-    character: Token). That concatenation is the choice's text except where a stop string cut
-    it or a character's bytes span two tokens."""
+    of its choice's token texts, each token decoded alone (`Token.chars` characters each: one
+    for part of a character, listed as `bytes:\\xNN`). That concatenation is the choice's text
+    except where a stop string cut it or a character's bytes span two tokens."""
     out, at = [], start
-    for t in tokens:
+    for n in chars:
         out.append(at)
-        at += len(t)
+        at += n
     return out, at
 
 

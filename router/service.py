@@ -25,8 +25,8 @@ from common.pb.tandem.v1 import frontend_pb2 as pb
 from common.pb.tandem.v1 import frontend_pb2_grpc as pb_grpc
 from common.tokenizer import IncrementalDetokenizer, TextTokenizer
 from common.sampling_params import SamplingParams
-from common.validation import (InvalidArgument, refuse_under_speculation, validate_request_id, sampling_from_proto,
-                               sampling_to_proto, validate_prompt_length, validate_token_ids)
+from common.validation import (InvalidArgument, plain_only, refuse_under_speculation, sampling_from_proto,
+                               sampling_to_proto, validate_prompt_length, validate_request_id, validate_token_ids)
 from router.api_keys import cache_salt
 from router.decision import RouteDecision
 from router.decode_session import DecodeSessions
@@ -277,7 +277,7 @@ class FrontendServicer(pb_grpc.FrontendServiceServicer):
         refused_by: set[str] = set()  # decode workers whose pool cannot hold this request
         for attempt in range(1 + self.migration_limit):
             with self._attempt_span(attempt, failed, len(generated)):
-                unfit = await self._unfit_decoders(params, context)
+                unfit = await self._unfit_decoders(params, context, refuse=attempt == 0)
                 decision, hashes = await self._traced_route(tokens + generated, context, attempt,
                                                             frozenset(refused_by) | unfit)
                 self.decision_s.append(decision.seconds)
@@ -309,7 +309,7 @@ class FrontendServicer(pb_grpc.FrontendServiceServicer):
                     self.overhead_cpu_s.append(time.thread_time() - arrived_cpu)
                 streamed = len(generated)
                 last_at = 0.0  # when this call's previous message arrived (ITL samples for the stall rule)
-                with self.open_calls.open(worker) as lost:
+                with self.open_calls.open(worker, plain_only=plain_only(params)) as lost:
                     reader = None
                     try:
                         if call is None:
@@ -384,20 +384,20 @@ class FrontendServicer(pb_grpc.FrontendServiceServicer):
         else:
             self.retries += 1
 
-    async def _unfit_decoders(self, params: SamplingParams, context: grpc.aio.ServicerContext) -> frozenset[str]:
+    async def _unfit_decoders(self, params: SamplingParams, context: grpc.aio.ServicerContext,
+                              refuse: bool = True) -> frozenset[str]:
         """The decode workers that would refuse params: those running MTP speculative decoding,
         for a request with top log-probabilities, a logit bias or a penalty (their records'
         speculative_num_steps); INVALID_ARGUMENT naming the field when every decode worker
         in discovery would, draining or set aside ones included (a plain one that is only
-        unavailable for now leaves routing to answer UNAVAILABLE, which clients retry)."""
-        try:
-            refuse_under_speculation(params, "")
+        unavailable for now leaves routing to answer UNAVAILABLE, which clients retry). refuse
+        False (a retry or migration: tokens may have gone out already): never INVALID_ARGUMENT,
+        routing answers UNAVAILABLE where no worker fits."""
+        if not plain_only(params):
             return frozenset()
-        except InvalidArgument:
-            pass
         known = self.workers.candidates(discovery_pb2.ROLE_DECODE, serving_only=False)
         unfit = frozenset(d.instance_id for d in known if d.speculative_num_steps)
-        if known and len(unfit) == len(known):
+        if refuse and known and len(unfit) == len(known):
             try:
                 refuse_under_speculation(params, "every decode worker here runs")
             except InvalidArgument as exc:
@@ -411,9 +411,10 @@ class FrontendServicer(pb_grpc.FrontendServiceServicer):
         return any(c.kv_capacity_blocks > have for c in self.workers.candidates(discovery_pb2.ROLE_DECODE)
                    if c.instance_id != worker and c.instance_id not in refused_by)
 
-    def evict_worker(self, instance_id: str, reason: str) -> None:
-        """Take every open call away from a failed decode worker: each request migrates."""
-        n = self.open_calls.evict(instance_id, reason)
+    def evict_worker(self, instance_id: str, reason: str, keep_plain_only: bool = False) -> None:
+        """Take every open call away from a failed decode worker: each request migrates (with
+        keep_plain_only, not those that only a decode worker without MTP could take)."""
+        n = self.open_calls.evict(instance_id, reason, keep_plain_only)
         if n:
             log.warning("decode worker %s %s: moving its %d open calls to other workers", instance_id, reason, n)
 
@@ -430,10 +431,13 @@ class FrontendServicer(pb_grpc.FrontendServiceServicer):
             log.warning("decode worker %s %s, but no other decode worker is healthy: its %d open calls stay on it",
                         instance_id, reason, n)
             return
-        self.evict_worker(instance_id, reason)
+        # a call asking for what MTP workers refuse stays while no other plain worker is healthy
+        self.evict_worker(instance_id, reason, keep_plain_only=not self._other_decode(instance_id, plain=True))
 
-    def _other_decode(self, instance_id: str) -> bool:
-        return any(c.instance_id != instance_id for c in self.workers.candidates(discovery_pb2.ROLE_DECODE))
+    def _other_decode(self, instance_id: str, plain: bool = False) -> bool:
+        """Whether a decode worker other than this one is healthy (plain: one without MTP)."""
+        return any(c.instance_id != instance_id and not (plain and c.speculative_num_steps)
+                   for c in self.workers.candidates(discovery_pb2.ROLE_DECODE))
 
     def move_stranded(self, _changed: str = "") -> None:
         """Move the calls that stayed on an unhealthy decode worker (`worker_unhealthy`) once
@@ -443,7 +447,8 @@ class FrontendServicer(pb_grpc.FrontendServiceServicer):
             return
         for wid in self.open_calls.workers():
             if not health.healthy(wid) and self._other_decode(wid):
-                self.evict_worker(wid, "unhealthy (another decode worker is healthy now)")
+                self.evict_worker(wid, "unhealthy (another decode worker is healthy now)",
+                                  keep_plain_only=not self._other_decode(wid, plain=True))
 
     def on_membership(self) -> None:
         """After a discovery change: evict the calls of workers that left, then close their channels."""

@@ -88,7 +88,8 @@ def assert_offsets(tokens: list[str], offsets: list[int], text: str | None = Non
     """text_offset: each token's offset in its choice's token texts, one per token; with the
     choice's text, each token up to the first one that decodes alone to a partial character is
     found in the text at its offset (a partial one reads `bytes:\\xNN`)."""
-    assert offsets == [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))] and len(tokens) > 1
+    chars = [1 if t.startswith("bytes:") else len(t) for t in tokens]  # part of a character: one, decoded alone
+    assert offsets == [sum(chars[:i]) for i in range(len(tokens))] and len(tokens) > 1
     if text is not None:
         whole = [t for t in tokens[:next((i for i, t in enumerate(tokens) if t.startswith("bytes:")), len(tokens))]]
         assert len(whole) >= 3, tokens  # (the prompts below were picked so that this checks something)
@@ -232,6 +233,8 @@ def test_seeded_sampling_reproducible_and_equal_grpc(client, stub):
     ({"logit_bias": {"5": True}}, "logit_bias[5]"),
     ({"logit_bias": {"5": "1e2"}}, "logit_bias[5]"),
     ({"frequency_penalty": 2.0000001}, "frequency_penalty"),
+    ({"temperature": 1e-46}, "temperature"),  # (float32 made it 0: greedy, answered 200)
+    ({"top_p": 1.00000001}, "top_p"),
 ])
 def test_completions_bad_parameter_is_400_naming_it(client, kw, param):
     args = {"model": "tandem-tiny", "prompt": [1, 2, 3], "max_tokens": 4, **kw}
@@ -687,3 +690,13 @@ def test_a_step_offset_beyond_the_prompt_is_refused_by_name(cluster):
                 token_ids=[5, 6, 7], sampling_step_offset=3, sampling=sampling_pb2.SamplingParams(
                     max_tokens=2, frequency_penalty=1.0)), timeout=30))
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and e.value.details().startswith("sampling_step_offset")
+
+
+def test_offsets_count_a_partial_characters_token_as_one_character(client):
+    # a token that is part of a character is listed as bytes:\\xNN, but it adds one character
+    # (U+FFFD) to the text as text_offset counts it, not the label's ten
+    done = client.completions.create(model="tandem-tiny", prompt="ROMEO:\n", max_tokens=4, logprobs=0,
+                                     logit_bias={"65": 100, "159": 99}, frequency_penalty=2.0)
+    lp = done.choices[0].logprobs
+    assert any(t.startswith("bytes:") for t in lp.tokens), lp.tokens
+    assert_offsets(lp.tokens, lp.text_offset)

@@ -160,3 +160,42 @@ def test_what_mtp_decode_workers_refuse_goes_to_the_others(cluster, stub) -> Non
     got, _ = run(stub, token_ids=[5, 6, 7], sampling=sampling_pb2.SamplingParams(max_tokens=3))  # still serving
     assert len(got) == 3
     assert wait_all_free(cluster)
+
+
+def test_calls_only_a_plain_worker_can_take_stay_on_it_while_it_is_unhealthy(cluster, stub, shakespeare) -> None:
+    """A plain decode worker turns unhealthy beside an MTP one: its plain requests move to the
+    MTP worker, those asking for penalties stay and finish where they are (they had failed with
+    the MTP refusal's 400), as all calls do when no other decode worker is healthy."""
+    import threading
+
+    from common.sampling_params import SamplingParams
+    from decode_helpers import reference_draws
+    use_decode(cluster, 1)
+    plain = cluster.start("decode")
+    try:
+        cluster.wait_roles(cluster.router, 1, 2)
+        prompt = shakespeare.tokenizer().encode(TEXTS[1])[:24]
+        penalized = SamplingParams(max_tokens=40, ignore_eos=True, presence_penalty=0.5, frequency_penalty=0.5)
+        got: list = []
+        first = threading.Event()
+
+        def stream():
+            out = []
+            for m in stub.Generate(frontend_pb2.GenerateRequest(token_ids=prompt, sampling=sampling_pb2.SamplingParams(
+                    max_tokens=40, ignore_eos=True, presence_penalty=0.5, frequency_penalty=0.5)), timeout=60):
+                out += m.token_ids
+                first.set()
+            got.append(out)
+        t = threading.Thread(target=stream)
+        t.start()
+        assert first.wait(30)
+        servicer = cluster.router.servicer
+        evicted = servicer.open_calls.evicted
+        cluster.on_loop(lambda: servicer.worker_unhealthy(plain.runtime.instance_id, "unhealthy (test)"))
+        t.join(60)
+        assert servicer.open_calls.evicted == evicted  # it stayed
+        assert got and got[0] == reference_draws(shakespeare.model, prompt, 40, penalized)
+    finally:
+        cluster.stop(plain)
+        cluster.wait_roles(cluster.router, 1, 1)
+    assert wait_all_free(cluster)

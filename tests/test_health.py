@@ -384,3 +384,32 @@ class socket_bound_nowhere:
 
     def __exit__(self, *exc) -> None:
         self.sock.close()
+
+
+def test_a_probe_whose_channel_closes_under_it_is_a_failure_and_the_tracker_probes_on():
+    # a worker leaving discovery has its channel closed (WorkerSet.prune) while a Check may be
+    # on it: grpc.aio raises CancelledError in that call, which ended the tracker's task for good
+    async def body() -> None:
+        server, servicer, address = await health_server()
+        workers, tracker, watcher = tracker_for(address, threshold=1, interval_s=0.05, timeout_s=2.0)
+        try:
+            servicer.delay_s = 0.5
+            tracker.start()
+            await asyncio.sleep(0.1)  # a Check is on its way
+            await workers._channels["w0"][1].close()  # the channel the probe is on
+            deadline = time.monotonic() + 5
+            while tracker.healthy("w0"):
+                assert time.monotonic() < deadline, "the cut probe did not count"
+                await asyncio.sleep(0.02)
+            assert not tracker._task.done()  # (it ended here, and nothing probed again)
+            del workers._channels["w0"]  # a fresh channel, as after the worker registers again
+            servicer.delay_s = 0.0
+            while not tracker.healthy("w0"):
+                assert time.monotonic() < deadline, "never probed again"
+                await asyncio.sleep(0.02)
+        finally:
+            await tracker.stop()
+            await workers.close()
+            await server.stop(None)
+
+    run(body)
