@@ -9,6 +9,8 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+import numpy as np
+
 from common.pb.tandem.v1 import sampling_pb2
 from common.sampling_params import (DEFAULT_MAX_TOKENS, LOGIT_BIAS_RANGE, MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS,
                                     PENALTY_RANGE, SamplingParams)
@@ -66,6 +68,12 @@ def validate_prompt_length(prompt_tokens: int, context_length: int, field: str) 
                                      f"{context_length}, so at most {context_length - 1} fit")
 
 
+def _f32(value: float) -> str:
+    """A float32 field's value as the shortest text that reads back as it (2.0000002, not the 2
+    that 7 digits gave for a penalty just over 2)."""
+    return repr(float(str(np.float32(value))))  # (numpy's shortest digits, Python's notation: 0.0001, not 1e-04)
+
+
 def sampling_from_proto(msg: sampling_pb2.SamplingParams, prompt_tokens: int, context_length: int,
                         vocab_size: int, default_seed: int = 0) -> SamplingParams:
     """Validate sampling fields against the prompt length, the model's context length and its
@@ -88,10 +96,10 @@ def sampling_from_proto(msg: sampling_pb2.SamplingParams, prompt_tokens: int, co
     temperature = msg.temperature if msg.HasField("temperature") else 0.0
     if not (math.isfinite(temperature) and (temperature == 0.0 or temperature >= MIN_TEMPERATURE)):
         raise InvalidArgument("sampling.temperature",
-                              f"must be 0 (greedy) or a finite number >= {MIN_TEMPERATURE}, got {temperature:.7g}")
+                              f"must be 0 (greedy) or a finite number >= {MIN_TEMPERATURE}, got {_f32(temperature)}")
     top_p = msg.top_p if msg.HasField("top_p") else 1.0
     if not (0.0 < top_p <= 1.0):
-        raise InvalidArgument("sampling.top_p", f"must be in (0, 1], got {top_p:.7g}")  # (float32: 7 digits)
+        raise InvalidArgument("sampling.top_p", f"must be in (0, 1], got {_f32(top_p)}")
     if any(s == "" for s in msg.stop):
         raise InvalidArgument("sampling.stop", "stop strings must be non-empty")
     if len(msg.stop) > MAX_STOP_STRINGS:
@@ -109,11 +117,11 @@ def sampling_from_proto(msg: sampling_pb2.SamplingParams, prompt_tokens: int, co
             raise InvalidArgument(f"sampling.logit_bias[{token}]", f"not a token id of the model's vocabulary "
                                   f"[0, {vocab_size})")
         if not -LOGIT_BIAS_RANGE <= bias <= LOGIT_BIAS_RANGE:  # (NaN too)
-            raise InvalidArgument(f"sampling.logit_bias[{token}]", f"must be in [-100, 100], got {bias:.7g}")
+            raise InvalidArgument(f"sampling.logit_bias[{token}]", f"must be in [-100, 100], got {_f32(bias)}")
     for name in ("presence_penalty", "frequency_penalty"):
         value = getattr(msg, name)
         if not -PENALTY_RANGE <= value <= PENALTY_RANGE:  # (NaN too)
-            raise InvalidArgument(f"sampling.{name}", f"must be in [-2, 2], got {value:.7g}")
+            raise InvalidArgument(f"sampling.{name}", f"must be in [-2, 2], got {_f32(value)}")
     return SamplingParams(max_tokens=max_tokens, temperature=float(temperature), top_p=float(top_p),
                           seed=msg.seed if msg.HasField("seed") else default_seed,
                           stop=tuple(msg.stop), ignore_eos=msg.ignore_eos, top_logprobs=top_logprobs,

@@ -340,7 +340,7 @@ class ChatCompletionRequest(_Common):
         self._refuse_unsupported()
         if self.tools:
             raise InvalidArgument("tools", "tool calls are not supported")
-        if self.response_format and self.response_format.get("type", "text") != "text":
+        if self.response_format and (self.response_format.get("type") or "text") != "text":  # (null: the default)
             raise InvalidArgument("response_format", "only {\"type\": \"text\"} is supported")
         if self.max_tokens is not None and self.max_completion_tokens is not None \
                 and self.max_tokens != self.max_completion_tokens:

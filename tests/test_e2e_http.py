@@ -636,6 +636,8 @@ def test_a_null_stands_for_the_default(cluster):
             "logprobs": None, "top_logprobs": None, "tools": None}
     r = httpx.post(f"{base}/chat/completions", json=chat, timeout=60)
     assert r.status_code == 200 and r.json()["choices"][0]["logprobs"] is None, r.text
+    r = httpx.post(f"{base}/chat/completions", json={**chat, "response_format": {"type": None}}, timeout=60)
+    assert r.status_code == 200, r.text
     r = httpx.post(f"{base}/chat/completions", json={"messages": None}, timeout=60)  # required: null is no default
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
 

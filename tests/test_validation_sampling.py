@@ -56,6 +56,16 @@ def test_logit_bias_is_kept_in_id_order_and_goes_back_to_proto_unchanged():
     assert sampling_from_proto(sampling_to_proto(p), prompt_tokens=10, context_length=64, vocab_size=1000) == p
 
 
+def test_a_float32_value_just_outside_its_range_is_said_as_it_reads_back():
+    # 7 digits said "must be in [-2, 2], got 2" of a float32 2.0000002
+    with pytest.raises(InvalidArgument, match=r"got 2\.0000002$"):
+        sampling_from_proto(sampling_pb2.SamplingParams(presence_penalty=2.0000002), prompt_tokens=10,
+                            context_length=64, vocab_size=100)
+    with pytest.raises(InvalidArgument, match=r"got 0\.0001$"):  # float32's 9.99999975e-05, said short
+        sampling_from_proto(sampling_pb2.SamplingParams(temperature=0.0001), prompt_tokens=10, context_length=64,
+                            vocab_size=100)
+
+
 def test_defaults():
     p = sampling_from_proto(sampling_pb2.SamplingParams(), prompt_tokens=10, context_length=64, vocab_size=100, default_seed=5)
     assert p == SamplingParams(max_tokens=54, temperature=0.0, top_p=1.0, seed=5)
