@@ -90,19 +90,21 @@ async def generate(loaded, k: int, prompts: list[list[int]], params: list[Sampli
 
 
 def reference_draws(model, prompt: list[int], max_tokens: int, params: SamplingParams,
-                    eos_token_ids=frozenset(), rows: list | None = None, generated: list[int] = ()) -> list[int]:
+                    eos_token_ids=frozenset(), rows: list | None = None, generated: list[int] = (),
+                    history: list[int] | None = None) -> list[int]:
     """reference_generate drawing as `sample` does with params, its logit bias and penalties
     applied here from their definition (OpenAI's: a token generated c times so far loses
     frequency × c + presence × [c > 0]) to the reference's own logits; rows: where given, each
     draw's adjusted logits are appended to it. generated: tokens generated before (a migrated
-    request's: the prompt ends with them; the draws' step indices continue after them)."""
+    request's: the prompt ends with them; the draws' step indices continue after them, and
+    the penalties count them unless `history` says otherwise)."""
     from dataclasses import replace
 
     import torch
 
     from engine.reference import reference_generate
     plain = replace(params, logit_bias=(), presence_penalty=0.0, frequency_penalty=0.0)
-    history: list[int] = list(generated)
+    history = list(generated if history is None else history)
 
     def draw(row, step):
         step += len(generated)

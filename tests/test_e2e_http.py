@@ -646,27 +646,33 @@ def test_a_null_stands_for_the_default(cluster):
 def test_penalties_count_the_tokens_generated_before_a_migration(cluster, tiny_model, via_prefill):
     # a migrated request arrives with its generated tokens at the end of token_ids
     # (sampling_step_offset of them): the first token (prefilled here or by the prefill worker)
-    # and every later one count them
+    # and every later one count them. Negative penalties pull the draws towards those tokens,
+    # and each step's top log-probabilities show every one of them raised, on every step
     from decode_helpers import reference_draws
     from common.pb.tandem.v1 import decode_pb2, decode_pb2_grpc
     from common.sampling_params import SamplingParams
     prompt = prompt_ids(15, offset=41 + via_prefill)
     before = reference_draws(tiny_model.model, prompt, 5, SamplingParams(max_tokens=5))
-    p = SamplingParams(max_tokens=6, ignore_eos=True, presence_penalty=-2.0, frequency_penalty=-1.0,
-                       temperature=0.5, seed=9)
-    want = reference_draws(tiny_model.model, prompt + before, 6, p, generated=before)
-    alone = reference_draws(tiny_model.model, prompt + before, 6, p)  # as if nothing came before
-    assert want != alone  # (so the test can tell)
+    p = SamplingParams(max_tokens=6, ignore_eos=True, presence_penalty=-2.0, frequency_penalty=-2.0, top_logprobs=5)
+    rows = []
+    want = reference_draws(tiny_model.model, prompt + before, 6, p, generated=before, rows=rows)
+    alone = reference_draws(tiny_model.model, prompt + before, 6, p, generated=before, history=[])
+    assert want != alone  # (so the test can tell: the first token)
     req = decode_pb2.DecodeRequest(request_id=f"pen-{via_prefill}", token_ids=prompt + before,
                                    sampling_step_offset=len(before),
                                    prefill_address=cluster.prefill.address if via_prefill else "",
                                    sampling=sampling_pb2.SamplingParams(
-                                       max_tokens=6, ignore_eos=True, presence_penalty=-2.0, frequency_penalty=-1.0,
-                                       temperature=0.5, seed=9))
+                                       max_tokens=6, ignore_eos=True, presence_penalty=-2.0, frequency_penalty=-2.0,
+                                       top_logprobs=5))
     with grpc.insecure_channel(cluster.decode.address) as ch:
-        got = [t for m in decode_pb2_grpc.DecodeServiceStub(ch).Generate(req, timeout=60) for t in m.token_ids]
-    assert got == want
-
+        msgs = list(decode_pb2_grpc.DecodeServiceStub(ch).Generate(req, timeout=60))
+    assert [t for m in msgs for t in m.token_ids] == want
+    tops = [t for m in msgs for t in m.top_logprobs]
+    for row, top in zip(rows, tops):  # every step's (the later ones: the decode loop's history)
+        values, ids = torch.log_softmax(row, -1).topk(5)
+        assert list(top.token_ids) == ids.tolist()
+        assert list(top.logprobs) == pytest.approx(values.tolist(), abs=1e-4)
+    assert set(before) <= set(tops[-1].token_ids)  # (every earlier token raised into the top five)
 
 def test_tokens_that_are_part_of_a_character_read_as_their_bytes(client):
     # byte-level BPE tokens 128, 103 and 159 are single bytes of multi-byte characters: decoded
