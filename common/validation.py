@@ -147,11 +147,6 @@ def generated_before(token_ids: Sequence[int], step_offset: int, params: Samplin
     return list(token_ids[max(0, len(token_ids) - step_offset):])
 
 
-def plain_only(params: SamplingParams) -> bool:
-    """Whether params ask for what a decode worker running MTP refuses (`refuse_under_speculation`)."""
-    return bool(params.top_logprobs or params.logit_bias or params.penalized)
-
-
 def refuse_under_speculation(params: SamplingParams, who: str) -> None:
     """Raises InvalidArgument naming what a decode worker that runs MTP speculative decoding
     does not serve: top log-probabilities (its verify step reports the sampled token's only),

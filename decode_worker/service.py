@@ -39,7 +39,7 @@ from decode_worker.scheduler import DecodeScheduler, RunningRequest
 from engine.block_pool import BlockId
 from engine.kv_pool import PoolExhausted, PromptBlocks
 from engine.mtp import hidden_from_bytes
-from engine.sampling import sample, top_logprobs
+from engine.sampling import sample_one
 from worker.host import WorkerRuntime
 from worker.session import SessionMixin
 from kv_transfer.base import TransferError, notification
@@ -270,8 +270,8 @@ class DecodeServicer(SessionMixin, pb_grpc.DecodeServiceServicer):
         out = await self.rt.prefill_outputs(prompt.block_ids, tokens, start, mtp=spec)
         hidden = out.hidden
         history = generated_before(request.token_ids, request.sampling_step_offset, params)
-        token, logprob = sample(out.logits, params, request.sampling_step_offset, history)
-        return Prefilled(token, logprob, hidden[None] if spec else None, top_logprobs(out.logits, params, history))
+        token, logprob, top = sample_one(out.logits, params, request.sampling_step_offset, history)
+        return Prefilled(token, logprob, hidden[None] if spec else None, top)
 
     def _fence(self, address: str, instance_id: str, request_id: str, prompt: PromptBlocks, secret: bytes) -> None:
         """Swap the blocks the prefill worker at `address` was given for fresh ones (the prompt

@@ -38,7 +38,7 @@ from engine.future_map import FutureTokenMap
 from engine.kv_cache_contiguous import ContiguousKvCache
 from engine.kv_pool import KvPool, PagedKvCache
 from engine.mtp import pool_has_mtp, prefill_mtp_rows
-from engine.sampling import (SamplingParams, SamplingRows, StepTokens, pack_step, sample_batch, top_logprobs_batch,
+from engine.sampling import (SamplingParams, SamplingRows, StepTokens, pack_step, sample_step, top_logprobs_batch,
                              unpack_step)
 from engine.spec_batch import SpecResult, SpecRow, SpecSlots, spec_step
 from engine.spec_decode import SpecInput, SpecOutput, spec_forward
@@ -236,10 +236,11 @@ class ModelRunner:
         collectives unmatched."""
         rows = SamplingRows.build(sampling, self.device, self.future.resolve)
         logits, slot_t, greedy = self._forward_step(batch, slots, began, bucket)
-        top = top_logprobs_batch(logits, rows) if rows.top_logprobs else None  # (read before the next replay)
         if greedy is not None and not rows.any_sampled and not rows.adjusts:
-            return greedy if top is None else torch.cat((greedy, top), dim=1)
-        tokens, logprobs = sample_batch(logits, rows)
+            if not rows.top_logprobs:
+                return greedy
+            return torch.cat((greedy, top_logprobs_batch(logits, rows)), dim=1)  # (before the next replay)
+        tokens, logprobs, top = sample_step(logits, rows)
         if slot_t is not None:
             self.future.store(slot_t, tokens)
         return pack_step(tokens, logprobs, top)

@@ -43,7 +43,7 @@ from engine.kernels import greedy_head as greedy_kernel
 from engine.upload import upload
 
 __all__ = ["SamplingParams", "SamplingRows", "StepTokens", "sample", "sample_batch", "sampling_logprobs",
-           "top_logprobs", "top_logprobs_batch"]
+           "sample_one", "sample_step", "top_logprobs_batch"]
 
 _M32 = 0xFFFFFFFF
 
@@ -251,9 +251,26 @@ def sample_batch(logits: torch.Tensor, rows: SamplingRows) -> tuple[torch.Tensor
         (`sampling_logprobs_batch`) with its log-probability there; both of the adjusted
         logits where a row has a logit bias or a penalty (`adjusted`).
     """
+    return _draw(adjusted(logits, rows), rows)[:2]
+
+
+def sample_step(logits: torch.Tensor, rows: SamplingRows
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """`sample_batch` and, where rows ask for them, `top_logprobs_batch` of the same logits
+    [B, vocab], the logits adjusted and the distribution computed once for both: (tokens [B],
+    logprobs [B], top [B, 2K] float64 or None). No host sync."""
     logits = adjusted(logits, rows)
+    tokens, logprobs, logp = _draw(logits, rows)
+    if not rows.top_logprobs:
+        return tokens, logprobs, None
+    return tokens, logprobs, _top(logp if logp is not None else _logprobs(logits, rows), rows.top_logprobs)
+
+
+def _draw(logits: torch.Tensor, rows: SamplingRows) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """`sample_batch` of logits already adjusted, with the distribution drawn from
+    (`_logprobs`; None for an all-greedy batch, which computes none)."""
     if not rows.any_sampled:
-        return greedy_batch(logits)
+        return *greedy_batch(logits), None
     logp = _logprobs(logits, rows)
     # Greedy rows of a mixed batch take greedy_batch's token and log-probability, so a greedy
     # row's numbers do not depend on whether a sampled row shares its step.
@@ -262,7 +279,8 @@ def sample_batch(logits: torch.Tensor, rows: SamplingRows) -> tuple[torch.Tensor
     sampled = torch.argmax(logp + noise, dim=-1)
     sampled_logp = logp.gather(1, sampled[:, None])[:, 0]
     is_sampled = rows.temperature > 0
-    return torch.where(is_sampled, sampled, greedy_tokens), torch.where(is_sampled, sampled_logp, greedy_logp)
+    return (torch.where(is_sampled, sampled, greedy_tokens), torch.where(is_sampled, sampled_logp, greedy_logp),
+            logp)
 
 
 def greedy_batch(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -285,8 +303,12 @@ def top_logprobs_batch(logits: torch.Tensor, rows: SamplingRows) -> torch.Tensor
     (`sampling_logprobs_batch`), most likely first, as [B, 2K] float64: K token ids, then their K
     log-probabilities; an entry outside a row's top-p nucleus (log-probability -inf) has id -1.
     Among equal log-probabilities the order is torch.topk's. No host sync."""
-    k = min(rows.top_logprobs, logits.shape[-1])
-    values, ids = torch.topk(sampling_logprobs_batch(logits, rows), k, dim=-1)
+    return _top(sampling_logprobs_batch(logits, rows), rows.top_logprobs)
+
+
+def _top(logp: torch.Tensor, k: int) -> torch.Tensor:
+    """`top_logprobs_batch` of the rows' distributions logp [B, V]."""
+    values, ids = torch.topk(logp, min(k, logp.shape[-1]), dim=-1)
     ids = torch.where(torch.isinf(values), torch.full_like(ids, -1), ids)
     return torch.cat((ids.double(), values.double()), dim=1)
 
@@ -354,12 +376,11 @@ def sample(logits: torch.Tensor, params: SamplingParams, step: int, history: Seq
     return int(tokens[0]), float(logprobs[0])
 
 
-def top_logprobs(logits: torch.Tensor, params: SamplingParams,
-                 history: Sequence[int] = ()) -> tuple[tuple[int, float], ...]:
-    """One row of logits [vocab] -> its `params.top_logprobs` most likely (token id,
-    log-probability) pairs under the distribution `sample` draws from (`top_logprobs_batch`);
-    () when params asks for none."""
-    if not params.top_logprobs:
-        return ()
-    rows = SamplingRows.build([(params, 0, history)], logits.device)
-    return _pairs(top_logprobs_batch(logits[None], rows)[0].tolist())
+def sample_one(logits: torch.Tensor, params: SamplingParams, step: int,
+               history: Sequence[int] = ()) -> tuple[int, float, tuple[tuple[int, float], ...]]:
+    """`sample` with the row's most likely tokens where params asks for them (`sample_step`):
+    (token id, its log-probability, its `params.top_logprobs` (id, logprob) pairs, () for
+    none), in one device-to-host copy. A request's first token (prefill)."""
+    rows = SamplingRows.build([(params, step, history)], logits.device)
+    host = unpack_step(pack_step(*sample_step(logits[None], rows)).cpu())
+    return host.tokens[0], host.logprobs[0], host.tops[0]

@@ -25,7 +25,7 @@ from common.validation import (InvalidArgument, generated_before, sampling_from_
 from engine.kv_pool import PromptBlocks
 from engine.mtp import hidden_to_bytes
 from engine.pipeline import PipelineError
-from engine.sampling import sample, top_logprobs
+from engine.sampling import sample_one
 from worker.host import WorkerRuntime
 from kv_transfer.base import MAX_NOTIFICATION_TOKEN_BYTES, RemoteBlocks, TransferError, notification
 from kv_transfer.select import CHOICES
@@ -223,8 +223,7 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
                 cached()
                 self.rt.events.publish()
                 history = generated_before(request.token_ids, request.sampling_step_offset, params)
-                token, logprob = sample(logits, params, request.sampling_step_offset, history)
-                top = top_logprobs(logits, params, history)
+                token, logprob, top = sample_one(logits, params, request.sampling_step_offset, history)
                 # The span covers the exposed part: earlier chunks' writes overlapped the prefill.
                 with tracing.span("tandem.kv_transfer", {"tandem.transfer.backend": backend,
                                                          "tandem.transfer.blocks": len(dst.block_ids),

@@ -25,7 +25,7 @@ from common.pb.tandem.v1 import frontend_pb2 as pb
 from common.pb.tandem.v1 import frontend_pb2_grpc as pb_grpc
 from common.tokenizer import IncrementalDetokenizer, TextTokenizer
 from common.sampling_params import SamplingParams
-from common.validation import (InvalidArgument, plain_only, refuse_under_speculation, sampling_from_proto,
+from common.validation import (InvalidArgument, refuse_under_speculation, sampling_from_proto,
                                sampling_to_proto, validate_prompt_length, validate_request_id, validate_token_ids)
 from router.api_keys import cache_salt
 from router.decision import RouteDecision
@@ -309,7 +309,7 @@ class FrontendServicer(pb_grpc.FrontendServiceServicer):
                     self.overhead_cpu_s.append(time.thread_time() - arrived_cpu)
                 streamed = len(generated)
                 last_at = 0.0  # when this call's previous message arrived (ITL samples for the stall rule)
-                with self.open_calls.open(worker, plain_only=plain_only(params)) as lost:
+                with self.open_calls.open(worker, plain_only=params.needs_plain_decode) as lost:
                     reader = None
                     try:
                         if call is None:
@@ -393,7 +393,7 @@ class FrontendServicer(pb_grpc.FrontendServiceServicer):
         unavailable for now leaves routing to answer UNAVAILABLE, which clients retry). refuse
         False (a retry or migration: tokens may have gone out already): never INVALID_ARGUMENT,
         routing answers UNAVAILABLE where no worker fits."""
-        if not plain_only(params):
+        if not params.needs_plain_decode:
             return frozenset()
         known = self.workers.candidates(discovery_pb2.ROLE_DECODE, serving_only=False)
         unfit = frozenset(d.instance_id for d in known if d.speculative_num_steps)

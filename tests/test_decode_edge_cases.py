@@ -435,13 +435,13 @@ def test_graph_replay_inputs_padding_and_future_ids_on_cpu(tiny_model, monkeypat
             pool.kv.copy_(before)
             slots = fast.future.reserve(len(batch))
             if sampling is greedy:
-                monkeypatch.setattr(runner_module, "sample_batch", no_sampling_after_the_replay)
+                monkeypatch.setattr(runner_module, "sample_step", no_sampling_after_the_replay)
             packed = fast.decode_step(batch, sampling, slots).clone()
             monkeypatch.undo()
             monkeypatch.setattr(decode_batch.AbsorbedDecodeKv.__init__, "__defaults__", (mla_decode_reference,))
             assert packed.shape == (len(batch), 2) and packed.dtype == torch.float64
             assert fast.future.tokens[slots].tolist() == packed[:, 0].long().tolist()
-            fast.graphs = None  # the eager fast step: sample_batch after the forward
+            fast.graphs = None  # the eager fast step: sample_step after the forward
             pool.kv.copy_(before)
             eager_pack = fast.decode_step(batch, sampling)
             fast.graphs = graphs

@@ -12,8 +12,8 @@ import torch
 from common.sampling_params import SamplingParams
 from decode_helpers import generate
 from engine.reference import reference_generate
-from engine.sampling import (SamplingRows, for_row, pack_step, sample, sample_batch, sampling_logprobs,
-                             top_logprobs, top_logprobs_batch, unpack_step)
+from engine.sampling import (SamplingRows, for_row, pack_step, sample, sample_batch, sample_one, sample_step,
+                             sampling_logprobs, top_logprobs_batch, unpack_step)
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -42,7 +42,7 @@ def test_a_batch_reports_each_row_its_own_count_under_its_own_distribution():
     for i, p in enumerate(params):
         got = for_row(step.tops[i], p)
         assert_top(got, want_top(logits[i], p) if p.top_logprobs else [])
-        assert got == top_logprobs(logits[i], p)  # the one-row form: the same numbers
+        assert got == sample_one(logits[i], p, 3)[2]  # the one-row form: the same numbers
         if p.greedy and got:  # greedy: the token is the likeliest, with the same log-probability
             assert got[0][0] == step.tokens[i] and got[0][1] == pytest.approx(step.logprobs[i], abs=1e-6)
         elif got and step.tokens[i] in dict(got):  # sampled: its logprob is its entry's
@@ -57,7 +57,7 @@ def test_a_step_without_top_logprobs_stays_two_columns():
     assert rows.top_logprobs == 0
     packed = pack_step(*sample_batch(logits, rows))
     assert packed.shape == (3, 2) and unpack_step(packed).tops == [(), (), ()]
-    assert top_logprobs(logits[0], SamplingParams()) == ()
+    assert sample_one(logits[0], SamplingParams(), 0)[2] == ()
 
 
 @pytest.mark.parametrize("overlap", [False, True])
@@ -107,7 +107,7 @@ def test_logit_bias_moves_only_its_own_rows_draws():
         want = sample(logits[i] + dense_bias(params[i], 200), replace(params[i], logit_bias=()), 2)
         assert (int(tokens[i]), float(logprobs[i])) == pytest.approx(want, abs=1e-6)
     assert int(tokens[0]) != top and int(tokens[2]) == 11
-    assert top_logprobs(logits[2], params[2])[0][0] == 11  # the alternatives are of the biased distribution
+    assert sample_one(logits[2], params[2], 2)[2][0][0] == 11  # the alternatives are of the biased distribution
 
 
 @pytest.mark.parametrize("overlap", [False, True])
@@ -168,3 +168,17 @@ def test_a_penalty_counts_the_history_the_row_brings_and_resolves_placeholders()
     want = torch.zeros(10)
     want[3], want[4], want[7] = -(2 * 1.0 + 0.5), -1.5, -1.5  # 3 came twice (once through its placeholder)
     assert torch.equal(out[0], want) and torch.equal(out[1], torch.zeros(10))
+
+
+def test_sample_step_gives_what_its_two_parts_give_apart():
+    # the step adjusts the logits and computes the distribution once for the draw and the top list
+    torch.manual_seed(3)
+    logits = torch.randn(3, 120) * 2
+    params = [SamplingParams(top_logprobs=4, logit_bias=((9, 3.0),)),
+              SamplingParams(temperature=0.9, top_p=0.7, seed=5, top_logprobs=2, presence_penalty=1.0),
+              SamplingParams()]
+    rows = SamplingRows.build([(p, 1, [9, 9, 4]) for p in params], "cpu")
+    tokens, logprobs, top = sample_step(logits, rows)
+    want_tokens, want_logprobs = sample_batch(logits, rows)
+    assert torch.equal(tokens, want_tokens) and torch.equal(logprobs, want_logprobs)
+    assert torch.equal(top, top_logprobs_batch(logits, rows))
