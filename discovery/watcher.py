@@ -132,6 +132,11 @@ class InstanceWatcher:
         """True while a watch is live; False before the first sync and while reconnecting."""
         return self._in_sync
 
+    @property
+    def listed(self) -> bool:
+        """Whether the first full listing has come (the view holds what etcd had then)."""
+        return self._synced.is_set()
+
     async def wait_for(
         self,
         predicate: Callable[[dict[str, discovery_pb2.Instance]], bool],

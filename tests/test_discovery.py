@@ -382,3 +382,25 @@ def test_watcher_survives_etcd_restart_and_reconciles(etcd: EtcdServer, ns: str)
                 await closer()
 
     run(body, timeout=45)
+
+
+def test_a_peer_looked_up_before_the_first_listing_is_waited_for(etcd, ns):
+    # a decode worker serves while its watcher's first listing is still on its way: a request
+    # naming a prefill worker registered before it was refused "not in discovery" (a start-up
+    # race seen in CI), where the wait meant for records that come late applies too
+    from worker.peers import PeerDirectory
+
+    async def body() -> None:
+        async with Registration(etcd.endpoint, ns, make_instance("p1")):
+            watcher = InstanceWatcher(etcd.endpoint, ns, component="prefill")
+            peers = PeerDirectory("tiny", "", watcher)
+            await watcher.start(timeout=None)  # as decode_worker/main.py starts it: no wait for the listing
+            try:
+                assert not watcher.listed
+                found = await peers.find(lambda i: i.address == "127.0.0.1:50051", "prefill_address",
+                                         "prefill worker '127.0.0.1:50051'", wait_s=5.0)
+                assert found.instance_id == "p1" and watcher.listed
+            finally:
+                await watcher.stop()
+
+    run(body)

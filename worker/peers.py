@@ -107,8 +107,10 @@ class PeerDirectory:
             return next((i for i in view.values() if match(i)), None)
 
         found = pick(self.watcher.instances())
-        # no record can arrive while the watch is down (an etcd outage): waiting would only delay
-        if found is None and wait_s > 0 and self.watcher.in_sync:
+        # no record can arrive while the watch is down (an etcd outage): waiting would only delay;
+        # before its first listing it is only starting (a worker serves while it comes): the
+        # record may be in it, so that is waited for
+        if found is None and wait_s > 0 and (self.watcher.in_sync or not self.watcher.listed):
             try:
                 found = pick(await self.watcher.wait_for(lambda v: pick(v) is not None, wait_s))
             except (TimeoutError, asyncio.TimeoutError):
