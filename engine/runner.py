@@ -88,17 +88,18 @@ class ModelRunner:
         self.future = FutureTokenMap(future_capacity, self.device)
         self.tables = None  # engine.decode_batch.BlockTables of the fast mode (made on first use)
         if fast is None:
-            from engine.kernels.mla_decode import triton
-            fast = (self.device.type == "cuda" and model.dtype in (torch.bfloat16, torch.float16)
-                    and triton is not None)
+            from engine.weight_layout import fast_mode
+            fast = fast_mode(self.device, model.dtype)
         self.fast = fast
         self.graphs = None  # engine.graph_runner.DecodeGraphs once capture_graphs ran
         self.spec_graphs = None  # engine.spec_graphs.SpecGraphs, when it captured MTP steps too
         if self.fast:
             from engine.kernels.grouped_experts import use_grouped_experts
             from engine.kernels.fused import use_fused_hot_path, use_fused_projections
-            n = use_grouped_experts(model)
+            use_grouped_experts(model)  # (engine.weight_layout.to_device has made the stacks already)
             use_fused_projections(model)
+            from engine.model import MoE
+            n = sum(1 for m in model.modules() if isinstance(m, MoE) and m.grouped is not None)
             use_fused_hot_path()
             log.info("model runner on %s: batched decode with paged MLA decode attention (triton), "
                      "fused MoE experts (triton) in %d MoE layers", self.device, n)

@@ -37,6 +37,7 @@ from engine.kv_events import KvEventLog
 from engine.chunking import ChunkPlanner, make_planner, profile_lengths
 from engine.kv_pool import KV_CACHE_DTYPES, KvPool, KvPoolConfig, PoolExhausted, PromptBlocks, kv_cache_torch_dtype
 from engine.model_source import DEFAULT_MODEL, LoadedModel, load_model
+from engine.weight_layout import to_device
 from engine.mtp import pool_has_mtp
 from engine.prefill_batch import ChunkResult, PrefillBatcher
 from engine.runner import ModelRunner, PrefillInput
@@ -299,7 +300,10 @@ class WorkerRuntime:
             # bf16 weights on a GPU (the gate bias stays float32: see engine/model.py)
             loaded = load_model(opts.model, seed=opts.seed,
                                 dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
-            loaded.model.to(device)
+            if engine is None:  # in the fast mode's layout, a layer at a time (engine/weight_layout.py)
+                to_device(loaded.model, device)
+            else:  # expert-parallel ranks place their layers themselves (decode_worker/ep_ranks.py)
+                loaded.model.to(device)
         self.loaded = loaded
         cfg = self.loaded.config
         model_dtype = self.loaded.model.dtype
