@@ -38,12 +38,33 @@ class RequestResult:
         return not self.error
 
 
+@dataclass(frozen=True)
+class BenchSampling:
+    """How every bench request samples: greedy by default; with temperature > 0 request i draws
+    with seed `seed + i` (a run reproduces its tokens); top_logprobs: each generated token's
+    k likeliest alternatives are asked for too (0..20), as a client reading them would."""
+
+    temperature: float = 0.0
+    top_logprobs: int = 0
+    seed: int = 0
+
+    def proto(self, req: BenchRequest) -> sampling_pb2.SamplingParams:
+        """The gRPC API's sampling parameters of `req` (max_tokens its output length, ignore_eos)."""
+        params = sampling_pb2.SamplingParams(max_tokens=req.output_len, temperature=self.temperature,
+                                             ignore_eos=True, top_logprobs=self.top_logprobs)
+        if self.temperature > 0:
+            params.seed = self.seed + req.index
+        return params
+
+
+GREEDY = BenchSampling()
+
+
 async def _one(stub: frontend_pb2_grpc.FrontendServiceStub, req: BenchRequest, t0: float, timeout_s: float,
-               ) -> RequestResult:
+               sampling: BenchSampling = GREEDY) -> RequestResult:
     res = RequestResult(req.index, start_s=time.perf_counter() - t0)
     msg = frontend_pb2.GenerateRequest(
-        request_id=f"bench-{req.index}", text=req.text, token_ids=req.prompt_tokens(),
-        sampling=sampling_pb2.SamplingParams(max_tokens=req.output_len, temperature=0.0, ignore_eos=True))
+        request_id=f"bench-{req.index}", text=req.text, token_ids=req.prompt_tokens(), sampling=sampling.proto(req))
     begin = time.perf_counter()
     try:
         async for out in stub.Generate(msg, timeout=timeout_s):
@@ -106,8 +127,8 @@ async def _progress_lines(results: list, t0: float) -> None:
 
 async def run_load(router: str, reqs: list[BenchRequest], speedup: float = 1.0, concurrency: int = 0,
                    timeout_s: float = 600.0, progress: bool = True, http_url: str = "",
-                   model: str = "", creds=None, api_key: str = "", connections: int = 1, http_ca: str = ""
-                   ) -> tuple[list[RequestResult], float]:
+                   model: str = "", creds=None, api_key: str = "", connections: int = 1, http_ca: str = "",
+                   sampling: BenchSampling = GREEDY) -> tuple[list[RequestResult], float]:
     """Send every request; returns (results in request order, wall seconds of the run).
 
     With `http_url` (e.g. "http://127.0.0.1:8000") the requests go to that OpenAI-compatible
@@ -117,7 +138,8 @@ async def run_load(router: str, reqs: list[BenchRequest], speedup: float = 1.0, 
     file an https:// API's certificate may chain to, besides the system's and the router's
     TLS CA (`creds`). `connections`:
     gRPC channels of their own TCP connection, request i on channel i mod connections (router
-    replicas sharing one port each take some of the connections)."""
+    replicas sharing one port each take some of the connections). `sampling`: every request's
+    (`BenchSampling`; greedy by default)."""
     from tqdm import tqdm
 
     # disable=None: tqdm turns itself off when stderr is not a terminal (logs stay readable);
@@ -136,9 +158,9 @@ async def run_load(router: str, reqs: list[BenchRequest], speedup: float = 1.0, 
 
         def send(i: int, req: BenchRequest):
             if http is None:
-                return _one(stubs[i % len(stubs)], req, t0, timeout_s)
+                return _one(stubs[i % len(stubs)], req, t0, timeout_s, sampling)
             from bench.openai_client import one_openai
-            return one_openai(http, http_url, model, req, t0, timeout_s)
+            return one_openai(http, http_url, model, req, t0, timeout_s, sampling)
         slots = asyncio.Semaphore(concurrency) if concurrency > 0 else None
 
         async def fire(i: int, req: BenchRequest) -> None:

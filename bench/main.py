@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 from bench import traces
-from bench.client import RequestResult, run_load
+from bench.client import BenchSampling, RequestResult, run_load
 from bench.metrics import summarize, table
 from bench.traces import BenchRequest
 
@@ -55,6 +55,8 @@ class BenchOptions:
     prefix_len: int = 4096  # synthetic-prefix: shared tokens per group
     suffix_len: int = 512  # synthetic-prefix: fresh tokens per request
     bench_seed: int = 0  # random seed: Poisson arrivals, synthetic prompts, Azure token ids
+    temperature: float = 0.0  # every request's sampling temperature (0 = greedy; > 0: request i seeded bench_seed + i)
+    top_logprobs: int = 0  # ask for each generated token's k likeliest alternatives too (0..20)
     timeout_s: float = 600.0  # deadline of each request (real seconds)
     out: str = ""  # JSON result path; plots go beside it ("" = print only)
     label: str = ""  # name of this run in plots and JSON
@@ -78,6 +80,10 @@ class BenchOptions:
             raise ValueError("--num-requests, --skip, --max-output-len must be >= 0; --output-tokens, --concurrency >= 1")
         if not self.timeout_s > 0:
             raise ValueError(f"--timeout must be > 0 seconds (each request's deadline), got {self.timeout_s}")
+        if not 0 <= self.temperature < float("inf"):
+            raise ValueError(f"--temperature must be a finite number >= 0 (0 = greedy), got {self.temperature}")
+        if not 0 <= self.top_logprobs <= 20:
+            raise ValueError(f"--top-logprobs must be in [0, 20], got {self.top_logprobs}")
         if self.connections < 1:
             raise ValueError(f"--connections must be >= 1, got {self.connections}")
         name = self.dataset.split(":", 1)[0]
@@ -258,7 +264,8 @@ def run(opts: BenchOptions, credentials: Callable[[], TlsCredentials | None] | N
     results, wall = asyncio.run(run_load(opts.router, reqs, opts.speedup,
                                          opts.concurrency if opts.arrival == "concurrency" else 0, opts.timeout_s,
                                          http_url=http_url, model=model.name, api_key=opts.api_key,
-                                         connections=opts.connections, http_ca=opts.http_ca))
+                                         connections=opts.connections, http_ca=opts.http_ca,
+                                         sampling=BenchSampling(opts.temperature, opts.top_logprobs, opts.bench_seed)))
     summary = summarize(reqs, results, wall, opts.speedup)
     summary.update(traces.oracle_summary(reqs, model.block_size))
     print(table(summary))

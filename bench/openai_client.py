@@ -1,8 +1,9 @@
 """`tandem bench --backend openai`: one request to the router's OpenAI-compatible HTTP API.
 
-The same request as the gRPC client's (bench/client.py): greedy, `ignore_eos`, token ids or
-text, streamed as server-sent events from POST /v1/completions. `logprobs: 0` makes every event
-carry its tokens, so each one is timed with its exact token count, as gRPC messages are.
+The same request as the gRPC client's (bench/client.py): greedy unless --temperature, `ignore_eos`,
+token ids or text, streamed as server-sent events from POST /v1/completions. `logprobs: 0` (or
+--top-logprobs k) makes every event carry its tokens, so each one is timed with its exact token
+count, as gRPC messages are.
 """
 
 from __future__ import annotations
@@ -13,23 +14,27 @@ import time
 
 import aiohttp
 
-from bench.client import RequestResult
+from bench.client import GREEDY, BenchSampling, RequestResult
 from bench.traces import BenchRequest
 
 
-def completion_body(req: BenchRequest, model: str) -> dict:
+def completion_body(req: BenchRequest, model: str, sampling: BenchSampling = GREEDY) -> dict:
+    """The /v1/completions body of `req` under `sampling` (bench/client.py BenchSampling)."""
     tokens = req.prompt_tokens()
-    return {"model": model, "prompt": tokens if tokens else req.text, "max_tokens": req.output_len,
-            "temperature": 0.0, "ignore_eos": True, "stream": True, "logprobs": 0,
-            "stream_options": {"include_usage": True}}
+    body = {"model": model, "prompt": tokens if tokens else req.text, "max_tokens": req.output_len,
+            "temperature": sampling.temperature, "ignore_eos": True, "stream": True,
+            "logprobs": sampling.top_logprobs, "stream_options": {"include_usage": True}}
+    if sampling.temperature > 0:
+        body["seed"] = sampling.seed + req.index
+    return body
 
 
 async def one_openai(http: aiohttp.ClientSession, base_url: str, model: str, req: BenchRequest, t0: float,
-                     timeout_s: float) -> RequestResult:
+                     timeout_s: float, sampling: BenchSampling = GREEDY) -> RequestResult:
     res = RequestResult(req.index, start_s=time.perf_counter() - t0)
     begin = time.perf_counter()
     try:
-        async with http.post(f"{base_url}/v1/completions", json=completion_body(req, model),
+        async with http.post(f"{base_url}/v1/completions", json=completion_body(req, model, sampling),
                              headers={"X-Request-Id": f"bench-{req.index}"},
                              timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:
             if r.status != 200:

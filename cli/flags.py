@@ -187,7 +187,10 @@ HELP = {
     "groups": "synthetic-prefix: number of shared prefixes",
     "prefix_len": "synthetic-prefix: tokens per shared prefix",
     "suffix_len": "synthetic-prefix: fresh tokens per request",
-    "bench_seed": "random seed of Poisson arrivals, synthetic prompts and Azure token ids",
+    "bench_seed": "random seed of Poisson arrivals, synthetic prompts and Azure token ids; with --temperature, "
+                  "request i samples with seed bench_seed + i",
+    "temperature": "bench: every request's sampling temperature (0 = greedy)",
+    "top_logprobs": "bench: every generated token's k likeliest alternatives are asked for too (0-20; 0 = none)",
     "timeout_s": "deadline of each request in seconds",
     "out": "JSON result file; plots are written beside it",
     "label": "name of the run in plots and JSON",

@@ -532,12 +532,13 @@ def test_bench_serving_script_smoke_on_cpu(tmp_path) -> None:
     r = subprocess.run([sys.executable, "tools/bench_serving_gpu.py", "--smoke", "--device", "cpu",
                         "--contexts", "48", "--concurrency", "2", "--output-tokens", "4", "--skip-transformers",
                         "--stream-interval", "2", "--port", str(port), "--prefill-device", "cpu",
-                        "--out", str(out)], cwd=root, capture_output=True, text=True, timeout=240)
+                        "--top-logprobs", "2", "--out", str(out)], cwd=root, capture_output=True, text=True,
+                       timeout=240)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     doc = json.loads(out.read_text())
     (row,) = doc["rows"]
     assert row["served_tok_s"] > 0 and row["inprocess_tok_s"] > 0 and row["failed"] == 0
-    assert row["stream_interval"] == 2
+    assert row["stream_interval"] == 2 and row["top_logprobs"] == 2  # (served with them asked for)
     # the prefill worker's forwards (one per prompt or fewer, batched) and their device share
     assert row["prefill_device"] == "cpu" and 1 <= row["prefill_forwards"] <= 4
     assert 0 < row["prefill_device_share"] < 1 and row["prefill_device_ms_per_request"] > 0

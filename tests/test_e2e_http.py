@@ -489,6 +489,31 @@ def test_bench_backend_openai_equals_grpc(cluster):
         assert sum(n for _, n in h.chunks) == 6 and h.ttft_s is not None and h.ttft_s <= h.end_s - h.start_s
 
 
+def test_bench_samples_and_asks_for_top_logprobs_on_both_apis(cluster):
+    """`tandem bench --temperature 0.7 --top-logprobs 3`: request i is seeded bench_seed + i on both
+    APIs, and both servers accept and serve what it asks for."""
+    import asyncio
+
+    from bench.client import BenchSampling, run_load
+    from bench.openai_client import completion_body
+    from bench.traces import BenchRequest
+
+    sampling = BenchSampling(temperature=0.7, top_logprobs=3, seed=40)
+    reqs = [BenchRequest(index=i, arrival_s=0.0, output_len=5, token_ids=tuple(prompt_ids(12 + i, offset=5)))
+            for i in range(3)]
+    params = sampling.proto(reqs[2])
+    assert (params.temperature, params.top_logprobs, params.seed, params.max_tokens) == (
+        pytest.approx(0.7), 3, 42, 5)
+    body = completion_body(reqs[2], "tandem-tiny", sampling)
+    assert (body["temperature"], body["logprobs"], body["seed"]) == (0.7, 3, 42)
+    assert not BenchSampling().proto(reqs[2]).HasField("seed") and "seed" not in completion_body(reqs[2], "m")
+    for http_url in ("", f"http://{cluster.router.http_address}"):
+        results, _ = asyncio.run(run_load(cluster.router.address, reqs, concurrency=3, progress=False,
+                                          http_url=http_url, model="tandem-tiny", sampling=sampling))
+        assert all(r.ok and r.completion_tokens == 5 and sum(n for _, n in r.chunks) == 5 for r in results), \
+            [(r.error, r.completion_tokens) for r in results]
+
+
 def test_bench_backend_openai_finds_the_routers_http_api_by_itself(cluster, stub, capsys):
     # before, the bench dialled http://127.0.0.1:8000 unless told --http-url
     from bench.main import BenchOptions, run

@@ -278,7 +278,8 @@ def serve_and_bench(model_dir: Path, contexts: list[int], concurrencies: list[in
                     num_requests: Callable[[int, int], int] | None = None, dataset: str = "synthetic-prefix",
                     spec: bool = False, routers: int = 1, connections: int = 1,
                     after: Callable[[int], Any] | None = None, prefill_workers: int = 1,
-                    up_extra: tuple[str, ...] = (), profile_s: int = 0) -> dict[tuple[int, int], dict]:
+                    up_extra: tuple[str, ...] = (), profile_s: int = 0,
+                    bench_extra: tuple[str, ...] = ()) -> dict[tuple[int, int], dict]:
     """`tandem up` once, then `tandem bench` for every (context, concurrency) — the product of
     `contexts` and `concurrencies`, or the pairs `runs` — with prompts of `prefix_len(context, c)`
     tokens shared by 8 groups plus fresh ones, `num_requests(context, concurrency)` requests
@@ -318,7 +319,7 @@ def serve_and_bench(model_dir: Path, contexts: list[int], concurrencies: list[in
             cmd = _cli("bench", "--router", f"127.0.0.1:{port}", "--dataset", dataset, *shape,
                        "--arrival", "concurrency", "--concurrency", str(c), "--num-requests", str(n),
                        "--output-tokens", str(output_tokens), "--bench-seed", str(ctx + c), "--out", str(res),
-                       "--connections", str(connections))
+                       "--connections", str(connections), *bench_extra)
             t0 = time.time()
             spec0 = _worker_counters(metrics_urls, SPEC_COUNTERS) if spec else {}
             decode0 = _worker_counters(metrics_urls, DECODE_COUNTERS + PREFILL_COUNTERS)
@@ -541,6 +542,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                    "GPU beside the decode worker (0: the decode worker prefills locally, one process on the GPU)")
     p.add_argument("--connections", type=int, default=1, help="the bench's gRPC connections (tandem bench "
                    "--connections; with --routers N > 1, use several so that every router gets some)")
+    p.add_argument("--top-logprobs", type=int, default=0, help="tandem bench --top-logprobs: every generated "
+                   "token's k alternatives too (the served cost of top log-probabilities; in-process figures are "
+                   "greedy without them)")
+    p.add_argument("--temperature", type=float, default=0.0, help="tandem bench --temperature (seeded per request)")
     p.add_argument("--mps", action="store_true", help="tandem up --mps: the workers' kernels run side by side "
                    "on the GPU under CUDA MPS (the in-process figures are taken without it)")
     p.add_argument("--mps-prefill-percent", type=int, default=None, help="with --mps: tandem up "
@@ -606,6 +611,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 n: serve_and_bench(model_dir, contexts, concs, args.output_tokens, args.port, work,
                                    {**pool_env, "TANDEM_STREAM_INTERVAL": str(n)}, routers=args.routers,
                                    connections=args.connections, prefill_workers=args.prefill_workers,
+                                   bench_extra=("--top-logprobs", str(args.top_logprobs),
+                                                "--temperature", str(args.temperature)),
                                    up_extra=up_extra, profile_s=args.profile_decode_host,
                                    num_requests=(lambda ctx, c: max(1, round(args.waves * c))) if args.waves > 0 else None)
                 for n in intervals}
@@ -630,6 +637,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                                "served_decode_tok_s": c * 1e3 / s["mean_tpot_ms"] if s.get("mean_tpot_ms") else None,
                                "mean_ttft_ms": s.get("mean_ttft_ms"), "inprocess_ms_per_step": ip["ms_per_step"],
                                "prefill_workers": args.prefill_workers, "mps": args.mps,
+                               "top_logprobs": args.top_logprobs, "temperature": args.temperature,
                                "mps_prefill_percent": args.mps_prefill_percent if args.mps else None,
                                "mps_prefill_priority": args.mps_prefill_priority if args.mps else None,
                                **{k: s.get(k) for k in ("first_gap_ms", "steady_ms_per_token", "decoding_mean",
