@@ -89,9 +89,12 @@ def add_slots_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tenso
 
 
 def _warps(block: int, slots: int) -> int:
-    """Warps of a row's program: a thread holds about 128 values of the unrolled slot loads (config
-    M, 2,048 × 8: 4 warps, 176 registers, no spills on sm_90a; 4,096 × 8 at 4 warps spilled)."""
-    return min(16, max(4, triton.next_power_of_2(block * slots // 4096)))
+    """Warps of a row's program: a thread holds about 32 values of the unrolled slot loads, up to
+    16 warps. A row's loads are latency-bound, so more of them in flight is what shortens it:
+    config M (2,048 × 8) at 16 warps took 1.88 µs a call at 1 row and 4.0 µs at 64 on an H100,
+    at 4 warps 3.04 and 6.55 (tools/bench_slot_norm.py, run 23; 4 warps held 128 values a
+    thread, 176 registers, and 4,096 × 8 spilled)."""
+    return min(16, max(4, triton.next_power_of_2(block * slots // 1024)))
 
 
 def dispatching(plain: Callable) -> Callable:
