@@ -8,7 +8,7 @@ here=$PWD
 [ -d .devrun/ab ] || { echo "no .devrun/ab: run tools/gpu_runs/ab_stage.sh BASE first"; exit 2; }
 base=$(mktemp -d)
 tar --exclude=./.devrun --exclude=./.git -cf - . | tar -xf - -C "$base"
-cp -r .devrun/ab/engine .devrun/ab/worker "$base"/ 2>/dev/null
+(cd .devrun/ab && tar --exclude=./BASE --exclude=./DELETED -cf - .) | tar -xf - -C "$base"
 while read -r f; do [ -n "$f" ] && rm -f "$base/$f"; done < .devrun/ab/DELETED
 echo "base = $(cat .devrun/ab/BASE)"
 for round in $(seq 1 "${ROUNDS:-2}"); do

@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# Development machine: stage commit BASE's engine/ and worker/ files that differ from the working
-# tree into .devrun/ab/ (see README.md). Usage: tools/gpu_runs/ab_stage.sh BASE
+# Development machine: stage commit BASE's files that differ from the working tree (all but docs/
+# and tests/) into .devrun/ab/ (see README.md). Usage: tools/gpu_runs/ab_stage.sh BASE
 set -euo pipefail
 base=${1:?usage: ab_stage.sh BASE_COMMIT}
 top=$(git rev-parse --show-toplevel); cd "$top"
 rm -rf .devrun/ab && mkdir -p .devrun/ab
 : > .devrun/ab/DELETED
-git diff --name-only "$base" -- engine worker | while read -r f; do
+git diff --name-only "$base" -- . ':!docs' ':!tests' | while read -r f; do
   if git cat-file -e "$base:$f" 2>/dev/null; then
     mkdir -p ".devrun/ab/$(dirname "$f")" && git show "$base:$f" > ".devrun/ab/$f"
   else
