@@ -41,19 +41,23 @@ class RequestResult:
 @dataclass(frozen=True)
 class BenchSampling:
     """How every bench request samples: greedy by default; with temperature > 0 request i draws
-    with seed `seed + i` (a run reproduces its tokens); top_logprobs: each generated token's
+    with seed `seed + i` modulo 2^64 (a run reproduces its tokens); top_logprobs: each generated token's
     k likeliest alternatives are asked for too (0..20), as a client reading them would."""
 
     temperature: float = 0.0
     top_logprobs: int = 0
     seed: int = 0
 
+    def seed_of(self, req: BenchRequest) -> int:
+        """Request `req`'s seed: seed + its index, modulo 2^64 (the seeds' range)."""
+        return (self.seed + req.index) % 2 ** 64
+
     def proto(self, req: BenchRequest) -> sampling_pb2.SamplingParams:
         """The gRPC API's sampling parameters of `req` (max_tokens its output length, ignore_eos)."""
         params = sampling_pb2.SamplingParams(max_tokens=req.output_len, temperature=self.temperature,
                                              ignore_eos=True, top_logprobs=self.top_logprobs)
         if self.temperature > 0:
-            params.seed = self.seed + req.index
+            params.seed = self.seed_of(req)
         return params
 
 

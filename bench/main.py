@@ -24,6 +24,10 @@ from bench import traces
 from bench.client import BenchSampling, RequestResult, run_load
 from bench.metrics import summarize, table
 from bench.traces import BenchRequest
+from common.sampling_params import MAX_TOP_LOGPROBS
+from common.validation import MIN_TEMPERATURE
+
+FLOAT32_MAX = 3.4028234663852886e38  # a sampling temperature travels as a float32
 
 if TYPE_CHECKING:
     from common.tls import TlsCredentials
@@ -80,10 +84,14 @@ class BenchOptions:
             raise ValueError("--num-requests, --skip, --max-output-len must be >= 0; --output-tokens, --concurrency >= 1")
         if not self.timeout_s > 0:
             raise ValueError(f"--timeout must be > 0 seconds (each request's deadline), got {self.timeout_s}")
-        if not 0 <= self.temperature < float("inf"):
-            raise ValueError(f"--temperature must be a finite number >= 0 (0 = greedy), got {self.temperature}")
-        if not 0 <= self.top_logprobs <= 20:
-            raise ValueError(f"--top-logprobs must be in [0, 20], got {self.top_logprobs}")
+        # the servers' own rules (common/validation.py), so that a run is not refused request by request
+        if not (self.temperature == 0 or MIN_TEMPERATURE <= self.temperature <= FLOAT32_MAX):
+            raise ValueError(f"--temperature must be 0 (greedy) or in [{MIN_TEMPERATURE}, {FLOAT32_MAX:.8g}] (float32), "
+                             f"got {self.temperature}")
+        if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"--top-logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}")
+        if not 0 <= self.bench_seed < 2 ** 64:
+            raise ValueError(f"--bench-seed must be in [0, 2^64), got {self.bench_seed}")
         if self.connections < 1:
             raise ValueError(f"--connections must be >= 1, got {self.connections}")
         name = self.dataset.split(":", 1)[0]
@@ -155,6 +163,13 @@ def _skipped(reqs: list[BenchRequest], skip: int) -> list[BenchRequest]:
 
 _FILES = {"azure": "an Azure LLM inference trace: a CSV with TIMESTAMP, ContextTokens and GeneratedTokens columns",
           "sharegpt": "a ShareGPT JSON file: a list of {\"conversations\": [{\"value\": PROMPT}, ...]}"}
+
+
+def _sampling(opts: BenchOptions) -> str:
+    """How the requests sample, for the start line (--temperature may come from TANDEM_TEMPERATURE
+    or a config file's `temperature`, which `tandem generate` reads too)."""
+    how = "greedy" if opts.temperature == 0 else f"temperature {opts.temperature} (seeds {opts.bench_seed} + i)"
+    return how + (f", top {opts.top_logprobs} log-probabilities" if opts.top_logprobs else "")
 
 
 def _need(path: str, name: str) -> str:
@@ -259,8 +274,8 @@ def run(opts: BenchOptions, credentials: Callable[[], TlsCredentials | None] | N
                              "--http-port), and no --http-url was given")
     target = f"{http_url}/v1/completions" if http_url else opts.router
     print(f"tandem bench: {len(reqs)} requests ({opts.dataset}) to {target} (model {model.name}, block size "
-          f"{model.block_size}), arrival {_arrival(opts, reqs)}, load {opts.load}, speedup {opts.speedup}",
-          file=sys.stderr)
+          f"{model.block_size}), arrival {_arrival(opts, reqs)}, load {opts.load}, speedup {opts.speedup}, "
+          f"{_sampling(opts)}", file=sys.stderr)
     results, wall = asyncio.run(run_load(opts.router, reqs, opts.speedup,
                                          opts.concurrency if opts.arrival == "concurrency" else 0, opts.timeout_s,
                                          http_url=http_url, model=model.name, api_key=opts.api_key,

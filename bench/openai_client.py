@@ -25,7 +25,7 @@ def completion_body(req: BenchRequest, model: str, sampling: BenchSampling = GRE
             "temperature": sampling.temperature, "ignore_eos": True, "stream": True,
             "logprobs": sampling.top_logprobs, "stream_options": {"include_usage": True}}
     if sampling.temperature > 0:
-        body["seed"] = sampling.seed + req.index
+        body["seed"] = sampling.seed_of(req)
     return body
 
 

@@ -9,7 +9,7 @@ weight: the CUDA caching allocator gives each tensor of 1 to 10 MiB a 20 MiB seg
 per expert, 5.7 GiB of the card beyond the weights until the stacks replaced them. Two M workers
 starting together on an 80 GB card (0.41 of it each) then ran out of memory in the stacking.
 Moved one MoE layer or attention at a time and converted at once, a worker holds at most one
-layer's loose weights beyond its own.
+layer's loose weights beyond its own (the stacks are filled in place, no per-expert copies).
 """
 
 from __future__ import annotations
@@ -42,6 +42,8 @@ def to_device(model: torch.nn.Module, device: torch.device | str, fast: bool | N
         return model.to(device)
     for m in list(model.modules()):
         if isinstance(m, MoE) and not getattr(m, "expert_parallel", False):
+            if m.grouped is not None and m.grouped.gate_up.device != device:
+                m.grouped = None  # stacked elsewhere: `.to()` copies the experts apart; stacked again here
             use_grouped_experts(m.to(device))  # (empties the allocator's cache after the stack)
         elif isinstance(m, MLAttention):
             use_fused_projections(m.to(device))

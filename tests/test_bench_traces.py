@@ -145,3 +145,27 @@ def test_skip_starts_every_file_dataset_at_its_row_and_the_header_says_how_they_
         "poisson at 1 requests/s (the dataset has no timestamps)"
     assert _arrival(BenchOptions(dataset="mooncake"), later) == "trace"
     assert _arrival(BenchOptions(arrival="concurrency", concurrency=4), later) == "concurrency 4"
+
+
+@pytest.mark.parametrize("field,value,words", [
+    ("temperature", 0.0005, "--temperature must be 0 (greedy) or in [0.001"),  # the servers' MIN_TEMPERATURE
+    ("temperature", 1e39, "--temperature"), ("temperature", float("nan"), "--temperature"),
+    ("top_logprobs", 21, "--top-logprobs must be in [0, 20]"), ("top_logprobs", -1, "--top-logprobs"),
+    ("bench_seed", -3, "--bench-seed must be in [0, 2^64)"), ("bench_seed", 2 ** 64, "--bench-seed")])
+def test_bench_refuses_sampling_the_servers_would_refuse(field, value, words) -> None:
+    from bench.main import BenchOptions
+    with pytest.raises(ValueError) as err:
+        BenchOptions(**{field: value})
+    assert words in str(err.value)
+
+
+def test_bench_seeds_wrap_around_the_seed_range() -> None:
+    from bench.client import BenchSampling
+    from bench.main import BenchOptions
+    from bench.openai_client import completion_body
+    from bench.traces import BenchRequest
+
+    req = BenchRequest(index=2, arrival_s=0.0, output_len=4, token_ids=(1, 2))
+    top = BenchSampling(temperature=1.0, seed=2 ** 64 - 1)
+    assert top.seed_of(req) == 1 and top.proto(req).seed == 1 and completion_body(req, "m", top)["seed"] == 1
+    assert BenchOptions(temperature=0.001, top_logprobs=20, bench_seed=2 ** 64 - 1).top_logprobs == 20

@@ -29,7 +29,8 @@ def _views_of_stacks(model) -> int:
         for e in moe.experts:
             for w in (e.gate_proj.weight, e.up_proj.weight):
                 assert lo <= w.data_ptr() < hi
-            assert g.down.data_ptr() <= e.down_proj.weight.data_ptr()
+            d = g.down
+            assert d.data_ptr() <= e.down_proj.weight.data_ptr() < d.data_ptr() + d.numel() * d.element_size()
         n += 1
     return n
 
@@ -44,7 +45,7 @@ def test_the_layout_made_on_the_way_equals_the_one_made_after(tiny_model) -> Non
     assert _views_of_stacks(placed) == c.num_kv_layers - c.first_k_dense_replace  # the MTP layer's too
     attns = [m for m in placed.modules() if isinstance(m, MLAttention)]
     assert attns and all(a.fused_a is not None and a._fused_a_current() for a in attns)
-    for (name, p), (_, q) in zip(placed.state_dict().items(), after.state_dict().items()):
+    for (name, p), (_, q) in zip(placed.state_dict().items(), after.state_dict().items(), strict=True):
         assert torch.equal(p, q), name
     rows: dict[str, list[torch.Tensor]] = {"placed": [], "after": []}
 
@@ -60,6 +61,19 @@ def test_the_layout_made_on_the_way_equals_the_one_made_after(tiny_model) -> Non
     assert all(torch.equal(a, b) for a, b in zip(rows["placed"], rows["after"], strict=True))
     # converted already: the runner's own calls find nothing left to do
     assert use_grouped_experts(placed) == 0 and use_fused_projections(placed) == 0
+
+
+def test_a_model_stacked_on_one_device_is_stacked_again_on_the_next(tiny_model) -> None:
+    """`.to()` copies each expert's views apart; the stacks are made again where the model lands
+    (the meta device stands in for a second one)."""
+    model = to_device(build_model(tiny_model.config, seed=3), "cpu", fast=True)
+    to_device(model, "meta", fast=True)
+    for moe in (m for m in model.modules() if isinstance(m, MoE)):
+        assert moe.grouped.gate_up.device.type == "meta"
+        def storage(t: torch.Tensor) -> int:  # the storage a tensor lives in (on meta too, which has no data)
+            return t.untyped_storage()._cdata
+        assert all(storage(e.gate_proj.weight) == storage(moe.grouped.gate_up)
+                   and storage(e.down_proj.weight) == storage(moe.grouped.down) for e in moe.experts)
 
 
 def test_off_the_fast_mode_it_is_a_plain_move(tiny_model) -> None:

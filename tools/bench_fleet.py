@@ -143,7 +143,8 @@ async def main() -> int:
     bench = subprocess.Popen(
         [sys.executable, "-m", "cli.main", "bench", "--router", cluster.router_address,
          "--dataset", f"mooncake:{args.trace}", "--num-requests", str(args.requests), "--speedup", str(args.speedup),
-         "--load", str(args.load), "--connections", str(args.connections), "--out", str(result_path)],
+         "--load", str(args.load), "--connections", str(args.connections), "--out", str(result_path),
+         "--temperature", "0", "--top-logprobs", "0"],  # (not a TANDEM_TEMPERATURE of the shell)
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         env={**os.environ, **({"TANDEM_TLS_CA": cluster.ca.ca_path} if cluster.ca is not None else {})})
     t0 = time.perf_counter()

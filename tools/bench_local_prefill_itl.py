@@ -148,7 +148,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             res = work / f"bench_{budget}.json"
             with running_cluster(model_dir, args.port, work, env, ("--prefill", "0")):
                 r = subprocess.run(_cli("bench", "--router", f"127.0.0.1:{args.port}", "--dataset", f"mooncake:{trace}",
-                                        "--arrival", "trace", "--out", str(res)),
+                                        "--arrival", "trace", "--out", str(res),
+                                        "--temperature", "0", "--top-logprobs", "0"),
                                    cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
             if r.returncode != 0 or not res.exists():
                 row = {"budget": budget, "rc": r.returncode, "stderr": r.stderr[-1500:]}

@@ -279,7 +279,8 @@ def serve_and_bench(model_dir: Path, contexts: list[int], concurrencies: list[in
                     spec: bool = False, routers: int = 1, connections: int = 1,
                     after: Callable[[int], Any] | None = None, prefill_workers: int = 1,
                     up_extra: tuple[str, ...] = (), profile_s: int = 0,
-                    bench_extra: tuple[str, ...] = ()) -> dict[tuple[int, int], dict]:
+                    bench_extra: tuple[str, ...] = ("--temperature", "0", "--top-logprobs", "0")
+                    ) -> dict[tuple[int, int], dict]:
     """`tandem up` once, then `tandem bench` for every (context, concurrency) — the product of
     `contexts` and `concurrencies`, or the pairs `runs` — with prompts of `prefix_len(context, c)`
     tokens shared by 8 groups plus fresh ones, `num_requests(context, concurrency)` requests

@@ -5,7 +5,7 @@ one program per row. At batch 1 that is one program on one multiprocessor: run 2
 config M on an H100 timed it at 4.3 µs a layer, where the two compiled kernels it replaced took
 1.75 + 1.8 µs. A row's loads are latency-bound there, so more warps (more loads in flight) may
 shorten it. This script times the kernel at each warp count and the compiled add + norm beside
-it, in CUDA graphs of `--iters` calls (each call's slots and residual its own copies, cycled
+it, in CUDA graphs of `--iters` calls or more (each call's slots and residual its own copies, cycled
 past the L2 cache unless --hot), and says where a warp count gives other bits than the default.
 
 Usage:
@@ -72,6 +72,7 @@ def main() -> int:
         xs = [torch.randn(t, args.hidden, device="cuda", generator=gen).bfloat16() for _ in range(copies)]
         ds = [torch.randn(t, args.slots, args.hidden, device="cuda", generator=gen) for _ in range(copies)]
         w = torch.randn(args.hidden, device="cuda", generator=gen).bfloat16()
+        calls = max(args.iters, copies)  # every copy read once a replay: what a replay reads is past L2
         want = slot_norm.add_slots_rms_norm(xs[0], ds[0], w, 1e-6)
         row = {"rows": t, "hidden": args.hidden, "slots": args.slots, "device": torch.cuda.get_device_name()}
         for nw in (int(x) for x in args.warps.split(",")):
@@ -80,10 +81,10 @@ def main() -> int:
             if not all(torch.equal(a, b) for a, b in zip(got, want)):
                 print(f"rows {t}: {nw} warps differ from the default {real_warps(1 << (args.hidden - 1).bit_length(), args.slots)} warps' bits (a sum in another order)", file=sys.stderr)
             row[f"kernel_{nw}w_us"] = round(timed(lambda i: slot_norm.add_slots_rms_norm(xs[i], ds[i], w, 1e-6),
-                                                  copies, args.iters), 2)
+                                                  copies, calls), 2)
         slot_norm._warps = real_warps
         row["default_warps"] = real_warps(1 << (args.hidden - 1).bit_length(), args.slots)
-        row["compiled_us"] = round(timed(lambda i: compiled(xs[i], ds[i], w, 1e-6), copies, args.iters), 2)
+        row["compiled_us"] = round(timed(lambda i: compiled(xs[i], ds[i], w, 1e-6), copies, calls), 2)
         print(json.dumps(row), flush=True)
         out.append(row)
     if args.out:

@@ -65,9 +65,16 @@ class GroupedExperts:
     def stack(experts: list[torch.nn.Module]) -> tuple[torch.Tensor, torch.Tensor]:
         """(gate_up [E, 2I, hidden], down [E, hidden, I]) of these MLPs, in list order; each
         expert's parameters become views of the stacks (no second copy)."""
-        gate_up = torch.stack([torch.cat((e.gate_proj.weight, e.up_proj.weight)) for e in experts])
-        down = torch.stack([e.down_proj.weight for e in experts])
-        inter = gate_up.shape[1] // 2
+        # filled in place: torch.stack of per-expert concatenations held a copy of every expert's
+        # gate and up rows beside the stack (2/3 of a layer more at start-up)
+        g0, d0 = experts[0].gate_proj.weight, experts[0].down_proj.weight
+        inter = g0.shape[0]
+        gate_up = torch.empty((len(experts), 2 * inter, g0.shape[1]), dtype=g0.dtype, device=g0.device)
+        down = torch.empty((len(experts), *d0.shape), dtype=d0.dtype, device=d0.device)
+        for i, e in enumerate(experts):
+            gate_up[i, :inter].copy_(e.gate_proj.weight)
+            gate_up[i, inter:].copy_(e.up_proj.weight)
+            down[i].copy_(e.down_proj.weight)
         for i, e in enumerate(experts):
             e.gate_proj.weight.data = gate_up[i, :inter]
             e.up_proj.weight.data = gate_up[i, inter:]

@@ -7,7 +7,8 @@ OUT=${OUT:-gpu-out}; mkdir -p "$OUT"; OUT=$(cd "$OUT" && pwd)  # absolute: the b
 here=$PWD
 [ -d .devrun/ab ] || { echo "no .devrun/ab: run tools/gpu_runs/ab_stage.sh BASE first"; exit 2; }
 base=$(mktemp -d)
-tar --exclude=./.devrun --exclude=./.git -cf - . | tar -xf - -C "$base"
+trap 'rm -rf "$base"' EXIT
+tar --exclude=./.devrun --exclude=./.git --exclude=./.venv -cf - . | tar -xf - -C "$base"
 (cd .devrun/ab && tar --exclude=./BASE --exclude=./DELETED -cf - .) | tar -xf - -C "$base"
 while read -r f; do [ -n "$f" ] && rm -f "$base/$f"; done < .devrun/ab/DELETED
 echo "base = $(cat .devrun/ab/BASE)"

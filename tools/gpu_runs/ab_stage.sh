@@ -6,7 +6,9 @@ base=${1:?usage: ab_stage.sh BASE_COMMIT}
 top=$(git rev-parse --show-toplevel); cd "$top"
 rm -rf .devrun/ab && mkdir -p .devrun/ab
 : > .devrun/ab/DELETED
-git diff --name-only "$base" -- . ':!docs' ':!tests' | while read -r f; do
+# --no-renames: a file renamed since BASE is listed under both names (its old one staged, its new
+# one deleted); -z: paths as they are, unquoted
+git diff --no-renames --name-only -z "$base" -- . ':!docs' ':!tests' | while IFS= read -r -d '' f; do
   if git cat-file -e "$base:$f" 2>/dev/null; then
     mkdir -p ".devrun/ab/$(dirname "$f")" && git show "$base:$f" > ".devrun/ab/$f"
   else
