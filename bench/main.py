@@ -106,16 +106,21 @@ def load_requests(opts: BenchOptions, vocab: int) -> list[BenchRequest]:
         ValueError: a dataset that needs a path got none, a malformed row (the dataset named),
             or no requests at all. FileNotFoundError: no such file.
     """
+    return _loaded(opts, vocab)[0]
+
+
+def _loaded(opts: BenchOptions, vocab: int) -> tuple[list[BenchRequest], bool]:
+    """`load_requests`, and whether the requests arrive as a Poisson process (`_load`)."""
     try:
-        reqs = _load(opts, vocab)
+        reqs, poisson = _load(opts, vocab)
     except (KeyError, TypeError, IndexError, json.JSONDecodeError) as exc:  # a row without the trace's fields
         raise ValueError(f"--dataset {opts.dataset}: malformed row ({type(exc).__name__}: {exc})") from None
     if not reqs:
         raise ValueError(f"--dataset {opts.dataset}: no requests (an empty file, or --skip past its end)")
-    return reqs
+    return reqs, poisson
 
 
-def _load(opts: BenchOptions, vocab: int) -> list[BenchRequest]:
+def _load(opts: BenchOptions, vocab: int) -> tuple[list[BenchRequest], bool]:
     name, _, path = opts.dataset.partition(":")
     n = opts.num_requests or None
     upto = n + opts.skip if n else None  # rows read before --skip drops its first ones
@@ -135,20 +140,21 @@ def _load(opts: BenchOptions, vocab: int) -> list[BenchRequest]:
         else:
             reqs = traces.load_mt_bench(Path(path) if path else traces.MT_BENCH, opts.output_tokens, upto)
         reqs = _skipped(reqs, opts.skip)
-    if opts.arrival == "poisson" or (opts.arrival == "trace" and all(r.arrival_s == 0 for r in reqs)):
+    # a dataset without timestamps (prompts, synthetic; a trace whose are all 0) under --arrival
+    # trace arrives as a Poisson process at --rate
+    poisson = opts.arrival == "poisson" or (opts.arrival == "trace" and all(r.arrival_s == 0 for r in reqs))
+    if poisson:
         reqs = traces.poisson_arrivals(reqs, opts.rate, opts.bench_seed)
     cap = opts.max_output_len
     return [replace(r, arrival_s=r.arrival_s / opts.load, output_len=min(r.output_len, cap) if cap else r.output_len)
-            for r in reqs]
+            for r in reqs], poisson
 
 
-def _arrival(opts: BenchOptions, reqs: list[BenchRequest]) -> str:
-    """How the requests arrive, as the header says it: a dataset without timestamps (prompts,
-    synthetic) under --arrival trace arrives as a Poisson process at --rate (`_load`)."""
+def _arrival(opts: BenchOptions, poisson: bool) -> str:
+    """How the requests arrive, as the header says it (`poisson`: as `_load` decided)."""
     if opts.arrival == "concurrency":
         return f"concurrency {opts.concurrency}"
-    timed = opts.dataset.partition(":")[0] in ("mooncake", "azure")
-    if opts.arrival == "poisson" or not timed:
+    if poisson:
         said = "" if opts.arrival == "poisson" else " (the dataset has no timestamps)"
         return f"poisson at {opts.rate:g} requests/s{said}"
     return "trace"
@@ -263,7 +269,7 @@ def run(opts: BenchOptions, credentials: Callable[[], TlsCredentials | None] | N
     if not 0 <= opts.router_wait_s < float("inf"):  # (NaN too)
         raise ValueError(f"--router-wait must be a finite number of seconds >= 0, got {opts.router_wait_s}")
     model = asyncio.run(_model_info(opts.router, opts.router_wait_s, api_key=opts.api_key, credentials=credentials))
-    reqs = load_requests(opts, model.vocab_size)
+    reqs, poisson = _loaded(opts, model.vocab_size)
     if opts.arrival == "concurrency":
         reqs = [replace(r, arrival_s=0.0) for r in reqs]
     http_url = ""
@@ -274,7 +280,7 @@ def run(opts: BenchOptions, credentials: Callable[[], TlsCredentials | None] | N
                              "--http-port), and no --http-url was given")
     target = f"{http_url}/v1/completions" if http_url else opts.router
     print(f"tandem bench: {len(reqs)} requests ({opts.dataset}) to {target} (model {model.name}, block size "
-          f"{model.block_size}), arrival {_arrival(opts, reqs)}, load {opts.load}, speedup {opts.speedup}, "
+          f"{model.block_size}), arrival {_arrival(opts, poisson)}, load {opts.load}, speedup {opts.speedup}, "
           f"{_sampling(opts)}", file=sys.stderr)
     results, wall = asyncio.run(run_load(opts.router, reqs, opts.speedup,
                                          opts.concurrency if opts.arrival == "concurrency" else 0, opts.timeout_s,

@@ -128,7 +128,7 @@ def test_the_offline_replay_never_beats_the_ttft_bound():
 
 
 def test_skip_starts_every_file_dataset_at_its_row_and_the_header_says_how_they_arrive(tmp_path):
-    from bench.main import BenchOptions, _arrival, load_requests
+    from bench.main import BenchOptions, _arrival, _loaded, load_requests
 
     every = load_requests(BenchOptions(dataset="mt-bench", arrival="concurrency"), 1000)
     later = load_requests(BenchOptions(dataset="mt-bench", arrival="concurrency", skip=90, num_requests=5), 1000)
@@ -140,11 +140,13 @@ def test_skip_starts_every_file_dataset_at_its_row_and_the_header_says_how_they_
         load_requests(BenchOptions(dataset="synthetic-prefix", skip=3), 1000)
     with pytest.raises(ValueError, match=r"--dataset azure needs a path: azure:PATH, an Azure LLM inference trace"):
         load_requests(BenchOptions(dataset="azure"), 1000)
-    # mt-bench has no timestamps: under --arrival trace it arrives as a Poisson process, and says so
-    assert _arrival(BenchOptions(dataset="mt-bench"), later) == \
-        "poisson at 1 requests/s (the dataset has no timestamps)"
-    assert _arrival(BenchOptions(dataset="mooncake"), later) == "trace"
-    assert _arrival(BenchOptions(arrival="concurrency", concurrency=4), later) == "concurrency 4"
+    # mt-bench has no timestamps: under --arrival trace it arrives as a Poisson process, and says
+    # so; the header says what the load decided (one rule, `_load`'s)
+    for dataset, said in (("mt-bench", "poisson at 1 requests/s (the dataset has no timestamps)"),
+                          ("mooncake", "trace")):
+        _, poisson = _loaded(BenchOptions(dataset=dataset, num_requests=4), 1000)
+        assert _arrival(BenchOptions(dataset=dataset), poisson) == said, dataset
+    assert _arrival(BenchOptions(arrival="concurrency", concurrency=4), True) == "concurrency 4"
 
 
 @pytest.mark.parametrize("field,value,words", [
