@@ -270,7 +270,7 @@ class CompletionRequest(_Common):
 
 
 class ContentPart(_Body):
-    type: str
+    type: str | None = None  # (a missing or null one is refused by template_messages, naming the part's type)
     text: str | None = None
 
 
@@ -320,8 +320,10 @@ class ChatCompletionRequest(_Common):
             if isinstance(content, list):
                 if not content:
                     raise InvalidArgument(f"messages[{i}].content", "an empty list of content parts")
-                if any(p.type != "text" for p in content):
-                    raise InvalidArgument(f"messages[{i}].content", "only text content parts are supported")
+                other = next((j for j, p in enumerate(content) if p.type != "text"), None)
+                if other is not None:  # (the part's own field named, a null type too)
+                    raise InvalidArgument(f"messages[{i}].content[{other}].type",
+                                          f"only text content parts are supported, got {content[other].type!r}")
                 missing = next((j for j, p in enumerate(content) if p.text is None), None)
                 if missing is not None:
                     raise InvalidArgument(f"messages[{i}].content[{missing}].text", "a text part needs its text")

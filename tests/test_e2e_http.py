@@ -259,7 +259,10 @@ def test_completions_bad_parameter_is_400_naming_it(client, kw, param):
     ({"messages": [{"role": "user", "content": "hi", "name": "ROMEO\n\nJULIET"}]}, "messages[0].name"),
     ({"max_completion_tokens": True}, "max_completion_tokens"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],},
-     "messages[0].content"),
+     "messages[0].content[0].type"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": None, "text": "b"}]}]},
+     "messages[0].content[1].type"),
+    ({"messages": [{"role": "user", "content": [{"text": "a"}]}]}, "messages[0].content[0].type"),
 ])
 def test_chat_bad_parameter_is_400_naming_it(client, kw, param):
     args = {"model": "tandem-tiny", "messages": [{"role": "user", "content": "hi"}], **kw}
