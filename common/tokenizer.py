@@ -95,12 +95,17 @@ class TextTokenizer:
         """A token as logprobs list it: its text decoded alone, or where its bytes are no whole
         UTF-8 text (part of a character) `bytes:` and the bytes as \\xNN escapes, as OpenAI's
         API writes them, so that two such tokens do not both read "\ufffd"."""
+        return self.token_listing(token_id)[0]
+
+    def token_listing(self, token_id: int) -> tuple[str, bytes, str]:
+        """(`token_shown`, `token_bytes`, its text decoded alone) of one token, each worked out once."""
         raw = self.token_bytes(token_id)
+        alone = self.tokenizer.decode([token_id], skip_special_tokens=False)
         try:
             raw.decode()
         except UnicodeDecodeError:
-            return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
-        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+            return "bytes:" + "".join(f"\\x{b:02x}" for b in raw), raw, alone
+        return alone, raw, alone
 
 
 def load_tokenizer(checkpoint_dir: Path | None = None) -> TextTokenizer:

@@ -472,8 +472,8 @@ class OpenAIFrontend:
         for i in ids:
             seen = self._tokens_seen.get(i)
             if seen is None:
-                alone = tok.tokenizer.decode([i], skip_special_tokens=False)
-                seen = self._tokens_seen[i] = Token(tok.token_shown(i), tok.token_bytes(i), len(alone))
+                shown, raw, alone = tok.token_listing(i)
+                seen = self._tokens_seen[i] = Token(shown, raw, len(alone))
             out.append(seen)
         return out
 
