@@ -11,7 +11,7 @@ import os
 import pytest
 import torch
 
-from engine.kernels.mla_decode import UV_IN_MERGE_MAX_BATCH, mla_decode_reference, uv_in_merge
+from engine.kernels.mla_decode import mla_decode_reference, uv_in_merge
 
 interpreter = pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET") != "1" or importlib.util.find_spec("triton") is None,
@@ -19,7 +19,8 @@ interpreter = pytest.mark.skipif(
 
 
 def test_the_step_takes_w_uv_in_the_merge_at_a_few_sequences_only() -> None:
-    assert uv_in_merge(1) and uv_in_merge(UV_IN_MERGE_MAX_BATCH) and not uv_in_merge(UV_IN_MERGE_MAX_BATCH + 1)
+    assert uv_in_merge(1, 16) and uv_in_merge(4, 16) and not uv_in_merge(5, 16)  # config M's 16 heads
+    assert not uv_in_merge(1, 128)  # a 128-head model's W_UV (16 MB a layer) is read once, by the GEMM
 
 
 def test_the_reference_rounds_o_lat_and_multiplies_per_head() -> None:
@@ -32,7 +33,7 @@ def test_the_reference_rounds_o_lat_and_multiplies_per_head() -> None:
     w_uv = torch.randn(heads, v, rank).bfloat16()
     o_lat = mla_decode_reference(q, kv, 0, tables, lens, rank, 0.3)
     got = mla_decode_reference(q, kv, 0, tables, lens, rank, 0.3, w_uv=w_uv)
-    assert got.dtype == torch.bfloat16 and got.shape == (2, heads, v)
+    assert got.dtype == torch.bfloat16 and got.shape == (2, heads, v) and got.is_contiguous()
     want = torch.stack([o_lat[:, h].bfloat16().float() @ w_uv[h].float().T for h in range(heads)], 1)
     assert torch.equal(got, want.bfloat16())
 

@@ -35,6 +35,7 @@ except ImportError:  # pragma: no cover - depends on the machine
 
 FP8 = torch.float8_e4m3fn
 MAX_SPLITS = 32  # context splits per sequence, at most (stage 2 merges up to this many)
+MERGE_BLOCK_S = 1 << (MAX_SPLITS - 1).bit_length()  # stage 2's split tile: every split count in one compile
 
 
 def mla_decode_reference(q: torch.Tensor, kv: torch.Tensor, layer: int, tables: torch.Tensor,
@@ -73,21 +74,25 @@ def mla_decode_reference(q: torch.Tensor, kv: torch.Tensor, layer: int, tables: 
     o_lat = torch.einsum("bhs,bsr->bhr", scores.softmax(-1), ctx[..., :kv_lora_rank])
     if w_uv is None:
         return o_lat
-    return torch.einsum("bhr,hvr->bhv", o_lat.to(w_uv.dtype).float(), w_uv.float()).to(w_uv.dtype)
+    return torch.einsum("bhr,hvr->bhv", o_lat.to(w_uv.dtype).float(), w_uv.float()).to(w_uv.dtype).contiguous()
 
 
-# Up to this many sequences a decode step multiplies by W_UV inside the splits' merge (stage 2
-# programs per head and BLOCK_V output columns) instead of a batched GEMM of its own after it:
-# one launch a layer fewer, where at batch 1 the GEMM took 3.7 us for 2 MB (config M, H100, run
-# 23). Each merge program reads its head's W_UV columns, so above a few sequences the GEMM,
-# which reads W_UV once for the whole batch, is the better form.
-UV_IN_MERGE_MAX_BATCH = 4
+# Up to this many (sequence, head) pairs a decode step multiplies by W_UV inside the splits'
+# merge (stage 2 programs per sequence, head and BLOCK_V output columns) instead of a batched
+# GEMM of its own after it: one launch a layer fewer, where at batch 1 the GEMM took 3.7 us for
+# 2 MB (config M, H100, run 23). Each merge program reads its head's W_UV columns and its
+# (sequence, head)'s partial outputs again (64 KB at 32 splits of R = 512, from L2), so past a
+# few sequences the GEMM, which reads W_UV once for the whole batch, is the better form: up to 4
+# sequences of config M's 16 heads (an MTP step at batch 1 with up to 3 drafts among them),
+# 0 of a 128-head model's.
+UV_IN_MERGE_MAX_PAIRS = 64
 UV_BLOCK_V = 32  # W_UV output columns per merge program (V = 128: four programs a head)
 
 
-def uv_in_merge(batch: int) -> bool:
-    """Whether a decode step of `batch` sequences takes W_UV in the merge (`mla_decode(w_uv=)`)."""
-    return batch <= UV_IN_MERGE_MAX_BATCH
+def uv_in_merge(batch: int, heads: int) -> bool:
+    """Whether a decode step of `batch` sequences of `heads` heads takes W_UV in the merge
+    (`mla_decode(w_uv=)`)."""
+    return batch * heads <= UV_IN_MERGE_MAX_PAIRS
 
 
 def num_splits(batch: int, head_groups: int, sms: int = 132, waves: int = 2) -> int:
@@ -206,8 +211,8 @@ if triton is not None:
                        stride_wh, stride_wv, stride_outb, stride_outh, SPLITS, V,
                        R: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_V: tl.constexpr):
         # stage 2's merge of (b, h), then BLOCK_V columns of o_lat · W_UV[h]^T: every program of a
-        # head merges its splits again (a few KB from L2) so that the head's W_UV is read by
-        # V / BLOCK_V programs at once
+        # (sequence, head) merges its splits again (SPLITS × R float32 from L2: 64 KB at 32 × 512),
+        # so that V / BLOCK_V programs read the head's W_UV at once
         b = tl.program_id(0)
         h = tl.program_id(1)
         vb = tl.program_id(2)
@@ -266,10 +271,8 @@ def mla_decode(q: torch.Tensor, kv: torch.Tensor, layer: int, tables: torch.Tens
     s = min(splits or num_splits(b, head_groups, _sms(q.device), cfg.waves), MAX_SPLITS)
     part_o = torch.empty(b, h, s, r, dtype=torch.float32, device=q.device)
     part_lse = torch.empty(b, h, s, dtype=torch.float32, device=q.device)
-    if w_uv is not None and (w_uv.shape[0] != h or w_uv.shape[2] != r or w_uv.stride(2) != 1
-                             or w_uv.dtype != q.dtype):
-        raise ValueError(f"w_uv {tuple(w_uv.shape)} {w_uv.dtype}: need [H={h}, V, R={r}] in {q.dtype}, "
-                         "last dimension contiguous")
+    if w_uv is not None:  # checked before stage 1 runs (merge_splits checks it again)
+        merge_splits_check(w_uv, h, r, q.dtype)
     is_fp8 = kv.dtype == FP8
     _mla_stage1[(b, head_groups, s)](
         q, q_pe, kv, tables, lens, part_o, part_lse, layer, sm_scale, kv_scale,
@@ -289,20 +292,30 @@ def merge_splits(part_o: torch.Tensor, part_lse: torch.Tensor, dtype: torch.dtyp
     w_uv [H, V, R] (dtype, last dimension contiguous) o_lat · W_UV^T [B, H, V] in the same
     launch, o_lat rounded to dtype first. `merge_splits_reference` is its torch twin."""
     b, h, s, r = part_o.shape
+    if s > MERGE_BLOCK_S:
+        raise ValueError(f"merge_splits: {s} splits, at most {MERGE_BLOCK_S} (MAX_SPLITS)")
     if w_uv is not None:
+        merge_splits_check(w_uv, h, r, dtype)
         v = w_uv.shape[1]
         out = torch.empty(b, h, v, dtype=dtype, device=part_o.device)
         _mla_stage2_uv[(b, h, triton.cdiv(v, UV_BLOCK_V))](
             part_o, part_lse, w_uv, out, part_o.stride(0), part_o.stride(1), part_o.stride(2),
             part_lse.stride(0), part_lse.stride(1), w_uv.stride(0), w_uv.stride(1), out.stride(0), out.stride(1),
-            s, v, R=r, BLOCK_S=32, BLOCK_V=UV_BLOCK_V, num_warps=8)
+            s, v, R=r, BLOCK_S=MERGE_BLOCK_S, BLOCK_V=UV_BLOCK_V, num_warps=8)
         return out
     out = torch.empty(b, h, r, dtype=dtype, device=part_o.device)
     _mla_stage2[(b, h)](
         part_o, part_lse, out, part_o.stride(0), part_o.stride(1), part_o.stride(2),
         part_lse.stride(0), part_lse.stride(1), out.stride(0), out.stride(1),
-        SPLITS=s, R=r, BLOCK_S=32, num_warps=4)  # BLOCK_S: num_splits' cap (one compile for any split count)
+        SPLITS=s, R=r, BLOCK_S=MERGE_BLOCK_S, num_warps=4)  # (one compile for any split count)
     return out
+
+
+def merge_splits_check(w_uv: torch.Tensor, heads: int, rank: int, dtype: torch.dtype) -> None:
+    """Raise ValueError unless w_uv is [heads, V, rank] in dtype with a contiguous last dimension."""
+    if w_uv.shape[0] != heads or w_uv.shape[2] != rank or w_uv.stride(2) != 1 or w_uv.dtype != dtype:
+        raise ValueError(f"w_uv {tuple(w_uv.shape)} {w_uv.dtype}: need [H={heads}, V, R={rank}] in {dtype}, "
+                         "last dimension contiguous")
 
 
 def merge_splits_reference(part_o: torch.Tensor, part_lse: torch.Tensor, dtype: torch.dtype,

@@ -16,7 +16,7 @@ run() {  # name seconds pytest-args...
   grep -E '^(FAILED|ERROR)|Error:|assert ' "$OUT/t_$name.log" | head -8 | cut -c1-300
 }
 run uv_merge 120 tests/test_mla_uv_merge.py tests/test_decode_kernels.py -k "w_uv or mla_decode_kernel"
-ROUNDS=${ROUNDS:-1} PER_RUN_S=60 timeout 200 bash tools/gpu_runs/ab_profile.sh 2>&1 | tail -8
+ROUNDS=${ROUNDS:-1} PER_RUN_S=80 BATCHES=${BATCHES:-1,2,4,64} timeout 240 bash tools/gpu_runs/ab_profile.sh 2>&1 | tail -8
 for side in new base; do
   grep -E '_mla|nvjet|_add_slots|triton_red' "$OUT/profile_${side}_1.log" | head -30 | sed "s/^/$side /"
 done
