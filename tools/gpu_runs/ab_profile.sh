@@ -1,17 +1,12 @@
 #!/usr/bin/env bash
 # GPU machine: config M's decode step profiled on this tree ("new") and on the tree staged by
-# ab_stage.sh ("base"), alternating, batch 1 and 64 (tools/profile_decode.py). Output:
+# ab_stage.sh ("base"), alternating, batch 1 and 64 unless BATCHES says (tools/profile_decode.py). Output:
 # $OUT/profile_{new,base}_{1,2}.jsonl and the printed tables.
 set -uo pipefail
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"; OUT=$(cd "$OUT" && pwd)  # absolute: the base side runs elsewhere
 here=$PWD
-[ -d .devrun/ab ] || { echo "no .devrun/ab: run tools/gpu_runs/ab_stage.sh BASE first"; exit 2; }
-base=$(mktemp -d)
+base=$(bash tools/gpu_runs/ab_tree.sh) || exit 2
 trap 'rm -rf "$base"' EXIT
-tar --exclude=./.devrun --exclude=./.git --exclude=./.venv -cf - . | tar -xf - -C "$base"
-(cd .devrun/ab && tar --exclude=./BASE --exclude=./DELETED -cf - .) | tar -xf - -C "$base"
-while read -r f; do [ -n "$f" ] && rm -f "$base/$f"; done < .devrun/ab/DELETED
-echo "base = $(cat .devrun/ab/BASE)"
 for round in $(seq 1 "${ROUNDS:-2}"); do
   for side in new base; do
     dir=$here; [ "$side" = base ] && dir=$base

@@ -12,13 +12,8 @@ case "$side" in new|base) shift ;; *) echo "usage: served_ab.sh new|base S|M [fl
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"; OUT=$(cd "$OUT" && pwd); export OUT
 here=$PWD
 if [ "$side" = base ]; then
-  [ -d .devrun/ab ] || { echo "no .devrun/ab: run tools/gpu_runs/ab_stage.sh BASE first"; exit 2; }
-  base=$(mktemp -d)
+  base=$(bash tools/gpu_runs/ab_tree.sh) || exit 2
   trap 'rm -rf "$base"' EXIT
-  tar --exclude=./.devrun --exclude=./.git --exclude=./.venv -cf - . | tar -xf - -C "$base"
-  (cd .devrun/ab && tar --exclude=./BASE --exclude=./DELETED -cf - .) | tar -xf - -C "$base"
-  while read -r f; do [ -n "$f" ] && rm -f "$base/$f"; done < .devrun/ab/DELETED
-  echo "base = $(cat .devrun/ab/BASE)"
   # every process of the run imports the base tree: .devrun/setup.sh put this tree first
   new_path=""
   IFS=: read -r -a entries <<< "${PYTHONPATH:-}"
