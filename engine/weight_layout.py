@@ -42,9 +42,10 @@ def to_device(model: torch.nn.Module, device: torch.device | str, fast: bool | N
         return model.to(device)
     for m in list(model.modules()):
         if isinstance(m, MoE) and not getattr(m, "expert_parallel", False):
-            if m.grouped is not None and m.grouped.gate_up.device != device:
-                m.grouped = None  # stacked elsewhere: `.to()` copies the experts apart; stacked again here
-            use_grouped_experts(m.to(device))  # (empties the allocator's cache after the stack)
+            m.to(device)
+            if m.grouped is not None and m.grouped.gate_up.device != m.experts[0].gate_proj.weight.device:
+                m.grouped = None  # stacked elsewhere: `.to()` copied the experts apart; stacked again here
+            use_grouped_experts(m)  # (empties the allocator's cache after the stack)
         elif isinstance(m, MLAttention):
             use_fused_projections(m.to(device))
     # the rest (embeddings, norms, the head); a tensor already on the device stays itself

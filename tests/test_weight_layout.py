@@ -59,8 +59,11 @@ def test_the_layout_made_on_the_way_equals_the_one_made_after(tiny_model) -> Non
     assert (reference_generate(placed, prompt, 6, sample_fn=keep("placed"))
             == reference_generate(after, prompt, 6, sample_fn=keep("after")))
     assert all(torch.equal(a, b) for a, b in zip(rows["placed"], rows["after"], strict=True))
-    # converted already: the runner's own calls find nothing left to do
+    # converted already: the runner's own calls find nothing left to do, nor does a second move
+    stacks = [m.grouped for m in placed.modules() if isinstance(m, MoE)]
     assert use_grouped_experts(placed) == 0 and use_fused_projections(placed) == 0
+    to_device(placed, torch.device("cpu"), fast=True)
+    assert [m.grouped for m in placed.modules() if isinstance(m, MoE)] == stacks
 
 
 def test_a_model_stacked_on_one_device_is_stacked_again_on_the_next(tiny_model) -> None:
