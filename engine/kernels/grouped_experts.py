@@ -72,13 +72,10 @@ class GroupedExperts:
         gate_up = torch.empty((len(experts), 2 * inter, g0.shape[1]), dtype=g0.dtype, device=g0.device)
         down = torch.empty((len(experts), *d0.shape), dtype=d0.dtype, device=d0.device)
         for i, e in enumerate(experts):
-            gate_up[i, :inter].copy_(e.gate_proj.weight)
-            gate_up[i, inter:].copy_(e.up_proj.weight)
-            down[i].copy_(e.down_proj.weight)
-        for i, e in enumerate(experts):
-            e.gate_proj.weight.data = gate_up[i, :inter]
-            e.up_proj.weight.data = gate_up[i, inter:]
-            e.down_proj.weight.data = down[i]
+            for w, view in ((e.gate_proj.weight, gate_up[i, :inter]), (e.up_proj.weight, gate_up[i, inter:]),
+                            (e.down_proj.weight, down[i])):
+                view.copy_(w)
+                w.data = view
         return gate_up, down
 
     @staticmethod

@@ -72,9 +72,13 @@ def mla_decode_reference(q: torch.Tensor, kv: torch.Tensor, layer: int, tables: 
     span = torch.arange(ctx.shape[1], device=q.device)
     scores = scores.masked_fill((span[None, :] >= lens[:, None])[:, None, :], float("-inf"))
     o_lat = torch.einsum("bhs,bsr->bhr", scores.softmax(-1), ctx[..., :kv_lora_rank])
-    if w_uv is None:
-        return o_lat
-    return torch.einsum("bhr,hvr->bhv", o_lat.to(w_uv.dtype).float(), w_uv.float()).to(w_uv.dtype).contiguous()
+    return o_lat if w_uv is None else _uv_reference(o_lat.to(w_uv.dtype), w_uv)
+
+
+def _uv_reference(o_lat: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor:
+    """o_lat [B, H, R] (rounded to the model dtype) · W_UV[h]^T per head -> [B, H, V] in w_uv's
+    dtype, summed in float32: the product `_mla_stage2_uv` and the GEMM form compute."""
+    return torch.einsum("bhr,hvr->bhv", o_lat.float(), w_uv.float()).to(w_uv.dtype).contiguous()
 
 
 # Up to this many (sequence, head) pairs a decode step multiplies by W_UV inside the splits'
@@ -189,10 +193,10 @@ if triton is not None:
             tl.store(lse_ptr, tl.full([BLOCK_H], float("-inf"), tl.float32), mask=hmask)
 
     @triton.jit
-    def _mla_stage2(PartO, PartLse, Out, stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
-                    stride_outb, stride_outh, SPLITS, R: tl.constexpr, BLOCK_S: tl.constexpr):
-        b = tl.program_id(0)
-        h = tl.program_id(1)
+    def _merged(PartO, PartLse, b, h, stride_ob, stride_oh, stride_os, stride_lb, stride_lh, SPLITS,
+                R: tl.constexpr, BLOCK_S: tl.constexpr):
+        """The splits of (b, h) merged by their log2-sum-exp2: o_lat [R] float32 (empty splits,
+        lse -inf, are never read)."""
         offs_s = tl.arange(0, BLOCK_S)
         smask = offs_s < SPLITS
         lse = tl.load(PartLse + b * stride_lb + h * stride_lh + offs_s, mask=smask,
@@ -202,9 +206,16 @@ if triton is not None:
         offs_r = tl.arange(0, R)
         o = tl.load(PartO + b * stride_ob + h * stride_oh + offs_s[:, None] * stride_os + offs_r[None, :],
                     mask=smask[:, None] & (lse > float("-inf"))[:, None], other=0.0)  # [S, R]
-        out = tl.sum(o * w[:, None], 0) / tl.sum(w, 0)
-        tl.store(Out + b * stride_outb + h * stride_outh + offs_r, out.to(Out.dtype.element_ty))
+        return tl.sum(o * w[:, None], 0) / tl.sum(w, 0)
 
+    @triton.jit
+    def _mla_stage2(PartO, PartLse, Out, stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
+                    stride_outb, stride_outh, SPLITS, R: tl.constexpr, BLOCK_S: tl.constexpr):
+        b = tl.program_id(0)
+        h = tl.program_id(1)
+        out = _merged(PartO, PartLse, b, h, stride_ob, stride_oh, stride_os, stride_lb, stride_lh, SPLITS,
+                      R, BLOCK_S)
+        tl.store(Out + b * stride_outb + h * stride_outh + tl.arange(0, R), out.to(Out.dtype.element_ty))
 
     @triton.jit
     def _mla_stage2_uv(PartO, PartLse, Wuv, Out, stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
@@ -216,20 +227,13 @@ if triton is not None:
         b = tl.program_id(0)
         h = tl.program_id(1)
         vb = tl.program_id(2)
-        offs_s = tl.arange(0, BLOCK_S)
-        smask = offs_s < SPLITS
-        lse = tl.load(PartLse + b * stride_lb + h * stride_lh + offs_s, mask=smask, other=float("-inf"))
-        m = tl.max(lse, 0)
-        w = tl.where(smask & (lse > float("-inf")), tl.exp2(lse - m), 0.0)
-        offs_r = tl.arange(0, R)
-        o = tl.load(PartO + b * stride_ob + h * stride_oh + offs_s[:, None] * stride_os + offs_r[None, :],
-                    mask=smask[:, None] & (lse > float("-inf"))[:, None], other=0.0)  # [S, R]
         dt = Out.dtype.element_ty
-        o_lat = (tl.sum(o * w[:, None], 0) / tl.sum(w, 0)).to(dt).to(tl.float32)  # rounded as stage 2's output
+        o_lat = _merged(PartO, PartLse, b, h, stride_ob, stride_oh, stride_os, stride_lb, stride_lh, SPLITS,
+                        R, BLOCK_S).to(dt).to(tl.float32)  # rounded as stage 2's output
         offs_v = vb * BLOCK_V + tl.arange(0, BLOCK_V)
         vmask = offs_v < V
-        wv = tl.load(Wuv + h * stride_wh + offs_v[:, None] * stride_wv + offs_r[None, :], mask=vmask[:, None],
-                     other=0.0).to(tl.float32)  # [BV, R]
+        wv = tl.load(Wuv + h * stride_wh + offs_v[:, None] * stride_wv + tl.arange(0, R)[None, :],
+                     mask=vmask[:, None], other=0.0).to(tl.float32)  # [BV, R]
         y = tl.sum(wv * o_lat[None, :], 1)
         tl.store(Out + b * stride_outb + h * stride_outh + offs_v, y.to(dt), mask=vmask)
 
@@ -271,8 +275,6 @@ def mla_decode(q: torch.Tensor, kv: torch.Tensor, layer: int, tables: torch.Tens
     s = min(splits or num_splits(b, head_groups, _sms(q.device), cfg.waves), MAX_SPLITS)
     part_o = torch.empty(b, h, s, r, dtype=torch.float32, device=q.device)
     part_lse = torch.empty(b, h, s, dtype=torch.float32, device=q.device)
-    if w_uv is not None:  # checked before stage 1 runs (merge_splits checks it again)
-        merge_splits_check(w_uv, h, r, q.dtype)
     is_fp8 = kv.dtype == FP8
     _mla_stage1[(b, head_groups, s)](
         q, q_pe, kv, tables, lens, part_o, part_lse, layer, sm_scale, kv_scale,
@@ -323,9 +325,7 @@ def merge_splits_reference(part_o: torch.Tensor, part_lse: torch.Tensor, dtype: 
     """`merge_splits` in torch (float32 sums; tests compare the two)."""
     w = torch.exp2(part_lse - part_lse.amax(-1, keepdim=True)).nan_to_num(0.0)  # [B, H, S]
     o_lat = ((part_o.nan_to_num(0.0) * w[..., None]).sum(2) / w.sum(-1, keepdim=True)).to(dtype)
-    if w_uv is None:
-        return o_lat
-    return torch.einsum("bhr,hvr->bhv", o_lat.float(), w_uv.float()).to(dtype)
+    return o_lat if w_uv is None else _uv_reference(o_lat, w_uv)
 
 
 _SM_COUNT: dict[int, int] = {}
