@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.kernels.latent_store import rope_latent_store, rope_latent_store_reference, triton
-from engine.kernels.mla_decode import mla_decode, uv_in_merge
+from engine.kernels.mla_decode import mla_decode
 from engine.kv_pool import KvPool
 from engine.upload import PinnedRing
 
@@ -221,9 +221,6 @@ class AbsorbedDecodeKv:
                                       c.rope_interleave, self.kv, layer, self.w_blk, self.w_off, self.scale,
                                       q_nope=q_nope, w_uk=w_uk)
         # q_lat and q_pe go to the kernel apart: no [B, H, R + rope] concatenation per layer
-        if uv_in_merge(q_nope.shape[0], h):  # a few sequences: W_UV inside the splits' merge
-            return self.attention(q_lat, self.kv, layer, self.tables, self.lens, c.kv_lora_rank,
-                                  attn.softmax_scale, self.scale, q_pe=q_pe, w_uv=w_uv)  # [B, H, v]
         o_lat = self.attention(q_lat, self.kv, layer, self.tables, self.lens, c.kv_lora_rank,
                                attn.softmax_scale, self.scale, q_pe=q_pe)  # [B, H, R]
         # W_UV per head as one batched GEMM over heads, written straight into a [B, H, v] tensor:

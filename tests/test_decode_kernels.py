@@ -248,47 +248,6 @@ def test_mla_decode_kernel_matches_reference(heads, rank, rope, bs, dtype) -> No
 
 
 @cuda
-@pytest.mark.parametrize("model_dtype,pool_dtype", [(torch.bfloat16, torch.bfloat16), (torch.bfloat16, FP8),
-                                                    (torch.float16, torch.float16)])
-def test_w_uv_in_the_merge_matches_the_merge_then_the_gemm(model_dtype, pool_dtype) -> None:
-    """mla_decode(w_uv=) (W_UV inside the splits' merge, the decode step's form at a few
-    sequences: `uv_in_merge`) against the merge's o_lat times W_UV in one bmm (the form it
-    replaced), and each sequence against the reference's w_uv form; in a CUDA graph too."""
-    from engine.kernels.mla_decode import mla_decode, uv_in_merge
-    heads, rank, rope, nope, v, bs = 16, 512, 64, 128, 128, 16
-    torch.manual_seed(5)
-    lens = torch.tensor([1, 700, 4100, 33], dtype=torch.int32, device="cuda")
-    assert uv_in_merge(len(lens), heads)
-    width = int((lens.max() + bs - 1) // bs) + 1
-    nb = 1 + len(lens) * width
-    kv = _random_pool(nb, 2, bs, rank + rope, pool_dtype, seed=3)
-    tables = (torch.randperm(nb - 1, device="cuda")[: len(lens) * width] + 1).view(len(lens), width).int()
-    q = torch.randn(len(lens), heads, rank + rope, device="cuda", dtype=model_dtype)
-    w = torch.randn(heads, nope + v, rank, device="cuda", dtype=model_dtype) / rank ** 0.5
-    w_uv = w.split([nope, v], dim=1)[1]  # as the decode step views kv_b_proj: strided heads
-    kv_scale = 0.5 if pool_dtype == FP8 else 1.0
-    for b in range(1, len(lens) + 1):
-        args = (q[:b], kv, 1, tables[:b], lens[:b], rank, 0.07, kv_scale)
-        o_lat = mla_decode(*args)
-        gemm = torch.bmm(o_lat.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)  # [B, H, v]
-        got = mla_decode(*args, w_uv=w_uv)
-        assert got.shape == (b, heads, v) and got.is_contiguous() and got.dtype == model_dtype
-        # the same rounded o_lat; the products summed in another order: a step of the dtype at most
-        torch.testing.assert_close(got.float(), gemm.float(), atol=1e-3, rtol=1e-2)
-        want = mla_decode_reference(*args, w_uv=w_uv).float()
-        for row in range(b):  # each sequence on its own (the short ones' larger values hide nothing)
-            assert (got[row].float() - want[row]).norm() / want[row].norm() < 1e-2, (b, row)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        inside = mla_decode(*args, w_uv=w_uv)
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(inside, got)
-    with pytest.raises(ValueError, match="w_uv"):
-        mla_decode(*args, w_uv=w_uv.float())
-
-
-@cuda
 def test_grouped_experts_bf16_match_loop_on_cuda() -> None:
     from engine.model_source import TINY, load_model
     c = dataclasses.replace(load_model(TINY).config, n_routed_experts=64, num_experts_per_tok=6, n_group=1,

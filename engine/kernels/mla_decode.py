@@ -35,13 +35,11 @@ except ImportError:  # pragma: no cover - depends on the machine
 
 FP8 = torch.float8_e4m3fn
 MAX_SPLITS = 32  # context splits per sequence, at most (stage 2 merges up to this many)
-MERGE_BLOCK_S = 1 << (MAX_SPLITS - 1).bit_length()  # stage 2's split tile: every split count in one compile
 
 
 def mla_decode_reference(q: torch.Tensor, kv: torch.Tensor, layer: int, tables: torch.Tensor,
                          lens: torch.Tensor, kv_lora_rank: int, sm_scale: float,
-                         kv_scale: float = 1.0, q_pe: torch.Tensor | None = None,
-                         w_uv: torch.Tensor | None = None) -> torch.Tensor:
+                         kv_scale: float = 1.0, q_pe: torch.Tensor | None = None) -> torch.Tensor:
     """Plain-torch paged MLA decode attention (what `mla_decode` computes), in float32.
 
     Args:
@@ -56,11 +54,8 @@ def mla_decode_reference(q: torch.Tensor, kv: torch.Tensor, layer: int, tables: 
         kv_lora_rank: R.
         sm_scale: multiplier of q·k.
         kv_scale: FP8 pools' dequantisation scale (ignored for other dtypes).
-        w_uv: [H, V, R] W_UV (kv_b_proj's value rows per head), or None.
     Returns:
-        o_lat [B, H, R] float32: softmax-weighted sums of the c_kv rows; with w_uv the
-        attention output o_lat · W_UV^T [B, H, V] in w_uv's dtype, o_lat rounded to it first (as
-        the bmm the decode step runs at larger batches, `uv_in_merge`).
+        o_lat [B, H, R] float32: softmax-weighted sums of the c_kv rows.
     """
     if q_pe is not None:
         q = torch.cat((q, q_pe), dim=-1)
@@ -71,32 +66,7 @@ def mla_decode_reference(q: torch.Tensor, kv: torch.Tensor, layer: int, tables: 
     scores = torch.einsum("bhd,bsd->bhs", q.float(), ctx) * sm_scale  # [B, H, S]
     span = torch.arange(ctx.shape[1], device=q.device)
     scores = scores.masked_fill((span[None, :] >= lens[:, None])[:, None, :], float("-inf"))
-    o_lat = torch.einsum("bhs,bsr->bhr", scores.softmax(-1), ctx[..., :kv_lora_rank])
-    return o_lat if w_uv is None else _uv_reference(o_lat.to(w_uv.dtype), w_uv)
-
-
-def _uv_reference(o_lat: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor:
-    """o_lat [B, H, R] (rounded to the model dtype) · W_UV[h]^T per head -> [B, H, V] in w_uv's
-    dtype, summed in float32: the product `_mla_stage2_uv` and the GEMM form compute."""
-    return torch.einsum("bhr,hvr->bhv", o_lat.float(), w_uv.float()).to(w_uv.dtype).contiguous()
-
-
-# Up to this many (sequence, head) pairs a decode step multiplies by W_UV inside the splits'
-# merge (stage 2 programs per sequence, head and BLOCK_V output columns) instead of a batched
-# GEMM of its own after it: one launch a layer fewer, where at batch 1 the GEMM took 3.7 us for
-# 2 MB (config M, H100, run 23). Each merge program reads its head's W_UV columns and its
-# (sequence, head)'s partial outputs again (64 KB at 32 splits of R = 512, from L2), so past a
-# few sequences the GEMM, which reads W_UV once for the whole batch, is the better form: up to 4
-# sequences of config M's 16 heads (an MTP step at batch 1 with up to 3 drafts among them),
-# 0 of a 128-head model's.
-UV_IN_MERGE_MAX_PAIRS = 64
-UV_BLOCK_V = 32  # W_UV output columns per merge program (V = 128: four programs a head)
-
-
-def uv_in_merge(batch: int, heads: int) -> bool:
-    """Whether a decode step of `batch` sequences of `heads` heads takes W_UV in the merge
-    (`mla_decode(w_uv=)`)."""
-    return batch * heads <= UV_IN_MERGE_MAX_PAIRS
+    return torch.einsum("bhs,bsr->bhr", scores.softmax(-1), ctx[..., :kv_lora_rank])
 
 
 def num_splits(batch: int, head_groups: int, sms: int = 132, waves: int = 2) -> int:
@@ -193,10 +163,10 @@ if triton is not None:
             tl.store(lse_ptr, tl.full([BLOCK_H], float("-inf"), tl.float32), mask=hmask)
 
     @triton.jit
-    def _merged(PartO, PartLse, b, h, stride_ob, stride_oh, stride_os, stride_lb, stride_lh, SPLITS,
-                R: tl.constexpr, BLOCK_S: tl.constexpr):
-        """The splits of (b, h) merged by their log2-sum-exp2: o_lat [R] float32 (empty splits,
-        lse -inf, are never read)."""
+    def _mla_stage2(PartO, PartLse, Out, stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
+                    stride_outb, stride_outh, SPLITS, R: tl.constexpr, BLOCK_S: tl.constexpr):
+        b = tl.program_id(0)
+        h = tl.program_id(1)
         offs_s = tl.arange(0, BLOCK_S)
         smask = offs_s < SPLITS
         lse = tl.load(PartLse + b * stride_lb + h * stride_lh + offs_s, mask=smask,
@@ -206,46 +176,16 @@ if triton is not None:
         offs_r = tl.arange(0, R)
         o = tl.load(PartO + b * stride_ob + h * stride_oh + offs_s[:, None] * stride_os + offs_r[None, :],
                     mask=smask[:, None] & (lse > float("-inf"))[:, None], other=0.0)  # [S, R]
-        return tl.sum(o * w[:, None], 0) / tl.sum(w, 0)
-
-    @triton.jit
-    def _mla_stage2(PartO, PartLse, Out, stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
-                    stride_outb, stride_outh, SPLITS, R: tl.constexpr, BLOCK_S: tl.constexpr):
-        b = tl.program_id(0)
-        h = tl.program_id(1)
-        out = _merged(PartO, PartLse, b, h, stride_ob, stride_oh, stride_os, stride_lb, stride_lh, SPLITS,
-                      R, BLOCK_S)
-        tl.store(Out + b * stride_outb + h * stride_outh + tl.arange(0, R), out.to(Out.dtype.element_ty))
-
-    @triton.jit
-    def _mla_stage2_uv(PartO, PartLse, Wuv, Out, stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
-                       stride_wh, stride_wv, stride_outb, stride_outh, SPLITS, V,
-                       R: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_V: tl.constexpr):
-        # stage 2's merge of (b, h), then BLOCK_V columns of o_lat · W_UV[h]^T: every program of a
-        # (sequence, head) merges its splits again (SPLITS × R float32 from L2: 64 KB at 32 × 512),
-        # so that V / BLOCK_V programs read the head's W_UV at once
-        b = tl.program_id(0)
-        h = tl.program_id(1)
-        vb = tl.program_id(2)
-        dt = Out.dtype.element_ty
-        o_lat = _merged(PartO, PartLse, b, h, stride_ob, stride_oh, stride_os, stride_lb, stride_lh, SPLITS,
-                        R, BLOCK_S).to(dt).to(tl.float32)  # rounded as stage 2's output
-        offs_v = vb * BLOCK_V + tl.arange(0, BLOCK_V)
-        vmask = offs_v < V
-        wv = tl.load(Wuv + h * stride_wh + offs_v[:, None] * stride_wv + tl.arange(0, R)[None, :],
-                     mask=vmask[:, None], other=0.0).to(tl.float32)  # [BV, R]
-        y = tl.sum(wv * o_lat[None, :], 1)
-        tl.store(Out + b * stride_outb + h * stride_outh + offs_v, y.to(dt), mask=vmask)
+        out = tl.sum(o * w[:, None], 0) / tl.sum(w, 0)
+        tl.store(Out + b * stride_outb + h * stride_outh + offs_r, out.to(Out.dtype.element_ty))
 
 
 def mla_decode(q: torch.Tensor, kv: torch.Tensor, layer: int, tables: torch.Tensor,
                lens: torch.Tensor, kv_lora_rank: int, sm_scale: float, kv_scale: float = 1.0,
                splits: int | None = None, config: Stage1Config | None = None,
-               q_pe: torch.Tensor | None = None, w_uv: torch.Tensor | None = None) -> torch.Tensor:
+               q_pe: torch.Tensor | None = None) -> torch.Tensor:
     """Triton paged MLA decode attention; the same contract as `mla_decode_reference`, but
-    returns o_lat [B, H, R] in q's dtype (bf16/fp16; the pool bf16/fp16 or float8_e4m3fn), or
-    with w_uv ([H, V, R] in q's dtype, last dimension contiguous) the attention output [B, H, V]
-    from the merge's launch (`_mla_stage2_uv`; the decode step passes it where `uv_in_merge`).
+    returns o_lat [B, H, R] in q's dtype (bf16/fp16; the pool bf16/fp16 or float8_e4m3fn).
     R (kv_lora_rank) must be a power of two >= 16 (512 in DeepSeek-V2/V3). q and q_pe may be
     strided (each row's last dimension contiguous): the decode step passes the absorbed query
     and the roped q_pe as they come, with no concatenation.
@@ -275,6 +215,7 @@ def mla_decode(q: torch.Tensor, kv: torch.Tensor, layer: int, tables: torch.Tens
     s = min(splits or num_splits(b, head_groups, _sms(q.device), cfg.waves), MAX_SPLITS)
     part_o = torch.empty(b, h, s, r, dtype=torch.float32, device=q.device)
     part_lse = torch.empty(b, h, s, dtype=torch.float32, device=q.device)
+    out = torch.empty(b, h, r, dtype=q.dtype, device=q.device)
     is_fp8 = kv.dtype == FP8
     _mla_stage1[(b, head_groups, s)](
         q, q_pe, kv, tables, lens, part_o, part_lse, layer, sm_scale, kv_scale,
@@ -284,48 +225,11 @@ def mla_decode(q: torch.Tensor, kv: torch.Tensor, layer: int, tables: torch.Tens
         H=h, R=r, P=p, BLOCK_SIZE=kv.shape[2], SPLITS=s, BLOCK_H=block_h, BLOCK_N=cfg.block_n,
         BLOCK_P=max(16, triton.next_power_of_2(p)), IS_FP8=is_fp8,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    return merge_splits(part_o, part_lse, q.dtype, w_uv)
-
-
-def merge_splits(part_o: torch.Tensor, part_lse: torch.Tensor, dtype: torch.dtype,
-                 w_uv: torch.Tensor | None = None) -> torch.Tensor:
-    """Stage 2: the splits' partial outputs part_o [B, H, S, R] float32 merged by their
-    log2-sum-exp2 part_lse [B, H, S] (-inf: an empty split) into o_lat [B, H, R] in dtype; with
-    w_uv [H, V, R] (dtype, last dimension contiguous) o_lat · W_UV^T [B, H, V] in the same
-    launch, o_lat rounded to dtype first. `merge_splits_reference` is its torch twin."""
-    b, h, s, r = part_o.shape
-    if s > MERGE_BLOCK_S:
-        raise ValueError(f"merge_splits: {s} splits, at most {MERGE_BLOCK_S} (MAX_SPLITS)")
-    if w_uv is not None:
-        merge_splits_check(w_uv, h, r, dtype)
-        v = w_uv.shape[1]
-        out = torch.empty(b, h, v, dtype=dtype, device=part_o.device)
-        _mla_stage2_uv[(b, h, triton.cdiv(v, UV_BLOCK_V))](
-            part_o, part_lse, w_uv, out, part_o.stride(0), part_o.stride(1), part_o.stride(2),
-            part_lse.stride(0), part_lse.stride(1), w_uv.stride(0), w_uv.stride(1), out.stride(0), out.stride(1),
-            s, v, R=r, BLOCK_S=MERGE_BLOCK_S, BLOCK_V=UV_BLOCK_V, num_warps=8)
-        return out
-    out = torch.empty(b, h, r, dtype=dtype, device=part_o.device)
     _mla_stage2[(b, h)](
         part_o, part_lse, out, part_o.stride(0), part_o.stride(1), part_o.stride(2),
         part_lse.stride(0), part_lse.stride(1), out.stride(0), out.stride(1),
-        SPLITS=s, R=r, BLOCK_S=MERGE_BLOCK_S, num_warps=4)  # (one compile for any split count)
+        SPLITS=s, R=r, BLOCK_S=32, num_warps=4)  # BLOCK_S: num_splits' cap (one compile for any split count)
     return out
-
-
-def merge_splits_check(w_uv: torch.Tensor, heads: int, rank: int, dtype: torch.dtype) -> None:
-    """Raise ValueError unless w_uv is [heads, V, rank] in dtype with a contiguous last dimension."""
-    if w_uv.shape[0] != heads or w_uv.shape[2] != rank or w_uv.stride(2) != 1 or w_uv.dtype != dtype:
-        raise ValueError(f"w_uv {tuple(w_uv.shape)} {w_uv.dtype}: need [H={heads}, V, R={rank}] in {dtype}, "
-                         "last dimension contiguous")
-
-
-def merge_splits_reference(part_o: torch.Tensor, part_lse: torch.Tensor, dtype: torch.dtype,
-                           w_uv: torch.Tensor | None = None) -> torch.Tensor:
-    """`merge_splits` in torch (float32 sums; tests compare the two)."""
-    w = torch.exp2(part_lse - part_lse.amax(-1, keepdim=True)).nan_to_num(0.0)  # [B, H, S]
-    o_lat = ((part_o.nan_to_num(0.0) * w[..., None]).sum(2) / w.sum(-1, keepdim=True)).to(dtype)
-    return o_lat if w_uv is None else _uv_reference(o_lat, w_uv)
 
 
 _SM_COUNT: dict[int, int] = {}

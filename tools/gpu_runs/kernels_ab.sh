@@ -2,9 +2,10 @@
 # GPU machine: kernels written without a GPU, checked and measured on one: their CUDA tests, then
 # config M's decode step profiled against the tree ab_stage.sh staged (on the development machine
 # first: `tools/gpu_runs/ab_stage.sh BASE`, BASE the commit before the kernels), then the decode
-# kernels' CUDA tests in the time left. Now: W_UV inside the MLA splits' merge at up to 4
-# sequences (BASE 9aa0d8d); run 23 checked the per-slot add + RMSNorm, W_UK in the latent store
-# and the branched MoE layer this way (BASE d8ea79e). Logs: $OUT/t_*.log, $OUT/profile_{new,base}_1.*
+# kernels' CUDA tests in the time left. Next: W_UV inside the MLA splits' merge (branch
+# uv-in-merge, BASE main); run 23 checked the per-slot add + RMSNorm, W_UK in the latent store
+# and the branched MoE layer this way (BASE d8ea79e). Tests that a tree lacks select nothing.
+# Logs: $OUT/t_*.log, $OUT/profile_{new,base}_1.*
 set -u
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"; export OUT
 t0=$(date +%s)
@@ -15,7 +16,7 @@ run() {  # name seconds pytest-args...
   echo "$name rc $? $(tail -1 "$OUT/t_$name.log" | cut -c1-150) ($(( $(date +%s) - t0 )) s)"
   grep -E '^(FAILED|ERROR)|Error:|assert ' "$OUT/t_$name.log" | head -8 | cut -c1-300
 }
-run uv_merge 120 tests/test_mla_uv_merge.py tests/test_decode_kernels.py -k "w_uv or mla_decode_kernel"
+run mla 120 tests/test_decode_kernels.py $(ls tests/test_mla_uv_merge.py 2>/dev/null) -k "w_uv or mla_decode_kernel or merge"
 ROUNDS=${ROUNDS:-1} PER_RUN_S=80 BATCHES=${BATCHES:-1,2,4,64} timeout 240 bash tools/gpu_runs/ab_profile.sh 2>&1 | tail -8
 for side in new base; do
   grep -E '_mla|nvjet|_add_slots|triton_red' "$OUT/profile_${side}_1.log" | head -30 | sed "s/^/$side /"
