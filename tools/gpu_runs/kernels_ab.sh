@@ -2,9 +2,9 @@
 # GPU machine: kernels written without a GPU, checked and measured on one: their CUDA tests, then
 # config M's decode step profiled against the tree ab_stage.sh staged (on the development machine
 # first: `tools/gpu_runs/ab_stage.sh BASE`, BASE the commit before the kernels), then the decode
-# kernels' CUDA tests in the time left. Next: W_UV inside the MLA splits' merge (branch
-# uv-in-merge, BASE main); run 23 checked the per-slot add + RMSNorm, W_UK in the latent store
-# and the branched MoE layer this way (BASE d8ea79e). Tests that a tree lacks select nothing.
+# kernels' CUDA tests in the time left (CALL_S=1: none). Run 24 checked W_UV inside the MLA
+# splits' merge this way (branch uv-in-merge, BASE main: slower, not merged); run 23 checked
+# the per-slot add + RMSNorm, W_UK in the latent store and the branched MoE layer (BASE d8ea79e). Tests that a tree lacks select nothing.
 # Logs: $OUT/t_*.log, $OUT/profile_{new,base}_1.*
 set -u
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"; export OUT
