@@ -50,6 +50,14 @@ FINISH_REASONS = {sampling_pb2.FINISH_REASON_LENGTH: "length", sampling_pb2.FINI
                   sampling_pb2.FINISH_REASON_EOS: "stop"}
 
 
+def _shown(key: str, quote: bool = True) -> str:
+    """A client's logit_bias key as an error message names it: whole up to 24 characters, else
+    its start and its length (a key may be thousands of characters long)."""
+    if len(key) > 24:
+        return f"{key[:12]}… ({len(key)} characters)"
+    return repr(key) if quote else key
+
+
 @dataclass(frozen=True)
 class Choice:
     """One choice of a request: its `index` in the response, the prompt it continues
@@ -143,10 +151,12 @@ class _Common(_Body):
                 setattr(s, name, value)
         for key, bias in (self.logit_bias or {}).items():
             if not TOKEN_KEY.fullmatch(key):  # (int() takes " 5", "+5", "1_0", "٥", "05": one id, several keys)
-                raise InvalidArgument("logit_bias", f"keys are token ids written in decimal digits, got {key!r}")
+                raise InvalidArgument("logit_bias", f"keys are token ids written in decimal digits, got {_shown(key)}")
+            # the length first: int() refuses more than 4,300 digits (a ValueError, a 500), and
+            # more than INT32_MAX's 10 digits is no token id anyway
+            if len(key) > len(str(INT32_MAX)) or int(key) > INT32_MAX:  # the proto's int32 would raise
+                raise InvalidArgument(f"logit_bias[{_shown(key, quote=False)}]", "not a token id")
             token = int(key)
-            if not INT32_MIN <= token <= INT32_MAX:  # the proto's int32 would raise (a 500)
-                raise InvalidArgument(f"logit_bias[{key}]", "not a token id")
             if not -LOGIT_BIAS_RANGE <= bias <= LOGIT_BIAS_RANGE:  # checked before the proto's float32 rounds it
                 raise InvalidArgument(f"logit_bias[{key}]", f"must be in [-100, 100], got {bias!r}")
             s.logit_bias[token] = bias

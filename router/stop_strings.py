@@ -49,6 +49,10 @@ def feed_tokens(stops: StopMatcher, detok, ids: list[int], final: bool) -> tuple
     at four tokens per response."""
     if not stops.active:
         return detok.push(ids, final=final), False, len(ids)
+    if final and not ids:  # a finish without tokens: what detok held back (a character's first
+        # bytes, sent as U+FFFD) still goes out, through the stop strings
+        delta, stopped = stops.feed(detok.push([], final=True))
+        return delta, stopped, 0
     text = ""
     for i, token in enumerate(ids):
         delta, stopped = stops.feed(detok.push([token], final=final and i == len(ids) - 1))

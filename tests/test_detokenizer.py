@@ -66,6 +66,38 @@ def test_router_feed_without_stop_strings_sends_every_id_and_the_full_decode(whi
     assert out + stops.flush() == tok.decode(ids)
 
 
+@settings(max_examples=100, deadline=None)
+@given(which=st.integers(0, 1), stop=st.sampled_from([(), ("zz",), ("\n\n", "qq")]), data=st.data())
+def test_router_feed_flushes_held_bytes_when_the_finish_carries_no_ids(which: int, stop: tuple, data) -> None:
+    # the decode worker's last message may carry only the finish reason: whatever the
+    # detokenizer held back (a character's first bytes) still goes out, with or without stop
+    # strings (with one, the tail was dropped: a lone first byte of a character streamed as "")
+    from router.stop_strings import StopMatcher, feed_tokens
+    tok = _tokenizers()[which]
+    ids = data.draw(st.lists(st.integers(0, tok.vocab_size - 1), min_size=1, max_size=20))
+    detok, stops, out = IncrementalDetokenizer(tok), StopMatcher(stop), ""
+    for token in ids:
+        text, stopped, used = feed_tokens(stops, detok, [token], final=False)
+        if stopped:
+            return  # a stop string in the ids themselves: nothing to flush
+        out += text
+    text, stopped, used = feed_tokens(stops, detok, [], final=True)
+    assert used == 0
+    out += text if stopped else text + stops.flush()
+    full = tok.decode(ids)
+    assert out == (full[: min(i for i in (full.find(s) for s in stop) if i >= 0)] if stopped else full)
+
+
+def test_router_feed_a_lone_first_byte_then_a_finish() -> None:
+    from router.stop_strings import StopMatcher, feed_tokens
+    tok = load_tokenizer(SHIPPED[SHAKESPEARE])
+    lone = next(i for i in range(tok.vocab_size) if tok.decode([i]) == "\ufffd")  # a character's first byte
+    detok, stops = IncrementalDetokenizer(tok), StopMatcher(("zz",))
+    assert feed_tokens(stops, detok, [lone], final=False) == ("", False, 1)  # held back
+    text, stopped, used = feed_tokens(stops, detok, [], final=True)
+    assert (text + stops.flush(), stopped, used) == ("\ufffd", False, 0)
+
+
 def test_token_bytes_are_a_tokens_own_bytes():
     from common.tokenizer import load_tokenizer
     tok = load_tokenizer()

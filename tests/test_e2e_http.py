@@ -225,6 +225,8 @@ def test_seeded_sampling_reproducible_and_equal_grpc(client, stub):
     ({"logit_bias": {"999999": 1}}, "logit_bias[999999]"),  # the router's vocabulary check
     ({"logit_bias": {"5": 101}}, "logit_bias[5]"),
     ({"logit_bias": {"99999999999": 1}}, "logit_bias[99999999999]"),
+    ({"logit_bias": {"9" * 4301: 1}}, "logit_bias[999999999999… (4301 characters)]"),  # (int() raised: a 500)
+    ({"logit_bias": {"1" + "0" * 30: 1}}, "logit_bias[100000000000… (31 characters)]"),
     ({"logit_bias": {" 5": 1}}, "logit_bias"),
     ({"logit_bias": {str(i): 1 for i in range(301)}}, "logit_bias"),  # counted before each key is checked
     ({"logit_bias": {"05": 1}}, "logit_bias"),  # (with "5" it named one id twice)
