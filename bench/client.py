@@ -118,21 +118,45 @@ def _https_trust(ca_file: str = ""):
 PROGRESS_EVERY_S = 15.0  # a progress line this often when stderr is not a terminal
 
 
+def progress_line(results: list, seconds: float) -> str:
+    """How far a run is: requests done of all, and where some failed, how many and the first
+    one's error (so a run that fails request after request says why at once, not at its end)."""
+    done = [r for r in results if r is not None]
+    failed = [r for r in done if not r.ok]
+    said = ""
+    if failed:
+        first = min(failed, key=lambda r: r.end_s).error
+        said = f" ({len(failed)} failed; the first: {first[:200]})"
+    return f"tandem bench: {len(done)}/{len(results)} requests done{said}, {seconds:.0f} s"
+
+
 async def _progress_lines(results: list, t0: float) -> None:
-    """Every PROGRESS_EVERY_S: one line on stderr with the requests done and failed so far."""
+    """Every PROGRESS_EVERY_S: `progress_line` on stderr."""
     while True:
         await asyncio.sleep(PROGRESS_EVERY_S)
-        done = [r for r in results if r is not None]
-        failed = sum(1 for r in done if not r.ok)
-        print(f"tandem bench: {len(done)}/{len(results)} requests done"
-              + (f" ({failed} failed)" if failed else "") + f", {time.perf_counter() - t0:.0f} s",
-              file=sys.stderr, flush=True)
+        print(progress_line(results, time.perf_counter() - t0), file=sys.stderr, flush=True)
+
+
+@dataclass
+class LoadState:
+    """What `run_load` has so far, readable by its caller after an interrupt (Ctrl-C): each
+    request's result (None while in flight or not sent) and the run's start
+    (time.perf_counter(); None before the first request)."""
+
+    results: list = field(default_factory=list)
+    t0: float | None = None
+
+    def finished(self) -> tuple[list[RequestResult], float]:
+        """The finished requests' results and the wall seconds since the start."""
+        wall = time.perf_counter() - self.t0 if self.t0 is not None else 0.0
+        return [r for r in self.results if r is not None], wall
 
 
 async def run_load(router: str, reqs: list[BenchRequest], speedup: float = 1.0, concurrency: int = 0,
                    timeout_s: float = 600.0, progress: bool = True, http_url: str = "",
                    model: str = "", creds=None, api_key: str = "", connections: int = 1, http_ca: str = "",
-                   sampling: BenchSampling = GREEDY) -> tuple[list[RequestResult], float]:
+                   sampling: BenchSampling = GREEDY, state: LoadState | None = None
+                   ) -> tuple[list[RequestResult], float]:
     """Send every request; returns (results in request order, wall seconds of the run).
 
     With `http_url` (e.g. "http://127.0.0.1:8000") the requests go to that OpenAI-compatible
@@ -143,14 +167,16 @@ async def run_load(router: str, reqs: list[BenchRequest], speedup: float = 1.0, 
     TLS CA (`creds`). `connections`:
     gRPC channels of their own TCP connection, request i on channel i mod connections (router
     replicas sharing one port each take some of the connections). `sampling`: every request's
-    (`BenchSampling`; greedy by default)."""
+    (`BenchSampling`; greedy by default). `state`: filled as the run goes (`LoadState`), so a
+    caller interrupted mid-run can still report the requests that finished."""
     from tqdm import tqdm
 
     # disable=None: tqdm turns itself off when stderr is not a terminal (logs stay readable);
     # there a line every PROGRESS_EVERY_S says how far the run is instead
     bar = tqdm(total=len(reqs), unit="req", disable=None if progress else True, dynamic_ncols=True)
     lines = progress and not sys.stderr.isatty()
-    results: list[RequestResult | None] = [None] * len(reqs)
+    state = state if state is not None else LoadState()
+    state.results = results = [None] * len(reqs)
     from cli.client import bearer_token
     token = bearer_token(api_key) if api_key else ()
     async with contextlib.AsyncExitStack() as stack, _http_client(http_url, concurrency or len(reqs), api_key, http_ca) as http:
@@ -158,7 +184,7 @@ async def run_load(router: str, reqs: list[BenchRequest], speedup: float = 1.0, 
                  for _ in range(connections)]
         stubs = [frontend_pb2_grpc.FrontendServiceStub(ch) for ch in chans]
         await asyncio.gather(*(ch.channel_ready() for ch in chans))
-        t0 = time.perf_counter()
+        t0 = state.t0 = time.perf_counter()
 
         def send(i: int, req: BenchRequest):
             if http is None:

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 from bench import traces
-from bench.client import BenchSampling, RequestResult, run_load
+from bench.client import BenchSampling, LoadState, RequestResult, run_load
 from bench.metrics import summarize, table
 from bench.traces import BenchRequest
 from common.sampling_params import MAX_TOP_LOGPROBS
@@ -55,6 +55,7 @@ class BenchOptions:
     speedup: float = 1.0  # the mocker's speedup: arrivals compressed, latencies reported ×speedup
     output_tokens: int = 128  # generated tokens for datasets without lengths (text prompts, synthetic)
     max_output_len: int = 0  # cap on generated tokens (0 = as the trace says)
+    over_context: str = "skip"  # requests whose prompt + output exceed the model's context: skip (counted, not sent) | send (each refused)
     groups: int = 16  # synthetic-prefix: prefix groups
     prefix_len: int = 4096  # synthetic-prefix: shared tokens per group
     suffix_len: int = 512  # synthetic-prefix: fresh tokens per request
@@ -92,6 +93,8 @@ class BenchOptions:
             raise ValueError(f"--top-logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}")
         if not 0 <= self.bench_seed < 2 ** 64:
             raise ValueError(f"--bench-seed must be in [0, 2^64), got {self.bench_seed}")
+        if self.over_context not in ("skip", "send"):
+            raise ValueError(f"--over-context must be skip or send; got {self.over_context!r}")
         if self.connections < 1:
             raise ValueError(f"--connections must be >= 1, got {self.connections}")
         name = self.dataset.split(":", 1)[0]
@@ -155,9 +158,28 @@ def _arrival(opts: BenchOptions, poisson: bool) -> str:
     if opts.arrival == "concurrency":
         return f"concurrency {opts.concurrency}"
     if poisson:
-        said = "" if opts.arrival == "poisson" else " (the dataset has no timestamps)"
+        said = "" if opts.arrival == "poisson" else " (the requests' timestamps are all 0)"
         return f"poisson at {opts.rate:g} requests/s{said}"
     return "trace"
+
+
+def _fitting(reqs: list[BenchRequest], context_length: int, dataset: str) -> list[BenchRequest]:
+    """The requests whose prompt + output fit the model's context (the router refuses the
+    others, each with INVALID_ARGUMENT), with a line on stderr counting the ones left out. A
+    text prompt's length is known only once tokenized: those are kept. Raises ValueError when
+    none fits."""
+    kept = [r for r in reqs if not r.prompt_len or r.prompt_len + r.output_len <= context_length]
+    if len(kept) == len(reqs):
+        return reqs
+    if not kept:
+        raise ValueError(f"every request of --dataset {dataset} has a prompt + output longer than the model's "
+                         f"context ({context_length} tokens): give a dataset that fits (--dataset mt-bench, or "
+                         "synthetic-prefix with a shorter --prefix-len and --suffix-len), or --over-context send to "
+                         "send them anyway (the router refuses each)")
+    print(f"tandem bench: left out {len(reqs) - len(kept)} of {len(reqs)} requests whose prompt + output exceed "
+          f"the model's context ({context_length} tokens; --over-context send sends them, each refused)",
+          file=sys.stderr)
+    return kept
 
 
 def _skipped(reqs: list[BenchRequest], skip: int) -> list[BenchRequest]:
@@ -270,6 +292,8 @@ def run(opts: BenchOptions, credentials: Callable[[], TlsCredentials | None] | N
         raise ValueError(f"--router-wait must be a finite number of seconds >= 0, got {opts.router_wait_s}")
     model = asyncio.run(_model_info(opts.router, opts.router_wait_s, api_key=opts.api_key, credentials=credentials))
     reqs, poisson = _loaded(opts, model.vocab_size)
+    if opts.over_context == "skip" and model.context_length:
+        reqs = _fitting(reqs, model.context_length, opts.dataset)
     if opts.arrival == "concurrency":
         reqs = [replace(r, arrival_s=0.0) for r in reqs]
     http_url = ""
@@ -282,21 +306,34 @@ def run(opts: BenchOptions, credentials: Callable[[], TlsCredentials | None] | N
     print(f"tandem bench: {len(reqs)} requests ({opts.dataset}) to {target} (model {model.name}, block size "
           f"{model.block_size}), arrival {_arrival(opts, poisson)}, load {opts.load}, speedup {opts.speedup}, "
           f"{_sampling(opts)}", file=sys.stderr)
-    results, wall = asyncio.run(run_load(opts.router, reqs, opts.speedup,
-                                         opts.concurrency if opts.arrival == "concurrency" else 0, opts.timeout_s,
-                                         http_url=http_url, model=model.name, api_key=opts.api_key,
-                                         connections=opts.connections, http_ca=opts.http_ca,
-                                         sampling=BenchSampling(opts.temperature, opts.top_logprobs, opts.bench_seed)))
-    summary = summarize(reqs, results, wall, opts.speedup)
-    summary.update(traces.oracle_summary(reqs, model.block_size))
-    print(table(summary))
+    state = LoadState()
+    try:
+        results, wall = asyncio.run(run_load(opts.router, reqs, opts.speedup,
+                                             opts.concurrency if opts.arrival == "concurrency" else 0, opts.timeout_s,
+                                             http_url=http_url, model=model.name, api_key=opts.api_key,
+                                             connections=opts.connections, http_ca=opts.http_ca,
+                                             sampling=BenchSampling(opts.temperature, opts.top_logprobs,
+                                                                    opts.bench_seed), state=state))
+        interrupted = False
+    except KeyboardInterrupt:  # Ctrl-C: the requests that finished are still a result
+        results, wall = state.finished()
+        interrupted = True
+        print(f"\ntandem bench: interrupted after {wall:.0f} s; {len(results)} of {len(reqs)} requests had finished "
+              "(the table counts those)", file=sys.stderr)
+    done = {r.index for r in results}
+    ran = [q for q in reqs if q.index in done] if interrupted else reqs
+    summary = summarize(ran, results, wall, opts.speedup)
+    summary.update(traces.oracle_summary(ran, model.block_size))
+    if interrupted:
+        summary.update(interrupted=True, requests_planned=len(reqs))
+    print(table(summary, "Serving Benchmark Result (interrupted)" if interrupted else "Serving Benchmark Result"))
     if opts.out:
         from bench.plots import plot_runs
 
         out = Path(opts.out)
-        write_results(out, asdict(opts), summary, reqs, results)
+        write_results(out, asdict(opts), summary, ran, results)
         label = opts.label or opts.dataset
-        paths = plot_runs([(label, reqs, results, opts.speedup)], out.with_suffix(""), label)
+        paths = plot_runs([(label, ran, results, opts.speedup)], out.with_suffix(""), label)
         print(f"wrote {out} and {', '.join(str(p) for p in paths)}", file=sys.stderr)
     return summary
 
@@ -320,4 +357,6 @@ def _main(args) -> int:
     # without --tls-ca, a local `tandem up` still starting may leave its CA file while we wait
     local = not opts.tls_ca and not opts.tls_cert
     summary = run(opts, credentials=(lambda: client_credentials(opts)) if local else None)
+    if summary.get("interrupted"):
+        return 130  # (128 + SIGINT, as a shell reports Ctrl-C)
     return 1 if summary["failed"] else 0

@@ -140,9 +140,9 @@ def test_skip_starts_every_file_dataset_at_its_row_and_the_header_says_how_they_
         load_requests(BenchOptions(dataset="synthetic-prefix", skip=3), 1000)
     with pytest.raises(ValueError, match=r"--dataset azure needs a path: azure:PATH, an Azure LLM inference trace"):
         load_requests(BenchOptions(dataset="azure"), 1000)
-    # mt-bench has no timestamps: under --arrival trace it arrives as a Poisson process, and says
-    # so; the header says what the load decided (one rule, `_load`'s)
-    for dataset, said in (("mt-bench", "poisson at 1 requests/s (the dataset has no timestamps)"),
+    # mt-bench has no timestamps (all 0): under --arrival trace it arrives as a Poisson process,
+    # and says so; the header says what the load decided (one rule, `_load`'s)
+    for dataset, said in (("mt-bench", "poisson at 1 requests/s (the requests' timestamps are all 0)"),
                           ("mooncake", "trace")):
         _, poisson = _loaded(BenchOptions(dataset=dataset, num_requests=4), 1000)
         assert _arrival(BenchOptions(dataset=dataset), poisson) == said, dataset
@@ -171,3 +171,14 @@ def test_bench_seeds_wrap_around_the_seed_range() -> None:
     top = BenchSampling(temperature=1.0, seed=2 ** 64 - 1)
     assert top.seed_of(req) == 1 and top.proto(req).seed == 1 and completion_body(req, "m", top)["seed"] == 1
     assert BenchOptions(temperature=0.001, top_logprobs=20, bench_seed=2 ** 64 - 1).top_logprobs == 20
+
+
+def test_progress_line_says_why_requests_fail_while_the_run_goes_on() -> None:
+    from bench.client import RequestResult, progress_line
+    ok = RequestResult(0, end_s=1.0)
+    late = RequestResult(1, end_s=3.0, error="UNAVAILABLE: no decode worker")
+    first = RequestResult(2, end_s=2.0, error="INVALID_ARGUMENT: token_ids: prompt has 9000 tokens" + "x" * 500)
+    assert progress_line([ok, None, None], 15.2) == "tandem bench: 1/3 requests done, 15 s"
+    line = progress_line([ok, late, first, None], 30)
+    assert line.startswith("tandem bench: 3/4 requests done (2 failed; the first: INVALID_ARGUMENT: token_ids: "
+                           "prompt has 9000 tokens") and line.endswith(", 30 s") and len(line) < 300, line
