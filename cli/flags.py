@@ -184,6 +184,8 @@ HELP = {
     "load": "trace arrivals: rate multiplier (2 = timestamps halved)",
     "output_tokens": "bench: generated tokens where the dataset has no lengths",
     "max_output_len": "cap on generated tokens (0 = the trace's)",
+    "over_context": "requests whose prompt + output exceed the model's context: skip (left out before the run, "
+                    "counted on stderr) or send (each refused with INVALID_ARGUMENT)",
     "groups": "synthetic-prefix: number of shared prefixes",
     "prefix_len": "synthetic-prefix: tokens per shared prefix",
     "suffix_len": "synthetic-prefix: fresh tokens per request",
