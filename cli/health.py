@@ -69,7 +69,10 @@ def run(args: argparse.Namespace) -> int:
     files = TlsFiles(args.tls_cert, args.tls_key, ca, client=True)
     ok, status = check(address, args.service, args.health_timeout_s, files.load() if files.enabled else None)
     hint = ""
-    if not ok and status.startswith("UNAVAILABLE") and not files.enabled:
+    if not ok and status.startswith("UNAVAILABLE") and "refused" in status.lower():
+        # nothing listens there: TLS or not is beside the point
+        hint = f"\n(nothing listens at {address}: is the server started, and on this port?)"
+    elif not ok and status.startswith("UNAVAILABLE") and not files.enabled:
         hint = ("\n(checked in plaintext; a server that serves TLS answers nothing to it: pass --tls-ca, and for a "
                 "worker's port --tls-cert and --tls-key too)")
     print(f"{address}{' ' + args.service if args.service else ''}: {status}{hint}",

@@ -457,6 +457,12 @@ def _generate(args: argparse.Namespace) -> int:
 
     tracing.setup("client")  # with OTEL_EXPORTER_OTLP_ENDPOINT set, the request's trace starts here
     creds = client_credentials(args)
+    if args.temperature == 0:  # greedy: a seed or a nucleus changes nothing; say so rather than ignore it
+        unused = [flag for flag, used in (("--seed", args.sampling_seed is not None), ("--top-p", args.top_p != 1.0))
+                  if used]
+        if unused:
+            print(f"tandem generate: {' and '.join(unused)} without --temperature > 0: greedy decoding, "
+                  f"{'they change' if len(unused) > 1 else 'it changes'} nothing", file=sys.stderr)
 
     async def main() -> int:
         ch, stub = frontend_stub(args.router, creds, args.api_key)

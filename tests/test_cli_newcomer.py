@@ -569,3 +569,20 @@ def test_up_notes_an_https_api_on_every_interface_whose_certificate_names_loopba
     monkeypatch.delenv("TANDEM_HOST")
     monkeypatch.delenv("TANDEM_ADVERTISE_HOST")
     assert not note("--https")  # on loopback: loopback names are the right ones
+
+
+def test_health_where_nothing_listens_says_so_not_tls():
+    import socket
+    with socket.socket() as s:  # a port nothing listens on once this closes
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    r = tandem("health", f"127.0.0.1:{port}")
+    assert r.returncode == 1 and f"nothing listens at 127.0.0.1:{port}" in r.stderr, r.stderr
+    assert "checked in plaintext" not in r.stderr, r.stderr
+
+
+def test_generate_says_a_seed_without_temperature_changes_nothing():
+    r = tandem("generate", "hi", "--seed", "3", "--router", "127.0.0.1:1")
+    assert "tandem generate: --seed without --temperature > 0: greedy decoding, it changes nothing" in r.stderr
+    r = tandem("generate", "hi", "--seed", "3", "--temperature", "0.7", "--router", "127.0.0.1:1")
+    assert "changes nothing" not in r.stderr, r.stderr
