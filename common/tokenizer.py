@@ -98,14 +98,17 @@ class TextTokenizer:
         return self.token_listing(token_id)[0]
 
     def token_listing(self, token_id: int) -> tuple[str, bytes, str]:
-        """(`token_shown`, `token_bytes`, its text decoded alone) of one token, each worked out once."""
+        """(`token_shown`, `token_bytes`, its text decoded alone as a reply's text has it) of one
+        token, each worked out once. The last is what the token adds to streamed text
+        (`decode`: a special token such as <|endoftext|> adds nothing, though listed by name)."""
         raw = self.token_bytes(token_id)
         alone = self.tokenizer.decode([token_id], skip_special_tokens=False)
+        in_text = self.decode([token_id])
         try:
             raw.decode()
         except UnicodeDecodeError:
-            return "bytes:" + "".join(f"\\x{b:02x}" for b in raw), raw, alone
-        return alone, raw, alone
+            return "bytes:" + "".join(f"\\x{b:02x}" for b in raw), raw, in_text
+        return alone, raw, in_text
 
 
 def load_tokenizer(checkpoint_dir: Path | None = None) -> TextTokenizer:

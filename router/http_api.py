@@ -472,8 +472,8 @@ class OpenAIFrontend:
         for i in ids:
             seen = self._tokens_seen.get(i)
             if seen is None:
-                shown, raw, alone = tok.token_listing(i)
-                seen = self._tokens_seen[i] = Token(shown, raw, len(alone))
+                shown, raw, in_text = tok.token_listing(i)
+                seen = self._tokens_seen[i] = Token(shown, raw, len(in_text))
             out.append(seen)
         return out
 

@@ -407,7 +407,8 @@ class Token(NamedTuple):
     """A token as logprobs list it: its text (common.tokenizer.TextTokenizer.token_shown: a
     token that is part of a character reads `bytes:\\xNN`), the bytes it stands for, and the
     characters it adds to the choice's text as `text_offset` counts them (its text decoded
-    alone: 1 for part of a character, whose label is longer)."""
+    alone: 1 for part of a character, whose label is longer; 0 for a special token such as
+    <|endoftext|>, listed by name but absent from the text)."""
 
     text: str
     raw: bytes

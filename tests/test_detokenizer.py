@@ -107,3 +107,16 @@ def test_token_bytes_are_a_tokens_own_bytes():
     euro = tok.encode("€")
     assert b"".join(tok.token_bytes(i) for i in euro) == "€".encode()  # whatever the split, the bytes add up
     assert tok.token_shown(151643) == "<|endoftext|>"  # a special token: its text
+
+
+def test_a_special_token_is_listed_by_name_and_adds_no_text():
+    # logprobs list <|endoftext|> by name; its text_offset share is what it adds to the reply's
+    # text (decode skips special tokens): nothing (it counted 13 characters)
+    for tok in _tokenizers():
+        eos = tok.encode("<|endoftext|>")
+        if len(eos) != 1:
+            continue
+        shown, raw, in_text = tok.token_listing(eos[0])
+        assert (shown, raw, in_text) == ("<|endoftext|>", b"<|endoftext|>", "") and tok.decode(eos) == ""
+        word = tok.encode("hello")[0]
+        assert tok.token_listing(word)[2] == tok.decode([word]) != ""
