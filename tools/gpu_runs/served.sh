@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # GPU machine: served decode through tandem up + tandem bench next to the in-process step.
 # Usage: tools/gpu_runs/served.sh S|M [extra tools/bench_serving_gpu.py flags, e.g. --mps]
+# WAVES=N: N × concurrency requests a bench (default 2 ×): run 24 found one run's served figure
+# within ±3 % (M) and ±7 % (S) of its repeats on one machine start at the default; an A/B of a
+# smaller change needs more waves or more runs a side.
 set -uo pipefail
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
 cfg=${1:?usage: served.sh S|M [flags]}; shift
@@ -16,4 +19,4 @@ fi
 tag=${TAG:-$(date +%H%M%S)}
 timeout "${LIMIT_S:-560}" python3 tools/bench_serving_gpu.py --configs "$cfg" --contexts 1024 \
   --concurrency "${CONCURRENCY:-$conc}" --stream-interval 4 --output-tokens 256 --skip-transformers \
-  --skip-exactness --out "$OUT/serving_gpu_${cfg}_${tag}.json" "$@" 2>&1 | tail -40
+  --skip-exactness ${WAVES:+--waves "$WAVES"} --out "$OUT/serving_gpu_${cfg}_${tag}.json" "$@" 2>&1 | tail -40
