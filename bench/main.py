@@ -25,9 +25,7 @@ from bench.client import BenchSampling, LoadState, RequestResult, run_load
 from bench.metrics import summarize, table
 from bench.traces import BenchRequest
 from common.sampling_params import MAX_TOP_LOGPROBS
-from common.validation import MIN_TEMPERATURE
-
-FLOAT32_MAX = 3.4028234663852886e38  # a sampling temperature travels as a float32
+from common.validation import FLOAT32_MAX, MIN_TEMPERATURE
 
 if TYPE_CHECKING:
     from common.tls import TlsCredentials

@@ -59,6 +59,8 @@ def validate_cache_salt(cache_salt: str) -> None:
 
 
 MIN_TEMPERATURE = 1e-3  # below this, logits / T overflows float32; use 0 for greedy
+FLOAT32_MAX = 3.4028234663852886e38  # the largest float32: sampling values travel as float32 fields
+FLOAT32_TINY = 7.006492321624085e-46  # half the smallest float32: positive values below it travel as 0
 
 
 def validate_prompt_length(prompt_tokens: int, context_length: int, field: str) -> None:

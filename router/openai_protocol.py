@@ -28,7 +28,6 @@ those onto the OpenAI parameter the client sent, so a 400's `param` is what the 
 
 from __future__ import annotations
 
-import math
 import re
 import time
 import uuid
@@ -40,7 +39,8 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 from common.pb.tandem.v1 import frontend_pb2 as pb
 from common.pb.tandem.v1 import sampling_pb2
 from common.sampling_params import LOGIT_BIAS_RANGE, MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS, PENALTY_RANGE
-from common.validation import MAX_REQUEST_ID_CHARS, MAX_STOP_STRINGS, MIN_TEMPERATURE, InvalidArgument
+from common.validation import (FLOAT32_MAX, FLOAT32_TINY, MAX_REQUEST_ID_CHARS, MAX_STOP_STRINGS, MIN_TEMPERATURE,
+                               InvalidArgument)
 
 INT32_MIN, INT32_MAX = -2 ** 31, 2 ** 31 - 1  # the gRPC request's int32 fields
 TOKEN_KEY = re.compile(r"0|[1-9][0-9]*", re.ASCII)  # a logit_bias key: a token id as written, one way only
@@ -176,13 +176,15 @@ class _Common(_Body):
         # checked as sent, before the proto's float32 rounds them (1e-46 became 0: greedy; a top_p
         # of 1.00000001 became 1); the workers check the float32 values again
         if self.temperature is not None:
-            if not (math.isfinite(self.temperature) and (self.temperature == 0 or self.temperature >= MIN_TEMPERATURE)):
-                raise InvalidArgument("temperature", f"must be 0 (greedy) or a finite number >= {MIN_TEMPERATURE}, "
-                                                     f"got {self.temperature!r}")
+            if not (self.temperature == 0 or MIN_TEMPERATURE <= self.temperature <= FLOAT32_MAX):
+                # (above FLOAT32_MAX the proto's float32 is inf, which the worker refused as "got inf")
+                raise InvalidArgument("temperature", f"must be 0 (greedy) or a finite number >= {MIN_TEMPERATURE} "
+                                                     f"(at most {FLOAT32_MAX:.8g}, a float32), got {self.temperature!r}")
             s.temperature = self.temperature
         if self.top_p is not None:
-            if not 0 < self.top_p <= 1:
-                raise InvalidArgument("top_p", f"must be in (0, 1], got {self.top_p!r}")
+            if not FLOAT32_TINY < self.top_p <= 1:  # (at or below FLOAT32_TINY the float32 is 0: "got 0.0")
+                raise InvalidArgument("top_p", f"must be in (0, 1] and no float32 0 (> {FLOAT32_TINY:.3g}), "
+                                               f"got {self.top_p!r}")
             s.top_p = self.top_p
         if self.seed is not None:
             if not 0 <= self.seed < 2 ** 64:

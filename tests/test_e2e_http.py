@@ -236,6 +236,8 @@ def test_seeded_sampling_reproducible_and_equal_grpc(client, stub):
     ({"logit_bias": {"5": "1e2"}}, "logit_bias[5]"),
     ({"frequency_penalty": 2.0000001}, "frequency_penalty"),
     ({"temperature": 1e-46}, "temperature"),  # (float32 made it 0: greedy, answered 200)
+    ({"temperature": 1e39}, "temperature"),  # (float32 made it inf: the worker's "got inf")
+    ({"top_p": 1e-46}, "top_p"),  # (float32 made it 0: the worker's "got 0.0")
     ({"top_p": 1.00000001}, "top_p"),
 ])
 def test_completions_bad_parameter_is_400_naming_it(client, kw, param):
