@@ -1,7 +1,8 @@
 """`tandem bench` against real workers over loopback (plaintext gRPC): requests longer than
 the model's context left out before the run (counted on stderr) or sent and refused with
 --over-context send, and a run stopped with Ctrl-C still reporting the requests that finished
-(its table, its --out JSON, exit status 130)."""
+(its table, its --out JSON, exit status 130); the workers' --profile-dir window written while
+they serve."""
 
 from __future__ import annotations
 
@@ -23,10 +24,16 @@ pytestmark = pytest.mark.e2e
 ROOT = Path(__file__).resolve().parent.parent
 
 
+PROFILES = "profiles"  # under the cluster's log folder: --profile-dir of both workers
+
+
 @pytest.fixture(scope="module")
 def up(etcd_server, tmp_path_factory):
+    logs = tmp_path_factory.mktemp("bench-logs")
     cluster = LocalCluster(model=TINY, etcd=etcd_server.endpoint, namespace="e2e-bench-runs", tls=False,
-                           worker_args=["--num-blocks", "256"], log_dir=str(tmp_path_factory.mktemp("bench-logs")))
+                           worker_args=["--num-blocks", "256", "--profile-dir", str(logs / PROFILES),
+                                        "--profile-calls", "40:3"], log_dir=str(logs))
+    cluster.profiles = logs / PROFILES
     asyncio.run(cluster.start())
     yield cluster
     asyncio.run(cluster.stop())
@@ -89,3 +96,17 @@ def test_ctrl_c_reports_the_requests_that_finished(up, tmp_path):
     done = doc["summary"]["completed"]
     assert doc["summary"]["interrupted"] and doc["summary"]["requests_planned"] == 2000
     assert 0 < done < 2000 and len(doc["requests"]) == done + doc["summary"]["failed"], doc["summary"]
+
+
+def test_each_worker_writes_its_profile_window_while_serving(up):
+    # --profile-calls 40:3: calls 41..43 of each worker's model thread (the runs above made more)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and len(list(up.profiles.glob("*.summary.json"))) < 2:
+        subprocess.run([sys.executable, "-m", "cli.main", "generate", "To be", "--max-tokens", "8", "--router",
+                        up.router_address], cwd=ROOT, capture_output=True, timeout=60, env=_env())
+    summaries = sorted(p.name.split("-")[0] for p in up.profiles.glob("*.summary.json"))
+    assert summaries == ["decode", "prefill"], list(up.profiles.iterdir())
+    for path in up.profiles.glob("*.summary.json"):
+        doc = json.loads(path.read_text())
+        assert doc["calls"] == 3 and doc["first_call"] == 41 and doc["wall_s"] > 0, doc
+        assert path.with_name(path.name.replace(".summary.json", ".trace.json.gz")).stat().st_size > 0

@@ -560,6 +560,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                    "end, for SECONDS at most; its row gets host_profile, router_host_profile and "
                    "prefill_host_profile: per thread, the functions on the stack in ms per decode step of that "
                    "window (tools/host_profile.py)")
+    p.add_argument("--profile-dir", default="", metavar="DIR",
+                   help="the workers' --profile-dir: each writes a torch.profiler trace of model calls --profile-calls "
+                        "of its first bench (give one --concurrency) and a summary of its CUDA streams' gaps")
+    p.add_argument("--profile-calls", default="50:20", metavar="SKIP:COUNT", help="the workers' --profile-calls")
     p.add_argument("--waves", type=float, default=0, help="requests per bench as a multiple of its concurrency "
                    "(1: every request arrives at once and, once all are prefilled, the decode steps run with no "
                    "prefill beside them); 0 = the default (2 × concurrency at contexts up to 2K, else 1 ×)")
@@ -607,6 +611,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             print(json.dumps({"config": name, "params": doc["params"][name], "checkpoint_s": time.time() - t0}),
                   flush=True)
             pool_env = {"TANDEM_NUM_BLOCKS": "4000"} if args.smoke else {}  # GPU: --mem-fraction-static
+            if args.profile_dir:  # (read by both workers; each writes files of its own role and pid)
+                pool_env.update(TANDEM_PROFILE_DIR=str(Path(args.profile_dir).resolve()),
+                                TANDEM_PROFILE_CALLS=args.profile_calls)
             intervals = [int(x) for x in args.stream_interval.split(",")]
             served = {} if args.skip_served else {
                 n: serve_and_bench(model_dir, contexts, concs, args.output_tokens, args.port, work,

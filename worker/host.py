@@ -99,6 +99,8 @@ class WorkerOptions:
     ep_size: int = 1  # decode: expert-parallel ranks (processes) forming this worker; 1 = no EP
     ep_backend: str = "auto"  # decode: all-to-all backend of the EP ranks: auto | torch | deepep
     ep_placement: str = ""  # decode: JSON expert placement (engine/ep_placement.py); empty = contiguous
+    profile_dir: str = ""  # torch.profiler trace of a window of model calls written here (worker/lane_profile.py); "" = off
+    profile_calls: str = "50:20"  # with --profile-dir: SKIP:COUNT, model calls to skip once serving, then to record
     tls_cert: str = ""  # PEM certificate naming this worker's role (common/tls.py); with --tls-key and --tls-ca
     tls_key: str = ""  # its private key
     tls_ca: str = ""  # the cluster CA: clients' and peers' certificates must chain to it
@@ -118,6 +120,8 @@ class WorkerOptions:
                      "prefill_sm_count"):
             if getattr(self, name) < 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
+        from worker.lane_profile import parse_calls
+        parse_calls(self.profile_calls)
         if not 1 <= self.gil_switch_interval_us <= 5000:
             raise ValueError(f"--gil-switch-interval-us must be in [1, 5000] (Python's default is 5000), "
                              f"got {self.gil_switch_interval_us}")
@@ -463,6 +467,15 @@ class WorkerRuntime:
     def context_length(self) -> int:
         return self.loaded.config.max_position_embeddings
 
+    def profile_from_now(self) -> None:
+        """With --profile-dir: the model thread's calls from now on (serving, start-up's warm-up
+        and captures done) count for --profile-calls (worker/lane_profile.py). One torch.profiler
+        runs at a time in a process: a decode worker's local prefill lane is not recorded."""
+        if self.opts.profile_dir and self._model_lane.profile is None:
+            from worker.lane_profile import LaneProfile
+            role = discovery_pb2.Role.Name(self.role).removeprefix("ROLE_").lower()
+            self._model_lane.profile = LaneProfile(self.opts.profile_dir, self.opts.profile_calls, role, "model")
+
     async def run_model(self, fn: Callable[..., T], *args: Any) -> T:
         """Run fn on the model thread. If the caller is cancelled, wait for fn to finish
         before re-raising, so the caller never frees blocks a forward is still writing."""
@@ -732,6 +745,7 @@ async def serve_worker(runtime: WorkerRuntime, add_services: Sequence[Callable[[
     opts = runtime.opts
     if opts.gc_freeze:  # the model, graphs and warm-up are built, nothing is served or registered yet:
         freeze_startup_heap()  # its one collection delays no request, and no request's objects are frozen
+    runtime.profile_from_now()
     events = KvEventServicer(runtime.events, runtime.load)
     server = await start_server(
         f"{opts.host}:{opts.port}",

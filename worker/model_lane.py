@@ -50,6 +50,7 @@ class ModelLane:
         self.submitted = 0  # written on the loop thread only
         self.started = 0  # written on the lane's thread only
         self.busy_since: float | None = None  # monotonic start of the call now running
+        self.profile: Any = None  # worker.lane_profile.LaneProfile around a window of calls (--profile-dir)
 
     @property
     def waiting(self) -> int:
@@ -73,11 +74,16 @@ class ModelLane:
 
     def _timed(self, fn: Callable[..., T], *args: Any) -> T:
         self.started += 1
+        profile = self.profile
+        if profile is not None:
+            profile.before()
         self.busy_since = time.monotonic()  # the watchdog reads it to spot a wedged forward
         try:
             return fn(*args)
         finally:
             self.busy_since = None
+            if profile is not None:
+                profile.after()
 
     def busy_for(self, now: float) -> float:
         """Seconds the running call has run (0 when idle)."""
