@@ -14,11 +14,13 @@ import asyncio
 import json
 import os
 import platform
+import signal
 import sys
+import threading
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import NamedTuple, TYPE_CHECKING, Callable
 
 from bench import traces
 from bench.client import BenchSampling, LoadState, RequestResult, run_load
@@ -107,21 +109,30 @@ def load_requests(opts: BenchOptions, vocab: int) -> list[BenchRequest]:
         ValueError: a dataset that needs a path got none, a malformed row (the dataset named),
             or no requests at all. FileNotFoundError: no such file.
     """
-    return _loaded(opts, vocab)[0]
+    return _loaded(opts, vocab).reqs
 
 
-def _loaded(opts: BenchOptions, vocab: int) -> tuple[list[BenchRequest], bool]:
-    """`load_requests`, and whether the requests arrive as a Poisson process (`_load`)."""
+class Loaded(NamedTuple):
+    """What a run sends: its requests (arrivals scaled by --load), whether they arrive as a
+    Poisson process (`_load`'s decision), and how many were left out as longer than the model's
+    context (`_fitting`)."""
+
+    reqs: list[BenchRequest]
+    poisson: bool
+    left_out: int = 0
+
+
+def _loaded(opts: BenchOptions, vocab: int, context_length: int = 0) -> Loaded:
+    """`load_requests`; with the model's `context_length` (0 = unknown) under --over-context
+    skip, the requests that cannot fit left out first (`_fitting`), so the others' arrivals
+    are drawn or re-based as if the dataset held them alone."""
     try:
-        reqs, poisson = _load(opts, vocab)
+        return _load(opts, vocab, context_length)
     except (KeyError, TypeError, IndexError, json.JSONDecodeError) as exc:  # a row without the trace's fields
         raise ValueError(f"--dataset {opts.dataset}: malformed row ({type(exc).__name__}: {exc})") from None
-    if not reqs:
-        raise ValueError(f"--dataset {opts.dataset}: no requests (an empty file, or --skip past its end)")
-    return reqs, poisson
 
 
-def _load(opts: BenchOptions, vocab: int) -> tuple[list[BenchRequest], bool]:
+def _load(opts: BenchOptions, vocab: int, context_length: int) -> Loaded:
     name, _, path = opts.dataset.partition(":")
     n = opts.num_requests or None
     upto = n + opts.skip if n else None  # rows read before --skip drops its first ones
@@ -141,14 +152,20 @@ def _load(opts: BenchOptions, vocab: int) -> tuple[list[BenchRequest], bool]:
         else:
             reqs = traces.load_mt_bench(Path(path) if path else traces.MT_BENCH, opts.output_tokens, upto)
         reqs = _skipped(reqs, opts.skip)
+    if not reqs:
+        raise ValueError(f"--dataset {opts.dataset}: no requests (an empty file, or --skip past its end)")
+    cap = opts.max_output_len
+    if cap:  # (before the fit: the cap can make a request fit)
+        reqs = [replace(r, output_len=min(r.output_len, cap)) for r in reqs]
+    before = len(reqs)
+    if context_length and opts.over_context == "skip":
+        reqs = _fitting(reqs, context_length, opts.dataset)
     # a dataset without timestamps (prompts, synthetic; a trace whose are all 0) under --arrival
     # trace arrives as a Poisson process at --rate
     poisson = opts.arrival == "poisson" or (opts.arrival == "trace" and all(r.arrival_s == 0 for r in reqs))
     if poisson:
         reqs = traces.poisson_arrivals(reqs, opts.rate, opts.bench_seed)
-    cap = opts.max_output_len
-    return [replace(r, arrival_s=r.arrival_s / opts.load, output_len=min(r.output_len, cap) if cap else r.output_len)
-            for r in reqs], poisson
+    return Loaded([replace(r, arrival_s=r.arrival_s / opts.load) for r in reqs], poisson, before - len(reqs))
 
 
 def _arrival(opts: BenchOptions, poisson: bool) -> str:
@@ -163,10 +180,11 @@ def _arrival(opts: BenchOptions, poisson: bool) -> str:
 
 def _fitting(reqs: list[BenchRequest], context_length: int, dataset: str) -> list[BenchRequest]:
     """The requests whose prompt + output fit the model's context (the router refuses the
-    others, each with INVALID_ARGUMENT), with a line on stderr counting the ones left out. A
-    text prompt's length is known only once tokenized: those are kept. Raises ValueError when
-    none fits."""
-    kept = [r for r in reqs if not r.prompt_len or r.prompt_len + r.output_len <= context_length]
+    others, each with INVALID_ARGUMENT), with a line on stderr counting the ones left out, their
+    arrivals re-based on the first kept one's. A text prompt's length is known only once
+    tokenized: it counts as one token. Raises ValueError when none fits."""
+    # (a text prompt counts as one token here: its output alone may already be too long)
+    kept = [r for r in reqs if max(r.prompt_len, 1) + r.output_len <= context_length]
     if len(kept) == len(reqs):
         return reqs
     if not kept:
@@ -177,7 +195,8 @@ def _fitting(reqs: list[BenchRequest], context_length: int, dataset: str) -> lis
     print(f"tandem bench: left out {len(reqs) - len(kept)} of {len(reqs)} requests whose prompt + output exceed "
           f"the model's context ({context_length} tokens; --over-context send sends them, each refused)",
           file=sys.stderr)
-    return kept
+    t0 = kept[0].arrival_s  # the first kept request arrives at once, as after --skip
+    return [replace(r, arrival_s=r.arrival_s - t0) for r in kept]
 
 
 def _skipped(reqs: list[BenchRequest], skip: int) -> list[BenchRequest]:
@@ -266,6 +285,28 @@ async def _model_info(router: str, wait_s: float = 180.0, api_key: str = "",
         await ch.close()
 
 
+class _TermAsInterrupt:
+    """While a run goes on, SIGTERM (`timeout`, a job's stop) ends it as Ctrl-C does: asyncio's
+    own SIGINT handling cancels the run, and the requests that finished are reported. `seen`:
+    whether SIGTERM came; `restore` puts the previous handler back. In a thread other than the
+    main one (no signal handlers there) it does nothing."""
+
+    def __init__(self) -> None:
+        self.seen = False
+        self._previous = None
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGTERM, self._on_term)
+
+    def _on_term(self, signum: int, frame: object) -> None:
+        self.seen = True
+        signal.raise_signal(signal.SIGINT)
+
+    def restore(self) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGTERM, self._previous)
+            self._previous = None
+
+
 def write_results(path: Path, opts: dict, summary: dict, reqs: list[BenchRequest], results: list[RequestResult],
                   extra: dict | None = None) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -289,9 +330,7 @@ def run(opts: BenchOptions, credentials: Callable[[], TlsCredentials | None] | N
     if not 0 <= opts.router_wait_s < float("inf"):  # (NaN too)
         raise ValueError(f"--router-wait must be a finite number of seconds >= 0, got {opts.router_wait_s}")
     model = asyncio.run(_model_info(opts.router, opts.router_wait_s, api_key=opts.api_key, credentials=credentials))
-    reqs, poisson = _loaded(opts, model.vocab_size)
-    if opts.over_context == "skip" and model.context_length:
-        reqs = _fitting(reqs, model.context_length, opts.dataset)
+    reqs, poisson, left_out = _loaded(opts, model.vocab_size, model.context_length)
     if opts.arrival == "concurrency":
         reqs = [replace(r, arrival_s=0.0) for r in reqs]
     http_url = ""
@@ -305,6 +344,7 @@ def run(opts: BenchOptions, credentials: Callable[[], TlsCredentials | None] | N
           f"{model.block_size}), arrival {_arrival(opts, poisson)}, load {opts.load}, speedup {opts.speedup}, "
           f"{_sampling(opts)}", file=sys.stderr)
     state = LoadState()
+    terminated = _TermAsInterrupt()
     try:
         results, wall = asyncio.run(run_load(opts.router, reqs, opts.speedup,
                                              opts.concurrency if opts.arrival == "concurrency" else 0, opts.timeout_s,
@@ -313,17 +353,21 @@ def run(opts: BenchOptions, credentials: Callable[[], TlsCredentials | None] | N
                                              sampling=BenchSampling(opts.temperature, opts.top_logprobs,
                                                                     opts.bench_seed), state=state))
         interrupted = False
-    except KeyboardInterrupt:  # Ctrl-C: the requests that finished are still a result
+    except KeyboardInterrupt:  # Ctrl-C (or SIGTERM): the requests that finished are still a result
         results, wall = state.finished()
         interrupted = True
+    finally:
+        terminated.restore()
         print(f"\ntandem bench: interrupted after {wall:.0f} s; {len(results)} of {len(reqs)} requests had finished "
               "(the table counts those)", file=sys.stderr)
     done = {r.index for r in results}
     ran = [q for q in reqs if q.index in done] if interrupted else reqs
     summary = summarize(ran, results, wall, opts.speedup)
     summary.update(traces.oracle_summary(ran, model.block_size))
+    if left_out:
+        summary["left_out_over_context"] = left_out
     if interrupted:
-        summary.update(interrupted=True, requests_planned=len(reqs))
+        summary.update(interrupted=True, requests_planned=len(reqs), signal="SIGTERM" if terminated.seen else "SIGINT")
     print(table(summary, "Serving Benchmark Result (interrupted)" if interrupted else "Serving Benchmark Result"))
     if opts.out:
         from bench.plots import plot_runs
@@ -355,6 +399,6 @@ def _main(args) -> int:
     # without --tls-ca, a local `tandem up` still starting may leave its CA file while we wait
     local = not opts.tls_ca and not opts.tls_cert
     summary = run(opts, credentials=(lambda: client_credentials(opts)) if local else None)
-    if summary.get("interrupted"):
-        return 130  # (128 + SIGINT, as a shell reports Ctrl-C)
+    if summary.get("interrupted"):  # 128 + the signal's number, as a shell reports it
+        return 128 + (signal.SIGTERM if summary.get("signal") == "SIGTERM" else signal.SIGINT)
     return 1 if summary["failed"] else 0

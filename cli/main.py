@@ -458,8 +458,9 @@ def _generate(args: argparse.Namespace) -> int:
     tracing.setup("client")  # with OTEL_EXPORTER_OTLP_ENDPOINT set, the request's trace starts here
     creds = client_credentials(args)
     if args.temperature == 0:  # greedy: a seed or a nucleus changes nothing; say so rather than ignore it
-        unused = [flag for flag, used in (("--seed", args.sampling_seed is not None), ("--top-p", args.top_p != 1.0))
-                  if used]
+        # (a top_p out of range is the router's error to name, not this note's)
+        unused = [flag for flag, used in (("--seed (TANDEM_SAMPLING_SEED)", args.sampling_seed is not None),
+                                          ("--top-p", 0 < args.top_p < 1)) if used]
         if unused:
             print(f"tandem generate: {' and '.join(unused)} without --temperature > 0: greedy decoding, "
                   f"{'they change' if len(unused) > 1 else 'it changes'} nothing", file=sys.stderr)

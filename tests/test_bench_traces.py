@@ -144,7 +144,7 @@ def test_skip_starts_every_file_dataset_at_its_row_and_the_header_says_how_they_
     # and says so; the header says what the load decided (one rule, `_load`'s)
     for dataset, said in (("mt-bench", "poisson at 1 requests/s (the requests' timestamps are all 0)"),
                           ("mooncake", "trace")):
-        _, poisson = _loaded(BenchOptions(dataset=dataset, num_requests=4), 1000)
+        poisson = _loaded(BenchOptions(dataset=dataset, num_requests=4), 1000).poisson
         assert _arrival(BenchOptions(dataset=dataset), poisson) == said, dataset
     assert _arrival(BenchOptions(arrival="concurrency", concurrency=4), True) == "concurrency 4"
 
@@ -182,3 +182,24 @@ def test_progress_line_says_why_requests_fail_while_the_run_goes_on() -> None:
     line = progress_line([ok, late, first, None], 30)
     assert line.startswith("tandem bench: 3/4 requests done (2 failed; the first: INVALID_ARGUMENT: token_ids: "
                            "prompt has 9000 tokens") and line.endswith(", 30 s") and len(line) < 300, line
+
+
+def test_requests_left_out_for_the_context_leave_the_others_arrivals_as_if_alone() -> None:
+    from bench.main import BenchOptions, _loaded
+    # mooncake rows 0..19 against a 2,048-token context, outputs capped at 8 (the cap first: it
+    # makes rows fit): the kept rows' arrivals start at 0, as after --skip
+    opts = BenchOptions(num_requests=20, max_output_len=8)
+    every = _loaded(opts, 1000).reqs
+    fit = [r for r in every if r.prompt_len + r.output_len <= 2048]
+    got = _loaded(opts, 1000, context_length=2048)
+    assert got.left_out == 20 - len(fit) > 0 and [r.index for r in got.reqs] == [r.index for r in fit]
+    assert got.reqs[0].arrival_s == 0 and [b.arrival_s - a.arrival_s for a, b in zip(got.reqs, got.reqs[1:])] == \
+        pytest.approx([b.arrival_s - a.arrival_s for a, b in zip(fit, fit[1:])])
+    # Poisson arrivals are drawn for the kept requests alone: the rate asked for, not a thinned one
+    pois = _loaded(BenchOptions(num_requests=400, max_output_len=8, arrival="poisson", rate=2.0), 1000, 2048).reqs
+    assert len(pois) / pois[-1].arrival_s == pytest.approx(2.0, rel=0.25)
+    # a text prompt's output alone can be too long: it counts as one token
+    with pytest.raises(ValueError, match="every request of --dataset mt-bench"):
+        _loaded(BenchOptions(dataset="mt-bench", num_requests=3, output_tokens=5000), 1000, 2048)
+    assert _loaded(BenchOptions(dataset="mt-bench", num_requests=3, output_tokens=2047), 1000, 2048).left_out == 0
+    assert _loaded(BenchOptions(num_requests=20, over_context="send"), 1000, 2048).left_out == 0

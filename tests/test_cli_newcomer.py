@@ -583,6 +583,9 @@ def test_health_where_nothing_listens_says_so_not_tls():
 
 def test_generate_says_a_seed_without_temperature_changes_nothing():
     r = tandem("generate", "hi", "--seed", "3", "--router", "127.0.0.1:1")
-    assert "tandem generate: --seed without --temperature > 0: greedy decoding, it changes nothing" in r.stderr
+    assert "tandem generate: --seed (TANDEM_SAMPLING_SEED) without --temperature > 0: greedy decoding, it changes " \
+        "nothing" in r.stderr, r.stderr
+    r = tandem("generate", "hi", "--top-p", "0", "--router", "127.0.0.1:1")
+    assert "changes nothing" not in r.stderr, r.stderr  # an invalid value: the router's error says so
     r = tandem("generate", "hi", "--seed", "3", "--temperature", "0.7", "--router", "127.0.0.1:1")
     assert "changes nothing" not in r.stderr, r.stderr

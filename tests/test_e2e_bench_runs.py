@@ -57,7 +57,7 @@ def test_requests_longer_than_the_context_are_left_out_or_sent_and_refused(up, t
     assert r.returncode == 0, r.stderr
     assert "left out 1 of 2 requests whose prompt + output exceed the model's context (4096 tokens" in r.stderr
     summary = json.loads(out.read_text())["summary"]
-    assert (summary["completed"], summary["failed"]) == (1, 0), summary
+    assert (summary["completed"], summary["failed"], summary["left_out_over_context"]) == (1, 0, 1), summary
     sent = subprocess.run(_bench(up, *rows, "--over-context", "send"), cwd=ROOT, capture_output=True, text=True,
                           timeout=180, env=_env())
     assert sent.returncode == 1 and "left out" not in sent.stderr, sent.stderr
@@ -69,7 +69,9 @@ def test_requests_longer_than_the_context_are_left_out_or_sent_and_refused(up, t
         "model's context (4096 tokens)" in none.stderr and "--over-context send" in none.stderr, none.stderr
 
 
-def test_ctrl_c_reports_the_requests_that_finished(up, tmp_path):
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_ctrl_c_reports_the_requests_that_finished(up, tmp_path, sig):
+    # SIGTERM (`timeout`, a job's stop) ends a run as Ctrl-C does; the exit status tells them apart
     out = tmp_path / "interrupted.json"
     cmd = _bench(up, "--dataset", "synthetic-prefix", "--groups", "2", "--prefix-len", "16", "--suffix-len", "16",
                  "--num-requests", "2000", "--output-tokens", "4", "--arrival", "concurrency", "--concurrency", "2",
@@ -84,17 +86,18 @@ def test_ctrl_c_reports_the_requests_that_finished(up, tmp_path):
                 assert started or p.poll() is None, p.communicate()
             time.sleep(6)  # some requests finish
             assert p.poll() is None, p.communicate()
-            p.send_signal(signal.SIGINT)
+            p.send_signal(sig)
             stdout, stderr = p.communicate(timeout=60)
         finally:
             if p.poll() is None:
                 p.kill()
                 p.communicate()
-    assert p.returncode == 130 and "Traceback" not in stderr, stderr
+    assert p.returncode == 128 + sig and "Traceback" not in stderr, stderr
     assert "Serving Benchmark Result (interrupted)" in stdout and "interrupted after" in stderr, (stdout, stderr)
     doc = json.loads(out.read_text())
     done = doc["summary"]["completed"]
     assert doc["summary"]["interrupted"] and doc["summary"]["requests_planned"] == 2000
+    assert doc["summary"]["signal"] == signal.Signals(sig).name
     assert 0 < done < 2000 and len(doc["requests"]) == done + doc["summary"]["failed"], doc["summary"]
 
 
