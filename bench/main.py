@@ -157,12 +157,13 @@ def _load(opts: BenchOptions, vocab: int, context_length: int) -> Loaded:
     cap = opts.max_output_len
     if cap:  # (before the fit: the cap can make a request fit)
         reqs = [replace(r, output_len=min(r.output_len, cap)) for r in reqs]
+    # a dataset without timestamps (prompts, synthetic; a trace whose are all 0) under --arrival
+    # trace arrives as a Poisson process at --rate (decided on the rows read, before any is left
+    # out: kept rows of one timestamp re-based to 0 are still a burst)
+    poisson = opts.arrival == "poisson" or (opts.arrival == "trace" and all(r.arrival_s == 0 for r in reqs))
     before = len(reqs)
     if context_length and opts.over_context == "skip":
         reqs = _fitting(reqs, context_length, opts.dataset)
-    # a dataset without timestamps (prompts, synthetic; a trace whose are all 0) under --arrival
-    # trace arrives as a Poisson process at --rate
-    poisson = opts.arrival == "poisson" or (opts.arrival == "trace" and all(r.arrival_s == 0 for r in reqs))
     if poisson:
         reqs = traces.poisson_arrivals(reqs, opts.rate, opts.bench_seed)
     return Loaded([replace(r, arrival_s=r.arrival_s / opts.load) for r in reqs], poisson, before - len(reqs))
@@ -195,15 +196,18 @@ def _fitting(reqs: list[BenchRequest], context_length: int, dataset: str) -> lis
     print(f"tandem bench: left out {len(reqs) - len(kept)} of {len(reqs)} requests whose prompt + output exceed "
           f"the model's context ({context_length} tokens; --over-context send sends them, each refused)",
           file=sys.stderr)
-    t0 = kept[0].arrival_s  # the first kept request arrives at once, as after --skip
-    return [replace(r, arrival_s=r.arrival_s - t0) for r in kept]
+    return _rebased(kept)  # the first kept request arrives at once, as after --skip
 
 
 def _skipped(reqs: list[BenchRequest], skip: int) -> list[BenchRequest]:
     """reqs from row `skip` on, numbered from 0, their arrivals counted from the first kept one's."""
-    kept = reqs[skip:]
-    t0 = kept[0].arrival_s if kept else 0.0
-    return [replace(r, index=i, arrival_s=r.arrival_s - t0) for i, r in enumerate(kept)]
+    return _rebased([replace(r, index=i) for i, r in enumerate(reqs[skip:])])
+
+
+def _rebased(reqs: list[BenchRequest]) -> list[BenchRequest]:
+    """reqs with their arrivals counted from the first one's."""
+    t0 = reqs[0].arrival_s if reqs else 0.0
+    return [replace(r, arrival_s=r.arrival_s - t0) for r in reqs]
 
 
 _FILES = {"azure": "an Azure LLM inference trace: a CSV with TIMESTAMP, ContextTokens and GeneratedTokens columns",
@@ -286,25 +290,28 @@ async def _model_info(router: str, wait_s: float = 180.0, api_key: str = "",
 
 
 class _TermAsInterrupt:
-    """While a run goes on, SIGTERM (`timeout`, a job's stop) ends it as Ctrl-C does: asyncio's
-    own SIGINT handling cancels the run, and the requests that finished are reported. `seen`:
-    whether SIGTERM came; `restore` puts the previous handler back. In a thread other than the
-    main one (no signal handlers there) it does nothing."""
+    """While a run goes on, SIGTERM (`timeout`, a job's stop) ends it as Ctrl-C does: where
+    asyncio.run handles SIGINT, SIGTERM raises SIGINT, which cancels the run at its next await;
+    where SIGINT is ignored (a script's background job) it raises KeyboardInterrupt itself. The requests that finished are
+    reported either way. `seen`: whether SIGTERM came; `restore` puts the previous handler back.
+    In a thread other than the main one (no signal handlers there) it does nothing."""
 
     def __init__(self) -> None:
         self.seen = False
-        self._previous = None
-        if threading.current_thread() is threading.main_thread():
-            self._previous = signal.signal(signal.SIGTERM, self._on_term)
+        self._installed = threading.current_thread() is threading.main_thread()
+        self._previous = signal.signal(signal.SIGTERM, self._on_term) if self._installed else None
 
     def _on_term(self, signum: int, frame: object) -> None:
         self.seen = True
-        signal.raise_signal(signal.SIGINT)
+        if callable(signal.getsignal(signal.SIGINT)):  # asyncio.run's handler (or Python's default)
+            signal.raise_signal(signal.SIGINT)
+        else:  # SIGINT ignored: asyncio.run installed none (it replaces Python's default only)
+            raise KeyboardInterrupt
 
     def restore(self) -> None:
-        if self._previous is not None:
-            signal.signal(signal.SIGTERM, self._previous)
-            self._previous = None
+        if self._installed:  # (a handler set outside Python reads as None: the default then)
+            signal.signal(signal.SIGTERM, self._previous if self._previous is not None else signal.SIG_DFL)
+            self._installed = False
 
 
 def write_results(path: Path, opts: dict, summary: dict, reqs: list[BenchRequest], results: list[RequestResult],
@@ -356,10 +363,10 @@ def run(opts: BenchOptions, credentials: Callable[[], TlsCredentials | None] | N
     except KeyboardInterrupt:  # Ctrl-C (or SIGTERM): the requests that finished are still a result
         results, wall = state.finished()
         interrupted = True
-    finally:
-        terminated.restore()
         print(f"\ntandem bench: interrupted after {wall:.0f} s; {len(results)} of {len(reqs)} requests had finished "
               "(the table counts those)", file=sys.stderr)
+    finally:
+        terminated.restore()
     done = {r.index for r in results}
     ran = [q for q in reqs if q.index in done] if interrupted else reqs
     summary = summarize(ran, results, wall, opts.speedup)

@@ -36,7 +36,7 @@ def plot_runs(runs: Sequence[Run], out: Path, title: str = "") -> list[Path]:
     if ax.get_legend_handles_labels()[0]:  # (a run with no finished request draws no line)
         ax.legend()
     else:
-        ax.text(0.5, 0.5, "no request finished", transform=ax.transAxes, ha="center")
+        ax.text(0.5, 0.5, "no request succeeded", transform=ax.transAxes, ha="center")
     fig.tight_layout()
     paths.append(out.with_name(out.name + "-ttft-cdf.png"))
     fig.savefig(paths[-1], dpi=110)
@@ -53,8 +53,7 @@ def plot_runs(runs: Sequence[Run], out: Path, title: str = "") -> list[Path]:
     a2.set_xlabel("time (s, trace time; by request completion)")
     for a in (a1, a2):
         a.grid(alpha=0.3)
-    if a1.get_legend_handles_labels()[0]:
-        a1.legend()
+    a1.legend()
     fig.tight_layout()
     paths.append(out.with_name(out.name + "-over-time.png"))
     fig.savefig(paths[-1], dpi=110)

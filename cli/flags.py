@@ -186,7 +186,8 @@ HELP = {
     "profile_dir": "write a torch.profiler trace (Chrome format, .json.gz) of a window of this worker's model calls "
                    "here, with a summary of each CUDA stream's busy and idle time and its longest gaps; \"\" = off",
     "profile_calls": "with --profile-dir: SKIP:COUNT, the model calls to skip once serving, then the ones to "
-                     "record (a decode worker's call is a launch of up to --decode-steps-per-launch steps)",
+                     "record (a decode worker's call is a launch of up to --decode-steps-per-launch steps; with "
+                     "MTP a step's launch or collect)",
     "max_output_len": "cap on generated tokens (0 = the trace's)",
     "over_context": "requests whose prompt + output exceed the model's context: skip (left out before the run, "
                     "counted on stderr) or send (each refused with INVALID_ARGUMENT)",

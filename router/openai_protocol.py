@@ -179,7 +179,7 @@ class _Common(_Body):
             if not (self.temperature == 0 or MIN_TEMPERATURE <= self.temperature <= FLOAT32_MAX):
                 # (above FLOAT32_MAX the proto's float32 is inf, which the worker refused as "got inf")
                 raise InvalidArgument("temperature", f"must be 0 (greedy) or a finite number >= {MIN_TEMPERATURE} "
-                                                     f"(at most {FLOAT32_MAX:.8g}, a float32), got {self.temperature!r}")
+                                                     f"(at most {FLOAT32_MAX!r}, a float32's largest), got {self.temperature!r}")
             s.temperature = self.temperature
         if self.top_p is not None:
             if not FLOAT32_TINY < self.top_p <= 1:  # (at or below FLOAT32_TINY the float32 is 0: "got 0.0")

@@ -51,6 +51,7 @@ def test_a_lane_records_its_window_once_and_writes_trace_and_summary(tmp_path):
     finally:
         lane.shutdown()
     stem = lane.profile.stem
+    assert lane.profile.written.wait(60)  # (written off the lane's thread)
     assert stem.startswith("decode-model-") and lane.profile.done
     summary = json.loads((tmp_path / "prof" / f"{stem}.summary.json").read_text())
     assert summary["calls"] == 3 and summary["first_call"] == 3 and summary["streams"] == {}  # no CUDA here
@@ -68,5 +69,19 @@ def test_a_window_that_cannot_be_written_leaves_the_lane_serving(tmp_path):
     try:
         assert asyncio.run(lane.run(lambda: 41 + 1)) == 42
         assert asyncio.run(lane.run(lambda: 43)) == 43 and lane.profile.done
+        assert lane.profile.written.wait(60) and not blocker.with_name("sub").exists()
+    finally:
+        lane.shutdown()
+
+
+def test_a_profiler_that_will_not_start_leaves_the_call_running(tmp_path, monkeypatch):
+    def refuse(*args, **kwargs):
+        raise RuntimeError("CUPTI unavailable")
+    monkeypatch.setattr(torch.profiler, "profile", refuse)
+    lane = ModelLane("model")
+    lane.profile = LaneProfile(str(tmp_path), "0:2", "decode", "model")
+    try:
+        assert [asyncio.run(lane.run(lambda i=i: i)) for i in range(3)] == [0, 1, 2]
+        assert lane.profile.done and not any(tmp_path.iterdir())
     finally:
         lane.shutdown()

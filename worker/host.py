@@ -470,7 +470,8 @@ class WorkerRuntime:
     def profile_from_now(self) -> None:
         """With --profile-dir: the model thread's calls from now on (serving, start-up's warm-up
         and captures done) count for --profile-calls (worker/lane_profile.py). One torch.profiler
-        runs at a time in a process: a decode worker's local prefill lane is not recorded."""
+        runs at a time in a process: a decode worker's local prefill lane's host calls are not
+        traced (its stream's device activity is)."""
         if self.opts.profile_dir and self._model_lane.profile is None:
             from worker.lane_profile import LaneProfile
             role = discovery_pb2.Role.Name(self.role).removeprefix("ROLE_").lower()

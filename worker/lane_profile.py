@@ -11,8 +11,12 @@ with CPU and CUDA activity. When the window closes the worker writes, in DIR:
 - `{role}-{lane}-{pid}.summary.json`: per CUDA stream, its busy and idle time between its
   first and last activity of the window, its kernels' and copies' time, and its longest gaps
   with the activity on either side (`gaps`).
-Each lane records one window per process; the profiler costs host time while it records, so
-figures of that window are not the served ones. SGLang's /start_profile and vLLM's
+Each worker records one window (a window still open when the worker stops writes nothing); the
+profiler costs host time while it records, so figures of that window are not the served ones.
+CUPTI records the whole process's device activity: a decode worker's local prefill stream
+shows as a stream of its own, though its host calls are not counted or traced. Not yet run on
+a GPU: its first GPU run shows whether the kernels replayed from the decode graphs (captured
+before the window opens) appear in the trace. SGLang's /start_profile and vLLM's
 VLLM_TORCH_PROFILER_DIR are the same idea.
 """
 
@@ -21,6 +25,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import threading
 import time
 from collections import defaultdict
 from dataclasses import dataclass
@@ -49,7 +54,7 @@ def parse_calls(spec: str) -> tuple[int, int]:
 @dataclass(frozen=True)
 class Activity:
     """One device activity of a trace: its CUDA stream, start and end (µs), name and kind
-    ("kernel", "memcpy", "memset" or "other")."""
+    ("kernel", "memcpy" or "memset")."""
 
     stream: int
     start_us: float
@@ -123,7 +128,8 @@ class LaneProfile:
         self.calls = 0
         self._prof: torch.profiler.profile | None = None
         self._started = 0.0
-        self.done = False
+        self.done = False  # the window has closed (or the profiler would not start)
+        self.written = threading.Event()  # set once the window's files are written (or failed)
 
     def before(self) -> None:
         self.calls += 1
@@ -132,9 +138,15 @@ class LaneProfile:
         activities = [torch.profiler.ProfilerActivity.CPU]
         if torch.cuda.is_available():
             activities.append(torch.profiler.ProfilerActivity.CUDA)
-        self._prof = torch.profiler.profile(activities=activities)
-        self._prof.__enter__()
-        self._started = time.perf_counter()
+        try:
+            prof = torch.profiler.profile(activities=activities)
+            prof.__enter__()
+        except Exception as exc:  # noqa: BLE001 - a profiler that will not start is said, the call runs
+            self.done = True
+            log.warning("--profile-dir: the profiler did not start (%s: %s); model calls run unprofiled",
+                        type(exc).__name__, exc)
+            return
+        self._prof, self._started = prof, time.perf_counter()
         log.info("profiling model calls %d..%d of this lane (--profile-calls)", self.calls,
                  self.skip + self.count)
 
@@ -145,15 +157,26 @@ class LaneProfile:
         try:
             if torch.cuda.is_available():
                 torch.cuda.synchronize()  # the window's kernels into the trace
-            prof.__exit__(None, None, None)
+            wall = time.perf_counter() - self._started
+            prof.__exit__(None, None, None)  # (on the thread that started it)
+        except Exception as exc:  # noqa: BLE001 - said, the worker serves on
+            log.warning("--profile-dir: the profiler did not stop cleanly: %s: %s", type(exc).__name__, exc)
+            return
+        # the trace's export takes seconds for a long window: off the model thread, which has
+        # steps to run
+        threading.Thread(target=self._write, args=(prof, wall), name="profile-export", daemon=True).start()
+
+    def _write(self, prof: torch.profiler.profile, wall: float) -> None:
+        try:
             self.directory.mkdir(parents=True, exist_ok=True)
             trace = self.directory / f"{self.stem}.trace.json.gz"
             prof.export_chrome_trace(str(trace))
-            summary = {"calls": self.count, "first_call": self.skip + 1,
-                       "wall_s": round(time.perf_counter() - self._started, 4),
+            summary = {"calls": self.count, "first_call": self.skip + 1, "wall_s": round(wall, 4),
                        "streams": stream_summary(device_activities(prof))}
             (self.directory / f"{self.stem}.summary.json").write_text(json.dumps(summary, indent=1) + "\n")
             log.info("profile of %d model calls written: %s and its .summary.json", self.count, trace)
         except Exception as exc:  # noqa: BLE001 - a failed write is said, the worker serves on
             log.warning("profile of the model calls not written to %s: %s: %s", self.directory,
                         type(exc).__name__, exc)
+        finally:
+            self.written.set()
