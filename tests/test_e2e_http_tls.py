@@ -218,6 +218,7 @@ def test_bench_over_plain_http_to_the_https_port_says_to_use_https(up, tmp_path)
     env["TANDEM_TLS_CA"] = str(up.ca.ca_path)
     plain = up.http_url.replace("https://", "http://")
     r = subprocess.run([sys.executable, "-m", "cli.main", "bench", "--router", up.router_address, "--backend",
-                        "openai", "--http-url", plain, "--num-requests", "1", "--output-tokens", "2"],
+                        "openai", "--http-url", plain, "--dataset", "mt-bench", "--num-requests", "1",
+                        "--output-tokens", "2"],
                        cwd=ROOT, capture_output=True, text=True, timeout=180, env=env)
     assert r.returncode == 1 and f"give --http-url {up.http_url}" in r.stdout + r.stderr, r.stdout + r.stderr
