@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 
 from cli.config import ConfigError, config_path, own_values, resolve, subparsers
@@ -51,6 +52,15 @@ def check(address: str, service: str = "", timeout_s: float = 2.0, creds=None) -
     return resp.status == health_pb2.HealthCheckResponse.SERVING, name
 
 
+def _answered_in_text(status: str) -> bool:
+    """Whether a failed check's status says the server answered in text, as an HTTP/1 server
+    does: gRPC read its first bytes as an HTTP/2 frame header, whose type byte is then a letter
+    of the reply ("Expected SETTINGS frame as the first frame, got frame type 79"; a TLS
+    server's bytes give a type below 32)."""
+    m = re.search(r"got frame type (\d+)", status)
+    return m is not None and 65 <= int(m.group(1)) <= 122
+
+
 def run(args: argparse.Namespace) -> int:
     from common.tls import TlsFiles
 
@@ -72,6 +82,10 @@ def run(args: argparse.Namespace) -> int:
     if not ok and status.startswith("UNAVAILABLE") and "refused" in status.lower():
         # nothing listens there: TLS or not is beside the point
         hint = f"\n(nothing listens at {address}: is the server started, and on this port?)"
+    elif not ok and status.startswith("UNAVAILABLE") and _answered_in_text(status):
+        # something answered, in HTTP/1 (the router's HTTP API, a /metrics port): not a gRPC port
+        hint = (f"\n(what listens at {address} answers in HTTP/1, not gRPC: the router's HTTP API or a metrics "
+                "port? tandem health checks gRPC ports: the router's --port, a worker's)")
     elif not ok and status.startswith("UNAVAILABLE") and not files.enabled:
         hint = ("\n(checked in plaintext; a server that serves TLS answers nothing to it: pass --tls-ca, and for a "
                 "worker's port --tls-cert and --tls-key too)")

@@ -589,3 +589,18 @@ def test_generate_says_a_seed_without_temperature_changes_nothing():
     assert "changes nothing" not in r.stderr, r.stderr  # an invalid value: the router's error says so
     r = tandem("generate", "hi", "--seed", "3", "--temperature", "0.7", "--router", "127.0.0.1:1")
     assert "changes nothing" not in r.stderr, r.stderr
+
+
+def test_health_of_an_http1_port_says_it_is_no_grpc_port():
+    # the router's HTTP API or a /metrics port given to tandem health: it answers, in HTTP/1
+    import http.server
+    import threading
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), http.server.BaseHTTPRequestHandler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        r = tandem("health", f"127.0.0.1:{server.server_address[1]}")
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert r.returncode == 1 and "answers in HTTP/1, not gRPC" in r.stderr, r.stderr
+    assert "checked in plaintext" not in r.stderr, r.stderr
