@@ -67,7 +67,7 @@ def _worker(args: argparse.Namespace) -> int:
 
 
 # Options naming files: tandem up's processes run in the repository root, not where it was started
-PATH_OPTIONS = ("tls_cert", "tls_key", "tls_ca", "http_tls_cert", "http_tls_key", "api_keys", "ep_placement")
+PATH_OPTIONS = ("tls_cert", "tls_key", "tls_ca", "http_tls_cert", "http_tls_key", "api_keys", "ep_placement", "profile_dir")
 
 
 def _absolute_paths(args: argparse.Namespace, overridden: set[str]) -> None:

@@ -467,6 +467,10 @@ def test_up_checks_its_processes_values_as_it_will_pass_them(monkeypatch, tmp_pa
     assert os.environ["TANDEM_HTTP_TLS_CERT"] == str(tmp_path / "web" / "api.pem")
     monkeypatch.delenv("TANDEM_HTTP_TLS_CERT")
     monkeypatch.delenv("TANDEM_HTTP_TLS_KEY")
+    monkeypatch.setenv("TANDEM_PROFILE_DIR", "prof")  # a folder written to, not read: the same rule
+    check()  # (a worker's option: real workers, not the mocker)
+    assert os.environ["TANDEM_PROFILE_DIR"] == str(tmp_path / "prof")
+    monkeypatch.delenv("TANDEM_PROFILE_DIR")
     cfg = tmp_path / "relative-path.toml"
     cfg.write_text('[router]\napi_keys = "keys.toml"\n')
     try:

@@ -85,3 +85,11 @@ def test_a_profiler_that_will_not_start_leaves_the_call_running(tmp_path, monkey
         assert lane.profile.done and not any(tmp_path.iterdir())
     finally:
         lane.shutdown()
+
+
+def test_check_directory_makes_it_or_names_the_flag(tmp_path):
+    LaneProfile(str(tmp_path / "a" / "b"), "0:1", "decode", "model").check_directory()
+    assert (tmp_path / "a" / "b").is_dir() and not any((tmp_path / "a" / "b").iterdir())  # (no probe left)
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ValueError, match=r"--profile-dir .*file/sub: cannot write there"):
+        LaneProfile(str(tmp_path / "file" / "sub"), "0:1", "decode", "model").check_directory()

@@ -475,7 +475,11 @@ class WorkerRuntime:
         if self.opts.profile_dir and self._model_lane.profile is None:
             from worker.lane_profile import LaneProfile
             role = discovery_pb2.Role.Name(self.role).removeprefix("ROLE_").lower()
-            self._model_lane.profile = LaneProfile(self.opts.profile_dir, self.opts.profile_calls, role, "model")
+            profile = LaneProfile(self.opts.profile_dir, self.opts.profile_calls, role, "model")
+            profile.check_directory()  # now, not when the window closes: a start-up error
+            self._model_lane.profile = profile
+            log.info("--profile-dir %s: model calls %d..%d from now on will be recorded (--profile-calls %s)",
+                     profile.directory, profile.skip + 1, profile.skip + profile.count, self.opts.profile_calls)
 
     async def run_model(self, fn: Callable[..., T], *args: Any) -> T:
         """Run fn on the model thread. If the caller is cancelled, wait for fn to finish

@@ -131,6 +131,17 @@ class LaneProfile:
         self.done = False  # the window has closed (or the profiler would not start)
         self.written = threading.Event()  # set once the window's files are written (or failed)
 
+    def check_directory(self) -> None:
+        """Make the directory if needed and check it can be written. Raises ValueError naming
+        --profile-dir (a worker refuses to start rather than find out when the window closes)."""
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            probe = self.directory / f".{self.stem}.probe"
+            probe.write_text("")
+            probe.unlink()
+        except OSError as exc:
+            raise ValueError(f"--profile-dir {self.directory}: cannot write there ({exc.strerror or exc})") from None
+
     def before(self) -> None:
         self.calls += 1
         if self.done or self._prof is not None or self.calls != self.skip + 1:
