@@ -147,6 +147,28 @@ def decode_locally(address: str, prompts: list[list[int]], max_tokens: int) -> l
             return list(pool.map(one, prompts))
 
 
+def free_port() -> int:
+    """A free loopback TCP port below the kernel's ephemeral range, for a server a test must
+    start on a port it names: a port the kernel handed out for bind(0) and that was closed again
+    can be handed to the next process that binds port 0 (a worker, etcd) before the test's
+    server takes it."""
+    import random
+    import socket
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    for port in random.sample(range(20000, max(20001, low)), 200):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free loopback port below the ephemeral range")
+
+
 def wait_until(cond, what: str, timeout: float = 15.0) -> None:
     """Poll `cond()` every 20 ms until it is true; fail with `what` after `timeout` seconds."""
     deadline = time.time() + timeout

@@ -5,19 +5,18 @@ script is known to work before it starts."""
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 from pathlib import Path
+
+from harness import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_bench_prefill_serving_script_smoke_on_cpu(tmp_path) -> None:
     out = tmp_path / "p.json"
-    with socket.socket() as sock:  # a free port for the router of the script's `tandem up`
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()  # the router of the script's `tandem up` (see harness.free_port)
     r = subprocess.run([sys.executable, "tools/bench_prefill_serving_gpu.py", "--smoke", "--device", "cpu",
                         "--configs", "S", "--contexts", "96", "--concurrency", "4", "--concurrency-context", "96",
                         "--chunk-size", "32", "--max-prefill-tokens", "64", "--repeats", "1",

@@ -524,11 +524,10 @@ def test_bench_serving_script_smoke_on_cpu(tmp_path) -> None:
     import sys
     from pathlib import Path
     root = Path(__file__).resolve().parent.parent
-    import socket
+    from harness import free_port
     out = tmp_path / "s.json"
-    with socket.socket() as sock:  # a free port for the router of the script's `tandem up`
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()  # the router of the script's `tandem up` (below the ephemeral range: no worker
+    # or etcd of that cluster, given port 0, can take it first)
     r = subprocess.run([sys.executable, "tools/bench_serving_gpu.py", "--smoke", "--device", "cpu",
                         "--contexts", "48", "--concurrency", "2", "--output-tokens", "4", "--skip-transformers",
                         "--stream-interval", "2", "--port", str(port), "--prefill-device", "cpu",
@@ -550,15 +549,14 @@ def test_bench_serving_script_mtp_mode_smoke_on_cpu(tmp_path) -> None:
     """tools/bench_serving_gpu.py --mtp on a CPU: MTP k = 1 served on the trained checkpoint
     (one `tandem up`), tokens/s per user and the decode worker's accept length scraped from /metrics."""
     import json
-    import socket
     import subprocess
     import sys
     from pathlib import Path
+
+    from harness import free_port
     root = Path(__file__).resolve().parent.parent
     out = tmp_path / "mtp.json"
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     r = subprocess.run([sys.executable, "tools/bench_serving_gpu.py", "--configs", "", "--mtp", "1",
                         "--mtp-concurrency", "2", "--output-tokens", "8", "--device", "cpu", "--port", str(port),
                         "--out", str(out)], cwd=root, capture_output=True, text=True, timeout=240)

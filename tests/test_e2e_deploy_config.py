@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -27,6 +26,7 @@ from discovery.etcd_server import EtcdServer
 from common.pb.tandem.v1 import frontend_pb2
 from discovery.watcher import InstanceWatcher
 from engine.reference import reference_generate
+from harness import free_port
 
 pytestmark = pytest.mark.e2e
 ROOT = Path(__file__).resolve().parent.parent
@@ -55,10 +55,6 @@ def unit_command(role: str, tls_dir: Path, credentials: Path) -> list[str]:
     return argv[1:]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def local_config(etcd: str, tls_dir: Path) -> str:

@@ -4,13 +4,13 @@ real gloo processes on loopback."""
 from __future__ import annotations
 
 import dataclasses
-import socket
 
 import pytest
 import torch
 import torch.multiprocessing as mp
 
 from engine.config import ModelConfig
+from harness import free_port
 from engine.ep_placement import ExpertPlacement
 from engine.moe_ep import select_backend
 
@@ -27,10 +27,6 @@ def small_config() -> ModelConfig:
                                num_hidden_layers=2, num_nextn_predict_layers=0)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _rank(rank: int, world: int, port: int, out_dir: str) -> None:
