@@ -184,7 +184,6 @@ def _fitting(reqs: list[BenchRequest], context_length: int, dataset: str) -> lis
     others, each with INVALID_ARGUMENT), with a line on stderr counting the ones left out, their
     arrivals re-based on the first kept one's. A text prompt's length is known only once
     tokenized: it counts as one token. Raises ValueError when none fits."""
-    # (a text prompt counts as one token here: its output alone may already be too long)
     kept = [r for r in reqs if max(r.prompt_len, 1) + r.output_len <= context_length]
     if len(kept) == len(reqs):
         return reqs
@@ -292,8 +291,8 @@ async def _model_info(router: str, wait_s: float = 180.0, api_key: str = "",
 class _TermAsInterrupt:
     """While a run goes on, SIGTERM (`timeout`, a job's stop) ends it as Ctrl-C does: where
     asyncio.run handles SIGINT, SIGTERM raises SIGINT, which cancels the run at its next await;
-    where SIGINT is ignored (a script's background job) it raises KeyboardInterrupt itself. The requests that finished are
-    reported either way. `seen`: whether SIGTERM came; `restore` puts the previous handler back.
+    where SIGINT is ignored (a script's background job) it raises KeyboardInterrupt itself. The
+    requests that finished are reported either way. `seen`: whether SIGTERM came; `restore` puts the previous handler back.
     In a thread other than the main one (no signal handlers there) it does nothing."""
 
     def __init__(self) -> None:
@@ -367,8 +366,10 @@ def run(opts: BenchOptions, credentials: Callable[[], TlsCredentials | None] | N
               "(the table counts those)", file=sys.stderr)
     finally:
         terminated.restore()
-    done = {r.index for r in results}
-    ran = [q for q in reqs if q.index in done] if interrupted else reqs
+    ran = reqs
+    if interrupted:  # the requests that finished, in request order (write_results pairs them so)
+        done = {r.index for r in results}
+        ran = [q for q in reqs if q.index in done]
     summary = summarize(ran, results, wall, opts.speedup)
     summary.update(traces.oracle_summary(ran, model.block_size))
     if left_out:
