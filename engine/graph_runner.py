@@ -33,6 +33,7 @@ import torch
 
 from engine.decode_batch import AbsorbedDecodeKv, BlockTables, DecodePlan
 from engine.future_map import FutureTokenMap
+from engine.kernels import pdl
 from engine.kv_pool import KvPool
 from engine.model import shared_experts_beside
 from engine.sampling import greedy_batch, pack_step
@@ -124,8 +125,9 @@ class DecodeGraphs:
         for bs in reversed(self.sizes):  # largest first: the smaller ones reuse its memory
             self.pad_inputs(bs)
             stream.wait_stream(torch.cuda.current_stream(dev))
-            # a one-token MoE layer's shared experts on a second stream: a branch of the graph
-            with shared_experts_beside():
+            # a one-token MoE layer's shared experts on a second stream: a branch of the graph; our
+            # Triton kernels launched each while the one before it runs (engine/kernels/pdl.py)
+            with shared_experts_beside(), pdl.dependent_launches(dev):
                 with torch.cuda.stream(stream), torch.inference_mode():
                     for _ in range(2):  # warm-up outside the graph (allocator, lazy inits, autotune)
                         self._forward(bs)

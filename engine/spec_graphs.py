@@ -32,6 +32,7 @@ import time
 import torch
 
 from engine.graph_runner import PriorityReplay, batch_sizes
+from engine.kernels import pdl
 from engine.kv_pool import KvPool
 from engine.model import shared_experts_beside
 from engine.sampling import SamplingRows, seed_int64
@@ -86,7 +87,8 @@ class SpecGraphs:
         for bs in reversed(self.sizes):  # largest first: the smaller ones reuse its memory
             for sampled in (False, True):
                 stream.wait_stream(torch.cuda.current_stream(dev))
-                with shared_experts_beside():  # as the decode graphs (engine/graph_runner.py)
+                # as the decode graphs (engine/graph_runner.py)
+                with shared_experts_beside(), pdl.dependent_launches(dev):
                     with torch.cuda.stream(stream), torch.inference_mode():
                         for _ in range(2):  # warm-up outside the graph (allocator, autotune)
                             self._forward(bs, sampled)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from collections import defaultdict
@@ -90,6 +91,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--top", type=int, default=25, help="kernels listed per batch (default 25)")
     ap.add_argument("--hbm-tbps", type=float, default=4.8, help="HBM bandwidth for the bound (default 4.8)")
     ap.add_argument("--out", type=Path, help="also write the JSON lines here")
+    ap.add_argument("--pdl-ab", type=int, default=0, metavar="N",
+                    help="also N rounds of the graph step with programmatic dependent launch off "
+                         "(TANDEM_PDL=0) and on, alternating: graph_ms_pdl_off / graph_ms_pdl_on lists")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("profile_decode.py needs a CUDA GPU (torch.cuda.is_available() is False)")
@@ -106,6 +110,14 @@ def main(argv: list[str] | None = None) -> None:
         line = {"config": args.config, "batch": b, "context": args.context, **summary,
                 "graph_ms_per_step": graph["ms_per_step"], "bound_ms_per_step": bound_ms,
                 "top": [[n, c, round(ms, 4)] for n, c, ms in rows[:args.top]]}
+        before = os.environ.get("TANDEM_PDL")
+        for _ in range(args.pdl_ab):  # engine/kernels/pdl.py reads TANDEM_PDL when a graph is captured
+            for key, value in (("graph_ms_pdl_off", "0"), ("graph_ms_pdl_on", "1")):
+                os.environ["TANDEM_PDL"] = value
+                ms = bench_engine(model, cfg, device, torch.bfloat16, b, args.context, 30, 16, True)["ms_per_step"]
+                line.setdefault(key, []).append(round(ms, 4))
+        if args.pdl_ab:
+            os.environ.pop("TANDEM_PDL") if before is None else os.environ.update(TANDEM_PDL=before)
         lines.append(line)
         print(json.dumps({k: v for k, v in line.items() if k != "top"}), flush=True)
         for n, c, ms in rows[:args.top]:

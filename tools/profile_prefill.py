@@ -80,19 +80,26 @@ def run_prefill(runner: ModelRunner, pool: KvPool, ids: list[int], chunk: int) -
 
 def kernel_groups(runner: ModelRunner, pool: KvPool, ids: list[int], chunk: int) -> dict[str, float]:
     """Kernel ms per group (and 'kernels': launches) of one profiled prefill."""
+    return profiled_kernels(lambda: run_prefill(runner, pool, ids, chunk))
+
+
+def profiled_kernels(fn, top_n: int = 12) -> dict:
+    """Kernel ms per group, 'kernels' (launches) and 'top' ([[ms, count, name], ...], the top_n
+    kernel names by their summed ms) of one profiled call of fn."""
     from torch.profiler import ProfilerActivity, profile
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        run_prefill(runner, pool, ids, chunk)
+        fn()
     out: dict[str, float] = defaultdict(float)
-    top: dict[str, float] = defaultdict(float)
+    top: dict[str, list] = defaultdict(lambda: [0.0, 0])
     for e in prof.events():
         if str(getattr(e, "device_type", "")).split(".")[-1] != "CUDA":
             continue
         us = e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
         out[group_of(e.name)] += us / 1e3
-        top[e.name[:90]] += us / 1e3
+        top[e.name[:90]][0] += us / 1e3
+        top[e.name[:90]][1] += 1
         out["kernels"] += 1
-    out["top"] = sorted(([round(v, 3), k] for k, v in top.items()), reverse=True)[:12]  # type: ignore[assignment]
+    out["top"] = sorted(([round(v[0], 4), v[1], k] for k, v in top.items()), reverse=True)[:top_n]  # type: ignore[assignment]
     return dict(out)
 
 
@@ -100,7 +107,8 @@ def batch_rows(runner: ModelRunner, pool: KvPool, cfg, n: int, prefix: int, suff
     """One prefill forward of n chunks of `suffix` tokens, each over its own cached `prefix`
     (computed first, not timed): wall ms (median of 5) and kernels of one profiled forward,
     with the batch's short chunks in one varlen attention call (the worker's path) and with the
-    per-sequence attention (`mla_attention` chunk by chunk, the reference path)."""
+    per-sequence attention (`mla_attention` chunk by chunk, the reference path); the profiled
+    forward's kernel ms per group and its 40 costliest kernel names ("top": [ms, launches, name])."""
     import engine.runner as runner_mod
     tables = [pool.blocks.allocate(pool.blocks_for(prefix + suffix)) for _ in range(n)]
     ids = [prompt(prefix + suffix, cfg.vocab_size, 7 + i) for i in range(n)]
@@ -123,14 +131,12 @@ def batch_rows(runner: ModelRunner, pool: KvPool, cfg, n: int, prefix: int, suff
                     return time.perf_counter() - t0
                 once()
                 ms = 1e3 * statistics.median(once() for _ in range(5))
-                from torch.profiler import ProfilerActivity, profile
-                with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                    once()
-                kernels = sum(1 for e in prof.events() if str(getattr(e, "device_type", "")).split(".")[-1] == "CUDA")
+                prof = profiled_kernels(once, top_n=40)
             finally:
                 runner_mod.PagedKvCache = packed_cache
             rows.append({"batch": n, "prefix": prefix, "suffix": suffix, "attention": name, "ms": round(ms, 3),
-                         "kernels": kernels})
+                         "kernels": int(prof.pop("kernels")), "top": prof.pop("top"),
+                         "kernel_ms": {k: round(v, 3) for k, v in prof.items()}})
         return rows
     finally:
         for t in tables:

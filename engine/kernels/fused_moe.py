@@ -37,6 +37,8 @@ from __future__ import annotations
 
 import torch
 
+from engine.kernels import pdl
+
 try:  # the GPU machine has triton; CPU-only installs need not
     import triton
     import triton.language as tl
@@ -97,6 +99,7 @@ def align(flat_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch
 
 
 if triton is not None:
+    from engine.kernels.pdl import wait_then_release
     # P and NB (pairs, blocks) change with every batch: not specialised on, so one compile per
     # BLOCK_M serves every step (a warm-up pass compiles them all at start-up)
     @triton.jit(do_not_specialize=["P", "NB"])
@@ -194,7 +197,9 @@ if triton is not None:
     def _gate_up_kernel(x_ptr, w_ptr, sg_ptr, su_ptr, out_ptr, rows_ptr, bexp_ptr, P, E, E_ROUTED, K, I, TOP_K,
                         stride_x, stride_we, stride_wn, stride_s, stride_o, TOKENS,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        PAIR_BLOCKS: tl.constexpr, EXPERT_BLOCKS: tl.constexpr, BLOCK_E: tl.constexpr):
+                        PAIR_BLOCKS: tl.constexpr, EXPERT_BLOCKS: tl.constexpr, BLOCK_E: tl.constexpr, PDL: tl.constexpr):
+        if PDL:  # engine/kernels/pdl.py: before any load or store
+            wait_then_release()
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
         e, rows = _block(rows_ptr, bexp_ptr, pid_m, P, E, E_ROUTED, TOKENS, TOP_K, BLOCK_M, PAIR_BLOCKS,
@@ -237,7 +242,9 @@ if triton is not None:
     def _down_kernel(h_ptr, w_ptr, sd_ptr, out_ptr, rows_ptr, bexp_ptr, scale_ptr, P, E, E_ROUTED, K, N,
                      stride_h, stride_we, stride_wn, stride_sd, stride_o, TOKENS, SLOTS,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     PAIR_BLOCKS: tl.constexpr, EXPERT_BLOCKS: tl.constexpr, BLOCK_E: tl.constexpr):
+                     PAIR_BLOCKS: tl.constexpr, EXPERT_BLOCKS: tl.constexpr, BLOCK_E: tl.constexpr, PDL: tl.constexpr):
+        if PDL:  # engine/kernels/pdl.py: before any load or store
+            wait_then_release()
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
         e, rows = _block(rows_ptr, bexp_ptr, pid_m, P, E, E_ROUTED, TOKENS, SLOTS, BLOCK_M, PAIR_BLOCKS,
@@ -393,13 +400,13 @@ def fused_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gat
         x, gate_up, sg, su, h, rows, bexp, p, e_all, e, hidden, inter, k,
         x.stride(0), gate_up.stride(0), gate_up.stride(1), sg.stride(0) if shared is not None else 0, h.stride(0),
         t, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, PAIR_BLOCKS=pair_blocks, EXPERT_BLOCKS=expert_blocks,
-        BLOCK_E=block_e, num_warps=warps, num_stages=stages)
+        BLOCK_E=block_e, num_warps=warps, num_stages=stages, **pdl.flags())
     y = (torch.zeros if no_expert else torch.empty)((p, hidden), dtype=torch.float32, device=x.device)
     _down_kernel[(nb, triton.cdiv(hidden, bn))](
         h, down, sd, y, rows, bexp, weights.reshape(-1).float(), p, e_all, e, inter, hidden,
         h.stride(0), down.stride(0), down.stride(1), sd.stride(0) if shared is not None else 0, y.stride(0),
         t, k, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, PAIR_BLOCKS=pair_blocks, EXPERT_BLOCKS=expert_blocks,
-        BLOCK_E=block_e, num_warps=warps, num_stages=stages)
+        BLOCK_E=block_e, num_warps=warps, num_stages=stages, **pdl.flags())
     return _slot_result(y.view(t, k, hidden), x.dtype, sum_slots)
 
 

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import torch
 
+from engine.kernels import pdl
+
 try:  # the GPU machine has triton; CPU-only installs need not
     import triton
     import triton.language as tl
@@ -38,10 +40,13 @@ def greedy_reference(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 if triton is not None:
+    from engine.kernels.pdl import wait_then_release
 
     @triton.jit
     def _chunk_partials(L, PMax, PIdx, PSum, V, stride_l, stride_p,
-                        CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+                        CHUNK: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+        if PDL:  # engine/kernels/pdl.py: before any load or store
+            wait_then_release()
         b = tl.program_id(0).to(tl.int64)
         c = tl.program_id(1)
         start = c * CHUNK
@@ -65,7 +70,9 @@ if triton is not None:
         tl.store(PSum + b * stride_p + c, s)
 
     @triton.jit
-    def _merge(PMax, PIdx, PSum, Tok, LogP, C, stride_p, BLOCK_C: tl.constexpr):
+    def _merge(PMax, PIdx, PSum, Tok, LogP, C, stride_p, BLOCK_C: tl.constexpr, PDL: tl.constexpr):
+        if PDL:  # engine/kernels/pdl.py: before any load or store
+            wait_then_release()
         b = tl.program_id(0).to(tl.int64)
         offs = tl.arange(0, BLOCK_C)
         cm = offs < C
@@ -104,7 +111,7 @@ def greedy_head(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     psum = torch.empty_like(pmax)
     pidx = torch.empty((b, chunks), dtype=torch.int32, device=logits.device)
     _chunk_partials[(b, chunks)](logits, pmax, pidx, psum, v, logits.stride(0), pmax.stride(0),
-                                 CHUNK=CHUNK, BLOCK=256, num_warps=4)
+                                 CHUNK=CHUNK, BLOCK=256, num_warps=4, **pdl.flags())
     _merge[(b,)](pmax, pidx, psum, tokens, logprobs, chunks, pmax.stride(0),
-                 BLOCK_C=max(16, triton.next_power_of_2(chunks)), num_warps=4)
+                 BLOCK_C=max(16, triton.next_power_of_2(chunks)), num_warps=4, **pdl.flags())
     return tokens, logprobs

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import torch
 
+from engine.kernels import pdl
 from engine.kv_pool import FP8, FP8_MAX, reciprocal32, write_rows
 
 try:  # the GPU machine has triton; CPU-only installs need not
@@ -88,6 +89,7 @@ def absorb_block_t(tokens: int) -> int:
 
 
 if triton is not None:
+    from engine.kernels.pdl import wait_then_release
 
     @triton.jit
     def _round(x, dtype: tl.constexpr):
@@ -152,7 +154,9 @@ if triton is not None:
                            BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
                            INTERLEAVE: tl.constexpr, IS_FP8: tl.constexpr,
                            NOPE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
-                           BLOCK_L: tl.constexpr, IEEE: tl.constexpr):
+                           BLOCK_L: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
+        if PDL:  # engine/kernels/pdl.py: before any load or store
+            wait_then_release()
         # programs 0 .. T·N_HB - 1: (t, hb), token t's query heads hb·BLOCK_H.. (BLOCK_H ≤ 16 keeps
         # a program's tiles in registers at DeepSeek-V3's 128 heads); the programs hb = 0 also
         # write the latent. Programs after them (with q_nope given): the absorbed query, `_absorb`
@@ -251,5 +255,5 @@ def rope_latent_store(q_pe: torch.Tensor, kv_a: torch.Tensor, cos: torch.Tensor,
         BLOCK_P=triton.next_power_of_2(p), INTERLEAVE=interleave, IS_FP8=is_fp8,
         NOPE=q_nope.shape[-1] if absorb else 1, BLOCK_T=block_t,
         BLOCK_N=max(16, triton.next_power_of_2(q_nope.shape[-1])) if absorb else 16, BLOCK_L=block_l,
-        IEEE=absorb and q_nope.dtype == torch.float32, num_warps=4)
+        IEEE=absorb and q_nope.dtype == torch.float32, num_warps=4, **pdl.flags())
     return (out, q_lat) if absorb else out

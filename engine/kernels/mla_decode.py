@@ -27,6 +27,8 @@ import dataclasses
 
 import torch
 
+from engine.kernels import pdl
+
 try:  # the GPU machine has triton; CPU-only installs need not
     import triton
     import triton.language as tl
@@ -98,6 +100,7 @@ DEFAULT_STAGE1 = Stage1Config()
 
 
 if triton is not None:
+    from engine.kernels.pdl import wait_then_release
 
     @triton.jit
     def _mla_stage1(Q, QPE, KV, Tables, Lens, PartO, PartLse,
@@ -106,7 +109,9 @@ if triton is not None:
                     stride_tb, stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
                     H: tl.constexpr, R: tl.constexpr, P: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                     SPLITS, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_P: tl.constexpr,
-                    IS_FP8: tl.constexpr):
+                    IS_FP8: tl.constexpr, PDL: tl.constexpr):
+        if PDL:  # engine/kernels/pdl.py: before any load or store
+            wait_then_release()
         b = tl.program_id(0)
         hg = tl.program_id(1)
         split = tl.program_id(2)
@@ -164,7 +169,9 @@ if triton is not None:
 
     @triton.jit
     def _mla_stage2(PartO, PartLse, Out, stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
-                    stride_outb, stride_outh, SPLITS, R: tl.constexpr, BLOCK_S: tl.constexpr):
+                    stride_outb, stride_outh, SPLITS, R: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr):
+        if PDL:  # engine/kernels/pdl.py: before any load or store
+            wait_then_release()
         b = tl.program_id(0)
         h = tl.program_id(1)
         offs_s = tl.arange(0, BLOCK_S)
@@ -224,11 +231,11 @@ def mla_decode(q: torch.Tensor, kv: torch.Tensor, layer: int, tables: torch.Tens
         part_lse.stride(0), part_lse.stride(1),
         H=h, R=r, P=p, BLOCK_SIZE=kv.shape[2], SPLITS=s, BLOCK_H=block_h, BLOCK_N=cfg.block_n,
         BLOCK_P=max(16, triton.next_power_of_2(p)), IS_FP8=is_fp8,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.flags())
     _mla_stage2[(b, h)](
         part_o, part_lse, out, part_o.stride(0), part_o.stride(1), part_o.stride(2),
         part_lse.stride(0), part_lse.stride(1), out.stride(0), out.stride(1),
-        SPLITS=s, R=r, BLOCK_S=32, num_warps=4)  # BLOCK_S: num_splits' cap (one compile for any split count)
+        SPLITS=s, R=r, BLOCK_S=32, num_warps=4, **pdl.flags())  # BLOCK_S: num_splits' cap (one compile for any split count)
     return out
 
 

@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import torch
 
+from engine.kernels import pdl
+
 try:  # the GPU machine has triton; CPU-only installs need not
     import triton
     import triton.language as tl
@@ -42,6 +44,7 @@ BLOCK_T = 16  # tokens per program (tl.dot's smallest M)
 SPLIT_PARTIALS_MAX_TOKENS = 256
 
 if triton is not None:
+    from engine.kernels.pdl import wait_then_release
     @triton.jit
     def _gate_gemm(x_ptr, w_ptr, offs_t, tmask, offs_e, emask, k_lo, k_hi, stride_x, stride_w,
                    BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
@@ -64,10 +67,12 @@ if triton is not None:
     @triton.jit(do_not_specialize=["T"])
     def _gate_partial_kernel(x_ptr, w_ptr, part_ptr, T, H, K_SPLIT, stride_x, stride_w, E: tl.constexpr,
                              BLOCK_E: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
-                             IEEE: tl.constexpr):
+                             IEEE: tl.constexpr, PDL: tl.constexpr):
         """Split-K gate GEMM: program (t, s) writes its 16 tokens' logits over hidden columns
         s·K_SPLIT .. (s+1)·K_SPLIT to part[s] ([SPLIT, T, BLOCK_E] float32), so that a few tokens'
         256 KB gate weight is read by SPLIT programs at once instead of one."""
+        if PDL:  # engine/kernels/pdl.py: before any load or store
+            wait_then_release()
         offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
         s = tl.program_id(1)
         offs_e = tl.arange(0, BLOCK_E)
@@ -85,7 +90,9 @@ if triton is not None:
                       TOPK_GROUP: tl.constexpr, TOP_K: tl.constexpr, N_SHARED: tl.constexpr,
                       BLOCK_SLOTS: tl.constexpr, NORM: tl.constexpr, BLOCK_T: tl.constexpr,
                       BLOCK_K: tl.constexpr, IEEE: tl.constexpr, SPLIT: tl.constexpr, K_SPLIT,
-                      PARTIALS: tl.constexpr, rows_ptr, counts_ptr, GROUP: tl.constexpr):
+                      PARTIALS: tl.constexpr, rows_ptr, counts_ptr, GROUP: tl.constexpr, PDL: tl.constexpr):
+        if PDL:  # engine/kernels/pdl.py: before any load or store
+            wait_then_release()
         offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
         offs_e = tl.arange(0, BLOCK_E)
         tmask = offs_t < T
@@ -263,7 +270,7 @@ def _route(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor, c, nu
         part = torch.empty(split, t, block_e, dtype=torch.float32, device=x.device)
         _gate_partial_kernel[(blocks, split)](
             x, gate_weight, part, t, hidden, k_split, x.stride(0), gate_weight.stride(0), E=e, BLOCK_E=block_e,
-            BLOCK_T=BLOCK_T, BLOCK_K=block_k, IEEE=ieee, num_warps=warps, num_stages=stages)
+            BLOCK_T=BLOCK_T, BLOCK_K=block_k, IEEE=ieee, num_warps=warps, num_stages=stages, **pdl.flags())
     _route_kernel[(blocks,)](
         x, gate_weight, bias.float(), ids, weights, part, t, hidden, x.stride(0), gate_weight.stride(0),
         ids.stride(0), float(c.routed_scaling_factor), E=e, BLOCK_E=block_e, G=c.n_group,
@@ -271,5 +278,5 @@ def _route(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor, c, nu
         BLOCK_SLOTS=max(2, triton.next_power_of_2(slots)), NORM=bool(c.norm_topk_prob),
         BLOCK_T=BLOCK_T, BLOCK_K=block_k, IEEE=ieee, SPLIT=split, K_SPLIT=k_split, PARTIALS=partials,
         rows_ptr=grouped[0] if group else ids, counts_ptr=grouped[1] if group else ids, GROUP=group,
-        num_warps=warps, num_stages=stages)
+        num_warps=warps, num_stages=stages, **pdl.flags())
     return ids, weights, grouped

@@ -30,6 +30,8 @@ from collections.abc import Callable
 
 import torch
 
+from engine.kernels import pdl
+
 try:  # the GPU machine has triton; CPU-only installs need not
     import triton
     import triton.language as tl
@@ -84,7 +86,7 @@ def add_slots_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tenso
     slots2 = 0 if delta2 is None else delta2.shape[1]
     _add_slots_rms_norm_kernel[(t,)](x, delta, d2, weight, s, h, hidden, x.stride(0), delta.stride(0),
                                      delta.stride(1), d2.stride(0), d2.stride(1), eps, SLOTS=delta.shape[1],
-                                     SLOTS2=slots2, BLOCK=block, num_warps=_warps(block, delta.shape[1] + slots2))
+                                     SLOTS2=slots2, BLOCK=block, num_warps=_warps(block, delta.shape[1] + slots2), **pdl.flags())
     return s, h
 
 
@@ -110,11 +112,14 @@ def dispatching(plain: Callable) -> Callable:
 
 
 if triton is not None:
+    from engine.kernels.pdl import wait_then_release
 
     @triton.jit
     def _add_slots_rms_norm_kernel(x_ptr, d_ptr, d2_ptr, w_ptr, s_ptr, h_ptr, H, stride_x,
                                    stride_dt, stride_ds, stride_d2t, stride_d2s, eps, SLOTS: tl.constexpr,
-                                   SLOTS2: tl.constexpr, BLOCK: tl.constexpr):
+                                   SLOTS2: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+        if PDL:  # engine/kernels/pdl.py: before any load or store
+            wait_then_release()
         # the slot loops unrolled (SLOTS is a model's k + S, a few values): every slot's load can be
         # in flight at once, where a loop would wait for each before the next (one program a row)
         row = tl.program_id(0).to(tl.int64)
