@@ -6,7 +6,7 @@
 #   WHAT=prefill: one batched prefill forward as a served run at concurrency 64 makes them
 #     (PREFILL_BATCH, default 9:512:512: 9 prompts of 1,024 tokens, half of each cached;
 #     tools/profile_prefill.py --batch, seeded weights drawn on the GPU, no checkpoint), wall ms
-#     and kernels a forward; output $OUT/profile_prefill_{new,base}_{round}.jsonl and .log.
+#     and kernels a forward; output $OUT/profile_prefill_{CONFIG}_{new,base}_{round}.jsonl and .log.
 # CONFIG picks S or M (M).
 set -uo pipefail
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"; OUT=$(cd "$OUT" && pwd)  # absolute: the base side runs elsewhere
@@ -14,7 +14,7 @@ here=$PWD
 what=${WHAT:-decode}
 case "$what" in
   decode) name=profile; cmd=(python3 tools/profile_decode.py --config "${CONFIG:-M}" --batch "${BATCHES:-1,64}") ;;
-  prefill) name=profile_prefill; cmd=(python3 tools/profile_prefill.py --config "${CONFIG:-M}" --no-ops
+  prefill) name=profile_prefill_${CONFIG:-M}; cmd=(python3 tools/profile_prefill.py --config "${CONFIG:-M}" --no-ops
                                        --batch "${PREFILL_BATCH:-9:512:512}") ;;
   *) echo "WHAT must be decode or prefill, got $what"; exit 2 ;;
 esac
