@@ -1,7 +1,7 @@
 """Whether reading a GEMV's weights into the L2 cache on a second CUDA-graph branch, while short
 latency-bound kernels run, shortens the GEMV.
 
-Usage (CUDA):
+Usage (CUDA; run 25 on an H100: the branch costs more than it saves, docs/benchmarks.md):
     python tools/bench_l2_prefetch.py [--shapes 2048x2048,3648x2048] [--fillers 4,8] [--out FILE]
 
 Why: at batch 1 config M's decode step leaves the GPU's memory idle through its short kernels
