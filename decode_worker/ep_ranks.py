@@ -252,10 +252,17 @@ def _rank_main(rank: int, world: int, port: int, spec: str, seed: int, threads: 
 
 def _warm_up(runner: ModelRunner) -> None:
     """Compile a GPU rank's fused MoE kernels (every tile size) before the first step, on its
-    own: compiled inside a lock-step step, they would keep the other ranks waiting in NCCL."""
+    own: compiled inside a lock-step step, they would keep the other ranks waiting in NCCL. Twice
+    where the decode graphs launch them with programmatic dependent launch (a variant of its own
+    per kernel: engine/kernels/pdl.py)."""
     if runner.fast:
+        from engine.kernels import pdl
         from engine.kernels.grouped_experts import warm_up_fused_experts
         warm_up_fused_experts(runner.model)
+        device = runner.pool.kv.device
+        if pdl.supported(device):
+            with pdl.dependent_launches(device):
+                warm_up_fused_experts(runner.model)
 
 
 def model_experts(spec: str) -> int:

@@ -127,13 +127,18 @@ class DecodeGraphs:
             stream.wait_stream(torch.cuda.current_stream(dev))
             # a one-token MoE layer's shared experts on a second stream: a branch of the graph; our
             # Triton kernels launched each while the one before it runs (engine/kernels/pdl.py)
-            with shared_experts_beside(), pdl.dependent_launches(dev):
+            with shared_experts_beside():
                 with torch.cuda.stream(stream), torch.inference_mode():
-                    for _ in range(2):  # warm-up outside the graph (allocator, lazy inits, autotune)
-                        self._forward(bs)
+                    # warm-up outside the graph (allocator, lazy inits, autotune): once with plain
+                    # launches (the kernel variants an eager step and the sampling after a replay
+                    # use), twice as the graph launches them
+                    self._forward(bs)
+                    with pdl.dependent_launches(dev):
+                        for _ in range(2):
+                            self._forward(bs)
                 torch.cuda.current_stream(dev).wait_stream(stream)
                 graph = torch.cuda.CUDAGraph()
-                with torch.inference_mode(), torch.cuda.graph(graph, pool=pool_handle):
+                with pdl.dependent_launches(dev), torch.inference_mode(), torch.cuda.graph(graph, pool=pool_handle):
                     out = self._forward(bs)
             self.graphs[bs] = (graph, out)
         torch.cuda.synchronize(dev)

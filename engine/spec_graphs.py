@@ -87,14 +87,17 @@ class SpecGraphs:
         for bs in reversed(self.sizes):  # largest first: the smaller ones reuse its memory
             for sampled in (False, True):
                 stream.wait_stream(torch.cuda.current_stream(dev))
-                # as the decode graphs (engine/graph_runner.py)
-                with shared_experts_beside(), pdl.dependent_launches(dev):
+                with shared_experts_beside():  # as the decode graphs (engine/graph_runner.py)
                     with torch.cuda.stream(stream), torch.inference_mode():
-                        for _ in range(2):  # warm-up outside the graph (allocator, autotune)
-                            self._forward(bs, sampled)
+                        # warm-up outside the graph (allocator, autotune): plain launches once
+                        # (an eager step's kernel variants), then twice as the graph launches them
+                        self._forward(bs, sampled)
+                        with pdl.dependent_launches(dev):
+                            for _ in range(2):
+                                self._forward(bs, sampled)
                     torch.cuda.current_stream(dev).wait_stream(stream)
                     graph = torch.cuda.CUDAGraph()
-                    with torch.inference_mode(), torch.cuda.graph(graph, pool=handle):
+                    with pdl.dependent_launches(dev), torch.inference_mode(), torch.cuda.graph(graph, pool=handle):
                         out = self._forward(bs, sampled)
                 self.graphs[bs, sampled] = (graph, out)
         torch.cuda.synchronize(dev)

@@ -22,8 +22,31 @@ def test_off_on_a_cpu_and_outside_its_context() -> None:
         assert not pdl.active() and pdl.flags() == {"PDL": False}
 
 
-def test_tandem_pdl_0_turns_it_off(monkeypatch) -> None:
-    monkeypatch.setenv("TANDEM_PDL", "0")
+def test_supported_only_on_an_nvidia_gpu_of_capability_9_with_a_triton_that_has_it(monkeypatch) -> None:
+    # a Hopper GPU as torch reports one, on any machine (unit test of the one function)
+    monkeypatch.setattr(pdl, "triton", object())
+    monkeypatch.setattr(pdl, "_triton_has_pdl", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(torch.version, "hip", None)
+    monkeypatch.delenv("TANDEM_PDL", raising=False)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert pdl.supported("cuda:0") and pdl.supported(torch.device("cuda")) and not pdl.supported("cpu")
+    monkeypatch.setenv("TANDEM_PDL", "0")  # the operator's switch
+    assert not pdl.supported("cuda:0")
+    monkeypatch.setenv("TANDEM_PDL", "1")
+    for on in ("1", "true", "On", "yes"):  # Triton's interpreter, as Triton reads the variable
+        monkeypatch.setenv("TRITON_INTERPRET", on)
+        assert not pdl.supported("cuda:0")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert pdl.supported("cuda:0")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))  # Ampere
+    assert not pdl.supported("cuda:0")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 4))
+    monkeypatch.setattr(torch.version, "hip", "6.2")  # ROCm's torch reports 9.x for MI300
+    assert not pdl.supported("cuda:0")
+    monkeypatch.setattr(torch.version, "hip", None)
+    monkeypatch.setattr(pdl, "_triton_has_pdl", lambda: False)  # Triton before 3.4
     assert not pdl.supported("cuda:0")
 
 
@@ -66,9 +89,12 @@ def _chain():
 
 
 @hopper
-def test_a_graph_of_dependent_launches_gives_the_plain_eager_bits() -> None:
+def test_a_graph_of_dependent_launches_gives_the_plain_eager_bits(monkeypatch) -> None:
     run = _chain()
     want = run()  # plain launches, eager
+    asked = []
+    flags = pdl.flags
+    monkeypatch.setattr(pdl, "flags", lambda: asked.append(flags()) or asked[-1])  # what each launch asked
     with pdl.dependent_launches("cuda"):
         assert pdl.active()
         stream = torch.cuda.Stream()
@@ -84,3 +110,40 @@ def test_a_graph_of_dependent_launches_gives_the_plain_eager_bits() -> None:
     torch.cuda.synchronize()
     for a, b, c in zip(want, eager, out):
         assert torch.equal(a, b) and torch.equal(a, c)
+    # five launches a run (MLA 2, slot norm, greedy head 2), twice inside the context: all with PDL
+    assert len(asked) == 10 and all(f == {"PDL": True, "launch_pdl": True} for f in asked)
+
+
+@hopper
+@pytest.mark.parametrize("lens", [[700], [3, 40, 100, 17, 250]])
+def test_decode_graphs_give_the_same_bits_with_and_without_dependent_launches(monkeypatch, lens) -> None:
+    """The worker's decode graphs (engine/graph_runner.py) on the seeded tiny model at batch 1 (its
+    MoE layers' shared experts on a second branch) and 5: the logits with PDL on equal those with
+    TANDEM_PDL=0, bit for bit, and repeat over replays."""
+    from engine.kv_pool import KvPool, KvPoolConfig
+    from engine.model_source import TINY, load_model
+    from engine.runner import DecodeInput, ModelRunner
+    loaded = load_model(TINY, dtype=torch.bfloat16)
+    c = loaded.config
+    model = loaded.model.to("cuda")
+    outs = {}
+    for mode in ("1", "0"):
+        monkeypatch.setenv("TANDEM_PDL", mode)
+        pool = KvPool(KvPoolConfig(num_blocks=200, block_size=16, num_layers=c.num_kv_layers, kv_dim=c.kv_dim,
+                                   dtype=torch.bfloat16), 1, "cuda")
+        torch.manual_seed(0)
+        pool.kv.normal_(0, 0.5)
+        tables = [pool.blocks.allocate(pool.blocks_for(n + 1)) for n in lens]
+        batch = [DecodeInput(t, n, 5 + i) for i, (t, n) in enumerate(zip(tables, lens))]
+        runner = ModelRunner(model, pool)
+        before = pool.kv.clone()
+        runner.capture_graphs(max_batch=8, max_context=1024)
+        reps = []
+        for _ in range(20):
+            pool.kv.copy_(before)
+            reps.append(runner.decode(batch).clone())
+        torch.cuda.synchronize()
+        assert all(torch.equal(r, reps[0]) for r in reps)
+        outs[mode] = reps[0]
+        del runner
+    assert torch.equal(outs["1"], outs["0"])

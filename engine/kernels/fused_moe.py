@@ -197,7 +197,8 @@ if triton is not None:
     def _gate_up_kernel(x_ptr, w_ptr, sg_ptr, su_ptr, out_ptr, rows_ptr, bexp_ptr, P, E, E_ROUTED, K, I, TOP_K,
                         stride_x, stride_we, stride_wn, stride_s, stride_o, TOKENS,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        PAIR_BLOCKS: tl.constexpr, EXPERT_BLOCKS: tl.constexpr, BLOCK_E: tl.constexpr, PDL: tl.constexpr):
+                        PAIR_BLOCKS: tl.constexpr, EXPERT_BLOCKS: tl.constexpr, BLOCK_E: tl.constexpr,
+                        PDL: tl.constexpr):
         if PDL:  # engine/kernels/pdl.py: before any load or store
             wait_then_release()
         pid_m = tl.program_id(0)

@@ -235,7 +235,8 @@ def mla_decode(q: torch.Tensor, kv: torch.Tensor, layer: int, tables: torch.Tens
     _mla_stage2[(b, h)](
         part_o, part_lse, out, part_o.stride(0), part_o.stride(1), part_o.stride(2),
         part_lse.stride(0), part_lse.stride(1), out.stride(0), out.stride(1),
-        SPLITS=s, R=r, BLOCK_S=32, num_warps=4, **pdl.flags())  # BLOCK_S: num_splits' cap (one compile for any split count)
+        # BLOCK_S: num_splits' cap (one compile for any split count)
+        SPLITS=s, R=r, BLOCK_S=32, num_warps=4, **pdl.flags())
     return out
 
 

@@ -11,18 +11,21 @@ programmatic edges.
 Measured on an H100 (tools/bench_pdl.py, a chain of 300 GEMVs in one CUDA graph, Triton 3.6):
 0.46 µs less a kernel at 128 KB of weights each (2.00 -> 1.54 µs), 0.68 µs at 2 MB (3.12 ->
 2.44), 0.52 µs at 8 MB (5.33 -> 4.80); outputs equal bit for bit. Config M's decode step at
-batch 1 runs about 210 Triton kernels of a few µs each (docs/benchmarks.md, run 25).
+batch 1 (about 265 launches of these kernels) took 2.74 -> 2.67 ms (docs/benchmarks.md, run 25).
 
 Why waiting first is safe: every kernel so launched waits before it touches memory, so it reads
 nothing its predecessor has not finished writing and writes nothing its predecessor may still
 read; the predecessor itself could not finish before its own predecessor did. Kernels that are
 not ours (cuBLAS, inductor's) launch as before and wait for the whole previous kernel.
 
-Used only inside `dependent_launches` (the decode and MTP graphs' warm-up and capture, where grids
-are one wave or a few: a kernel of many waves that lets the next launch early would share its
-SMs with the next kernel's waiting programs), and only where `supported`: a CUDA device of
-compute capability 9.0 or later, triton installed, not under TRITON_INTERPRET=1, and
-TANDEM_PDL not 0 (`TANDEM_PDL=0` turns it off, for an A/B or a driver that mishandles it).
+Used only inside `dependent_launches` (the decode and MTP graphs' capture and the warm-up just
+before it, where grids are one wave or a few: a kernel of many waves that lets the next launch
+early would share its SMs with the next kernel's waiting programs), and only where `supported`:
+an NVIDIA GPU of compute capability 9.0 or later, a Triton with PDL (3.4 and later), not its
+interpreter, and TANDEM_PDL not 0 (`TANDEM_PDL=0` turns it off, for an A/B or a driver that
+mishandles it). A kernel compiled with PDL is a separate variant in Triton's cache: the graphs'
+warm-up runs once with plain launches too, so that eager steps and the sampling after a replay
+find theirs compiled (engine/graph_runner.py, engine/spec_graphs.py).
 """
 
 from __future__ import annotations
@@ -42,14 +45,40 @@ except ImportError:  # pragma: no cover - depends on the machine
 _ON = threading.local()
 
 
+_TRITON_HAS_PDL: bool | None = None
+
+
+def _triton_has_pdl() -> bool:
+    """Whether the installed Triton launches with PDL: `launch_pdl` among its CUDA compile options
+    and `tl.extra.cuda.gdc_wait` (Triton 3.4 and later; torch 2.6's Triton 3.2 has neither, and
+    passing the option there raises at the launch)."""
+    global _TRITON_HAS_PDL
+    if _TRITON_HAS_PDL is None:
+        try:
+            from triton.backends.nvidia.compiler import CUDAOptions
+            from triton.language.extra import cuda as tl_cuda
+            _TRITON_HAS_PDL = ("launch_pdl" in getattr(CUDAOptions, "__dataclass_fields__", {})
+                               and hasattr(tl_cuda, "gdc_wait") and hasattr(tl_cuda, "gdc_launch_dependents"))
+        except ImportError:
+            _TRITON_HAS_PDL = False
+    return _TRITON_HAS_PDL
+
+
+def _interpreting() -> bool:
+    # Triton's own reading of TRITON_INTERPRET: 1, true, on, yes
+    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on", "yes")
+
+
 def supported(device: torch.device | str | None) -> bool:
-    """Whether kernels launched on `device` may use PDL (see the module's docstring)."""
-    if triton is None or os.environ.get("TANDEM_PDL", "1") == "0" or os.environ.get("TRITON_INTERPRET") == "1":
+    """Whether kernels launched on `device` may use PDL: an NVIDIA GPU (not ROCm, whose torch
+    also reports capabilities of 9) of compute capability 9.0 or later, a Triton that has it,
+    not its interpreter, and TANDEM_PDL not 0."""
+    if triton is None or os.environ.get("TANDEM_PDL", "1") == "0" or _interpreting():
         return False
     d = torch.device(device) if device is not None else None
-    if d is None or d.type != "cuda" or not torch.cuda.is_available():
+    if d is None or d.type != "cuda" or torch.version.hip is not None or not torch.cuda.is_available():
         return False
-    return torch.cuda.get_device_capability(d)[0] >= 9
+    return torch.cuda.get_device_capability(d)[0] >= 9 and _triton_has_pdl()
 
 
 @contextlib.contextmanager
