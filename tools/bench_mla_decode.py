@@ -3,6 +3,10 @@
 Usage (CUDA only):
     python tools/bench_mla_decode.py [--heads 16] [--batches 1,8,64,256] [--contexts 1024,8192]
                                      [--dtype bf16|fp8] [--out FILE]
+    python tools/bench_mla_decode.py --graph [--batches 1,2,4] [--contexts 1024] [--out FILE]
+      (each launch shape and split count timed in a CUDA graph, as the decode step runs it: at
+      batch 1 config M's kernel took 8.2 µs a layer in the step on an H100, run 24, where
+      do_bench's eager timing, about 26 µs, is mostly launch overhead)
 
 For every (batch, context) it times `mla_decode` (both stages, `triton.testing.do_bench`
 median, µs) at every `Stage1Config` of the grid (block_n × num_warps × num_stages × waves) and
@@ -48,6 +52,81 @@ def make_inputs(batch: int, context: int, heads: int, dtype: torch.dtype, seed: 
     return q, kv, tables, lens
 
 
+GRAPH_CALLS = 64
+GRAPH_SPLITS = (None, 4, 8, 16, 32)  # None: num_splits' choice (the served path's)
+
+
+def graph_inputs(batch: int, context: int, heads: int, dtype: torch.dtype):
+    """(q, kv, tables, lens) with a pool of GRAPH_CALLS layers (each sequence's latents of every
+    layer: past the L2 cache once they pass 50 MB, as in a decode step, where each layer reads
+    its own)."""
+    g = torch.Generator(device="cuda").manual_seed(batch + context)
+    width = -(-context // BS)
+    nb = 1 + batch * width
+    kv = torch.randn(nb, GRAPH_CALLS, BS, R + P, device="cuda", generator=g)
+    kv = kv.to(FP8) if dtype == FP8 else kv.to(dtype)
+    tables = (torch.randperm(nb - 1, device="cuda", generator=g) + 1).view(batch, width).int()
+    lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
+    q = torch.randn(batch, heads, R + P, device="cuda", dtype=torch.bfloat16, generator=g)
+    return q, kv, tables, lens
+
+
+def graph_us(inputs, scale: float, cfg: Stage1Config, splits: int | None) -> float:
+    """µs a call of `mla_decode` (both stages), GRAPH_CALLS calls in one CUDA graph, call i on
+    layer i of `graph_inputs`' pool; median of 10 replays."""
+    q, kv, tables, lens = inputs
+
+    def calls():
+        for layer in range(GRAPH_CALLS):
+            mla_decode(q, kv, layer, tables, lens, R, scale, 0.5, splits=splits, config=cfg)
+    calls()  # compile
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        calls()
+    times = []
+    for _ in range(10):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3 / GRAPH_CALLS)
+    del graph
+    return sorted(times)[len(times) // 2]
+
+
+def graph_sweep(ok: list[Stage1Config], batches: list[int], contexts: list[int], heads: int,
+                dtype: torch.dtype, scale: float, out: Path | None) -> None:
+    """--graph: every checked config at every split count, per (batch, context); a table of the
+    default (DEFAULT_STAGE1, num_splits) against the best."""
+    lines, table = [], []
+    for batch in batches:
+        for context in contexts:
+            timed = []
+            inputs = graph_inputs(batch, context, heads, dtype)
+            for cfg in ok:
+                for splits in GRAPH_SPLITS:
+                    if splits and (context // splits < cfg.block_n // 2 or cfg.waves != 2):
+                        continue  # most of a split's one block of rows masked; waves only pick splits
+                    us = graph_us(inputs, scale, cfg, splits)
+                    row = {"batch": batch, "context": context, "heads": heads, "graph": True, "config": cfg.__dict__,
+                           "splits": splits, "us": round(us, 3), "default": cfg == DEFAULT_STAGE1 and splits is None}
+                    timed.append(row)
+                    lines.append(row)
+                    print(json.dumps(row), flush=True)
+            del inputs
+            torch.cuda.empty_cache()
+            table.append((batch, context, next(r for r in timed if r["default"]), min(timed, key=lambda r: r["us"])))
+    if out:
+        out.write_text("".join(json.dumps(r) + "\n" for r in lines))
+    print("| batch | context | default µs a call in a graph | best µs | best (block_n, warps, stages, splits) |")
+    for batch, context, d, b in table:
+        c = b["config"]
+        print(f"| {batch} | {context} | {d['us']:.2f} | {b['us']:.2f} | {c['block_n']}, {c['num_warps']}, "
+              f"{c['num_stages']}, {b['splits']} |")
+
+
 def grid() -> list[Stage1Config]:
     return [Stage1Config(n, w, s, v) for n, w, s, v in
             itertools.product((32, 64, 128), (4, 8), (1, 2, 3, 4), (1, 2, 4))]
@@ -60,6 +139,10 @@ def main() -> None:
     ap.add_argument("--contexts", default="1024,8192")
     ap.add_argument("--dtype", choices=("bf16", "fp8"), default="bf16")
     ap.add_argument("--out", type=Path)
+    ap.add_argument("--graph", action="store_true",
+                    help="time each (config, splits) as 64 calls in one CUDA graph, each call on another "
+                         "layer of a pool larger than L2 (as a decode step's layers follow each other), "
+                         "splits 4, 8, 16, 32 and the default; for small batches (default --batches 1,2,4)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         ap.error("needs a CUDA device")
@@ -84,6 +167,10 @@ def main() -> None:
         ok.append(cfg)
     del q, kv, tables, lens, want
 
+    if args.graph:
+        batches = "1,2,4" if args.batches == ap.get_default("batches") else args.batches
+        return graph_sweep(ok, [int(x) for x in batches.split(",")], [int(x) for x in args.contexts.split(",")],
+                           args.heads, dtype, scale, args.out)
     lines, table = [], []
     for batch in (int(x) for x in args.batches.split(",")):
         for context in (int(x) for x in args.contexts.split(",")):
