@@ -29,10 +29,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
+import sys
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from graph_timing import capture, replay_us  # noqa: E402
 
 try:
     import triton
@@ -93,26 +96,8 @@ def measure(variant: str, ws, x, fillers: int) -> tuple[float, list[torch.Tensor
     buf = [torch.ones(FILLER, device="cuda"), torch.ones(FILLER, device="cuda")]
     sink = torch.zeros(2 * _sms(), device="cuda")
     outs = [torch.empty(1, ws[0].shape[0], device="cuda", dtype=ws[0].dtype) for _ in range(REPS)]
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        build(variant, ws, x, fillers, side, buf, sink, outs)  # compile and warm up
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        build(variant, ws, x, fillers, side, buf, sink, outs)
-    g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(20):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / REPS)
-    return statistics.median(times), [o.clone() for o in outs]
+    graph = capture(lambda: build(variant, ws, x, fillers, side, buf, sink, outs))
+    return replay_us(graph, REPS), [o.clone() for o in outs]
 
 
 def main(argv: list[str] | None = None) -> None:

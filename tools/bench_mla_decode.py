@@ -33,6 +33,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from graph_timing import capture, replay_us  # noqa: E402
 from engine.kernels.mla_decode import (DEFAULT_STAGE1, FP8, Stage1Config, mla_decode,  # noqa: E402
                                        mla_decode_reference)
 
@@ -79,21 +80,7 @@ def graph_us(inputs, scale: float, cfg: Stage1Config, splits: int | None) -> flo
     def calls():
         for layer in range(GRAPH_CALLS):
             mla_decode(q, kv, layer, tables, lens, R, scale, 0.5, splits=splits, config=cfg)
-    calls()  # compile
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        calls()
-    times = []
-    for _ in range(10):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / GRAPH_CALLS)
-    del graph
-    return sorted(times)[len(times) // 2]
+    return replay_us(capture(calls), GRAPH_CALLS, replays=10)
 
 
 def graph_sweep(ok: list[Stage1Config], batches: list[int], contexts: list[int], heads: int,

@@ -26,10 +26,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
+import sys
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from graph_timing import capture, replay_us  # noqa: E402
 
 try:
     import triton
@@ -71,26 +74,8 @@ def chain(xs: list[torch.Tensor], ws: list[torch.Tensor], variant: str) -> None:
 def measure(n: int, kernels: int, variant: str, ws: list[torch.Tensor], x0: torch.Tensor) -> tuple[float, torch.Tensor]:
     """(µs a kernel, the chain's last output) of the chain captured in one CUDA graph."""
     xs = [x0.clone()] + [torch.empty_like(x0) for _ in range(kernels)]
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        chain(xs, ws, variant)  # compile and warm up outside the capture
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        chain(xs, ws, variant)
-    g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(20):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / kernels)
-    return statistics.median(times), xs[-1].clone()
+    graph = capture(lambda: chain(xs, ws, variant))
+    return replay_us(graph, kernels), xs[-1].clone()
 
 
 def main(argv: list[str] | None = None) -> None:
