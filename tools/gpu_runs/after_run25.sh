@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# GPU machine, one call (about 560 s): what run 25 left unrun with programmatic dependent launch
+# on, then the MLA decode kernel's launch shapes at batch 1, 2 and 4 timed in CUDA graphs.
+# Needs the shipped checkpoint (tests/test_spec_batch.py) and .devrun's wheels: carry a .devrun
+# without ab/ and without the py-spy wheel (checkpoint 40 MB + the rest of the tree + .devrun's
+# wheels and etcd come to about 65 MB of the 67 a call may carry). Logs: $OUT/t_*.log,
+# $OUT/mla_graph.jsonl and .log.
+set -u
+OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
+t0=$(date +%s)
+nvidia-smi --query-gpu=name --format=csv,noheader
+run() {  # name seconds pytest-args...
+  local name=$1 s=$2; shift 2
+  timeout "$s" python3 -m pytest -q -p no:cacheprovider "$@" > "$OUT/t_$name.log" 2>&1
+  echo "$name rc $? $(tail -1 "$OUT/t_$name.log" | cut -c1-150) ($(( $(date +%s) - t0 )) s)"
+  grep -E '^(FAILED|ERROR)|Error:' "$OUT/t_$name.log" | head -6 | cut -c1-300
+}
+run pdl 120 tests/test_pdl.py
+run spec 150 tests/test_spec_batch.py
+run lane_edges 150 tests/test_model_lane.py tests/test_decode_edge_cases.py tests/test_device_clock.py
+left=$(( ${CALL_S:-560} - ($(date +%s) - t0) ))
+if [ "$left" -gt 60 ]; then
+  timeout "$left" python3 tools/bench_mla_decode.py --graph --contexts 1024 --out "$OUT/mla_graph.jsonl" \
+    > "$OUT/mla_graph.log" 2>&1
+  echo "mla graph sweep rc $? ($(( $(date +%s) - t0 )) s)"; grep -E '^\|' "$OUT/mla_graph.log"
+fi
