@@ -145,8 +145,9 @@ class DecodeGraphs:
         self.memory_bytes = torch.cuda.memory_reserved(dev) - before
         self.capture_seconds = time.perf_counter() - t0
         log.info("cuda graphs: %d batch sizes (%s), table width %d blocks, captured in %.1f s, "
-                 "%.0f MiB", len(self.sizes), ",".join(map(str, self.sizes)), self.width,
-                 self.capture_seconds, self.memory_bytes / 2**20)
+                 "%.0f MiB; programmatic dependent launch %s", len(self.sizes), ",".join(map(str, self.sizes)),
+                 self.width, self.capture_seconds, self.memory_bytes / 2**20,
+                 "on" if pdl.supported(dev) else "off (TANDEM_PDL=0, a GPU before Hopper or a Triton before 3.4)")
 
     def inputs(self, bs: int) -> torch.Tensor:
         """Bucket bs's static inputs: [5, bs] int64 (ids, positions, lens, block-table rows,
