@@ -10,12 +10,7 @@ set -u
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
 t0=$(date +%s)
 nvidia-smi --query-gpu=name --format=csv,noheader
-run() {  # name seconds pytest-args...
-  local name=$1 s=$2; shift 2
-  timeout "$s" python3 -m pytest -q -p no:cacheprovider "$@" > "$OUT/t_$name.log" 2>&1
-  echo "$name rc $? $(tail -1 "$OUT/t_$name.log" | cut -c1-150) ($(( $(date +%s) - t0 )) s)"
-  grep -E '^(FAILED|ERROR)|Error:' "$OUT/t_$name.log" | head -6 | cut -c1-300
-}
+. tools/gpu_runs/pytest_run.sh  # run NAME SECONDS PYTEST-ARGS...
 run pdl 120 tests/test_pdl.py
 run spec 150 tests/test_spec_batch.py
 run lane_edges 150 tests/test_model_lane.py tests/test_decode_edge_cases.py tests/test_device_clock.py

@@ -12,12 +12,7 @@ set -u
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"; export OUT
 t0=$(date +%s)
 nvidia-smi --query-gpu=name --format=csv,noheader
-run() {  # name seconds pytest-args...
-  local name=$1 s=$2; shift 2
-  timeout "$s" python3 -m pytest -q -p no:cacheprovider "$@" > "$OUT/t_$name.log" 2>&1
-  echo "$name rc $? $(tail -1 "$OUT/t_$name.log" | cut -c1-150) ($(( $(date +%s) - t0 )) s)"
-  grep -E '^(FAILED|ERROR)|Error:|assert ' "$OUT/t_$name.log" | head -8 | cut -c1-300
-}
+. tools/gpu_runs/pytest_run.sh  # run NAME SECONDS PYTEST-ARGS...
 # TESTS: the new kernels' tests (default: the MLA kernels' and W_UV's)
 if [ -n "${TESTS:-}" ]; then
   run new_kernels 150 $TESTS
