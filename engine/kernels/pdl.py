@@ -31,6 +31,7 @@ find theirs compiled (engine/graph_runner.py, engine/spec_graphs.py).
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import threading
 
@@ -45,23 +46,18 @@ except ImportError:  # pragma: no cover - depends on the machine
 _ON = threading.local()
 
 
-_TRITON_HAS_PDL: bool | None = None
-
-
+@functools.cache
 def _triton_has_pdl() -> bool:
     """Whether the installed Triton launches with PDL: `launch_pdl` among its CUDA compile options
     and `tl.extra.cuda.gdc_wait` (Triton 3.4 and later; torch 2.6's Triton 3.2 has neither, and
     passing the option there raises at the launch)."""
-    global _TRITON_HAS_PDL
-    if _TRITON_HAS_PDL is None:
-        try:
-            from triton.backends.nvidia.compiler import CUDAOptions
-            from triton.language.extra import cuda as tl_cuda
-            _TRITON_HAS_PDL = ("launch_pdl" in getattr(CUDAOptions, "__dataclass_fields__", {})
-                               and hasattr(tl_cuda, "gdc_wait") and hasattr(tl_cuda, "gdc_launch_dependents"))
-        except ImportError:
-            _TRITON_HAS_PDL = False
-    return _TRITON_HAS_PDL
+    try:
+        from triton.backends.nvidia.compiler import CUDAOptions
+        from triton.language.extra import cuda as tl_cuda
+    except ImportError:
+        return False
+    return ("launch_pdl" in getattr(CUDAOptions, "__dataclass_fields__", {})
+            and hasattr(tl_cuda, "gdc_wait") and hasattr(tl_cuda, "gdc_launch_dependents"))
 
 
 def _interpreting() -> bool:
