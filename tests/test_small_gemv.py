@@ -124,7 +124,12 @@ def test_the_decode_step_runs_its_projections_through_it(monkeypatch) -> None:
     pool = KvPool(KvPoolConfig(num_blocks=64, block_size=16, num_layers=c.num_kv_layers, kv_dim=c.kv_dim,
                                dtype=torch.bfloat16), 1, "cuda")
     runner = ModelRunner(loaded.model.to("cuda"), pool)
-    for lens, want in (([30], 3 * c.num_hidden_layers), ([3, 40, 100, 17, 25], 0)):
+    from engine.model import MLAttention
+    attns = [m for m in runner.model.modules() if isinstance(m, MLAttention)][:c.num_hidden_layers]
+    # per layer: o_proj and W_UV, and the fused q (or q_a) + kv_a projection where the fast mode fused it
+    per_step = sum(2 + (a.fused_a is not None) for a in attns)
+    assert len(attns) == c.num_hidden_layers and per_step >= 2 * c.num_hidden_layers
+    for lens, want in (([30], per_step), ([3, 40, 100, 17, 25], 0)):
         calls.clear()
         tables = [pool.blocks.allocate(pool.blocks_for(n + 1)) for n in lens]
         runner.decode([DecodeInput(t, n, 5) for t, n in zip(tables, lens)])  # eager: no graphs captured
