@@ -229,7 +229,7 @@ class AbsorbedDecodeKv:
         # copied it (a kernel a layer at B > 1)
         out = torch.empty(q_nope.shape[0], h, c.v_head_dim, dtype=q_nope.dtype, device=q_nope.device)
         o_lat = o_lat.to(q_nope.dtype)
-        if small_gemv.takes(o_lat, w_uv):  # 1 to 4 rows: one GEMV a head, weights loaded early
+        if small_gemv.takes(o_lat, w_uv):  # 1 or 2 rows: one GEMV a head, weights loaded early
             return small_gemv.gemv(o_lat, w_uv, out=out)
         torch.bmm(o_lat.transpose(0, 1), w_uv.transpose(1, 2), out=out.transpose(0, 1))
         return out

@@ -285,7 +285,7 @@ def packed_mla_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, ctx, kv_b_wei
 
 
 def _project(x: torch.Tensor, weight: torch.Tensor, decode: bool) -> torch.Tensor:
-    """x [T, in] @ weight [out, in]ᵀ: in a GPU decode step of 1 to 4 rows the Triton GEMV that
+    """x [T, in] @ weight [out, in]ᵀ: in a GPU decode step of 1 or 2 rows the Triton GEMV that
     loads its weights before waiting for the previous kernel (engine/kernels/small_gemv.py),
     otherwise F.linear."""
     if decode and x.is_cuda:

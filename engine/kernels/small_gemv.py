@@ -1,5 +1,5 @@
-"""A decode step's projections at 1 to 4 rows: y = x Wᵀ as a Triton GEMV whose programs load their
-weight rows before they wait for the previous kernel.
+"""A decode step's projections at 1 or 2 rows (the kernel takes up to 4): y = x Wᵀ as a Triton
+GEMV whose programs load their weight rows before they wait for the previous kernel.
 
 At batch 1 config M's attention projections (q and kv_a as one [3,648, 2,048] GEMM, o_proj
 [2,048, 2,048], W_UV [16 heads × 128, 512]) took 6.9, 6.9 and 3.7 µs a layer through cuBLAS on an
@@ -31,7 +31,10 @@ try:  # the GPU machine has triton; CPU-only installs need not
 except ImportError:  # pragma: no cover - depends on the machine
     triton = None
 
-MAX_ROWS = 4  # x rows a launch takes (a decode step at batch 1 to 4); more go to torch
+MAX_ROWS = 4  # x rows a launch takes
+# x rows at which a decode step uses it: on an H100 (run 26, M's step in graphs against cuBLAS)
+# batch 1 ran 6.0 % and batch 2 3.1 % faster, batch 4 1.2 % slower, so 3 and 4 rows keep cuBLAS
+STEP_MAX_ROWS = 2
 MAX_K = 8192  # the reduction a program holds whole
 TILE_VALUES = 16384  # weight values a program loads at once (ROWS × K, 128 a thread at 4 warps)
 
@@ -54,9 +57,9 @@ def _shapes_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
 
 def takes(x: torch.Tensor, w: torch.Tensor) -> bool:
     """Whether a decode step runs `gemv` for these (host-side): CUDA tensors of one 16-bit
-    dtype, 1..MAX_ROWS rows, K ≤ MAX_K, unit stride along K, triton installed."""
+    dtype, 1..STEP_MAX_ROWS rows, K ≤ MAX_K, unit stride along K, triton installed."""
     return (triton is not None and x.is_cuda and w.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
-            and _shapes_ok(x, w))
+            and x.shape[0] <= STEP_MAX_ROWS and _shapes_ok(x, w))
 
 
 def _rows(n: int, groups: int, block_k: int, sms: int) -> int:
