@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.kernels import small_gemv
 from engine.kernels.latent_store import rope_latent_store, rope_latent_store_reference, triton
 from engine.kernels.mla_decode import mla_decode
 from engine.kv_pool import KvPool
@@ -227,5 +228,8 @@ class AbsorbedDecodeKv:
         # einsum's result would be [H, B, v] in memory, and o_proj's reshape to [B, H * v] then
         # copied it (a kernel a layer at B > 1)
         out = torch.empty(q_nope.shape[0], h, c.v_head_dim, dtype=q_nope.dtype, device=q_nope.device)
-        torch.bmm(o_lat.to(q_nope.dtype).transpose(0, 1), w_uv.transpose(1, 2), out=out.transpose(0, 1))
+        o_lat = o_lat.to(q_nope.dtype)
+        if small_gemv.takes(o_lat, w_uv):  # 1 or 2 rows: one GEMV a head, weights loaded early
+            return small_gemv.gemv(o_lat, w_uv, out=out)
+        torch.bmm(o_lat.transpose(0, 1), w_uv.transpose(1, 2), out=out.transpose(0, 1))
         return out

@@ -284,6 +284,17 @@ def packed_mla_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, ctx, kv_b_wei
     return varlen_causal_attention(q, k, v, ctx.cu_q, ctx.cu_k, ctx.used_k, ctx.max_q, ctx.max_k, softmax_scale)
 
 
+def _project(x: torch.Tensor, weight: torch.Tensor, decode: bool) -> torch.Tensor:
+    """x [T, in] @ weight [out, in]ᵀ: in a GPU decode step of 1 or 2 rows the Triton GEMV that
+    loads its weights before waiting for the previous kernel (engine/kernels/small_gemv.py),
+    otherwise F.linear."""
+    if decode and x.is_cuda:
+        from engine.kernels import small_gemv
+        if small_gemv.takes(x, weight):
+            return small_gemv.gemv(x, weight)
+    return F.linear(x, weight)
+
+
 class MLAttention(nn.Module):
     """Multi-head latent attention (DeepSeek-V3 report section 2.1.1); HF parameter names."""
 
@@ -312,8 +323,9 @@ class MLAttention(nn.Module):
                 layer_idx: int) -> torch.Tensor:
         # x: [T, hidden] (already input_layernorm-ed) -> [T, hidden]
         c, t = self.c, x.shape[0]
+        decode = getattr(kv, "attends", False)  # the GPU decode step (engine/decode_batch.py)
         if self.fused_a is not None and self._fused_a_current():
-            q, kv_a = F.linear(x, self.fused_a).split([self.fused_a.shape[0] - c.kv_dim, c.kv_dim], -1)
+            q, kv_a = _project(x, self.fused_a, decode).split([self.fused_a.shape[0] - c.kv_dim, c.kv_dim], -1)
         else:
             q = self.first_proj(x)
             kv_a = self.kv_a_proj_with_mqa(x)  # [T, kv_dim]
@@ -321,9 +333,10 @@ class MLAttention(nn.Module):
             q = self.q_b_proj(self.q_a_layernorm(q))
         q = q.view(t, c.num_attention_heads, c.qk_head_dim)  # [T, H, qk_head_dim]
         q_nope, q_pe = q.split([c.qk_nope_head_dim, c.qk_rope_head_dim], dim=-1)
-        if getattr(kv, "attends", False):  # the GPU decode step: engine/decode_batch.py ropes,
-            # normalises and stores the latent itself (one kernel), then attends
-            return self.o_proj(kv.attend(layer_idx, kv_a, q_nope, q_pe, rope, self).reshape(t, -1))
+        if decode:  # the GPU decode step: engine/decode_batch.py ropes, normalises and stores the
+            # latent itself (one kernel), then attends
+            o = kv.attend(layer_idx, kv_a, q_nope, q_pe, rope, self).reshape(t, -1)
+            return _project(o, self.o_proj.weight, True) if self.o_proj.bias is None else self.o_proj(o)
         cos, sin = rope
         q_pe, latent = HOT.rope_latent(q_pe, kv_a, cos, sin, self.kv_a_layernorm.weight,
                                        self.kv_a_layernorm.eps, c.kv_lora_rank, c.rope_interleave)

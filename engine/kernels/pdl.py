@@ -15,7 +15,10 @@ batch 1 (about 265 launches of these kernels) took 2.74 -> 2.67 ms (docs/benchma
 
 Why waiting first is safe: every kernel so launched waits before it touches memory, so it reads
 nothing its predecessor has not finished writing and writes nothing its predecessor may still
-read; the predecessor itself could not finish before its own predecessor did. Kernels that are
+read; the predecessor itself could not finish before its own predecessor did. One exception,
+by design: the decode step's GEMV (engine/kernels/small_gemv.py) loads its weight tile before
+the wait, since no kernel of a decode or MTP step writes a weight (its call sites pass
+load-time parameters only). Kernels that are
 not ours (cuBLAS, inductor's) launch as before and wait for the whole previous kernel.
 
 Used only inside `dependent_launches` (the decode and MTP graphs' capture and the warm-up just
