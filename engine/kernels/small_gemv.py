@@ -75,12 +75,13 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None) -> t
     """x [T, K] @ w [N, K]ᵀ -> [T, N] (or grouped, see the module docstring) in x's dtype, into
     `out` when given (any strides with the last one 1; e.g. a transposed view). CUDA, or a CPU
     under TRITON_INTERPRET=1 (float32 too, for tests). Raises ValueError on shapes outside
-    `takes`'s, RuntimeError without triton."""
-    if triton is None:
-        raise RuntimeError("gemv needs triton (pip install triton; it ships with CUDA torch)")
+    1..MAX_ROWS rows and K ≤ MAX_K (checked first, with or without triton), RuntimeError
+    without triton."""
     if not _shapes_ok(x, w):
         raise ValueError(f"gemv takes x [1..{MAX_ROWS}, (G,) K ≤ {MAX_K}] and w [(G,) N, K] of one dtype, "
                          f"unit stride along K; got {tuple(x.shape)} {x.dtype}, {tuple(w.shape)} {w.dtype}")
+    if triton is None:
+        raise RuntimeError("gemv needs triton (pip install triton; it ships with CUDA torch)")
     grouped = x.dim() == 3
     xg = x if grouped else x[:, None]
     wg = w if grouped else w[None]
