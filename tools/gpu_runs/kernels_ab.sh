@@ -21,7 +21,7 @@ else
 fi
 ROUNDS=${ROUNDS:-1} PER_RUN_S=80 BATCHES=${BATCHES:-1,2,4,64} timeout 240 bash tools/gpu_runs/ab_profile.sh 2>&1 | tail -8
 for side in new base; do
-  grep -E '_mla|nvjet|_add_slots|triton_red|_gemv' "$OUT/profile_${side}_1.log" | head -30 | sed "s/^/$side /"
+  grep -E '_mla|nvjet|_add_slots|triton_red|_gemv|_route|_gate_partial' "$OUT/profile_${side}_1.log" | head -30 | sed "s/^/$side /"
 done
 echo "profiles ($(( $(date +%s) - t0 )) s)"
 left=$(( ${CALL_S:-560} - ($(date +%s) - t0) ))
