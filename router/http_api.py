@@ -49,7 +49,7 @@ from common.pb.tandem.v1 import sampling_pb2
 from common.validation import InvalidArgument
 from router.http_front import Front, error_response, validation_error
 from router.http_port import HTTP_OFF, validate_port  # noqa: F401 (re-exported)
-from router.http_port import load_certificate
+from router.http_port import PlainHttpLog, load_certificate, watch_handshakes
 from router.http_port import url as http_url
 from router.api_keys import KeyRefused, KeyRing, current_tenant
 from router.chat_template import ChatTemplate, TemplateError
@@ -671,6 +671,7 @@ class HttpServer:
         self._sock: socket.socket | None = None
         self._ticks: asyncio.Task | None = None
         self.address = ""  # host:port once started (the bound host: 0.0.0.0 for every interface)
+        self.plain_http = PlainHttpLog()  # HTTPS: handshakes that failed on plain HTTP, logged
 
     @property
     def url(self) -> str:
@@ -697,6 +698,8 @@ class HttpServer:
         self._sock.setblocking(False)
         self.address = f"{self.host}:{self._sock.getsockname()[1]}"
         self.config.load()
+        if self.config.ssl is not None:
+            watch_handshakes(self.config.ssl, self.plain_http)
         self.server.lifespan = self.config.lifespan_class(self.config)
         await self.server.startup(sockets=[self._sock])
         self._ticks = asyncio.create_task(self.server.main_loop(), name="http ticks")  # strong ref; date header

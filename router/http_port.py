@@ -1,9 +1,13 @@
 """`--http-port`, `--http-host` and `--http-tls-*` values, checked without importing the HTTP
 stack (FastAPI, uvicorn): a router with the HTTP API off needs neither."""
 
+import logging
 import ssl
+import time
 
 HTTP_OFF = -1
+
+log = logging.getLogger(__name__)
 
 
 def validate_port(port: int) -> None:
@@ -62,3 +66,46 @@ def _head(path: str) -> str:
             return f.read(4096).decode(errors="replace")
     except OSError:
         return ""
+
+
+class PlainHttpLog:
+    """Counts TLS handshakes on the HTTPS port that failed because the client spoke plain HTTP,
+    and logs them at most once per `every_s` seconds (a warning naming the count since the last
+    line), so that an operator learns why such clients get nothing: asyncio drops TLS handshake
+    errors without a word, and the client sees the connection close."""
+
+    def __init__(self, every_s: float = 60.0) -> None:
+        self.every_s = every_s
+        self.total = 0  # plain-HTTP handshakes since start
+        self._unlogged = 0
+        self._last = float("-inf")
+
+    def note(self) -> None:
+        self.total += 1
+        self._unlogged += 1
+        now = time.monotonic()
+        if now - self._last >= self.every_s:
+            log.warning("plain HTTP reached the HTTPS API port (%d connection%s since the last such line): "
+                              "clients must use https:// and trust its certificate", self._unlogged,
+                              "" if self._unlogged == 1 else "s")
+            self._unlogged, self._last = 0, now
+
+
+def watch_handshakes(context: ssl.SSLContext, plain_http: PlainHttpLog) -> None:
+    """Make `context`'s server connections report a handshake that failed on plain HTTP to
+    `plain_http` (through `SSLContext.sslobject_class`, the object asyncio's TLS transport drives).
+    Other handshake failures (a client that does not trust the certificate) stay unlogged: the
+    client reports those itself."""
+
+    class _Watched(ssl.SSLObject):
+        def do_handshake(self) -> None:
+            try:
+                super().do_handshake()
+            except (ssl.SSLWantReadError, ssl.SSLWantWriteError):
+                raise  # the handshake goes on when more bytes arrive
+            except ssl.SSLError as exc:
+                if exc.reason == "HTTP_REQUEST":  # OpenSSL's SSL_R_HTTP_REQUEST: "GET ", "POST", ...
+                    plain_http.note()
+                raise
+
+    context.sslobject_class = _Watched

@@ -400,3 +400,49 @@ def test_loc_name_skips_union_members_and_brackets_object_keys():
     assert loc_name(("body", "prompt", "list[int]", 1)) == "prompt[1]"
     assert loc_name(("logit_bias", "50")) == "logit_bias[50]" and loc_name(("logit_bias", "abc")) == "logit_bias.abc"
     assert loc_name(("stream_options", "include_usage")) == "stream_options.include_usage"
+
+
+def test_plain_http_to_the_https_port_is_logged_and_the_port_keeps_serving(tmp_path, caplog):
+    """A real uvicorn server over real TLS (a local CA's certificate): plain HTTP sent to it gets
+    nothing that parses, and the router logs one warning saying so (asyncio drops TLS handshake
+    errors silently); two more within the minute are counted, not logged; a client that trusts the
+    certificate is still served; one that does not trust it is not counted as plain HTTP."""
+    import logging
+
+    import httpx
+
+    from common.certs import LocalCa
+    from router.http_api import HttpServer
+
+    files = LocalCa(tmp_path / "ca").issue("router", ("router",))
+
+    async def app(scope, receive, send):  # the smallest ASGI app: 200 "ok"
+        if scope["type"] != "http":
+            return
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/plain")]})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    async def main() -> HttpServer:
+        server = HttpServer(app, "127.0.0.1", 0, tls_cert=files.cert, tls_key=files.key)
+        await server.start()
+        try:
+            async with httpx.AsyncClient(timeout=10) as plain:
+                for _ in range(3):
+                    with pytest.raises(httpx.HTTPError):
+                        await plain.get(f"http://{server.address}/")
+            async with httpx.AsyncClient(timeout=10) as untrusting:  # the system's CAs: handshake refused
+                with pytest.raises(httpx.ConnectError):
+                    await untrusting.get(f"https://{server.address}/")
+            async with httpx.AsyncClient(verify=files.ca, timeout=10) as client:
+                r = await client.get(f"https://{server.address}/")
+            assert r.status_code == 200 and r.text == "ok"
+        finally:
+            await server.stop()
+        return server
+
+    with caplog.at_level(logging.WARNING, logger="router.http_port"):
+        server = asyncio.run(main())
+    lines = [r.getMessage() for r in caplog.records if r.name == "router.http_port"]
+    assert server.plain_http.total == 3
+    assert len(lines) == 1 and "plain HTTP reached the HTTPS API port (1 connection since" in lines[0], lines
+    assert "https://" in lines[0]
