@@ -122,7 +122,11 @@ class SpecGraphs:
         return out
 
     def can_run(self, rows: list[SpecRow]) -> bool:
-        return len(rows) <= self.sizes[-1] and max(len(r.block_ids) for r in rows) <= self.width
+        """Whether the graphs take this batch: within the largest bucket and the tables' width,
+        and no row asking for top log-probabilities (the graphs compute none: such a batch runs
+        the same `step_body` eagerly, slower by the launches a replay saves)."""
+        return (len(rows) <= self.sizes[-1] and max(len(r.block_ids) for r in rows) <= self.width
+                and not any(r.params.top_logprobs for r in rows))
 
     def run(self, rows: list[SpecRow]) -> SpecResult:
         """Replay the step for rows (within `can_run`, slots of `self.slots`): the result's

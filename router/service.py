@@ -387,7 +387,7 @@ class FrontendServicer(pb_grpc.FrontendServiceServicer):
     async def _unfit_decoders(self, params: SamplingParams, context: grpc.aio.ServicerContext,
                               refuse: bool = True) -> frozenset[str]:
         """The decode workers that would refuse params: those running MTP speculative decoding,
-        for a request with top log-probabilities, a logit bias or a penalty (their records'
+        for a request with a logit bias or a penalty (their records'
         speculative_num_steps); INVALID_ARGUMENT naming the field when every decode worker
         in discovery would, draining or set aside ones included (a plain one that is only
         unavailable for now leaves routing to answer UNAVAILABLE, which clients retry). refuse
