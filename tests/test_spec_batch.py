@@ -277,3 +277,26 @@ def test_cuda_served_mtp_bf16_graphs_agree_with_k0(shakespeare) -> None:
         agree = sum(a == b for x, y in zip(base, other) for a, b in zip(x, y))
         assert agree >= 0.8 * sum(len(x) for x in base), (base, other)
     assert rt.stats.spec_emitted_tokens / rt.stats.spec_verify_steps > 1.2
+
+
+@cuda
+def test_cuda_mtp_batch_asking_for_top_logprobs_runs_eagerly_and_reports_them(shakespeare) -> None:
+    # bf16 fast path with graphs captured: a batch holding a request that asks for top
+    # log-probabilities runs step_body eagerly (the graphs compute none) and reports them for
+    # every decoded token; the batch's tokens mostly agree with k = 0 on the same weights
+    model = copy.deepcopy(shakespeare.model).to("cuda", torch.bfloat16)
+    loaded = dataclasses.replace(shakespeare, model=model)
+    tok = shakespeare.tokenizer()
+    prompts = [tok.encode(t) for t in TEXTS]
+    params = [SamplingParams(max_tokens=16, top_logprobs=4), SamplingParams(max_tokens=16),
+              SamplingParams(max_tokens=16, temperature=0.8, seed=5, top_logprobs=2)]
+    base, _ = asyncio.run(generate(loaded, 0, prompts, params, max_running=4))
+    tops = [[] for _ in prompts]
+    got, rt = asyncio.run(generate(loaded, 2, prompts, params, max_running=4, tops=tops))
+    assert rt.runner.spec_graphs is not None and rt.stats.spec_verify_steps > 0
+    for p, out, t in zip(params, got, tops):
+        assert len(t) == len(out) - 1 and all((len(x) > 0) == (p.top_logprobs > 0) for x in t)
+        if p.greedy and p.top_logprobs:  # a greedy token is its own likeliest alternative
+            assert all(x[0][0] == tok_id for x, tok_id in zip(t, out[1:]))
+    agree = sum(a == b for x, y in zip(base[:2], got[:2]) for a, b in zip(x, y))
+    assert agree >= 0.8 * sum(len(x) for x in base[:2]), (base, got)
