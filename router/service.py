@@ -392,18 +392,10 @@ class FrontendServicer(pb_grpc.FrontendServiceServicer):
         discovery would, draining or set aside ones included (a plain one that is only
         unavailable for now leaves routing to answer UNAVAILABLE, which clients retry). refuse
         False (a retry or migration: tokens may have gone out already): never INVALID_ARGUMENT,
-        routing answers UNAVAILABLE where no worker fits.
-
-        A request with top log-probabilities MTP workers serve, but a batch holding one runs its
-        MTP steps without their CUDA graphs (slower for the whole batch), and a worker of a
-        release before they served them would refuse it: it goes to a serving plain decode
-        worker where there is one, else to any."""
+        routing answers UNAVAILABLE where no worker fits. (Top log-probabilities MTP workers
+        serve.)"""
         if not params.needs_plain_decode:
-            if not params.top_logprobs:
-                return frozenset()
-            serving = self.workers.candidates(discovery_pb2.ROLE_DECODE, serving_only=True)
-            mtp = frozenset(d.instance_id for d in serving if d.speculative_num_steps)
-            return mtp if len(mtp) < len(serving) else frozenset()
+            return frozenset()
         known = self.workers.candidates(discovery_pb2.ROLE_DECODE, serving_only=False)
         unfit = frozenset(d.instance_id for d in known if d.speculative_num_steps)
         if refuse and known and len(unfit) == len(known):

@@ -423,8 +423,8 @@ def mtp_served(model_dir: Path, ks: list[int], concurrencies: list[int], output_
     identical outputs and tokens, and each first divergence. Rows: {"k", "concurrency",
     "tok_s_per_user", "tpot_ms", "output_tok_s", "accept_length", "speedup_vs_k0",
     "identical_outputs", "identical_tokens", "first_divergences"}. top_logprobs: the bench asks
-    for each token's k alternatives too (MTP workers report them; a batch holding such a request
-    runs its MTP steps without their CUDA graphs)."""
+    for each token's k alternatives too (MTP workers report them, computed after the step's
+    graph replay)."""
     from bench.traces import MT_BENCH, load_mt_bench
     texts = [r.text for r in load_mt_bench(MT_BENCH, output_tokens, limit=compare)]
     rows: list[dict[str, Any]] = []
