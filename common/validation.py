@@ -151,13 +151,10 @@ def generated_before(token_ids: Sequence[int], step_offset: int, params: Samplin
 
 def refuse_under_speculation(params: SamplingParams, who: str) -> None:
     """Raises InvalidArgument naming what a decode worker that runs MTP speculative decoding
-    does not serve: top log-probabilities (its verify step reports the sampled token's only),
-    logit biases and penalties (its draft and verify forwards sample from the plain logits).
+    does not serve: logit biases and penalties (its draft and verify forwards sample from the
+    plain logits). Top log-probabilities it serves (each emitted token's, from its verify row).
     who: the message's subject ("this decode worker runs", "every decode worker runs")."""
     what = "speculative decoding (MTP), which"
-    if params.top_logprobs:
-        raise InvalidArgument("sampling.top_logprobs", f"{who} {what} reports the sampled token's log-probability "
-                                                       "only: use 0")
     if params.logit_bias:
         raise InvalidArgument("sampling.logit_bias", f"{who} {what} does not apply logit biases")
     for name in ("presence_penalty", "frequency_penalty"):

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 from decode_worker.overlap import DeferredFrees
 from engine.kv_pool import PoolExhausted
 from engine.overlap_runner import LaunchedSpecStep, SpecOverlapRunner
+from engine.sampling import for_row
 from engine.spec_batch import SpecRow
 
 if TYPE_CHECKING:
@@ -148,7 +149,8 @@ class SpecOverlapLoop(DeferredFrees):
             rt.stats.spec_draft_tokens += self.k
             req.mtp_verify_steps += 1
             req.mtp_accepted_tokens += len(emitted) - 1  # the last one is the target's own token
-            if any(self.sched.emit(req, token, logprob) for token, logprob in emitted):
+            if any(self.sched.emit(req, token, logprob, for_row(top, req.params))
+                   for token, logprob, top in emitted):
                 continue  # finished: emit stopped at its last token
             # blocks past the step in flight and the confirmed tokens: no step reads them
             keep = max(pending[0] if pending else 0, rt.pool.blocks_for(len(req.tokens)))

@@ -77,8 +77,8 @@ class SpecDecoder:
             # main hidden at n..n+m: the next step's MTP extend pairs them with the new tokens
             req.hidden = out.hidden[:len(emitted)]
             finished = False
-            for token, logprob in emitted:
-                if self.sched.emit(req, token, logprob):
+            for token, logprob, top in emitted:
+                if self.sched.emit(req, token, logprob, top):
                     finished = True
                     break
             if not finished:  # free the blocks that only held rejected positions

@@ -23,7 +23,7 @@ import torch
 
 from common.sampling_params import SamplingParams
 from engine.runner import DecodeInput, ModelRunner
-from engine.sampling import StepTokens, unpack_step
+from engine.sampling import StepTokens, top_pairs, unpack_step
 
 
 MAX_STEPS_PER_LAUNCH = 4  # --decode-steps-per-launch's upper bound (the staging rings' depth assumes it)
@@ -140,8 +140,9 @@ class OverlapRunner:
 
 @dataclass
 class LaunchedSpecStep:
-    """A speculative step in flight: `host` [B, 2(k+1) + 1] float64 (tokens, logprobs, count per
-    row) filled once `event` has completed."""
+    """A speculative step in flight: `host` [B, 2(k+1) + 1 (+ (k+1) 2K)] float64 (tokens,
+    logprobs, count per row; then, where a row asked for them, each position's top
+    log-probabilities, `SpecResult.top`) filled once `event` has completed."""
 
     host: torch.Tensor
     k: int
@@ -174,7 +175,10 @@ class SpecOverlapRunner:
     def launch(self, rows) -> LaunchedSpecStep:
         """Start one speculative step for rows (engine.spec_batch.SpecRow)."""
         res = self.runner.spec_step(self.slots, rows)
-        both = torch.cat((res.tokens.double(), res.logprobs.double(), res.count.double()[:, None]), 1)
+        parts = [res.tokens.double(), res.logprobs.double(), res.count.double()[:, None]]
+        if res.top is not None:
+            parts.append(res.top.reshape(res.top.shape[0], -1))
+        both = torch.cat(parts, 1)
         if not self.cuda:
             return LaunchedSpecStep(both, self.slots.k, None)
         host = torch.empty(both.shape, dtype=both.dtype, pin_memory=True)
@@ -184,13 +188,16 @@ class SpecOverlapRunner:
         return LaunchedSpecStep(host, self.slots.k, event)
 
     @staticmethod
-    def collect(step: LaunchedSpecStep) -> list[list[tuple[int, float]]]:
-        """Wait for a launched step; per row, its emitted (token, logprob) pairs (1..k+1)."""
+    def collect(step: LaunchedSpecStep) -> list[list[tuple[int, float, tuple[tuple[int, float], ...]]]]:
+        """Wait for a launched step; per row, its emitted (token, logprob, top) triples (1..k+1;
+        top: the position's most likely (id, logprob) pairs, the step's K of them; () where no
+        row of the step asked)."""
         if step.event is not None:
             step.event.synchronize()
         k1 = step.k + 1
         out = []
         for row in step.host.tolist():
-            c = int(row[-1])
-            out.append([(int(t), lp) for t, lp in zip(row[:c], row[k1:k1 + c])])
+            c = int(row[2 * k1])
+            tops = top_pairs(row[2 * k1 + 1:], k1) if len(row) > 2 * k1 + 1 else [()] * k1
+            out.append([(int(t), lp, top) for t, lp, top in zip(row[:c], row[k1:k1 + c], tops)])
         return out

@@ -323,6 +323,13 @@ class StepTokens(NamedTuple):
     tops: list[tuple[tuple[int, float], ...]]
 
 
+def top_pairs(flat: Sequence[float], k1: int) -> list[tuple[tuple[int, float], ...]]:
+    """k1 positions' `top_logprobs_batch` rows laid end to end ([k1 × 2K] floats, as a
+    speculative step packs them) -> each position's (id, logprob) pairs."""
+    width = len(flat) // k1 if k1 else 0
+    return [_pairs(list(flat[i * width:(i + 1) * width])) for i in range(k1)]
+
+
 def for_row(top: tuple[tuple[int, float], ...], params: SamplingParams) -> tuple[tuple[int, float], ...]:
     """The alternatives of a step's row that the row's own request asked for (its first
     `params.top_logprobs`)."""

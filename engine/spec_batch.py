@@ -48,7 +48,7 @@ from common.sampling_params import SamplingParams
 from engine.block_pool import BlockId
 from engine.kv_pool import KvPool, PagedKvCache
 from engine.mtp import MTP_MODULE
-from engine.sampling import SamplingRows, sample_batch
+from engine.sampling import SamplingRows, sample_batch, sample_step
 from engine.upload import upload
 
 
@@ -123,11 +123,16 @@ class SpecRow:
 @dataclass(frozen=True)
 class SpecResult:
     """A step's device outputs: tokens [B, k+1] int64 (t_0..t_k; the first count[b] are emitted),
-    logprobs [B, k+1] float32, count [B] int64 (1..k+1)."""
+    logprobs [B, k+1] float32, count [B] int64 (1..k+1), and where a row asked for top
+    log-probabilities top [B, k+1, 2K] float64 (`engine.sampling.top_logprobs_batch` of each
+    target token's distribution, K the most any row asked for), else None. logits: the verify's
+    [B, k+1, vocab] (what engine/spec_graphs.py computes top from after a replay)."""
 
     tokens: torch.Tensor
     logprobs: torch.Tensor
     count: torch.Tensor
+    top: torch.Tensor | None = None
+    logits: torch.Tensor | None = None
 
 
 class _PlainForwards:
@@ -254,7 +259,8 @@ def step_body(model: torch.nn.Module, slots: SpecSlots, idx: torch.Tensor, shift
     v_ids = torch.cat((ids[every, c - 1][:, None], d), 1).reshape(-1)  # [B * (k+1)]
     hv = fw.verify(v_ids, (n[:, None] + ar).reshape(-1))  # [B * (k+1), H]
     logits = model.logits(hv)
-    t, lp = sample_batch(logits, dataclasses.replace(per, step=(base[:, None] + ar).reshape(-1)))
+    # the targets as a plain step draws them, with their top log-probabilities where asked
+    t, lp, top = sample_step(logits, dataclasses.replace(per, step=(base[:, None] + ar).reshape(-1)))
     t, lp = t.view(b, k1), lp.view(b, k1)
     # 4. accept: the leading drafts equal to the target's tokens, then its own token
     count = (d == t[:, :k]).long().cumprod(1).sum(1) + 1  # [B]
@@ -262,4 +268,4 @@ def step_body(model: torch.nn.Module, slots: SpecSlots, idx: torch.Tensor, shift
     slots.ids[idx] = t
     slots.count[idx] = count
     slots.n[idx] = n + count
-    return SpecResult(t, lp, count)
+    return SpecResult(t, lp, count, None if top is None else top.view(b, k1, -1), logits.view(b, k1, -1))

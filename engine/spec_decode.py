@@ -34,7 +34,7 @@ from common.sampling_params import SamplingParams
 from engine.block_pool import BlockId
 from engine.kv_pool import KvPool, PagedKvCache
 from engine.mtp import MTP_MODULE
-from engine.sampling import sample
+from engine.sampling import sample, sample_one
 
 
 @dataclass(frozen=True)
@@ -152,15 +152,19 @@ def spec_forward(model: torch.nn.Module, pool: KvPool, batch: list[SpecInput],
     return out
 
 
-def accept(out: SpecOutput, params: SamplingParams, step: int) -> list[tuple[int, float]]:
-    """Step 4: the tokens to emit (1..k+1 of them) with their log-probabilities (`sample`'s).
+def accept(out: SpecOutput, params: SamplingParams, step: int
+           ) -> list[tuple[int, float, tuple[tuple[int, float], ...]]]:
+    """Step 4: the tokens to emit (1..k+1 of them), each with its log-probability and its
+    `params.top_logprobs` most likely (id, logprob) pairs (`sample_one`'s: what a plain decode
+    step reports for that token; () where none are asked for).
 
     step is the sampling step index of the first emitted token (position n + 1).
     """
-    emitted: list[tuple[int, float]] = []
+    emitted: list[tuple[int, float, tuple[tuple[int, float], ...]]] = []
     for i in range(len(out.drafts) + 1):
-        token, logprob = sample(out.target_logits[i], params, step + i)
-        emitted.append((token, logprob))
+        token, logprob, top = sample_one(out.target_logits[i], params, step + i)
+        emitted.append((token, logprob, top))
         if i == len(out.drafts) or out.drafts[i] != token:
             break
     return emitted
+

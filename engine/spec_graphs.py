@@ -35,7 +35,7 @@ from engine.graph_runner import PriorityReplay, batch_sizes
 from engine.kernels import pdl
 from engine.kv_pool import KvPool
 from engine.model import shared_experts_beside
-from engine.sampling import SamplingRows, seed_int64
+from engine.sampling import SamplingRows, seed_int64, top_logprobs_batch
 from engine.spec_batch import FastForwards, SpecResult, SpecRow, SpecSlots, step_body
 
 log = logging.getLogger(__name__)
@@ -145,4 +145,12 @@ class SpecGraphs:
         self.tables[:bs, :w].copy_(upload(table, torch.int32, self.tables.device))
         graph, out = self.graphs[bs, sampled]
         self.replay(graph)
-        return SpecResult(out.tokens[:b], out.logprobs[:b], out.count[:b])
+        top = None
+        if any(r.params.top_logprobs for r in rows):
+            # after the replay, from its verify logits (a graph output): the distribution each
+            # target token was drawn from does not depend on its sampling step, so these are the
+            # numbers the eager step's `sample_step` gives (the graphs themselves compute none)
+            k1 = self.k + 1
+            per = SamplingRows.build([(r.params, 0) for r in rows], self.ints.device).repeat(k1)
+            top = top_logprobs_batch(out.logits[:b].reshape(b * k1, -1), per).view(b, k1, -1)
+        return SpecResult(out.tokens[:b], out.logprobs[:b], out.count[:b], top)

@@ -127,14 +127,16 @@ def test_disaggregated_seeded_sampling_is_reproducible(cluster, stub, shakespear
 
 
 def test_what_mtp_decode_workers_refuse_goes_to_the_others(cluster, stub) -> None:
-    """Top log-probabilities, logit biases and penalties: an MTP decode worker refuses them by
-    name; the router places such requests on plain decode workers, and refuses them by name when
-    every decode worker runs MTP."""
+    """Logit biases and penalties: an MTP decode worker refuses them by name; the router places
+    such requests on plain decode workers, and refuses them by name when every decode worker
+    runs MTP. Top log-probabilities it serves itself, one entry per token."""
     from common.pb.tandem.v1 import decode_pb2, decode_pb2_grpc
     use_decode(cluster, 1)
-    asks = [dict(top_logprobs=2), dict(logit_bias={9: 2.0}), dict(presence_penalty=0.5),
-            dict(frequency_penalty=-0.5)]
-    fields = ["top_logprobs", "logit_bias", "presence_penalty", "frequency_penalty"]
+    got, msgs = run(stub, token_ids=[5, 6, 7], sampling=sampling_pb2.SamplingParams(max_tokens=6, top_logprobs=2))
+    tops = [t for m in msgs for t in m.top_logprobs]
+    assert len(got) == 6 and len(tops) == 6 and all(len(t.token_ids) == 2 for t in tops)
+    asks = [dict(logit_bias={9: 2.0}), dict(presence_penalty=0.5), dict(frequency_penalty=-0.5)]
+    fields = ["logit_bias", "presence_penalty", "frequency_penalty"]
     for ask, field in zip(asks, fields):
         with pytest.raises(grpc.RpcError) as e:
             run(stub, token_ids=[5, 6, 7], sampling=sampling_pb2.SamplingParams(max_tokens=3, **ask))
@@ -143,17 +145,19 @@ def test_what_mtp_decode_workers_refuse_goes_to_the_others(cluster, stub) -> Non
     with grpc.insecure_channel(cluster.decode.address) as ch:  # the worker's own check, sent to it directly
         with pytest.raises(grpc.RpcError) as e:
             list(decode_pb2_grpc.DecodeServiceStub(ch).Generate(decode_pb2.DecodeRequest(
-                token_ids=[5, 6, 7], sampling=sampling_pb2.SamplingParams(max_tokens=3, top_logprobs=1)), timeout=30))
+                token_ids=[5, 6, 7], sampling=sampling_pb2.SamplingParams(max_tokens=3, presence_penalty=1.0)),
+                timeout=30))
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-        assert e.value.details().startswith("sampling.top_logprobs: this decode worker runs speculative decoding")
+        assert e.value.details().startswith("sampling.presence_penalty: this decode worker runs speculative decoding")
     plain = cluster.start("decode")  # a plain decode worker beside the MTP one
     try:
         cluster.wait_roles(cluster.router, 1, 2)
         served = plain.runtime.stats.generated_tokens
-        for i, ask in enumerate(asks * 2):
+        placed = asks * 2
+        for i, ask in enumerate(placed):
             got, msgs = run(stub, token_ids=[5, 6, 7 + i], sampling=sampling_pb2.SamplingParams(max_tokens=3, **ask))
             assert len(got) == 3
-        assert plain.runtime.stats.generated_tokens == served + 3 * 2 * len(asks)  # every one of them there
+        assert plain.runtime.stats.generated_tokens == served + 3 * len(placed)  # every one of them there
     finally:
         cluster.stop(plain)
         cluster.wait_roles(cluster.router, 1, 1)

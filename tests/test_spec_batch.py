@@ -277,3 +277,46 @@ def test_cuda_served_mtp_bf16_graphs_agree_with_k0(shakespeare) -> None:
         agree = sum(a == b for x, y in zip(base, other) for a, b in zip(x, y))
         assert agree >= 0.8 * sum(len(x) for x in base), (base, other)
     assert rt.stats.spec_emitted_tokens / rt.stats.spec_verify_steps > 1.2
+
+
+@cuda
+def test_cuda_mtp_graphs_report_top_logprobs_as_the_eager_step(shakespeare, monkeypatch) -> None:
+    # bf16 fast path with graphs captured: a batch holding requests that ask for top
+    # log-probabilities replays the graphs, its tops computed after the replay from the verify
+    # logits, for every decoded token; against the same run without graphs (--disable-cuda-graph:
+    # the eager step's sample_step) the same alternatives up to each request's first differing
+    # token, and the tokens mostly agree with k = 0 on the same weights
+    from engine.spec_graphs import SpecGraphs
+    replayed = []
+    real_run = SpecGraphs.run
+
+    def run(self, rows):
+        out = real_run(self, rows)
+        replayed.append(out.top is not None)
+        return out
+    monkeypatch.setattr(SpecGraphs, "run", run)
+    model = copy.deepcopy(shakespeare.model).to("cuda", torch.bfloat16)
+    loaded = dataclasses.replace(shakespeare, model=model)
+    tok = shakespeare.tokenizer()
+    prompts = [tok.encode(t) for t in TEXTS]
+    params = [SamplingParams(max_tokens=16, top_logprobs=4), SamplingParams(max_tokens=16),
+              SamplingParams(max_tokens=16, temperature=0.8, seed=5, top_logprobs=2)]
+    base, _ = asyncio.run(generate(loaded, 0, prompts, params, max_running=4))
+    tops = [[] for _ in prompts]
+    got, rt = asyncio.run(generate(loaded, 2, prompts, params, max_running=4, tops=tops))
+    assert rt.runner.spec_graphs is not None and rt.stats.spec_verify_steps > 0
+    assert any(replayed)  # the graphs took batches asking for tops
+    eager_tops = [[] for _ in prompts]
+    eager, rt2 = asyncio.run(generate(loaded, 2, prompts, params, max_running=4, tops=eager_tops,
+                                      disable_cuda_graph=True))
+    assert rt2.runner.spec_graphs is None
+    for p, out, t, e_out, e in zip(params, got, tops, eager, eager_tops):
+        assert len(t) == len(out) - 1 and all((len(x) > 0) == (p.top_logprobs > 0) for x in t)
+        if p.greedy and p.top_logprobs:  # a greedy token is its own likeliest alternative
+            assert all(x[0][0] == tok_id for x, tok_id in zip(t, out[1:]))
+        same = next((i for i, (a, b) in enumerate(zip(out[1:], e_out[1:])) if a != b), len(out) - 1)
+        for a, b in zip(t[:same], e[:same]):
+            assert [i for i, _ in a] == [i for i, _ in b]
+            assert [lp for _, lp in a] == pytest.approx([lp for _, lp in b], abs=2e-2)
+    agree = sum(a == b for x, y in zip(base[:2], got[:2]) for a, b in zip(x, y))
+    assert agree >= 0.8 * sum(len(x) for x in base[:2]), (base, got)

@@ -48,7 +48,7 @@ def _onehot_logits(tokens: list[int], vocab: int = 8) -> torch.Tensor:
 ])
 def test_greedy_accept_is_longest_matching_prefix(drafts, targets, emitted) -> None:
     out = SpecOutput(drafts, _onehot_logits(targets), torch.zeros(len(targets), 4))
-    assert [t for t, _ in accept(out, SamplingParams(), step=0)] == emitted
+    assert [t for t, *_ in accept(out, SamplingParams(), step=0)] == emitted
 
 
 def test_seeded_accept_emits_the_plain_draws() -> None:
@@ -58,7 +58,7 @@ def test_seeded_accept_emits_the_plain_draws() -> None:
     plain = [sample(logits[i], params, 10 + i)[0] for i in range(4)]
     for drafts in ([0, 0, 0], plain[:3], [plain[0], (plain[1] + 1) % 50, plain[2]]):
         out = SpecOutput(drafts, logits, torch.zeros(4, 1))
-        got = [t for t, _ in accept(out, params, step=10)]
+        got = [t for t, *_ in accept(out, params, step=10)]
         n = next((i for i, d in enumerate(drafts) if d != plain[i]), 3)
         assert got == plain[:n + 1]
 

@@ -182,3 +182,33 @@ def test_sample_step_gives_what_its_two_parts_give_apart():
     want_tokens, want_logprobs = sample_batch(logits, rows)
     assert torch.equal(tokens, want_tokens) and torch.equal(logprobs, want_logprobs)
     assert torch.equal(top, top_logprobs_batch(logits, rows))
+
+
+@pytest.mark.parametrize("overlap", [False, True, "in turn"])
+def test_mtp_decoding_reports_the_plain_decodings_top_logprobs(overlap):
+    """A decode worker with MTP speculative decoding (k = 2) reports each emitted token's top
+    log-probabilities as the plain loop does (k = 0), drafted tokens included: on the host-side
+    MTP step (decode_worker/spec_step.py) and on the device-resident one
+    (decode_worker/spec_overlap.py, overlapped and in turn). float32 on a CPU: the same tokens,
+    the same alternatives, log-probabilities within float noise (verify rows against decode
+    rows)."""
+    from engine.model_source import load_model
+    shakespeare = load_model("tandem-shakespeare")
+    tok = shakespeare.tokenizer()
+    prompts = [tok.encode(t) for t in ("ROMEO:\nBut soft, what light through yonder window breaks?\n",
+                                        "First Citizen:\nBefore we proceed any further, hear me speak.\n",
+                                        "KING HENRY:\nOnce more unto the breach, dear friends, once more;\n")]
+    params = [SamplingParams(max_tokens=12, top_logprobs=5, ignore_eos=True),
+              SamplingParams(max_tokens=12, ignore_eos=True),  # beside them, asks for none
+              SamplingParams(max_tokens=12, temperature=0.8, top_p=0.6, seed=3, top_logprobs=3, ignore_eos=True)]
+    want_tops = [[] for _ in prompts]
+    want, _ = asyncio.run(generate(shakespeare, 0, prompts, params, disable_overlap_schedule=True, tops=want_tops))
+    tops = [[] for _ in prompts]
+    got, rt = asyncio.run(generate(shakespeare, 2, prompts, params, overlap=overlap, tops=tops))
+    assert rt.stats.spec_emitted_tokens > rt.stats.spec_verify_steps > 0  # drafts were accepted
+    assert got == want
+    for p, t, w in zip(params, tops, want_tops):
+        assert len(t) == len(w) == p.max_tokens - 1
+        for a, b in zip(t, w):
+            assert [i for i, _ in a] == [i for i, _ in b] and (len(a) > 0) == (p.top_logprobs > 0)
+            assert [lp for _, lp in a] == pytest.approx([lp for _, lp in b], abs=1e-4)

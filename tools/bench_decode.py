@@ -230,7 +230,7 @@ def bench_mtp(spec: str, device: torch.device, ks: list[int], prompts: list[list
                 res = spec_forward(model, pool, [inp])[0]
                 acc = accept(res, params, 0)
                 h = res.hidden[:len(acc)]
-                tokens += [t for t, _ in acc]
+                tokens += [t for t, *_ in acc]
                 if kk:
                     steps += 1
                     emitted += len(acc)

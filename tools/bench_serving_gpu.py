@@ -415,14 +415,16 @@ TRAINED = ROOT / "engine" / "assets" / "tandem-shakespeare"  # the shipped train
 
 
 def mtp_served(model_dir: Path, ks: list[int], concurrencies: list[int], output_tokens: int, port: int,
-               env_extra: dict[str, str], compare: int = 16) -> list[dict[str, Any]]:
+               env_extra: dict[str, str], compare: int = 16, top_logprobs: int = 0) -> list[dict[str, Any]]:
     """MTP k = ks served (`tandem up` per k, `--speculative-num-steps k` through its variable) at
     each concurrency on MT-Bench prompts, greedy: tokens/s per user (1000 / mean TPOT) and the
     decode worker's accept length; then `compare` MT-Bench prompts once more, one at a time,
     whose greedy tokens are compared with k = 0's (k = 0 first in `ks`): the share of
     identical outputs and tokens, and each first divergence. Rows: {"k", "concurrency",
     "tok_s_per_user", "tpot_ms", "output_tok_s", "accept_length", "speedup_vs_k0",
-    "identical_outputs", "identical_tokens", "first_divergences"}."""
+    "identical_outputs", "identical_tokens", "first_divergences"}. top_logprobs: the bench asks
+    for each token's k alternatives too (MTP workers report them, computed after the step's
+    graph replay)."""
     from bench.traces import MT_BENCH, load_mt_bench
     texts = [r.text for r in load_mt_bench(MT_BENCH, output_tokens, limit=compare)]
     rows: list[dict[str, Any]] = []
@@ -432,6 +434,7 @@ def mtp_served(model_dir: Path, ks: list[int], concurrencies: list[int], output_
             served = serve_and_bench(model_dir, [0], concurrencies, output_tokens, port, Path(tmp),
                                      {**env_extra, "TANDEM_SPECULATIVE_NUM_STEPS": str(k)},
                                      dataset="mt-bench", spec=True,
+                                     bench_extra=("--temperature", "0", "--top-logprobs", str(top_logprobs)),
                                      after=lambda p: greedy_outputs(p, texts, output_tokens) if texts else [])
         outputs[k] = served.get("after", [])
         same = _same_outputs(outputs.get(0), outputs[k])
@@ -600,7 +603,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         mtp_env = {"TANDEM_NUM_BLOCKS": "4000"} if device.type != "cuda" else {}  # GPU: --mem-fraction-static
         doc["mtp"] = mtp_served(Path(args.mtp_model), [int(x) for x in args.mtp.split(",")],
                                 [int(x) for x in args.mtp_concurrency.split(",")], args.output_tokens,
-                                args.port, mtp_env)
+                                args.port, mtp_env, top_logprobs=args.top_logprobs)
         out.write_text(json.dumps(doc, indent=1) + "\n")
     for name in filter(None, args.configs.split(",")):
         cfg = smoke_config() if args.smoke else {"S": bench_config(False), "M": m_config()}[name]
