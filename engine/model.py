@@ -684,6 +684,12 @@ class DeepseekV3ForCausalLM(nn.Module):
         """hidden [N, hidden] (final-normed; or [hidden]) -> logits [N, vocab] float32."""
         return self.lm_head(hidden).float()
 
+    def logits_into(self, hidden: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """`logits` written into out [N, vocab] float32 (a buffer that outlives a CUDA graph's
+        replay: the MTP graphs' verify logits, engine/spec_graphs.py); the same values, the
+        float32 conversion landing in out instead of a new tensor. Returns out."""
+        return out.copy_(self.lm_head(hidden))
+
     def mtp_forward(self, k: int, prev_hidden: torch.Tensor, next_ids: torch.Tensor,
                     positions: torch.Tensor, q_lens: Sequence[int], kv: KvCache) -> torch.Tensor:
         """MTP module k (report eq. 21-23) -> hidden [T, hidden], not normed (feed it to

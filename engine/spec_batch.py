@@ -222,7 +222,7 @@ def spec_step(model: torch.nn.Module, pool: KvPool, slots: SpecSlots, rows: list
 
 
 def step_body(model: torch.nn.Module, slots: SpecSlots, idx: torch.Tensor, shift: torch.Tensor,
-              one: SamplingRows, forwards) -> SpecResult:
+              one: SamplingRows, forwards, logits_out: torch.Tensor | None = None) -> SpecResult:
     """The step on device tensors only (no host read or copy on the fast path, so
     engine/spec_graphs.py captures it whole).
 
@@ -232,6 +232,9 @@ def step_body(model: torch.nn.Module, slots: SpecSlots, idx: torch.Tensor, shift
             ignored: set here per position).
         forwards: (n [B], c [B]) -> the step's extend / chain / verify forwards
             (`FastForwards`, or `_PlainForwards`, which reads n and c on the host).
+        logits_out: [≥ B·(k+1), vocab] float32 the verify's logits are written into (the
+            graphs' one buffer for every bucket and mode: only the last replay's is read);
+            None: a new tensor.
     """
     k = slots.k
     k1, b = k + 1, idx.shape[0]
@@ -258,7 +261,7 @@ def step_body(model: torch.nn.Module, slots: SpecSlots, idx: torch.Tensor, shift
     # 3. verify [x_n, d_1..d_k] at positions n..n+k
     v_ids = torch.cat((ids[every, c - 1][:, None], d), 1).reshape(-1)  # [B * (k+1)]
     hv = fw.verify(v_ids, (n[:, None] + ar).reshape(-1))  # [B * (k+1), H]
-    logits = model.logits(hv)
+    logits = model.logits(hv) if logits_out is None else model.logits_into(hv, logits_out[:hv.shape[0]])
     # the targets as a plain step draws them, with their top log-probabilities where asked
     t, lp, top = sample_step(logits, dataclasses.replace(per, step=(base[:, None] + ar).reshape(-1)))
     t, lp = t.view(b, k1), lp.view(b, k1)

@@ -81,6 +81,10 @@ class SpecGraphs:
         t0 = time.perf_counter()
         torch.cuda.synchronize(dev)
         before = torch.cuda.memory_reserved(dev)
+        # the verify's logits of every bucket and mode in one buffer that outlives a replay
+        # (top log-probabilities are computed from it after one, `run`): a graph output of its
+        # own per bucket and mode would keep each alive in the graph pool
+        self.logits = torch.empty(n * (k + 1), model.lm_head.weight.shape[0], dtype=torch.float32, device=dev)
         handle = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(dev)
         # the warm-up runs rewrite the padding slot's state only (every row is a padding row)
@@ -115,7 +119,7 @@ class SpecGraphs:
 
         def forwards(n, c):
             return FastForwards(self.model, self.pool, tables, k1)
-        out = step_body(self.model, self.slots, ints[0], ints[1], one, forwards)
+        out = step_body(self.model, self.slots, ints[0], ints[1], one, forwards, logits_out=self.logits)
         # padding rows advanced the padding slot: back to a one-token context
         self.slots.n[self.pad:self.pad + 1].fill_(_PAD_N)
         self.slots.count[self.pad:self.pad + 1].fill_(1)
@@ -146,11 +150,21 @@ class SpecGraphs:
         graph, out = self.graphs[bs, sampled]
         self.replay(graph)
         top = None
-        if any(r.params.top_logprobs for r in rows):
-            # after the replay, from its verify logits (a graph output): the distribution each
+        asked = [i for i, r in enumerate(rows) if r.params.top_logprobs]
+        if asked:
+            # after the replay, from its verify logits (`self.logits`): the distribution each
             # target token was drawn from does not depend on its sampling step, so these are the
-            # numbers the eager step's `sample_step` gives (the graphs themselves compute none)
+            # numbers the eager step's `sample_step` gives (the graphs themselves compute none);
+            # for the rows that asked only (a top-p row's sort is [rows, vocab]); the others' stay 0
             k1 = self.k + 1
-            per = SamplingRows.build([(r.params, 0) for r in rows], self.ints.device).repeat(k1)
-            top = top_logprobs_batch(out.logits[:b].reshape(b * k1, -1), per).view(b, k1, -1)
+            dev = self.ints.device
+            per = SamplingRows.build([(rows[i].params, 0) for i in asked], dev).repeat(k1)
+            logits = self.logits[: bs * k1].view(bs, k1, -1)
+            if len(asked) == b:
+                top = top_logprobs_batch(logits[:b].reshape(b * k1, -1), per).view(b, k1, -1)
+            else:
+                which = upload(asked, torch.long, dev)
+                part = top_logprobs_batch(logits[which].reshape(len(asked) * k1, -1), per)
+                top = torch.zeros(b, k1, part.shape[1], dtype=part.dtype, device=dev)
+                top[which] = part.view(len(asked), k1, -1)
         return SpecResult(out.tokens[:b], out.logprobs[:b], out.count[:b], top)
