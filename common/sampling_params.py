@@ -42,15 +42,15 @@ class SamplingParams:
 
     @property
     def needs_plain_decode(self) -> bool:
-        """Whether it asks for what a decode worker running MTP refuses: a logit bias or a
-        penalty (common.validation.refuse_under_speculation)."""
-        return bool(self.logit_bias or self.penalized)
+        """Whether it asks for what a decode worker running MTP refuses: a penalty
+        (common.validation.refuse_under_speculation)."""
+        return self.penalized
 
     @cached_property
     def plain(self) -> bool:
         """Greedy, with no logit bias, penalty or top log-probabilities: a decode step of such
         rows only takes each row's argmax (looked up once per request: every step asks)."""
-        return self.greedy and not (self.top_logprobs or self.needs_plain_decode)
+        return self.greedy and not (self.top_logprobs or self.logit_bias or self.penalized)
 
     @cached_property
     def bias_arrays(self) -> tuple[np.ndarray, np.ndarray]:

@@ -151,12 +151,11 @@ def generated_before(token_ids: Sequence[int], step_offset: int, params: Samplin
 
 def refuse_under_speculation(params: SamplingParams, who: str) -> None:
     """Raises InvalidArgument naming what a decode worker that runs MTP speculative decoding
-    does not serve: logit biases and penalties (its draft and verify forwards sample from the
-    plain logits). Top log-probabilities it serves (each emitted token's, from its verify row).
+    does not serve: penalties (a verify row's would count the drafts before it, which its
+    step does not). Top log-probabilities and logit biases it serves (each emitted token's from
+    its verify row, the bias applied to the draft and verify logits alike).
     who: the message's subject ("this decode worker runs", "every decode worker runs")."""
     what = "speculative decoding (MTP), which"
-    if params.logit_bias:
-        raise InvalidArgument("sampling.logit_bias", f"{who} {what} does not apply logit biases")
     for name in ("presence_penalty", "frequency_penalty"):
         if getattr(params, name):
             raise InvalidArgument(f"sampling.{name}", f"{who} {what} applies no penalties: use 0")

@@ -33,6 +33,7 @@ alternatives' compare like for like. They travel in the step's one device-to-hos
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Callable, NamedTuple, Sequence
 
@@ -134,17 +135,23 @@ class SamplingRows:
                             any(not p.greedy and p.top_p < 1.0 for p in params), top, bias, penalty)
 
     def repeat(self, times: int) -> SamplingRows:
-        """Each row `times` times in a row ([B] -> [B * times]); an all-greedy batch's tensors
-        are never read and stay as they are. (MTP's verify rows: its workers refuse logit
-        biases and penalties, so a batch with one raises ValueError.)"""
-        if self.adjusts:
-            raise ValueError("logit_bias or a penalty in a speculative step")
-        if not self.any_sampled:
-            return self
+        """Each row `times` times in a row ([B] -> [B * times]), its logit bias with it (row r's
+        pairs on rows r·times .. r·times + times - 1); an all-greedy batch's per-row tensors are
+        never read and stay as they are. (MTP's verify rows: its workers refuse penalties, whose
+        history would differ per repeated row, so a batch with one raises ValueError.)"""
+        if self.penalty is not None:
+            raise ValueError("a penalty in a speculative step")
         def rep(t: torch.Tensor) -> torch.Tensor:  # (expand, not repeat_interleave: never a sync)
             return t[:, None].expand(-1, times).reshape(-1)
+        bias = None
+        if self.bias is not None:
+            r, ids, values = self.bias
+            at = (r[:, None] * times + torch.arange(times, device=r.device)).reshape(-1)
+            bias = (at, rep(ids), rep(values))
+        if not self.any_sampled:
+            return dataclasses.replace(self, bias=bias) if bias is not None else self
         return SamplingRows(rep(self.temperature), rep(self.top_p), rep(self.seed), rep(self.step), True,
-                            self.any_top_p, self.top_logprobs)
+                            self.any_top_p, self.top_logprobs, bias)
 
 
 def _bias_rows(params: list[SamplingParams], device: torch.device) -> tuple | None:

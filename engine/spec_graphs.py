@@ -126,7 +126,11 @@ class SpecGraphs:
         return out
 
     def can_run(self, rows: list[SpecRow]) -> bool:
-        return len(rows) <= self.sizes[-1] and max(len(r.block_ids) for r in rows) <= self.width
+        """Whether the graphs take this batch: within the largest bucket and the tables' width,
+        and no row with a logit bias (the graphs' sampling has none: such a batch runs the same
+        `step_body` eagerly, slower by the launches a replay saves, while the request runs)."""
+        return (len(rows) <= self.sizes[-1] and max(len(r.block_ids) for r in rows) <= self.width
+                and not any(r.params.logit_bias for r in rows))
 
     def run(self, rows: list[SpecRow]) -> SpecResult:
         """Replay the step for rows (within `can_run`, slots of `self.slots`): the result's

@@ -47,7 +47,7 @@ class OpenCalls:
     def open(self, instance_id: str, plain_only: bool = False) -> Iterator[asyncio.Future[str]]:
         """Register one call to `instance_id` for its duration; yields its `lost` future, which
         `evict` resolves with the reason. plain_only: the request asks for what decode workers
-        running MTP refuse (a logit bias, penalties)."""
+        running MTP refuse (penalties)."""
         lost: asyncio.Future[str] = asyncio.get_running_loop().create_future()
         calls = self._by_worker.setdefault(instance_id, set())
         calls.add(lost)

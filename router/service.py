@@ -387,13 +387,13 @@ class FrontendServicer(pb_grpc.FrontendServiceServicer):
     async def _unfit_decoders(self, params: SamplingParams, context: grpc.aio.ServicerContext,
                               refuse: bool = True) -> frozenset[str]:
         """The decode workers not to place params on: those running MTP speculative decoding
-        (their records' speculative_num_steps), for a request with a logit bias or a penalty,
+        (their records' speculative_num_steps), for a request with a penalty,
         which they refuse: INVALID_ARGUMENT naming the field when every decode worker in
         discovery would, draining or set aside ones included (a plain one that is only
         unavailable for now leaves routing to answer UNAVAILABLE, which clients retry). refuse
         False (a retry or migration: tokens may have gone out already): never INVALID_ARGUMENT,
-        routing answers UNAVAILABLE where no worker fits. (Top log-probabilities MTP workers
-        serve.)"""
+        routing answers UNAVAILABLE where no worker fits. (Top log-probabilities and logit biases
+        MTP workers serve.)"""
         if not params.needs_plain_decode:
             return frozenset()
         known = self.workers.candidates(discovery_pb2.ROLE_DECODE, serving_only=False)

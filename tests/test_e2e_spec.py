@@ -127,16 +127,20 @@ def test_disaggregated_seeded_sampling_is_reproducible(cluster, stub, shakespear
 
 
 def test_what_mtp_decode_workers_refuse_goes_to_the_others(cluster, stub) -> None:
-    """Logit biases and penalties: an MTP decode worker refuses them by name; the router places
-    such requests on plain decode workers, and refuses them by name when every decode worker
-    runs MTP. Top log-probabilities it serves itself, one entry per token."""
+    """Penalties: an MTP decode worker refuses them by name; the router places such requests on
+    plain decode workers, and refuses them by name when every decode worker runs MTP. Top
+    log-probabilities and logit biases it serves itself."""
     from common.pb.tandem.v1 import decode_pb2, decode_pb2_grpc
     use_decode(cluster, 1)
     got, msgs = run(stub, token_ids=[5, 6, 7], sampling=sampling_pb2.SamplingParams(max_tokens=6, top_logprobs=2))
     tops = [t for m in msgs for t in m.top_logprobs]
     assert len(got) == 6 and len(tops) == 6 and all(len(t.token_ids) == 2 for t in tops)
-    asks = [dict(logit_bias={9: 2.0}), dict(presence_penalty=0.5), dict(frequency_penalty=-0.5)]
-    fields = ["logit_bias", "presence_penalty", "frequency_penalty"]
+    banned, _ = run(stub, token_ids=[5, 6, 7], sampling=sampling_pb2.SamplingParams(max_tokens=6))
+    got, _ = run(stub, token_ids=[5, 6, 7], sampling=sampling_pb2.SamplingParams(
+        max_tokens=6, logit_bias={t: -100.0 for t in set(banned)}))
+    assert len(got) == 6 and not set(got) & set(banned)
+    asks = [dict(presence_penalty=0.5), dict(frequency_penalty=-0.5)]
+    fields = ["presence_penalty", "frequency_penalty"]
     for ask, field in zip(asks, fields):
         with pytest.raises(grpc.RpcError) as e:
             run(stub, token_ids=[5, 6, 7], sampling=sampling_pb2.SamplingParams(max_tokens=3, **ask))

@@ -212,3 +212,33 @@ def test_mtp_decoding_reports_the_plain_decodings_top_logprobs(overlap):
         for a, b in zip(t, w):
             assert [i for i, _ in a] == [i for i, _ in b] and (len(a) > 0) == (p.top_logprobs > 0)
             assert [lp for _, lp in a] == pytest.approx([lp for _, lp in b], abs=1e-4)
+
+
+@pytest.mark.parametrize("overlap", [False, True, "in turn"])
+def test_mtp_decoding_with_a_logit_bias_emits_the_plain_decodings_tokens(overlap):
+    """MTP speculative decoding (k = 2) with logit biases: the bias on the draft and verify
+    logits alike, so the emitted tokens (and their top log-probabilities) are the plain loop's
+    (k = 0) with the same bias, on the host-side MTP step and the device-resident one; float32
+    on a CPU. The banned tokens never come, and the bias changed the output."""
+    from engine.model_source import load_model
+    shakespeare = load_model("tandem-shakespeare")
+    tok = shakespeare.tokenizer()
+    prompts = [tok.encode(t) for t in ("ROMEO:\nBut soft, what light through yonder window breaks?\n",
+                                        "First Citizen:\nBefore we proceed any further, hear me speak.\n",
+                                        "KING HENRY:\nOnce more unto the breach, dear friends, once more;\n")]
+    unbiased = reference_generate(shakespeare.model, prompts[0], 8)
+    banned = tuple((t, -100.0) for t in sorted(set(unbiased[1:])))
+    params = [SamplingParams(max_tokens=12, ignore_eos=True, logit_bias=banned, top_logprobs=2),
+              SamplingParams(max_tokens=12, ignore_eos=True),  # beside them, none
+              SamplingParams(max_tokens=12, temperature=0.9, seed=4, ignore_eos=True,
+                             logit_bias=((tok.encode(" the")[0], 4.0),))]
+    want_tops = [[] for _ in prompts]
+    want, _ = asyncio.run(generate(shakespeare, 0, prompts, params, disable_overlap_schedule=True, tops=want_tops))
+    tops = [[] for _ in prompts]
+    got, rt = asyncio.run(generate(shakespeare, 2, prompts, params, overlap=overlap, tops=tops))
+    assert rt.stats.spec_emitted_tokens > rt.stats.spec_verify_steps > 0  # drafts were accepted
+    assert got == want
+    assert not set(got[0][1:]) & {t for t, _ in banned} and got[0][:8] != unbiased
+    for a, b in zip(tops[0], want_tops[0]):
+        assert [i for i, _ in a] == [i for i, _ in b]
+        assert [lp for _, lp in a] == pytest.approx([lp for _, lp in b], abs=1e-4)
