@@ -136,6 +136,7 @@ class SpecGraphs:
         """Replay the step for rows (within `can_run`, slots of `self.slots`): the result's
         tensors are views of the graph's outputs, valid until its next replay."""
         from engine.upload import upload
+        assert not any(r.params.logit_bias for r in rows), "a biased batch runs eagerly (can_run)"
         b = len(rows)
         bs = next(s for s in self.sizes if s >= b)
         pad = bs - b

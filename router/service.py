@@ -392,10 +392,18 @@ class FrontendServicer(pb_grpc.FrontendServiceServicer):
         discovery would, draining or set aside ones included (a plain one that is only
         unavailable for now leaves routing to answer UNAVAILABLE, which clients retry). refuse
         False (a retry or migration: tokens may have gone out already): never INVALID_ARGUMENT,
-        routing answers UNAVAILABLE where no worker fits. (Top log-probabilities and logit biases
-        MTP workers serve.)"""
+        routing answers UNAVAILABLE where no worker fits.
+
+        Top log-probabilities and logit biases MTP workers serve; but a batch holding a biased
+        request runs its MTP steps without their CUDA graphs (slower for the whole batch while
+        it runs), so a request with a logit bias goes to a serving plain decode worker where
+        there is one, else to any."""
         if not params.needs_plain_decode:
-            return frozenset()
+            if not params.logit_bias:
+                return frozenset()
+            serving = self.workers.candidates(discovery_pb2.ROLE_DECODE, serving_only=True)
+            mtp = frozenset(d.instance_id for d in serving if d.speculative_num_steps)
+            return mtp if len(mtp) < len(serving) else frozenset()
         known = self.workers.candidates(discovery_pb2.ROLE_DECODE, serving_only=False)
         unfit = frozenset(d.instance_id for d in known if d.speculative_num_steps)
         if refuse and known and len(unfit) == len(known):
