@@ -184,61 +184,70 @@ def test_sample_step_gives_what_its_two_parts_give_apart():
     assert torch.equal(top, top_logprobs_batch(logits, rows))
 
 
-@pytest.mark.parametrize("overlap", [False, True, "in turn"])
-def test_mtp_decoding_reports_the_plain_decodings_top_logprobs(overlap):
-    """A decode worker with MTP speculative decoding (k = 2) reports each emitted token's top
-    log-probabilities as the plain loop does (k = 0), drafted tokens included: on the host-side
-    MTP step (decode_worker/spec_step.py) and on the device-resident one
-    (decode_worker/spec_overlap.py, overlapped and in turn). float32 on a CPU: the same tokens,
-    the same alternatives, log-probabilities within float noise (verify rows against decode
-    rows)."""
+MTP_TEXTS = ("ROMEO:\nBut soft, what light through yonder window breaks?\n",
+             "First Citizen:\nBefore we proceed any further, hear me speak.\n",
+             "KING HENRY:\nOnce more unto the breach, dear friends, once more;\n")
+
+
+@pytest.fixture(scope="module")
+def shakespeare():
     from engine.model_source import load_model
-    shakespeare = load_model("tandem-shakespeare")
-    tok = shakespeare.tokenizer()
-    prompts = [tok.encode(t) for t in ("ROMEO:\nBut soft, what light through yonder window breaks?\n",
-                                        "First Citizen:\nBefore we proceed any further, hear me speak.\n",
-                                        "KING HENRY:\nOnce more unto the breach, dear friends, once more;\n")]
-    params = [SamplingParams(max_tokens=12, top_logprobs=5, ignore_eos=True),
-              SamplingParams(max_tokens=12, ignore_eos=True),  # beside them, asks for none
-              SamplingParams(max_tokens=12, temperature=0.8, top_p=0.6, seed=3, top_logprobs=3, ignore_eos=True)]
+    return load_model("tandem-shakespeare")
+
+
+def mtp_against_plain(shakespeare, params, overlap):
+    """The MTP_TEXTS decoded with params at k = 2 (`overlap`: generate's loop choice) and at
+    k = 0 on the plain loop: (MTP tokens, MTP tops, plain tokens, plain tops), after checking
+    that drafts were accepted and the tokens are the same."""
+    prompts = [shakespeare.tokenizer().encode(t) for t in MTP_TEXTS]
     want_tops = [[] for _ in prompts]
     want, _ = asyncio.run(generate(shakespeare, 0, prompts, params, disable_overlap_schedule=True, tops=want_tops))
     tops = [[] for _ in prompts]
     got, rt = asyncio.run(generate(shakespeare, 2, prompts, params, overlap=overlap, tops=tops))
     assert rt.stats.spec_emitted_tokens > rt.stats.spec_verify_steps > 0  # drafts were accepted
     assert got == want
-    for p, t, w in zip(params, tops, want_tops):
-        assert len(t) == len(w) == p.max_tokens - 1
-        for a, b in zip(t, w):
-            assert [i for i, _ in a] == [i for i, _ in b] and (len(a) > 0) == (p.top_logprobs > 0)
-            assert [lp for _, lp in a] == pytest.approx([lp for _, lp in b], abs=1e-4)
+    return got, tops, want, want_tops
+
+
+def assert_close_tops(got, want) -> None:
+    """Each token's alternatives: the same ids, log-probabilities within float noise (verify
+    rows against decode rows)."""
+    for a, b in zip(got, want):
+        assert [i for i, _ in a] == [i for i, _ in b]
+        assert [lp for _, lp in a] == pytest.approx([lp for _, lp in b], abs=1e-4)
 
 
 @pytest.mark.parametrize("overlap", [False, True, "in turn"])
-def test_mtp_decoding_with_a_logit_bias_emits_the_plain_decodings_tokens(overlap):
+def test_mtp_decoding_reports_the_plain_decodings_top_logprobs(shakespeare, overlap):
+    """A decode worker with MTP speculative decoding (k = 2) reports each emitted token's top
+    log-probabilities as the plain loop does (k = 0), drafted tokens included: on the host-side
+    MTP step (decode_worker/spec_step.py) and on the device-resident one
+    (decode_worker/spec_overlap.py, overlapped and in turn). float32 on a CPU: the same tokens,
+    the same alternatives, log-probabilities within float noise."""
+    params = [SamplingParams(max_tokens=12, top_logprobs=5, ignore_eos=True),
+              SamplingParams(max_tokens=12, ignore_eos=True),  # beside them, asks for none
+              SamplingParams(max_tokens=12, temperature=0.8, top_p=0.6, seed=3, top_logprobs=3, ignore_eos=True)]
+    _, tops, _, want_tops = mtp_against_plain(shakespeare, params, overlap)
+    for p, t, w in zip(params, tops, want_tops):
+        assert len(t) == len(w) == p.max_tokens - 1
+        assert all((len(a) > 0) == (p.top_logprobs > 0) for a in t)
+        assert_close_tops(t, w)
+
+
+@pytest.mark.parametrize("overlap", [False, True, "in turn"])
+def test_mtp_decoding_with_a_logit_bias_emits_the_plain_decodings_tokens(shakespeare, overlap):
     """MTP speculative decoding (k = 2) with logit biases: the bias on the draft and verify
     logits alike, so the emitted tokens (and their top log-probabilities) are the plain loop's
     (k = 0) with the same bias, on the host-side MTP step and the device-resident one; float32
     on a CPU. The banned tokens never come, and the bias changed the output."""
-    from engine.model_source import load_model
-    shakespeare = load_model("tandem-shakespeare")
     tok = shakespeare.tokenizer()
-    prompts = [tok.encode(t) for t in ("ROMEO:\nBut soft, what light through yonder window breaks?\n",
-                                        "First Citizen:\nBefore we proceed any further, hear me speak.\n",
-                                        "KING HENRY:\nOnce more unto the breach, dear friends, once more;\n")]
-    unbiased = reference_generate(shakespeare.model, prompts[0], 8)
+    unbiased = reference_generate(shakespeare.model, tok.encode(MTP_TEXTS[0]), 8)
     banned = tuple((t, -100.0) for t in sorted(set(unbiased[1:])))
     params = [SamplingParams(max_tokens=12, ignore_eos=True, logit_bias=banned, top_logprobs=2),
               SamplingParams(max_tokens=12, ignore_eos=True),  # beside them, none
               SamplingParams(max_tokens=12, temperature=0.9, seed=4, ignore_eos=True,
                              logit_bias=((tok.encode(" the")[0], 4.0),))]
-    want_tops = [[] for _ in prompts]
-    want, _ = asyncio.run(generate(shakespeare, 0, prompts, params, disable_overlap_schedule=True, tops=want_tops))
-    tops = [[] for _ in prompts]
-    got, rt = asyncio.run(generate(shakespeare, 2, prompts, params, overlap=overlap, tops=tops))
-    assert rt.stats.spec_emitted_tokens > rt.stats.spec_verify_steps > 0  # drafts were accepted
-    assert got == want
+    got, tops, _, want_tops = mtp_against_plain(shakespeare, params, overlap)
     assert not set(got[0][1:]) & {t for t, _ in banned} and got[0][:8] != unbiased
-    for a, b in zip(tops[0], want_tops[0]):
-        assert [i for i, _ in a] == [i for i, _ in b]
-        assert [lp for _, lp in a] == pytest.approx([lp for _, lp in b], abs=1e-4)
+    assert len(tops[0]) == 11 and all(tops[0])
+    assert_close_tops(tops[0], want_tops[0])
