@@ -28,14 +28,13 @@ One JSON line per (shape, fillers, variant).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from graph_timing import capture, replay_us  # noqa: E402
+from graph_timing import JsonRows, capture, replay_us  # noqa: E402
 
 try:
     import triton
@@ -108,7 +107,7 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     if triton is None or not torch.cuda.is_available():
         raise SystemExit("bench_l2_prefetch needs triton and a CUDA GPU")
-    lines = []
+    lines = JsonRows()
     for shape in args.shapes.split(","):
         n, k = (int(v) for v in shape.split("x"))
         g = torch.Generator(device="cuda").manual_seed(n + k)
@@ -117,8 +116,7 @@ def main(argv: list[str] | None = None) -> None:
         base = {"shape": shape, "weight_mb": round(n * k * 2 / 2**20, 2), "device": torch.cuda.get_device_name()}
         for variant in ("gemv_cold", "gemv_hot"):
             us, _ = measure(variant, ws, x, 0)
-            lines.append({**base, "fillers": 0, "variant": variant, "us_per_rep": round(us, 3)})
-            print(json.dumps(lines[-1]), flush=True)
+            lines.add({**base, "fillers": 0, "variant": variant, "us_per_rep": round(us, 3)})
         for fillers in (int(v) for v in args.fillers.split(",")):
             ref = None
             for variant in ("fillers", "plain", "prefetch", "plain"):
@@ -127,12 +125,10 @@ def main(argv: list[str] | None = None) -> None:
                 if variant != "fillers":
                     ref = outs if ref is None else ref
                     row["equal_to_plain"] = all(torch.equal(a, b) for a, b in zip(outs, ref))
-                lines.append(row)
-                print(json.dumps(row), flush=True)
+                lines.add(row)
         del ws
         torch.cuda.empty_cache()
-    if args.out:
-        args.out.write_text("".join(json.dumps(v) + "\n" for v in lines))
+    lines.write(args.out)
 
 
 if __name__ == "__main__":

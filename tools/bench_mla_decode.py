@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from graph_timing import capture, replay_us  # noqa: E402
+from graph_timing import JsonRows, capture, replay_us  # noqa: E402
 from engine.kernels.mla_decode import (DEFAULT_STAGE1, FP8, Stage1Config, mla_decode,  # noqa: E402
                                        mla_decode_reference)
 
@@ -87,7 +87,7 @@ def graph_sweep(ok: list[Stage1Config], batches: list[int], contexts: list[int],
                 dtype: torch.dtype, scale: float, out: Path | None) -> None:
     """--graph: every checked config at every split count, per (batch, context); a table of the
     default (DEFAULT_STAGE1, num_splits) against the best."""
-    lines, table = [], []
+    lines, table = JsonRows(), []
     for batch in batches:
         for context in contexts:
             timed = []
@@ -99,14 +99,11 @@ def graph_sweep(ok: list[Stage1Config], batches: list[int], contexts: list[int],
                     us = graph_us(inputs, scale, cfg, splits)
                     row = {"batch": batch, "context": context, "heads": heads, "graph": True, "config": cfg.__dict__,
                            "splits": splits, "us": round(us, 3), "default": cfg == DEFAULT_STAGE1 and splits is None}
-                    timed.append(row)
-                    lines.append(row)
-                    print(json.dumps(row), flush=True)
+                    timed.append(lines.add(row))
             del inputs
             torch.cuda.empty_cache()
             table.append((batch, context, next(r for r in timed if r["default"]), min(timed, key=lambda r: r["us"])))
-    if out:
-        out.write_text("".join(json.dumps(r) + "\n" for r in lines))
+    lines.write(out)
     print("| batch | context | default µs a call in a graph | best µs | best (block_n, warps, stages, splits) |")
     for batch, context, d, b in table:
         c = b["config"]
@@ -158,7 +155,7 @@ def main() -> None:
         batches = "1,2,4" if args.batches == ap.get_default("batches") else args.batches
         return graph_sweep(ok, [int(x) for x in batches.split(",")], [int(x) for x in args.contexts.split(",")],
                            args.heads, dtype, scale, args.out)
-    lines, table = [], []
+    lines, table = JsonRows(), []
     for batch in (int(x) for x in args.batches.split(",")):
         for context in (int(x) for x in args.contexts.split(",")):
             q, kv, tables, lens = make_inputs(batch, context, args.heads, dtype, seed=batch + context)
@@ -171,16 +168,13 @@ def main() -> None:
                 row = {"batch": batch, "context": context, "heads": args.heads, "dtype": args.dtype,
                        "config": cfg.__dict__, "us": us, "tb_s": nbytes / us / 1e6,
                        "default": cfg == DEFAULT_STAGE1}
-                timed.append(row)
-                lines.append(row)
-                print(json.dumps(row), flush=True)
+                timed.append(lines.add(row))
             default = next(r for r in timed if r["default"])
             best = min(timed, key=lambda r: r["us"])
             table.append((batch, context, default, best))
             del q, kv, tables, lens
             torch.cuda.empty_cache()
-    if args.out:
-        args.out.write_text("".join(json.dumps(r) + "\n" for r in lines))
+    lines.write(args.out)
     print("| batch | context | default µs (TB/s) | best µs (TB/s) | best config (block_n, warps, stages, waves) |")
     for batch, context, d, b in table:
         c = b["config"]

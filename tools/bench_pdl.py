@@ -25,14 +25,13 @@ line per (n, variant).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from graph_timing import capture, replay_us  # noqa: E402
+from graph_timing import JsonRows, capture, replay_us  # noqa: E402
 
 try:
     import triton
@@ -86,7 +85,7 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     if triton is None or not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9:
         raise SystemExit("bench_pdl needs triton and a GPU of compute capability 9.0 or later")
-    lines = []
+    lines = JsonRows()
     for n in (int(x) for x in args.sizes.split(",")):
         g = torch.Generator(device="cuda").manual_seed(n)
         # entries of ±1/sqrt(n) keep the chain's values near 1 over hundreds of products
@@ -100,12 +99,10 @@ def main(argv: list[str] | None = None) -> None:
             row = {"n": n, "weight_mb": round(n * n * 2 / 2**20, 3), "kernels": args.kernels, "variant": variant,
                    "us_per_kernel": round(us, 3), "equal_to_plain": bool(torch.equal(y, first)),
                    "device": torch.cuda.get_device_name(), "triton": triton.__version__}
-            lines.append(row)
-            print(json.dumps(row), flush=True)
+            lines.add(row)
         del ws
         torch.cuda.empty_cache()
-    if args.out:
-        args.out.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    lines.write(args.out)
 
 
 if __name__ == "__main__":

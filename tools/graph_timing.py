@@ -1,11 +1,13 @@
 """Timing work captured in a CUDA graph, for the benchmark scripts: the replay's device time
 from CUDA events, so no launch overhead of the host is counted (as in a decode step, which is
-one graph replay)."""
+one graph replay). Also the scripts' result rows (`JsonRows`)."""
 
 from __future__ import annotations
 
+import json
 import statistics
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
@@ -37,3 +39,18 @@ def replay_us(graph: torch.cuda.CUDAGraph, per_replay: int = 1, replays: int = 2
         end.synchronize()
         times.append(start.elapsed_time(end) * 1e3 / per_replay)
     return statistics.median(times)
+
+
+class JsonRows(list):
+    """A benchmark script's result rows: each printed as a JSON line when added (a device call
+    cut short still leaves them in its log), all written as JSON lines by `write`."""
+
+    def add(self, row: dict) -> dict:
+        self.append(row)
+        print(json.dumps(row), flush=True)
+        return row
+
+    def write(self, path: Path | None) -> None:
+        """The rows to `path` as JSON lines (nothing without a path)."""
+        if path:
+            path.write_text("".join(json.dumps(r) + "\n" for r in self))
