@@ -125,14 +125,12 @@ class SpecResult:
     """A step's device outputs: tokens [B, k+1] int64 (t_0..t_k; the first count[b] are emitted),
     logprobs [B, k+1] float32, count [B] int64 (1..k+1), and where a row asked for top
     log-probabilities top [B, k+1, 2K] float64 (`engine.sampling.top_logprobs_batch` of each
-    target token's distribution, K the most any row asked for), else None. logits: the verify's
-    [B, k+1, vocab] (what engine/spec_graphs.py computes top from after a replay)."""
+    target token's distribution, K the most any row asked for), else None."""
 
     tokens: torch.Tensor
     logprobs: torch.Tensor
     count: torch.Tensor
     top: torch.Tensor | None = None
-    logits: torch.Tensor | None = None
 
 
 class _PlainForwards:
@@ -271,4 +269,4 @@ def step_body(model: torch.nn.Module, slots: SpecSlots, idx: torch.Tensor, shift
     slots.ids[idx] = t
     slots.count[idx] = count
     slots.n[idx] = n + count
-    return SpecResult(t, lp, count, None if top is None else top.view(b, k1, -1), logits.view(b, k1, -1))
+    return SpecResult(t, lp, count, None if top is None else top.view(b, k1, -1))

@@ -164,12 +164,11 @@ class SpecGraphs:
             k1 = self.k + 1
             dev = self.ints.device
             per = SamplingRows.build([(rows[i].params, 0) for i in asked], dev).repeat(k1)
-            logits = self.logits[: bs * k1].view(bs, k1, -1)
-            if len(asked) == b:
-                top = top_logprobs_batch(logits[:b].reshape(b * k1, -1), per).view(b, k1, -1)
-            else:
-                which = upload(asked, torch.long, dev)
-                part = top_logprobs_batch(logits[which].reshape(len(asked) * k1, -1), per)
-                top = torch.zeros(b, k1, part.shape[1], dtype=part.dtype, device=dev)
-                top[which] = part.view(len(asked), k1, -1)
+            logits = self.logits[: b * k1].view(b, k1, -1)  # row i's k + 1 verify rows, in order
+            which = upload(asked, torch.long, dev) if len(asked) < b else None
+            if which is not None:
+                logits = logits[which]
+            top = top_logprobs_batch(logits.reshape(len(asked) * k1, -1), per).view(len(asked), k1, -1)
+            if which is not None:
+                top = torch.zeros(b, k1, top.shape[2], dtype=top.dtype, device=dev).index_copy_(0, which, top)
         return SpecResult(out.tokens[:b], out.logprobs[:b], out.count[:b], top)

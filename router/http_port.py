@@ -86,8 +86,8 @@ class PlainHttpLog:
         now = time.monotonic()
         if now - self._last >= self.every_s:
             log.warning("plain HTTP reached the HTTPS API port (%d connection%s since the last such line): "
-                              "clients must use https:// and trust its certificate", self._unlogged,
-                              "" if self._unlogged == 1 else "s")
+                        "clients must use https:// and trust its certificate", self._unlogged,
+                        "" if self._unlogged == 1 else "s")
             self._unlogged, self._last = 0, now
 
 
