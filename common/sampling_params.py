@@ -14,6 +14,9 @@ MAX_TOP_LOGPROBS = 20  # alternatives reported per generated token (OpenAI's own
 MAX_LOGIT_BIAS = 300
 LOGIT_BIAS_RANGE = 100.0  # a bias lies in [-100, 100], as in OpenAI's API
 PENALTY_RANGE = 2.0  # presence and frequency penalties lie in [-2, 2], as in OpenAI's API
+# The fields a decode worker running MTP may not serve: each such worker announces which of them
+# it does (common/validation.py SPECULATIVE_SAMPLING); the router places requests accordingly.
+SPECULATION_GATED = ("top_logprobs", "logit_bias", "presence_penalty", "frequency_penalty")
 
 
 @dataclass(frozen=True)
@@ -40,11 +43,13 @@ class SamplingParams:
         """Whether a draw depends on the tokens generated before it (its history)."""
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
-    @property
-    def needs_plain_decode(self) -> bool:
-        """Whether it asks for what a decode worker running MTP refuses: a penalty
-        (common.validation.refuse_under_speculation)."""
-        return self.penalized
+    @cached_property
+    def speculation_needs(self) -> tuple[str, ...]:
+        """The fields it sets whose service a decode worker running MTP announces
+        (discovery Instance.speculative_sampling; common.validation.SPECULATIVE_SAMPLING), in
+        this order: top_logprobs, logit_bias, presence_penalty, frequency_penalty. () = any
+        decode worker serves it."""
+        return tuple(name for name in SPECULATION_GATED if getattr(self, name))
 
     @cached_property
     def plain(self) -> bool:

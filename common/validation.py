@@ -149,16 +149,35 @@ def generated_before(token_ids: Sequence[int], step_offset: int, params: Samplin
     return list(token_ids[max(0, len(token_ids) - step_offset):])
 
 
-def refuse_under_speculation(params: SamplingParams, who: str) -> None:
-    """Raises InvalidArgument naming what a decode worker that runs MTP speculative decoding
-    does not serve: penalties (a verify row's would count the drafts before it, which its
-    step does not). Top log-probabilities and logit biases it serves (each emitted token's from
-    its verify row, the bias applied to the draft and verify logits alike).
-    who: the message's subject ("this decode worker runs", "every decode worker runs")."""
-    what = "speculative decoding (MTP), which"
-    for name in ("presence_penalty", "frequency_penalty"):
-        if getattr(params, name):
-            raise InvalidArgument(f"sampling.{name}", f"{who} {what} applies no penalties: use 0")
+# The gated sampling fields (common/sampling_params.py SPECULATION_GATED) this release's decode
+# workers serve while running MTP, announced in their discovery records: each emitted token's top
+# log-probabilities come from its verify row, and a logit bias applies to the draft and verify
+# logits alike. Penalties are not served: a verify row's would count the drafts before it.
+SPECULATIVE_SAMPLING = ("top_logprobs", "logit_bias")
+
+_UNSERVED = {
+    "presence_penalty": "which applies no penalties: use 0",
+    "frequency_penalty": "which applies no penalties: use 0",
+    # only an MTP worker of an earlier release (its record lists no speculative_sampling)
+    "top_logprobs": "of an earlier release, which reports no top log-probabilities: use 0",
+    "logit_bias": "of an earlier release, which applies no logit bias: leave it out",
+}
+
+
+def unserved_under_speculation(params: SamplingParams, served: Sequence[str] = SPECULATIVE_SAMPLING) -> list[str]:
+    """The fields params sets that a decode worker running MTP and serving `served` (its
+    record's speculative_sampling) does not serve, in SPECULATION_GATED's order."""
+    return [name for name in params.speculation_needs if name not in served]
+
+
+def refuse_under_speculation(params: SamplingParams, who: str,
+                             served: Sequence[str] = SPECULATIVE_SAMPLING) -> None:
+    """Raises InvalidArgument naming the first field params sets that a decode worker running
+    MTP speculative decoding and serving `served` does not serve (this release's workers:
+    SPECULATIVE_SAMPLING, so penalties). who: the message's subject ("this decode worker
+    runs", "every decode worker here runs")."""
+    for name in unserved_under_speculation(params, served):
+        raise InvalidArgument(f"sampling.{name}", f"{who} speculative decoding (MTP), {_UNSERVED[name]}")
 
 
 def top_to_proto(top: tuple[tuple[int, float], ...]) -> sampling_pb2.TopLogprobs:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator
 
 import grpc
 
@@ -40,33 +40,35 @@ class WorkerLost(Exception):
 class OpenCalls:
     def __init__(self) -> None:
         self._by_worker: dict[str, set[asyncio.Future[str]]] = {}
-        self._plain_only: set[asyncio.Future[str]] = set()  # calls only a decode worker without MTP can take
+        # each call's gated sampling fields (SamplingParams.speculation_needs), where it sets any:
+        # a decode worker running MTP may not serve them, so a failed worker's call may have nowhere to go
+        self._needs: dict[asyncio.Future[str], tuple[str, ...]] = {}
         self.evicted = 0  # counter: calls taken away from a failed worker
 
     @contextlib.contextmanager
-    def open(self, instance_id: str, plain_only: bool = False) -> Iterator[asyncio.Future[str]]:
+    def open(self, instance_id: str, needs: tuple[str, ...] = ()) -> Iterator[asyncio.Future[str]]:
         """Register one call to `instance_id` for its duration; yields its `lost` future, which
-        `evict` resolves with the reason. plain_only: the request asks for what decode workers
-        running MTP refuse (penalties)."""
+        `evict` resolves with the reason. needs: the request's SamplingParams.speculation_needs."""
         lost: asyncio.Future[str] = asyncio.get_running_loop().create_future()
         calls = self._by_worker.setdefault(instance_id, set())
         calls.add(lost)
-        if plain_only:
-            self._plain_only.add(lost)
+        if needs:
+            self._needs[lost] = needs
         try:
             yield lost
         finally:
             calls.discard(lost)
-            self._plain_only.discard(lost)
+            self._needs.pop(lost, None)
             if not calls and self._by_worker.get(instance_id) is calls:
                 del self._by_worker[instance_id]
 
-    def evict(self, instance_id: str, reason: str, keep_plain_only: bool = False) -> int:
-        """Take every open call away from `instance_id` (with keep_plain_only, leave it those
-        only a decode worker without MTP could take: none is healthy); returns how many."""
+    def evict(self, instance_id: str, reason: str,
+              keep: Callable[[tuple[str, ...]], bool] | None = None) -> int:
+        """Take every open call away from `instance_id`, but those whose needs `keep` says to
+        leave on it (no other healthy decode worker serves them); returns how many were taken."""
         n = 0
         for lost in self._by_worker.get(instance_id, ()):
-            if keep_plain_only and lost in self._plain_only:
+            if keep is not None and keep(self._needs.get(lost, ())):
                 continue
             if not lost.done():
                 lost.set_result(reason)

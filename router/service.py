@@ -14,6 +14,7 @@ import random
 import time
 import uuid
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import replace
 
 import grpc
@@ -42,6 +43,13 @@ log = logging.getLogger(__name__)
 # Decode failures that are the worker's, not the request's: retry or migrate. (A deadline
 # or a client error would fail the same way anywhere.)
 MIGRATABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN})
+
+
+def decode_serves(inst: discovery_pb2.Instance, needs: Sequence[str]) -> bool:
+    """Whether decode worker `inst` serves a request setting the gated sampling fields `needs`
+    (SamplingParams.speculation_needs): a plain worker serves every field; one running MTP those
+    its record lists in speculative_sampling (none, from a release before that list)."""
+    return not inst.speculative_num_steps or all(n in inst.speculative_sampling for n in needs)
 
 
 def route_span_attributes(d: RouteDecision, attempt: int) -> dict:
@@ -309,7 +317,7 @@ class FrontendServicer(pb_grpc.FrontendServiceServicer):
                     self.overhead_cpu_s.append(time.thread_time() - arrived_cpu)
                 streamed = len(generated)
                 last_at = 0.0  # when this call's previous message arrived (ITL samples for the stall rule)
-                with self.open_calls.open(worker, plain_only=params.needs_plain_decode) as lost:
+                with self.open_calls.open(worker, params.speculation_needs) as lost:
                     reader = None
                     try:
                         if call is None:
@@ -387,30 +395,32 @@ class FrontendServicer(pb_grpc.FrontendServiceServicer):
     async def _unfit_decoders(self, params: SamplingParams, context: grpc.aio.ServicerContext,
                               refuse: bool = True) -> frozenset[str]:
         """The decode workers not to place params on: those running MTP speculative decoding
-        (their records' speculative_num_steps), for a request with a penalty,
-        which they refuse: INVALID_ARGUMENT naming the field when every decode worker in
-        discovery would, draining or set aside ones included (a plain one that is only
-        unavailable for now leaves routing to answer UNAVAILABLE, which clients retry). refuse
-        False (a retry or migration: tokens may have gone out already): never INVALID_ARGUMENT,
-        routing answers UNAVAILABLE where no worker fits.
+        that do not serve a field it sets (`decode_serves`: penalties, and from an MTP worker of
+        an earlier release top log-probabilities and logit biases too), which they refuse:
+        INVALID_ARGUMENT naming the field when every decode worker in discovery would, draining
+        or set aside ones included (a fit one that is only unavailable for now leaves routing to
+        answer UNAVAILABLE, which clients retry). refuse False (a retry or migration: tokens may
+        have gone out already): never INVALID_ARGUMENT, routing answers UNAVAILABLE where no
+        worker fits.
 
-        Top log-probabilities and logit biases MTP workers serve; but a batch holding a biased
-        request runs its MTP steps without their CUDA graphs (slower for the whole batch while
-        it runs), so a request with a logit bias goes to a serving plain decode worker where
-        there is one, else to any."""
-        if not params.needs_plain_decode:
-            if not params.logit_bias:
-                return frozenset()
-            serving = self.workers.candidates(discovery_pb2.ROLE_DECODE, serving_only=True)
-            mtp = frozenset(d.instance_id for d in serving if d.speculative_num_steps)
-            return mtp if len(mtp) < len(serving) else frozenset()
+        A batch holding a biased request runs its MTP steps without their CUDA graphs (slower
+        for the whole batch while it runs), so a request with a logit bias goes to a serving
+        plain decode worker where there is one, else to any that serves it."""
+        needs = params.speculation_needs
+        if not needs:
+            return frozenset()
         known = self.workers.candidates(discovery_pb2.ROLE_DECODE, serving_only=False)
-        unfit = frozenset(d.instance_id for d in known if d.speculative_num_steps)
+        unfit = frozenset(d.instance_id for d in known if not decode_serves(d, needs))
         if refuse and known and len(unfit) == len(known):
+            first = min(known, key=lambda d: d.instance_id)  # a deterministic message
             try:
-                refuse_under_speculation(params, "every decode worker here runs")
+                refuse_under_speculation(params, "every decode worker here runs", first.speculative_sampling)
             except InvalidArgument as exc:
                 await abort_invalid(context, exc)
+        if params.logit_bias:
+            serving = self.workers.candidates(discovery_pb2.ROLE_DECODE, serving_only=True)
+            if any(not d.speculative_num_steps for d in serving):
+                unfit |= frozenset(d.instance_id for d in serving if d.speculative_num_steps)
         return unfit
 
     def _larger_pool(self, worker: str, refused_by: set[str]) -> bool:
@@ -420,10 +430,12 @@ class FrontendServicer(pb_grpc.FrontendServiceServicer):
         return any(c.kv_capacity_blocks > have for c in self.workers.candidates(discovery_pb2.ROLE_DECODE)
                    if c.instance_id != worker and c.instance_id not in refused_by)
 
-    def evict_worker(self, instance_id: str, reason: str, keep_plain_only: bool = False) -> None:
+    def evict_worker(self, instance_id: str, reason: str, only_placeable: bool = False) -> None:
         """Take every open call away from a failed decode worker: each request migrates (with
-        keep_plain_only, not those that only a decode worker without MTP could take)."""
-        n = self.open_calls.evict(instance_id, reason, keep_plain_only)
+        only_placeable, not those that no other healthy decode worker serves: an MTP one that
+        does not serve a sampling field they set)."""
+        keep = (lambda needs: not self._other_decode(instance_id, needs)) if only_placeable else None
+        n = self.open_calls.evict(instance_id, reason, keep)
         if n:
             log.warning("decode worker %s %s: moving its %d open calls to other workers", instance_id, reason, n)
 
@@ -440,12 +452,13 @@ class FrontendServicer(pb_grpc.FrontendServiceServicer):
             log.warning("decode worker %s %s, but no other decode worker is healthy: its %d open calls stay on it",
                         instance_id, reason, n)
             return
-        # a call asking for what MTP workers refuse stays while no other plain worker is healthy
-        self.evict_worker(instance_id, reason, keep_plain_only=not self._other_decode(instance_id, plain=True))
+        # a call asking for what the healthy MTP workers do not serve stays while no other worker serves it
+        self.evict_worker(instance_id, reason, only_placeable=True)
 
-    def _other_decode(self, instance_id: str, plain: bool = False) -> bool:
-        """Whether a decode worker other than this one is healthy (plain: one without MTP)."""
-        return any(c.instance_id != instance_id and not (plain and c.speculative_num_steps)
+    def _other_decode(self, instance_id: str, needs: tuple[str, ...] = ()) -> bool:
+        """Whether a decode worker other than this one is healthy (and serves `needs`:
+        SamplingParams.speculation_needs)."""
+        return any(c.instance_id != instance_id and decode_serves(c, needs)
                    for c in self.workers.candidates(discovery_pb2.ROLE_DECODE))
 
     def move_stranded(self, _changed: str = "") -> None:
@@ -456,8 +469,7 @@ class FrontendServicer(pb_grpc.FrontendServiceServicer):
             return
         for wid in self.open_calls.workers():
             if not health.healthy(wid) and self._other_decode(wid):
-                self.evict_worker(wid, "unhealthy (another decode worker is healthy now)",
-                                  keep_plain_only=not self._other_decode(wid, plain=True))
+                self.evict_worker(wid, "unhealthy (another decode worker is healthy now)", only_placeable=True)
 
     def on_membership(self) -> None:
         """After a discovery change: evict the calls of workers that left, then close their channels."""

@@ -171,6 +171,50 @@ def test_what_mtp_decode_workers_refuse_goes_to_the_others(cluster, stub) -> Non
     assert wait_all_free(cluster)
 
 
+def test_an_mtp_worker_of_an_earlier_release_gets_no_top_or_bias_requests(cluster, stub, monkeypatch) -> None:
+    """A rolling upgrade: an MTP decode worker whose discovery record lists no
+    speculative_sampling (a release before the list, which refused top log-probabilities and
+    logit biases) gets neither: the router refuses them by name while every decode worker is
+    such a one, and places them on a plain worker beside it. A current MTP worker lists both."""
+    import worker.host
+    current = use_decode(cluster, 1)
+    records = cluster.router.servicer.workers
+    assert list(records.instance(current.runtime.instance_id).speculative_sampling) == ["top_logprobs", "logit_bias"]
+    cluster.stop(current)
+    monkeypatch.setattr(worker.host, "SPECULATIVE_SAMPLING", ())  # what an earlier release announces
+    cluster.decode = old = cluster.start("decode", speculative_num_steps=1)
+    try:
+        cluster.wait_roles(cluster.router, 1, 1)
+        record = records.instance(old.runtime.instance_id)
+        assert record.speculative_num_steps == 1 and not record.speculative_sampling
+        asks = [dict(top_logprobs=2), dict(logit_bias={9: 2.0})]
+        for ask, field in zip(asks, ["top_logprobs", "logit_bias"]):
+            with pytest.raises(grpc.RpcError) as e:
+                run(stub, token_ids=[5, 6, 7], sampling=sampling_pb2.SamplingParams(max_tokens=3, **ask))
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert e.value.details().startswith(
+                f"sampling.{field}: every decode worker here runs speculative decoding (MTP), of an earlier release")
+        served_old = old.runtime.stats.generated_tokens
+        got, _ = run(stub, token_ids=[5, 6, 7], sampling=sampling_pb2.SamplingParams(max_tokens=3))
+        assert len(got) == 3 and old.runtime.stats.generated_tokens == served_old + 3  # plain requests it serves
+        plain = cluster.start("decode")
+        try:
+            cluster.wait_roles(cluster.router, 1, 2)
+            served = plain.runtime.stats.generated_tokens
+            for i, ask in enumerate(asks * 2):
+                got, msgs = run(stub, token_ids=[5, 6, 7 + i], sampling=sampling_pb2.SamplingParams(max_tokens=3, **ask))
+                assert len(got) == 3
+            assert plain.runtime.stats.generated_tokens == served + 3 * 2 * len(asks)  # every one of them there
+        finally:
+            cluster.stop(plain)
+            cluster.wait_roles(cluster.router, 1, 1)
+        assert wait_all_free(cluster)
+    finally:
+        cluster.stop(old)
+        cluster.decode = None  # the next test starts a current worker
+        cluster.wait_roles(cluster.router, 1, 0)
+
+
 def test_calls_only_a_plain_worker_can_take_stay_on_it_while_it_is_unhealthy(cluster, stub, shakespeare) -> None:
     """A plain decode worker turns unhealthy beside an MTP one: its plain requests move to the
     MTP worker, those asking for penalties stay and finish where they are (they had failed with

@@ -28,6 +28,7 @@ from common.lifecycle import install_stop_signals
 from common.grpc_server import RunningServer, advertised_host, record_address, start_server, validate_listen_port
 from common.pb.tandem.v1 import discovery_pb2, kv_events_pb2, kv_events_pb2_grpc
 from common.tls import TlsFiles
+from common.validation import SPECULATIVE_SAMPLING
 from discovery.endpoints import check_etcd_tls
 from worker.kv_event_service import KvEventServicer
 from engine.capacity import (device_memory_bytes, format_bytes, graph_reserve_bytes, module_bytes,
@@ -690,6 +691,7 @@ class WorkerRuntime:
         return await wait_set(self._idle, timeout_s)
 
     def instance(self, address: str) -> discovery_pb2.Instance:
+        spec_k = self.opts.speculative_num_steps if self.role == discovery_pb2.ROLE_DECODE else 0
         return discovery_pb2.Instance(
             instance_id=self.instance_id, role=self.role, address=address, model=self.loaded.name,
             block_size=self.opts.block_size, hash_seed=self.pool.hash_seed,
@@ -697,7 +699,8 @@ class WorkerRuntime:
             state=discovery_pb2.INSTANCE_STATE_SERVING, start_time_unix=self.start_time, version=VERSION,
             metrics_address=self.metrics_address, incarnation=self.incarnation,
             weights_fingerprint=self.loaded.fingerprint,
-            speculative_num_steps=self.opts.speculative_num_steps if self.role == discovery_pb2.ROLE_DECODE else 0,
+            speculative_num_steps=spec_k,
+            speculative_sampling=SPECULATIVE_SAMPLING if spec_k else (),
             transfer_metadata_sha256=metadata_digest(self.transfer_metadata),
             rank_transfer_agents=[discovery_pb2.RankTransferAgent(
                 name=e.agent.name, metadata_sha256=metadata_digest(e.metadata), capacity_blocks=e.desc.num_blocks)

@@ -24,19 +24,19 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19tandem/v1/discovery.proto\x12\ttandem.v1\"\xdb\x04\n\x08Instance\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x1d\n\x04role\x18\x02 \x01(\x0e\x32\x0f.tandem.v1.Role\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\r\n\x05model\x18\x04 \x01(\t\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\x11\n\thash_seed\x18\x06 \x01(\x04\x12\x1a\n\x12kv_capacity_blocks\x18\x07 \x01(\r\x12\x1b\n\x13transfer_agent_name\x18\x08 \x01(\t\x12\'\n\x05state\x18\t \x01(\x0e\x32\x18.tandem.v1.InstanceState\x12\x17\n\x0fstart_time_unix\x18\n \x01(\x01\x12\x0f\n\x07version\x18\x0b \x01(\t\x12\x17\n\x0fmetrics_address\x18\x0c \x01(\t\x12\x14\n\x0chttp_address\x18\r \x01(\t\x12\x13\n\x0bincarnation\x18\x0e \x01(\x04\x12\x1b\n\x13weights_fingerprint\x18\x17 \x01(\t\x12 \n\x18transfer_metadata_sha256\x18\x18 \x01(\x0c\x12!\n\x19prefill_seconds_per_token\x18\x19 \x01(\x01\x12#\n\x1b\x64\x65\x63ode_seconds_per_kv_token\x18\x1a \x01(\x01\x12\"\n\x1a\x64\x65\x63ode_seconds_per_request\x18\x1b \x01(\x01\x12:\n\x14rank_transfer_agents\x18\x1c \x03(\x0b\x32\x1c.tandem.v1.RankTransferAgent\x12\x1d\n\x15speculative_num_steps\x18\x1d \x01(\r\"S\n\x11RankTransferAgent\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x17\n\x0fmetadata_sha256\x18\x02 \x01(\x0c\x12\x17\n\x0f\x63\x61pacity_blocks\x18\x03 \x01(\r*P\n\x04Role\x12\x14\n\x10ROLE_UNSPECIFIED\x10\x00\x12\x0f\n\x0bROLE_ROUTER\x10\x01\x12\x10\n\x0cROLE_PREFILL\x10\x02\x12\x0f\n\x0bROLE_DECODE\x10\x03*h\n\rInstanceState\x12\x1e\n\x1aINSTANCE_STATE_UNSPECIFIED\x10\x00\x12\x1a\n\x16INSTANCE_STATE_SERVING\x10\x01\x12\x1b\n\x17INSTANCE_STATE_DRAINING\x10\x02\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19tandem/v1/discovery.proto\x12\ttandem.v1\"\xf9\x04\n\x08Instance\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x1d\n\x04role\x18\x02 \x01(\x0e\x32\x0f.tandem.v1.Role\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\r\n\x05model\x18\x04 \x01(\t\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\x11\n\thash_seed\x18\x06 \x01(\x04\x12\x1a\n\x12kv_capacity_blocks\x18\x07 \x01(\r\x12\x1b\n\x13transfer_agent_name\x18\x08 \x01(\t\x12\'\n\x05state\x18\t \x01(\x0e\x32\x18.tandem.v1.InstanceState\x12\x17\n\x0fstart_time_unix\x18\n \x01(\x01\x12\x0f\n\x07version\x18\x0b \x01(\t\x12\x17\n\x0fmetrics_address\x18\x0c \x01(\t\x12\x14\n\x0chttp_address\x18\r \x01(\t\x12\x13\n\x0bincarnation\x18\x0e \x01(\x04\x12\x1b\n\x13weights_fingerprint\x18\x17 \x01(\t\x12 \n\x18transfer_metadata_sha256\x18\x18 \x01(\x0c\x12!\n\x19prefill_seconds_per_token\x18\x19 \x01(\x01\x12#\n\x1b\x64\x65\x63ode_seconds_per_kv_token\x18\x1a \x01(\x01\x12\"\n\x1a\x64\x65\x63ode_seconds_per_request\x18\x1b \x01(\x01\x12:\n\x14rank_transfer_agents\x18\x1c \x03(\x0b\x32\x1c.tandem.v1.RankTransferAgent\x12\x1d\n\x15speculative_num_steps\x18\x1d \x01(\r\x12\x1c\n\x14speculative_sampling\x18\x1e \x03(\t\"S\n\x11RankTransferAgent\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x17\n\x0fmetadata_sha256\x18\x02 \x01(\x0c\x12\x17\n\x0f\x63\x61pacity_blocks\x18\x03 \x01(\r*P\n\x04Role\x12\x14\n\x10ROLE_UNSPECIFIED\x10\x00\x12\x0f\n\x0bROLE_ROUTER\x10\x01\x12\x10\n\x0cROLE_PREFILL\x10\x02\x12\x0f\n\x0bROLE_DECODE\x10\x03*h\n\rInstanceState\x12\x1e\n\x1aINSTANCE_STATE_UNSPECIFIED\x10\x00\x12\x1a\n\x16INSTANCE_STATE_SERVING\x10\x01\x12\x1b\n\x17INSTANCE_STATE_DRAINING\x10\x02\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'tandem.v1.discovery_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_ROLE']._serialized_start=731
-  _globals['_ROLE']._serialized_end=811
-  _globals['_INSTANCESTATE']._serialized_start=813
-  _globals['_INSTANCESTATE']._serialized_end=917
+  _globals['_ROLE']._serialized_start=761
+  _globals['_ROLE']._serialized_end=841
+  _globals['_INSTANCESTATE']._serialized_start=843
+  _globals['_INSTANCESTATE']._serialized_end=947
   _globals['_INSTANCE']._serialized_start=41
-  _globals['_INSTANCE']._serialized_end=644
-  _globals['_RANKTRANSFERAGENT']._serialized_start=646
-  _globals['_RANKTRANSFERAGENT']._serialized_end=729
+  _globals['_INSTANCE']._serialized_end=674
+  _globals['_RANKTRANSFERAGENT']._serialized_start=676
+  _globals['_RANKTRANSFERAGENT']._serialized_end=759
 # @@protoc_insertion_point(module_scope)

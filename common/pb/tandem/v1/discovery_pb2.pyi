@@ -28,7 +28,7 @@ INSTANCE_STATE_SERVING: InstanceState
 INSTANCE_STATE_DRAINING: InstanceState
 
 class Instance(_message.Message):
-    __slots__ = ("instance_id", "role", "address", "model", "block_size", "hash_seed", "kv_capacity_blocks", "transfer_agent_name", "state", "start_time_unix", "version", "metrics_address", "http_address", "incarnation", "weights_fingerprint", "transfer_metadata_sha256", "prefill_seconds_per_token", "decode_seconds_per_kv_token", "decode_seconds_per_request", "rank_transfer_agents", "speculative_num_steps")
+    __slots__ = ("instance_id", "role", "address", "model", "block_size", "hash_seed", "kv_capacity_blocks", "transfer_agent_name", "state", "start_time_unix", "version", "metrics_address", "http_address", "incarnation", "weights_fingerprint", "transfer_metadata_sha256", "prefill_seconds_per_token", "decode_seconds_per_kv_token", "decode_seconds_per_request", "rank_transfer_agents", "speculative_num_steps", "speculative_sampling")
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -50,6 +50,7 @@ class Instance(_message.Message):
     DECODE_SECONDS_PER_REQUEST_FIELD_NUMBER: _ClassVar[int]
     RANK_TRANSFER_AGENTS_FIELD_NUMBER: _ClassVar[int]
     SPECULATIVE_NUM_STEPS_FIELD_NUMBER: _ClassVar[int]
+    SPECULATIVE_SAMPLING_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
     role: Role
     address: str
@@ -71,7 +72,8 @@ class Instance(_message.Message):
     decode_seconds_per_request: float
     rank_transfer_agents: _containers.RepeatedCompositeFieldContainer[RankTransferAgent]
     speculative_num_steps: int
-    def __init__(self, instance_id: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., address: _Optional[str] = ..., model: _Optional[str] = ..., block_size: _Optional[int] = ..., hash_seed: _Optional[int] = ..., kv_capacity_blocks: _Optional[int] = ..., transfer_agent_name: _Optional[str] = ..., state: _Optional[_Union[InstanceState, str]] = ..., start_time_unix: _Optional[float] = ..., version: _Optional[str] = ..., metrics_address: _Optional[str] = ..., http_address: _Optional[str] = ..., incarnation: _Optional[int] = ..., weights_fingerprint: _Optional[str] = ..., transfer_metadata_sha256: _Optional[bytes] = ..., prefill_seconds_per_token: _Optional[float] = ..., decode_seconds_per_kv_token: _Optional[float] = ..., decode_seconds_per_request: _Optional[float] = ..., rank_transfer_agents: _Optional[_Iterable[_Union[RankTransferAgent, _Mapping]]] = ..., speculative_num_steps: _Optional[int] = ...) -> None: ...
+    speculative_sampling: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, instance_id: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., address: _Optional[str] = ..., model: _Optional[str] = ..., block_size: _Optional[int] = ..., hash_seed: _Optional[int] = ..., kv_capacity_blocks: _Optional[int] = ..., transfer_agent_name: _Optional[str] = ..., state: _Optional[_Union[InstanceState, str]] = ..., start_time_unix: _Optional[float] = ..., version: _Optional[str] = ..., metrics_address: _Optional[str] = ..., http_address: _Optional[str] = ..., incarnation: _Optional[int] = ..., weights_fingerprint: _Optional[str] = ..., transfer_metadata_sha256: _Optional[bytes] = ..., prefill_seconds_per_token: _Optional[float] = ..., decode_seconds_per_kv_token: _Optional[float] = ..., decode_seconds_per_request: _Optional[float] = ..., rank_transfer_agents: _Optional[_Iterable[_Union[RankTransferAgent, _Mapping]]] = ..., speculative_num_steps: _Optional[int] = ..., speculative_sampling: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class RankTransferAgent(_message.Message):
     __slots__ = ("name", "metadata_sha256", "capacity_blocks")
