@@ -154,13 +154,17 @@ def generated_before(token_ids: Sequence[int], step_offset: int, params: Samplin
 # log-probabilities come from its verify row, and a logit bias applies to the draft and verify
 # logits alike. Penalties are not served: a verify row's would count the drafts before it.
 SPECULATIVE_SAMPLING = ("top_logprobs", "logit_bias")
+# What an MTP worker whose record lists none (discovery Instance.speculative_sampling empty: the
+# release before the list) is taken to serve: that release served both. A release before it
+# refused them itself, by name, as its router never sent them there.
+UNLISTED_SPECULATIVE_SAMPLING = ("top_logprobs", "logit_bias")
 
 _UNSERVED = {
     "presence_penalty": "which applies no penalties: use 0",
     "frequency_penalty": "which applies no penalties: use 0",
-    # only an MTP worker of an earlier release (its record lists no speculative_sampling)
-    "top_logprobs": "of an earlier release, which reports no top log-probabilities: use 0",
-    "logit_bias": "of an earlier release, which applies no logit bias: leave it out",
+    # only an MTP worker that announces it does not serve them
+    "top_logprobs": "which reports no top log-probabilities: use 0",
+    "logit_bias": "which applies no logit bias: leave it out",
 }
 
 

@@ -14,7 +14,7 @@ import random
 import time
 import uuid
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import replace
 
 import grpc
@@ -26,8 +26,9 @@ from common.pb.tandem.v1 import frontend_pb2 as pb
 from common.pb.tandem.v1 import frontend_pb2_grpc as pb_grpc
 from common.tokenizer import IncrementalDetokenizer, TextTokenizer
 from common.sampling_params import SamplingParams
-from common.validation import (InvalidArgument, refuse_under_speculation, sampling_from_proto,
-                               sampling_to_proto, validate_prompt_length, validate_request_id, validate_token_ids)
+from common.validation import (UNLISTED_SPECULATIVE_SAMPLING, InvalidArgument, refuse_under_speculation,
+                               sampling_from_proto, sampling_to_proto, validate_prompt_length, validate_request_id,
+                               validate_token_ids)
 from router.api_keys import cache_salt
 from router.decision import RouteDecision
 from router.decode_session import DecodeSessions
@@ -45,11 +46,18 @@ log = logging.getLogger(__name__)
 MIGRATABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN})
 
 
+def speculative_sampling(inst: discovery_pb2.Instance) -> Sequence[str]:
+    """The gated sampling fields a decode worker running MTP serves: its record's
+    speculative_sampling, or where that is empty (a release before the list) what that release
+    served (common/validation.py UNLISTED_SPECULATIVE_SAMPLING)."""
+    return inst.speculative_sampling or UNLISTED_SPECULATIVE_SAMPLING
+
+
 def decode_serves(inst: discovery_pb2.Instance, needs: Sequence[str]) -> bool:
     """Whether decode worker `inst` serves a request setting the gated sampling fields `needs`
     (SamplingParams.speculation_needs): a plain worker serves every field; one running MTP those
-    its record lists in speculative_sampling (none, from a release before that list)."""
-    return not inst.speculative_num_steps or all(n in inst.speculative_sampling for n in needs)
+    of `speculative_sampling`."""
+    return not inst.speculative_num_steps or all(n in speculative_sampling(inst) for n in needs)
 
 
 def route_span_attributes(d: RouteDecision, attempt: int) -> dict:
@@ -285,7 +293,7 @@ class FrontendServicer(pb_grpc.FrontendServiceServicer):
         refused_by: set[str] = set()  # decode workers whose pool cannot hold this request
         for attempt in range(1 + self.migration_limit):
             with self._attempt_span(attempt, failed, len(generated)):
-                unfit = await self._unfit_decoders(params, context, refuse=attempt == 0)
+                unfit = await self._unfit_decoders(params, context, refuse=attempt == 0, refused_by=refused_by)
                 decision, hashes = await self._traced_route(tokens + generated, context, attempt,
                                                             frozenset(refused_by) | unfit)
                 self.decision_s.append(decision.seconds)
@@ -393,7 +401,7 @@ class FrontendServicer(pb_grpc.FrontendServiceServicer):
             self.retries += 1
 
     async def _unfit_decoders(self, params: SamplingParams, context: grpc.aio.ServicerContext,
-                              refuse: bool = True) -> frozenset[str]:
+                              refuse: bool = True, refused_by: Collection[str] = ()) -> frozenset[str]:
         """The decode workers not to place params on: those running MTP speculative decoding
         that do not serve a field it sets (`decode_serves`: penalties, and from an MTP worker of
         an earlier release top log-probabilities and logit biases too), which they refuse:
@@ -405,21 +413,26 @@ class FrontendServicer(pb_grpc.FrontendServiceServicer):
 
         A batch holding a biased request runs its MTP steps without their CUDA graphs (slower
         for the whole batch while it runs), so a request with a logit bias goes to a serving
-        plain decode worker where there is one, else to any that serves it."""
+        plain decode worker where there is one (not among `refused_by`, the workers whose pool
+        could not hold it), else to any that serves it."""
         needs = params.speculation_needs
         if not needs:
             return frozenset()
         known = self.workers.candidates(discovery_pb2.ROLE_DECODE, serving_only=False)
         unfit = frozenset(d.instance_id for d in known if not decode_serves(d, needs))
         if refuse and known and len(unfit) == len(known):
-            first = min(known, key=lambda d: d.instance_id)  # a deterministic message
+            # name a field no decode worker serves where there is one (else the request would come
+            # back for the next); workers that each lack another field: the first one's
+            served = {n for d in known for n in speculative_sampling(d)}
+            if all(n in served for n in needs):
+                served = set(speculative_sampling(min(known, key=lambda d: d.instance_id)))
             try:
-                refuse_under_speculation(params, "every decode worker here runs", first.speculative_sampling)
+                refuse_under_speculation(params, "every decode worker here runs", tuple(served))
             except InvalidArgument as exc:
                 await abort_invalid(context, exc)
         if params.logit_bias:
             serving = self.workers.candidates(discovery_pb2.ROLE_DECODE, serving_only=True)
-            if any(not d.speculative_num_steps for d in serving):
+            if any(not d.speculative_num_steps and d.instance_id not in refused_by for d in serving):
                 unfit |= frozenset(d.instance_id for d in serving if d.speculative_num_steps)
         return unfit
 

@@ -171,46 +171,68 @@ def test_what_mtp_decode_workers_refuse_goes_to_the_others(cluster, stub) -> Non
     assert wait_all_free(cluster)
 
 
-def test_an_mtp_worker_of_an_earlier_release_gets_no_top_or_bias_requests(cluster, stub, monkeypatch) -> None:
-    """A rolling upgrade: an MTP decode worker whose discovery record lists no
-    speculative_sampling (a release before the list, which refused top log-probabilities and
-    logit biases) gets neither: the router refuses them by name while every decode worker is
-    such a one, and places them on a plain worker beside it. A current MTP worker lists both."""
+def test_requests_go_only_where_the_announced_sampling_is_served(cluster, stub, shakespeare, monkeypatch) -> None:
+    """The router reads what each MTP decode worker announces it serves (its record's
+    speculative_sampling): a current one lists top log-probabilities and logit biases; one that
+    lists only the bias gets no top request: refused by name while it is the only decode worker,
+    placed on a plain worker beside it, and a top request's stream stays on that plain worker
+    while it is unhealthy, since the MTP worker could not take it."""
+    import threading
+
     import worker.host
     current = use_decode(cluster, 1)
     records = cluster.router.servicer.workers
     assert list(records.instance(current.runtime.instance_id).speculative_sampling) == ["top_logprobs", "logit_bias"]
     cluster.stop(current)
-    monkeypatch.setattr(worker.host, "SPECULATIVE_SAMPLING", ())  # what an earlier release announces
-    cluster.decode = old = cluster.start("decode", speculative_num_steps=1)
+    monkeypatch.setattr(worker.host, "SPECULATIVE_SAMPLING", ("logit_bias",))  # a worker without the tops
+    cluster.decode = partial = cluster.start("decode", speculative_num_steps=1)
     try:
         cluster.wait_roles(cluster.router, 1, 1)
-        record = records.instance(old.runtime.instance_id)
-        assert record.speculative_num_steps == 1 and not record.speculative_sampling
-        asks = [dict(top_logprobs=2), dict(logit_bias={9: 2.0})]
-        for ask, field in zip(asks, ["top_logprobs", "logit_bias"]):
-            with pytest.raises(grpc.RpcError) as e:
-                run(stub, token_ids=[5, 6, 7], sampling=sampling_pb2.SamplingParams(max_tokens=3, **ask))
-            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-            assert e.value.details().startswith(
-                f"sampling.{field}: every decode worker here runs speculative decoding (MTP), of an earlier release")
-        served_old = old.runtime.stats.generated_tokens
-        got, _ = run(stub, token_ids=[5, 6, 7], sampling=sampling_pb2.SamplingParams(max_tokens=3))
-        assert len(got) == 3 and old.runtime.stats.generated_tokens == served_old + 3  # plain requests it serves
+        assert list(records.instance(partial.runtime.instance_id).speculative_sampling) == ["logit_bias"]
+        with pytest.raises(grpc.RpcError) as e:
+            run(stub, token_ids=[5, 6, 7], sampling=sampling_pb2.SamplingParams(max_tokens=3, top_logprobs=2))
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert e.value.details().startswith("sampling.top_logprobs: every decode worker here runs speculative "
+                                            "decoding (MTP), which reports no top log-probabilities")
+        for ask in [dict(logit_bias={9: 2.0}), {}]:  # these it serves
+            got, _ = run(stub, token_ids=[5, 6, 7], sampling=sampling_pb2.SamplingParams(max_tokens=3, **ask))
+            assert len(got) == 3
         plain = cluster.start("decode")
         try:
             cluster.wait_roles(cluster.router, 1, 2)
             served = plain.runtime.stats.generated_tokens
-            for i, ask in enumerate(asks * 2):
-                got, msgs = run(stub, token_ids=[5, 6, 7 + i], sampling=sampling_pb2.SamplingParams(max_tokens=3, **ask))
-                assert len(got) == 3
-            assert plain.runtime.stats.generated_tokens == served + 3 * 2 * len(asks)  # every one of them there
+            for i in range(3):
+                got, msgs = run(stub, token_ids=[5, 6, 7 + i], sampling=sampling_pb2.SamplingParams(
+                    max_tokens=3, top_logprobs=2))
+                assert len(got) == 3 and all(len(t.token_ids) == 2 for m in msgs for t in m.top_logprobs)
+            assert plain.runtime.stats.generated_tokens == served + 9  # every one of them there
+            prompt = shakespeare.tokenizer().encode(TEXTS[1])[:24]
+            ask = sampling_pb2.SamplingParams(max_tokens=40, ignore_eos=True, top_logprobs=1)
+            want, _ = run(stub, token_ids=prompt, sampling=ask)
+            got_stream: list = []
+            first = threading.Event()
+
+            def stream():
+                out = []
+                for m in stub.Generate(frontend_pb2.GenerateRequest(token_ids=prompt, sampling=ask), timeout=60):
+                    out += m.token_ids
+                    first.set()
+                got_stream.append(out)
+            t = threading.Thread(target=stream)
+            t.start()
+            assert first.wait(30)
+            servicer = cluster.router.servicer
+            evicted = servicer.open_calls.evicted
+            cluster.on_loop(lambda: servicer.worker_unhealthy(plain.runtime.instance_id, "unhealthy (test)"))
+            t.join(60)
+            assert servicer.open_calls.evicted == evicted  # it stayed
+            assert got_stream == [want]
         finally:
             cluster.stop(plain)
             cluster.wait_roles(cluster.router, 1, 1)
         assert wait_all_free(cluster)
     finally:
-        cluster.stop(old)
+        cluster.stop(partial)
         cluster.decode = None  # the next test starts a current worker
         cluster.wait_roles(cluster.router, 1, 0)
 
