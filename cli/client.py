@@ -280,6 +280,17 @@ def flag_named(details: str) -> str:
     return f"{GENERATE_FLAGS[base]}{bracket}{index}{sep}{rest}" if GENERATE_FLAGS[base] else rest
 
 
+DEFAULT_ROUTER = "127.0.0.1:50051"  # the clients' --router default, `tandem up`'s router
+
+
+def _where_else(router: str) -> str:
+    """What to do when no router answered at `router`: start one, or fix the address given."""
+    if router == DEFAULT_ROUTER:
+        return "start a local cluster with `tandem up`, or pass --router (or TANDEM_ROUTER) with the address of yours"
+    return (f"check the address given by --router (or TANDEM_ROUTER), or start a local cluster with `tandem up` "
+            f"(its router listens at {DEFAULT_ROUTER} unless given --port)")
+
+
 def no_router_hint(exc, router: str, tls: bool = True) -> str:
     """For a call that found no router: what to do about it (`tls`: whether the call used TLS)."""
     details = (exc.details() or "").lower()
@@ -289,8 +300,12 @@ def no_router_hint(exc, router: str, tls: bool = True) -> str:
         return (f"\nthe TLS handshake with {router} failed: the router there serves a certificate of another CA "
                 f"than --tls-ca (or TANDEM_TLS_CA), or serves plaintext (then leave --tls-ca out)")
     if "refused" in details:  # nothing listens there: TLS or not is beside the point
-        return (f"\nnothing listens at {router}: start a local cluster with `tandem up`, or pass --router "
-                f"(or TANDEM_ROUTER) with the address of yours")
+        return f"\nnothing listens at {router}: {_where_else(router)}"
+    if not tls:
+        return (f"\nno router answered at {router} in plaintext. If one serves TLS there (`tandem up`'s does, and "
+                f"any router given --tls-cert), pass --tls-ca with its cluster CA (or TANDEM_TLS_CA; `tandem up` "
+                f"prints the export line); otherwise {_where_else(router)}")
+    return f"\nno router at {router}: {_where_else(router)}"
     if not tls:
         return (f"\nno router answered at {router} in plaintext. If one serves TLS there (`tandem up`'s does, and "
                 f"any router given --tls-cert), pass --tls-ca with its cluster CA (or TANDEM_TLS_CA; `tandem up` "

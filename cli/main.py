@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 # The commands that are clients of a cluster (not its servers)
-CLIENTS = ("generate", "explain", "bench", "top", "health", "config", "certs", "plan")
+CLIENTS = ("generate", "explain", "bench", "top", "health", "config", "certs", "plan", "tokenize")
 # gRPC's C core logs at INFO, e.g. a failed TLS handshake as an "I1206 ... ssl_transport_security"
 # line before a client's own one-line error: a client logs its errors only, unless asked for more
 # (servers keep gRPC's warnings: keepalive, GOAWAY). Read at gRPC's import, which is below.
@@ -654,6 +654,7 @@ def build_parser(command: str | None = None, full: bool = True) -> argparse.Argu
     p.set_defaults(func=_explain)
     health.add_parser(sub)
     certs.add_parser(sub)
+    __import__("cli.tokenize").tokenize.register(sub)  # `tandem tokenize` (cli/tokenize.py)
     _client_tls_args(add_top_parser(sub))
     p = sub.add_parser("config", help="print the effective configuration and where each value came from")
     p.add_argument("action", choices=["show"])
@@ -722,6 +723,9 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args)
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # `tandem explain ... | head`: the reader left; nothing to tell it
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # (the exit's flush would raise again)
+        return 1
     except (OSError, RuntimeError, TimeoutError, ValueError) as exc:  # start-up failures: one line, no traceback
         logging.getLogger("tandem").debug("start-up failed", exc_info=True)
         print(start_up_error(args, exc), file=sys.stderr)

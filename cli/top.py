@@ -88,7 +88,8 @@ def render(status: pb.ClusterStatusResponse):
         health = "[green]healthy[/]" if w.healthy else f"[red]unhealthy ({w.consecutive_failures})[/]"
         if w.refused:
             health = f"[red]refused: {w.refused}[/]"
-        table.add_row(w.instance_id, w.role, w.state, health, str(w.in_flight_requests), load, used,
+        role = f"{w.role} (MTP k={w.speculative_num_steps})" if w.speculative_num_steps else w.role
+        table.add_row(w.instance_id, role, w.state, health, str(w.in_flight_requests), load, used,
                       f"{w.indexed_blocks}/{w.kv_capacity_blocks}", str(w.routed_requests),
                       f"{100 * w.hit_rate:.0f}%" if w.routed_requests else "-", w.metrics_address or "-")
     notes = [] if status.workers else ["no workers in discovery"]

@@ -14,7 +14,7 @@ import random
 import time
 import uuid
 from collections import deque
-from collections.abc import Collection, Sequence
+from collections.abc import Collection
 from dataclasses import replace
 
 import grpc
@@ -26,13 +26,13 @@ from common.pb.tandem.v1 import frontend_pb2 as pb
 from common.pb.tandem.v1 import frontend_pb2_grpc as pb_grpc
 from common.tokenizer import IncrementalDetokenizer, TextTokenizer
 from common.sampling_params import SamplingParams
-from common.validation import (UNLISTED_SPECULATIVE_SAMPLING, InvalidArgument, refuse_under_speculation,
-                               sampling_from_proto, sampling_to_proto, validate_prompt_length, validate_request_id,
-                               validate_token_ids)
+from common.validation import (InvalidArgument, refuse_under_speculation, sampling_from_proto, sampling_to_proto,
+                               validate_prompt_length, validate_request_id, validate_token_ids)
 from router.api_keys import cache_salt
 from router.decision import RouteDecision
 from router.decode_session import DecodeSessions
 from router.inflight import CallReader, OpenCalls, WorkerLost
+from router.speculation import decode_serves, speculative_sampling
 from router.stall import StallRule
 from router.load import LoadTracker
 from router.metrics import RouterMetrics
@@ -44,20 +44,6 @@ log = logging.getLogger(__name__)
 # Decode failures that are the worker's, not the request's: retry or migrate. (A deadline
 # or a client error would fail the same way anywhere.)
 MIGRATABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN})
-
-
-def speculative_sampling(inst: discovery_pb2.Instance) -> Sequence[str]:
-    """The gated sampling fields a decode worker running MTP serves: its record's
-    speculative_sampling, or where that is empty (a release before the list) what that release
-    served (common/validation.py UNLISTED_SPECULATIVE_SAMPLING)."""
-    return inst.speculative_sampling or UNLISTED_SPECULATIVE_SAMPLING
-
-
-def decode_serves(inst: discovery_pb2.Instance, needs: Sequence[str]) -> bool:
-    """Whether decode worker `inst` serves a request setting the gated sampling fields `needs`
-    (SamplingParams.speculation_needs): a plain worker serves every field; one running MTP those
-    of `speculative_sampling`."""
-    return not inst.speculative_num_steps or all(n in speculative_sampling(inst) for n in needs)
 
 
 def route_span_attributes(d: RouteDecision, attempt: int) -> dict:
@@ -187,12 +173,29 @@ class FrontendServicer(pb_grpc.FrontendServiceServicer):
         return tokens, params
 
     async def _route(self, tokens: list[int], context: grpc.aio.ServicerContext,
-                     exclude: frozenset[str] = frozenset()) -> tuple[RouteDecision, list[int]]:
+                     exclude: frozenset[str] = frozenset(),
+                     params: SamplingParams | None = None) -> tuple[RouteDecision, list[int]]:
+        """Placement.route for the caller's tenant; UNAVAILABLE where no decode worker is left
+        (saying, with params, which excluded workers do not serve a field it sets and why)."""
         try:  # the caller's tenant (router/api_keys.py): its own prefix cache only
             return self.placement.route(tokens, exclude, cache_salt())
         except NoWorker as exc:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc) + self._unserved_note(params, exclude))
             raise
+
+    def _unserved_note(self, params: SamplingParams | None, exclude: frozenset[str]) -> str:
+        """'; <field>: <worker> runs speculative decoding (MTP), which ...' for the first excluded
+        decode worker that does not serve a field params sets ('' where none): why a worker
+        that is up was not used."""
+        for iid in sorted(exclude) if params is not None and params.speculation_needs else ():
+            inst = self.workers.instance(iid)
+            if inst is None or decode_serves(inst, params.speculation_needs):
+                continue
+            try:
+                refuse_under_speculation(params, f"{iid} runs", speculative_sampling(inst))
+            except InvalidArgument as exc:
+                return f"; {exc}, or retry once a decode worker that serves it is up"
+        return ""
 
     @staticmethod
     def _attempt_span(attempt: int, failed: tuple[str, str] | None, generated: int):
@@ -205,11 +208,11 @@ class FrontendServicer(pb_grpc.FrontendServiceServicer):
             "tandem.migration.from_instance": failed[0] if failed else "",
             "tandem.migration.reason": failed[1] if failed else "", "tandem.migration.tokens_generated": generated})
 
-    async def _traced_route(self, tokens: list[int], context: grpc.aio.ServicerContext,
-                            attempt: int, exclude: frozenset[str] = frozenset()) -> tuple[RouteDecision, list[int]]:
+    async def _traced_route(self, tokens: list[int], context: grpc.aio.ServicerContext, attempt: int,
+                            exclude: frozenset[str], params: SamplingParams) -> tuple[RouteDecision, list[int]]:
         """_route inside a `tandem.route` span carrying the decision's inputs and choice."""
         with tracing.span("tandem.route") as span:
-            decision, hashes = await self._route(tokens, context, exclude)
+            decision, hashes = await self._route(tokens, context, exclude, params)
             if span.is_recording():
                 span.set_attributes(route_span_attributes(decision, attempt))
         self.metrics.observe_decision(decision)
@@ -222,7 +225,7 @@ class FrontendServicer(pb_grpc.FrontendServiceServicer):
 
     async def ExplainRoute(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> pb.ExplainRouteResponse:
         tokens, params = await self._validated(request, context)
-        decision, _ = await self._route(tokens, context, await self._unfit_decoders(params, context))
+        decision, _ = await self._route(tokens, context, await self._unfit_decoders(params, context), params)
         return decision_to_proto(decision)
 
     async def ClusterStatus(self, request: pb.ClusterStatusRequest,
@@ -295,7 +298,7 @@ class FrontendServicer(pb_grpc.FrontendServiceServicer):
             with self._attempt_span(attempt, failed, len(generated)):
                 unfit = await self._unfit_decoders(params, context, refuse=attempt == 0, refused_by=refused_by)
                 decision, hashes = await self._traced_route(tokens + generated, context, attempt,
-                                                            frozenset(refused_by) | unfit)
+                                                            frozenset(refused_by) | unfit, params)
                 self.decision_s.append(decision.seconds)
                 self.decision_cpu_s.append(decision.cpu_seconds)
                 self.decision_hash_s.append(decision.hash_seconds)

@@ -12,6 +12,7 @@ from typing import Any
 
 from common.pb.tandem.v1 import discovery_pb2
 from common.pb.tandem.v1 import frontend_pb2 as pb
+from router.speculation import speculative_sampling
 
 
 @dataclass
@@ -52,7 +53,9 @@ class ClusterView:
                     kv_capacity_blocks=inst.kv_capacity_blocks,
                     indexed_blocks=self.index.num_blocks(wid) if self.index is not None and wid in self.index else 0,
                     routed_requests=routes.requests.get(wid, 0), hit_rate=routes.hit_rate(wid),
-                    metrics_address=inst.metrics_address, weights_fingerprint=inst.weights_fingerprint))
+                    metrics_address=inst.metrics_address, weights_fingerprint=inst.weights_fingerprint,
+                    speculative_num_steps=inst.speculative_num_steps,
+                    speculative_sampling=speculative_sampling(inst) if inst.speculative_num_steps else ()))
             for inst, why in sorted(self.workers.refused(role), key=lambda r: r[0].instance_id):
                 out.workers.append(pb.WorkerStatus(
                     instance_id=inst.instance_id, role=discovery_pb2.Role.Name(role).removeprefix("ROLE_").lower(),

@@ -168,6 +168,7 @@ def test_generate_without_a_router_suggests_tandem_up():
     r = tandem("generate", "hello", "--router", f"127.0.0.1:{port}")
     assert r.returncode == 1 and "UNAVAILABLE" in r.stderr and "`tandem up`" in r.stderr, r.stderr
     assert f"nothing listens at 127.0.0.1:{port}" in r.stderr and "--tls-ca" not in r.stderr, r.stderr
+    assert "check the address given by --router" in r.stderr, r.stderr  # not "pass --router": it was passed
 
 
 @pytest.mark.parametrize("tool, args", [("train_small.py", ["--out", "OUT"]),
@@ -608,3 +609,29 @@ def test_health_of_an_http1_port_says_it_is_no_grpc_port():
         server.server_close()
     assert r.returncode == 1 and "answers in HTTP/1, not gRPC" in r.stderr, r.stderr
     assert "checked in plaintext" not in r.stderr, r.stderr
+
+
+def test_tokenize_gives_the_ids_logit_bias_takes():
+    """`tandem tokenize`: the shipped model's own token ids for a text (the router's tokenizer),
+    one row per token on stderr, the ids (or with --bias a logit_bias object) as JSON on stdout."""
+    import json
+
+    from common.tokenizer import load_tokenizer
+    from engine.model_source import load_config
+    want = load_tokenizer(load_config("tandem-shakespeare")[2]).encode(" love and hate")
+    r = tandem("tokenize", " love and hate")
+    assert r.returncode == 0 and json.loads(r.stdout) == want and len(want) == 3
+    assert "' love'" in r.stderr
+    r = tandem("tokenize", " love love", "--bias", "-100")
+    assert r.returncode == 0 and json.loads(r.stdout) == {str(want[0]): -100.0}  # each id once
+    r = tandem("tokenize", "x", "--bias", "200")
+    assert r.returncode == 2 and "--bias must be in [-100, 100]" in r.stderr
+
+
+def test_a_closed_pipe_ends_a_client_quietly():
+    """`tandem ... | head`: the reader gone before the output, no 'Broken pipe' line."""
+    p = subprocess.Popen([PY, "-m", "cli.main", "tokenize", "to be or not"], cwd=ROOT, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    p.stdout.close()
+    _, err = p.communicate(timeout=60)
+    assert "Broken pipe" not in err and "Traceback" not in err and p.returncode == 1

@@ -189,6 +189,17 @@ def test_requests_go_only_where_the_announced_sampling_is_served(cluster, stub, 
     try:
         cluster.wait_roles(cluster.router, 1, 1)
         assert list(records.instance(partial.runtime.instance_id).speculative_sampling) == ["logit_bias"]
+        shown = [w for w in stub.ClusterStatus(frontend_pb2.ClusterStatusRequest(), timeout=10).workers
+                 if w.role == "decode"]  # what `tandem top` lists
+        assert [(w.speculative_num_steps, list(w.speculative_sampling)) for w in shown] == [(1, ["logit_bias"])]
+        from io import StringIO
+
+        from rich.console import Console
+
+        from cli.top import render
+        screen = Console(file=StringIO(), width=300)
+        screen.print(render(stub.ClusterStatus(frontend_pb2.ClusterStatusRequest(), timeout=10)))
+        assert "decode (MTP k=1)" in screen.file.getvalue()
         with pytest.raises(grpc.RpcError) as e:
             run(stub, token_ids=[5, 6, 7], sampling=sampling_pb2.SamplingParams(max_tokens=3, top_logprobs=2))
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT

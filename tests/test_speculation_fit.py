@@ -1,4 +1,4 @@
-"""Which decode workers serve which sampling fields (router/service.py decode_serves,
+"""Which decode workers serve which sampling fields (router/speculation.py decode_serves,
 common/validation.py refuse_under_speculation) and which open calls a failed worker keeps
 (router/inflight.py OpenCalls.evict): plain workers serve every field, an MTP worker those its
 record lists (a current one top log-probabilities and logit biases; one that lists none, of the
@@ -14,7 +14,7 @@ from common.pb.tandem.v1 import discovery_pb2
 from common.sampling_params import SamplingParams
 from common.validation import SPECULATIVE_SAMPLING, InvalidArgument, refuse_under_speculation
 from router.inflight import OpenCalls
-from router.service import decode_serves
+from router.speculation import decode_serves
 
 PLAIN = discovery_pb2.Instance(instance_id="plain")
 CURRENT = discovery_pb2.Instance(instance_id="mtp", speculative_num_steps=2, speculative_sampling=SPECULATIVE_SAMPLING)
@@ -73,6 +73,9 @@ class _Records:
     def candidates(self, role, serving_only: bool = True):
         return list(self.records)
 
+    def instance(self, instance_id: str):
+        return next((r for r in self.records if r.instance_id == instance_id), None)
+
 
 def _unfit(records: _Records, params: SamplingParams, context=None, **kw) -> frozenset[str]:
     from types import SimpleNamespace
@@ -117,3 +120,19 @@ def test_the_refusal_names_a_field_no_worker_serves() -> None:
     # each lacks another field, none lacks both: the first worker's (by instance id) is named
     with pytest.raises(_Aborted, match="sampling.logit_bias: "):
         _unfit(_Records(BIAS_ONLY, strict), SamplingParams(top_logprobs=2, logit_bias=((3, 1.0),)), context=_Context())
+
+
+def test_unavailable_says_why_an_excluded_worker_was_not_used() -> None:
+    """The only plain decode worker draining (not a candidate) beside an MTP one: the
+    UNAVAILABLE message for a penalized request names the field and the MTP worker's reason."""
+    from types import SimpleNamespace
+
+    from router.service import FrontendServicer
+    me = SimpleNamespace(workers=_Records(PLAIN, CURRENT, BIAS_ONLY))
+    note = FrontendServicer._unserved_note(me, ASKS["penalty"], frozenset({"mtp", "bias"}))
+    assert note == ("; sampling.presence_penalty: bias runs speculative decoding (MTP), which applies no penalties: "
+                    "use 0, or retry once a decode worker that serves it is up")
+    assert FrontendServicer._unserved_note(me, ASKS["top"], frozenset({"mtp", "bias"})).startswith(
+        "; sampling.top_logprobs: bias runs")  # mtp serves the tops: not named
+    assert FrontendServicer._unserved_note(me, ASKS["greedy"], frozenset({"mtp"})) == ""
+    assert FrontendServicer._unserved_note(me, None, frozenset({"mtp"})) == ""

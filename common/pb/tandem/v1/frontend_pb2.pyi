@@ -156,7 +156,7 @@ class RouterStatus(_message.Message):
     def __init__(self, instance_id: _Optional[str] = ..., address: _Optional[str] = ..., metrics_address: _Optional[str] = ..., start_time_unix: _Optional[float] = ...) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("instance_id", "role", "address", "state", "healthy", "consecutive_failures", "in_flight_requests", "active_blocks", "queued_prefill_tokens", "kv_capacity_blocks", "indexed_blocks", "routed_requests", "hit_rate", "metrics_address", "weights_fingerprint", "refused")
+    __slots__ = ("instance_id", "role", "address", "state", "healthy", "consecutive_failures", "in_flight_requests", "active_blocks", "queued_prefill_tokens", "kv_capacity_blocks", "indexed_blocks", "routed_requests", "hit_rate", "metrics_address", "weights_fingerprint", "refused", "speculative_num_steps", "speculative_sampling")
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -173,6 +173,8 @@ class WorkerStatus(_message.Message):
     METRICS_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     REFUSED_FIELD_NUMBER: _ClassVar[int]
+    SPECULATIVE_NUM_STEPS_FIELD_NUMBER: _ClassVar[int]
+    SPECULATIVE_SAMPLING_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
     role: str
     address: str
@@ -189,4 +191,6 @@ class WorkerStatus(_message.Message):
     metrics_address: str
     weights_fingerprint: str
     refused: str
-    def __init__(self, instance_id: _Optional[str] = ..., role: _Optional[str] = ..., address: _Optional[str] = ..., state: _Optional[str] = ..., healthy: _Optional[bool] = ..., consecutive_failures: _Optional[int] = ..., in_flight_requests: _Optional[int] = ..., active_blocks: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., kv_capacity_blocks: _Optional[int] = ..., indexed_blocks: _Optional[int] = ..., routed_requests: _Optional[int] = ..., hit_rate: _Optional[float] = ..., metrics_address: _Optional[str] = ..., weights_fingerprint: _Optional[str] = ..., refused: _Optional[str] = ...) -> None: ...
+    speculative_num_steps: int
+    speculative_sampling: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, instance_id: _Optional[str] = ..., role: _Optional[str] = ..., address: _Optional[str] = ..., state: _Optional[str] = ..., healthy: _Optional[bool] = ..., consecutive_failures: _Optional[int] = ..., in_flight_requests: _Optional[int] = ..., active_blocks: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., kv_capacity_blocks: _Optional[int] = ..., indexed_blocks: _Optional[int] = ..., routed_requests: _Optional[int] = ..., hit_rate: _Optional[float] = ..., metrics_address: _Optional[str] = ..., weights_fingerprint: _Optional[str] = ..., refused: _Optional[str] = ..., speculative_num_steps: _Optional[int] = ..., speculative_sampling: _Optional[_Iterable[str]] = ...) -> None: ...

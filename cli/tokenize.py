@@ -1,0 +1,49 @@
+"""`tandem tokenize`: a model's token ids for a text, as `logit_bias` and `stop` users need them.
+
+The HTTP and gRPC APIs take token ids in `logit_bias` ({"token id": bias}); this prints the ids
+the model's own tokenizer gives a text (the one a router serving that model uses:
+`tokenizer.json` of its checkpoint folder), one row per token with the token as logprobs
+list it, then the ids as a JSON list, or with --bias B a JSON `logit_bias` object giving each
+of them B. A word's id usually differs with a leading space (" love" against "love").
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from cli.flags import add_option
+
+
+def main(args: argparse.Namespace) -> int:
+    from common.tokenizer import load_tokenizer
+    from engine.model_source import DEFAULT_MODEL, load_config  # (torch: not for `tandem --help`)
+    try:
+        name, _, ckpt = load_config(args.model or DEFAULT_MODEL)
+    except (FileNotFoundError, ValueError) as exc:
+        print(f"tandem tokenize: {exc}", file=sys.stderr)
+        return 2
+    tok = load_tokenizer(ckpt)
+    ids = tok.encode(args.text)
+    if args.bias is not None and not -100.0 <= args.bias <= 100.0:
+        print(f"tandem tokenize: --bias must be in [-100, 100], got {args.bias}", file=sys.stderr)
+        return 2
+    print(f"# {name}: {len(ids)} tokens of {args.text!r}", file=sys.stderr)
+    for i in ids:
+        print(f"{i:>8}  {tok.token_shown(i)!r}", file=sys.stderr)
+    print(json.dumps({str(i): args.bias for i in dict.fromkeys(ids)} if args.bias is not None else ids))
+    return 0
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    """Add the `tokenize` subcommand to the `tandem` parser."""
+    p = sub.add_parser("tokenize", help="a model's token ids for a text (for logit_bias): one row per token, "
+                                        "then the ids as JSON")
+    p.add_argument("text", help="the text (quote leading spaces: ' love')")
+    add_option(p, "--model", "", "model name or checkpoint folder, as the workers' --model (empty: their default, "
+               "tandem-shakespeare)")
+    p.add_argument("--bias", type=float, default=None,
+                   help="print a logit_bias JSON object giving every token of the text this bias "
+                        "(-100 all but bans them) instead of the id list")
+    p.set_defaults(func=main)
