@@ -306,10 +306,3 @@ def no_router_hint(exc, router: str, tls: bool = True) -> str:
                 f"any router given --tls-cert), pass --tls-ca with its cluster CA (or TANDEM_TLS_CA; `tandem up` "
                 f"prints the export line); otherwise {_where_else(router)}")
     return f"\nno router at {router}: {_where_else(router)}"
-    if not tls:
-        return (f"\nno router answered at {router} in plaintext. If one serves TLS there (`tandem up`'s does, and "
-                f"any router given --tls-cert), pass --tls-ca with its cluster CA (or TANDEM_TLS_CA; `tandem up` "
-                f"prints the export line); otherwise start a local cluster with `tandem up`, or pass --router "
-                f"(or TANDEM_ROUTER) with the address of yours")
-    return (f"\nno router at {router}: start a local cluster with `tandem up`, or pass --router "
-            f"(or TANDEM_ROUTER) with the address of yours")

@@ -10,7 +10,7 @@ for `--drain-timeout`, as `tandem config show` prints it):
     [router]                    # `tandem router` only
     port = 50051
 
-    [worker]                    # `tandem prefill` and `tandem decode`
+    [worker]                    # `tandem prefill` and `tandem decode` (and `tandem tokenize`'s model)
     num_blocks = 4096
 
     [decode]                    # `tandem decode` only (wins over [worker] and the top level)
@@ -32,7 +32,8 @@ from typing import Any
 from cli.flags import Option, options_of, parser_for
 from common.env import CONFIG_VAR, read_env
 
-SHARED = {"worker": ("prefill", "decode")}  # shared table -> the subcommands it applies to
+# shared table -> the subcommands it applies to (`tandem tokenize`: the workers' model)
+SHARED = {"worker": ("prefill", "decode", "tokenize")}
 TYPE_NAMES = {int: "an integer", float: "a number", str: "a string", bool: "true or false",
               list: "an array of strings"}
 

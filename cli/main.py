@@ -654,7 +654,7 @@ def build_parser(command: str | None = None, full: bool = True) -> argparse.Argu
     p.set_defaults(func=_explain)
     health.add_parser(sub)
     certs.add_parser(sub)
-    __import__("cli.tokenize").tokenize.register(sub)  # `tandem tokenize` (cli/tokenize.py)
+    __import__("cli.tokens").tokens.register(sub)  # `tandem tokenize` (cli/tokens.py)
     _client_tls_args(add_top_parser(sub))
     p = sub.add_parser("config", help="print the effective configuration and where each value came from")
     p.add_argument("action", choices=["show"])
@@ -714,6 +714,8 @@ def main(argv: list[str] | None = None) -> int:
     except config.ConfigError as exc:
         print(f"tandem: {exc}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # `tandem config show | head`
+        return _stdout_gone()
     try:
         from common import logs
         logs.setup(args.log_level, args.log_format)
@@ -723,13 +725,21 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args)
     except KeyboardInterrupt:
         return 130
-    except BrokenPipeError:  # `tandem explain ... | head`: the reader left; nothing to tell it
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # (the exit's flush would raise again)
-        return 1
+    except BrokenPipeError:
+        if args.command not in CLIENTS:  # a server's broken pipe is an error like any other
+            raise
+        return _stdout_gone()
     except (OSError, RuntimeError, TimeoutError, ValueError) as exc:  # start-up failures: one line, no traceback
         logging.getLogger("tandem").debug("start-up failed", exc_info=True)
         print(start_up_error(args, exc), file=sys.stderr)
         return 1
+
+
+def _stdout_gone() -> int:
+    """A client whose stdout reader left (`tandem explain ... | head`): exit 1 with nothing more
+    said (the exit's flush of stdout would raise again: it goes to /dev/null)."""
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return 1
 
 
 if __name__ == "__main__":

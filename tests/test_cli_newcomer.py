@@ -626,12 +626,37 @@ def test_tokenize_gives_the_ids_logit_bias_takes():
     assert r.returncode == 0 and json.loads(r.stdout) == {str(want[0]): -100.0}  # each id once
     r = tandem("tokenize", "x", "--bias", "200")
     assert r.returncode == 2 and "--bias must be in [-100, 100]" in r.stderr
+    words = load_tokenizer(load_config("tandem-shakespeare")[2]).decode(list(range(300, 800))).replace("\x00", "")
+    r = tandem("tokenize", words, "--bias", "-100")  # more distinct tokens than a logit_bias takes
+    assert r.returncode == 2 and "a logit_bias takes at most 300" in r.stderr, r.stderr
+    r = subprocess.run([PY, "-m", "cli.main", "tokenize", b"a\xffb"], cwd=ROOT, capture_output=True, timeout=60)
+    assert r.returncode == 2 and b"not valid UTF-8" in r.stderr and b"Traceback" not in r.stderr
 
 
-def test_a_closed_pipe_ends_a_client_quietly():
+def test_tokenize_takes_the_workers_model_from_the_config_file(tmp_path):
+    """The model a cluster's workers serve, from the [worker] table, as TANDEM_MODEL or --model."""
+    import json
+    cfg = tmp_path / "tandem.toml"
+    cfg.write_text('[worker]\nmodel = "tandem-tiny"\n')
+    tiny = tandem("tokenize", "hello", "--model", "tandem-tiny")
+    assert tiny.returncode == 0
+    r = tandem("tokenize", "hello", "--config", str(cfg))
+    assert r.returncode == 0 and json.loads(r.stdout) == json.loads(tiny.stdout), r.stderr
+    assert json.loads(tandem("tokenize", "hello").stdout) != json.loads(tiny.stdout)  # the default: shakespeare
+
+
+@pytest.mark.parametrize("args", [("tokenize", "to be or not"), ("config", "show", "router")])
+def test_a_closed_pipe_ends_a_client_quietly(args):
     """`tandem ... | head`: the reader gone before the output, no 'Broken pipe' line."""
-    p = subprocess.Popen([PY, "-m", "cli.main", "tokenize", "to be or not"], cwd=ROOT, stdout=subprocess.PIPE,
+    p = subprocess.Popen([PY, "-m", "cli.main", *args], cwd=ROOT, stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True)
     p.stdout.close()
     _, err = p.communicate(timeout=60)
-    assert "Broken pipe" not in err and "Traceback" not in err and p.returncode == 1
+    assert "Broken pipe" not in err and "Traceback" not in err and p.returncode == 1, err
+
+
+def test_cli_modules_do_not_hide_the_standard_library():
+    """`python cli/main.py` puts cli/ first on sys.path: no module there may share a name with
+    one of Python's own (cli/tokenize.py hid `tokenize`, which linecache imports)."""
+    names = {f.stem for f in (ROOT / "cli").glob("*.py")}
+    assert not names & set(sys.stdlib_module_names), names & set(sys.stdlib_module_names)

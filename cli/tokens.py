@@ -1,8 +1,9 @@
-"""`tandem tokenize`: a model's token ids for a text, as `logit_bias` and `stop` users need them.
+"""`tandem tokenize`: a model's token ids for a text, as `logit_bias` users need them.
 
 The HTTP and gRPC APIs take token ids in `logit_bias` ({"token id": bias}); this prints the ids
 the model's own tokenizer gives a text (the one a router serving that model uses:
-`tokenizer.json` of its checkpoint folder), one row per token with the token as logprobs
+`tokenizer.json` of its checkpoint folder; --model, TANDEM_MODEL, or `model` in the config
+file's [tokenize] or [worker] table or top level), one row per token with the token as logprobs
 list it, then the ids as a JSON list, or with --bias B a JSON `logit_bias` object giving each
 of them B. A word's id usually differs with a leading space (" love" against "love").
 """
@@ -17,6 +18,7 @@ from cli.flags import add_option
 
 
 def main(args: argparse.Namespace) -> int:
+    from common.sampling_params import MAX_LOGIT_BIAS
     from common.tokenizer import load_tokenizer
     from engine.model_source import DEFAULT_MODEL, load_config  # (torch: not for `tandem --help`)
     try:
@@ -24,10 +26,19 @@ def main(args: argparse.Namespace) -> int:
     except (FileNotFoundError, ValueError) as exc:
         print(f"tandem tokenize: {exc}", file=sys.stderr)
         return 2
-    tok = load_tokenizer(ckpt)
-    ids = tok.encode(args.text)
+    try:
+        args.text.encode()
+    except UnicodeEncodeError:  # bytes that are no UTF-8 (the shell passed them through as surrogates)
+        print("tandem tokenize: the text is not valid UTF-8", file=sys.stderr)
+        return 2
     if args.bias is not None and not -100.0 <= args.bias <= 100.0:
         print(f"tandem tokenize: --bias must be in [-100, 100], got {args.bias}", file=sys.stderr)
+        return 2
+    tok = load_tokenizer(ckpt)
+    ids = tok.encode(args.text)
+    if args.bias is not None and len(set(ids)) > MAX_LOGIT_BIAS:
+        print(f"tandem tokenize: the text has {len(set(ids))} distinct tokens; a logit_bias takes at most "
+              f"{MAX_LOGIT_BIAS}: use a shorter text", file=sys.stderr)
         return 2
     print(f"# {name}: {len(ids)} tokens of {args.text!r}", file=sys.stderr)
     for i in ids:
