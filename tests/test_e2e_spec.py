@@ -52,6 +52,32 @@ def use_decode(cluster, k: int):
     return cluster.decode
 
 
+def stays_while_unhealthy(cluster, stub, worker, prompt: list[int], sampling) -> list[int]:
+    """Stream one request; once its first token is out, mark `worker` (the one serving it)
+    unhealthy in the router: the call must stay on it (no other healthy decode worker serves
+    it). Returns the stream's tokens."""
+    import threading
+    got: list = []
+    first = threading.Event()
+
+    def stream():
+        out = []
+        for m in stub.Generate(frontend_pb2.GenerateRequest(token_ids=prompt, sampling=sampling), timeout=60):
+            out += m.token_ids
+            first.set()
+        got.append(out)
+    t = threading.Thread(target=stream)
+    t.start()
+    assert first.wait(30)
+    servicer = cluster.router.servicer
+    evicted = servicer.open_calls.evicted
+    cluster.on_loop(lambda: servicer.worker_unhealthy(worker.runtime.instance_id, "unhealthy (test)"))
+    t.join(60)
+    assert servicer.open_calls.evicted == evicted  # it stayed
+    assert got, "the stream failed"
+    return got[0]
+
+
 def run(stub, **kw) -> tuple[list[int], list[frontend_pb2.GenerateResponse]]:
     msgs = list(stub.Generate(frontend_pb2.GenerateRequest(**kw), timeout=60))
     return [t for m in msgs for t in m.token_ids], msgs
@@ -177,8 +203,6 @@ def test_requests_go_only_where_the_announced_sampling_is_served(cluster, stub, 
     lists only the bias gets no top request: refused by name while it is the only decode worker,
     placed on a plain worker beside it, and a top request's stream stays on that plain worker
     while it is unhealthy, since the MTP worker could not take it."""
-    import threading
-
     import worker.host
     current = use_decode(cluster, 1)
     records = cluster.router.servicer.workers
@@ -220,24 +244,7 @@ def test_requests_go_only_where_the_announced_sampling_is_served(cluster, stub, 
             prompt = shakespeare.tokenizer().encode(TEXTS[1])[:24]
             ask = sampling_pb2.SamplingParams(max_tokens=40, ignore_eos=True, top_logprobs=1)
             want, _ = run(stub, token_ids=prompt, sampling=ask)
-            got_stream: list = []
-            first = threading.Event()
-
-            def stream():
-                out = []
-                for m in stub.Generate(frontend_pb2.GenerateRequest(token_ids=prompt, sampling=ask), timeout=60):
-                    out += m.token_ids
-                    first.set()
-                got_stream.append(out)
-            t = threading.Thread(target=stream)
-            t.start()
-            assert first.wait(30)
-            servicer = cluster.router.servicer
-            evicted = servicer.open_calls.evicted
-            cluster.on_loop(lambda: servicer.worker_unhealthy(plain.runtime.instance_id, "unhealthy (test)"))
-            t.join(60)
-            assert servicer.open_calls.evicted == evicted  # it stayed
-            assert got_stream == [want]
+            assert stays_while_unhealthy(cluster, stub, plain, prompt, ask) == want
         finally:
             cluster.stop(plain)
             cluster.wait_roles(cluster.router, 1, 1)
@@ -252,8 +259,6 @@ def test_calls_only_a_plain_worker_can_take_stay_on_it_while_it_is_unhealthy(clu
     """A plain decode worker turns unhealthy beside an MTP one: its plain requests move to the
     MTP worker, those asking for penalties stay and finish where they are (they had failed with
     the MTP refusal's 400), as all calls do when no other decode worker is healthy."""
-    import threading
-
     from common.sampling_params import SamplingParams
     from decode_helpers import reference_draws
     use_decode(cluster, 1)
@@ -262,25 +267,9 @@ def test_calls_only_a_plain_worker_can_take_stay_on_it_while_it_is_unhealthy(clu
         cluster.wait_roles(cluster.router, 1, 2)
         prompt = shakespeare.tokenizer().encode(TEXTS[1])[:24]
         penalized = SamplingParams(max_tokens=40, ignore_eos=True, presence_penalty=0.5, frequency_penalty=0.5)
-        got: list = []
-        first = threading.Event()
-
-        def stream():
-            out = []
-            for m in stub.Generate(frontend_pb2.GenerateRequest(token_ids=prompt, sampling=sampling_pb2.SamplingParams(
-                    max_tokens=40, ignore_eos=True, presence_penalty=0.5, frequency_penalty=0.5)), timeout=60):
-                out += m.token_ids
-                first.set()
-            got.append(out)
-        t = threading.Thread(target=stream)
-        t.start()
-        assert first.wait(30)
-        servicer = cluster.router.servicer
-        evicted = servicer.open_calls.evicted
-        cluster.on_loop(lambda: servicer.worker_unhealthy(plain.runtime.instance_id, "unhealthy (test)"))
-        t.join(60)
-        assert servicer.open_calls.evicted == evicted  # it stayed
-        assert got and got[0] == reference_draws(shakespeare.model, prompt, 40, penalized)
+        got = stays_while_unhealthy(cluster, stub, plain, prompt, sampling_pb2.SamplingParams(
+            max_tokens=40, ignore_eos=True, presence_penalty=0.5, frequency_penalty=0.5))
+        assert got == reference_draws(shakespeare.model, prompt, 40, penalized)
     finally:
         cluster.stop(plain)
         cluster.wait_roles(cluster.router, 1, 1)
