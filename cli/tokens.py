@@ -16,13 +16,17 @@ import sys
 
 from cli.flags import add_option
 
+# the workers' default --model (engine.model_source.DEFAULT_MODEL; not imported: it loads torch,
+# which `tandem --help` must not)
+WORKERS_DEFAULT_MODEL = "tandem-shakespeare"
+
 
 def main(args: argparse.Namespace) -> int:
     from common.sampling_params import MAX_LOGIT_BIAS
     from common.tokenizer import load_tokenizer
-    from engine.model_source import DEFAULT_MODEL, load_config  # (torch: not for `tandem --help`)
+    from engine.model_source import load_config  # (torch: not for `tandem --help`)
     try:
-        name, _, ckpt = load_config(args.model or DEFAULT_MODEL)
+        name, _, ckpt = load_config(args.model)
     except (FileNotFoundError, ValueError) as exc:
         print(f"tandem tokenize: {exc}", file=sys.stderr)
         return 2
@@ -52,8 +56,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("tokenize", help="a model's token ids for a text (for logit_bias): one row per token, "
                                         "then the ids as JSON")
     p.add_argument("text", help="the text (quote leading spaces: ' love')")
-    add_option(p, "--model", "", "model name or checkpoint folder, as the workers' --model (empty: their default, "
-               "tandem-shakespeare)")
+    add_option(p, "--model", WORKERS_DEFAULT_MODEL, "model name or checkpoint folder, as the workers' --model")
     p.add_argument("--bias", type=float, default=None,
                    help="print a logit_bias JSON object giving every token of the text this bias "
                         "(-100 all but bans them) instead of the id list")

@@ -643,6 +643,9 @@ def test_tokenize_takes_the_workers_model_from_the_config_file(tmp_path):
     r = tandem("tokenize", "hello", "--config", str(cfg))
     assert r.returncode == 0 and json.loads(r.stdout) == json.loads(tiny.stdout), r.stderr
     assert json.loads(tandem("tokenize", "hello").stdout) != json.loads(tiny.stdout)  # the default: shakespeare
+    from cli.tokens import WORKERS_DEFAULT_MODEL
+    from engine.model_source import DEFAULT_MODEL
+    assert WORKERS_DEFAULT_MODEL == DEFAULT_MODEL
 
 
 @pytest.mark.parametrize("args", [("tokenize", "to be or not"), ("config", "show", "router")])
