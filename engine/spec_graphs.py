@@ -59,32 +59,13 @@ class SpecGraphs:
     def __init__(self, model: torch.nn.Module, pool: KvPool, slots: SpecSlots, max_batch: int, width: int,
                  scratch_block: int, sizes: list[int] | None = None) -> None:
         dev = pool.kv.device
-        k = slots.k
-        if pool.config.block_size < k + 2:
-            raise ValueError(f"MTP graphs need blocks of at least k + 2 = {k + 2} tokens "
+        if pool.config.block_size < slots.k + 2:
+            raise ValueError(f"MTP graphs need blocks of at least k + 2 = {slots.k + 2} tokens "
                              f"(the pool's are {pool.config.block_size})")
-        self.model, self.pool, self.slots, self.k = model, pool, slots, k
-        self.width, self.scratch = width, scratch_block
-        self.sizes = sorted(sizes or batch_sizes(max_batch))
-        n = self.sizes[-1]
-        self.pad = slots.reserve_last()  # never handed out
-        slots.n[self.pad] = _PAD_N
-        slots.count[self.pad] = 1
-        self.ints = torch.zeros(3, n, dtype=torch.long, device=dev)
-        self.ints[0] = self.pad
-        self.floats = torch.zeros(2, n, dtype=torch.float32, device=dev)
-        self.floats[1] = 1.0
-        self.tables = torch.full((n, width), scratch_block, dtype=torch.int32, device=dev)
-        self._zeros = torch.zeros(n, device=dev)
-        self.graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, SpecResult]] = {}
-        self.replay = PriorityReplay(dev)  # as the decode graphs (engine/graph_runner.py)
         t0 = time.perf_counter()
         torch.cuda.synchronize(dev)
         before = torch.cuda.memory_reserved(dev)
-        # the verify's logits of every bucket and mode in one buffer that outlives a replay
-        # (top log-probabilities are computed from it after one, `run`): a graph output of its
-        # own per bucket and mode would keep each alive in the graph pool
-        self.logits = torch.empty(n * (k + 1), model.lm_head.weight.shape[0], dtype=torch.float32, device=dev)
+        self._inputs(model, pool, slots, max_batch, width, scratch_block, sizes)
         handle = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(dev)
         # the warm-up runs rewrite the padding slot's state only (every row is a padding row)
@@ -108,7 +89,32 @@ class SpecGraphs:
         self.memory_bytes = torch.cuda.memory_reserved(dev) - before
         self.capture_seconds = time.perf_counter() - t0
         log.info("cuda graphs of whole MTP steps (k = %d): %d batch sizes × greedy/sampled, captured in %.1f s, "
-                 "%.0f MiB", k, len(self.sizes), self.capture_seconds, self.memory_bytes / 2**20)
+                 "%.0f MiB", self.k, len(self.sizes), self.capture_seconds, self.memory_bytes / 2**20)
+
+    def _inputs(self, model: torch.nn.Module, pool: KvPool, slots: SpecSlots, max_batch: int, width: int,
+                scratch_block: int, sizes: list[int] | None) -> None:
+        """The static inputs and buffers (module docstring), the padding slot reserved; no graph
+        yet (tests run `_forward` eagerly in a replay's place on a CPU)."""
+        dev = pool.kv.device
+        self.model, self.pool, self.slots, self.k = model, pool, slots, slots.k
+        self.width, self.scratch = width, scratch_block
+        self.sizes = sorted(sizes or batch_sizes(max_batch))
+        n = self.sizes[-1]
+        self.pad = slots.reserve_last()  # never handed out
+        slots.n[self.pad] = _PAD_N
+        slots.count[self.pad] = 1
+        self.ints = torch.zeros(3, n, dtype=torch.long, device=dev)
+        self.ints[0] = self.pad
+        self.floats = torch.zeros(2, n, dtype=torch.float32, device=dev)
+        self.floats[1] = 1.0
+        self.tables = torch.full((n, width), scratch_block, dtype=torch.int32, device=dev)
+        self._zeros = torch.zeros(n, device=dev)
+        self.graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, SpecResult]] = {}
+        self.replay = PriorityReplay(dev)  # as the decode graphs (engine/graph_runner.py)
+        # the verify's logits of every bucket and mode in one buffer that outlives a replay
+        # (top log-probabilities are computed from it after one, `run`): a graph output of its
+        # own per bucket and mode would keep each alive in the graph pool
+        self.logits = torch.empty(n * (self.k + 1), model.lm_head.weight.shape[0], dtype=torch.float32, device=dev)
 
     def _forward(self, bs: int, sampled: bool) -> SpecResult:
         ints, floats, z = self.ints[:, :bs], self.floats[:, :bs], self._zeros[:bs]

@@ -125,6 +125,61 @@ def test_verify_logits_written_into_a_buffer_change_nothing(shakespeare) -> None
     assert torch.equal(buf[:rows], want) and buf[rows:].isnan().all()
 
 
+class _EagerReplay:
+    """A captured graph's stand-in on a CPU: `replay` runs the captured function eagerly and
+    writes its results into the tensors the 'capture' returned, as a replay does."""
+
+    def __init__(self, fn) -> None:
+        self.fn = fn
+        self.out = fn()
+
+    def replay(self) -> None:
+        new = self.fn()
+        for name in ("tokens", "logprobs", "count"):
+            getattr(self.out, name).copy_(getattr(new, name))
+
+
+def eager_spec_graphs(batch: _Batch, sizes: list[int], modes, monkeypatch):
+    """engine/spec_graphs.py's SpecGraphs over batch's pool and slots with every bucket and mode
+    'captured' as an _EagerReplay (the attention's torch reference for the Triton kernel): its
+    `run` (inputs, replay, tops after it) on a CPU."""
+    from engine import spec_graphs
+    from engine.spec_batch import FastForwards
+    monkeypatch.setattr(spec_graphs, "FastForwards",
+                        lambda model, pool, tables, k1: FastForwards(model, pool, tables, k1, mla_decode_reference))
+    g = spec_graphs.SpecGraphs.__new__(spec_graphs.SpecGraphs)
+    width = max(len(r.block_ids) for r in batch.rows) + 1
+    g._inputs(batch.model, batch.pool, batch.slots, max(sizes), width, batch.pool.blocks.allocate(1)[0], sizes)
+    for bs in g.sizes:
+        for mode in modes:
+            stand_in = _EagerReplay(lambda bs=bs, mode=mode: g._forward(bs, mode))
+            g.graphs[bs, mode] = (stand_in, stand_in.out)
+    return g
+
+
+def test_graph_replays_report_the_eager_steps_tokens_and_tops_on_cpu(shakespeare, monkeypatch) -> None:
+    # SpecGraphs.run on a CPU, its replays eager stand-ins: padded to a bucket, its inputs
+    # written into the static buffers, the tops computed after the replay from the shared
+    # logits buffer for the asking rows only; in float32 the eager fast step's tokens, counts
+    # and top log-probabilities, step after step
+    tok = shakespeare.tokenizer()
+    params = [SamplingParams(top_logprobs=3), SamplingParams(),
+              SamplingParams(temperature=0.8, top_p=0.9, seed=3, top_logprobs=2)]
+    batch = _Batch(shakespeare.model, TEXTS, tok, params, steps=4, device="cpu")
+    replayed = batch.clone()
+    graphs = eager_spec_graphs(replayed, [1, 2, 4], (False, True), monkeypatch)
+    emitted = 0
+    for step in range(4):
+        want = spec_step(batch.model, batch.pool, batch.slots, batch.rows, fast=True, attention=mla_decode_reference)
+        got = spec_step(replayed.model, replayed.pool, replayed.slots, replayed.rows, fast=True, graphs=graphs)
+        assert torch.equal(got.tokens, want.tokens) and torch.equal(got.count, want.count), step
+        assert got.top is not None and torch.equal(got.top[1], torch.zeros_like(got.top[1]))  # row 1 asked none
+        for i in (0, 2):
+            torch.testing.assert_close(got.top[i], want.top[i], atol=1e-5, rtol=0)
+        emitted += int(got.count.sum())
+    assert emitted > 4 * len(TEXTS)  # drafts were accepted: the replays ran whole steps
+
+
 def test_step_emits_the_plain_decoding_tokens(shakespeare) -> None:
     # the emitted tokens of consecutive steps are reference_generate's greedy continuation
     tok = shakespeare.tokenizer()
