@@ -215,7 +215,10 @@ def adjusted(logits: torch.Tensor, rows: SamplingRows) -> torch.Tensor:
     float32 tensor), or the logits themselves where no row has either. No host sync."""
     if rows.bias is not None:
         r, ids, values = rows.bias
-        logits = logits.float().index_put((r, ids), values, accumulate=True)
+        # one atomic scatter over the flat logits (index_put's accumulate sorts its indices
+        # first; this one is a single kernel, also inside the MTP step's CUDA graphs)
+        vocab = logits.shape[-1]
+        logits = logits.float().reshape(-1).scatter_add(0, r * vocab + ids, values).view(logits.shape)
     if rows.penalty is not None:
         pen_rows, presence, frequency, at, tokens = rows.penalty
         counts = torch.zeros((pen_rows.shape[0], logits.shape[-1]), dtype=torch.float32, device=logits.device)

@@ -14,7 +14,6 @@ import random
 import time
 import uuid
 from collections import deque
-from collections.abc import Collection
 from dataclasses import replace
 
 import grpc
@@ -296,7 +295,7 @@ class FrontendServicer(pb_grpc.FrontendServiceServicer):
         refused_by: set[str] = set()  # decode workers whose pool cannot hold this request
         for attempt in range(1 + self.migration_limit):
             with self._attempt_span(attempt, failed, len(generated)):
-                unfit = await self._unfit_decoders(params, context, refuse=attempt == 0, refused_by=refused_by)
+                unfit = await self._unfit_decoders(params, context, refuse=attempt == 0)
                 decision, hashes = await self._traced_route(tokens + generated, context, attempt,
                                                             frozenset(refused_by) | unfit, params)
                 self.decision_s.append(decision.seconds)
@@ -404,7 +403,7 @@ class FrontendServicer(pb_grpc.FrontendServiceServicer):
             self.retries += 1
 
     async def _unfit_decoders(self, params: SamplingParams, context: grpc.aio.ServicerContext,
-                              refuse: bool = True, refused_by: Collection[str] = ()) -> frozenset[str]:
+                              refuse: bool = True) -> frozenset[str]:
         """The decode workers not to place params on: those running MTP speculative decoding
         that do not serve a field it sets (`decode_serves`: penalties, and from an MTP worker of
         an earlier release top log-probabilities and logit biases too), which they refuse:
@@ -412,12 +411,7 @@ class FrontendServicer(pb_grpc.FrontendServiceServicer):
         or set aside ones included (a fit one that is only unavailable for now leaves routing to
         answer UNAVAILABLE, which clients retry). refuse False (a retry or migration: tokens may
         have gone out already): never INVALID_ARGUMENT, routing answers UNAVAILABLE where no
-        worker fits.
-
-        A batch holding a biased request runs its MTP steps without their CUDA graphs (slower
-        for the whole batch while it runs), so a request with a logit bias goes to a serving
-        plain decode worker where there is one (not among `refused_by`, the workers whose pool
-        could not hold it), else to any that serves it."""
+        worker fits."""
         needs = params.speculation_needs
         if not needs:
             return frozenset()
@@ -433,10 +427,6 @@ class FrontendServicer(pb_grpc.FrontendServiceServicer):
                 refuse_under_speculation(params, "every decode worker here runs", tuple(served))
             except InvalidArgument as exc:
                 await abort_invalid(context, exc)
-        if params.logit_bias:
-            serving = self.workers.candidates(discovery_pb2.ROLE_DECODE, serving_only=True)
-            if any(not d.speculative_num_steps and d.instance_id not in refused_by for d in serving):
-                unfit |= frozenset(d.instance_id for d in serving if d.speculative_num_steps)
         return unfit
 
     def _larger_pool(self, worker: str, refused_by: set[str]) -> bool:

@@ -84,14 +84,12 @@ def _unfit(records: _Records, params: SamplingParams, context=None, **kw) -> fro
     return asyncio.run(FrontendServicer._unfit_decoders(SimpleNamespace(workers=records), params, context, **kw))
 
 
-def test_a_biased_request_prefers_plain_workers_that_did_not_refuse_it() -> None:
-    """A logit bias goes to a serving plain decode worker where there is one; once that worker
-    refused it (its pool could not hold the request), the MTP workers that serve the bias are fit
-    again on the retry."""
+def test_requests_go_where_every_field_they_set_is_served() -> None:
+    """The unfit decode workers per request: those running MTP that do not serve a field it sets
+    (a biased request goes to any worker serving the bias: the MTP graphs apply it)."""
     records = _Records(PLAIN, CURRENT, BIAS_ONLY, discovery_pb2.Instance(instance_id="strict", speculative_num_steps=1,
                                                                          speculative_sampling=["top_logprobs"]))
-    assert _unfit(records, ASKS["bias"]) == {"mtp", "bias", "strict"}
-    assert _unfit(records, ASKS["bias"], refuse=False, refused_by={"plain"}) == {"strict"}
+    assert _unfit(records, ASKS["bias"]) == {"strict"}
     assert _unfit(records, ASKS["top"]) == {"bias"}
     assert _unfit(records, ASKS["penalty"]) == {"mtp", "bias", "strict"}
     assert _unfit(records, ASKS["greedy"]) == frozenset()
