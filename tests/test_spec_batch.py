@@ -180,6 +180,35 @@ def test_graph_replays_report_the_eager_steps_tokens_and_tops_on_cpu(shakespeare
     assert emitted > 4 * len(TEXTS)  # drafts were accepted: the replays ran whole steps
 
 
+def test_biased_graph_replays_apply_the_batchs_bias_on_cpu(shakespeare, monkeypatch) -> None:
+    # the biased mode's pair buffer on a CPU (eager stand-ins for the replays): a batch with
+    # biased rows (one at MAX_LOGIT_BIAS pairs, one banning the eager step's picks) gives the
+    # eager fast step's tokens and top log-probabilities (those of the biased distribution), a
+    # smaller batch after it (fewer pairs: the rest of the buffer must add nothing) too
+    from common.sampling_params import MAX_LOGIT_BIAS
+    from engine.spec_graphs import BIASED, GREEDY, SAMPLED
+    tok = shakespeare.tokenizer()
+    vocab = shakespeare.config.vocab_size
+    many = tuple((t, 1.5 if t % 2 else -2.0) for t in range(7, 7 + MAX_LOGIT_BIAS))
+    params = [SamplingParams(top_logprobs=3, logit_bias=many), SamplingParams(top_logprobs=1),
+              SamplingParams(temperature=0.8, top_p=0.9, seed=3, top_logprobs=2,
+                             logit_bias=((tok.encode(" the")[0], 4.0), (vocab - 1, -100.0)))]
+    batch = _Batch(shakespeare.model, TEXTS, tok, params, steps=4, device="cpu")
+    replayed = batch.clone()
+    graphs = eager_spec_graphs(replayed, [1, 2, 4], (GREEDY, SAMPLED, BIASED), monkeypatch)
+    modes = []
+    real_run = graphs.run
+    graphs.run = lambda rows: (modes.append(any(r.params.logit_bias for r in rows)), real_run(rows))[1]
+    for step in range(4):
+        rows = (batch.rows, replayed.rows) if step < 2 else (batch.rows[1:], replayed.rows[1:])
+        want = spec_step(batch.model, batch.pool, batch.slots, rows[0], fast=True, attention=mla_decode_reference)
+        got = spec_step(replayed.model, replayed.pool, replayed.slots, rows[1], fast=True, graphs=graphs)
+        assert torch.equal(got.tokens, want.tokens) and torch.equal(got.count, want.count), step
+        torch.testing.assert_close(got.top, want.top, atol=1e-5, rtol=0)
+    assert modes == [True, True, True, True]  # every step replayed (the third row stays biased)
+    assert int(graphs.bias_count) == 2  # the last batch's pairs: the 300 of row 0 are past them
+
+
 def test_step_emits_the_plain_decoding_tokens(shakespeare) -> None:
     # the emitted tokens of consecutive steps are reference_generate's greedy continuation
     tok = shakespeare.tokenizer()
