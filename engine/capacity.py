@@ -166,6 +166,13 @@ def graph_reserve_bytes(config, max_batch: int) -> int:
     return 256 * 2**20 + max_batch * per_row + 64 * c.num_attention_heads * c.kv_lora_rank * 4
 
 
+def spec_bias_reserve_bytes(config, max_batch: int, k: int) -> int:
+    """What the MTP graphs' biased mode adds to their pool's peak (engine/spec_graphs.py): the
+    float32 copy of the verify's logits, [max_batch · (k + 1), vocab], that a bias's scatter
+    writes into (engine.sampling.adjusted; the greedy and general modes make none)."""
+    return max_batch * (k + 1) * config.vocab_size * 4
+
+
 def pool_blocks_from_memory(device_bytes: int, mem_fraction_static: float, weight_bytes: int,
                             block_bytes: int) -> int:
     """KV pool size in blocks: floor((device memory × mem_fraction_static − weights) / block bytes).

@@ -124,7 +124,7 @@ class SamplingRows:
             return SamplingRows(z, z, z, z, False, False)
         any_sampled = any(not p.greedy for p in params)
         top = max(p.top_logprobs for p in params)
-        bias = _bias_rows(params, device)
+        bias = bias_rows(params, device)
         penalty = _penalty_rows(rows, device, resolve)
         if not any_sampled:
             z = _zeros(len(rows), device)
@@ -154,8 +154,9 @@ class SamplingRows:
                             self.any_top_p, self.top_logprobs, bias)
 
 
-def _bias_rows(params: list[SamplingParams], device: torch.device) -> tuple | None:
-    """SamplingRows.bias of rows with these params (each request's arrays built once)."""
+def bias_rows(params: list[SamplingParams], device: torch.device) -> tuple | None:
+    """SamplingRows.bias of rows with these params (each request's arrays built once): (rows [N]
+    int64, token ids [N] int64, biases [N] float32) on device in two uploads, or None."""
     with_bias = [(r, p.bias_arrays) for r, p in enumerate(params) if p.logit_bias]
     if not with_bias:
         return None

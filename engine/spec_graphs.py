@@ -39,7 +39,7 @@ from engine.kernels import pdl
 from engine.kv_pool import KvPool
 from engine.model import shared_experts_beside
 from common.sampling_params import MAX_LOGIT_BIAS
-from engine.sampling import SamplingRows, seed_int64, top_logprobs_batch
+from engine.sampling import SamplingRows, bias_rows, seed_int64, top_logprobs_batch
 from engine.spec_batch import FastForwards, SpecResult, SpecRow, SpecSlots, step_body
 
 log = logging.getLogger(__name__)
@@ -168,12 +168,13 @@ class SpecGraphs:
         ints = [[r.slot for r in rows] + [self.pad] * pad, [r.step_shift for r in rows] + [0] * pad]
         ints.append([seed_int64(r.params.seed) for r in rows] + [0] * pad if sampled else [0] * bs)
         self.ints[:, :bs].copy_(upload(ints, torch.long, self.ints.device))
-        if biased:  # every row's pairs (at most MAX_LOGIT_BIAS each, so within the bucket's buffer)
-            pairs = [(i, t, v) for i in biased for t, v in rows[i].params.logit_bias]
-            n = len(pairs)
-            self.bias_pairs[:, :n].copy_(upload([[i for i, _, _ in pairs], [t for _, t, _ in pairs]], torch.long,
-                                                self.ints.device))
-            self.bias_values[:n].copy_(upload([v for _, _, v in pairs], torch.float32, self.ints.device))
+        if biased:  # every row's pairs (at most MAX_LOGIT_BIAS each, so within the bucket's buffer),
+            # from each request's arrays built once (SamplingParams.bias_arrays), as the eager step's
+            at, ids, values = bias_rows([r.params for r in rows], self.ints.device)
+            n = at.shape[0]
+            self.bias_pairs[0, :n].copy_(at)
+            self.bias_pairs[1, :n].copy_(ids)
+            self.bias_values[:n].copy_(values)
             self.bias_count.fill_(n)
         if sampled:
             floats = [[r.params.temperature for r in rows] + [0.0] * pad, [r.params.top_p for r in rows] + [1.0] * pad]

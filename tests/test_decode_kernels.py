@@ -513,6 +513,9 @@ def test_graph_reserve_grows_with_batch_and_vocab(tiny_model) -> None:
     assert 256 * 2**20 < small < big
     wide = graph_reserve_bytes(dataclasses.replace(c, vocab_size=c.vocab_size * 10), 256)
     assert wide - big >= 256 * 2 * 4 * 9 * c.vocab_size  # float32 logits twice per row
+    from engine.capacity import spec_bias_reserve_bytes
+    # the MTP graphs' biased mode: one float32 copy of the verify's logits, (k + 1) rows a request
+    assert spec_bias_reserve_bytes(c, 64, 2) == 64 * 3 * c.vocab_size * 4
 
 
 def test_bench_serving_script_smoke_on_cpu(tmp_path) -> None:

@@ -32,7 +32,7 @@ from common.validation import SPECULATIVE_SAMPLING
 from discovery.endpoints import check_etcd_tls
 from worker.kv_event_service import KvEventServicer
 from engine.capacity import (device_memory_bytes, format_bytes, graph_reserve_bytes, module_bytes,
-                             pool_blocks_from_memory)
+                             pool_blocks_from_memory, spec_bias_reserve_bytes)
 from engine.device_clock import ForwardClock
 from engine.kv_events import KvEventLog
 from engine.chunking import ChunkPlanner, make_planner, profile_lengths
@@ -326,7 +326,8 @@ class WorkerRuntime:
         k = opts.speculative_num_steps if engine is None else 0  # MTP steps' graphs: (k + 1) rows per request
         # an EP rank's MoE layers run on the rows every rank sent it (ep_size × its bucket)
         reserve = (graph_reserve_bytes(cfg, opts.max_running * max(1, opts.ep_size))
-                   + (graph_reserve_bytes(cfg, opts.max_running * (k + 1)) if k else 0)) if graphs else 0
+                   + (graph_reserve_bytes(cfg, opts.max_running * (k + 1))
+                      + spec_bias_reserve_bytes(cfg, opts.max_running, k) if k else 0)) if graphs else 0
         pool_config = dataclasses.replace(pool_config, num_blocks=pool_blocks(opts, self.loaded, pool_config, reserve))
         self.engine = None
         if engine is None:
