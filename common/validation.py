@@ -168,20 +168,15 @@ _UNSERVED = {
 }
 
 
-def unserved_under_speculation(params: SamplingParams, served: Sequence[str] = SPECULATIVE_SAMPLING) -> list[str]:
-    """The fields params sets that a decode worker running MTP and serving `served` (its
-    record's speculative_sampling) does not serve, in SPECULATION_GATED's order."""
-    return [name for name in params.speculation_needs if name not in served]
-
-
 def refuse_under_speculation(params: SamplingParams, who: str,
                              served: Sequence[str] = SPECULATIVE_SAMPLING) -> None:
     """Raises InvalidArgument naming the first field params sets that a decode worker running
     MTP speculative decoding and serving `served` does not serve (this release's workers:
     SPECULATIVE_SAMPLING, so penalties). who: the message's subject ("this decode worker
     runs", "every decode worker here runs")."""
-    for name in unserved_under_speculation(params, served):
-        raise InvalidArgument(f"sampling.{name}", f"{who} speculative decoding (MTP), {_UNSERVED[name]}")
+    for name in params.speculation_needs:  # (in SPECULATION_GATED's order)
+        if name not in served:
+            raise InvalidArgument(f"sampling.{name}", f"{who} speculative decoding (MTP), {_UNSERVED[name]}")
 
 
 def top_to_proto(top: tuple[tuple[int, float], ...]) -> sampling_pb2.TopLogprobs:

@@ -167,4 +167,3 @@ def accept(out: SpecOutput, params: SamplingParams, step: int
         if i == len(out.drafts) or out.drafts[i] != token:
             break
     return emitted
-

@@ -9,15 +9,15 @@ greedy (no noise or sort kernels), general (temperature, top-p and seeds as tens
 row there still takes the argmax of its logits, so a row's tokens are the same in either graph
 and in the eager step), and biased: the general graph with the batch's logit-bias pairs added
 to its draft and verify logits (a fixed-size pair buffer, bs × MAX_LOGIT_BIAS pairs; the pairs
-past the batch's own add 0 to distinct logits of row 0, so a replay adds exactly the batch's). A replay costs the host one graph launch and three small
-copies instead of about a hundred eager launches: on a small model the eager step was bound
-by those launches, not by the GPU (docs/benchmarks.md, issue 14 run 6: a k = 2 step took
-2.6 × a plain step).
+past the batch's own add 0 to distinct logits of row 0, so a replay adds exactly the batch's).
+A replay costs the host one graph launch and three small copies instead of about a hundred
+eager launches: on a small model the eager step was bound by those launches, not by the GPU
+(docs/benchmarks.md, issue 14 run 6: a k = 2 step took 2.6 × a plain step).
 
 Static inputs, sized for the largest bucket: ints [3, n] int64 (slot, sampling-step shift,
 seed), floats [2, n] float32 (temperature, top-p), tables [n, width] int32, bias pairs
-[2, n × MAX_LOGIT_BIAS] int64 (row, token id) with their values float32 and count [1] int64. Rows past a
-batch's are padding rows: they read and write a slot reserved here (its position reset to a
+[2, n × MAX_LOGIT_BIAS] int64 (row, token id) with their values float32 and count [1] int64.
+Rows past a batch's are padding rows: they read and write a slot reserved here (its position reset to a
 one-token context inside the graph after every replay) and a table of the scratch block only,
 so their garbage never reaches a live request's slot or block. The slots' tensors' addresses
 are baked into the graphs: the graphs own the `SpecSlots` the loop uses
@@ -34,11 +34,11 @@ import time
 
 import torch
 
+from common.sampling_params import MAX_LOGIT_BIAS
 from engine.graph_runner import PriorityReplay, batch_sizes
 from engine.kernels import pdl
 from engine.kv_pool import KvPool
 from engine.model import shared_experts_beside
-from common.sampling_params import MAX_LOGIT_BIAS
 from engine.sampling import SamplingRows, bias_rows, seed_int64, top_logprobs_batch
 from engine.spec_batch import FastForwards, SpecResult, SpecRow, SpecSlots, step_body
 
@@ -119,13 +119,14 @@ class SpecGraphs:
         self.bias_values = torch.zeros(n * MAX_LOGIT_BIAS, dtype=torch.float32, device=dev)
         self.bias_count = torch.zeros(1, dtype=torch.long, device=dev)
         self._pair_index = torch.arange(n * MAX_LOGIT_BIAS, device=dev)
-        self.vocab = model.lm_head.weight.shape[0]
+        vocab = model.lm_head.weight.shape[0]
+        self._pad_ids = self._pair_index % vocab  # the no-op pairs' token ids: distinct (up to the vocabulary)
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, SpecResult]] = {}
         self.replay = PriorityReplay(dev)  # as the decode graphs (engine/graph_runner.py)
         # the verify's logits of every bucket and mode in one buffer that outlives a replay
         # (top log-probabilities are computed from it after one, `run`): a graph output of its
         # own per bucket and mode would keep each alive in the graph pool
-        self.logits = torch.empty(n * (self.k + 1), model.lm_head.weight.shape[0], dtype=torch.float32, device=dev)
+        self.logits = torch.empty(n * (self.k + 1), vocab, dtype=torch.float32, device=dev)
 
     def _forward(self, bs: int, mode: int) -> SpecResult:
         ints, floats, z = self.ints[:, :bs], self.floats[:, :bs], self._zeros[:bs]
@@ -136,7 +137,7 @@ class SpecGraphs:
             at = self._pair_index[:bs * MAX_LOGIT_BIAS]
             live = at < self.bias_count
             rows, ids = self.bias_pairs[0, :at.shape[0]], self.bias_pairs[1, :at.shape[0]]
-            bias = (torch.where(live, rows, 0), torch.where(live, ids, at % self.vocab),
+            bias = (torch.where(live, rows, 0), torch.where(live, ids, self._pad_ids[:at.shape[0]]),
                     torch.where(live, self.bias_values[:at.shape[0]], 0.0))
         one = (SamplingRows(floats[0], floats[1], ints[2], ints[2], True, True, 0, bias) if mode != GREEDY
                else SamplingRows(z, z, z, z, False, False))
@@ -162,7 +163,7 @@ class SpecGraphs:
         b = len(rows)
         bs = next(s for s in self.sizes if s >= b)
         pad = bs - b
-        biased = [i for i, r in enumerate(rows) if r.params.logit_bias]
+        biased = any(r.params.logit_bias for r in rows)
         mode = BIASED if biased else SAMPLED if any(not r.params.greedy for r in rows) else GREEDY
         sampled = mode != GREEDY  # (the biased graph is the general one: its rows' floats and seeds)
         ints = [[r.slot for r in rows] + [self.pad] * pad, [r.step_shift for r in rows] + [0] * pad]
