@@ -14,8 +14,12 @@ free prompts (Shakespeare lines, greedy) prefilled with their MTP rows, then per
   comparison, the same step eager (graphs off), each followed by its device-to-host copy.
 Per row: ms per step (wall, host waits for each step: what a step costs with no overlap),
 host ms per step (the call alone, before the wait: what bounds an overlapped loop), tokens per
-step (accept length; 1 for k = 0) and tokens/s per request. Rows: {"k", "batch", "mode",
-"ms_per_step", "host_ms_per_step", "tokens_per_step", "tok_s_per_request"}.
+step (accept length; 1 for k = 0) and tokens/s per request. `--top-logprobs 0,5` times each
+step with every row asking for 0 and for 5 alternatives per token (the MTP step computes them
+after its graph replay): what top log-probabilities add to a step, in-process. The k >= 1 step
+is timed as the worker's overlap loop runs it (`SpecOverlapRunner.launch`: the step and its
+packing for the one device-to-host copy; then `collect`). Rows: {"k", "batch", "mode",
+"top_logprobs", "ms_per_step", "host_ms_per_step", "tokens_per_step", "tok_s_per_request"}.
 """
 
 from __future__ import annotations
@@ -55,21 +59,22 @@ def _sync(dev: torch.device) -> None:
 
 
 def _time(fn, steps: int, dev: torch.device) -> tuple[float, float, list]:
-    """(wall ms per step, host ms per step, outputs) over `steps` calls, each waited for."""
+    """(wall ms per step, host ms per step, outputs) over `steps` calls, each waited for: fn
+    returns a tensor (read to the host) or a callable that waits and returns the output."""
     wall = host = 0.0
     outs = []
     for _ in range(steps):
         t0 = time.perf_counter()
         out = fn()
         t1 = time.perf_counter()
-        outs.append(out.tolist() if isinstance(out, torch.Tensor) else out)
+        outs.append(out.tolist() if isinstance(out, torch.Tensor) else out() if callable(out) else out)
         t2 = time.perf_counter()
         host += t1 - t0
         wall += t2 - t0
     return wall / steps * 1e3, host / steps * 1e3, outs
 
 
-def run(k: int, batch: int, steps: int, dev: torch.device, loaded, graphs: bool) -> dict:
+def run(k: int, batch: int, steps: int, dev: torch.device, loaded, graphs: bool, top: int = 0) -> dict:
     model = loaded.model
     c = model.config
     pool = KvPool(KvPoolConfig(num_blocks=64 * batch + 8, block_size=16, num_layers=c.num_kv_layers,
@@ -80,7 +85,7 @@ def run(k: int, batch: int, steps: int, dev: torch.device, loaded, graphs: bool)
     tok = loaded.tokenizer()
     prompts = [tok.encode(LINES[i % len(LINES)]) for i in range(batch)]
     blocks, firsts = [], []
-    params = SamplingParams()
+    params = SamplingParams(top_logprobs=top)
     for p in prompts:
         b = pool.allocate_prompt(p).block_ids
         hidden = runner.prefill_chunk(b, p, 0, len(p), mtp=bool(k))
@@ -106,14 +111,14 @@ def run(k: int, batch: int, steps: int, dev: torch.device, loaded, graphs: bool)
             sor.init(slot, hidden[None], p + [f])
             rows.append(SpecRow(slot, b, params, -len(p)))
 
-        def step():
-            res = runner.spec_step(sor.slots, rows)
-            return res.count
+        def step():  # as the worker's loop: the launch (timed as host), then its collect
+            launched = sor.launch(rows)
+            return lambda: sum(len(emitted) for emitted in sor.collect(launched))
         _time(step, 1, dev)  # warm-up (eager: compiles)
         wall, host, outs = _time(step, steps, dev)
-        per_step = sum(sum(o) for o in outs) / (steps * batch)
+        per_step = sum(outs) / (steps * batch)
         mode = "graph" if runner.spec_graphs is not None else "eager"
-    return {"k": k, "batch": batch, "mode": mode, "ms_per_step": wall, "host_ms_per_step": host,
+    return {"k": k, "batch": batch, "mode": mode, "top_logprobs": top, "ms_per_step": wall, "host_ms_per_step": host,
             "tokens_per_step": per_step, "tok_s_per_request": per_step / wall * 1e3}
 
 
@@ -122,6 +127,7 @@ def main() -> None:
     ap.add_argument("--ks", default="1,2,3", help="draft tokens per step to time (k = 0 always runs)")
     ap.add_argument("--batch", default="1,8")
     ap.add_argument("--steps", type=int, default=50)
+    ap.add_argument("--top-logprobs", default="0", help="comma list: alternatives per token every row asks for")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
@@ -130,18 +136,21 @@ def main() -> None:
     rows = []
     for batch in [int(x) for x in args.batch.split(",")]:
         for k in [0] + [int(x) for x in args.ks.split(",") if int(x) > 0]:
-            for graphs in ((True, False) if k and dev.type == "cuda" else (True,)):
-                loaded = load_model("tandem-shakespeare")
-                loaded.model.to(dev, dtype)
-                r = run(k, batch, args.steps, dev, loaded, graphs)
-                rows.append(r)
-                print(json.dumps(r), flush=True)
-    base = {r["batch"]: r for r in rows if r["k"] == 0}
-    print("| k | batch | step | ms / step | host ms / step | tokens / step | tok/s per request | × k = 0 |")
-    print("|---:|---:|---|---:|---:|---:|---:|---:|")
+            for top in [int(x) for x in args.top_logprobs.split(",")]:
+                for graphs in ((True, False) if k and dev.type == "cuda" else (True,)):
+                    loaded = load_model("tandem-shakespeare")
+                    loaded.model.to(dev, dtype)
+                    r = run(k, batch, args.steps, dev, loaded, graphs, top)
+                    rows.append(r)
+                    print(json.dumps(r), flush=True)
+    base = {(r["batch"], r["top_logprobs"]): r for r in rows if r["k"] == 0}
+    print("| k | batch | top log-probs | step | ms / step | host ms / step | tokens / step | tok/s per request "
+          "| × k = 0 |")
+    print("|---:|---:|---:|---|---:|---:|---:|---:|---:|")
     for r in rows:
-        r["vs_k0"] = r["tok_s_per_request"] / base[r["batch"]]["tok_s_per_request"]
-        print(f"| {r['k']} | {r['batch']} | {r['mode']} | {r['ms_per_step']:.3f} | {r['host_ms_per_step']:.3f} | "
+        r["vs_k0"] = r["tok_s_per_request"] / base[r["batch"], r["top_logprobs"]]["tok_s_per_request"]
+        print(f"| {r['k']} | {r['batch']} | {r['top_logprobs']} | {r['mode']} | {r['ms_per_step']:.3f} | "
+              f"{r['host_ms_per_step']:.3f} | "
               f"{r['tokens_per_step']:.2f} | {r['tok_s_per_request']:,.0f} | {r['vs_k0']:.2f} |")
     if args.out:
         Path(args.out).write_text(json.dumps({"device": torch.cuda.get_device_name(dev) if dev.type == "cuda"
