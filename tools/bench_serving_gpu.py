@@ -415,7 +415,8 @@ TRAINED = ROOT / "engine" / "assets" / "tandem-shakespeare"  # the shipped train
 
 
 def mtp_served(model_dir: Path, ks: list[int], concurrencies: list[int], output_tokens: int, port: int,
-               env_extra: dict[str, str], compare: int = 16, top_logprobs: int = 0) -> list[dict[str, Any]]:
+               env_extra: dict[str, str], compare: int = 16, top_logprobs: int = 0,
+               profile_s: int = 0) -> list[dict[str, Any]]:
     """MTP k = ks served (`tandem up` per k, `--speculative-num-steps k` through its variable) at
     each concurrency on MT-Bench prompts, greedy: tokens/s per user (1000 / mean TPOT) and the
     decode worker's accept length; then `compare` MT-Bench prompts once more, one at a time,
@@ -424,7 +425,8 @@ def mtp_served(model_dir: Path, ks: list[int], concurrencies: list[int], output_
     "tok_s_per_user", "tpot_ms", "output_tok_s", "accept_length", "speedup_vs_k0",
     "identical_outputs", "identical_tokens", "first_divergences"}. top_logprobs: the bench asks
     for each token's k alternatives too (MTP workers report them, computed after the step's
-    graph replay)."""
+    graph replay). profile_s > 0: py-spy on the processes of each k's first bench, as
+    `serve_and_bench` records them; the row gets their "host_profile" keys."""
     from bench.traces import MT_BENCH, load_mt_bench
     texts = [r.text for r in load_mt_bench(MT_BENCH, output_tokens, limit=compare)]
     rows: list[dict[str, Any]] = []
@@ -433,7 +435,7 @@ def mtp_served(model_dir: Path, ks: list[int], concurrencies: list[int], output_
         with tempfile.TemporaryDirectory() as tmp:
             served = serve_and_bench(model_dir, [0], concurrencies, output_tokens, port, Path(tmp),
                                      {**env_extra, "TANDEM_SPECULATIVE_NUM_STEPS": str(k)},
-                                     dataset="mt-bench", spec=True,
+                                     dataset="mt-bench", spec=True, profile_s=profile_s,
                                      bench_extra=("--temperature", "0", "--top-logprobs", str(top_logprobs)),
                                      after=lambda p: greedy_outputs(p, texts, output_tokens) if texts else [])
         outputs[k] = served.get("after", [])
@@ -443,12 +445,13 @@ def mtp_served(model_dir: Path, ks: list[int], concurrencies: list[int], output_
             tpot = s.get("mean_tpot_ms")
             rows.append({"k": k, "concurrency": c, "tpot_ms": tpot, "tok_s_per_user": 1e3 / tpot if tpot else None,
                          "output_tok_s": s.get("output_throughput"),
-                         "accept_length": s.get("accept_length") if k else 1.0, "failed": s.get("failed"), **same})
+                         "accept_length": s.get("accept_length") if k else 1.0, "failed": s.get("failed"), **same,
+                         **{key: s[key] for key in s if key.endswith("host_profile")}})
     for r in rows:  # the served speed-up over k = 0 at the same concurrency
         base = next((b for b in rows if b["k"] == 0 and b["concurrency"] == r["concurrency"]), None)
         ok = base is not None and base["tok_s_per_user"] and r["tok_s_per_user"]
         r["speedup_vs_k0"] = r["tok_s_per_user"] / base["tok_s_per_user"] if ok else None
-        print(json.dumps({"mtp": r}), flush=True)
+        print(json.dumps({"mtp": {key: v for key, v in r.items() if not key.endswith("host_profile")}}), flush=True)
     return rows
 
 
@@ -603,7 +606,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         mtp_env = {"TANDEM_NUM_BLOCKS": "4000"} if device.type != "cuda" else {}  # GPU: --mem-fraction-static
         doc["mtp"] = mtp_served(Path(args.mtp_model), [int(x) for x in args.mtp.split(",")],
                                 [int(x) for x in args.mtp_concurrency.split(",")], args.output_tokens,
-                                args.port, mtp_env, top_logprobs=args.top_logprobs)
+                                args.port, mtp_env, top_logprobs=args.top_logprobs,
+                                profile_s=args.profile_decode_host)
         out.write_text(json.dumps(doc, indent=1) + "\n")
     for name in filter(None, args.configs.split(",")):
         cfg = smoke_config() if args.smoke else {"S": bench_config(False), "M": m_config()}[name]
