@@ -654,7 +654,7 @@ def build_parser(command: str | None = None, full: bool = True) -> argparse.Argu
     p.set_defaults(func=_explain)
     health.add_parser(sub)
     certs.add_parser(sub)
-    __import__("cli.tokens").tokens.register(sub)  # `tandem tokenize` (cli/tokens.py)
+    _client_tls_args(__import__("cli.tokens").tokens.register(sub))  # `tandem tokenize` (cli/tokens.py)
     _client_tls_args(add_top_parser(sub))
     p = sub.add_parser("config", help="print the effective configuration and where each value came from")
     p.add_argument("action", choices=["show"])

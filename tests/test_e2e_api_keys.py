@@ -228,6 +228,19 @@ def test_local_cluster_with_keys_and_the_cli_clients(etcd_server, tmp_path):
         assert tandem("generate", "To be", "--max-tokens", "3", key=KEYS["bob"]).returncode == 0  # TANDEM_API_KEY
         missing = tandem("generate", "To be", "--max-tokens", "3")
         assert missing.returncode == 1 and "UNAUTHENTICATED" in missing.stderr, missing.stderr
+        # tandem tokenize without --model: the ids of the model the router serves (tandem-tiny
+        # here, whose ids differ from the workers' default model's), asked over TLS with the key
+        from common.tokenizer import load_tokenizer
+        from engine.model_source import DEFAULT_MODEL, load_config
+        tiny_ids = load_tokenizer(load_config(TINY)[2]).encode(" love")
+        assert tiny_ids != load_tokenizer(load_config(DEFAULT_MODEL)[2]).encode(" love")
+        served = tandem("tokenize", " love", key=KEYS["bob"])
+        assert served.returncode == 0 and json.loads(served.stdout) == tiny_ids, served.stderr
+        assert "the model the router at" in served.stderr, served.stderr
+        # a refused key is said, not papered over with the default model's ids
+        unasked = tandem("tokenize", " love")
+        assert unasked.returncode == 2 and "UNAUTHENTICATED" in unasked.stderr and "--model" in unasked.stderr, \
+            unasked.stderr
         # tandem bench without a key: said at once (not after --router-wait), naming the flag
         started = time.monotonic()
         bench = tandem("bench", "--num-requests", "1", "--output-tokens", "2", "--router-wait", "60")
