@@ -6,6 +6,11 @@ defaults to --router, and without it to 127.0.0.1:PORT, PORT being this process'
 TANDEM_PORT, so inside a container that sets TANDEM_PORT the bare `tandem health` probes the
 server next to it. TANDEM_ROUTER, which the router's clients read, is not read here: a shell or
 container that exports it for them would otherwise send every check to the router.
+
+A router's whole-server status says its process serves; whether it can serve a request now
+(a decode worker in discovery and healthy) is its `tandem.v1.FrontendService` status, which a
+readiness probe checks with `--service tandem.v1.FrontendService`. Without --service, a router
+whose front is NOT_SERVING is still SERVING (exit 0: alive) and the line says so.
 """
 
 from __future__ import annotations
@@ -17,6 +22,9 @@ import sys
 
 from cli.config import ConfigError, config_path, own_values, resolve, subparsers
 from cli.flags import add_option, options_of
+
+
+FRONT = "tandem.v1.FrontendService"  # the router's service (router/main.py SERVICE; not imported: torch)
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -89,6 +97,11 @@ def run(args: argparse.Namespace) -> int:
     elif not ok and status.startswith("UNAVAILABLE") and not files.enabled:
         hint = ("\n(checked in plaintext; a server that serves TLS answers nothing to it: pass --tls-ca, and for a "
                 "worker's port --tls-cert and --tls-key too)")
+    elif ok and not args.service:  # a router: say whether its front can serve now (the readiness check's)
+        front_ok, front = check(address, FRONT, args.health_timeout_s, files.load() if files.enabled else None)
+        if not front_ok and front == "NOT_SERVING":
+            hint = (f" (the process; its {FRONT} is NOT_SERVING: no healthy decode worker, requests fail now; "
+                    f"a readiness check passes --service {FRONT})")
     print(f"{address}{' ' + args.service if args.service else ''}: {status}{hint}",
           file=sys.stdout if ok else sys.stderr)
     return 0 if ok else 1

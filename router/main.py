@@ -19,6 +19,7 @@ from common.lifecycle import install_stop_signals
 from common.grpc_server import (WILDCARDS, Keepalive, RunningServer, add_lenient_service, advertised_host,
                                 record_address, set_keepalive, start_server, validate_listen_port)
 from common.pb.tandem.v1 import discovery_pb2
+from grpc_health.v1 import health_pb2
 from common.tls import TlsFiles
 from common.pb.tandem.v1 import frontend_pb2 as pb
 from common.tokenizer import load_tokenizer
@@ -200,6 +201,30 @@ async def _follow_membership(watcher: InstanceWatcher, on_change) -> None:
         on_change()
 
 
+READY_POLL_S = 1.0  # how often the front's health status follows the decode workers
+
+
+async def follow_readiness(servicer: FrontendServicer, server: RunningServer) -> None:
+    """Keep `tandem.v1.FrontendService`'s grpc.health.v1 status on "can this router serve a
+    Generate now": SERVING while a decode worker is a candidate (in discovery, healthy, not
+    set aside; as the HTTP API's /health, which answers 503 without one) and the router is not
+    draining, else NOT_SERVING. The whole server's status ("") stays the process's: SERVING
+    until the drain. So a readiness probe checks the service (`tandem health ADDR --service
+    tandem.v1.FrontendService`) and a liveness probe the server: a router whose decode workers
+    are all down is taken out of a load balancer, not restarted."""
+    ready = None
+    while True:
+        now = bool(servicer.workers.candidates(discovery_pb2.ROLE_DECODE)) and not servicer.draining
+        if now != ready and not servicer.draining:
+            await server.health.set(SERVICE, health_pb2.HealthCheckResponse.SERVING if now
+                                    else health_pb2.HealthCheckResponse.NOT_SERVING)
+            if ready is not None:
+                log.info("router front %s: %s", "ready" if now else "not ready",
+                         "a decode worker serves" if now else "no healthy decode worker")
+            ready = now
+        await asyncio.sleep(READY_POLL_S)
+
+
 async def drain(servicer: FrontendServicer, server: RunningServer, registration: Registration,
                 instance: discovery_pb2.Instance, timeout_s: float) -> None:
     """The drain stage, as a worker's (worker/host.py `drain`): refuse new Generate calls with
@@ -359,6 +384,7 @@ async def run(opts: RouterOptions, ready: Callable[[RunningServer, FrontendServi
         log.info("router front needs API keys: %d loaded from %s%s", len(keys), opts.api_keys,
                  " (SIGHUP reloads them)" if reload_on_hup else "")
     health.start()  # here, so that the finally below always stops it
+    readiness = asyncio.create_task(follow_readiness(servicer, server), name="readiness")  # strong ref
     log.info("router serving %s on %s", name, address)
     if ready:
         ready(server, servicer)
@@ -381,6 +407,7 @@ async def run(opts: RouterOptions, ready: Callable[[RunningServer, FrontendServi
         if metrics_server is not None:
             await asyncio.to_thread(metrics_server.close)
         membership.cancel()
+        readiness.cancel()
         await health.stop()
         if subscriber is not None:
             await subscriber.close()

@@ -136,7 +136,10 @@ def test_tandem_pods_probe_grpc_health_and_mount_the_config(name, tandem_config)
     health = ["tandem", "health", f"127.0.0.1:{ports['grpc']}", "--tls-cert", f"{TLS_DIR}/tls.crt",
               "--tls-key", f"{TLS_DIR}/tls.key", "--tls-ca", f"{TLS_DIR}/ca.crt"]
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-        assert container[probe]["exec"]["command"] == health, probe
+        # a router is ready while its front serves (a decode worker healthy), alive while its process does
+        want = health[:3] + ["--service", "tandem.v1.FrontendService"] + health[3:] \
+            if probe == "readinessProbe" and name == "tandem-router" else health
+        assert container[probe]["exec"]["command"] == want, probe
         assert container[probe]["timeoutSeconds"] >= 5, probe  # a Python process per probe
     env = {e["name"]: e for e in container["env"]}
     assert env["TANDEM_CONFIG"]["value"] == "/etc/tandem/tandem.toml"

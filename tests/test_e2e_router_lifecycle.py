@@ -335,3 +335,48 @@ def test_a_worker_stopped_while_it_registers_returns_and_leaves_nothing(tiny_mod
     finally:
         silent.close()
     assert took < 3, f"stopping took {took:.1f} s (the registration's etcd timeout is 5 s per attempt)"
+
+
+def test_the_front_is_ready_only_while_a_decode_worker_serves(cluster):
+    """The router's tandem.v1.FrontendService health status (a readiness probe's) follows its
+    decode workers, while the whole server's ("", a liveness probe's) stays SERVING; `tandem
+    health` without --service exits 0 and says the front cannot serve."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    router = cluster.start("router", health_interval_s=HEALTH_S, health_timeout_s=HEALTH_S)
+    decode = None
+
+    def status(service: str) -> str:
+        with grpc.insecure_channel(router.address) as ch:
+            resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
+
+    def health_cli(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "cli.main", "health", router.address, *args],
+                              cwd=Path(__file__).resolve().parent.parent, capture_output=True, text=True, timeout=60,
+                              env={"PATH": "/usr/bin:/bin"})
+    front = "tandem.v1.FrontendService"
+    try:
+        wait(lambda: status(front) == "NOT_SERVING", 10, "a router without decode workers says its front serves")
+        assert status("") == "SERVING"
+        alive = health_cli()
+        assert alive.returncode == 0 and f"{front} is NOT_SERVING: no healthy decode worker" in alive.stdout, \
+            alive.stdout + alive.stderr
+        assert health_cli("--service", front).returncode == 1
+        decode = cluster.start("decode")
+        wait(lambda: status(front) == "SERVING", 15, "the front stays NOT_SERVING with a decode worker up")
+        ready = health_cli("--service", front)
+        assert ready.returncode == 0 and "SERVING" in ready.stdout, ready.stdout + ready.stderr
+        assert "NOT_SERVING" not in health_cli().stdout
+        cluster.stop(decode)
+        decode = None
+        wait(lambda: status(front) == "NOT_SERVING", 15, "the front still SERVING after its decode worker left")
+        assert status("") == "SERVING"
+    finally:
+        if decode is not None:
+            cluster.stop(decode)
+        cluster.stop(router)
