@@ -25,6 +25,7 @@ import logging
 import time
 from typing import Any
 
+from prometheus_client import Counter
 from pydantic import ValidationError
 from starlette.requests import Request
 from starlette.responses import JSONResponse
@@ -106,15 +107,27 @@ async def read_body(receive, limit: int) -> bytes:
             return parts[0] if len(parts) == 1 else b"".join(parts)
 
 
+COUNTED_ROUTES = (*ROUTES, "/v1/models", "/health", "/metrics")  # other paths count as route "other"
+
+
 class Front:
     """ASGI app: the generation routes served directly (see the module docstring), the rest by
-    `app` (the FastAPI app of router/http_api.py:create_app)."""
+    `app` (the FastAPI app of router/http_api.py:create_app). With a metrics registry
+    (`api.registry`) every HTTP response is counted by route and status code,
+    `tandem_router_http_responses_total`: refusals before a Generate call (a body that is no
+    JSON, a wrong type, a missing key, 401, 404, 413) count there and nowhere else."""
 
     def __init__(self, api: Any, app: Any, max_body: int = MAX_BODY) -> None:
         self.api, self.app, self.max_body = api, app, max_body
+        registry = getattr(api, "registry", None)
+        self.responses = None if registry is None else Counter(
+            "tandem_router_http_responses", "HTTP API responses by route (the path; 'other' for an unknown one) "
+            "and HTTP status code", ["route", "code"], registry=registry)
 
     async def __call__(self, scope, receive, send) -> None:
         scope["tandem.arrived"] = time.perf_counter()
+        if self.responses is not None and scope["type"] == "http":
+            send = self._counting(send, scope.get("path", ""))
         scope["tandem.send"] = send
         model = ROUTES.get(scope.get("path", "")) if scope["type"] == "http" else None
         if model is None:
@@ -132,6 +145,16 @@ class Front:
             log.exception("%s %s failed", scope["method"], scope["path"])
             response = error_response(500, f"internal error: {exc!r}", "internal_error")
         await response(scope, receive, send)
+
+    def _counting(self, send, path: str):
+        """`send` that counts the response's status once, at its start."""
+        route = path if path in COUNTED_ROUTES else "other"
+
+        async def counted(message) -> None:
+            if message["type"] == "http.response.start":
+                self.responses.labels(route, str(message["status"])).inc()
+            await send(message)
+        return counted
 
     async def _generate(self, scope, receive, model) -> Any:
         declared = next((v for k, v in scope["headers"] if k == b"content-length"), b"0")

@@ -740,3 +740,28 @@ def test_offsets_count_a_partial_characters_token_as_one_character(client):
     lp = done.choices[0].logprobs
     assert any(t.startswith("bytes:") for t in lp.tokens), lp.tokens
     assert_offsets(lp.tokens, lp.text_offset)
+
+
+def http_responses(cluster, route: str, code: int) -> float:
+    text = httpx.get(f"http://{cluster.router.http_address}/metrics").text
+    m = re.search(rf'^tandem_router_http_responses_total\{{code="{code}",route="{route}"\}} (\S+)$', text, re.M)
+    return float(m.group(1)) if m else 0.0
+
+
+def test_every_http_response_is_counted_refusals_before_generate_too(cluster):
+    """A body that is no JSON, a wrong type and an empty message list never reach Generate
+    (tandem_router_requests_total does not see them): tandem_router_http_responses_total counts
+    them by route and status, as it counts the answered ones and unknown paths."""
+    url = f"http://{cluster.router.http_address}"
+    chat, comp = "/v1/chat/completions", "/v1/completions"
+    before = {key: http_responses(cluster, *key) for key in [(chat, 400), (comp, 400), (comp, 200), ("other", 404)]}
+    with httpx.Client(timeout=60) as http:
+        assert http.post(url + comp, content=b"nojson").status_code == 400
+        assert http.post(url + comp, json={"model": "tandem-tiny", "prompt": "a", "max_tokens": "x"}).status_code == 400
+        assert http.post(url + chat, json={"model": "tandem-tiny", "messages": []}).status_code == 400
+        assert http.post(url + comp, json={"model": "tandem-tiny", "prompt": "a", "max_tokens": 1}).status_code == 200
+        assert http.get(url + "/v1/nothing-here").status_code == 404
+    assert http_responses(cluster, comp, 400) == before[comp, 400] + 2
+    assert http_responses(cluster, chat, 400) == before[chat, 400] + 1
+    assert http_responses(cluster, comp, 200) == before[comp, 200] + 1
+    assert http_responses(cluster, "other", 404) == before["other", 404] + 1
