@@ -508,8 +508,7 @@ class OpenAIFrontend:
             return self.error(400, f"messages: {exc}", "invalid_request_error", "messages", headers=headers)
         span, request_headers = f"POST {route}", dict(request.headers)
         gens = [Generation(self.servicer, c.request, span, request_headers) for c in choices]
-        # uvicorn's send is its request cycle's bound method; the cycle holds the connection
-        cycle = getattr(request.scope.get("tandem.send"), "__self__", None)
+        cycle = request.scope.get("tandem.cycle")  # uvicorn's request cycle: it holds the connection
         watch = ConnectionWatch(gens, request.receive, getattr(cycle, "transport", None))
         try:  # an error before every choice's first response: a status, at once
             firsts, failed = await _firsts(gens)

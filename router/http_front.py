@@ -15,7 +15,9 @@ time in the router is what the HTTP frontend adds to every request's TTFT (docs/
 
 The body is parsed as JSON whatever its Content-Type says (a `curl -d` without `-H` works).
 Both paths stamp the request's arrival (`scope["tandem.arrived"]`, HttpTimings.before_s) and
-uvicorn's own send (`scope["tandem.send"]`, through which the streamed events are written).
+uvicorn's own send (`scope["tandem.send"]`, through which the streamed events are written;
+counting the response's status where metrics are on) and the request cycle that send belongs
+to (`scope["tandem.cycle"]`: its transport tells a disconnect).
 """
 
 from __future__ import annotations
@@ -126,6 +128,9 @@ class Front:
 
     async def __call__(self, scope, receive, send) -> None:
         scope["tandem.arrived"] = time.perf_counter()
+        # uvicorn's send is its request cycle's bound method; the cycle holds the connection,
+        # which the disconnect watch polls (router/http_api.py ConnectionWatch)
+        scope["tandem.cycle"] = getattr(send, "__self__", None)
         if self.responses is not None and scope["type"] == "http":
             send = self._counting(send, scope.get("path", ""))
         scope["tandem.send"] = send

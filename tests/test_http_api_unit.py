@@ -166,8 +166,11 @@ def _serve(servicer, fn):
     from router.chat_template import load_chat_template
     from router.http_api import HttpServer, OpenAIFrontend, create_app
 
-    async def main():
-        server = HttpServer(create_app(OpenAIFrontend(servicer, load_chat_template(None), None)), "127.0.0.1", 0)
+    from prometheus_client import CollectorRegistry
+
+    async def main():  # with a metrics registry, as a router's (its responses counted through a wrapped send)
+        server = HttpServer(create_app(OpenAIFrontend(servicer, load_chat_template(None), CollectorRegistry())),
+                            "127.0.0.1", 0)
         await server.start()
         try:
             return await fn(f"http://{server.address}")
