@@ -46,7 +46,7 @@ from common import tracing
 from common.pb.tandem.v1 import discovery_pb2
 from common.pb.tandem.v1 import frontend_pb2 as pb
 from common.pb.tandem.v1 import sampling_pb2
-from common.validation import InvalidArgument
+from common.validation import MAX_REQUEST_ID_CHARS, InvalidArgument
 from router.http_front import Front, error_response, validation_error
 from router.http_port import HTTP_OFF, validate_port  # noqa: F401 (re-exported)
 from router.http_port import PlainHttpLog, load_certificate, watch_handshakes
@@ -247,6 +247,18 @@ async def _firsts(gens: list[Generation]
     finally:
         for t in pending:
             t.cancel()
+
+
+def _bad_request_id(request_id: str) -> str:
+    """Why a client's X-Request-Id header cannot be the request's id ("" if it can): at most
+    MAX_REQUEST_ID_CHARS (the gRPC API's limit on request_id, which travels in every internal
+    call), printable ASCII (a header's other bytes reach the server as Latin-1 and would be
+    another id)."""
+    if len(request_id) > MAX_REQUEST_ID_CHARS:
+        return f"{len(request_id)} characters; at most {MAX_REQUEST_ID_CHARS}"
+    if not all(" " <= c <= "~" for c in request_id):
+        return "only printable ASCII characters"
+    return ""
 
 
 class ConnectionWatch:
@@ -494,7 +506,11 @@ class OpenAIFrontend:
         if refused is not None:
             return refused
         chat = isinstance(req, ChatCompletionRequest)
-        request_id = request.headers.get("x-request-id", "")[:128] or uuid.uuid4().hex  # bounded: logs, spans
+        request_id = request.headers.get("x-request-id", "")
+        bad = _bad_request_id(request_id)
+        if bad:  # refused, not cut or re-encoded: the id a client logs must be the one in ours
+            return self.error(400, f"X-Request-Id: {bad}", "invalid_request_error", "X-Request-Id")
+        request_id = request_id or uuid.uuid4().hex
         headers = {"X-Request-Id": request_id}
         try:
             if chat:

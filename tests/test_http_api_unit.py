@@ -163,10 +163,10 @@ class _StandIn:
 
 def _serve(servicer, fn):
     """Run `fn(base_url)` (async) against a real uvicorn server of the HTTP API."""
+    from prometheus_client import CollectorRegistry
+
     from router.chat_template import load_chat_template
     from router.http_api import HttpServer, OpenAIFrontend, create_app
-
-    from prometheus_client import CollectorRegistry
 
     async def main():  # with a metrics registry, as a router's (its responses counted through a wrapped send)
         server = HttpServer(create_app(OpenAIFrontend(servicer, load_chat_template(None), CollectorRegistry())),
@@ -449,3 +449,27 @@ def test_plain_http_to_the_https_port_is_logged_and_the_port_keeps_serving(tmp_p
     assert server.plain_http.total == 3
     assert len(lines) == 1 and "plain HTTP reached the HTTPS API port (1 connection since" in lines[0], lines
     assert "https://" in lines[0]
+
+
+def test_x_request_id_is_the_requests_id_or_refused_by_name():
+    """A client's X-Request-Id names the request (echoed, and the Generate call's id); one
+    longer than the gRPC API's limit, or with bytes no printable ASCII, is a 400 naming the
+    header, not an id cut short or re-encoded."""
+    import httpx
+    servicer = _StandIn(n=1)
+
+    async def fn(base):
+        async with httpx.AsyncClient() as http:
+            body = {"prompt": [1, 2], "max_tokens": 1}
+            ok = await http.post(base + "/v1/completions", json=body, headers={"X-Request-Id": "job-7"})
+            long = await http.post(base + "/v1/completions", json=body, headers={"X-Request-Id": "x" * 129})
+            odd = await http.post(base + "/v1/completions", json=body, headers={"X-Request-Id": "bad id/\xfc".encode("latin-1")})
+            return ok, long, odd
+
+    ok, long, odd = _serve(servicer, fn)
+    assert ok.status_code == 200 and ok.headers["x-request-id"] == "job-7" and ok.json()["id"].endswith("job-7")
+    assert servicer.calls[0].request_id.startswith("job-7")
+    for r, said in ((long, "129 characters; at most 128"), (odd, "printable ASCII")):
+        assert r.status_code == 400 and r.json()["error"]["param"] == "X-Request-Id", r.text
+        assert said in r.json()["error"]["message"], r.text
+    assert len(servicer.calls) == 1  # the refused ones reached no Generate
