@@ -353,7 +353,9 @@ def _up(args: argparse.Namespace) -> int:
         inherited = sorted(k for k in os.environ if k.startswith("TANDEM_")
                            and k not in ("TANDEM_LOG_LEVEL", "TANDEM_LOG_FORMAT", "TANDEM_CONFIG", "TANDEM_LOG_DIR",
                                          LAUNCHER_ENV)
-                           and not (args.insecure and k.startswith("TANDEM_TLS_")))  # (spawn drops those)
+                           # (--insecure: spawn drops those; else every process takes this cluster's own
+                           # --tls-* flags: a stale TANDEM_TLS_CA misleads only this shell's clients, below)
+                           and not k.startswith("TANDEM_TLS_"))
         unknown = _unknown_variables(inherited)
         inherited = [k for k in inherited if k not in unknown]
         if inherited:  # names only: a value may be a secret
@@ -396,6 +398,12 @@ def _up(args: argparse.Namespace) -> int:
                 print(f"  mutual TLS: CA and certificates in {cluster.ca.folder} (the CA's key is deleted); local "
                       f"clients of port {router_port} use it by themselves, others: export "
                       f"TANDEM_TLS_CA={cluster.ca.ca_path}", flush=True)
+                exported = os.environ.get("TANDEM_TLS_CA", "")
+                if exported and Path(exported).resolve() != Path(cluster.ca.ca_path).resolve():
+                    # (an earlier run's export: clients read it before the local CA file)
+                    print(f"tandem up: WARNING: this shell's TANDEM_TLS_CA ({exported}) is not this cluster's CA: "
+                          f"clients started from it (tandem generate, bench, top) will fail the TLS handshake; "
+                          f"export TANDEM_TLS_CA={cluster.ca.ca_path} or unset it", file=sys.stderr, flush=True)
             if cluster.http_address:
                 trust = f" (trust {cluster.ca.ca_path}: curl --cacert FILE)" if args.https else ""
                 print(f"  OpenAI-compatible HTTP API at {cluster.http_url}/v1{trust}", flush=True)

@@ -171,7 +171,9 @@ def test_tandem_up_prints_the_scheme_its_router_serves(tmp_path):
     own = LocalCa(tmp_path / "own").issue("api", ("router",))
     env = {k: v for k, v in os.environ.items() if not k.startswith("TANDEM_")}
     for extra, variables in ((["--https"], {"TANDEM_HTTP_HOST": "127.0.0.2"}),
-                             ([], {"TANDEM_HTTP_TLS_CERT": own.cert, "TANDEM_HTTP_TLS_KEY": own.key})):
+                             # with a TANDEM_TLS_CA an earlier run exported: said to be stale, not "applied"
+                             ([], {"TANDEM_HTTP_TLS_CERT": own.cert, "TANDEM_HTTP_TLS_KEY": own.key,
+                                   "TANDEM_TLS_CA": own.ca})):
         up, out = tandem_up(["--mocker", "1", "--port", "0", "--http-port", "0", "--log-dir", str(tmp_path / "runs"),
                              *extra], {**env, **variables})
         try:
@@ -185,6 +187,9 @@ def test_tandem_up_prints_the_scheme_its_router_serves(tmp_path):
                 assert "SIGHUP passed to router" in up.stdout.readline()
                 assert httpx.get(f"{url.group(1)}/v1/models", verify=trust, timeout=10).status_code == 200
             else:
+                assert f"this shell's TANDEM_TLS_CA ({own.ca}) is not this cluster's CA" in out, out
+                applied = re.search(r"TANDEM_\* variables of this shell apply to every process it starts.*", out)
+                assert applied and "TANDEM_TLS_CA" not in applied.group(0), out
                 router = re.search(r"router at (\S+),", out).group(1)
                 r = subprocess.run([sys.executable, "-m", "cli.main", "bench", "--router", router, "--backend",
                                     "openai", "--http-url", url.group(1), "--http-ca", own.ca, "--dataset", "mt-bench",
