@@ -252,8 +252,18 @@ async def _say_exits(cluster, every_s: float = 1.0) -> None:
             if name not in said and proc.poll() is not None:
                 said.add(name)
                 print(f"tandem up: {name} exited (status {proc.returncode}); its log: "
-                      f"{cluster.log_dir / (name + '.log')}; the others run on (Ctrl-C stops them)",
-                      file=sys.stderr, flush=True)
+                      f"{cluster.log_dir / (name + '.log')}; the others run on (Ctrl-C stops them). Another "
+                      f"takes its place, started by hand (Ctrl-C here does not stop that one): "
+                      f"{_command_of(proc)}", file=sys.stderr, flush=True)
+
+
+def _command_of(proc) -> str:
+    """The `tandem ROLE ...` command line a cluster process was started with (`python -m
+    cli.main ROLE ...`, LocalCluster.spawn): its etcd, namespace, model and TLS files, so a
+    process started from it joins the same cluster."""
+    import shlex
+    args = list(proc.args)
+    return shlex.join(["tandem", *args[args.index("cli.main") + 1:]]) if "cli.main" in args else shlex.join(args)
 
 
 def _up(args: argparse.Namespace) -> int:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 import signal
 import socket
 import subprocess
@@ -171,6 +172,23 @@ def test_tandem_up_says_when_a_process_of_its_cluster_exits(tmp_path):
         said = [line for line in lines if "mocker exited" in line]
         assert said and "status -9" in said[0] and "mocker.log" in said[0], "".join(lines)
         assert up.poll() is None  # serving on
+        # the command it prints starts a replacement that joins the cluster and serves
+        command = shlex.split(said[0].split("started by hand (Ctrl-C here does not stop that one): ")[1])
+        assert command[:2] == ["tandem", "mocker"], said[0]
+        router = re.search(r"router at (\S+),", "".join(lines)).group(1)
+        again = subprocess.Popen([sys.executable, "-m", "cli.main", *command[1:]], cwd=ROOT, env=env,
+                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            served = None
+            deadline = time.monotonic() + 60
+            while (served is None or served.returncode) and time.monotonic() < deadline:
+                served = subprocess.run([sys.executable, "-m", "cli.main", "generate", "x", "--max-tokens", "2",
+                                         "--router", router], cwd=ROOT, env=env, capture_output=True, text=True,
+                                        timeout=60)
+            assert served.returncode == 0, served.stderr
+        finally:
+            again.terminate()
+            again.wait(30)
         up.send_signal(signal.SIGTERM)
         rest = up.communicate(timeout=60)[0]
         assert up.returncode == 0 and "mocker exited" not in rest, rest  # said once; a stop is not news
