@@ -94,6 +94,10 @@ def run(args: argparse.Namespace) -> int:
         # something answered, in HTTP/1 (the router's HTTP API, a /metrics port): not a gRPC port
         hint = (f"\n(what listens at {address} answers in HTTP/1, not gRPC: the router's HTTP API or a metrics "
                 "port? tandem health checks gRPC ports: the router's --port, a worker's)")
+    elif not ok and status.startswith("UNAVAILABLE") and files.enabled and not args.tls_cert:
+        # TLS with no client certificate: a worker's port closes such connections ("Socket closed")
+        hint = ("\n(checked over TLS without a client certificate; a worker's port takes only clients with a "
+                "certificate of the cluster CA: pass --tls-cert and --tls-key, e.g. a `tandem certs` client's)")
     elif not ok and status.startswith("UNAVAILABLE") and not files.enabled:
         hint = ("\n(checked in plaintext; a server that serves TLS answers nothing to it: pass --tls-ca, and for a "
                 "worker's port --tls-cert and --tls-key too)")

@@ -5,6 +5,7 @@ the wrong role, against each internal service of the prefill and decode workers.
 from __future__ import annotations
 
 import asyncio
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -237,3 +238,20 @@ def test_etcd_with_tls_serves_nothing_to_a_client_without_a_certificate_on_its_p
         assert asyncio.run(main()) is None  # the intruder's write left nothing
         etcd.restart()  # the same flags again, on the same data
         assert asyncio.run(main()) is None
+
+
+def test_health_of_a_worker_over_tls_without_a_client_certificate_says_what_is_missing(clusters):
+    """`tandem health WORKER --tls-ca CA` with no client certificate: the worker's port closes
+    the connection; the line says to pass --tls-cert and --tls-key (it said only "Socket
+    closed"), and with them the check passes."""
+    cluster = clusters[0]
+    address = _address(cluster, discovery_pb2.ROLE_DECODE)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TANDEM_")}
+
+    def health(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "cli.main", "health", address, "--tls-ca", cluster.ca.ca_path,
+                               *args], cwd=ROOT, capture_output=True, text=True, timeout=60, env=env)
+    bare = health()
+    assert bare.returncode == 1 and "pass --tls-cert and --tls-key" in bare.stderr, bare.stderr
+    files = cluster.ca.issue("health-check", ("admin",))
+    assert health("--tls-cert", files.cert, "--tls-key", files.key).returncode == 0
