@@ -15,8 +15,12 @@ Run = tuple[str, Sequence[BenchRequest], Sequence[RequestResult], float]  # (lab
 
 def plot_runs(runs: Sequence[Run], out: Path, title: str = "") -> list[Path]:
     """Write <out>-ttft-cdf.png and <out>-over-time.png; returns their paths."""
+    import logging
+
     import matplotlib
 
+    # its first use builds a font cache and logs that at INFO, which reads like news of the bench
+    logging.getLogger("matplotlib").setLevel(logging.WARNING)
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
