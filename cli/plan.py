@@ -124,11 +124,17 @@ def _weights_per_gpu(cfg, ep_size: int, weight_dtype: str) -> int:
     return int((dense + experts / ep_size) * KV_DTYPE_BYTES[weight_dtype])
 
 
+def _hbm(nbytes: int) -> str:
+    """A column's device memory in GiB, as the table counts, and in GB where it is a whole number
+    of them (a datasheet's "141GB" shows as "131 GiB (141 GB)", not as if it were 131 GB)."""
+    return size(nbytes) + (f" ({nbytes // 10 ** 9:,} GB)" if nbytes % 10 ** 9 == 0 else "")
+
+
 def table(label: str, fp: KvFootprint, plans: list[Plan]) -> list[tuple[str, list[str]]]:
     """Rows (name, one cell per column) of the capacity table."""
     ep = plans[0].inputs.ep_size
     return [
-        ("HBM per GPU", [size(p.inputs.hbm_bytes) for p in plans]),
+        ("HBM per GPU", [_hbm(p.inputs.hbm_bytes) for p in plans]),
         ("mem_fraction_static", [f"{p.inputs.mem_fraction_static:g}" for p in plans]),
         ("weights per GPU", [size(p.inputs.weight_bytes) for p in plans]),
         ("KV pool per GPU", [size(p.pool_bytes) for p in plans]),
@@ -183,6 +189,17 @@ def build_plans(opts: PlanOptions) -> tuple[str, KvFootprint, list[Plan]]:
     return label, fp, plans
 
 
+def _layers(opts: PlanOptions) -> str:
+    """"layers", or for a --model with an MTP module "KV layers (N + k MTP)": the pool holds the
+    MTP layers' KV too, so the count is more than the model's own layers."""
+    if not opts.model:
+        return "layers"
+    from engine.model_source import load_config
+    _, cfg, _ = load_config(opts.model)
+    mtp = cfg.num_kv_layers - cfg.num_hidden_layers
+    return f"KV layers ({cfg.num_hidden_layers} + {mtp} MTP)" if mtp else "layers"
+
+
 def context_note(opts: PlanOptions) -> str | None:
     """A warning when --model's context (its config's max_position_embeddings) is shorter than
     --input-len + --output-len: its workers would refuse such requests; None otherwise."""
@@ -210,7 +227,7 @@ def main(opts: PlanOptions) -> int:
                                       for p in plans]}, indent=2))
         return 0
     cached_in, cached_out = parse_tokens(opts.input_len), parse_tokens(opts.output_len)
-    title = (f"{label}: ({fp.kv_lora_rank} + {fp.qk_rope_head_dim}) × {fp.num_layers} layers × "
+    title = (f"{label}: ({fp.kv_lora_rank} + {fp.qk_rope_head_dim}) × {fp.num_layers} {_layers(opts)} × "
              f"{fp.bytes_per_element:g} B ({opts.kv_dtype}) = {fp.bytes_per_token:,} B per token; "
              f"{cached_in:,} + {cached_out:,} tokens per request; EP{opts.ep_size}")
     print(render(table(label, fp, plans), title, opts.format))

@@ -92,6 +92,19 @@ def test_plan_notes_requests_longer_than_the_models_context():
     assert context_note(PlanOptions()) is None  # a preset has no context of its own
 
 
+def test_plan_counts_an_mtp_modules_layers_aloud_and_a_datasheets_gb(capsys):
+    """tandem-shakespeare has 6 layers and an MTP layer, whose KV the pool holds too: the title
+    says 7 KV layers as 6 + 1 MTP, not 7 layers; --hbm 141GB heads its column as 131 GiB (141 GB)."""
+    from cli.plan import main
+    assert main(PlanOptions(model="tandem-shakespeare", hbm="141GB", practical_fractions="0.9",
+                            input_len="1K", output_len="1K")) == 0
+    out = capsys.readouterr().out
+    assert "× 7 KV layers (6 + 1 MTP) ×" in out and "131 GiB (141 GB)" in out, out
+    assert main(PlanOptions()) == 0
+    out = capsys.readouterr().out
+    assert "× 61 layers ×" in out and "288 GiB GPU" in out and "GB)" not in out, out
+
+
 def test_theoretical_cap_is_pool_over_per_request():
     p = plan(PlanInputs(hbm_bytes=100, mem_fraction_static=0.5, weight_bytes=10, cached_tokens=4, bytes_per_token=2,
                         ep_size=3, practical_fraction=0.5))
