@@ -58,13 +58,46 @@ def loc_name(loc: tuple) -> str:
     return out
 
 
+def _union_tag(part) -> bool:
+    return isinstance(part, str) and (part in UNION_TAGS or part.startswith(("list[", "dict[")))
+
+
+def _json_type(tag: str) -> str:
+    """pydantic's tag of a union member ("str", "list[int]") in JSON's terms, plural."""
+    if tag.startswith("list["):
+        return f"arrays of {_json_type(tag[5:-1])}"
+    return {"str": "strings", "int": "integers", "float": "numbers", "bool": "booleans", "none": "nulls"}.get(
+        tag, "objects" if tag[:1].isupper() else tag)  # a model class (ContentPart): JSON objects
+
+
+def _accepted(errors: list[dict], field: tuple) -> str:
+    """What a union field (loc `field`) takes, from its members' errors: "a string or an array of
+    strings" (pydantic's first error names only its first member: "Input should be a valid string")."""
+    tags = list(dict.fromkeys(e["loc"][len(field)] for e in errors
+                              if tuple(e.get("loc", ()))[:len(field)] == field and len(e["loc"]) > len(field)
+                              and _union_tag(e["loc"][len(field)])))
+    names = ["a" + ("n" if n[0] in "aeiou" else "") + " " + n.rstrip("s") if not n.startswith("arrays")
+             else "an " + n.removeprefix("arrays").replace(" of ", "array of ", 1).strip()
+             for n in map(_json_type, tags)]
+    return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " or " + names[-1]
+
+
 def validation_error(errors: list[dict]) -> JSONResponse:
-    """The 400 for a body pydantic refused: its first error, the parameter named."""
+    """The 400 for a body pydantic refused: its first error, the parameter named; a field of
+    several accepted types (prompt, stop) says them all; an empty list says so."""
     err = errors[0]
     if err.get("type") == "json_invalid":
         return error_response(400, f"request body is not valid JSON: {err.get('msg', '')}")
-    param = loc_name(tuple(err.get("loc", ()))) or None
+    loc = tuple(err.get("loc", ()))
+    param = loc_name(loc) or None
     msg = err.get("msg", "invalid")
+    at = next((i for i, part in enumerate(loc) if _union_tag(part)), None)
+    if at is not None:  # a union's member failed: name the field and every form it takes
+        field = loc[:at]
+        param = loc_name(field) or None
+        msg = f"must be {_accepted(errors, field)}"
+    elif err.get("type") == "too_short" and (err.get("ctx") or {}).get("min_length") == 1:
+        msg = "must not be empty"
     return error_response(400, f"{param}: {msg}" if param else msg, param=param)
 
 

@@ -473,3 +473,27 @@ def test_x_request_id_is_the_requests_id_or_refused_by_name():
         assert r.status_code == 400 and r.json()["error"]["param"] == "X-Request-Id", r.text
         assert said in r.json()["error"]["message"], r.text
     assert len(servicer.calls) == 1  # the refused ones reached no Generate
+
+
+@pytest.mark.parametrize("model, body, param, said", [
+    ("completion", '{"prompt": 5}', "prompt",
+     "prompt: must be a string, an array of integers, an array of strings or an array of arrays of integers"),
+    ("completion", '{"prompt": ["a", [1, 2]]}', "prompt", "an array of arrays of integers"),
+    ("completion", '{"prompt": "a", "stop": 5}', "stop", "stop: must be a string or an array of strings"),
+    ("chat", '{"messages": []}', "messages", "messages: must not be empty"),
+    ("chat", '{"messages": [{"role": "user", "content": 5}]}', "messages[0].content",
+     "must be a string or an array of objects"),
+    ("completion", '{"prompt": "a", "max_tokens": "x"}', "max_tokens", "max_tokens: Input should be a valid integer")])
+def test_a_wrong_type_says_every_form_the_parameter_takes(model, body, param, said):
+    """pydantic's first error of a union names its first member only ("Input should be a valid
+    string" for a prompt of token ids gone wrong): the 400 names the parameter and all its forms."""
+    import json
+
+    from pydantic import ValidationError
+
+    from router.http_front import validation_error
+    cls = ChatCompletionRequest if model == "chat" else CompletionRequest
+    with pytest.raises(ValidationError) as exc:
+        cls.model_validate_json(body)
+    error = json.loads(validation_error(exc.value.errors(include_url=False)).body)["error"]
+    assert error["param"] == param and said in error["message"], error
