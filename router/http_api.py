@@ -249,6 +249,15 @@ async def _firsts(gens: list[Generation]
             t.cancel()
 
 
+def _template_param(messages: list, said: str) -> str:
+    """The parameter a chat template's refusal is about: `messages[i].role` where it ends by
+    naming a role it got ("... got tool", as templates that raise on a role say) and message i
+    is the first of that role, else `messages`."""
+    got = said.rsplit("got ", 1)[-1].strip().strip("'\".") if "got " in said else ""
+    i = next((i for i, m in enumerate(messages) if got and m.role == got), None)
+    return f"messages[{i}].role" if i is not None else "messages"
+
+
 def _bad_request_id(request_id: str) -> str:
     """Why a client's X-Request-Id header cannot be the request's id ("" if it can): at most
     MAX_REQUEST_ID_CHARS (the gRPC API's limit on request_id, which travels in every internal
@@ -521,7 +530,8 @@ class OpenAIFrontend:
         except InvalidArgument as exc:
             return self.invalid(exc, req, headers)
         except TemplateError as exc:
-            return self.error(400, f"messages: {exc}", "invalid_request_error", "messages", headers=headers)
+            param = _template_param(req.messages, str(exc))
+            return self.error(400, f"{param}: {exc}", "invalid_request_error", param, headers=headers)
         span, request_headers = f"POST {route}", dict(request.headers)
         gens = [Generation(self.servicer, c.request, span, request_headers) for c in choices]
         cycle = request.scope.get("tandem.cycle")  # uvicorn's request cycle: it holds the connection

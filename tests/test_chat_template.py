@@ -97,3 +97,16 @@ def test_bad_template_files_name_the_file(tmp_path):
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{% for %}"}))
     with pytest.raises(ValueError, match="not valid Jinja2"):
         load_chat_template(tmp_path)
+
+
+def test_a_role_the_template_refuses_is_named_by_its_index():
+    """The shipped template's "... got tool" names the first message of that role
+    (messages[1].role), not the whole list; a refusal naming no role stays `messages`."""
+    from router.http_api import _template_param
+    from router.openai_protocol import ChatCompletionRequest
+    req = ChatCompletionRequest(messages=[{"role": "user", "content": "Hi"}, {"role": "tool", "content": "x"}])
+    with pytest.raises(TemplateError) as exc:
+        load_chat_template(SHIPPED[SHAKESPEARE]).render(req.template_messages())
+    assert _template_param(req.messages, str(exc.value)) == "messages[1].role"
+    assert _template_param(req.messages, "roles must alternate") == "messages"
+    assert _template_param(req.messages, "got nobody") == "messages"
