@@ -94,6 +94,9 @@ def run(args: argparse.Namespace) -> int:
         # something answered, in HTTP/1 (the router's HTTP API, a /metrics port): not a gRPC port
         hint = (f"\n(what listens at {address} answers in HTTP/1, not gRPC: the router's HTTP API or a metrics "
                 "port? tandem health checks gRPC ports: the router's --port, a worker's)")
+    elif not ok and status.startswith("UNAVAILABLE") and files.enabled and "handshake" in status.lower():
+        hint = (f"\n(the TLS handshake failed: the server at {address} serves a certificate of another CA than "
+                "--tls-ca, or serves plaintext)")
     elif not ok and status.startswith("UNAVAILABLE") and files.enabled and not args.tls_cert:
         # TLS with no client certificate: a worker's port closes such connections ("Socket closed")
         hint = ("\n(checked over TLS without a client certificate; a worker's port takes only clients with a "

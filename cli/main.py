@@ -252,18 +252,26 @@ async def _say_exits(cluster, every_s: float = 1.0) -> None:
             if name not in said and proc.poll() is not None:
                 said.add(name)
                 print(f"tandem up: {name} exited (status {proc.returncode}); its log: "
-                      f"{cluster.log_dir / (name + '.log')}; the others run on (Ctrl-C stops them). Another "
-                      f"takes its place, started by hand (Ctrl-C here does not stop that one): "
-                      f"{_command_of(proc)}", file=sys.stderr, flush=True)
+                      f"{cluster.log_dir / (name + '.log')}; the others run on (Ctrl-C stops them). To run "
+                      f"another in its place, start this by hand (Ctrl-C here will not stop it): "
+                      f"{_command_of(proc, cluster.router_address)}", file=sys.stderr, flush=True)
 
 
-def _command_of(proc) -> str:
+def _command_of(proc, router_address: str = "") -> str:
     """The `tandem ROLE ...` command line a cluster process was started with (`python -m
     cli.main ROLE ...`, LocalCluster.spawn): its etcd, namespace, model and TLS files, so a
-    process started from it joins the same cluster."""
+    process started from it joins the same cluster; a router's `--port 0` as the port the
+    cluster's router serves (its clients' address), not another free one."""
     import shlex
     args = list(proc.args)
-    return shlex.join(["tandem", *args[args.index("cli.main") + 1:]]) if "cli.main" in args else shlex.join(args)
+    if "cli.main" not in args:
+        return shlex.join(args)
+    args = args[args.index("cli.main") + 1:]
+    if args[:1] == ["router"] and router_address and "--port" in args:
+        at = args.index("--port") + 1
+        if at < len(args) and args[at] == "0":
+            args[at] = router_address.rsplit(":", 1)[1]
+    return shlex.join(["tandem", *args])
 
 
 def _up(args: argparse.Namespace) -> int:
@@ -409,7 +417,11 @@ def _up(args: argparse.Namespace) -> int:
                       f"clients of port {router_port} use it by themselves, others: export "
                       f"TANDEM_TLS_CA={cluster.ca.ca_path}", flush=True)
                 exported = os.environ.get("TANDEM_TLS_CA", "")
-                if exported and Path(exported).resolve() != Path(cluster.ca.ca_path).resolve():
+                try:  # (a copy of this cluster's CA is this CA)
+                    same = Path(exported).read_bytes() == Path(cluster.ca.ca_path).read_bytes()
+                except OSError:
+                    same = False
+                if exported and not same:
                     # (an earlier run's export: clients read it before the local CA file)
                     print(f"tandem up: WARNING: this shell's TANDEM_TLS_CA ({exported}) is not this cluster's CA: "
                           f"clients started from it (tandem generate, bench, top) will fail the TLS handshake; "

@@ -38,8 +38,8 @@ def main(args: argparse.Namespace) -> int:
     try:
         name, _, ckpt = load_config(model)
     except (FileNotFoundError, ValueError) as exc:
-        print(f"tandem tokenize: {exc}{note and f' ({note}); pass --model, the checkpoint folder'}",
-              file=sys.stderr)
+        print(f"tandem tokenize: {exc}{note and f' ({note}); pass --model, the checkpoint folder'}"
+              if "serves" in note else f"tandem tokenize: {exc}", file=sys.stderr)
         return 2
     try:
         args.text.encode()
@@ -74,23 +74,30 @@ def served_model(args: argparse.Namespace) -> tuple[str | None, str]:
 
     import grpc
 
-    from cli.client import client_credentials, frontend_stub
+    from cli.client import client_credentials, frontend_stub, no_router_hint
     from common.pb.tandem.v1 import frontend_pb2
 
     async def ask() -> frontend_pb2.ListModelsResponse:
-        ch, stub = frontend_stub(args.router, client_credentials(args), args.api_key)
+        ch, stub = frontend_stub(args.router, creds, args.api_key)
         try:
             return await stub.ListModels(frontend_pb2.ListModelsRequest(), timeout=ASK_TIMEOUT_S)
         finally:
             await ch.close()
+    creds = client_credentials(args)
     try:
         models = asyncio.run(ask()).models
     except grpc.aio.AioRpcError as exc:
-        if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+        details = (exc.details() or "").lower()
+        # the default only where nothing listens (or nothing answers in time): a router that
+        # answered with a TLS failure or a refusal is one whose model a guess would get wrong
+        if (exc.code() == grpc.StatusCode.UNAVAILABLE and "refused" in details) \
+                or exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
             return WORKERS_DEFAULT_MODEL, (f"no router answered at {args.router}: the workers' default model; "
                                            "pass --model for another")
+        fix = ("pass --api-key (or TANDEM_API_KEY), or --model" if exc.code() == grpc.StatusCode.UNAUTHENTICATED
+               else "or pass --model" if no_router_hint(exc, args.router, creds is not None) else "pass --model")
         return None, (f"the router at {args.router} did not say which model it serves: {exc.code().name}: "
-                      f"{exc.details()}; pass --model")
+                      f"{exc.details()}{no_router_hint(exc, args.router, creds is not None)}; {fix}")
     if not models:
         return WORKERS_DEFAULT_MODEL, f"the router at {args.router} named no model: the workers' default model"
     return models[0].name, f"the model the router at {args.router} serves"

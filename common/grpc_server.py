@@ -57,11 +57,31 @@ def set_keepalive(keepalive: Keepalive) -> None:
     KEEPALIVE = keepalive
 
 
+class GatedHealth(health.aio.HealthServicer):
+    """grpc.health.v1 with, per named service, an optional gate read at every Check: a service
+    whose stored status is SERVING answers NOT_SERVING while its gate says no (the router's
+    front without a decode worker, router/main.py). Read at the call, not copied in by a poll,
+    so a check right after the gate opens or closes already sees it. Watch streams follow the
+    stored status, which the gate's owner keeps in step (`follow_readiness`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gates: dict[str, Callable[[], bool]] = {}
+
+    async def Check(self, request: health_pb2.HealthCheckRequest, context) -> health_pb2.HealthCheckResponse:
+        resp = await super().Check(request, context)
+        gate = self.gates.get(request.service)
+        if resp is not None and resp.status == health_pb2.HealthCheckResponse.SERVING and gate is not None \
+                and not gate():
+            return health_pb2.HealthCheckResponse(status=health_pb2.HealthCheckResponse.NOT_SERVING)
+        return resp
+
+
 @dataclass
 class RunningServer:
     server: grpc.aio.Server
     port: int
-    health: health.aio.HealthServicer
+    health: GatedHealth
     service_names: tuple[str, ...]
 
     async def set_serving(self, serving: bool) -> None:
@@ -84,7 +104,8 @@ def validate_listen_port(port: int, flag: str = "--port") -> None:
 async def start_server(address: str, add_services: Sequence[Callable[[grpc.aio.Server], None]],
                        service_names: Sequence[str], internal: bool = True,
                        interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
-                       reuse_port: bool = False) -> RunningServer:
+                       reuse_port: bool = False,
+                       health_gates: dict[str, Callable[[], bool]] | None = None) -> RunningServer:
     """Bind `address` (host:port; port 0 picks a free one), add services, start serving.
 
     With TLS on (common/tls.py set_tls) an internal server (a worker's) takes only clients
@@ -93,7 +114,8 @@ async def start_server(address: str, add_services: Sequence[Callable[[grpc.aio.S
     certificates optional. With TLS off it serves plaintext. `interceptors` run after those
     (the router's API key check, router/api_keys.py). `reuse_port`: bind with SO_REUSEPORT, so
     that several processes of this host serve one port and the kernel spreads new connections
-    over them (router replicas: `tandem router --reuse-port`).
+    over them (router replicas: `tandem router --reuse-port`). `health_gates`: per service name, a
+    function read at every health Check of that service (`GatedHealth`).
 
     Raises:
         OSError: the address could not be bound, naming --port and the OS's reason (a port in
@@ -115,7 +137,8 @@ async def start_server(address: str, add_services: Sequence[Callable[[grpc.aio.S
                                       ("grpc.http2.max_ping_strikes", 0)])
     for add in add_services:
         add(server)
-    health_servicer = health.aio.HealthServicer()
+    health_servicer = GatedHealth()
+    health_servicer.gates.update(health_gates or {})  # before the server starts: no check sees it ungated
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
     try:

@@ -15,9 +15,10 @@ time in the router is what the HTTP frontend adds to every request's TTFT (docs/
 
 The body is parsed as JSON whatever its Content-Type says (a `curl -d` without `-H` works).
 Both paths stamp the request's arrival (`scope["tandem.arrived"]`, HttpTimings.before_s) and
-uvicorn's own send (`scope["tandem.send"]`, through which the streamed events are written;
-counting the response's status where metrics are on) and the request cycle that send belongs
-to (`scope["tandem.cycle"]`: its transport tells a disconnect).
+uvicorn's own send (`scope["tandem.send"]`, through which the streamed events are written; a
+response's start goes through the send the app is given, which counts its status where metrics
+are on) and the request cycle that send belongs to (`scope["tandem.cycle"]`: its transport tells
+a disconnect).
 """
 
 from __future__ import annotations
@@ -92,8 +93,17 @@ def validation_error(errors: list[dict]) -> JSONResponse:
     param = loc_name(loc) or None
     msg = err.get("msg", "invalid")
     at = next((i for i, part in enumerate(loc) if _union_tag(part)), None)
-    if at is not None:  # a union's member failed: name the field and every form it takes
-        field = loc[:at]
+    field = loc[:at] if at is not None else ()
+    members = [e for e in errors if at is not None and tuple(e.get("loc", ()))[:at] == field
+               and len(e["loc"]) > at and _union_tag(e["loc"][at])]
+    deeper = {e["loc"][at] for e in members if len(e["loc"]) > at + 1}
+    if len({e["loc"][at] for e in members}) >= 2 and len(deeper) == 1:
+        # one form of the union fits the value's shape and fails inside it (a content part's
+        # text that is no string, stop's second string): that member's own error, its place named
+        inner = next(e for e in members if len(e["loc"]) > at + 1)
+        param = loc_name(tuple(inner["loc"])) or None
+        msg = inner.get("msg", "invalid")
+    elif len({e["loc"][at] for e in members}) >= 2:  # no form fits: name the field and every form it takes
         param = loc_name(field) or None
         msg = f"must be {_accepted(errors, field)}"
     elif err.get("type") == "too_short" and (err.get("ctx") or {}).get("min_length") == 1:
@@ -143,6 +153,7 @@ async def read_body(receive, limit: int) -> bytes:
 
 
 COUNTED_ROUTES = (*ROUTES, "/v1/models", "/health", "/metrics")  # other paths count as route "other"
+MODEL_ROUTE = "/v1/models/{model}"  # GET /v1/models/NAME: one label, whatever the name
 
 
 class Front:
@@ -164,9 +175,9 @@ class Front:
         # uvicorn's send is its request cycle's bound method; the cycle holds the connection,
         # which the disconnect watch polls (router/http_api.py ConnectionWatch)
         scope["tandem.cycle"] = getattr(send, "__self__", None)
+        scope["tandem.send"] = send  # uvicorn's own: a streamed event pays no counting wrapper
         if self.responses is not None and scope["type"] == "http":
-            send = self._counting(send, scope.get("path", ""))
-        scope["tandem.send"] = send
+            send = self._counting(send, scope.get("path", ""))  # what the response's start goes through
         model = ROUTES.get(scope.get("path", "")) if scope["type"] == "http" else None
         if model is None:
             await self.app(scope, receive, send)
@@ -186,7 +197,7 @@ class Front:
 
     def _counting(self, send, path: str):
         """`send` that counts the response's status once, at its start."""
-        route = path if path in COUNTED_ROUTES else "other"
+        route = path if path in COUNTED_ROUTES else MODEL_ROUTE if path.startswith("/v1/models/") else "other"
 
         async def counted(message) -> None:
             if message["type"] == "http.response.start":

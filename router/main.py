@@ -19,7 +19,6 @@ from common.lifecycle import install_stop_signals
 from common.grpc_server import (WILDCARDS, Keepalive, RunningServer, add_lenient_service, advertised_host,
                                 record_address, set_keepalive, start_server, validate_listen_port)
 from common.pb.tandem.v1 import discovery_pb2
-from grpc_health.v1 import health_pb2
 from common.tls import TlsFiles
 from common.pb.tandem.v1 import frontend_pb2 as pb
 from common.tokenizer import load_tokenizer
@@ -201,28 +200,15 @@ async def _follow_membership(watcher: InstanceWatcher, on_change) -> None:
         on_change()
 
 
-READY_POLL_S = 1.0  # how often the front's health status follows the decode workers
-
-
-async def follow_readiness(servicer: FrontendServicer, server: RunningServer) -> None:
-    """Keep `tandem.v1.FrontendService`'s grpc.health.v1 status on "can this router serve a
-    Generate now": SERVING while a decode worker is a candidate (in discovery, healthy, not
-    set aside; as the HTTP API's /health, which answers 503 without one) and the router is not
-    draining, else NOT_SERVING. The whole server's status ("") stays the process's: SERVING
-    until the drain. So a readiness probe checks the service (`tandem health ADDR --service
-    tandem.v1.FrontendService`) and a liveness probe the server: a router whose decode workers
-    are all down is taken out of a load balancer, not restarted."""
-    ready = None
-    while True:
-        now = bool(servicer.workers.candidates(discovery_pb2.ROLE_DECODE)) and not servicer.draining
-        if now != ready and not servicer.draining:
-            await server.health.set(SERVICE, health_pb2.HealthCheckResponse.SERVING if now
-                                    else health_pb2.HealthCheckResponse.NOT_SERVING)
-            if ready is not None:
-                log.info("router front %s: %s", "ready" if now else "not ready",
-                         "a decode worker serves" if now else "no healthy decode worker")
-            ready = now
-        await asyncio.sleep(READY_POLL_S)
+def front_ready(servicer: FrontendServicer) -> bool:
+    """Whether this router can serve a Generate now: a decode worker is a candidate (in
+    discovery, healthy, not set aside; the HTTP API's /health answers 503 without one) and the
+    router is not draining. `tandem.v1.FrontendService`'s grpc.health.v1 status is gated on it at
+    every Check (common/grpc_server.py GatedHealth), while the whole server's ("") stays the
+    process's, SERVING until the drain: a readiness probe checks the service (`tandem health ADDR
+    --service tandem.v1.FrontendService`), a liveness probe the server, so a router whose decode
+    workers are all down leaves a load balancer and is not restarted."""
+    return not servicer.draining and bool(servicer.workers.candidates(discovery_pb2.ROLE_DECODE))
 
 
 async def drain(servicer: FrontendServicer, server: RunningServer, registration: Registration,
@@ -335,7 +321,8 @@ async def run(opts: RouterOptions, ready: Callable[[RunningServer, FrontendServi
         freeze_startup_heap()
     server = await start_server(f"{opts.host}:{opts.port}", [lambda s: add_lenient_service(s, SERVICE, servicer, methods)],
                                 [SERVICE], internal=False,  # clients are not cluster processes: certificates optional
-                                interceptors=[ApiKeyCheck(keys)] if keys else (), reuse_port=opts.reuse_port)
+                                interceptors=[ApiKeyCheck(keys)] if keys else (), reuse_port=opts.reuse_port,
+                                health_gates={SERVICE: lambda: front_ready(servicer)})
     address = record_address(opts.host, opts.advertise_host, server.port)
     instance_id = f"router-{uuid.uuid4().hex[:12]}"
     index = overlap if isinstance(overlap, KvIndex) else None
@@ -384,7 +371,6 @@ async def run(opts: RouterOptions, ready: Callable[[RunningServer, FrontendServi
         log.info("router front needs API keys: %d loaded from %s%s", len(keys), opts.api_keys,
                  " (SIGHUP reloads them)" if reload_on_hup else "")
     health.start()  # here, so that the finally below always stops it
-    readiness = asyncio.create_task(follow_readiness(servicer, server), name="readiness")  # strong ref
     log.info("router serving %s on %s", name, address)
     if ready:
         ready(server, servicer)
@@ -407,7 +393,6 @@ async def run(opts: RouterOptions, ready: Callable[[RunningServer, FrontendServi
         if metrics_server is not None:
             await asyncio.to_thread(metrics_server.close)
         membership.cancel()
-        readiness.cancel()
         await health.stop()
         if subscriber is not None:
             await subscriber.close()

@@ -663,3 +663,17 @@ def test_cli_modules_do_not_hide_the_standard_library():
     one of Python's own (cli/tokenize.py hid `tokenize`, which linecache imports)."""
     names = {f.stem for f in (ROOT / "cli").glob("*.py")}
     assert not names & set(sys.stdlib_module_names), names & set(sys.stdlib_module_names)
+
+
+def test_the_command_of_an_exited_cluster_process_restarts_it_where_it_was():
+    """What `tandem up` prints when a process of its cluster exits: its `tandem ROLE ...` line;
+    a router's `--port 0` as the port its cluster's clients dial."""
+    import types
+
+    from cli.main import _command_of
+    router = types.SimpleNamespace(args=[PY, "-m", "cli.main", "router", "--etcd", "127.0.0.1:2379", "--port", "0",
+                                         "--tls-ca", "/tmp/run x/ca.pem"])
+    assert _command_of(router, "127.0.0.1:50051") == \
+        "tandem router --etcd 127.0.0.1:2379 --port 50051 --tls-ca '/tmp/run x/ca.pem'"
+    worker = types.SimpleNamespace(args=[PY, "-m", "cli.main", "decode", "--port", "0"])
+    assert _command_of(worker, "127.0.0.1:50051") == "tandem decode --port 0"  # a worker registers any port

@@ -239,8 +239,13 @@ def test_local_cluster_with_keys_and_the_cli_clients(etcd_server, tmp_path):
         assert "the model the router at" in served.stderr, served.stderr
         # a refused key is said, not papered over with the default model's ids
         unasked = tandem("tokenize", " love")
-        assert unasked.returncode == 2 and "UNAUTHENTICATED" in unasked.stderr and "--model" in unasked.stderr, \
+        assert unasked.returncode == 2 and "UNAUTHENTICATED" in unasked.stderr and "--api-key" in unasked.stderr, \
             unasked.stderr
+        # so is a TLS handshake that fails (a CA of another cluster): not "no router", no default model's ids
+        from common.certs import LocalCa
+        other = LocalCa(tmp_path / "other-ca").ca_path
+        stale = tandem("tokenize", " love", "--tls-ca", other, key=KEYS["bob"])
+        assert stale.returncode == 2 and "TLS handshake" in stale.stderr and not stale.stdout, stale.stderr
         # tandem bench without a key: said at once (not after --router-wait), naming the flag
         started = time.monotonic()
         bench = tandem("bench", "--num-requests", "1", "--output-tokens", "2", "--router-wait", "60")

@@ -173,7 +173,7 @@ def test_tandem_up_says_when_a_process_of_its_cluster_exits(tmp_path):
         assert said and "status -9" in said[0] and "mocker.log" in said[0], "".join(lines)
         assert up.poll() is None  # serving on
         # the command it prints starts a replacement that joins the cluster and serves
-        command = shlex.split(said[0].split("started by hand (Ctrl-C here does not stop that one): ")[1])
+        command = shlex.split(said[0].split("start this by hand (Ctrl-C here will not stop it): ")[1])
         assert command[:2] == ["tandem", "mocker"], said[0]
         router = re.search(r"router at (\S+),", "".join(lines)).group(1)
         again = subprocess.Popen([sys.executable, "-m", "cli.main", *command[1:]], cwd=ROOT, env=env,

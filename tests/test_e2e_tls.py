@@ -255,3 +255,9 @@ def test_health_of_a_worker_over_tls_without_a_client_certificate_says_what_is_m
     assert bare.returncode == 1 and "pass --tls-cert and --tls-key" in bare.stderr, bare.stderr
     files = cluster.ca.issue("health-check", ("admin",))
     assert health("--tls-cert", files.cert, "--tls-key", files.key).returncode == 0
+    # a CA of another cluster: the handshake is what failed, whatever the client certificate
+    other = subprocess.run([sys.executable, "-m", "cli.main", "health", address, "--tls-ca",
+                            LocalCa(Path(files.cert).parent / "other", "another CA").ca_path],
+                           cwd=ROOT, capture_output=True, text=True, timeout=60, env=env)
+    assert other.returncode == 1 and "certificate of another CA" in other.stderr, other.stderr
+    assert "pass --tls-cert" not in other.stderr, other.stderr
