@@ -21,7 +21,7 @@ class InvalidArgument(ValueError):
 
     def __init__(self, field: str, message: str) -> None:
         super().__init__(f"{field}: {message}")
-        self.field = field
+        self.field, self.reason = field, message
 
 
 def validate_token_ids(token_ids: list[int], vocab_size: int, field: str = "token_ids") -> None:
@@ -42,11 +42,15 @@ INTERNAL_ID_SUFFIX_CHARS = 16  # room workers leave for the router's ".<attempt>
 
 def validate_request_id(request_id: str, internal: bool = False) -> None:
     """Raises InvalidArgument naming request_id for an id longer than MAX_REQUEST_ID_CHARS
-    (internal = a worker's check of a router's call: plus INTERNAL_ID_SUFFIX_CHARS). Empty is
-    allowed here: the server assigns one."""
+    (internal = a worker's check of a router's call: plus INTERNAL_ID_SUFFIX_CHARS), or with a
+    character that is no printable ASCII: ids go into every process's log lines, where a line
+    break would let a client write a line of its own. Empty is allowed here: the server assigns
+    one."""
     limit = MAX_REQUEST_ID_CHARS + (INTERNAL_ID_SUFFIX_CHARS if internal else 0)
     if len(request_id) > limit:
         raise InvalidArgument("request_id", f"{len(request_id)} characters; at most {limit}")
+    if not request_id.isascii() or not request_id.isprintable():
+        raise InvalidArgument("request_id", "only printable ASCII characters")
 
 
 MAX_CACHE_SALT_CHARS = 256  # a tenant's cache salt ("tenant:<name>" or "group:<name>", router/api_keys.py)

@@ -174,13 +174,19 @@ class KeyRing:
         log.info("reloaded %d API keys from %s", len(self._keys), self.path)
         return True
 
-    def authenticate(self, authorization: str | None, admin_only: bool = False) -> Tenant:
-        """The tenant of `authorization` ("Bearer <key>").
+    def authenticate(self, authorization: str | None | list[str], admin_only: bool = False) -> Tenant:
+        """The tenant of `authorization` ("Bearer <key>"; or every value the call carried, a list).
 
         Raises:
-            KeyRefused: unauthenticated when the value is missing, not a bearer token or an
-                unknown key; not when the key is valid but admin_only and the key is no admin's.
+            KeyRefused: unauthenticated when the value is missing, given more than once (gRPC
+                metadata and HTTP headers may repeat a key; which one counts must not depend on
+                the API), not a bearer token or an unknown key; not when the key is valid but
+                admin_only and the key is no admin's.
         """
+        if isinstance(authorization, list):
+            if len(authorization) > 1:
+                raise KeyRefused(True, f"authorization: given {len(authorization)} times; send one API key")
+            authorization = authorization[0] if authorization else None
         if not authorization:
             raise KeyRefused(True, "authorization: missing API key (send `authorization: Bearer <key>`)")
         scheme, _, token = authorization.strip().partition(" ")
@@ -209,7 +215,7 @@ class ApiKeyCheck(grpc.aio.ServerInterceptor):
         keys, admin_only = self.keys, method in ADMIN_METHODS
 
         async def check(context: grpc.aio.ServicerContext) -> None:
-            value = dict(context.invocation_metadata() or ()).get("authorization")
+            value = [v for k, v in context.invocation_metadata() or () if k == "authorization"]
             try:
                 current_tenant.set(keys.authenticate(value, admin_only))
             except KeyRefused as exc:

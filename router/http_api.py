@@ -46,7 +46,7 @@ from common import tracing
 from common.pb.tandem.v1 import discovery_pb2
 from common.pb.tandem.v1 import frontend_pb2 as pb
 from common.pb.tandem.v1 import sampling_pb2
-from common.validation import MAX_REQUEST_ID_CHARS, InvalidArgument
+from common.validation import InvalidArgument, validate_request_id
 from router.http_front import Front, error_response, validation_error
 from router.http_port import HTTP_OFF, validate_port  # noqa: F401 (re-exported)
 from router.http_port import PlainHttpLog, load_certificate, watch_handshakes
@@ -258,18 +258,6 @@ def _template_param(messages: list, said: str) -> str:
     return f"messages[{i}].role" if i is not None else "messages"
 
 
-def _bad_request_id(request_id: str) -> str:
-    """Why a client's X-Request-Id header cannot be the request's id ("" if it can): at most
-    MAX_REQUEST_ID_CHARS (the gRPC API's limit on request_id, which travels in every internal
-    call), printable ASCII (a header's other bytes reach the server as Latin-1 and would be
-    another id)."""
-    if len(request_id) > MAX_REQUEST_ID_CHARS:
-        return f"{len(request_id)} characters; at most {MAX_REQUEST_ID_CHARS}"
-    if not all(" " <= c <= "~" for c in request_id):
-        return "only printable ASCII characters"
-    return ""
-
-
 class ConnectionWatch:
     """A request's one disconnect watch: cancels every Generation of the request once ASGI
     `receive` says the client disconnected, or once `transport` (the connection, when the
@@ -455,7 +443,7 @@ class OpenAIFrontend:
         if self.keys is None:
             return None
         try:
-            current_tenant.set(self.keys.authenticate(request.headers.get("authorization"), admin_only))
+            current_tenant.set(self.keys.authenticate(request.headers.getlist("authorization"), admin_only))
         except KeyRefused as exc:
             if exc.unauthenticated:
                 return self.error(401, str(exc), "invalid_request_error", None, "invalid_api_key",
@@ -511,14 +499,14 @@ class OpenAIFrontend:
         return token_logprobs(chat, tokens, list(out.logprobs), offsets, tops), end
 
     async def generate(self, request: Request, req: CompletionRequest | ChatCompletionRequest, route: str) -> Response:
-        refused = self.authorize(request)  # before anything else: Generation's task inherits the tenant
-        if refused is not None:
-            return refused
+        """A generation route's request, validated and authorized (router/http_front.py: the
+        caller's `authorize` set this task's tenant, which Generation's tasks inherit)."""
         chat = isinstance(req, ChatCompletionRequest)
         request_id = request.headers.get("x-request-id", "")
-        bad = _bad_request_id(request_id)
-        if bad:  # refused, not cut or re-encoded: the id a client logs must be the one in ours
-            return self.error(400, f"X-Request-Id: {bad}", "invalid_request_error", "X-Request-Id")
+        try:  # refused, not cut or re-encoded: the id a client logs must be the one in ours
+            validate_request_id(request_id)
+        except InvalidArgument as exc:
+            return self.error(400, f"X-Request-Id: {exc.reason}", "invalid_request_error", "X-Request-Id")
         request_id = request_id or uuid.uuid4().hex
         headers = {"X-Request-Id": request_id}
         try:

@@ -206,6 +206,10 @@ class Front:
         return counted
 
     async def _generate(self, scope, receive, model) -> Any:
+        request = Request(scope, receive)
+        refused = self.api.authorize(request)  # first: a client without a key learns nothing of the body's rules
+        if refused is not None:
+            return refused
         declared = next((v for k, v in scope["headers"] if k == b"content-length"), b"0")
         if declared.isdigit() and int(declared) > self.max_body:
             return _too_large(self.max_body)  # refused from the header, before reading anything
@@ -219,4 +223,4 @@ class Front:
                    else await asyncio.to_thread(model.model_validate_json, body))
         except ValidationError as exc:
             return validation_error(exc.errors(include_url=False))
-        return await self.api.generate(Request(scope, receive), req, scope["path"])
+        return await self.api.generate(request, req, scope["path"])

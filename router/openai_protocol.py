@@ -5,7 +5,8 @@ server-side clients expect; known ones are checked strictly, so `true` is no int
 no number; a null stands for the field's default); `to_generate` turns one into a gRPC request per choice, so that the HTTP
 API shares the gRPC API's validation (common/validation.py). Fields the engine cannot honour
 are refused by name when set to anything but their no-op value (`best_of` other than `n`, `echo`,
-`suffix`, `tools`, `response_format`).
+`suffix`, `tools`, `functions`, `tool_choice` and `function_call` but "none" or "auto",
+`response_format`).
 
 `logit_bias` ({token id as a string: bias in [-100, 100]}) becomes the gRPC request's
 `sampling.logit_bias`; the router checks the ids against the model's vocabulary.
@@ -306,6 +307,9 @@ class ChatCompletionRequest(_Common):
     logprobs: bool = False
     top_logprobs: int | None = None
     tools: list[Any] | None = None
+    tool_choice: Any = None  # "none" and "auto" (with no tools: nothing to call) are no-ops
+    functions: list[Any] | None = None  # the API's older form of tools
+    function_call: Any = None  # the older tool_choice
     response_format: dict[str, Any] | None = None
 
     @property
@@ -354,6 +358,11 @@ class ChatCompletionRequest(_Common):
         self._refuse_unsupported()
         if self.tools:
             raise InvalidArgument("tools", "tool calls are not supported")
+        if self.functions:
+            raise InvalidArgument("functions", "function calls are not supported")
+        for name in ("tool_choice", "function_call"):  # "required" or a named tool: a promise not kept
+            if getattr(self, name) not in (None, "none", "auto"):
+                raise InvalidArgument(name, "tool calls are not supported: only \"none\" or \"auto\"")
         if self.response_format and (self.response_format.get("type") or "text") != "text":  # (null: the default)
             raise InvalidArgument("response_format", "only {\"type\": \"text\"} is supported")
         if self.max_tokens is not None and self.max_completion_tokens is not None \

@@ -89,6 +89,29 @@ def code_of(call) -> grpc.StatusCode:
     return grpc.StatusCode.OK
 
 
+def test_a_key_given_twice_is_refused_on_both_apis(cluster, stub):
+    """Two authorization values: which one counts must not depend on the API (gRPC metadata kept
+    the last, HTTP the first), so neither does: UNAUTHENTICATED / 401, naming the repeat."""
+    twice = (("authorization", f"Bearer {KEYS['alice']}"), ("authorization", f"Bearer {KEYS['ops']}"))
+    with pytest.raises(grpc.RpcError) as e:
+        stub.ClusterStatus(frontend_pb2.ClusterStatusRequest(), metadata=twice, timeout=10)
+    assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED and "given 2 times" in e.value.details()
+    r = httpx.post(f"http://{cluster.router.http_address}/v1/completions", json={"prompt": "a", "max_tokens": 1},
+                   headers=[("authorization", f"Bearer {KEYS['alice']}"), ("authorization", f"Bearer {KEYS['bob']}")])
+    assert r.status_code == 401 and "given 2 times" in r.json()["error"]["message"], r.text
+
+
+def test_a_client_without_a_key_learns_nothing_of_the_body(cluster):
+    """Without a key, a generation route answers 401 before it reads the body: not a 400 that
+    tells the validation rules to whoever asks."""
+    url = f"http://{cluster.router.http_address}/v1/completions"
+    for body in (b"{bad", b'{"prompt": "x", "max_tokens": "zz"}', b'{"prompt": "x"}'):
+        r = httpx.post(url, content=body)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", (body, r.text)
+    r = httpx.post(url, content=b"{bad", headers={"authorization": f"Bearer {KEYS['bob']}"})
+    assert r.status_code == 400  # with a key, the body's own error
+
+
 def test_grpc_refuses_missing_and_wrong_keys(stub):
     req = frontend_pb2.GenerateRequest(token_ids=[1, 2, 3], sampling=sampling_pb2.SamplingParams(max_tokens=1))
     for metadata in [(), (("authorization", "Bearer tk-not-a-key-0123456789"),), (("authorization", KEYS["bob"]),)]:

@@ -501,3 +501,20 @@ def test_a_wrong_type_says_every_form_the_parameter_takes(model, body, param, sa
         cls.model_validate_json(body)
     error = json.loads(validation_error(exc.value.errors(include_url=False)).body)["error"]
     assert error["param"] == param and said in error["message"], error
+
+
+@pytest.mark.parametrize("extra, param", [({"functions": [{"name": "f"}]}, "functions"),
+                                          ({"function_call": {"name": "f"}}, "function_call"),
+                                          ({"tool_choice": "required"}, "tool_choice"),
+                                          ({"tool_choice": {"type": "function", "function": {"name": "f"}}},
+                                           "tool_choice")])
+def test_tool_calls_in_any_form_are_refused_by_name(extra, param):
+    """The older `functions` / `function_call` and a `tool_choice` that asks for a call are
+    refused as `tools` is (they were taken and ignored); "none" and "auto" stay no-ops."""
+    from common.validation import InvalidArgument
+    messages = [{"role": "user", "content": "hi"}]
+    with pytest.raises(InvalidArgument) as exc:
+        ChatCompletionRequest(messages=messages, **extra).to_generate("r", "hi")
+    assert exc.value.field == param
+    for noop in ({"tool_choice": "none"}, {"tool_choice": "auto"}, {"function_call": "none"}, {"functions": []}):
+        assert ChatCompletionRequest(messages=messages, **noop).to_generate("r", "hi")

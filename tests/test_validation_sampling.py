@@ -42,8 +42,11 @@ def test_request_id_length():
     validate_request_id("")
     validate_request_id("r" * MAX_REQUEST_ID_CHARS)
     validate_request_id("r" * MAX_REQUEST_ID_CHARS + ".3", internal=True)  # a router's migrated call
-    for rid, internal in (("r" * (MAX_REQUEST_ID_CHARS + 1), False), ("r" * (1 << 20), True)):
-        with pytest.raises(InvalidArgument) as e:
+    validate_request_id("job 7/a-b_c.d:e")  # printable ASCII, a space too
+    for rid, internal in (("r" * (MAX_REQUEST_ID_CHARS + 1), False), ("r" * (1 << 20), True),
+                          ("inj\n2026-12-07 ERROR forged line", False), ("a\rb", True), ("\u00fc", False),
+                          ("tab\there", False), ("nul\x00", False)):
+        with pytest.raises(InvalidArgument) as e:  # a line break would forge a log line in every process
             validate_request_id(rid, internal)
         assert e.value.field == "request_id"
 
