@@ -38,8 +38,8 @@ def main(args: argparse.Namespace) -> int:
     try:
         name, _, ckpt = load_config(model)
     except (FileNotFoundError, ValueError) as exc:
-        print(f"tandem tokenize: {exc}{note and f' ({note}); pass --model, the checkpoint folder'}"
-              if "serves" in note else f"tandem tokenize: {exc}", file=sys.stderr)
+        fix = f" ({note}); pass --model, the checkpoint folder" if "serves" in note else ""  # (the router's name)
+        print(f"tandem tokenize: {exc}{fix}", file=sys.stderr)
         return 2
     try:
         args.text.encode()
@@ -94,10 +94,11 @@ def served_model(args: argparse.Namespace) -> tuple[str | None, str]:
                 or exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
             return WORKERS_DEFAULT_MODEL, (f"no router answered at {args.router}: the workers' default model; "
                                            "pass --model for another")
+        hint = no_router_hint(exc, args.router, creds is not None)
         fix = ("pass --api-key (or TANDEM_API_KEY), or --model" if exc.code() == grpc.StatusCode.UNAUTHENTICATED
-               else "or pass --model" if no_router_hint(exc, args.router, creds is not None) else "pass --model")
+               else "or pass --model" if hint else "pass --model")
         return None, (f"the router at {args.router} did not say which model it serves: {exc.code().name}: "
-                      f"{exc.details()}{no_router_hint(exc, args.router, creds is not None)}; {fix}")
+                      f"{exc.details()}{hint}; {fix}")
     if not models:
         return WORKERS_DEFAULT_MODEL, f"the router at {args.router} named no model: the workers' default model"
     return models[0].name, f"the model the router at {args.router} serves"

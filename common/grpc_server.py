@@ -62,7 +62,7 @@ class GatedHealth(health.aio.HealthServicer):
     whose stored status is SERVING answers NOT_SERVING while its gate says no (the router's
     front without a decode worker, router/main.py). Read at the call, not copied in by a poll,
     so a check right after the gate opens or closes already sees it. Watch streams follow the
-    stored status, which the gate's owner keeps in step (`follow_readiness`)."""
+    stored status alone (probes and `tandem health` use Check)."""
 
     def __init__(self) -> None:
         super().__init__()

@@ -26,7 +26,7 @@ import logging
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import grpc
 
@@ -174,19 +174,13 @@ class KeyRing:
         log.info("reloaded %d API keys from %s", len(self._keys), self.path)
         return True
 
-    def authenticate(self, authorization: str | None | list[str], admin_only: bool = False) -> Tenant:
-        """The tenant of `authorization` ("Bearer <key>"; or every value the call carried, a list).
+    def authenticate(self, authorization: str | None, admin_only: bool = False) -> Tenant:
+        """The tenant of `authorization` ("Bearer <key>").
 
         Raises:
-            KeyRefused: unauthenticated when the value is missing, given more than once (gRPC
-                metadata and HTTP headers may repeat a key; which one counts must not depend on
-                the API), not a bearer token or an unknown key; not when the key is valid but
-                admin_only and the key is no admin's.
+            KeyRefused: unauthenticated when the value is missing, not a bearer token or an
+                unknown key; not when the key is valid but admin_only and the key is no admin's.
         """
-        if isinstance(authorization, list):
-            if len(authorization) > 1:
-                raise KeyRefused(True, f"authorization: given {len(authorization)} times; send one API key")
-            authorization = authorization[0] if authorization else None
         if not authorization:
             raise KeyRefused(True, "authorization: missing API key (send `authorization: Bearer <key>`)")
         scheme, _, token = authorization.strip().partition(" ")
@@ -198,6 +192,19 @@ class KeyRing:
         if admin_only and not tenant.admin:
             raise KeyRefused(False, f"tenant {tenant.name!r}: this call needs an admin API key")
         return tenant
+
+
+def one_authorization(values: Sequence[str]) -> str | None:
+    """A call's one authorization value (gRPC metadata and HTTP headers may repeat it), None
+    without one.
+
+    Raises:
+        KeyRefused: unauthenticated when it is given more than once: which one would count must
+            not depend on the API (gRPC's metadata dict kept the last, HTTP the first).
+    """
+    if len(values) > 1:
+        raise KeyRefused(True, f"authorization: given {len(values)} times; send one API key")
+    return values[0] if values else None
 
 
 class ApiKeyCheck(grpc.aio.ServerInterceptor):
@@ -215,9 +222,9 @@ class ApiKeyCheck(grpc.aio.ServerInterceptor):
         keys, admin_only = self.keys, method in ADMIN_METHODS
 
         async def check(context: grpc.aio.ServicerContext) -> None:
-            value = [v for k, v in context.invocation_metadata() or () if k == "authorization"]
+            values = [v for k, v in context.invocation_metadata() or () if k == "authorization"]
             try:
-                current_tenant.set(keys.authenticate(value, admin_only))
+                current_tenant.set(keys.authenticate(one_authorization(values), admin_only))
             except KeyRefused as exc:
                 await context.abort(exc.grpc_code, str(exc))
         return guarded(handler, check)

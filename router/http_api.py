@@ -51,7 +51,7 @@ from router.http_front import Front, error_response, validation_error
 from router.http_port import HTTP_OFF, validate_port  # noqa: F401 (re-exported)
 from router.http_port import PlainHttpLog, load_certificate, watch_handshakes
 from router.http_port import url as http_url
-from router.api_keys import KeyRefused, KeyRing, current_tenant
+from router.api_keys import KeyRefused, KeyRing, current_tenant, one_authorization
 from router.chat_template import ChatTemplate, TemplateError
 from router.openai_protocol import (FINISH_REASONS, ChatCompletionRequest, Choice, CompletionRequest,
                                     ResponseShape, Token, error_body, in_own_words, param_name, text_offsets,
@@ -443,7 +443,8 @@ class OpenAIFrontend:
         if self.keys is None:
             return None
         try:
-            current_tenant.set(self.keys.authenticate(request.headers.getlist("authorization"), admin_only))
+            current_tenant.set(self.keys.authenticate(one_authorization(request.headers.getlist("authorization")),
+                                                      admin_only))
         except KeyRefused as exc:
             if exc.unauthenticated:
                 return self.error(401, str(exc), "invalid_request_error", None, "invalid_api_key",

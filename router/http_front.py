@@ -63,23 +63,21 @@ def _union_tag(part) -> bool:
     return isinstance(part, str) and (part in UNION_TAGS or part.startswith(("list[", "dict[")))
 
 
-def _json_type(tag: str) -> str:
-    """pydantic's tag of a union member ("str", "list[int]") in JSON's terms, plural."""
+NOUNS = {"str": "string", "int": "integer", "float": "number", "bool": "boolean", "none": "null"}
+
+
+def _noun(tag: str, plural: bool = False) -> str:
+    """pydantic's tag of a union member ("str", "list[int]", a model class) in JSON's terms:
+    "string", "array of integers", "object"."""
     if tag.startswith("list["):
-        return f"arrays of {_json_type(tag[5:-1])}"
-    return {"str": "strings", "int": "integers", "float": "numbers", "bool": "booleans", "none": "nulls"}.get(
-        tag, "objects" if tag[:1].isupper() else tag)  # a model class (ContentPart): JSON objects
+        return f"array{'s' if plural else ''} of {_noun(tag[5:-1], True)}"
+    noun = NOUNS.get(tag, "object" if tag[:1].isupper() else tag)
+    return noun + ("s" if plural else "")
 
 
-def _accepted(errors: list[dict], field: tuple) -> str:
-    """What a union field (loc `field`) takes, from its members' errors: "a string or an array of
-    strings" (pydantic's first error names only its first member: "Input should be a valid string")."""
-    tags = list(dict.fromkeys(e["loc"][len(field)] for e in errors
-                              if tuple(e.get("loc", ()))[:len(field)] == field and len(e["loc"]) > len(field)
-                              and _union_tag(e["loc"][len(field)])))
-    names = ["a" + ("n" if n[0] in "aeiou" else "") + " " + n.rstrip("s") if not n.startswith("arrays")
-             else "an " + n.removeprefix("arrays").replace(" of ", "array of ", 1).strip()
-             for n in map(_json_type, tags)]
+def _forms(tags: list[str]) -> str:
+    """A union's member tags as the forms it takes: "a string or an array of strings"."""
+    names = [("an " if n[0] in "aeiou" else "a ") + n for n in map(_noun, tags)]
     return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " or " + names[-1]
 
 
@@ -96,16 +94,16 @@ def validation_error(errors: list[dict]) -> JSONResponse:
     field = loc[:at] if at is not None else ()
     members = [e for e in errors if at is not None and tuple(e.get("loc", ()))[:at] == field
                and len(e["loc"]) > at and _union_tag(e["loc"][at])]
-    deeper = {e["loc"][at] for e in members if len(e["loc"]) > at + 1}
-    if len({e["loc"][at] for e in members}) >= 2 and len(deeper) == 1:
+    tags = list(dict.fromkeys(e["loc"][at] for e in members))  # (a dict key alone is no union: one tag)
+    deeper = [e for e in members if len(e["loc"]) > at + 1]
+    if len(tags) >= 2 and len({e["loc"][at] for e in deeper}) == 1:
         # one form of the union fits the value's shape and fails inside it (a content part's
         # text that is no string, stop's second string): that member's own error, its place named
-        inner = next(e for e in members if len(e["loc"]) > at + 1)
-        param = loc_name(tuple(inner["loc"])) or None
-        msg = inner.get("msg", "invalid")
-    elif len({e["loc"][at] for e in members}) >= 2:  # no form fits: name the field and every form it takes
+        param = loc_name(tuple(deeper[0]["loc"])) or None
+        msg = deeper[0].get("msg", "invalid")
+    elif len(tags) >= 2:  # no form fits: name the field and every form it takes
         param = loc_name(field) or None
-        msg = f"must be {_accepted(errors, field)}"
+        msg = f"must be {_forms(tags)}"
     elif err.get("type") == "too_short" and (err.get("ctx") or {}).get("min_length") == 1:
         msg = "must not be empty"
     return error_response(400, f"{param}: {msg}" if param else msg, param=param)
